@@ -1,0 +1,49 @@
+# qdelay: one command to set everything up and run (make run), one to set up and test (make test).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROTOS := $(wildcard proto/qdelay/v1/*.proto)
+GEN    := $(PROTOS:.proto=_pb2.py)
+export SPARK_LOCAL_IP := 127.0.0.1
+
+.PHONY: setup proto run test test-fast bench bench-deps node-deps clean
+
+setup: $(STAMP) proto
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[test,spark,bench]'
+	touch $@
+
+# Generated gRPC code is built from proto/, never edited or committed.
+proto: $(GEN)
+
+proto/qdelay/v1/%_pb2.py: proto/qdelay/v1/%.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto $<
+
+node-deps: examples/node/node_modules/.package-lock.json
+
+examples/node/node_modules/.package-lock.json: examples/node/package.json examples/node/package-lock.json
+	cd examples/node && npm ci --no-audit --no-fund --silent
+
+run: setup
+	$(BIN)/qdelay server --data-dir ./data --listen 127.0.0.1:7600
+
+test: setup $(if $(wildcard examples/node/package.json),node-deps)
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not spark"
+
+bench-deps: setup
+	command -v redis-server >/dev/null && command -v beanstalkd >/dev/null || \
+		(apt-get update -q && apt-get install -y -q redis-server beanstalkd)
+
+bench: bench-deps
+	$(BIN)/python -m bench.all
+
+clean:
+	rm -rf $(VENV) $(GEN) proto/qdelay/v1/*_pb2*.py proto/qdelay/v1/*_pb2*.pyi

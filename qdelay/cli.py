@@ -1,0 +1,38 @@
+"""The ``qdelay`` command: ``server``, ``inspect``, ``spark`` and ``admin`` subcommands.
+
+Each subcommand's module registers its own arguments; they are imported only when used,
+so ``qdelay inspect`` never loads gRPC and ``qdelay server`` never loads Spark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module with add_arguments(parser) and run(args) -> int
+SUBCOMMANDS = {
+    "server": ("qdelay.server.main", "run a qdelay server"),
+    "inspect": ("qdelay.tools.inspect", "read-only inspection of a data folder"),
+    "spark": ("qdelay.tools.spark_jobs", "offline jobs on Spark (audit, lateness, forecast, export, import)"),
+    "admin": ("qdelay.replication.admin", "cluster administration (promote, status)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="qdelay", description="qdelay delay-message server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    if argv and argv[0] in SUBCOMMANDS:
+        name = argv[0]
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        module.add_arguments(sub.add_parser(name, help=SUBCOMMANDS[name][1]))
+    else:
+        for name, (_module, help_text) in SUBCOMMANDS.items():
+            sub.add_parser(name, help=help_text)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

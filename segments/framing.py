@@ -1,0 +1,175 @@
+"""The record frame shared by every qdelay log (docs/formats.md, "Record frame").
+
+A frame is a 36-byte header followed by ``length`` body bytes, all little-endian::
+
+    offset size  field
+    0      4     magic      0x3144_5151 (bytes "QQD1")
+    4      8     checksum   xxh3_64 of bytes [12, 36 + length): header rest + body
+    12     4     length     body length in bytes
+    16     1     kind       RecordKind
+    17     1     version    1
+    18     2     flags      0 (reserved)
+    20     8     sequence   u64
+    28     8     timestamp  i64, Unix epoch ms (meaning depends on the kind)
+    36     len   body
+
+A zero magic marks unwritten (zero-filled) space: the end of the data.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+import xxhash
+
+from qdelay.errors import InvariantViolation
+
+MAGIC = 0x31445151  # b"QQD1" read little-endian
+VERSION = 1
+HEADER = struct.Struct("<IQIBBHQq")
+HEADER_SIZE = 36
+CHECKED_FROM = 12  # the checksum covers everything after itself
+MAX_BODY = 64 * 1024 * 1024
+
+if HEADER.size != HEADER_SIZE:  # the spec in docs/formats.md is the source of truth
+    raise InvariantViolation(f"frame header is {HEADER.size} bytes, spec says {HEADER_SIZE}")
+
+_REST = struct.Struct("<IBBHQq")  # header bytes [12, 36)
+_MAGIC_BYTES = struct.pack("<I", MAGIC)
+_xxh = xxhash.xxh3_64_intdigest
+_pack_into = HEADER.pack_into
+_unpack_from = HEADER.unpack_from
+
+
+class RecordKind(enum.IntEnum):
+    MESSAGE = 1      # a scheduled message (message log and schedule log)
+    CANCEL = 2       # a tombstone for a scheduled message (message log and schedule log)
+    DISPATCH = 3     # a delivered (acknowledged) or dead-lettered message (dispatch log)
+    CHECKPOINT = 4   # a checkpoint file's single record
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded frame. ``offset`` is where it starts in its file; ``size`` its full length."""
+
+    offset: int
+    kind: int
+    sequence: int
+    timestamp: int
+    body: bytes
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + len(self.body)
+
+
+def encode(kind: int, sequence: int, timestamp: int, body: bytes) -> bytes:
+    """Return the full frame bytes for one record."""
+    buf = bytearray(HEADER_SIZE + len(body))
+    _pack_into(buf, 0, MAGIC, 0, len(body), kind, VERSION, 0, sequence, timestamp)
+    buf[HEADER_SIZE:] = body
+    struct.pack_into("<Q", buf, 4, _xxh(memoryview(buf)[CHECKED_FROM:]))
+    return bytes(buf)
+
+
+def encode_into(out: bytearray, kind: int, sequence: int, timestamp: int, body: bytes) -> None:
+    """Append one frame to ``out`` (the hot path of the message log: no intermediate copy)."""
+    start = len(out)
+    out += _REST.pack(len(body), kind, VERSION, 0, sequence, timestamp).rjust(HEADER_SIZE, b"\0")
+    out += body
+    struct.pack_into("<IQ", out, start, MAGIC, _xxh(memoryview(out)[start + CHECKED_FROM:]))
+
+
+class FrameError(Exception):
+    """Why the bytes at an offset are not a valid frame (decided by :func:`check_at`)."""
+
+    def __init__(self, offset: int, reason: str, zero: bool = False) -> None:
+        super().__init__(reason)
+        self.offset = offset
+        self.reason = reason
+        self.zero = zero  # the bytes are zero-filled (unwritten space), not garbage
+
+
+def check_at(buf: bytes | memoryview | bytearray, offset: int) -> Frame:
+    """Decode and verify the frame at ``offset`` of ``buf``; raise :class:`FrameError` if bad."""
+    end = len(buf)
+    if end - offset < HEADER_SIZE:
+        zero = not any(buf[offset:end])
+        raise FrameError(offset, f"{end - offset} bytes left, a header needs {HEADER_SIZE}", zero)
+    magic, checksum, length, kind, version, _flags, sequence, timestamp = _unpack_from(buf, offset)
+    if magic != MAGIC:
+        zero = magic == 0 and not any(buf[offset:min(end, offset + HEADER_SIZE)])
+        raise FrameError(offset, f"bad magic 0x{magic:08x}", zero)
+    if version != VERSION:
+        raise FrameError(offset, f"unknown frame version {version}")
+    if length > MAX_BODY:
+        raise FrameError(offset, f"length {length} exceeds the maximum {MAX_BODY}")
+    stop = offset + HEADER_SIZE + length
+    if stop > end:
+        raise FrameError(offset, f"record of {HEADER_SIZE + length} bytes runs past the end ({end})")
+    if _xxh(memoryview(buf)[offset + CHECKED_FROM:stop]) != checksum:
+        raise FrameError(offset, "checksum mismatch")
+    return Frame(offset, kind, sequence, timestamp, bytes(buf[offset + HEADER_SIZE:stop]))
+
+
+def iter_frames(buf: bytes | memoryview | bytearray, start: int = 0) -> Iterator[Frame]:
+    """Yield valid frames from ``start`` until the end of ``buf`` or the first bad frame.
+
+    The caller learns where (and why) iteration stopped by catching nothing: a bad frame
+    simply ends the iteration; use :func:`scan` when the reason matters.
+    """
+    offset = start
+    end = len(buf)
+    while offset < end:
+        try:
+            frame = check_at(buf, offset)
+        except FrameError:
+            return
+        yield frame
+        offset += frame.size
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What :func:`scan` found: the valid prefix, and why it ended before the buffer did."""
+
+    frames: list[Frame]
+    valid_end: int             # offset just after the last valid frame of the prefix
+    error: FrameError | None   # None when the buffer ended cleanly
+    resync_at: int | None      # offset of the next valid frame after the error, if any
+
+
+def scan(buf: bytes | memoryview | bytearray, start: int = 0, keep: bool = True) -> ScanResult:
+    """Read frames from ``start``; on a bad frame look for a later valid one.
+
+    A bad frame with no valid frame after it is a torn tail (the writer died mid-write,
+    or the file was preallocated); a bad frame followed by valid ones is corruption.
+    """
+    frames: list[Frame] = []
+    offset = start
+    end = len(buf)
+    while offset < end:
+        try:
+            frame = check_at(buf, offset)
+        except FrameError as err:
+            return ScanResult(frames, offset, err, find_next_frame(buf, offset + 1))
+        if keep:
+            frames.append(frame)
+        offset += frame.size
+    return ScanResult(frames, offset, None, None)
+
+
+def find_next_frame(buf: bytes | memoryview | bytearray, start: int) -> int | None:
+    """Offset of the first valid frame at or after ``start`` (by magic, then checksum)."""
+    data = bytes(buf) if not isinstance(buf, bytes) else buf
+    pos = data.find(_MAGIC_BYTES, start)
+    while pos != -1:
+        try:
+            check_at(data, pos)
+            return pos
+        except FrameError:
+            pos = data.find(_MAGIC_BYTES, pos + 1)
+    return None

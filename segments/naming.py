@@ -1,0 +1,89 @@
+"""File names of every log (docs/formats.md, "Files and names"), in one place.
+
+- message log: ``message/<base offset, 20 digits>.wal``
+- schedule log: ``schedule/<YYYYMMDD>/<YYYYMMDDHHMM>.sched`` (UTC start of the due bucket)
+- dispatch log: ``dispatch/<YYYYMMDD>/<YYYYMMDDHHMM>.disp`` (same bucket as its schedule segment)
+- checkpoints: ``checkpoint/<name>.ckpt``
+
+Schedule and dispatch segments are keyed by their bucket's start as whole minutes since
+the Unix epoch; day folders keep any one directory to at most 1,440 files.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+
+MESSAGE_DIR = "message"
+SCHEDULE_DIR = "schedule"
+DISPATCH_DIR = "dispatch"
+CHECKPOINT_DIR = "checkpoint"
+
+WAL_SUFFIX = ".wal"
+SCHEDULE_SUFFIX = ".sched"
+DISPATCH_SUFFIX = ".disp"
+CHECKPOINT_SUFFIX = ".ckpt"
+
+MS_PER_MINUTE = 60_000
+_WAL_NAME = re.compile(r"^(\d{20})\.wal$")
+_MINUTE_NAME = re.compile(r"^(\d{12})\.(sched|disp)$")
+_DAY_NAME = re.compile(r"^\d{8}$")
+
+
+def wal_name(base_offset: int) -> str:
+    return f"{base_offset:020d}{WAL_SUFFIX}"
+
+
+def parse_wal_name(name: str) -> int | None:
+    m = _WAL_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def bucket_of(due_ms: int, scale_minutes: int = 1) -> int:
+    """The bucket key (epoch minutes, a multiple of ``scale_minutes``) of a due time."""
+    minute = due_ms // MS_PER_MINUTE
+    return minute - minute % scale_minutes
+
+
+def minute_stamp(bucket: int) -> str:
+    t = _dt.datetime.fromtimestamp(bucket * 60, tz=_dt.timezone.utc)
+    return t.strftime("%Y%m%d%H%M")
+
+
+def parse_minute_stamp(stamp: str) -> int:
+    t = _dt.datetime.strptime(stamp, "%Y%m%d%H%M").replace(tzinfo=_dt.timezone.utc)
+    return int(t.timestamp()) // 60
+
+
+def bucket_relpath(bucket: int, suffix: str) -> str:
+    stamp = minute_stamp(bucket)
+    return os.path.join(stamp[:8], stamp + suffix)
+
+
+def list_wal(directory: str) -> list[tuple[int, str]]:
+    """(base offset, path) of every message-log segment, by base offset."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        base = parse_wal_name(name)
+        if base is not None:
+            found.append((base, os.path.join(directory, name)))
+    return sorted(found)
+
+
+def list_buckets(directory: str, suffix: str) -> list[tuple[int, str]]:
+    """(bucket, path) of every schedule or dispatch segment below ``directory``, by bucket."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for day in os.listdir(directory):
+        day_dir = os.path.join(directory, day)
+        if not _DAY_NAME.match(day) or not os.path.isdir(day_dir):
+            continue
+        for name in os.listdir(day_dir):
+            m = _MINUTE_NAME.match(name)
+            if m and name.endswith(suffix):
+                found.append((parse_minute_stamp(m.group(1)), os.path.join(day_dir, name)))
+    return sorted(found)

@@ -1,0 +1,190 @@
+"""Body codecs of the record kinds (docs/formats.md, "Record bodies").
+
+One codec per record kind, used by the server, the inspection tool and the Spark
+reader alike. Bodies are little-endian; strings are UTF-8 (message ids: printable ASCII).
+The frame (``segments.framing``) carries the sequence and a timestamp around each body.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass, field
+
+from qdelay.errors import InvariantViolation
+from qdelay.segments import framing
+from qdelay.segments.framing import RecordKind
+
+# MESSAGE body: deliver_at_ms i64, subject_len u16, message_id_len u16, headers_len u32,
+# payload_len u32, then subject, message_id, headers, payload.
+MESSAGE_FIXED = struct.Struct("<qHHII")
+# CANCEL body: target deliver_at_ms i64, target sequence u64, message_id_len u16, message_id.
+CANCEL_FIXED = struct.Struct("<qQH")
+# DISPATCH body: deliver_at_ms i64, dispatched_at_ms i64, schedule_offset u64, attempt u32,
+# outcome u8, reserved u8, message_id_len u16, message_id.
+DISPATCH_FIXED = struct.Struct("<qqQIBBH")
+HEADER_ENTRY = struct.Struct("<H")
+
+_SIZES = {"MESSAGE_FIXED": (MESSAGE_FIXED, 20), "CANCEL_FIXED": (CANCEL_FIXED, 18),
+          "DISPATCH_FIXED": (DISPATCH_FIXED, 32)}
+for _name, (_struct, _size) in _SIZES.items():
+    if _struct.size != _size:
+        raise InvariantViolation(f"{_name} is {_struct.size} bytes, docs/formats.md says {_size}")
+
+
+class Outcome(enum.IntEnum):
+    """How a dispatch record closed a message."""
+
+    DELIVERED = 1      # a consumer acknowledged it
+    DEAD_LETTERED = 2  # it failed max_attempts times and was moved to the dead-letter subject
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    subject: str
+    payload: bytes
+    deliver_at_ms: int
+    message_id: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    message_id: str
+    deliver_at_ms: int   # the target's due time: routes the tombstone to its schedule segment
+    target_sequence: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    message_id: str
+    deliver_at_ms: int
+    dispatched_at_ms: int
+    schedule_offset: int
+    attempt: int
+    outcome: int
+
+
+def encode_headers(headers: dict[str, str]) -> bytes:
+    if not headers:
+        return b""
+    out = bytearray()
+    for key, value in headers.items():
+        k = key.encode()
+        v = value.encode()
+        out += HEADER_ENTRY.pack(len(k)) + k + HEADER_ENTRY.pack(len(v)) + v
+    return bytes(out)
+
+
+def decode_headers(raw: bytes) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    pos = 0
+    end = len(raw)
+    while pos < end:
+        (klen,) = HEADER_ENTRY.unpack_from(raw, pos)
+        pos += 2
+        key = raw[pos:pos + klen].decode()
+        pos += klen
+        (vlen,) = HEADER_ENTRY.unpack_from(raw, pos)
+        pos += 2
+        headers[key] = raw[pos:pos + vlen].decode()
+        pos += vlen
+    if pos != end:
+        raise ValueError("headers block overruns its length")
+    return headers
+
+
+def encode_message(subject: bytes, message_id: bytes, headers: bytes, payload: bytes,
+                   deliver_at_ms: int) -> bytes:
+    """MESSAGE body from already-encoded parts (the ingest path encodes each once)."""
+    return b"".join((
+        MESSAGE_FIXED.pack(deliver_at_ms, len(subject), len(message_id), len(headers), len(payload)),
+        subject, message_id, headers, payload,
+    ))
+
+
+def encode_message_obj(msg: Message) -> bytes:
+    return encode_message(msg.subject.encode(), msg.message_id.encode(),
+                          encode_headers(msg.headers), msg.payload, msg.deliver_at_ms)
+
+
+def decode_message(body: bytes) -> Message:
+    due, slen, mlen, hlen, plen = MESSAGE_FIXED.unpack_from(body, 0)
+    pos = MESSAGE_FIXED.size
+    if pos + slen + mlen + hlen + plen != len(body):
+        raise ValueError("message body lengths do not add up")
+    subject = body[pos:pos + slen].decode()
+    pos += slen
+    message_id = body[pos:pos + mlen].decode()
+    pos += mlen
+    headers = decode_headers(body[pos:pos + hlen])
+    pos += hlen
+    return Message(subject, body[pos:pos + plen], due, message_id, headers)
+
+
+def message_index_fields(body: bytes) -> tuple[int, bytes, bytes]:
+    """(deliver_at_ms, subject, message_id) without decoding headers or payload."""
+    due, slen, mlen, _h, _p = MESSAGE_FIXED.unpack_from(body, 0)
+    pos = MESSAGE_FIXED.size
+    return due, body[pos:pos + slen], body[pos + slen:pos + slen + mlen]
+
+
+def message_due(body: bytes) -> int:
+    return struct.unpack_from("<q", body, 0)[0]
+
+
+def encode_cancel(cancel: Cancel) -> bytes:
+    mid = cancel.message_id.encode()
+    return CANCEL_FIXED.pack(cancel.deliver_at_ms, cancel.target_sequence, len(mid)) + mid
+
+
+def decode_cancel(body: bytes) -> Cancel:
+    due, seq, mlen = CANCEL_FIXED.unpack_from(body, 0)
+    if CANCEL_FIXED.size + mlen != len(body):
+        raise ValueError("cancel body length does not add up")
+    return Cancel(body[CANCEL_FIXED.size:].decode(), due, seq)
+
+
+def encode_dispatch(d: Dispatch) -> bytes:
+    mid = d.message_id.encode()
+    return DISPATCH_FIXED.pack(d.deliver_at_ms, d.dispatched_at_ms, d.schedule_offset, d.attempt,
+                               d.outcome, 0, len(mid)) + mid
+
+
+def decode_dispatch(body: bytes) -> Dispatch:
+    due, dispatched, offset, attempt, outcome, _r, mlen = DISPATCH_FIXED.unpack_from(body, 0)
+    if DISPATCH_FIXED.size + mlen != len(body):
+        raise ValueError("dispatch body length does not add up")
+    return Dispatch(body[DISPATCH_FIXED.size:].decode(), due, dispatched, offset, attempt, outcome)
+
+
+def encode_checkpoint(state: dict, timestamp: int) -> bytes:
+    """A checkpoint file's content: one CHECKPOINT frame whose body is a JSON object."""
+    body = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+    return framing.encode(RecordKind.CHECKPOINT, 0, timestamp, body)
+
+
+def decode_checkpoint(data: bytes) -> dict:
+    frame = framing.check_at(data, 0)
+    if frame.kind != RecordKind.CHECKPOINT:
+        raise framing.FrameError(0, f"kind {frame.kind} is not a checkpoint")
+    if frame.size != len(data):
+        raise framing.FrameError(frame.size, "trailing bytes after the checkpoint record")
+    state = json.loads(frame.body)
+    if not isinstance(state, dict):
+        raise framing.FrameError(framing.HEADER_SIZE, "checkpoint body is not a JSON object")
+    return state
+
+
+def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | dict:
+    """Decode any body by its frame kind (for the inspection tool and readers)."""
+    if kind == RecordKind.MESSAGE:
+        return decode_message(body)
+    if kind == RecordKind.CANCEL:
+        return decode_cancel(body)
+    if kind == RecordKind.DISPATCH:
+        return decode_dispatch(body)
+    if kind == RecordKind.CHECKPOINT:
+        return json.loads(body)
+    raise ValueError(f"unknown record kind {kind}")

@@ -1,0 +1,327 @@
+"""One append-only segment file of frames, a bounded pool of open handles, and recovery.
+
+A :class:`Segment` knows its path and its valid size; its file descriptor comes from a
+:class:`HandlePool` on demand, so a server with a million schedule segments keeps only
+a bounded number open. Recovery (:func:`recover`) applies the torn-tail / corruption
+rules of docs/formats.md ("Recovery rules").
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from qdelay.errors import CorruptRecord, InvariantViolation
+from qdelay.segments import framing
+from qdelay.segments.framing import Frame, FrameError
+
+log = logging.getLogger("qdelay.segments")
+
+READ_CHUNK = 4 * 1024 * 1024
+
+
+class HandlePool:
+    """An LRU of open file descriptors, bounded; a handle in use is pinned and never closed."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 2:
+            raise ValueError("the handle pool needs room for at least 2 files")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._pins: collections.Counter[str] = collections.Counter()
+        self.opens = 0  # how many times a file was opened (for tests and stats)
+
+    @contextlib.contextmanager
+    def fd(self, path: str, create: bool = False) -> Iterator[int]:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                flags = os.O_RDWR | (os.O_CREAT if create else 0)
+                fd = os.open(path, flags, 0o644)
+                self.opens += 1
+                self._fds[path] = fd
+                self._evict_locked()
+            else:
+                self._fds.move_to_end(path)
+            self._pins[path] += 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._pins[path] -= 1
+                if self._pins[path] <= 0:
+                    del self._pins[path]
+                self._evict_locked()
+
+    def _evict_locked(self) -> None:
+        if len(self._fds) <= self.capacity:
+            return
+        for path in list(self._fds):
+            if len(self._fds) <= self.capacity:
+                break
+            if path not in self._pins:
+                os.close(self._fds.pop(path))
+
+    def forget(self, path: str) -> None:
+        """Close the handle of a file about to be deleted or renamed."""
+        with self._lock:
+            if path in self._pins:
+                raise InvariantViolation(f"{path} is in use and cannot be closed")
+            fd = self._fds.pop(path, None)
+            if fd is not None:
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    @property
+    def open_count(self) -> int:
+        return len(self._fds)
+
+
+class Segment:
+    """An append-only file of frames. Not thread-safe for appends: one writer per segment."""
+
+    def __init__(self, path: str, key: int, pool: HandlePool, size: int | None = None) -> None:
+        self.path = path
+        self.key = key  # base offset (message log) or bucket minute (schedule, dispatch)
+        self.pool = pool
+        self.size = os.path.getsize(path) if size is None else size
+        self.synced_size = self.size
+        self.last_sequence = -1  # highest sequence appended, maintained by the owner
+
+    def append(self, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` at the end; return the offset it starts at (not yet durable)."""
+        offset = self.size
+        with self.pool.fd(self.path, create=True) as fd:
+            written = os.pwrite(fd, data, offset)
+            while written < len(data):  # short writes happen on signals and near ENOSPC
+                more = os.pwrite(fd, memoryview(data)[written:], offset + written)
+                if more == 0:
+                    raise OSError("pwrite wrote nothing")
+                written += more
+        self.size = offset + len(data)
+        return offset
+
+    def truncate(self, size: int) -> None:
+        with self.pool.fd(self.path) as fd:
+            os.ftruncate(fd, size)
+            os.fdatasync(fd)
+        self.size = self.synced_size = size
+
+    def sync(self) -> None:
+        """fdatasync if anything was appended since the last sync; errors propagate."""
+        if self.synced_size == self.size:
+            return
+        size = self.size
+        with self.pool.fd(self.path) as fd:
+            os.fdatasync(fd)
+        self.synced_size = size
+
+    def read(self, offset: int, length: int) -> bytes:
+        with self.pool.fd(self.path) as fd:
+            return os.pread(fd, length, offset)
+
+    def read_frame(self, offset: int) -> Frame:
+        """Read and verify the frame at ``offset``; a bad one raises :class:`CorruptRecord`."""
+        with self.pool.fd(self.path) as fd:
+            head = os.pread(fd, framing.HEADER_SIZE, offset)
+            if len(head) == framing.HEADER_SIZE:
+                length = int.from_bytes(head[12:16], "little")
+                data = head + os.pread(fd, length, offset + framing.HEADER_SIZE) \
+                    if length <= framing.MAX_BODY else head
+            else:
+                data = head
+        try:
+            frame = framing.check_at(data, 0)
+        except FrameError as err:
+            raise CorruptRecord(self.path, offset, err.reason) from None
+        return Frame(offset, frame.kind, frame.sequence, frame.timestamp, frame.body)
+
+    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[Frame]:
+        """Yield the frames in [start, stop) (default: to the valid size), read in chunks.
+
+        A bad frame inside the range raises :class:`CorruptRecord` with its offset: data
+        that fails its checksum is never yielded.
+        """
+        stop = self.size if stop is None else stop
+        pos = start
+        with self.pool.fd(self.path) as fd:
+            while pos < stop:
+                chunk = os.pread(fd, min(READ_CHUNK, stop - pos), pos)
+                if not chunk:
+                    raise CorruptRecord(self.path, pos, "file is shorter than its recorded size")
+                used = 0
+                while used < len(chunk):
+                    try:
+                        frame = framing.check_at(chunk, used)
+                    except FrameError as err:
+                        if pos + len(chunk) >= stop:
+                            raise CorruptRecord(self.path, pos + used, err.reason) from None
+                        if used > 0:
+                            break  # the frame crosses the chunk's end: re-read from it
+                        frame = self._read_big(fd, pos, err)  # larger than a chunk, or bad
+                        yield frame
+                        used = frame.size
+                        break
+                    yield Frame(pos + used, frame.kind, frame.sequence, frame.timestamp, frame.body)
+                    used += frame.size
+                pos += used
+
+    def _read_big(self, fd: int, pos: int, err: FrameError) -> Frame:
+        head = os.pread(fd, framing.HEADER_SIZE, pos)
+        if len(head) < framing.HEADER_SIZE:
+            raise CorruptRecord(self.path, pos, err.reason)
+        length = int.from_bytes(head[12:16], "little")
+        if length > framing.MAX_BODY:
+            raise CorruptRecord(self.path, pos, f"length {length} exceeds the maximum")
+        data = head + os.pread(fd, length, pos + framing.HEADER_SIZE)
+        try:
+            frame = framing.check_at(data, 0)
+        except FrameError as err2:
+            raise CorruptRecord(self.path, pos, err2.reason) from None
+        return Frame(pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
+
+
+class CorruptionPolicy(enum.Enum):
+    FAIL = "fail"          # refuse to open: an operator decides (the default)
+    TRUNCATE = "truncate"  # cut the file at the bad record, keeping the cut bytes in .broken
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What :func:`recover` found and did to one file."""
+
+    path: str
+    valid_size: int
+    records: int
+    last_sequence: int
+    first_timestamp: int | None
+    last_timestamp: int | None
+    cut_bytes: int = 0
+    torn: bool = False           # a torn or zero-filled tail was truncated
+    corrupt_at: int | None = None
+    reason: str | None = None
+    broken_path: str | None = None
+
+
+def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL,
+            on_frame=None) -> Recovery:
+    """Check every frame of ``path`` and repair its tail.
+
+    - a bad frame with no valid frame after it is a torn tail: truncated (the cut bytes
+      are kept in ``<path>.broken`` unless they are all zero);
+    - a bad frame followed by a valid one is corruption: raise :class:`CorruptRecord`
+      (policy FAIL) or cut the file there like a torn tail (policy TRUNCATE).
+
+    ``on_frame(frame)`` is called for each valid frame, in order (to rebuild indexes).
+    """
+    result = Recovery(path, 0, 0, -1, None, None)
+    size = os.path.getsize(path)
+    pos = 0
+    with open(path, "rb") as f:
+        while pos < size:
+            f.seek(pos)
+            chunk = f.read(READ_CHUNK)
+            used = 0
+            bad: FrameError | None = None
+            while used < len(chunk):
+                try:
+                    frame = framing.check_at(chunk, used)
+                except FrameError as err:
+                    bad = err
+                    break
+                result.records += 1
+                result.last_sequence = frame.sequence
+                if result.first_timestamp is None:
+                    result.first_timestamp = frame.timestamp
+                result.last_timestamp = frame.timestamp
+                if on_frame is not None:
+                    on_frame(Frame(pos + used, frame.kind, frame.sequence, frame.timestamp, frame.body))
+                used += frame.size
+            if bad is None:
+                pos += used
+                continue
+            if used > 0 and pos + len(chunk) < size:
+                pos += used  # the frame crosses the chunk boundary: re-read from it
+                continue
+            if used == 0 and pos + len(chunk) < size:
+                # a single frame larger than a chunk, or a bad frame: decide on the whole rest
+                f.seek(pos)
+                rest = f.read()
+                try:
+                    frame = framing.check_at(rest, 0)
+                except FrameError as err:
+                    bad = err
+                else:
+                    result.records += 1
+                    result.last_sequence = frame.sequence
+                    if result.first_timestamp is None:
+                        result.first_timestamp = frame.timestamp
+                    result.last_timestamp = frame.timestamp
+                    if on_frame is not None:
+                        on_frame(Frame(pos, frame.kind, frame.sequence, frame.timestamp, frame.body))
+                    pos += frame.size
+                    continue
+            bad_at = pos + used
+            f.seek(bad_at)
+            rest = f.read()
+            resync = framing.find_next_frame(rest, 1)
+            if resync is not None:
+                result.corrupt_at = bad_at
+                result.reason = bad.reason
+                if policy is CorruptionPolicy.FAIL:
+                    raise CorruptRecord(path, bad_at, f"{bad.reason} (a valid record follows at "
+                                                      f"offset {bad_at + resync})")
+                log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at,
+                                                               "reason": bad.reason})
+            else:
+                result.torn = True
+                result.reason = bad.reason
+            _cut(result, bad_at, rest)
+            return result
+    result.valid_size = size
+    return result
+
+
+def _cut(result: Recovery, at: int, rest: bytes) -> None:
+    if any(rest):
+        broken = f"{result.path}.broken"
+        n = 0
+        while os.path.exists(broken):
+            n += 1
+            broken = f"{result.path}.broken.{n}"
+        with open(broken, "wb") as out:
+            out.write(rest)
+            out.flush()
+            os.fsync(out.fileno())
+        result.broken_path = broken
+    with open(result.path, "r+b") as f:
+        f.truncate(at)
+        f.flush()
+        os.fsync(f.fileno())
+    result.valid_size = at
+    result.cut_bytes = len(rest)
+    if result.cut_bytes:
+        log.warning("truncated segment tail", extra={
+            "path": result.path, "offset": at, "cut_bytes": len(rest), "reason": result.reason,
+            "kept_in": result.broken_path})
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that a create, rename or unlink in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

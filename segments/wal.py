@@ -1,0 +1,446 @@
+"""The message log: qdelay's write-ahead log, with group commit.
+
+Every accepted write (message or cancel tombstone) is a frame in the message log. Offsets
+are global: a segment named by its base offset holds the bytes [base, base + size).
+
+Group commit: appenders encode their records and queue them under a lock, which also
+hands out sequences and offsets, so file order is sequence order. One writer thread
+takes everything queued, writes it with one pwrite per segment and one fdatasync, then
+completes every appender whose records it covered. An append is acknowledged only once
+its bytes are durable (flush policy ``sync``); ``interval:N`` acknowledges after the write
+and fsyncs every N ms, which loses up to N ms of acknowledged writes on power loss.
+
+Failures: a write that fails (ENOSPC) is cut back off the file and its appenders, and
+everything queued behind them, get :class:`DiskFull`; the log stays usable. A failed
+fdatasync poisons the log (:class:`WalFailed`) until it is reopened, because after such
+a failure the kernel may have dropped the dirty pages and a retried fsync could lie.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from qdelay.errors import DiskFull, InvariantViolation, QdelayError, ShuttingDown, WalFailed
+from qdelay.segments import framing, naming
+from qdelay.segments.framing import Frame
+from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, fsync_dir, recover
+
+log = logging.getLogger("qdelay.wal")
+
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+
+Entry = tuple[int, int, bytes]  # (kind, timestamp ms, body)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushPolicy:
+    """``sync``: ack after fdatasync. ``interval:N``: ack after write, fdatasync every N ms."""
+
+    interval_ms: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "FlushPolicy":
+        if text == "sync":
+            return cls(0)
+        if text.startswith("interval:"):
+            ms = int(text.split(":", 1)[1].removesuffix("ms").strip())
+            if ms <= 0:
+                raise ValueError("interval flush needs a positive number of ms")
+            return cls(ms)
+        raise ValueError(f"unknown flush policy {text!r}: use 'sync' or 'interval:N'")
+
+    @property
+    def is_sync(self) -> bool:
+        return self.interval_ms == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """Where a group of records landed: sequences [first, first + count), bytes [start, end)."""
+
+    first_sequence: int
+    count: int
+    start_offset: int
+    end_offset: int
+
+
+class _Pending:
+    __slots__ = ("appended", "callback")
+
+    def __init__(self, appended: Appended, callback: Callable[[Appended | None, Exception | None], None]):
+        self.appended = appended
+        self.callback = callback
+
+
+class MessageLog:
+    def __init__(self, directory: str, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 flush: FlushPolicy | str = "sync", pool: HandlePool | None = None,
+                 corruption: CorruptionPolicy = CorruptionPolicy.FAIL,
+                 min_next_sequence: int = 1) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        self.flush = FlushPolicy.parse(flush) if isinstance(flush, str) else flush
+        self.pool = pool or HandlePool(64)
+        self.corruption = corruption
+        self.recoveries: list[Recovery] = []
+
+        os.makedirs(directory, exist_ok=True)
+        self._segments: list[Segment] = []
+        self._bases: list[int] = []
+        self._open(min_next_sequence)
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: list[tuple[Segment, bytearray]] = []
+        self._waiters: list[_Pending] = []
+        # planned tail: where the next queued record goes (ahead of what is written)
+        tail = self._segments[-1]
+        self._plan_segment = tail
+        self._plan_size = tail.size
+        self._next_sequence = self.committed_sequence + 1
+        self._failed: Exception | None = None
+        self._closing = False
+
+        self._commit = threading.Condition(threading.Lock())
+        self._last_sync = time.monotonic()
+        # stats
+        self.fsyncs = 0
+        self.fsync_seconds_total = 0.0
+        self.records_appended = 0
+        self.on_fsync: Callable[[float], None] | None = None  # latency observer (metrics)
+        self._writer = threading.Thread(target=self._write_loop, name="qdelay-wal-writer", daemon=True)
+        self._writer.start()
+
+    # --- opening and recovery -----------------------------------------------------------
+
+    def _open(self, min_next_sequence: int) -> None:
+        listed = naming.list_wal(self.directory)
+        last_seq = min_next_sequence - 1
+        expected_base = None
+        for i, (base, path) in enumerate(listed):
+            is_last = i == len(listed) - 1
+            if expected_base is not None and base != expected_base:
+                raise InvariantViolation(
+                    f"message log gap: {path} starts at offset {base}, previous segment ends at "
+                    f"{expected_base}")
+            rec = recover(path, self.corruption)
+            self.recoveries.append(rec)
+            if rec.cut_bytes and not is_last:
+                raise InvariantViolation(
+                    f"message log segment {path} lost its tail at offset {rec.valid_size} but later "
+                    f"segments exist; run 'qdelay inspect verify' and restore from a replica")
+            seg = Segment(path, base, self.pool, size=rec.valid_size)
+            if rec.records:
+                seg.last_sequence = rec.last_sequence
+                last_seq = max(last_seq, rec.last_sequence)
+            self._segments.append(seg)
+            self._bases.append(base)
+            expected_base = base + rec.valid_size
+        if not self._segments:
+            self._create_segment(0)
+        self.committed_offset = self._segments[-1].key + self._segments[-1].size
+        self.committed_sequence = last_seq
+
+    def _create_segment(self, base: int) -> Segment:
+        path = os.path.join(self.directory, naming.wal_name(base))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.close(fd)
+        fsync_dir(self.directory)
+        seg = Segment(path, base, self.pool, size=0)
+        self._segments.append(seg)
+        self._bases.append(base)
+        return seg
+
+    # --- appending ------------------------------------------------------------------------
+
+    def submit(self, entries: Iterable[Entry],
+               callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
+        """Queue records; ``callback(appended, error)`` runs on the writer thread once durable."""
+        buf = bytearray()
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            if self._closing:
+                raise ShuttingDown("the message log is closing")
+            seq = first = self._next_sequence
+            for kind, timestamp, body in entries:
+                framing.encode_into(buf, kind, seq, timestamp, body)
+                seq += 1
+            if seq == first:
+                raise InvariantViolation("submit needs at least one record")
+            if self._plan_size > 0 and self._plan_size + len(buf) > self.segment_bytes:
+                base = self._plan_segment.key + self._plan_size
+                self._plan_segment = self._create_segment(base)
+                self._plan_size = 0
+            start = self._plan_segment.key + self._plan_size
+            if self._queue and self._queue[-1][0] is self._plan_segment:
+                self._queue[-1][1].extend(buf)
+            else:
+                self._queue.append((self._plan_segment, buf))
+            self._plan_size += len(buf)
+            self._next_sequence = seq
+            appended = Appended(first, seq - first, start, start + len(buf))
+            self._waiters.append(_Pending(appended, callback))
+            self._wake.notify()
+        return appended
+
+    def append(self, entries: Iterable[Entry], timeout: float | None = None) -> Appended:
+        """Append and block until durable (or the flush policy's acknowledgement)."""
+        done = threading.Event()
+        result: list = [None, None]
+
+        def cb(appended: Appended | None, error: Exception | None) -> None:
+            result[0], result[1] = appended, error
+            done.set()
+
+        self.submit(entries, cb)
+        if not done.wait(timeout):
+            raise TimeoutError("message log append timed out")
+        if result[1] is not None:
+            raise result[1]
+        return result[0]
+
+    async def append_async(self, entries: Iterable[Entry]) -> Appended:
+        """Append from asyncio code; resolves once durable, without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(appended: Appended | None, error: Exception | None) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(appended)
+
+        def cb(appended: Appended | None, error: Exception | None) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, appended, error)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting any more
+
+        self.submit(entries, cb)
+        return await fut
+
+    # --- the writer thread ----------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        interval = self.flush.interval_ms / 1000.0
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    if interval and self._unsynced():
+                        if not self._wake.wait(max(0.0, interval - (time.monotonic() - self._last_sync))):
+                            break
+                    else:
+                        self._wake.wait()
+                queue, self._queue = self._queue, []
+                waiters, self._waiters = self._waiters, []
+                closing = self._closing
+            if not queue and not waiters:
+                if interval and self._unsynced():
+                    self._sync_segments(self._segments[-2:])
+                if closing:
+                    self._sync_segments(self._segments[-2:])
+                    return
+                continue
+            error = self._write(queue, waiters)
+            if error is None:
+                end = waiters[-1].appended
+                with self._commit:
+                    self.committed_offset = end.end_offset
+                    self.committed_sequence = end.first_sequence + end.count - 1
+                    self.records_appended += sum(w.appended.count for w in waiters)
+                    self._commit.notify_all()
+            for w in waiters:
+                try:
+                    w.callback(None if error else w.appended, error)
+                except Exception:  # a waiter's bug must not kill the log
+                    log.exception("message log callback failed")
+            if closing:
+                with self._lock:
+                    if not self._queue:
+                        return
+
+    def _unsynced(self) -> bool:
+        return any(s.synced_size != s.size for s in self._segments[-2:])
+
+    def _write(self, queue: list[tuple[Segment, bytearray]], waiters: list[_Pending]) -> Exception | None:
+        written: list[tuple[Segment, int]] = []
+        try:
+            for seg, data in queue:
+                before = seg.size
+                written.append((seg, before))
+                seg.append(data)
+            if self.flush.is_sync or time.monotonic() - self._last_sync >= self.flush.interval_ms / 1000:
+                self._sync_segments([seg for seg, _ in written])
+            return None
+        except OSError as err:
+            return self._fail_write(err, written)
+        except QdelayError as err:
+            return err
+
+    def _sync_segments(self, segments: list[Segment]) -> None:
+        started = time.monotonic()
+        try:
+            for seg in {id(s): s for s in segments}.values():
+                seg.sync()
+        except OSError as err:
+            failure = WalFailed(f"fdatasync of the message log failed: {err}; restart to recover")
+            self._poison(failure)
+            raise failure from err
+        took = time.monotonic() - started
+        self._last_sync = time.monotonic()
+        self.fsyncs += 1
+        self.fsync_seconds_total += took
+        if self.on_fsync is not None:
+            self.on_fsync(took)
+
+    def _fail_write(self, err: OSError, written: list[tuple[Segment, int]]) -> Exception:
+        """Undo a failed write so the file holds only acknowledged records, then reject."""
+        try:
+            for seg, before in reversed(written):
+                seg.truncate(before)
+        except OSError as cut_err:
+            failure = WalFailed(f"message log write failed ({err}) and could not be undone ({cut_err})")
+            self._poison(failure)
+            return failure
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            failure: Exception = DiskFull("the disk holding the message log is full; free space and retry")
+        else:
+            failure = WalFailed(f"message log write failed: {err}")
+        # everything queued behind the failed write holds sequences after it: reject it too,
+        # and hand the same sequences and offsets out again
+        with self._lock:
+            rejected, self._waiters = self._waiters, []
+            self._queue = []
+            while len(self._segments) > 1:  # a roll planned for the failed write: undo it
+                tail, prev = self._segments[-1], self._segments[-2]
+                if tail.size or tail.key == prev.key + prev.size:
+                    break
+                self._drop_empty_tail()
+            tail = self._segments[-1]
+            self._plan_segment = tail
+            self._plan_size = tail.size
+            self._next_sequence = self.committed_sequence + 1
+            if isinstance(failure, WalFailed):
+                self._failed = failure
+        for w in rejected:
+            try:
+                w.callback(None, failure)
+            except Exception:
+                log.exception("message log callback failed")
+        log.warning("message log write failed", extra={"error": str(err)})
+        return failure
+
+    def _drop_empty_tail(self) -> None:
+        seg = self._segments.pop()
+        self._bases.pop()
+        self.pool.forget(seg.path)
+        os.unlink(seg.path)
+
+    def _poison(self, failure: Exception) -> None:
+        with self._lock:
+            self._failed = failure
+            rejected, self._waiters = self._waiters, []
+            self._queue = []
+        for w in rejected:
+            try:
+                w.callback(None, failure)
+            except Exception:
+                log.exception("message log callback failed")
+
+    # --- reading --------------------------------------------------------------------------
+
+    def wait_commit(self, beyond: int, timeout: float) -> int:
+        """Block until the committed offset passes ``beyond`` (or timeout); return it."""
+        with self._commit:
+            if self.committed_offset <= beyond:
+                self._commit.wait(timeout)
+            return self.committed_offset
+
+    def segment_at(self, offset: int) -> Segment | None:
+        i = bisect.bisect_right(self._bases, offset) - 1
+        return self._segments[i] if i >= 0 else None
+
+    def read(self, offset: int, max_bytes: int = 4 * 1024 * 1024) -> tuple[list[Frame], int]:
+        """Committed frames from ``offset`` (global); returns (frames, next offset).
+
+        Frames carry global offsets. Reads stop at a segment end; the next call moves on.
+        """
+        limit = self.committed_offset
+        if offset >= limit:
+            return [], offset
+        i = bisect.bisect_right(self._bases, offset) - 1
+        if i < 0:
+            raise InvariantViolation(f"offset {offset} is before the oldest message-log segment "
+                                     f"({self._bases[0]}); it was cleaned")
+        seg = self._segments[i]
+        end = min(seg.key + seg.size, limit)
+        if offset >= end:
+            if i + 1 < len(self._segments):
+                return self.read(self._segments[i + 1].key, max_bytes)
+            return [], offset
+        frames = []
+        taken = 0
+        for f in seg.frames(offset - seg.key, end - seg.key):
+            frames.append(Frame(seg.key + f.offset, f.kind, f.sequence, f.timestamp, f.body))
+            taken += f.size
+            if taken >= max_bytes:
+                break
+        nxt = frames[-1].offset + frames[-1].size
+        return frames, nxt
+
+    def read_raw(self, offset: int, max_bytes: int) -> bytes:
+        """Committed bytes from ``offset`` within one segment (for replication)."""
+        limit = self.committed_offset
+        seg = self.segment_at(offset)
+        if seg is None or offset >= limit:
+            return b""
+        end = min(seg.key + seg.size, limit)
+        if offset >= end:
+            nxt = self.segment_at(end)
+            return self.read_raw(end, max_bytes) if nxt is not None and nxt is not seg else b""
+        return seg.read(offset - seg.key, min(max_bytes, end - offset))
+
+    @property
+    def first_offset(self) -> int:
+        return self._segments[0].key
+
+    def segments(self) -> list[Segment]:
+        return list(self._segments)
+
+    def delete_before(self, offset: int) -> list[str]:
+        """Delete whole segments that end at or before ``offset``; never the active one."""
+        removed = []
+        with self._lock:
+            while len(self._segments) > 1:
+                seg = self._segments[0]
+                if seg.key + seg.size > offset or seg is self._plan_segment:
+                    break
+                self._segments.pop(0)
+                self._bases.pop(0)
+                self.pool.forget(seg.path)
+                os.unlink(seg.path)
+                removed.append(seg.path)
+        if removed:
+            fsync_dir(self.directory)
+        return removed
+
+    @property
+    def failed(self) -> Exception | None:
+        return self._failed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._writer.join()
