@@ -1,0 +1,108 @@
+"""The record frame: round trips, the checksum's coverage, and every reason a frame is bad."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qdelay.segments import framing
+from qdelay.segments.framing import FrameError, RecordKind
+
+u64 = st.integers(min_value=0, max_value=2**64 - 1)
+i64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+kinds = st.sampled_from(list(RecordKind))
+bodies = st.binary(max_size=2048)
+
+
+@settings(max_examples=300)
+@given(kind=kinds, sequence=u64, timestamp=i64, body=bodies)
+def test_encode_decode_round_trip(kind, sequence, timestamp, body):
+    data = framing.encode(kind, sequence, timestamp, body)
+    assert len(data) == framing.HEADER_SIZE + len(body)
+    frame = framing.check_at(data, 0)
+    assert (frame.kind, frame.sequence, frame.timestamp, frame.body) == (kind, sequence, timestamp, body)
+    assert frame.offset == 0 and frame.size == len(data)
+
+
+@settings(max_examples=200)
+@given(records=st.lists(st.tuples(kinds, u64, i64, bodies), max_size=20), prefix=st.binary(max_size=8))
+def test_encode_into_matches_encode_and_scans_back(records, prefix):
+    out = bytearray(prefix)
+    for kind, seq, ts, body in records:
+        framing.encode_into(out, kind, seq, ts, body)
+    assert bytes(out) == prefix + b"".join(framing.encode(*r) for r in records)
+    frames = list(framing.iter_frames(out, len(prefix)))
+    assert [(f.kind, f.sequence, f.timestamp, f.body) for f in frames] == records
+    result = framing.scan(out, len(prefix))
+    assert result.error is None and result.valid_end == len(out)
+
+
+def test_header_layout_matches_the_spec():
+    data = framing.encode(RecordKind.CANCEL, 0x0102030405060708, -2, b"xyz")
+    magic, checksum, length, kind, version, flags, seq, ts = struct.unpack_from("<IQIBBHQq", data)
+    assert data[:4] == b"QQD1" and magic == framing.MAGIC
+    assert (length, kind, version, flags, seq, ts) == (3, 2, 1, 0, 0x0102030405060708, -2)
+    assert checksum == xxhash.xxh3_64_intdigest(data[12:])  # bytes [12, 36 + length)
+    assert data[36:] == b"xyz"
+
+
+@pytest.mark.parametrize("offset", range(4, 36 + 5))
+def test_every_checked_byte_is_covered(offset):
+    """A change to any byte after the magic is caught (the checksum field itself included)."""
+    data = bytearray(framing.encode(RecordKind.MESSAGE, 7, 1, b"hello"))
+    data[offset] ^= 0x01
+    with pytest.raises(FrameError):
+        framing.check_at(data, 0)
+
+
+def test_bad_magic_and_zero_fill():
+    data = bytearray(framing.encode(RecordKind.MESSAGE, 1, 1, b"a"))
+    data[0] ^= 0xFF
+    with pytest.raises(FrameError, match="bad magic") as err:
+        framing.check_at(data, 0)
+    assert not err.value.zero
+    with pytest.raises(FrameError) as err:
+        framing.check_at(bytes(100), 0)
+    assert err.value.zero and err.value.offset == 0
+    with pytest.raises(FrameError) as err:
+        framing.check_at(bytes(10), 0)
+    assert err.value.zero
+
+
+def test_short_and_overlong_frames():
+    data = framing.encode(RecordKind.MESSAGE, 1, 1, b"abcdef")
+    with pytest.raises(FrameError, match="runs past the end"):
+        framing.check_at(data[:-1], 0)
+    with pytest.raises(FrameError, match="a header needs"):
+        framing.check_at(data[:20], 0)
+    big = bytearray(data)
+    struct.pack_into("<I", big, 12, framing.MAX_BODY + 1)
+    with pytest.raises(FrameError, match="exceeds the maximum"):
+        framing.check_at(big, 0)
+
+
+def test_unknown_version_is_rejected_even_with_a_valid_checksum():
+    data = bytearray(framing.encode(RecordKind.MESSAGE, 1, 1, b"abc"))
+    data[17] = 2
+    struct.pack_into("<Q", data, 4, xxhash.xxh3_64_intdigest(bytes(data[12:])))
+    with pytest.raises(FrameError, match="version"):
+        framing.check_at(data, 0)
+
+
+def test_scan_tells_a_torn_tail_from_corruption():
+    frames = [framing.encode(RecordKind.MESSAGE, i, i, bytes([i]) * 10) for i in range(1, 4)]
+    torn = b"".join(frames)[:-3]
+    result = framing.scan(torn)
+    assert len(result.frames) == 2 and result.error is not None and result.resync_at is None
+
+    corrupt = bytearray(b"".join(frames))
+    corrupt[len(frames[0]) + 40] ^= 1  # inside the second frame's body
+    result = framing.scan(corrupt)
+    assert len(result.frames) == 1
+    assert result.valid_end == len(frames[0])
+    assert result.error.reason == "checksum mismatch"
+    assert result.resync_at == len(frames[0]) + len(frames[1])
