@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from qdelay.errors import CorruptRecord, InvariantViolation
+from qdelay.errors import CorruptRecord
 from qdelay.segments import framing
 from qdelay.segments.framing import Frame, FrameError
 
@@ -27,7 +27,13 @@ READ_CHUNK = 4 * 1024 * 1024
 
 
 class HandlePool:
-    """An LRU of open file descriptors, bounded; a handle in use is pinned and never closed."""
+    """An LRU of open file descriptors, bounded; a handle in use is pinned and never closed.
+
+    Pins are counted per descriptor, not per path: :meth:`forget` (before a file is deleted
+    or replaced) drops the path at once, and a descriptor still pinned by a reader is closed
+    when that reader lets go, so forgetting a file in use is safe and a new file at the same
+    path gets a new descriptor.
+    """
 
     def __init__(self, capacity: int = 256) -> None:
         if capacity < 2:
@@ -35,7 +41,8 @@ class HandlePool:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._pins: collections.Counter[str] = collections.Counter()
+        self._pins: collections.Counter[int] = collections.Counter()
+        self._orphans: set[int] = set()  # forgotten while pinned: close on the last unpin
         self.opens = 0  # how many times a file was opened (for tests and stats)
 
     @contextlib.contextmanager
@@ -47,46 +54,58 @@ class HandlePool:
                 fd = os.open(path, flags, 0o644)
                 self.opens += 1
                 self._fds[path] = fd
-                self._evict_locked()
             else:
                 self._fds.move_to_end(path)
-            self._pins[path] += 1
+            self._pins[fd] += 1
+            self._evict_locked()
         try:
             yield fd
         finally:
             with self._lock:
-                self._pins[path] -= 1
-                if self._pins[path] <= 0:
-                    del self._pins[path]
+                self._pins[fd] -= 1
+                if self._pins[fd] <= 0:
+                    del self._pins[fd]
+                    if fd in self._orphans:
+                        self._orphans.discard(fd)
+                        os.close(fd)
                 self._evict_locked()
 
     def _evict_locked(self) -> None:
         if len(self._fds) <= self.capacity:
             return
-        for path in list(self._fds):
+        for path in list(self._fds):  # least recently used first
             if len(self._fds) <= self.capacity:
                 break
-            if path not in self._pins:
-                os.close(self._fds.pop(path))
+            fd = self._fds[path]
+            if fd not in self._pins:
+                del self._fds[path]
+                os.close(fd)
 
     def forget(self, path: str) -> None:
-        """Close the handle of a file about to be deleted or renamed."""
+        """Drop the handle of a file about to be deleted, truncated by another owner or renamed."""
         with self._lock:
-            if path in self._pins:
-                raise InvariantViolation(f"{path} is in use and cannot be closed")
             fd = self._fds.pop(path, None)
-            if fd is not None:
+            if fd is None:
+                return
+            if fd in self._pins:
+                self._orphans.add(fd)
+            else:
                 os.close(fd)
 
     def close(self) -> None:
+        """Close every handle; one still pinned is closed when its user lets go."""
         with self._lock:
             for fd in self._fds.values():
-                os.close(fd)
+                if fd in self._pins:
+                    self._orphans.add(fd)
+                else:
+                    os.close(fd)
             self._fds.clear()
 
     @property
     def open_count(self) -> int:
-        return len(self._fds)
+        """File descriptors open right now (pooled ones plus forgotten ones still in use)."""
+        return len(self._fds) + len(self._orphans)
 
 
 class Segment:
@@ -170,7 +189,7 @@ class Segment:
                             raise CorruptRecord(self.path, pos + used, err.reason) from None
                         if used > 0:
                             break  # the frame crosses the chunk's end: re-read from it
-                        frame = self._read_big(fd, pos, err)  # larger than a chunk, or bad
+                        frame = self._read_big(fd, pos, stop, err)  # larger than a chunk, or bad
                         yield frame
                         used = frame.size
                         break
@@ -178,13 +197,16 @@ class Segment:
                     used += frame.size
                 pos += used
 
-    def _read_big(self, fd: int, pos: int, err: FrameError) -> Frame:
+    def _read_big(self, fd: int, pos: int, stop: int, err: FrameError) -> Frame:
         head = os.pread(fd, framing.HEADER_SIZE, pos)
         if len(head) < framing.HEADER_SIZE:
             raise CorruptRecord(self.path, pos, err.reason)
         length = int.from_bytes(head[12:16], "little")
         if length > framing.MAX_BODY:
             raise CorruptRecord(self.path, pos, f"length {length} exceeds the maximum")
+        if pos + framing.HEADER_SIZE + length > stop:  # never serve bytes past the range asked for
+            raise CorruptRecord(self.path, pos, f"record of {framing.HEADER_SIZE + length} bytes "
+                                                f"runs past the end of the range ({stop})")
         data = head + os.pread(fd, length, pos + framing.HEADER_SIZE)
         try:
             frame = framing.check_at(data, 0)

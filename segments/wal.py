@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from qdelay.errors import DiskFull, InvariantViolation, QdelayError, ShuttingDown, WalFailed
+from qdelay.errors import (DiskFull, InvariantViolation, QdelayError, ShuttingDown, StorageError,
+                           WalFailed)
 from qdelay.segments import framing, naming
 from qdelay.segments.framing import Frame
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, fsync_dir, recover
@@ -88,13 +89,15 @@ class MessageLog:
         self.directory = directory
         self.segment_bytes = segment_bytes
         self.flush = FlushPolicy.parse(flush) if isinstance(flush, str) else flush
+        self._owns_pool = pool is None
         self.pool = pool or HandlePool(64)
         self.corruption = corruption
         self.recoveries: list[Recovery] = []
 
         os.makedirs(directory, exist_ok=True)
+        # Ordered by base offset. Readers use it without the lock, so it is only ever
+        # appended to in place; removals build a new list (copy on write).
         self._segments: list[Segment] = []
-        self._bases: list[int] = []
         self._open(min_next_sequence)
 
         self._lock = threading.Lock()
@@ -126,28 +129,44 @@ class MessageLog:
         last_seq = min_next_sequence - 1
         expected_base = None
         for i, (base, path) in enumerate(listed):
-            is_last = i == len(listed) - 1
+            later = listed[i + 1:]
             if expected_base is not None and base != expected_base:
+                # A roll creates the next segment before the records queued for the previous
+                # one are written; a crash in between leaves empty segments past the real end.
+                if self._drop_unwritten(listed[i:]):
+                    break
                 raise InvariantViolation(
                     f"message log gap: {path} starts at offset {base}, previous segment ends at "
                     f"{expected_base}")
             rec = recover(path, self.corruption)
             self.recoveries.append(rec)
-            if rec.cut_bytes and not is_last:
+            if rec.cut_bytes and later and not self._drop_unwritten(later):
                 raise InvariantViolation(
                     f"message log segment {path} lost its tail at offset {rec.valid_size} but later "
-                    f"segments exist; run 'qdelay inspect verify' and restore from a replica")
+                    f"segments hold records; run 'qdelay inspect verify' and restore from a replica")
             seg = Segment(path, base, self.pool, size=rec.valid_size)
             if rec.records:
                 seg.last_sequence = rec.last_sequence
                 last_seq = max(last_seq, rec.last_sequence)
             self._segments.append(seg)
-            self._bases.append(base)
             expected_base = base + rec.valid_size
+            if rec.cut_bytes:
+                break  # the later (empty) segments were just dropped
         if not self._segments:
             self._create_segment(0)
         self.committed_offset = self._segments[-1].key + self._segments[-1].size
         self.committed_sequence = last_seq
+
+    def _drop_unwritten(self, listed: list[tuple[int, str]]) -> bool:
+        """Delete segments that never got a byte (an interrupted roll); False if any has data."""
+        if any(os.path.getsize(path) for _, path in listed):
+            return False
+        for _base, path in listed:
+            log.warning("deleting an empty message-log segment left by an interrupted roll",
+                        extra={"path": path})
+            os.unlink(path)
+        fsync_dir(self.directory)
+        return True
 
     def _create_segment(self, base: int) -> Segment:
         path = os.path.join(self.directory, naming.wal_name(base))
@@ -156,7 +175,6 @@ class MessageLog:
         fsync_dir(self.directory)
         seg = Segment(path, base, self.pool, size=0)
         self._segments.append(seg)
-        self._bases.append(base)
         return seg
 
     # --- appending ------------------------------------------------------------------------
@@ -178,7 +196,13 @@ class MessageLog:
                 raise InvariantViolation("submit needs at least one record")
             if self._plan_size > 0 and self._plan_size + len(buf) > self.segment_bytes:
                 base = self._plan_segment.key + self._plan_size
-                self._plan_segment = self._create_segment(base)
+                try:
+                    self._plan_segment = self._create_segment(base)
+                except OSError as err:
+                    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise DiskFull("no room for a new message-log segment; free space and "
+                                       "retry") from err
+                    raise StorageError(f"cannot create a message-log segment: {err}") from err
                 self._plan_size = 0
             start = self._plan_segment.key + self._plan_size
             if self._queue and self._queue[-1][0] is self._plan_segment:
@@ -238,37 +262,47 @@ class MessageLog:
             with self._lock:
                 while not self._queue and not self._closing:
                     if interval and self._unsynced():
-                        if not self._wake.wait(max(0.0, interval - (time.monotonic() - self._last_sync))):
+                        left = interval - (time.monotonic() - self._last_sync)
+                        if left <= 0 or not self._wake.wait(left):
                             break
                     else:
                         self._wake.wait()
                 queue, self._queue = self._queue, []
                 waiters, self._waiters = self._waiters, []
                 closing = self._closing
-            if not queue and not waiters:
-                if interval and self._unsynced():
-                    self._sync_segments(self._segments[-2:])
-                if closing:
-                    self._sync_segments(self._segments[-2:])
-                    return
-                continue
-            error = self._write(queue, waiters)
-            if error is None:
-                end = waiters[-1].appended
-                with self._commit:
-                    self.committed_offset = end.end_offset
-                    self.committed_sequence = end.first_sequence + end.count - 1
-                    self.records_appended += sum(w.appended.count for w in waiters)
-                    self._commit.notify_all()
-            for w in waiters:
-                try:
-                    w.callback(None if error else w.appended, error)
-                except Exception:  # a waiter's bug must not kill the log
-                    log.exception("message log callback failed")
+            if queue:
+                self._commit_batch(queue, waiters)
+            elif interval and self._unsynced():
+                self._sync_idle()
             if closing:
                 with self._lock:
-                    if not self._queue:
-                        return
+                    if self._queue:
+                        continue  # submitted before close() was called: write it first
+                if self._unsynced():
+                    self._sync_idle()  # interval policy: nothing acknowledged stays unsynced
+                return
+
+    def _commit_batch(self, queue: list[tuple[Segment, bytearray]], waiters: list[_Pending]) -> None:
+        """Write one batch (and fdatasync it under the sync policy), then complete its appenders."""
+        error = self._write(queue, waiters)
+        if error is None:
+            end = waiters[-1].appended
+            with self._commit:
+                self.committed_offset = end.end_offset
+                self.committed_sequence = end.first_sequence + end.count - 1
+                self.records_appended += sum(w.appended.count for w in waiters)
+                self._commit.notify_all()
+        for w in waiters:
+            try:
+                w.callback(None if error else w.appended, error)
+            except Exception:  # a waiter's bug must not kill the log
+                log.exception("message log callback failed")
+
+    def _sync_idle(self) -> None:
+        try:
+            self._sync_segments(self._segments[-2:])
+        except WalFailed:
+            log.exception("message log fdatasync failed; the log refuses appends until reopened")
 
     def _unsynced(self) -> bool:
         return any(s.synced_size != s.size for s in self._segments[-2:])
@@ -342,8 +376,8 @@ class MessageLog:
         return failure
 
     def _drop_empty_tail(self) -> None:
-        seg = self._segments.pop()
-        self._bases.pop()
+        seg = self._segments[-1]
+        self._segments = self._segments[:-1]
         self.pool.forget(seg.path)
         os.unlink(seg.path)
 
@@ -368,8 +402,9 @@ class MessageLog:
             return self.committed_offset
 
     def segment_at(self, offset: int) -> Segment | None:
-        i = bisect.bisect_right(self._bases, offset) - 1
-        return self._segments[i] if i >= 0 else None
+        segments = self._segments
+        i = bisect.bisect_right(segments, offset, key=_segment_key) - 1
+        return segments[i] if i >= 0 else None
 
     def read(self, offset: int, max_bytes: int = 4 * 1024 * 1024) -> tuple[list[Frame], int]:
         """Committed frames from ``offset`` (global); returns (frames, next offset).
@@ -379,15 +414,16 @@ class MessageLog:
         limit = self.committed_offset
         if offset >= limit:
             return [], offset
-        i = bisect.bisect_right(self._bases, offset) - 1
+        segments = self._segments  # one snapshot: delete_before replaces the list, never edits it
+        i = bisect.bisect_right(segments, offset, key=_segment_key) - 1
         if i < 0:
             raise InvariantViolation(f"offset {offset} is before the oldest message-log segment "
-                                     f"({self._bases[0]}); it was cleaned")
-        seg = self._segments[i]
+                                     f"({segments[0].key}); it was cleaned")
+        seg = segments[i]
         end = min(seg.key + seg.size, limit)
         if offset >= end:
-            if i + 1 < len(self._segments):
-                return self.read(self._segments[i + 1].key, max_bytes)
+            if i + 1 < len(segments):
+                return self.read(segments[i + 1].key, max_bytes)
             return [], offset
         frames = []
         taken = 0
@@ -419,15 +455,22 @@ class MessageLog:
         return list(self._segments)
 
     def delete_before(self, offset: int) -> list[str]:
-        """Delete whole segments that end at or before ``offset``; never the active one."""
+        """Delete whole segments that end at or before ``offset``; never the active one.
+
+        Nor the last segment holding a committed record: the highest sequence must stay on
+        disk, or a restart after a roll whose first write never happened would hand out
+        sequence 1 again.
+        """
         removed = []
         with self._lock:
-            while len(self._segments) > 1:
-                seg = self._segments[0]
-                if seg.key + seg.size > offset or seg is self._plan_segment:
+            keep = 0
+            for seg in self._segments[:-1]:
+                end = seg.key + seg.size
+                if end > offset or seg is self._plan_segment or end >= self.committed_offset:
                     break
-                self._segments.pop(0)
-                self._bases.pop(0)
+                keep += 1
+            doomed, self._segments = self._segments[:keep], self._segments[keep:]
+            for seg in doomed:
                 self.pool.forget(seg.path)
                 os.unlink(seg.path)
                 removed.append(seg.path)
@@ -440,7 +483,14 @@ class MessageLog:
         return self._failed
 
     def close(self) -> None:
+        """Write and sync everything submitted so far, stop the writer, release the files."""
         with self._lock:
             self._closing = True
             self._wake.notify()
         self._writer.join()
+        if self._owns_pool:
+            self.pool.close()
+
+
+def _segment_key(seg: Segment) -> int:
+    return seg.key
