@@ -1,0 +1,7 @@
+"""Python client of qdelay: ``from qdelay.client import Client``."""
+
+from qdelay.client.client import (CANCEL_OUTCOMES, STATES, Client, Consumer, DeadlineExceeded, Delivery, Message,
+                                  Receipt, translate)
+
+__all__ = ["Client", "Consumer", "DeadlineExceeded", "Delivery", "Message", "Receipt", "CANCEL_OUTCOMES", "STATES",
+           "translate"]

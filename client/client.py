@@ -1,0 +1,353 @@
+"""Python client of the qdelay gRPC API (blocking; safe to share between threads).
+
+    from qdelay.client import Client
+    with Client("127.0.0.1:7600", token=None) as c:
+        r = c.send("order.close", b"order 42", delay_ms=30 * 60 * 1000)
+        c.cancel(r)
+        receipts = c.send_many(c.message("s", b"x", delay_ms=1000) for _ in range(10_000))
+        with c.subscribe("order.close") as consumer:
+            for batch in consumer.batches():
+                handle(batch)
+                consumer.ack(batch)
+
+Errors are raised as the matching class of :mod:`qdelay.errors` (InvalidArgument,
+ResourceExhausted, Unauthenticated, FailedPrecondition, Unavailable, ...) carrying the
+server's message, the gRPC code (``.code``) and the number of attempts. Retries happen
+only for UNAVAILABLE (not reached, shutting down) with a short backoff, a bounded number of
+times, and the last error is raised as it is: nothing is swallowed. A Send is retried only
+with a message id set on the client side, so a retry of a send whose first try did land
+repeats the same id (the consumer sees one id, maybe twice: at-least-once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Iterable, Iterator, Sequence
+
+import grpc
+
+from qdelay import errors
+from qdelay.v1 import qdelay_pb2 as pb
+from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+Message = pb.Message
+Receipt = pb.Receipt
+Delivery = pb.Delivery
+
+DEFAULT_TARGET = "127.0.0.1:7600"
+MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+
+CANCEL_OUTCOMES = {v.number: v.name for v in pb.CancelResponse.Outcome.DESCRIPTOR.values}
+STATES = {v.number: v.name for v in pb.GetResponse.State.DESCRIPTOR.values}
+
+_ERRORS = {
+    "INVALID_ARGUMENT": errors.InvalidArgument,
+    "NOT_FOUND": errors.NotFound,
+    "UNAUTHENTICATED": errors.Unauthenticated,
+    "PERMISSION_DENIED": errors.PermissionDenied,
+    "FAILED_PRECONDITION": errors.FailedPrecondition,
+    "RESOURCE_EXHAUSTED": errors.ResourceExhausted,
+    "UNAVAILABLE": errors.Unavailable,
+    "DATA_LOSS": errors.StorageError,
+    "INTERNAL": errors.QdelayError,
+}
+
+
+class DeadlineExceeded(errors.Unavailable):
+    """The call did not finish within its timeout; whether it took effect is unknown."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+def translate(error: grpc.RpcError, attempts: int = 1) -> errors.QdelayError:
+    """The qdelay error for a failed call (keeps the server's message and the code)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    cls = DeadlineExceeded if code == grpc.StatusCode.DEADLINE_EXCEEDED else _ERRORS.get(code.name, errors.QdelayError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, f"{code.name}: {details}")
+    exc.code = code
+    exc.details = details
+    exc.attempts = attempts
+    return exc
+
+
+class _Ids:
+    def __init__(self) -> None:
+        self._prefix = "c" + os.urandom(8).hex() + "-"
+        self._count = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):x}"
+
+
+def _receipt(r) -> pb.Receipt:
+    if isinstance(r, pb.Receipt):
+        return r
+    if isinstance(r, dict):
+        return pb.Receipt(**r)
+    message_id, deliver_at_ms, sequence = r
+    return pb.Receipt(message_id=message_id, deliver_at_ms=deliver_at_ms, sequence=sequence)
+
+
+class Client:
+    def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: bool = False,
+                 tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
+                 timeout: float = 30.0, retries: int = 3, retry_backoff: float = 0.1,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, options: Sequence[tuple] = ()) -> None:
+        opts = [("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes), *options]
+        if tls or tls_ca is not None:
+            root = tls_ca
+            if isinstance(tls_ca, str):
+                with open(tls_ca, "rb") as f:
+                    root = f.read()
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root), opts)
+        else:
+            self.channel = grpc.insecure_channel(target, opts)
+        self.stub = pb_grpc.DelayServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+        self.retries = retries
+        self.retry_backoff = retry_backoff
+        self._ids = _Ids()
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method, request, timeout: float | None):
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
+                    raise translate(e, attempt) from None
+                time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    # ------------------------------------------------------------------ producer
+    def message(self, subject: str, payload: bytes = b"", *, delay_ms: int | None = None,
+                deliver_at_ms: int | None = None, headers: dict[str, str] | None = None,
+                message_id: str | None = None) -> pb.Message:
+        """Build a Message; exactly one of ``delay_ms`` / ``deliver_at_ms`` (default: delay 0)."""
+        if delay_ms is not None and deliver_at_ms is not None:
+            raise errors.InvalidArgument("give delay_ms or deliver_at_ms, not both")
+        msg = pb.Message(subject=subject, payload=payload, headers=headers or {},
+                         message_id=message_id or (self._ids() if self.retries else ""))
+        if deliver_at_ms is not None:
+            msg.deliver_at_ms = deliver_at_ms
+        else:
+            msg.delay_ms = delay_ms or 0
+        return msg
+
+    def _with_ids(self, messages: Iterable[pb.Message]) -> list[pb.Message]:
+        out = list(messages)
+        if self.retries:
+            for m in out:
+                if not m.message_id:
+                    m.message_id = self._ids()
+        return out
+
+    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw) -> pb.Receipt:
+        msg = self.message(subject, payload, **kw)
+        return self._call(self.stub.Send, pb.SendRequest(message=msg), timeout).receipt
+
+    def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[pb.Receipt]:
+        """One SendBatch: all-or-nothing validation, one durable group commit."""
+        request = pb.SendBatchRequest(messages=self._with_ids(messages))
+        return list(self._call(self.stub.SendBatch, request, timeout).receipts)
+
+    def send_many(self, messages: Iterable[pb.Message], batch_size: int = 1000, max_in_flight: int = 4,
+                  timeout: float | None = None) -> list[pb.Receipt]:
+        """Send any number of messages as pipelined batches; receipts in input order.
+
+        Stops at the first failed batch and raises its error (with ``.receipts`` holding the
+        receipts of every batch acknowledged before it, in order).
+        """
+        receipts: list[pb.Receipt] = []
+        inflight: deque = deque()
+
+        def settle_one() -> None:
+            request, future, attempt = inflight.popleft()
+            while True:
+                try:
+                    receipts.extend(future.result().receipts)
+                    return
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
+                        for _r, f, _a in inflight:
+                            f.cancel()
+                        err = translate(e, attempt)
+                        err.receipts = receipts
+                        raise err from None
+                    time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+                    attempt += 1
+                    future = self.stub.SendBatch.future(request, timeout=timeout or self.timeout,
+                                                        metadata=self.metadata)
+
+        batch: list[pb.Message] = []
+
+        def submit() -> None:
+            request = pb.SendBatchRequest(messages=self._with_ids(batch))
+            future = self.stub.SendBatch.future(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            inflight.append((request, future, 1))
+
+        for msg in messages:
+            batch.append(msg)
+            if len(batch) >= batch_size:
+                submit()
+                batch = []
+                while len(inflight) >= max_in_flight:
+                    settle_one()
+        if batch:
+            submit()
+        while inflight:
+            settle_one()
+        return receipts
+
+    def cancel(self, receipt, timeout: float | None = None) -> str:
+        """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND' or 'ALREADY_CANCELLED'."""
+        resp = self._call(self.stub.Cancel, pb.CancelRequest(receipt=_receipt(receipt)), timeout)
+        return CANCEL_OUTCOMES[resp.outcome]
+
+    def get(self, receipt, timeout: float | None = None) -> pb.GetResponse:
+        """GetResponse; ``client.state_name(resp)`` gives 'PENDING', 'DELIVERED', ..."""
+        return self._call(self.stub.Get, pb.GetRequest(receipt=_receipt(receipt)), timeout)
+
+    @staticmethod
+    def state_name(resp: pb.GetResponse) -> str:
+        return STATES[resp.state]
+
+    def stats(self, timeout: float | None = None) -> dict:
+        resp = self._call(self.stub.Stats, pb.StatsRequest(), timeout)
+        return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+
+    def health(self, timeout: float = 5.0) -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise translate(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    # ------------------------------------------------------------------ consumer
+    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> "Consumer":
+        return Consumer(self, subject, group, max_in_flight)
+
+
+_END = object()
+
+
+class Consumer:
+    """One Subscribe stream: iterate deliveries (or batches of them) and ack them.
+
+    Deliveries not acknowledged within the server's ack timeout are delivered again
+    (``attempt`` + 1), to this or another consumer of the subject. At most
+    ``max_in_flight`` unacknowledged deliveries are outstanding at once.
+    """
+
+    def __init__(self, client: Client, subject: str, group: str, max_in_flight: int) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(pb.SubscribeRequest(subject=subject, group=group, max_in_flight=max_in_flight))
+        self._closed = threading.Event()
+        self._call = client.stub.Subscribe(self._request_iter(), metadata=client.metadata)
+        self.subject = subject
+        self.group = group
+
+    def _request_iter(self) -> Iterator[pb.SubscribeRequest]:
+        while True:
+            item = self._requests.get()
+            if item is _END:
+                return
+            yield item
+
+    def batches(self) -> Iterator[list[pb.Delivery]]:
+        """Each SubscribeResponse's deliveries as one list (the efficient way)."""
+        try:
+            for resp in self._call:
+                if resp.deliveries:
+                    yield list(resp.deliveries)
+        except grpc.RpcError as e:
+            if self._closed.is_set() and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise translate(e) from None
+
+    def __iter__(self) -> Iterator[pb.Delivery]:
+        for batch in self.batches():
+            yield from batch
+
+    def receive(self, count: int, timeout: float) -> list[pb.Delivery]:
+        """Deliveries until ``count`` arrived or ``timeout`` seconds passed (whole batches, so
+        possibly more than ``count``). Do not mix with iterating the consumer."""
+        got: list[pb.Delivery] = []
+        deadline = time.monotonic() + timeout
+
+        if not hasattr(self, "_pump"):
+            self._inbox: queue.Queue = queue.Queue()
+
+            def pump() -> None:
+                try:
+                    for batch in self.batches():
+                        self._inbox.put(batch)
+                except errors.QdelayError as e:
+                    self._inbox.put(e)
+                self._inbox.put(_END)
+
+            self._pump = threading.Thread(target=pump, daemon=True)
+            self._pump.start()
+        while len(got) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                item = self._inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            if item is _END:
+                self._inbox.put(_END)
+                break
+            if isinstance(item, Exception):
+                raise item
+            got.extend(item)
+        return got
+
+    def ack(self, deliveries: Iterable) -> None:
+        """Acknowledge deliveries (Delivery objects or ack ids); one request for all of them."""
+        ids = [d if isinstance(d, str) else d.ack_id for d in deliveries]
+        if ids:
+            self._requests.put(pb.SubscribeRequest(ack_ids=ids))
+
+    def add_credit(self, max_in_flight: int) -> None:
+        """Change how many unacknowledged deliveries this consumer accepts."""
+        self._requests.put(pb.SubscribeRequest(max_in_flight=max_in_flight))
+
+    def close(self) -> None:
+        self._closed.set()
+        self._requests.put(_END)
+        self._call.cancel()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,204 @@
+"""Server configuration: defaults, a TOML file, and command-line flags (flags win).
+
+File layout (every key optional; unknown keys are an error so that typos do not pass
+silently)::
+
+    listen = "127.0.0.1:7600"
+    data_dir = "./data"
+    role = "master"                 # or "slave"
+    master = "10.0.0.1:7600"        # slave only: where to pull from
+    replication = "async"           # or "sync"
+    auth_token_file = "/etc/qdelay/tokens"
+    tls_cert = "/etc/qdelay/server.crt"
+    tls_key = "/etc/qdelay/server.key"
+    metrics_listen = "127.0.0.1:9600"
+    min_free_bytes = 536870912      # refuse new messages below this much free disk
+    min_free_bytes_hard = 16777216  # refuse cancels too below this
+    ingest_queue_messages = 200000  # messages accepted but not yet durable, server-wide
+    ingest_queue_bytes = 536870912
+    grace_seconds = 10              # SIGTERM: time given to in-flight calls
+    log_level = "info"
+    log_format = "text"             # or "json"
+
+    [limits]
+    max_payload_bytes = 4194304
+    max_batch = 10000
+    ...
+
+    [engine]                        # passed to qdelay.server.engine.EngineConfig
+    flush = "sync"
+    ack_timeout_ms = 30000
+    ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from qdelay.errors import InvalidArgument
+
+DEFAULT_LISTEN = "127.0.0.1:7600"
+DEFAULT_DATA_DIR = "./data"
+YEAR_MS = 365 * 86400 * 1000
+
+
+class ConfigError(InvalidArgument):
+    """The configuration (file or flags) is invalid; the server refuses to start."""
+
+
+@dataclass
+class Limits:
+    """Request limits of the API contract; validated on every request."""
+
+    max_subject_len: int = 255
+    max_payload_bytes: int = 4 * 1024 * 1024
+    max_headers: int = 64
+    max_header_key_bytes: int = 128
+    max_headers_bytes: int = 16 * 1024
+    max_message_id_bytes: int = 128
+    max_batch: int = 10_000
+    max_delay_ms: int = 2 * YEAR_MS
+    # gRPC's receive cap: one request (a batch) may be at most this large
+    max_request_bytes: int = 64 * 1024 * 1024
+
+    def grpc_receive_limit(self) -> int:
+        # a single message of the maximum payload, with room for its envelope, always fits
+        return max(self.max_request_bytes, self.max_payload_bytes + 64 * 1024 + self.max_headers_bytes)
+
+
+@dataclass
+class ServerConfig:
+    listen: str = DEFAULT_LISTEN
+    data_dir: str = DEFAULT_DATA_DIR
+    role: str = "master"
+    master: str | None = None
+    replication: str = "async"
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    metrics_listen: str | None = None
+    min_free_bytes: int = 512 * 1024 * 1024
+    min_free_bytes_hard: int = 16 * 1024 * 1024
+    ingest_queue_messages: int = 200_000
+    ingest_queue_bytes: int = 512 * 1024 * 1024
+    # Subscribe: default credit, and the size of one SubscribeResponse
+    default_max_in_flight: int = 1000
+    max_deliveries_per_response: int = 1000
+    max_response_bytes: int = 2 * 1024 * 1024
+    max_concurrent_rpcs: int = 10_000
+    grace_seconds: float = 10.0
+    log_level: str = "info"
+    log_format: str = "text"
+    limits: Limits = field(default_factory=Limits)
+    # options for EngineConfig (data_dir, role and max_delay_ms are filled in from above)
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The :class:`qdelay.server.engine.EngineConfig` this server runs with."""
+        return build_engine_config(self)
+
+    def validate(self) -> "ServerConfig":
+        parse_hostport(self.listen, "listen")
+        if self.metrics_listen:
+            parse_hostport(self.metrics_listen, "metrics_listen")
+        if self.role not in ("master", "slave"):
+            raise ConfigError(f"role must be 'master' or 'slave', not {self.role!r}")
+        if self.replication not in ("sync", "async"):
+            raise ConfigError(f"replication must be 'sync' or 'async', not {self.replication!r}")
+        if self.role == "slave" and not self.master:
+            raise ConfigError("role 'slave' needs --master HOST:PORT")
+        if self.master:
+            parse_hostport(self.master, "master")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
+        for name in ("min_free_bytes", "min_free_bytes_hard", "ingest_queue_messages", "ingest_queue_bytes",
+                     "default_max_in_flight", "max_deliveries_per_response", "max_response_bytes",
+                     "max_concurrent_rpcs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
+        for f in dataclasses.fields(Limits):
+            value = getattr(self.limits, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"limits.{f.name} must be a positive integer, not {value!r}")
+        if self.limits.max_subject_len > 65535 or self.limits.max_message_id_bytes > 65535:
+            raise ConfigError("subject and message_id limits must fit the record format (65535 bytes)")
+        if self.limits.max_payload_bytes >= 2**31:
+            raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
+        return self
+
+
+def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{what} must be HOST:PORT, not {text!r}")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"{what}: port {port!r} is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"{what}: port {number} is out of range")
+    return host.strip("[]"), number
+
+
+_SCALARS = {f.name for f in dataclasses.fields(ServerConfig)} - {"limits", "engine_options"}
+
+
+def from_mapping(data: dict[str, Any], base: ServerConfig | None = None, source: str = "config") -> ServerConfig:
+    """Apply a parsed TOML document over ``base`` (defaults when None)."""
+    cfg = base or ServerConfig()
+    for key, value in data.items():
+        if key == "limits":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [limits] must be a table")
+            known = {f.name for f in dataclasses.fields(Limits)}
+            for lk, lv in value.items():
+                if lk not in known:
+                    raise ConfigError(f"{source}: unknown key limits.{lk} (known: {', '.join(sorted(known))})")
+                setattr(cfg.limits, lk, lv)
+        elif key == "engine":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [engine] must be a table")
+            cfg.engine_options.update(value)
+        elif key in _SCALARS:
+            setattr(cfg, key, value)
+        else:
+            raise ConfigError(f"{source}: unknown key {key!r}")
+    return cfg
+
+
+def load_file(path: str, base: ServerConfig | None = None) -> ServerConfig:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    return from_mapping(data, base, source=path)
+
+
+def build_engine_config(cfg: ServerConfig):
+    """EngineConfig from the server config: [engine] options plus data_dir, role, max delay."""
+    from qdelay.server.engine import EngineConfig  # the engine is imported only when needed
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    options = dict(cfg.engine_options)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"unknown [engine] option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    derived = {"data_dir": cfg.data_dir, "role": cfg.role, "max_delay_ms": cfg.limits.max_delay_ms}
+    for key, value in derived.items():
+        if key in known and key not in options:
+            options[key] = value
+    try:
+        return EngineConfig(**options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[engine] options: {e}") from None

@@ -1,0 +1,167 @@
+"""Validation of every request limit of the API contract (docs/api.md, "Limits").
+
+A batch is validated whole before anything is written: one bad message refuses the
+batch, and the error names the message's index, the field and the limit, e.g.
+``messages[3].subject: 300 bytes, limit 255``. Valid messages come back as the
+engine's ``NewMessage`` with the due time resolved on the server's clock and a
+message id generated where the client left it empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from typing import Callable, Sequence
+
+from qdelay.errors import InvalidArgument
+from qdelay.server.config import Limits
+
+INT64_MAX = 2**63 - 1
+_SUBJECT_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+# printable ASCII (the contract's words), space included
+_MESSAGE_ID_CHARS = re.compile(r"[\x20-\x7e]+")
+
+
+class IdGenerator:
+    """Unique message ids: a random per-process prefix and a counter (cheap, never reused)."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex() + "-"
+        self._count = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):x}"
+
+
+def _where(index: int | None, field: str) -> str:
+    return f"message.{field}" if index is None else f"messages[{index}].{field}"
+
+
+def check_subject(subject: str, limits: Limits, where: str = "subject") -> None:
+    if not subject:
+        raise InvalidArgument(f"{where}: required, 1-{limits.max_subject_len} characters of [A-Za-z0-9._-]")
+    if len(subject) > limits.max_subject_len:
+        raise InvalidArgument(f"{where}: {len(subject)} characters, limit {limits.max_subject_len}")
+    if not _SUBJECT_CHARS.fullmatch(subject):
+        bad = next(c for c in subject if not _SUBJECT_CHARS.fullmatch(c))
+        raise InvalidArgument(f"{where}: character {bad!r} not allowed; use [A-Za-z0-9._-]")
+
+
+def check_message_id(message_id: str, limits: Limits, where: str = "message_id", required: bool = False) -> None:
+    if not message_id:
+        if required:
+            raise InvalidArgument(f"{where}: required")
+        return
+    size = len(message_id.encode())
+    if size > limits.max_message_id_bytes:
+        raise InvalidArgument(f"{where}: {size} bytes, limit {limits.max_message_id_bytes}")
+    if not _MESSAGE_ID_CHARS.fullmatch(message_id):
+        raise InvalidArgument(f"{where}: must be printable ASCII (0x20-0x7e)")
+
+
+def check_headers(headers, limits: Limits, where: str = "headers") -> None:
+    if not headers:
+        return
+    if len(headers) > limits.max_headers:
+        raise InvalidArgument(f"{where}: {len(headers)} entries, limit {limits.max_headers}")
+    total = 0
+    for key, value in headers.items():
+        kb = len(key.encode())
+        if kb == 0:
+            raise InvalidArgument(f"{where}: empty key; keys must be 1-{limits.max_header_key_bytes} bytes")
+        if kb > limits.max_header_key_bytes:
+            raise InvalidArgument(f"{where}[{key[:32]!r}...]: key is {kb} bytes, limit {limits.max_header_key_bytes}")
+        total += kb + len(value.encode())
+    if total > limits.max_headers_bytes:
+        raise InvalidArgument(f"{where}: {total} bytes in all, limit {limits.max_headers_bytes}")
+
+
+def resolve_due(msg, limits: Limits, now_ms: int, where_prefix: str) -> int:
+    which = msg.WhichOneof("when")
+    if which is None:
+        raise InvalidArgument(f"{where_prefix}: set exactly one of deliver_at_ms or delay_ms")
+    if which == "delay_ms":
+        delay = msg.delay_ms
+        if delay < 0:
+            raise InvalidArgument(f"{where_prefix}.delay_ms: {delay} is negative; use 0 for 'now'")
+        if delay > limits.max_delay_ms:
+            raise InvalidArgument(f"{where_prefix}.delay_ms: {delay} ms, limit {limits.max_delay_ms} ms")
+        due = now_ms + delay
+    else:
+        due = msg.deliver_at_ms
+        if due < 0:
+            raise InvalidArgument(f"{where_prefix}.deliver_at_ms: {due} is before 1970 (Unix epoch ms expected)")
+        if due - now_ms > limits.max_delay_ms:
+            raise InvalidArgument(
+                f"{where_prefix}.deliver_at_ms: {due} is {due - now_ms} ms ahead, limit {limits.max_delay_ms} ms")
+    if due > INT64_MAX:  # cannot happen with sane limits; never let an int64 overflow through
+        raise InvalidArgument(f"{where_prefix}: due time overflows int64")
+    return due
+
+
+def validate_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: Callable[[], str],
+                      make: Callable, single: bool = False) -> tuple[list, int]:
+    """Validate a batch of ``qdelay.v1.Message``; return (NewMessage list, payload bytes).
+
+    ``make(subject, payload, headers, message_id, deliver_at_ms)`` builds the engine's
+    message. Raises :class:`InvalidArgument` on the first bad message; nothing is built
+    for a refused batch.
+    """
+    count = len(messages)
+    if count == 0:
+        raise InvalidArgument("messages: empty batch; send at least one message")
+    if count > limits.max_batch:
+        raise InvalidArgument(f"messages: {count} in one batch, limit {limits.max_batch}")
+    out = []
+    total = 0
+    seen: dict[str, int] | None = None
+    max_payload = limits.max_payload_bytes
+    for i, msg in enumerate(messages):
+        index = None if single else i
+        prefix = "message" if single else f"messages[{i}]"
+        check_subject(msg.subject, limits, _where(index, "subject"))
+        payload = msg.payload
+        if len(payload) > max_payload:
+            raise InvalidArgument(f"{_where(index, 'payload')}: {len(payload)} bytes, limit {max_payload}")
+        headers = msg.headers
+        if headers:
+            check_headers(headers, limits, _where(index, "headers"))
+            headers = dict(headers)
+        else:
+            headers = {}
+        message_id = msg.message_id
+        if message_id:
+            check_message_id(message_id, limits, _where(index, "message_id"))
+            if count > 1:
+                if seen is None:
+                    seen = {}
+                first = seen.setdefault(message_id, i)
+                if first != i:
+                    raise InvalidArgument(f"{_where(index, 'message_id')}: {message_id!r} repeats messages[{first}]")
+        else:
+            message_id = new_id()
+        due = resolve_due(msg, limits, now_ms, prefix)
+        total += len(payload)
+        out.append(make(msg.subject, payload, headers, message_id, due))
+    return out, total
+
+
+def validate_receipt(request, limits: Limits) -> tuple[str, int, int]:
+    """(message_id, deliver_at_ms, sequence) of a Cancel/Get request's receipt."""
+    if not request.HasField("receipt"):
+        raise InvalidArgument("receipt: required (the Receipt that Send returned)")
+    r = request.receipt
+    check_message_id(r.message_id, limits, "receipt.message_id", required=True)
+    if r.deliver_at_ms < 0:
+        raise InvalidArgument(f"receipt.deliver_at_ms: {r.deliver_at_ms} is negative")
+    return r.message_id, r.deliver_at_ms, r.sequence
+
+
+def validate_subscribe(request, limits: Limits) -> tuple[str, str]:
+    subject = request.subject
+    check_subject(subject, limits, "subject")
+    group = request.group or "default"
+    if len(group) > limits.max_subject_len or not _SUBJECT_CHARS.fullmatch(group):
+        raise InvalidArgument(f"group: 1-{limits.max_subject_len} characters of [A-Za-z0-9._-]")
+    return subject, group

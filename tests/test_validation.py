@@ -1,0 +1,206 @@
+"""Unit tests: request validation (every limit of the contract), config loading, status mapping."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from qdelay import errors
+from qdelay.server import config as config_mod
+from qdelay.server.config import ConfigError, Limits, ServerConfig
+from qdelay.server.status import status_of
+from qdelay.server.validation import IdGenerator, validate_messages, validate_receipt, validate_subscribe
+from qdelay.v1 import qdelay_pb2 as pb
+
+NOW = 1_700_000_000_000
+LIMITS = Limits()
+
+
+def make(subject, payload, headers, message_id, due):
+    return (subject, payload, headers, message_id, due)
+
+
+def run(messages, limits=LIMITS, single=False):
+    return validate_messages(messages, limits, NOW, IdGenerator(), make, single=single)
+
+
+def msg(**kw):
+    kw.setdefault("subject", "order.close")
+    if "deliver_at_ms" not in kw and "delay_ms" not in kw and not kw.pop("no_time", False):
+        kw["delay_ms"] = 1000
+    return pb.Message(**kw)
+
+
+def refused(messages, *needles, single=False):
+    with pytest.raises(errors.InvalidArgument) as info:
+        run(messages, single=single)
+    text = str(info.value)
+    for needle in needles:
+        assert needle in text, text
+    return text
+
+
+def test_valid_batch_resolves_due_and_ids():
+    out, total = run([msg(payload=b"abc"), msg(deliver_at_ms=NOW + 5, message_id="m-1", headers={"k": "v"})])
+    assert out[0][4] == NOW + 1000 and out[0][3]  # generated id
+    assert out[1] == ("order.close", b"abc"[:0], {"k": "v"}, "m-1", NOW + 5)
+    assert total == 3
+
+
+def test_generated_ids_unique():
+    gen = IdGenerator()
+    ids = {gen() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    assert IdGenerator()() != IdGenerator()()
+
+
+def test_past_due_accepted():
+    out, _ = run([msg(deliver_at_ms=1)])
+    assert out[0][4] == 1
+
+
+@pytest.mark.parametrize("subject,needle", [
+    ("", "required"), ("a" * 256, "256 characters, limit 255"), ("a b", "' '"), ("é", "'é'"), ("a/b", "'/'"),
+])
+def test_subject(subject, needle):
+    refused([msg(), msg(subject=subject)], "messages[1].subject", needle)
+
+
+def test_subject_max_ok():
+    run([msg(subject="A-z_0.9" + "x" * 248)])
+
+
+def test_payload_limit():
+    run([msg(payload=b"x" * LIMITS.max_payload_bytes)])
+    refused([msg(payload=b"x" * (LIMITS.max_payload_bytes + 1))], "messages[0].payload", "4194305 bytes, limit 4194304")
+
+
+def test_headers():
+    run([msg(headers={f"k{i}": "v" for i in range(64)})])
+    refused([msg(headers={f"k{i}": "v" for i in range(65)})], "headers", "65 entries, limit 64")
+    refused([msg(headers={"": "v"})], "headers", "empty key")
+    refused([msg(headers={"k" * 129: "v"})], "129 bytes, limit 128")
+    refused([msg(headers={"a": "x" * 16 * 1024})], "bytes in all, limit 16384")
+    run([msg(headers={"a": "x" * (16 * 1024 - 1)})])
+
+
+def test_message_id():
+    run([msg(message_id="x" * 128)])
+    refused([msg(message_id="x" * 129)], "message_id", "129 bytes, limit 128")
+    refused([msg(message_id="caf\u00e9")], "message_id", "printable ASCII")
+    refused([msg(message_id="a\nb")], "printable ASCII")
+    refused([msg(message_id="same"), msg(message_id="same")], "messages[1].message_id", "repeats messages[0]")
+
+
+def test_due_time():
+    refused([msg(no_time=True)], "exactly one of deliver_at_ms or delay_ms")
+    run([msg(delay_ms=LIMITS.max_delay_ms)])
+    refused([msg(delay_ms=LIMITS.max_delay_ms + 1)], "delay_ms", "limit 63072000000 ms")
+    refused([msg(delay_ms=2**63 - 1)], "delay_ms")  # no overflow
+    refused([msg(delay_ms=-5)], "negative")
+    run([msg(deliver_at_ms=NOW + LIMITS.max_delay_ms)])
+    refused([msg(deliver_at_ms=NOW + LIMITS.max_delay_ms + 1)], "deliver_at_ms", "limit")
+    refused([msg(deliver_at_ms=2**63 - 1)], "deliver_at_ms")
+    refused([msg(deliver_at_ms=-1)], "before 1970")
+
+
+def test_batch_limits():
+    refused([], "empty batch")
+    refused([msg()] * 10_001, "10001 in one batch, limit 10000")
+    run([msg()] * 10_000)
+
+
+def test_single_names_message():
+    refused([msg(subject="")], "message.subject", single=True)
+
+
+def test_custom_limits():
+    limits = Limits(max_payload_bytes=10, max_batch=2)
+    with pytest.raises(errors.InvalidArgument, match="limit 10"):
+        run([msg(payload=b"x" * 11)], limits=limits)
+    with pytest.raises(errors.InvalidArgument, match="limit 2"):
+        run([msg()] * 3, limits=limits)
+
+
+def test_receipt_and_subscribe():
+    with pytest.raises(errors.InvalidArgument, match="receipt: required"):
+        validate_receipt(pb.CancelRequest(), LIMITS)
+    with pytest.raises(errors.InvalidArgument, match="receipt.message_id: required"):
+        validate_receipt(pb.CancelRequest(receipt=pb.Receipt(deliver_at_ms=5)), LIMITS)
+    assert validate_receipt(pb.GetRequest(receipt=pb.Receipt(message_id="a", deliver_at_ms=5, sequence=7)),
+                            LIMITS) == ("a", 5, 7)
+    assert validate_subscribe(pb.SubscribeRequest(subject="s"), LIMITS) == ("s", "default")
+    with pytest.raises(errors.InvalidArgument, match="subject"):
+        validate_subscribe(pb.SubscribeRequest(), LIMITS)
+    with pytest.raises(errors.InvalidArgument, match="group"):
+        validate_subscribe(pb.SubscribeRequest(subject="s", group="a b"), LIMITS)
+
+
+# ---------------------------------------------------------------- status mapping
+@pytest.mark.parametrize("error,code", [
+    (errors.InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.DiskFull("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.NotMaster("x"), grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.Fenced("x"), grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ShuttingDown("x"), grpc.StatusCode.UNAVAILABLE),
+    (errors.WalFailed("x"), grpc.StatusCode.UNAVAILABLE),
+    (errors.Unauthenticated("x"), grpc.StatusCode.UNAUTHENTICATED),
+    (errors.CorruptRecord("seg", 10, "bad"), grpc.StatusCode.DATA_LOSS),
+    (RuntimeError("secret internals"), grpc.StatusCode.INTERNAL),
+])
+def test_status_mapping(error, code):
+    got, message = status_of(error)
+    assert got == code
+    assert "secret" not in message
+
+
+# ---------------------------------------------------------------- config
+def test_config_file_and_flags(tmp_path):
+    path = tmp_path / "q.toml"
+    path.write_text('listen = "127.0.0.1:9999"\nmin_free_bytes = 5\n[limits]\nmax_batch = 7\n'
+                    '[engine]\nack_timeout_ms = 500\n')
+    cfg = config_mod.load_file(str(path))
+    assert cfg.listen == "127.0.0.1:9999" and cfg.min_free_bytes == 5
+    assert cfg.limits.max_batch == 7 and cfg.engine_options == {"ack_timeout_ms": 500}
+    cfg.validate()
+
+
+def test_config_errors(tmp_path):
+    path = tmp_path / "q.toml"
+    path.write_text('lisen = "x"\n')
+    with pytest.raises(ConfigError, match="unknown key 'lisen'"):
+        config_mod.load_file(str(path))
+    path.write_text('[limits]\nmax_batc = 1\n')
+    with pytest.raises(ConfigError, match="limits.max_batc"):
+        config_mod.load_file(str(path))
+    path.write_text('listen = \n')
+    with pytest.raises(ConfigError, match="q.toml"):
+        config_mod.load_file(str(path))
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        ServerConfig(listen="7600").validate()
+    with pytest.raises(ConfigError, match="--master"):
+        ServerConfig(role="slave").validate()
+    with pytest.raises(ConfigError, match="both"):
+        ServerConfig(tls_cert="a").validate()
+    with pytest.raises(ConfigError, match="max_batch"):
+        ServerConfig(limits=Limits(max_batch=0)).validate()
+
+
+def test_main_flags_override_file(tmp_path):
+    from qdelay.server import main
+
+    path = tmp_path / "q.toml"
+    path.write_text('listen = "127.0.0.1:9999"\ndata_dir = "from-file"\n[limits]\nmax_batch = 7\n')
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--listen", "127.0.0.1:0",
+                              "--set", "limits.max_batch=9", "--set", "engine.flush=interval:5"])
+    cfg = main.config_from_args(args)
+    assert cfg.listen == "127.0.0.1:0" and cfg.data_dir == "from-file"
+    assert cfg.limits.max_batch == 9 and cfg.engine_options["flush"] == "interval:5"
+    args = parser.parse_args([])
+    cfg = main.config_from_args(args)
+    assert cfg.listen == "127.0.0.1:7600" and cfg.data_dir == "./data" and cfg.role == "master"
