@@ -1,0 +1,726 @@
+"""``qdelay inspect``: read-only inspection of a data folder (ls, dump, verify, find, stats).
+
+Read-only and safe on a live server's folder and on a corrupt one: files are opened for
+reading only, nothing is repaired (``segments.segment.recover`` is never called), and a
+bad record is reported by file and offset, never raised. Every read goes through the one
+codec of ``qdelay.segments`` (``framing.check_at`` / ``find_next_frame``, ``records``).
+
+This module also holds the folder walker the Spark source shares (:func:`segment_files`,
+:func:`walk`), so the command line and Spark see the same records and the same errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime as _dt
+import json
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+from qdelay.segments import framing, naming, records
+from qdelay.segments.framing import Frame, FrameError, RecordKind
+from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
+from qdelay.tools.progress import Progress
+
+LOGS = ("message", "schedule", "dispatch")
+_LOG_DIRS = {"message": naming.MESSAGE_DIR, "schedule": naming.SCHEDULE_DIR,
+             "dispatch": naming.DISPATCH_DIR}
+_SUFFIX = {"schedule": naming.SCHEDULE_SUFFIX, "dispatch": naming.DISPATCH_SUFFIX}
+# the record kinds each log may hold
+ALLOWED_KINDS = {"message": {RecordKind.MESSAGE, RecordKind.CANCEL},
+                 "schedule": {RecordKind.MESSAGE, RecordKind.CANCEL},
+                 "dispatch": {RecordKind.DISPATCH}}
+CHECKPOINT_NAME = "iterate" + naming.CHECKPOINT_SUFFIX
+
+OK, BAD_BODY, CORRUPT, TORN, ZERO = "ok", "bad-body", "corrupt", "torn", "zero"
+
+
+# --- the folder walker (shared with the Spark source) --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFile:
+    log: str     # message | schedule | dispatch
+    path: str    # absolute path
+    rel: str     # path relative to the data folder, "/"-separated
+    key: int     # base offset (message log) or bucket minute (schedule, dispatch)
+    size: int    # bytes when listed (a live segment may have grown since)
+
+
+def segment_files(data_dir: str, logs=LOGS) -> list[SegmentFile]:
+    """Every segment of the given logs, message log by base offset, others by bucket."""
+    out = []
+    for log in logs:
+        directory = os.path.join(data_dir, _LOG_DIRS[log])
+        if log == "message":
+            listed = naming.list_wal(directory)
+        else:
+            listed = naming.list_buckets(directory, _SUFFIX[log])
+        for key, path in listed:
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:  # cleaned while we listed (live server)
+                continue
+            rel = os.path.relpath(path, data_dir).replace(os.sep, "/")
+            out.append(SegmentFile(log, os.path.abspath(path), rel, key, size))
+    return out
+
+
+@dataclass(slots=True)
+class Item:
+    """One record, or one stretch of bytes that is not a valid record."""
+
+    status: str                 # ok | bad-body | corrupt | torn | zero
+    offset: int                 # in the file
+    end: int                    # offset just after it
+    frame: Frame | None = None
+    record: object = None       # Message | Cancel | Dispatch once decoded
+    error: str | None = None
+
+    @property
+    def is_error(self) -> bool:
+        return self.status in (BAD_BODY, CORRUPT, TORN)
+
+
+def decode(frame: Frame) -> tuple[object, str | None]:
+    """Decode a frame's body with the record codecs; (record, None) or (None, why)."""
+    try:
+        return records.decode_body(frame.kind, frame.body), None
+    except Exception as err:  # a body that passed its checksum but does not decode
+        return None, f"undecodable {_kind_name(frame.kind)} body: {err}"
+
+
+def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item]:
+    """Every record of ``buf`` (a segment's bytes, or a range starting on a record boundary
+    at ``file_offset``), and every bad stretch: corrupt (a valid record follows: reading
+    resumes there), torn (bad bytes up to the end), or zero (unwritten space at the end)."""
+    pos = 0
+    end = len(buf)
+    check_at = framing.check_at
+    while pos < end:
+        try:
+            frame = check_at(buf, pos)
+        except FrameError as err:
+            rest = bytes(buf[pos:])
+            if not any(rest):
+                yield Item(ZERO, file_offset + pos, file_offset + end)
+                return
+            nxt = framing.find_next_frame(rest, 1)
+            if nxt is None:
+                yield Item(TORN, file_offset + pos, file_offset + end,
+                           error=f"torn tail: {err.reason} ({end - pos} bytes to the end)")
+                return
+            yield Item(CORRUPT, file_offset + pos, file_offset + pos + nxt,
+                       error=f"{err.reason} ({nxt} bytes skipped to the next valid record)")
+            pos += nxt
+            continue
+        size = frame.size
+        frame = Frame(file_offset + pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
+        if decode_bodies:
+            record, why = decode(frame)
+            if why is not None:
+                yield Item(BAD_BODY, frame.offset, frame.offset + size, frame, None, why)
+            else:
+                yield Item(OK, frame.offset, frame.offset + size, frame, record)
+        else:
+            yield Item(OK, frame.offset, frame.offset + size, frame)
+        pos += size
+
+
+@contextlib.contextmanager
+def open_buffer(path: str):
+    """The file's bytes, memory-mapped read-only (b"" for an empty or vanished file)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        yield b""
+        return
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            yield b""
+            return
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        try:
+            yield mm
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a slice still references it: let the GC close it
+                pass
+
+
+def walk_file(sf: SegmentFile, progress: Progress | None = None,
+              decode_bodies: bool = True) -> Iterator[Item]:
+    with open_buffer(sf.path) as buf:
+        done = 0
+        for item in walk(buf, 0, decode_bodies):
+            if progress is not None and item.end - done >= 1 << 20:
+                progress.advance(item.end - done)
+                done = item.end
+            yield item
+        if progress is not None:
+            progress.advance(max(sf.size - done, 0))
+
+
+def read_checkpoint(data_dir: str) -> tuple[dict | None, str | None]:
+    """(state, None), (None, None) when absent, or (None, error) when unreadable."""
+    path = os.path.join(data_dir, naming.CHECKPOINT_DIR, CHECKPOINT_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, None
+    try:
+        return records.decode_checkpoint(data), None
+    except (FrameError, ValueError) as err:
+        return None, f"{getattr(err, 'offset', 0)}: {err}"
+
+
+# --- formatting helpers --------------------------------------------------------------------
+
+
+def iso(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    t = _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return RecordKind(kind).name
+    except ValueError:
+        return f"KIND_{kind}"
+
+
+def outcome_name(outcome: int) -> str:
+    try:
+        return Outcome(outcome).name
+    except ValueError:
+        return f"OUTCOME_{outcome}"
+
+
+def payload_text(payload: bytes) -> tuple[str, str]:
+    """(text, encoding): UTF-8 when it decodes and prints, else base64."""
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(c.isprintable() or c in "\t\n\r" for c in text):
+        return text, "utf-8"
+    return base64.b64encode(payload).decode("ascii"), "base64"
+
+
+def record_fields(item: Item) -> dict:
+    """The record's fields, named like the Spark source's columns."""
+    f = item.frame
+    out: dict = {"offset": item.offset, "size": item.end - item.offset}
+    if f is None:
+        out.update(kind=None, error=item.error)
+        return out
+    out.update(sequence=f.sequence, kind=_kind_name(f.kind))
+    rec = item.record
+    if isinstance(rec, Message):
+        text, enc = payload_text(rec.payload)
+        out.update(message_id=rec.message_id, subject=rec.subject, headers=rec.headers,
+                   payload=text, payload_encoding=enc, payload_bytes=len(rec.payload),
+                   created_ms=f.timestamp, due_ms=rec.deliver_at_ms)
+    elif isinstance(rec, Cancel):
+        out.update(message_id=rec.message_id, target_sequence=rec.target_sequence,
+                   created_ms=f.timestamp, due_ms=rec.deliver_at_ms)
+    elif isinstance(rec, Dispatch):
+        out.update(message_id=rec.message_id, due_ms=rec.deliver_at_ms,
+                   dispatched_ms=rec.dispatched_at_ms, acked_ms=f.timestamp,
+                   schedule_offset=rec.schedule_offset, attempt=rec.attempt,
+                   outcome=outcome_name(rec.outcome))
+    else:
+        out.update(timestamp_ms=f.timestamp)
+    if item.error:
+        out["error"] = item.error
+    return out
+
+
+def _emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=False, separators=(", ", ": ")) + "\n")
+
+
+def _table(rows: list[list[str]], header: list[str], right: set[int] = frozenset()) -> None:
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    def fmt(row):
+        cells = [(c.rjust(widths[i]) if i in right else c.ljust(widths[i])) for i, c in enumerate(row)]
+        return "  ".join(cells).rstrip()
+    sys.stdout.write(fmt(header) + "\n")
+    for row in rows:
+        sys.stdout.write(fmt(row) + "\n")
+
+
+def _progress(files: list[SegmentFile], label: str) -> Progress:
+    return Progress(sum(f.size for f in files), label)
+
+
+def _select(data_dir: str, args) -> list[SegmentFile]:
+    """The segments named on the command line (paths or data-folder-relative), else all of
+    ``--log``'s."""
+    logs = LOGS if getattr(args, "log", "all") in (None, "all") else (args.log,)
+    files = segment_files(data_dir, logs)
+    wanted = getattr(args, "segments", None)
+    if not wanted:
+        return files
+    everything = segment_files(data_dir)
+    by_path = {f.path: f for f in everything}
+    chosen = []
+    for w in wanted:
+        cand = os.path.abspath(w if os.path.exists(w) else os.path.join(data_dir, w))
+        if cand not in by_path:
+            raise SystemExit(f"qdelay inspect: {w} is not a segment of {data_dir}")
+        chosen.append(by_path[cand])
+    return chosen
+
+
+# --- ls --------------------------------------------------------------------------------------
+
+
+def cmd_ls(args) -> int:
+    files = _select(args.data_dir, args)
+    infos = []
+    with _progress(files, "ls") as prog:
+        for sf in files:
+            info = {"log": sf.log, "segment": sf.rel, "bytes": sf.size, "records": 0, "bad": 0,
+                    "first_sequence": None, "last_sequence": None, "first_ms": None,
+                    "last_ms": None, "min_due_ms": None, "max_due_ms": None}
+            for item in walk_file(sf, prog):
+                if item.is_error:
+                    info["bad"] += 1
+                if item.frame is None:
+                    continue
+                f = item.frame
+                info["records"] += 1
+                if info["first_sequence"] is None:
+                    info["first_sequence"] = f.sequence
+                    info["first_ms"] = f.timestamp
+                info["last_sequence"] = f.sequence
+                info["last_ms"] = f.timestamp
+                due = getattr(item.record, "deliver_at_ms", None)
+                if due is not None:
+                    info["min_due_ms"] = due if info["min_due_ms"] is None else min(info["min_due_ms"], due)
+                    info["max_due_ms"] = due if info["max_due_ms"] is None else max(info["max_due_ms"], due)
+            infos.append(info)
+    ckpt, ckpt_err = read_checkpoint(args.data_dir)
+    if args.json:
+        _emit_json({"data_dir": os.path.basename(os.path.abspath(args.data_dir)), "segments": infos,
+                    "checkpoint": ckpt, "checkpoint_error": ckpt_err})
+        return 0
+    rows = []
+    for i in infos:
+        seqs = "-" if i["first_sequence"] is None else f"{i['first_sequence']}..{i['last_sequence']}"
+        rows.append([i["log"], i["segment"], str(i["records"]), str(i["bad"]), str(i["bytes"]), seqs,
+                     iso(i["first_ms"]), iso(i["last_ms"]), iso(i["min_due_ms"]), iso(i["max_due_ms"])])
+    _table(rows, ["LOG", "SEGMENT", "RECORDS", "BAD", "BYTES", "SEQUENCES", "FIRST_TIME",
+                  "LAST_TIME", "FIRST_DUE", "LAST_DUE"], right={2, 3, 4})
+    for log in LOGS:
+        sel = [i for i in infos if i["log"] == log]
+        if sel:
+            sys.stdout.write(f"{log}: {len(sel)} segments, {sum(i['records'] for i in sel)} records, "
+                             f"{sum(i['bad'] for i in sel)} bad, {sum(i['bytes'] for i in sel)} bytes\n")
+    if ckpt_err:
+        sys.stdout.write(f"checkpoint: unreadable ({ckpt_err})\n")
+    elif ckpt is not None:
+        sys.stdout.write("checkpoint: " + " ".join(f"{k}={v}" for k, v in sorted(ckpt.items())) + "\n")
+    else:
+        sys.stdout.write("checkpoint: none\n")
+    return 0
+
+
+# --- dump ------------------------------------------------------------------------------------
+
+
+def cmd_dump(args) -> int:
+    files = _select(args.data_dir, args)
+    left = args.limit
+    with _progress(files, "dump") as prog:
+        for sf in files:
+            for item in walk_file(sf, prog):
+                if item.status == ZERO:
+                    continue
+                if left is not None and left <= 0:
+                    return 0
+                out = {"log": sf.log, "segment": sf.rel}
+                out.update(record_fields(item))
+                _emit_json(out)
+                if left is not None:
+                    left -= 1
+    return 0
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def verify_files(data_dir: str, files: list[SegmentFile], scale_minutes: int = 1,
+                 progress: Progress | None = None) -> tuple[list[dict], dict]:
+    """Every problem (file, offset, reason) and totals: checksums, framing, bodies, kinds,
+    sequences (message log: contiguous across segments; schedule: increasing within a
+    segment), due buckets, message-log base offsets."""
+    problems: list[dict] = []
+    totals = {"segments": 0, "records": 0, "bytes": 0, "bad": 0}
+
+    def bad(sf: SegmentFile | None, offset, reason):
+        problems.append({"segment": sf.rel if sf else None, "offset": offset, "reason": reason})
+
+    prev_wal: SegmentFile | None = None
+    last_wal_seq: int | None = None
+    for sf in files:
+        totals["segments"] += 1
+        totals["bytes"] += sf.size
+        if sf.log == "message" and prev_wal is not None and sf.key != prev_wal.key + prev_wal.size:
+            bad(sf, 0, f"message log gap: segment starts at offset {sf.key}, the previous one "
+                       f"ends at {prev_wal.key + prev_wal.size}")
+        last_seq = None
+        for item in walk_file(sf, progress):
+            if item.status == ZERO:
+                continue
+            if item.is_error:
+                totals["bad"] += 1
+                bad(sf, item.offset, item.error)
+                if item.frame is None:
+                    continue
+            f = item.frame
+            totals["records"] += 1
+            if f.kind not in ALLOWED_KINDS[sf.log]:
+                bad(sf, f.offset, f"record kind {_kind_name(f.kind)} does not belong in the {sf.log} log")
+            if sf.log == "message":
+                if last_wal_seq is not None and f.sequence != last_wal_seq + 1:
+                    bad(sf, f.offset, f"sequence {f.sequence} after {last_wal_seq}: the message log "
+                                      f"must be contiguous")
+                last_wal_seq = f.sequence
+            elif sf.log == "schedule":
+                if last_seq is not None and f.sequence <= last_seq:
+                    bad(sf, f.offset, f"sequence {f.sequence} after {last_seq}: schedule segments "
+                                      f"must be increasing")
+                last_seq = f.sequence
+            due = getattr(item.record, "deliver_at_ms", None)
+            if sf.log != "message" and due is not None and \
+                    naming.bucket_of(due, scale_minutes) != sf.key:
+                bad(sf, f.offset, f"due {iso(due)} belongs to bucket "
+                                  f"{naming.minute_stamp(naming.bucket_of(due, scale_minutes))}, "
+                                  f"not to this segment")
+        if sf.log == "message":
+            prev_wal = sf
+    ckpt_path = os.path.join(data_dir, naming.CHECKPOINT_DIR, CHECKPOINT_NAME)
+    _state, err = read_checkpoint(data_dir)
+    if err:
+        totals["bad"] += 1
+        problems.append({"segment": os.path.relpath(ckpt_path, data_dir).replace(os.sep, "/"),
+                         "offset": int(err.split(":", 1)[0]), "reason": err.split(": ", 1)[1]})
+    return problems, totals
+
+
+def cmd_verify(args) -> int:
+    files = _select(args.data_dir, args)
+    with _progress(files, "verify") as prog:
+        problems, totals = verify_files(args.data_dir, files, args.scale_minutes, prog)
+    if args.json:
+        _emit_json({"ok": not problems, "problems": problems, **totals})
+    else:
+        for p in problems:
+            sys.stdout.write(f"BAD {p['segment']} offset {p['offset']}: {p['reason']}\n")
+        sys.stdout.write(f"{'OK' if not problems else 'FAILED'}: {totals['segments']} segments, "
+                         f"{totals['records']} records, {totals['bytes']} bytes, "
+                         f"{len(problems)} problems\n")
+    return 0 if not problems else 1
+
+
+# --- find ------------------------------------------------------------------------------------
+
+
+def _matches(item: Item, message_id: str | None, sequence: int | None) -> bool:
+    rec = item.record
+    if rec is None:
+        return False
+    if isinstance(rec, Cancel):
+        return rec.message_id == message_id if message_id is not None else rec.target_sequence == sequence
+    if message_id is not None:
+        return getattr(rec, "message_id", None) == message_id
+    return item.frame.sequence == sequence
+
+
+def find_life(data_dir: str, message_id: str | None = None, sequence: int | None = None,
+              scale_minutes: int = 1, progress_label: str = "find") -> list[dict]:
+    """Every message matching the id (or sequence), each with its events in order."""
+    files = segment_files(data_dir)
+    found: dict[int, dict] = {}  # sequence -> life
+
+    def life(seq: int) -> dict:
+        return found.setdefault(seq, {"sequence": seq, "message_id": None, "message": None,
+                                      "events": [], "cancel_sequences": []})
+
+    wal = [f for f in files if f.log == "message"]
+    # 1. the message log (it may have been cleaned: fall back to the schedule log)
+    with _progress(wal, progress_label) as prog:
+        for sf in wal:
+            for item in walk_file(sf, prog):
+                if not _matches(item, message_id, sequence):
+                    continue
+                rec, f = item.record, item.frame
+                if isinstance(rec, Message):
+                    lf = life(f.sequence)
+                    lf["message_id"] = rec.message_id
+                    lf["message"] = record_fields(item)
+                    lf["events"].append({"event": "received", "at_ms": f.timestamp, "log": "message",
+                                         "segment": sf.rel, "offset": item.offset,
+                                         "global_offset": sf.key + item.offset})
+                elif isinstance(rec, Cancel):
+                    lf = life(rec.target_sequence)
+                    lf["message_id"] = lf["message_id"] or rec.message_id
+                    lf["cancel_sequences"].append(f.sequence)
+                    lf["events"].append({"event": "cancel received", "at_ms": f.timestamp,
+                                         "log": "message", "segment": sf.rel, "offset": item.offset,
+                                         "cancel_sequence": f.sequence})
+    # 2. schedule segments: the due bucket when known, else all of them
+    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes)
+               for lf in found.values() if lf["message"]}
+    sched = [f for f in files if f.log == "schedule" and (not found or f.key in buckets)]
+    if found and any(lf["message"] is None for lf in found.values()):
+        sched = [f for f in files if f.log == "schedule"]
+    seqs = set(found)
+    with _progress(sched, progress_label) as prog:
+        for sf in sched:
+            for item in walk_file(sf, prog):
+                rec, f = item.record, item.frame
+                if rec is None:
+                    continue
+                hit = _matches(item, message_id, sequence) or \
+                    (f.sequence in seqs and isinstance(rec, Message)) or \
+                    (isinstance(rec, Cancel) and rec.target_sequence in seqs)
+                if not hit:
+                    continue
+                if isinstance(rec, Message):
+                    lf = life(f.sequence)
+                    lf["message_id"] = rec.message_id
+                    if lf["message"] is None:
+                        lf["message"] = record_fields(item)
+                        lf["events"].append({"event": "received", "at_ms": f.timestamp,
+                                             "log": "schedule (message log cleaned)"})
+                    lf["events"].append({"event": "scheduled", "log": "schedule", "segment": sf.rel,
+                                         "offset": item.offset})
+                else:
+                    lf = life(rec.target_sequence)
+                    if f.sequence not in lf["cancel_sequences"]:
+                        lf["cancel_sequences"].append(f.sequence)
+                        lf["events"].append({"event": "cancel received", "at_ms": f.timestamp,
+                                             "log": "schedule (message log cleaned)",
+                                             "cancel_sequence": f.sequence})
+                    lf["events"].append({"event": "cancel scheduled", "log": "schedule",
+                                         "segment": sf.rel, "offset": item.offset,
+                                         "cancel_sequence": f.sequence})
+    # 3. dispatch records: the same bucket as the schedule segment
+    seqs = set(found)
+    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes)
+               for lf in found.values() if lf["message"]}
+    disp = [f for f in files if f.log == "dispatch" and f.key in buckets]
+    with _progress(disp, progress_label) as prog:
+        for sf in disp:
+            for item in walk_file(sf, prog):
+                rec, f = item.record, item.frame
+                if isinstance(rec, Dispatch) and f.sequence in seqs:
+                    found[f.sequence]["events"].append({
+                        "event": "delivered" if rec.outcome == Outcome.DELIVERED else "dead-lettered",
+                        "at_ms": f.timestamp, "dispatched_ms": rec.dispatched_at_ms,
+                        "attempt": rec.attempt, "outcome": outcome_name(rec.outcome),
+                        "log": "dispatch", "segment": sf.rel, "offset": item.offset,
+                        "schedule_offset": rec.schedule_offset})
+    ckpt, _err = read_checkpoint(data_dir)
+    for lf in found.values():
+        kinds = [e["event"] for e in lf["events"]]
+        if "delivered" in kinds:
+            state = "DELIVERED"
+        elif "dead-lettered" in kinds:
+            state = "DEAD_LETTERED"
+        elif lf["cancel_sequences"]:
+            state = "CANCELLED"
+        elif lf["message"] is None:
+            state = "UNKNOWN (only a cancel was found)"
+        elif "scheduled" not in kinds:
+            it = ckpt.get("sequence") if ckpt else None
+            state = "PENDING (not yet iterated into the schedule log)" \
+                if it is None or lf["sequence"] > it else "MISSING from the schedule log"
+        else:
+            state = "PENDING"
+        lf["state"] = state
+    return [found[s] for s in sorted(found)]
+
+
+def cmd_find(args) -> int:
+    if (args.id is None) == (args.sequence is None):
+        raise SystemExit("qdelay inspect find: give exactly one of --id or --sequence")
+    lives = find_life(args.data_dir, args.id, args.sequence, args.scale_minutes)
+    if args.json:
+        _emit_json({"query": {"message_id": args.id, "sequence": args.sequence}, "matches": lives})
+        return 0 if lives else 1
+    if not lives:
+        what = f"id {args.id}" if args.id is not None else f"sequence {args.sequence}"
+        sys.stdout.write(f"no message with {what}\n")
+        return 1
+    for lf in lives:
+        m = lf["message"] or {}
+        sys.stdout.write(f"message {lf['message_id']} (sequence {lf['sequence']}): {lf['state']}\n")
+        if m:
+            sys.stdout.write(f"  subject {m['subject']}  due {iso(m['due_ms'])}  payload "
+                             f"{m['payload_bytes']} bytes ({m['payload_encoding']}: {m['payload']})\n")
+            if m["headers"]:
+                sys.stdout.write("  headers " + json.dumps(m["headers"], sort_keys=True) + "\n")
+        for e in lf["events"]:
+            where = f"{e['segment']} @ {e['offset']}" if "segment" in e else e["log"]
+            when = iso(e["at_ms"]) if "at_ms" in e else " " * 24
+            extra = ""
+            if "dispatched_ms" in e:
+                extra = f"  dispatched {iso(e['dispatched_ms'])} attempt {e['attempt']}"
+            if "cancel_sequence" in e:
+                extra = f"  cancel sequence {e['cancel_sequence']}"
+            sys.stdout.write(f"  {e['event']:<16} {when}  {where}{extra}\n")
+    return 0
+
+
+# --- stats -----------------------------------------------------------------------------------
+
+
+def parse_time(text: str | None) -> int | None:
+    """Epoch ms, or an ISO 8601 time (UTC unless it says otherwise)."""
+    if text is None:
+        return None
+    if text.lstrip("-").isdigit():
+        return int(text)
+    t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return int(t.timestamp() * 1000)
+
+
+def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = None,
+                 progress_label: str = "stats") -> dict[int, dict]:
+    """Per due minute: due, cancelled, delivered, dead_lettered and pending message counts.
+
+    Messages come from the schedule log and from the message log past the iterate
+    checkpoint (not yet in the schedule log); a message is closed by a dispatch record
+    (delivered or dead-lettered) or a cancel; the rest is pending."""
+    lo = None if from_ms is None else from_ms // naming.MS_PER_MINUTE
+    hi = None if to_ms is None else (to_ms - 1) // naming.MS_PER_MINUTE
+    files = segment_files(data_dir)
+    ckpt, _err = read_checkpoint(data_dir)
+    start = ckpt.get("offset", 0) if ckpt else 0
+    chosen = []
+    for sf in files:
+        if sf.log == "message":
+            if sf.key + sf.size > start:
+                chosen.append(sf)
+        elif (lo is None or sf.key >= lo - 1440) and (hi is None or sf.key <= hi):
+            chosen.append(sf)
+    due: dict[int, int] = {}          # sequence -> due minute
+    cancelled: set[int] = set()
+    closed: dict[int, int] = {}       # sequence -> outcome (delivered wins)
+    with _progress(chosen, progress_label) as prog:
+        for sf in chosen:
+            for item in walk_file(sf, prog):
+                rec = item.record
+                if rec is None or (sf.log == "message" and sf.key + item.offset < start):
+                    continue
+                if isinstance(rec, Message):
+                    due[item.frame.sequence] = rec.deliver_at_ms // naming.MS_PER_MINUTE
+                elif isinstance(rec, Cancel):
+                    cancelled.add(rec.target_sequence)
+                elif isinstance(rec, Dispatch):
+                    seq = item.frame.sequence
+                    if closed.get(seq) != Outcome.DELIVERED:
+                        closed[seq] = rec.outcome
+    out: dict[int, dict] = {}
+    for seq, minute in due.items():
+        if (lo is not None and minute < lo) or (hi is not None and minute > hi):
+            continue
+        row = out.setdefault(minute, {"due": 0, "cancelled": 0, "delivered": 0, "dead_lettered": 0,
+                                      "pending": 0})
+        row["due"] += 1
+        outcome = closed.get(seq)
+        if outcome == Outcome.DELIVERED:
+            row["delivered"] += 1
+        elif outcome == Outcome.DEAD_LETTERED:
+            row["dead_lettered"] += 1
+        elif seq in cancelled:
+            row["cancelled"] += 1
+        else:
+            row["pending"] += 1
+    return dict(sorted(out.items()))
+
+
+def cmd_stats(args) -> int:
+    rows = minute_stats(args.data_dir, parse_time(args.from_time), parse_time(args.to_time))
+    names = ["due", "pending", "delivered", "cancelled", "dead_lettered"]
+    totals = {n: sum(r[n] for r in rows.values()) for n in names}
+    if args.json:
+        _emit_json({"minutes": [{"minute": iso(m * naming.MS_PER_MINUTE), "minute_ms": m * 60_000, **r}
+                                for m, r in rows.items()], "totals": totals})
+        return 0
+    table = [[iso(m * naming.MS_PER_MINUTE)[:16] + "Z"] + [str(r[n]) for n in names]
+             for m, r in rows.items()]
+    table.append(["TOTAL"] + [str(totals[n]) for n in names])
+    _table(table, ["MINUTE", "DUE", "PENDING", "DELIVERED", "CANCELLED", "DEAD_LETTERED"],
+           right={1, 2, 3, 4, 5})
+    return 0
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="inspect_command", required=True)
+
+    def common(p):
+        p.add_argument("--data-dir", required=True, help="a server's data folder")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    p = common(sub.add_parser("ls", help="segments of each log: records, time ranges, sizes"))
+    p.add_argument("--log", choices=("all",) + LOGS, default="all")
+    p.set_defaults(segments=None)
+    p = common(sub.add_parser("dump", help="records as JSON lines"))
+    p.add_argument("segments", nargs="*", help="segment files (default: every segment of --log)")
+    p.add_argument("--log", choices=("all",) + LOGS, default="all")
+    p.add_argument("--limit", type=int, default=None, help="stop after N records")
+    p = common(sub.add_parser("verify", help="checksums and sequences; non-zero exit when bad"))
+    p.add_argument("segments", nargs="*", help="segment files (default: the whole folder)")
+    p.add_argument("--log", choices=("all",) + LOGS, default="all")
+    p.add_argument("--scale-minutes", type=int, default=1, help="the server's bucket size")
+    p = common(sub.add_parser("find", help="the full life of one message"))
+    p.add_argument("--id", help="message id")
+    p.add_argument("--sequence", type=int, help="message-log sequence")
+    p.add_argument("--scale-minutes", type=int, default=1, help="the server's bucket size")
+    p = common(sub.add_parser("stats", help="per-minute pending / delivered / cancelled counts"))
+    p.add_argument("--from", dest="from_time", help="first due time (epoch ms or ISO 8601, UTC)")
+    p.add_argument("--to", dest="to_time", help="end of the due range, exclusive")
+
+
+COMMANDS = {"ls": cmd_ls, "dump": cmd_dump, "verify": cmd_verify, "find": cmd_find,
+            "stats": cmd_stats}
+
+
+def run(args) -> int:
+    if not os.path.isdir(args.data_dir):
+        sys.stderr.write(f"qdelay inspect: {args.data_dir} is not a directory\n")
+        return 2
+    try:
+        code = COMMANDS[args.inspect_command](args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader went away (| head): stop quietly, and keep Python's exit-time flush
+        # of stdout from raising again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
