@@ -316,8 +316,7 @@ def cmd_ls(args) -> int:
             infos.append(info)
     ckpt, ckpt_err = read_checkpoint(args.data_dir)
     if args.json:
-        _emit_json({"data_dir": os.path.basename(os.path.abspath(args.data_dir)), "segments": infos,
-                    "checkpoint": ckpt, "checkpoint_error": ckpt_err})
+        _emit_json({"segments": infos, "checkpoint": ckpt, "checkpoint_error": ckpt_err})
         return 0
     rows = []
     for i in infos:
@@ -605,12 +604,13 @@ def parse_time(text: str | None) -> int | None:
 
 
 def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = None,
-                 progress_label: str = "stats") -> dict[int, dict]:
+                 progress_label: str = "stats") -> tuple[dict[int, dict], int]:
     """Per due minute: due, cancelled, delivered, dead_lettered and pending message counts.
 
     Messages come from the schedule log and from the message log past the iterate
     checkpoint (not yet in the schedule log); a message is closed by a dispatch record
-    (delivered or dead-lettered) or a cancel; the rest is pending."""
+    (delivered or dead-lettered) or a cancel; the rest is pending. Also returns how many
+    unreadable records were skipped."""
     lo = None if from_ms is None else from_ms // naming.MS_PER_MINUTE
     hi = None if to_ms is None else (to_ms - 1) // naming.MS_PER_MINUTE
     files = segment_files(data_dir)
@@ -626,10 +626,13 @@ def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = 
     due: dict[int, int] = {}          # sequence -> due minute
     cancelled: set[int] = set()
     closed: dict[int, int] = {}       # sequence -> outcome (delivered wins)
+    skipped = 0
     with _progress(chosen, progress_label) as prog:
         for sf in chosen:
             for item in walk_file(sf, prog):
                 rec = item.record
+                if item.is_error:
+                    skipped += 1
                 if rec is None or (sf.log == "message" and sf.key + item.offset < start):
                     continue
                 if isinstance(rec, Message):
@@ -656,22 +659,25 @@ def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = 
             row["cancelled"] += 1
         else:
             row["pending"] += 1
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items())), skipped
 
 
 def cmd_stats(args) -> int:
-    rows = minute_stats(args.data_dir, parse_time(args.from_time), parse_time(args.to_time))
+    rows, skipped = minute_stats(args.data_dir, parse_time(args.from_time), parse_time(args.to_time))
     names = ["due", "pending", "delivered", "cancelled", "dead_lettered"]
     totals = {n: sum(r[n] for r in rows.values()) for n in names}
     if args.json:
         _emit_json({"minutes": [{"minute": iso(m * naming.MS_PER_MINUTE), "minute_ms": m * 60_000, **r}
-                                for m, r in rows.items()], "totals": totals})
+                                for m, r in rows.items()], "totals": totals,
+                    "unreadable_records": skipped})
         return 0
     table = [[iso(m * naming.MS_PER_MINUTE)[:16] + "Z"] + [str(r[n]) for n in names]
              for m, r in rows.items()]
     table.append(["TOTAL"] + [str(totals[n]) for n in names])
     _table(table, ["MINUTE", "DUE", "PENDING", "DELIVERED", "CANCELLED", "DEAD_LETTERED"],
            right={1, 2, 3, 4, 5})
+    if skipped:
+        sys.stdout.write(f"{skipped} unreadable records skipped: run 'qdelay inspect verify'\n")
     return 0
 
 
