@@ -1,0 +1,125 @@
+"""The cleaner: deletes what no message needs any more, and nothing else.
+
+- A message-log segment goes once it is wholly behind the *saved* iterate checkpoint
+  (so a restart never needs it), behind what every attached slave has confirmed
+  (``engine.replication_floor()``), and older than ``message_retention_ms``. The active
+  segment is never deleted.
+- A schedule segment (and its dispatch segment) goes once its bucket is below the
+  scheduler's ``done_before`` and not reopened — every message in it delivered,
+  dead-lettered or cancelled, with the dispatch records on disk — and its end is more
+  than ``schedule_keep_ms`` in the past (so Get and Cancel still answer for a while).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qdelay.segments.naming import MS_PER_MINUTE
+
+if TYPE_CHECKING:
+    from qdelay.server.engine import Engine
+
+log = logging.getLogger("qdelay.cleaner")
+
+
+@dataclass(slots=True)
+class CleanerConfig:
+    enabled: bool = True
+    interval_ms: int = 60_000
+    message_retention_ms: int = 3_600_000
+    schedule_keep_ms: int = 3_600_000
+
+
+class Cleaner:
+    def __init__(self, engine: "Engine", config: CleanerConfig) -> None:
+        self.engine = engine
+        self.cfg = config
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.removed_message_segments = 0
+        self.removed_buckets = 0
+
+    def start(self) -> None:
+        if not self.cfg.enabled:
+            return
+        self._thread = threading.Thread(target=self._run, name="qdelay-cleaner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.interval_ms / 1000):
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("cleaner pass failed")
+
+    def message_log_floor(self) -> int:
+        """The offset below which no reader needs the message log."""
+        floor = self.engine.iterate.saved_offset
+        replicated = self.engine.replication_floor()
+        if replicated is not None:
+            floor = min(floor, replicated)
+        return floor
+
+    def run_once(self, now_ms: int | None = None) -> dict:
+        now_ms = self.engine.clock() if now_ms is None else now_ms
+        return {"message_segments": self._clean_message_log(),
+                "buckets": self._clean_buckets(now_ms)}
+
+    def _clean_message_log(self) -> list[str]:
+        wal = self.engine.wal
+        floor = self.message_log_floor()
+        cutoff = time.time() - self.cfg.message_retention_ms / 1000
+        upto = None
+        for seg in wal.segments()[:-1]:
+            if seg.key + seg.size > floor:
+                break
+            try:
+                if os.path.getmtime(seg.path) > cutoff:
+                    break
+            except FileNotFoundError:
+                continue
+            upto = seg.key + seg.size
+        if upto is None:
+            return []
+        removed = wal.delete_before(upto)
+        self.removed_message_segments += len(removed)
+        if removed:
+            log.info("message log segments deleted", extra={"count": len(removed), "upto": upto})
+        return removed
+
+    def _clean_buckets(self, now_ms: int) -> list[int]:
+        engine = self.engine
+        sched = engine.scheduler
+        scale = engine.config.scale_minutes
+        removed = []
+        # the iterate service's append lock keeps a late record from landing in a file
+        # that is being deleted; the scheduler lock keeps done_before and reopened still
+        with engine.iterate.append_lock, sched.lock:
+            for b in engine.schedule.buckets():
+                if b >= sched.done_before:
+                    break
+                if b in sched.reopened or b in sched.buckets:
+                    continue
+                if (b + scale) * MS_PER_MINUTE + self.cfg.schedule_keep_ms > now_ms:
+                    break
+                seg = engine.schedule.get(b)
+                if seg is not None:
+                    engine.finder.forget(seg.path)
+                engine.schedule.delete(b)
+                engine.dispatch.delete(b)
+                removed.append(b)
+        self.removed_buckets += len(removed)
+        if removed:
+            log.info("finished buckets deleted", extra={"count": len(removed)})
+        return removed

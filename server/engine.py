@@ -1,0 +1,457 @@
+"""The engine: qdelay's storage and scheduling, wired together, without gRPC.
+
+It owns the data folder::
+
+    message/      the message log (WAL)
+    schedule/     one schedule segment per due bucket
+    dispatch/     one dispatch segment per due bucket
+    checkpoint/   iterate.ckpt (iterate offset, dispatch progress), role.ckpt (role, epoch)
+
+and offers what the API needs: ``send`` (durable before it returns), ``cancel``, ``get``,
+delivery to a sink with ``ack``, and ``stats``. Opening the engine applies the recovery
+rules of docs/recovery.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from qdelay.errors import (CorruptRecord, Fenced, InvalidArgument, NotMaster, QdelayError,
+                           ShuttingDown, StorageError)
+from qdelay.segments import checkpoint, framing, naming, records
+from qdelay.segments.framing import RecordKind
+from qdelay.segments.naming import bucket_of
+from qdelay.segments.segment import CorruptionPolicy, HandlePool
+from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
+from qdelay.server.bucket_log import BucketLog
+from qdelay.server.cleaner import Cleaner, CleanerConfig
+from qdelay.server.iterate import IterateService
+from qdelay.server.lookup import RecordFinder, read_frames
+from qdelay.server.scheduler import (DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler,
+                                     SchedulerConfig)
+
+log = logging.getLogger("qdelay.engine")
+
+TWO_YEARS_MS = 2 * 365 * 24 * 3600 * 1000
+
+__all__ = ["Engine", "EngineConfig", "NewMessage", "Receipt", "CancelOutcome", "MessageState",
+           "MessageStatus", "Delivery", "DeliverySink"]
+
+
+@dataclass
+class EngineConfig:
+    data_dir: str = "./data"
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    flush: str = "sync"
+    scale_minutes: int = 1
+    load_ahead_ms: int = 120_000
+    tick_ms: int = 1
+    max_delay_ms: int = TWO_YEARS_MS
+    dispatch_rate: float = 0.0
+    ack_timeout_ms: int = 30_000
+    max_attempts: int = 16
+    retry_backoff_ms: int = 1_000
+    dead_letter_prefix: str = "DLQ."
+    max_loaded: int = 8_000_000
+    corruption: str = "fail"
+    open_files: int = 256
+    cleaner_enabled: bool = True
+    cleaner_interval_ms: int = 60_000
+    message_retention_ms: int = 3_600_000
+    schedule_keep_ms: int = 3_600_000
+    role: str = "master"
+    checkpoint_interval_ms: int = 200
+
+    def validate(self) -> None:
+        if self.scale_minutes < 1 or 1440 % self.scale_minutes:
+            raise InvalidArgument("scale_minutes must divide a day (1, 2, 5, 10, 15, 30, 60 …)")
+        if self.role not in ("master", "slave"):
+            raise InvalidArgument(f"role must be master or slave, not {self.role!r}")
+        if self.corruption not in ("fail", "truncate"):
+            raise InvalidArgument("corruption must be 'fail' or 'truncate'")
+        if self.max_attempts < 1:
+            raise InvalidArgument("max_attempts must be at least 1")
+        if self.open_files < 8:
+            raise InvalidArgument("open_files must be at least 8")
+
+
+@dataclass(slots=True)
+class NewMessage:
+    subject: str
+    payload: bytes
+    headers: dict[str, str]
+    message_id: str
+    deliver_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    message_id: str
+    deliver_at_ms: int
+    sequence: int
+
+
+class CancelOutcome(enum.IntEnum):
+    CANCELLED = 1
+    ALREADY_DELIVERED = 2
+    NOT_FOUND = 3
+    ALREADY_CANCELLED = 4
+
+
+class MessageState(enum.IntEnum):
+    PENDING = 1
+    DELIVERED = 2
+    CANCELLED = 3
+    NOT_FOUND = 4
+
+
+@dataclass(slots=True)
+class MessageStatus:
+    state: MessageState
+    message: records.Message | None = None
+    deliver_at_ms: int = 0
+    delivered_at_ms: int = 0
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], int] = _now_ms) -> None:
+        config.validate()
+        self.config = config
+        self.clock = clock
+        self.policy = CorruptionPolicy(config.corruption)
+        root = config.data_dir
+        os.makedirs(root, exist_ok=True)
+        self.checkpoint_path = os.path.join(root, naming.CHECKPOINT_DIR, "iterate.ckpt")
+        self.role_path = os.path.join(root, naming.CHECKPOINT_DIR, "role.ckpt")
+        self.pool = HandlePool(config.open_files)
+        self.finder = RecordFinder()
+        self._closed = False
+        self._started = False
+        self.recovery_notes: list[str] = []
+
+        role_state = checkpoint.read(self.role_path) or {}
+        self.role = role_state.get("role", config.role)
+        self.epoch = int(role_state.get("epoch", 0))
+
+        state = self._read_checkpoint()
+        self.wal = MessageLog(os.path.join(root, naming.MESSAGE_DIR), segment_bytes=config.segment_bytes,
+                              flush=config.flush, pool=self.pool, corruption=self.policy,
+                              min_next_sequence=int(state.get("sequence", 0)) + 1)
+        self.schedule = BucketLog(os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool)
+        self.dispatch = BucketLog(os.path.join(root, naming.DISPATCH_DIR), naming.DISPATCH_SUFFIX, self.pool)
+        start_offset, start_sequence = self._start_position(state)
+        now = self.clock()
+        done_before = state.get("done_before")
+        if done_before is None:
+            keys = self.schedule.buckets()
+            done_before = keys[0] if keys else bucket_of(now, config.scale_minutes)
+        reopened = set(state.get("reopened", ()))
+        reopened |= {b for b in self._recover_touched(start_offset) if b < done_before}
+        self._closed_before = int(state.get("closed", 0))
+
+        self.iterate = IterateService(
+            self.wal, self.schedule, self.checkpoint_path, start_offset=start_offset,
+            start_sequence=start_sequence, scale_minutes=config.scale_minutes,
+            checkpoint_interval=config.checkpoint_interval_ms / 1000, extra_state=self._extra_state,
+            counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")})
+        self.scheduler = Scheduler(
+            self.schedule, self.dispatch, SchedulerConfig(
+                scale_minutes=config.scale_minutes, load_ahead_ms=config.load_ahead_ms,
+                tick_ms=config.tick_ms, dispatch_rate=config.dispatch_rate,
+                ack_timeout_ms=config.ack_timeout_ms, max_attempts=config.max_attempts,
+                retry_backoff_ms=config.retry_backoff_ms, dead_letter_prefix=config.dead_letter_prefix,
+                max_loaded=config.max_loaded, corruption=self.policy),
+            clock=self.clock, done_before=done_before, reopened=reopened, dead_letter=self._dead_letter)
+        self.iterate.on_records = self.scheduler.on_records
+        self.cleaner = Cleaner(self, CleanerConfig(
+            enabled=config.cleaner_enabled, interval_ms=config.cleaner_interval_ms,
+            message_retention_ms=config.message_retention_ms, schedule_keep_ms=config.schedule_keep_ms))
+        self.replication_floor: Callable[[], int | None] = lambda: None
+
+    # --- recovery (docs/recovery.md) -------------------------------------------------------------
+
+    def _read_checkpoint(self) -> dict:
+        try:
+            return checkpoint.read(self.checkpoint_path) or {}
+        except CorruptRecord as err:
+            # Rebuilding from the oldest message-log record is always safe: schedule segments
+            # skip sequences they already hold, and dispatch logs say what was delivered.
+            self._note(f"iterate checkpoint unreadable ({err}); rebuilding from the message log")
+            return {}
+
+    def _start_position(self, state: dict) -> tuple[int, int]:
+        wal = self.wal
+        if "offset" not in state:
+            return wal.first_offset, 0
+        offset, sequence = int(state["offset"]), int(state["sequence"])
+        if offset > wal.committed_offset:
+            msg = (f"iterate checkpoint (offset {offset}, sequence {sequence}) is ahead of the "
+                   f"message log (ends at {wal.committed_offset}): acknowledged records were lost")
+            if self.policy is CorruptionPolicy.FAIL:
+                raise StorageError(msg + "; restore the message log from a replica, or start with "
+                                   "corruption=truncate to continue from the log's end")
+            self._note(msg + "; continuing from the log's end, sequences stay above " + str(sequence))
+            return wal.committed_offset, sequence
+        if offset < wal.first_offset:
+            msg = (f"iterate checkpoint (offset {offset}) is behind the oldest message-log segment "
+                   f"({wal.first_offset}): records in between were deleted before being iterated")
+            if self.policy is CorruptionPolicy.FAIL:
+                raise StorageError(msg)
+            self._note(msg + "; continuing from the oldest segment")
+            return wal.first_offset, sequence
+        if offset < wal.committed_offset:
+            try:
+                wal.read(offset, 1)
+            except CorruptRecord:
+                seg = wal.segment_at(offset)
+                self._note(f"iterate checkpoint offset {offset} is not a record boundary; "
+                           f"replaying from the start of its segment ({seg.key})")
+                return seg.key, 0
+        return offset, sequence
+
+    def _recover_touched(self, start: int) -> set[int]:
+        """Check the schedule segments that records after the checkpoint went to.
+
+        Everything before the checkpoint was fsynced into schedule segments before the
+        checkpoint was written, so only these can have torn tails; they also need their
+        highest sequence, so that the replay skips what they already hold.
+        """
+        touched: set[int] = set()
+        offset = start
+        scale = self.config.scale_minutes
+        while True:
+            frames, nxt = self.wal.read(offset, 8 * 1024 * 1024)
+            if not frames:
+                break
+            for f in frames:
+                if f.kind == RecordKind.MESSAGE:
+                    touched.add(bucket_of(records.message_due(f.body), scale))
+                elif f.kind == RecordKind.CANCEL:
+                    touched.add(bucket_of(records.decode_cancel(f.body).deliver_at_ms, scale))
+            offset = nxt
+        for b in sorted(touched):
+            rec = self.schedule.recover(b, self.policy)
+            if rec is not None and rec.cut_bytes:
+                self._note(f"schedule segment {rec.path}: cut {rec.cut_bytes} bytes at offset "
+                           f"{rec.valid_size} ({rec.reason}); the replay rewrites them")
+        return touched
+
+    def _note(self, text: str) -> None:
+        self.recovery_notes.append(text)
+        log.warning(text)
+
+    def _closed_total(self) -> int:
+        return self._closed_before + self.scheduler.acked + self.scheduler.dead_lettered
+
+    def _extra_state(self) -> dict:
+        state = self.scheduler.persistent_state()
+        state.update(self.iterate.counts, closed=self._closed_total())
+        return state
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.scheduler.prime(self.clock())
+        self.iterate.start()
+        if self.role == "master":
+            self.scheduler.start()
+        self.cleaner.start()
+
+    def close(self) -> None:
+        """Stop dispatching, let the iterate catch up, write the last checkpoint."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cleaner.stop()
+        self.scheduler.stop()
+        self.iterate.wait_for(self.wal.committed_sequence, timeout=10)
+        self.wal.close()
+        self.iterate.stop()
+        self.pool.close()
+
+    def set_role(self, role: str, epoch: int) -> None:
+        """Persist a new role and epoch (promotion, demotion, fencing)."""
+        checkpoint.write(self.role_path, {"role": role, "epoch": epoch})
+        was = self.role
+        self.role, self.epoch = role, epoch
+        if was != "master" and role == "master" and self._started:
+            self.scheduler.prime(self.clock())
+            self.scheduler.start()
+
+    # --- writes -----------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise ShuttingDown("the server is shutting down")
+        if self.role == "fenced":
+            raise Fenced(f"this server was fenced at epoch {self.epoch}: a newer master exists")
+        if self.role != "master":
+            raise NotMaster("this server is a slave; send writes to the master")
+
+    def now_ms(self) -> int:
+        return self.clock()
+
+    def _encode(self, messages: list[NewMessage], now: int) -> list[tuple[int, int, bytes]]:
+        enc = records.encode_message
+        hdr = records.encode_headers
+        return [(RecordKind.MESSAGE, now, enc(m.subject.encode(), m.message_id.encode(), hdr(m.headers),
+                                              m.payload, m.deliver_at_ms)) for m in messages]
+
+    async def send(self, messages: list[NewMessage]) -> list[Receipt]:
+        """Append to the message log; return once durable. Input is already validated."""
+        self._check_writable()
+        appended = await self.wal.append_async(self._encode(messages, self.clock()))
+        first = appended.first_sequence
+        return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
+
+    def send_sync(self, messages: list[NewMessage], timeout: float | None = None) -> list[Receipt]:
+        self._check_writable()
+        appended = self.wal.append(self._encode(messages, self.clock()), timeout)
+        first = appended.first_sequence
+        return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
+
+    def _dead_letter(self, msg: records.Message, seq: int, done: Callable[[Exception | None], None]) -> None:
+        self._check_writable()
+        headers = dict(msg.headers)
+        headers[DEAD_LETTER_HEADER] = str(seq)
+        now = self.clock()
+        body = records.encode_message((self.config.dead_letter_prefix + msg.subject).encode(),
+                                      msg.message_id.encode(), records.encode_headers(headers),
+                                      msg.payload, now)
+        self.wal.submit([(RecordKind.MESSAGE, now, body)], lambda _a, err: done(err))
+
+    # --- cancel and get ---------------------------------------------------------------------------
+
+    async def cancel(self, message_id: str, deliver_at_ms: int, sequence: int) -> CancelOutcome:
+        self._check_writable()
+        state, frame_offset = await asyncio.to_thread(self._locate, message_id, deliver_at_ms, sequence)
+        if state != MessageState.PENDING:
+            return {MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
+                    MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+                    MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED}[state]
+        sched = self.scheduler
+        with sched.lock:
+            if sequence in sched.cancelling:
+                return CancelOutcome.ALREADY_CANCELLED
+            if sequence in sched.in_flight:
+                return CancelOutcome.ALREADY_DELIVERED
+            sched.cancelling.add(sequence)
+        body = records.encode_cancel(records.Cancel(message_id, deliver_at_ms, sequence))
+        try:
+            await self.wal.append_async([(RecordKind.CANCEL, self.clock(), body)])
+        except BaseException:
+            with sched.lock:
+                sched.cancelling.discard(sequence)
+            raise
+        return CancelOutcome.CANCELLED
+
+    async def get(self, message_id: str, deliver_at_ms: int, sequence: int) -> MessageStatus:
+        return await asyncio.to_thread(self.get_sync, message_id, deliver_at_ms, sequence)
+
+    def get_sync(self, message_id: str, deliver_at_ms: int, sequence: int) -> MessageStatus:
+        state, _off, msg, delivered_at = self._locate(message_id, deliver_at_ms, sequence, detail=True)
+        if state == MessageState.PENDING:
+            with self.scheduler.lock:
+                if sequence in self.scheduler.cancelling:
+                    state = MessageState.CANCELLED
+        return MessageStatus(state, msg, msg.deliver_at_ms if msg else deliver_at_ms, delivered_at)
+
+    def _locate(self, message_id: str, deliver_at_ms: int, sequence: int, detail: bool = False):
+        """Where a message stands: NOT_FOUND, PENDING, DELIVERED or CANCELLED.
+
+        DELIVERED includes dead-lettered messages and, for Cancel, deliveries in flight.
+        """
+        def answer(state, offset=0, msg=None, at=0):
+            return (state, offset, msg, at) if detail else (state, offset)
+
+        if sequence <= 0 or sequence > self.wal.committed_sequence:
+            return answer(MessageState.NOT_FOUND)
+        if not self.iterate.wait_for(sequence, timeout=5.0):
+            raise StorageError("the iterate service is behind; retry shortly")
+        bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
+        seg = self.schedule.get(bucket)
+        if seg is None:
+            return answer(MessageState.NOT_FOUND)
+        frame = self.finder.find(seg, sequence)
+        if frame is None or frame.kind != RecordKind.MESSAGE:
+            return answer(MessageState.NOT_FOUND)
+        msg = records.decode_message(frame.body)
+        if msg.message_id != message_id or msg.deliver_at_ms != deliver_at_ms:
+            return answer(MessageState.NOT_FOUND)
+        # delivered? the dispatch file up to a snapshot, then (under the lock) the rest + buffer
+        dseg = self.dispatch.get(bucket)
+        found, scanned = self.finder.find_dispatch(dseg, sequence)
+        if found is None:
+            with self.scheduler.lock:
+                dseg = self.dispatch.get(bucket)
+                if dseg is not None and dseg.size > scanned:
+                    found, _ = self.finder.find_dispatch(dseg, sequence, scanned)
+                if found is None:
+                    pending = self.scheduler.pending_dispatch(bucket)
+                    for f in framing.iter_frames(pending):
+                        if f.sequence == sequence:
+                            found = f
+                            break
+                in_flight = sequence in self.scheduler.in_flight
+            if found is None and in_flight and not detail:
+                return answer(MessageState.DELIVERED, frame.offset, msg)
+        if found is not None:
+            d = records.decode_dispatch(found.body)
+            return answer(MessageState.DELIVERED, frame.offset, msg, d.dispatched_at_ms)
+        st = self.scheduler.buckets.get(bucket)
+        if st is not None and sequence in st.cancelled:
+            return answer(MessageState.CANCELLED, frame.offset, msg)
+        if self.finder.find_cancel(seg, sequence, frame.offset + frame.size) is not None:
+            return answer(MessageState.CANCELLED, frame.offset, msg)
+        return answer(MessageState.PENDING, frame.offset, msg)
+
+    # --- delivery ---------------------------------------------------------------------------------
+
+    def set_sink(self, sink: DeliverySink | None) -> None:
+        self.scheduler.set_sink(sink)
+
+    def ack(self, ack_ids: list[str]) -> int:
+        return self.scheduler.ack(ack_ids)
+
+    def notify_credit(self) -> None:
+        self.scheduler.wake()
+
+    # --- introspection ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        c = self.iterate.counts
+        s.update(
+            pending=max(0, c["messages"] - c["cancels"] - self._closed_total()),
+            iterate_lag_bytes=self.iterate.lag_bytes(),
+            iterate_lag_records=self.iterate.lag_records(),
+            role=self.role,
+            epoch=self.epoch,
+            committed_offset=self.wal.committed_offset,
+            committed_sequence=self.wal.committed_sequence,
+            iterate_offset=self.iterate.offset,
+            fsyncs=self.wal.fsyncs,
+            schedule_segments=len(self.schedule),
+            open_files=self.pool.open_count,
+            healthy=self.healthy(),
+        )
+        return s
+
+    def healthy(self) -> bool:
+        return (self.iterate.error is None and self.scheduler.error is None
+                and self.wal.failed is None and not self._closed)
+

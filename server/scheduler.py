@@ -1,0 +1,699 @@
+"""The scheduler: loader, timer and dispatcher, on one thread.
+
+- The *loader* brings each due bucket in ahead of time (``load_ahead_ms``): it reads the
+  bucket's dispatch log (what was already delivered), then streams its schedule segment
+  in chunks into the timer wheel, skipping delivered and cancelled messages. Loading
+  pauses while the in-memory index holds ``max_loaded`` entries, so a hot bucket with
+  millions of messages is streamed in as it drains.
+- Records the iterate service writes into a bucket that is already loaded go straight
+  into the wheel (``on_records``); one written into a bucket already finished reopens it.
+- The *timer* moves due entries from the wheel to per-subject ready queues.
+- The *dispatcher* takes ready entries round-robin over subjects, within the sink's
+  credit and the rate limit, reads the full records back (one read per run of nearby
+  records) and hands batches of deliveries to the sink. An acknowledged delivery gets a
+  DISPATCH record in its bucket's dispatch log; an unacknowledged one is offered again
+  after the ack timeout plus a backoff, and after ``max_attempts`` it is moved to the
+  dead-letter subject.
+- A bucket is *done* once it is loaded completely, its time has passed and every message
+  in it is delivered, dead-lettered or cancelled, with the dispatch records on disk.
+  ``done_before`` (every bucket below it is done) and the set of reopened buckets are
+  saved with the iterate checkpoint, and tell a restart which buckets to load again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import heapq
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from qdelay.errors import CorruptRecord, QdelayError
+from qdelay.segments import framing, records
+from qdelay.segments.framing import Frame, FrameError, RecordKind
+from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
+from qdelay.segments.segment import CorruptionPolicy, Segment
+from qdelay.server.bucket_log import BucketLog
+from qdelay.server.iterate import Scheduled
+from qdelay.server.lookup import read_frames
+from qdelay.server.wheel import Entries, TimerWheel
+
+log = logging.getLogger("qdelay.scheduler")
+
+DEAD_LETTER_HEADER = "qdelay-dead-letter-of"
+
+
+@dataclass(slots=True)
+class Delivery:
+    ack_id: str
+    message_id: str
+    subject: str
+    payload: bytes
+    headers: dict[str, str]
+    deliver_at_ms: int
+    dispatched_at_ms: int
+    attempt: int
+
+
+class DeliverySink(Protocol):
+    def credit(self, subject: str) -> int:
+        """How many more deliveries of ``subject`` the consumers accept now (cheap, thread-safe)."""
+
+    def deliver(self, subject: str, deliveries: list[Delivery]) -> None:
+        """Take a batch; called on the scheduler thread, so it must not block."""
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    scale_minutes: int = 1
+    load_ahead_ms: int = 120_000
+    tick_ms: int = 1
+    dispatch_rate: float = 0.0          # messages/s over all subjects; 0 = unlimited
+    ack_timeout_ms: int = 30_000
+    max_attempts: int = 16
+    retry_backoff_ms: int = 1_000       # doubled each attempt, at most max_backoff_ms
+    max_backoff_ms: int = 300_000
+    dead_letter_prefix: str = "DLQ."
+    max_loaded: int = 8_000_000         # index entries in memory (wheel + ready), 32 bytes each
+    load_chunk_bytes: int = 1024 * 1024
+    dispatch_quantum: int = 512         # per subject per round: fairness across subjects
+    dispatch_flush_ms: int = 5
+    corruption: CorruptionPolicy = CorruptionPolicy.FAIL
+
+
+class _Bucket:
+    """What the scheduler knows of one loaded bucket."""
+
+    __slots__ = ("bucket", "seg", "cursor", "complete", "outstanding", "cancelled", "closed",
+                 "done", "dispatch_ready")
+
+    def __init__(self, bucket: int, seg: Segment, cursor: int = 0, complete: bool = False) -> None:
+        self.bucket = bucket
+        self.seg = seg
+        self.cursor = cursor              # schedule-segment bytes already indexed
+        self.complete = complete          # the loader reached the end; new records arrive live
+        self.outstanding = 0              # indexed messages not yet delivered/dead-lettered/cancelled
+        self.cancelled: set[int] = set()  # sequences cancelled in this bucket
+        self.closed: set[int] | None = None  # delivered sequences, only while loading
+        self.done = False
+        self.dispatch_ready = False       # the dispatch log was checked and read
+
+
+class _Ready:
+    """Entries of one subject waiting for consumer credit: packed chunks, plus retries."""
+
+    __slots__ = ("chunks", "retries", "count")
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[list] = collections.deque()  # [Entries, position]
+        self.retries: collections.deque[tuple] = collections.deque()  # (seq, off, bucket, due, attempt)
+        self.count = 0
+
+    def take(self, n: int) -> tuple[list[tuple], list[tuple]]:
+        """Up to n items: (retries as tuples, fresh entries as (due, seq, off, bucket) tuples)."""
+        retries = []
+        while self.retries and n > 0:
+            retries.append(self.retries.popleft())
+            n -= 1
+        fresh: list[tuple] = []
+        while self.chunks and n > 0:
+            chunk = self.chunks[0]
+            e, pos = chunk
+            end = min(len(e), pos + n)
+            fresh.extend(zip(e.due[pos:end].tolist(), e.seq[pos:end].tolist(),
+                             e.off[pos:end].tolist(), e.bucket[pos:end].tolist()))
+            n -= end - pos
+            if end >= len(e):
+                self.chunks.popleft()
+            else:
+                chunk[1] = end
+        self.count -= len(retries) + len(fresh)
+        return retries, fresh
+
+
+class Scheduler:
+    def __init__(self, schedule: BucketLog, dispatch: BucketLog, config: SchedulerConfig, *,
+                 clock: Callable[[], int], done_before: int, reopened: set[int],
+                 dead_letter: Callable[[records.Message, int, Callable[[Exception | None], None]], None]
+                 | None = None) -> None:
+        self.schedule = schedule
+        self.dispatch = dispatch
+        self.cfg = config
+        self.clock = clock
+        self.dead_letter = dead_letter
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)
+        self.wheel = TimerWheel(config.tick_ms)
+        self.buckets: dict[int, _Bucket] = {}
+        self.done_before = done_before
+        self.reopened = set(reopened)
+        self._horizon = done_before - config.scale_minutes  # highest bucket considered for loading
+        self._subjects: list[str] = []
+        self._subject_ids: dict[bytes, int] = {}
+        self._ready: dict[int, _Ready] = {}
+        self._ready_total = 0
+        self._rr: collections.deque[int] = collections.deque()  # subjects with ready work
+        self.in_flight: dict[int, tuple] = {}  # seq -> (bucket, off, due, subj, attempt, dispatched_at, mid)
+        self._deadlines: collections.deque[tuple[int, list[tuple[int, int]]]] = collections.deque()
+        self._retry_heap: list[tuple[int, int, tuple]] = []
+        self._dispatch_buf: dict[int, bytearray] = {}
+        self._dispatch_first = 0.0
+        self.cancelling: set[int] = set()  # cancel accepted, tombstone not yet through iterate
+        self.sink: DeliverySink | None = None
+        self._tokens = 0.0
+        self._tokens_at = time.monotonic()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.load_blocked = False
+        # counters
+        self.dispatched = 0
+        self.acked = 0
+        self.redeliveries = 0
+        self.dead_lettered = 0
+        self.cancel_skipped = 0
+        self.corrupt_skipped = 0
+        self.on_dispatch: Callable[[list[int]], None] | None = None  # lateness observer (ms)
+
+    # --- control --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="qdelay-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._flush_dispatch(force=True)
+
+    def wake(self) -> None:
+        with self.lock:
+            self._wake.notify()
+
+    def set_sink(self, sink: DeliverySink | None) -> None:
+        with self.lock:
+            self.sink = sink
+            self._wake.notify()
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    if self._stop:
+                        return
+                now = self.clock()
+                loading = self._load_step(now)
+                with self.lock:
+                    self._fire(now)
+                    self._expire(now)
+                self._dispatch(now)
+                self._flush_dispatch()
+                with self.lock:
+                    if self._stop:
+                        return
+                    timeout = self._sleep_for(self.clock(), loading)
+                    if timeout > 0:
+                        self._wake.wait(timeout)
+        except BaseException as err:
+            self.error = err
+            log.exception("scheduler stopped")
+
+    def _sleep_for(self, now: int, loading: bool) -> float:
+        if loading:
+            return 0.0
+        t = now + 100  # the loader looks for new buckets at least every 100 ms
+        nf = self.wheel.next_fire()
+        if nf is not None:
+            t = min(t, nf)
+        if self._deadlines:
+            t = min(t, self._deadlines[0][0])
+        if self._retry_heap:
+            t = min(t, self._retry_heap[0][0])
+        if self._dispatch_buf:
+            t = min(t, now + self.cfg.dispatch_flush_ms)
+        if self._ready_total and self.sink is not None and self.cfg.dispatch_rate > 0:
+            t = min(t, now + 5)
+        return max(0.0, (t - now) / 1000.0)
+
+    # --- subjects ---------------------------------------------------------------------------------
+
+    def subject_id(self, subject: bytes) -> int:
+        sid = self._subject_ids.get(subject)
+        if sid is None:
+            sid = self._subject_ids[subject] = len(self._subjects)
+            self._subjects.append(subject.decode())
+        return sid
+
+    # --- loading ----------------------------------------------------------------------------------
+
+    def _load_step(self, now: int) -> bool:
+        """Bring buckets into the wheel; return True if more loading is waiting."""
+        scale = self.cfg.scale_minutes
+        horizon = bucket_of(now + self.cfg.load_ahead_ms, scale)
+        with self.lock:
+            if horizon > self._horizon:
+                self._open_buckets(horizon)
+            pending = [st for st in self.buckets.values() if not st.complete]
+            if not pending:
+                self.load_blocked = False
+                return False
+            if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
+                if not self.load_blocked:
+                    log.warning("loading paused: in-memory index is full", extra={
+                        "entries": len(self.wheel) + self._ready_total, "max": self.cfg.max_loaded})
+                self.load_blocked = True
+                return False
+            self.load_blocked = False
+            st = min(pending, key=lambda s: s.bucket)
+            need_closed = not st.dispatch_ready
+            start, stop = st.cursor, st.seg.size
+        if need_closed:
+            closed = self._read_closed(st.bucket)
+            with self.lock:
+                st.closed = closed
+                st.dispatch_ready = True
+        frames, nxt = read_frames(st.seg, start, stop, self.cfg.load_chunk_bytes) if start < stop else ([], start)
+        entries = self._index(st, frames)
+        with self.lock:
+            if st.cursor != start:  # cannot happen: only this thread advances a loading cursor
+                raise QdelayError(f"bucket {st.bucket} cursor moved during load")
+            if entries is not None:
+                self.wheel.add_many(entries)
+            st.cursor = nxt
+            if st.cursor >= st.seg.size:
+                st.complete = True
+                st.closed = None
+                self._maybe_done(st, now)
+        return True
+
+    def _open_buckets(self, horizon: int) -> None:
+        """Give every unfinished bucket up to ``horizon`` a state for the loader (lock held)."""
+        for b in self.schedule.buckets():
+            if b > horizon:
+                break
+            if b not in self.buckets and (b >= self.done_before or b in self.reopened):
+                self.buckets[b] = _Bucket(b, self.schedule.get(b))
+        for b in self.reopened:  # reopened buckets are loaded whatever their time
+            if b not in self.buckets and self.schedule.get(b) is not None:
+                self.buckets[b] = _Bucket(b, self.schedule.get(b))
+        self._horizon = max(self._horizon, horizon)
+
+    def prime(self, now: int) -> None:
+        """Create the states of the buckets to load before the iterate service starts, so
+        that records it replays into them are left to the loader (which dedupes them)."""
+        with self.lock:
+            self._open_buckets(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
+
+    def _read_closed(self, bucket: int) -> set[int]:
+        """Sequences the dispatch log of ``bucket`` says were delivered or dead-lettered."""
+        if self.dispatch.get(bucket) is None:
+            return set()
+        self.dispatch.recover(bucket, self.cfg.corruption)
+        seg = self.dispatch.get(bucket)
+        closed: set[int] = set()
+        pos = 0
+        while pos < seg.size:
+            frames, pos = read_frames(seg, pos, seg.size)
+            closed.update(f.sequence for f in frames if f.kind == RecordKind.DISPATCH)
+        return closed
+
+    def _index(self, st: _Bucket, frames: list[Frame]) -> Entries | None:
+        due, seq, off, subj = [], [], [], []
+        closed = st.closed or ()
+        with self.lock:
+            for f in frames:
+                if f.kind == RecordKind.MESSAGE:
+                    if f.sequence in closed or f.sequence in st.cancelled:
+                        continue
+                    d, subject, _mid = records.message_index_fields(f.body)
+                    due.append(d)
+                    seq.append(f.sequence)
+                    off.append(f.offset)
+                    subj.append(self.subject_id(subject))
+                elif f.kind == RecordKind.CANCEL:
+                    st.cancelled.add(records.decode_cancel(f.body).target_sequence)
+            st.outstanding += len(due)
+        if not due:
+            return None
+        n = len(due)
+        return Entries(np.array(due, dtype=np.int64), np.array(seq, dtype=np.int64),
+                       np.array(off, dtype=np.int64), np.full(n, st.bucket, dtype=np.int32),
+                       np.array(subj, dtype=np.int32))
+
+    def on_records(self, written: list[Scheduled]) -> None:
+        """Called by the iterate service once records are in schedule segments."""
+        now = self.clock()
+        with self.lock:
+            for rec in written:
+                st = self.buckets.get(rec.bucket)
+                if st is None:
+                    if rec.bucket > self._horizon or rec.bucket in self.reopened:
+                        continue  # the loader will find it (and dedupe it) when its time comes
+                    # a bucket with nothing left to do (finished, or new behind the horizon)
+                    seg = self.schedule.get(rec.bucket)
+                    st = self.buckets[rec.bucket] = _Bucket(rec.bucket, seg, rec.offset, True)
+                    st.dispatch_ready = True
+                    if rec.bucket < self.done_before:
+                        self.reopened.add(rec.bucket)
+                if not st.complete:
+                    continue  # the loader has not reached the end; it will index this record
+                if st.cursor != rec.offset:
+                    log.error("schedule segment out of step with the wheel; reloading", extra={
+                        "bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset})
+                    st.complete = False
+                    st.dispatch_ready = False
+                    continue
+                st.cursor = rec.offset + rec.size
+                if rec.kind == RecordKind.MESSAGE:
+                    self.wheel.add(rec.due, rec.sequence, rec.offset, rec.bucket, self.subject_id(rec.subject))
+                    st.outstanding += 1
+                    st.done = False
+                elif rec.kind == RecordKind.CANCEL:
+                    st.cancelled.add(rec.target)
+            for rec in written:
+                if rec.kind == RecordKind.CANCEL:
+                    self.cancelling.discard(rec.target)
+            self._wake.notify()
+
+    # --- timer ------------------------------------------------------------------------------------
+
+    def _fire(self, now: int) -> None:
+        due = self.wheel.pop_due(now)
+        if len(due) == 0:
+            return
+        # split by subject, keeping due order inside each subject
+        order = np.argsort(due.subj, kind="stable")
+        sorted_e = due.take(order)
+        subjects, starts = np.unique(sorted_e.subj, return_index=True)
+        bounds = list(starts[1:]) + [len(sorted_e)]
+        for sid, lo, hi in zip(subjects.tolist(), starts.tolist(), bounds):
+            q = self._ready.get(sid)
+            if q is None:
+                q = self._ready[sid] = _Ready()
+            if q.count == 0:
+                self._rr.append(sid)
+            part = sorted_e.take(slice(lo, hi))
+            q.chunks.append([part, 0])
+            q.count += hi - lo
+        self._ready_total += len(due)
+
+    def _expire(self, now: int) -> None:
+        """Deliveries not acknowledged in time go back for another attempt (or dead letters)."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _deadline, batch = self._deadlines.popleft()
+            for seq, attempt in batch:
+                inf = self.in_flight.get(seq)
+                if inf is None or inf[4] != attempt:
+                    continue
+                del self.in_flight[seq]
+                self.redeliveries += 1
+                bucket, off, due, subj, attempt, _at, _mid = inf
+                item = (seq, off, bucket, due, attempt + 1, subj)
+                if attempt >= self.cfg.max_attempts:
+                    self._dead_letter(seq, item, now)
+                    continue
+                backoff = min(self.cfg.max_backoff_ms, self.cfg.retry_backoff_ms * (2 ** (attempt - 1)))
+                heapq.heappush(self._retry_heap, (now + backoff, seq, item))
+        while self._retry_heap and self._retry_heap[0][0] <= now:
+            _t, _seq, item = heapq.heappop(self._retry_heap)
+            seq, off, bucket, due, attempt, subj = item
+            q = self._ready.get(subj)
+            if q is None:
+                q = self._ready[subj] = _Ready()
+            if q.count == 0:
+                self._rr.append(subj)
+            q.retries.append((seq, off, bucket, due, attempt))
+            q.count += 1
+            self._ready_total += 1
+
+    # --- dispatch ---------------------------------------------------------------------------------
+
+    def _take_tokens(self, want: int) -> int:
+        rate = self.cfg.dispatch_rate
+        if rate <= 0:
+            return want
+        now = time.monotonic()
+        self._tokens = min(max(rate * 0.1, 1.0), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        n = min(want, int(self._tokens))
+        self._tokens -= n
+        return n
+
+    def _dispatch(self, now: int) -> None:
+        sink = self.sink
+        if sink is None:
+            return
+        rounds = 0
+        while True:
+            batches: list[tuple[str, list[Delivery]]] = []
+            with self.lock:
+                if not self._rr or self._stop:
+                    break
+                for _ in range(len(self._rr)):
+                    sid = self._rr.popleft()
+                    q = self._ready[sid]
+                    name = self._subjects[sid]
+                    credit = sink.credit(name)
+                    n = min(credit, self.cfg.dispatch_quantum, q.count)
+                    n = self._take_tokens(n) if n > 0 else 0
+                    if n > 0:
+                        retries, fresh = q.take(n)
+                        self._ready_total -= len(retries) + len(fresh)
+                        out = self._prepare(sid, name, retries, fresh, now)
+                        if out:
+                            batches.append((name, out))
+                    if q.count > 0:
+                        self._rr.append(sid)
+            for name, out in batches:
+                sink.deliver(name, out)
+            rounds += 1
+            if not batches or rounds >= 64:
+                break
+
+    def _prepare(self, sid: int, name: str, retries: list[tuple], fresh: list[tuple],
+                 now: int) -> list[Delivery]:
+        """Turn ready items into deliveries: drop cancelled ones, read the records back."""
+        items = [(seq, off, bucket, due, attempt) for seq, off, bucket, due, attempt in retries]
+        items.extend((seq, off, bucket, due, 1) for due, seq, off, bucket in fresh)
+        by_bucket: dict[int, list[int]] = {}
+        keep = []
+        for it in items:
+            seq, off, bucket, due, attempt = it
+            st = self.buckets.get(bucket)
+            if st is None:
+                continue  # cannot happen for indexed entries; guards against a dropped bucket
+            if seq in st.cancelled or seq in self.cancelling:
+                st.outstanding -= 1
+                self.cancel_skipped += 1
+                continue
+            keep.append(it)
+            by_bucket.setdefault(bucket, []).append(off)
+        frames: dict[tuple[int, int], Frame] = {}
+        for bucket, offs in by_bucket.items():
+            self._read_many(self.buckets[bucket], offs, frames)
+        out = []
+        deadline_batch = []
+        lateness = []
+        for seq, off, bucket, due, attempt in keep:
+            f = frames.get((bucket, off))
+            if f is None:
+                self.buckets[bucket].outstanding -= 1
+                self.corrupt_skipped += 1
+                continue
+            m = records.decode_message(f.body)
+            out.append(Delivery(f"{seq}.{attempt}", m.message_id, m.subject, m.payload, m.headers,
+                                due, now, attempt))
+            self.in_flight[seq] = (bucket, off, due, sid, attempt, now, m.message_id)
+            deadline_batch.append((seq, attempt))
+            if attempt == 1:
+                lateness.append(now - due)
+        if deadline_batch:
+            self._deadlines.append((now + self.cfg.ack_timeout_ms, deadline_batch))
+            self.dispatched += len(out)
+            if self.on_dispatch is not None and lateness:
+                self.on_dispatch(lateness)
+        return out
+
+    def _read_many(self, st: _Bucket, offs: list[int], out: dict) -> None:
+        """Read the frames at ``offs`` with one read per run of nearby records."""
+        offs = sorted(set(offs))
+        i = 0
+        while i < len(offs):
+            j = i
+            while j + 1 < len(offs) and offs[j + 1] - offs[i] < 256 * 1024:
+                j += 1
+            start = offs[i]
+            data = st.seg.read(start, offs[j] - start + 16 * 1024)
+            for o in offs[i:j + 1]:
+                try:
+                    f = framing.check_at(data, o - start)
+                    out[(st.bucket, o)] = Frame(o, f.kind, f.sequence, f.timestamp, f.body)
+                except FrameError:
+                    try:  # longer than what was read, or really corrupt
+                        out[(st.bucket, o)] = st.seg.read_frame(o)
+                    except CorruptRecord as err:
+                        log.error("corrupt schedule record; it cannot be delivered", extra={
+                            "path": err.path, "offset": err.offset, "reason": err.reason})
+            i = j + 1
+
+    # --- acknowledgements and the dispatch log ------------------------------------------------------
+
+    def ack(self, ack_ids: list[str]) -> int:
+        now = self.clock()
+        n = 0
+        with self.lock:
+            for ack_id in ack_ids:
+                seq_text, _, _attempt = ack_id.partition(".")
+                try:
+                    seq = int(seq_text)
+                except ValueError:
+                    continue
+                inf = self.in_flight.pop(seq, None)
+                if inf is None:
+                    continue  # already acknowledged, or an ack id from another server
+                bucket, off, due, _subj, attempt, dispatched_at, mid = inf
+                self._record(bucket, seq, records.Dispatch(mid, due, dispatched_at, off, attempt,
+                                                           records.Outcome.DELIVERED), now)
+                n += 1
+            self.acked += n
+            if n:
+                self._wake.notify()
+        return n
+
+    def _record(self, bucket: int, seq: int, d: records.Dispatch, now: int) -> None:
+        """Buffer a DISPATCH record (lock held); the loop writes and fsyncs it shortly."""
+        buf = self._dispatch_buf.get(bucket)
+        if buf is None:
+            buf = self._dispatch_buf[bucket] = bytearray()
+            if len(self._dispatch_buf) == 1:
+                self._dispatch_first = time.monotonic()
+        framing.encode_into(buf, RecordKind.DISPATCH, seq, now, records.encode_dispatch(d))
+        st = self.buckets.get(bucket)
+        if st is not None:
+            st.outstanding -= 1
+
+    def _flush_dispatch(self, force: bool = False) -> None:
+        with self.lock:
+            if not self._dispatch_buf:
+                return
+            if not force and (time.monotonic() - self._dispatch_first) * 1000 < self.cfg.dispatch_flush_ms:
+                return
+            bufs, self._dispatch_buf = self._dispatch_buf, {}
+            for bucket, buf in bufs.items():
+                # written under the lock so a Cancel/Get check sees either the buffer or the file
+                self.dispatch.append(bucket, buf)
+        self.dispatch.sync()
+        now = self.clock()
+        with self.lock:
+            for bucket in bufs:
+                st = self.buckets.get(bucket)
+                if st is not None:
+                    self._maybe_done(st, now)
+            self._advance_done(now)
+
+    def pending_dispatch(self, bucket: int) -> bytes:
+        """DISPATCH frames of ``bucket`` buffered but not yet in its file (lock held)."""
+        return bytes(self._dispatch_buf.get(bucket, b""))
+
+    def _maybe_done(self, st: _Bucket, now: int) -> None:
+        end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE
+        if st.complete and st.outstanding <= 0 and now >= end and st.bucket not in self._dispatch_buf:
+            st.done = True
+
+    def _advance_done(self, now: int) -> None:
+        """Move ``done_before`` over finished buckets and forget them (lock held)."""
+        for b in [b for b in self.reopened if b < self.done_before]:
+            st = self.buckets.get(b)
+            if st is not None and st.done:
+                del self.buckets[b]
+                self.reopened.discard(b)
+        limit = min(bucket_of(now, self.cfg.scale_minutes), self._horizon + self.cfg.scale_minutes)
+        if self.done_before >= limit:
+            return
+        keys = self.schedule.buckets()
+        first = i = bisect.bisect_left(keys, self.done_before)
+        new = limit
+        while i < len(keys) and keys[i] < limit:
+            st = self.buckets.get(keys[i])
+            if st is None or not st.done:
+                new = keys[i]
+                break
+            i += 1
+        for b in keys[first:i]:
+            self.buckets.pop(b, None)
+            self.reopened.discard(b)
+        self.done_before = max(self.done_before, new)
+
+    # --- dead letters -------------------------------------------------------------------------------
+
+    def _dead_letter(self, seq: int, item: tuple, now: int) -> None:
+        """Move a message that failed ``max_attempts`` times to the dead-letter subject (lock held).
+
+        The copy goes through the message log like any send; only once it is durable is the
+        original closed with a DEAD_LETTERED dispatch record, so a crash in between delivers
+        the original again rather than losing it.
+        """
+        _seq, off, bucket, due, attempt, subj = item
+        st = self.buckets.get(bucket)
+        if st is None or self.dead_letter is None:
+            return
+        try:
+            msg = records.decode_message(st.seg.read_frame(off).body)
+        except CorruptRecord as err:
+            log.error("corrupt schedule record; it cannot be dead-lettered", extra={
+                "path": err.path, "offset": err.offset})
+            st.outstanding -= 1
+            self.corrupt_skipped += 1
+            return
+
+        def done(error: Exception | None) -> None:
+            with self.lock:
+                if error is None:
+                    self._record(bucket, seq, records.Dispatch(
+                        msg.message_id, due, now, off, attempt - 1, records.Outcome.DEAD_LETTERED),
+                        self.clock())
+                    self.dead_lettered += 1
+                else:  # try again later; the message stays pending meanwhile
+                    heapq.heappush(self._retry_heap, (self.clock() + self.cfg.retry_backoff_ms, seq, item))
+                self._wake.notify()
+
+        try:
+            self.dead_letter(msg, seq, done)
+        except QdelayError as err:
+            log.warning("dead-letter write refused; will retry", extra={"error": str(err)})
+            heapq.heappush(self._retry_heap, (now + self.cfg.retry_backoff_ms, seq, item))
+
+    # --- introspection ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {
+                "wheel_size": len(self.wheel),
+                "ready": self._ready_total,
+                "in_flight": len(self.in_flight),
+                "loaded_buckets": len(self.buckets),
+                "done_before": self.done_before,
+                "reopened": len(self.reopened),
+                "dispatched": self.dispatched,
+                "acked": self.acked,
+                "redeliveries": self.redeliveries,
+                "dead_lettered": self.dead_lettered,
+                "cancel_skipped": self.cancel_skipped,
+                "corrupt_skipped": self.corrupt_skipped,
+                "load_blocked": self.load_blocked,
+            }
+
+    def persistent_state(self) -> dict:
+        with self.lock:
+            return {"done_before": self.done_before, "reopened": sorted(self.reopened)}
