@@ -206,6 +206,17 @@ class Scheduler:
 
     # --- the loop -------------------------------------------------------------------------------
 
+    def run_once(self, now: int) -> None:
+        """One pass at time ``now``, loading until done: for tests with a simulated clock
+        (the scheduler thread must not be running)."""
+        while self._load_step(now):
+            pass
+        with self.lock:
+            self._fire(now)
+            self._expire(now)
+        self._dispatch(now)
+        self._flush_dispatch(force=True)
+
     def _run(self) -> None:
         try:
             while True:
