@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return app.serve(cfg)
-    except QdelayError as e:
+    except (QdelayError, OSError) as e:
         logging.getLogger("qdelay.server").error("server stopped: %s", e)
         print(f"qdelay server: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,208 @@
+"""Assembly of a server: engine + grpc.aio server + health + reflection + metrics.
+
+Start-up prints exactly one line on stdout, ``qdelay listening on HOST:PORT`` (the real
+port when the listen address asked for port 0), once calls are accepted.
+
+SIGTERM (or SIGINT) drains gracefully: health goes NOT_SERVING and new writes and
+subscriptions are refused (UNAVAILABLE); no new deliveries are handed out and consumers
+get ``ack_grace_seconds`` to acknowledge what they hold; then subscription streams end,
+in-flight calls finish (up to ``grace_seconds``), the engine flushes and checkpoints
+(``engine.close()``), and the process exits 0.
+
+Extension point: a module ``qdelay.replication.hooks`` with ``install(server, engine, cfg)``
+(returning an optional async ``stop()``) adds its services to the same gRPC server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import signal
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from qdelay.server import auth
+from qdelay.server.config import ServerConfig, parse_hostport
+from qdelay.server.consumers import ConsumerRegistry
+from qdelay.server.metrics import Metrics
+from qdelay.server.service import DelayService
+from qdelay.v1 import qdelay_pb2 as pb
+from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+log = logging.getLogger("qdelay.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DelayService"].full_name
+ACK_GRACE_SECONDS = 2.0
+
+
+class JsonFormatter(logging.Formatter):
+    _SKIP = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        for key, value in record.__dict__.items():
+            if key not in self._SKIP and not key.startswith("_"):
+                out[key] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+class TextFormatter(logging.Formatter):
+    _SKIP = JsonFormatter._SKIP
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        extra = [f"{k}={v}" for k, v in record.__dict__.items() if k not in self._SKIP and not k.startswith("_")]
+        return text + (" " + " ".join(extra) if extra else "")
+
+
+def setup_logging(cfg: ServerConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if cfg.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, cfg.log_level.upper(), logging.INFO))
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class App:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.engine = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.metrics = Metrics()
+        self.port = 0
+        self.metrics_port = 0
+        self.stopping = asyncio.Event()
+        self._hook_stops = []
+
+    async def start(self) -> str:
+        from qdelay.server.engine import Engine
+
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        engine_cfg = cfg.engine
+        self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
+        self.consumers = ConsumerRegistry(loop, getattr(engine_cfg, "ack_timeout_ms", 30_000),
+                                          notify=engine.notify_credit)
+        engine.set_sink(self.consumers)
+        self.metrics.attach(engine, extra=lambda: {
+            "qdelay_consumers": ("Subscribe streams connected", len(self.consumers.subscriptions())),
+            "qdelay_ingest_queue_messages": ("Messages waiting to become durable", self.service.gate.messages),
+        })
+        engine.start()
+        self.service = DelayService(engine, cfg, self.consumers, self.metrics)
+
+        interceptors = []
+        if cfg.auth_token_file:
+            interceptors.append(auth.BearerTokenInterceptor(auth.load_tokens(cfg.auth_token_file)))
+        limit = cfg.limits.grpc_receive_limit()
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                   ("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+        self.server = server = grpc.aio.server(interceptors=interceptors, options=options,
+                                               maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None)
+        pb_grpc.add_DelayServiceServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        names += self._install_hooks(server, engine)
+        reflection.enable_server_reflection(names, server)
+
+        host, want_port = parse_hostport(cfg.listen, "listen")
+        if cfg.tls_cert:
+            port = server.add_secure_port(cfg.listen, auth.server_credentials(cfg.tls_cert, cfg.tls_key))
+        else:
+            port = server.add_insecure_port(cfg.listen)
+        if not port:
+            raise OSError(f"cannot listen on {cfg.listen}")
+        self.port = port
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_listen:
+            mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
+            self.metrics_port = self.metrics.serve(mhost, mport)
+            log.info("metrics on %s", format_address(mhost, self.metrics_port))
+        address = format_address(host, port)
+        log.info("started", extra={"listen": address, "data_dir": cfg.data_dir, "role": cfg.role,
+                                   "tls": bool(cfg.tls_cert), "auth": bool(cfg.auth_token_file),
+                                   "startup_seconds": round(time.monotonic() - started, 3)})
+        return address
+
+    def _install_hooks(self, server, engine) -> list[str]:
+        try:
+            hooks = importlib.import_module("qdelay.replication.hooks")
+        except ModuleNotFoundError as e:
+            if e.name not in ("qdelay.replication.hooks",):
+                raise
+            return []
+        result = hooks.install(server, engine, self.cfg)
+        names: list[str] = []
+        if isinstance(result, tuple):
+            stop, names = result
+        else:
+            stop = result
+        if stop is not None:
+            self._hook_stops.append(stop)
+        return list(names)
+
+    async def stop(self) -> None:
+        cfg = self.cfg
+        log.info("shutting down")
+        await self.health.enter_graceful_shutdown()
+        self.service.closing = True
+        # no new deliveries; give consumers a moment to ack what they hold
+        self.consumers.pause()
+        deadline = time.monotonic() + min(ACK_GRACE_SECONDS, cfg.grace_seconds)
+        while self.consumers.outstanding() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.consumers.close_all()
+        for stop in self._hook_stops:
+            try:
+                await stop()
+            except Exception:  # noqa: BLE001
+                log.exception("replication hook stop failed")
+        await self.server.stop(cfg.grace_seconds)
+        await asyncio.to_thread(self.engine.close)
+        self.metrics.close()
+        log.info("stopped")
+
+
+async def _main(cfg: ServerConfig) -> int:
+    app = App(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        address = await app.start()
+    except BaseException:
+        if app.server is not None:
+            await app.server.stop(None)
+        if app.engine is not None:
+            await asyncio.to_thread(app.engine.close)
+        raise
+    print(f"qdelay listening on {address}", flush=True)
+    await stop.wait()
+    await app.stop()
+    return 0
+
+
+def serve(cfg: ServerConfig) -> int:
+    setup_logging(cfg)
+    return asyncio.run(_main(cfg))

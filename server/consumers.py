@@ -1,0 +1,202 @@
+"""Subscriptions: the engine's delivery sink, credit-based flow control, batched responses.
+
+Each Subscribe stream is a :class:`Subscription` with a credit window (``max_in_flight``):
+deliveries handed to it and not yet acknowledged count against the window. The engine's
+dispatcher thread asks :meth:`ConsumerRegistry.credit` how many deliveries of a subject
+the subscribers accept, and hands them to :meth:`ConsumerRegistry.deliver`, which spreads
+them over the subject's subscribers by free credit (competing consumers) and passes them
+to the asyncio loop; the stream packs many deliveries into each SubscribeResponse.
+
+v1 group semantics: every subscriber of a subject competes for one delivery stream,
+whatever its group (the group is accepted and reported, not used for fan-out).
+
+An unacknowledged delivery stops counting against its subscriber's window once the
+engine's ack timeout has passed (the engine offers it again, possibly elsewhere).
+
+Locking: ``credit`` is called by the engine with the engine's lock held, so this
+registry never calls into the engine while holding its own lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+
+log = logging.getLogger("qdelay.consumers")
+
+
+class Subscription:
+    __slots__ = ("id", "subject", "group", "peer", "max_in_flight", "outstanding", "inbox", "event", "closed",
+                 "delivered", "acked", "expired")
+
+    def __init__(self, sid: int, subject: str, group: str, max_in_flight: int, peer: str) -> None:
+        self.id = sid
+        self.subject = subject
+        self.group = group
+        self.peer = peer
+        self.max_in_flight = max_in_flight
+        # ack_id -> monotonic expiry; insertion order is hand-over order, so expiry order too
+        self.outstanding: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.inbox: collections.deque = collections.deque()
+        self.event = asyncio.Event()
+        self.closed = False
+        self.delivered = 0
+        self.acked = 0
+        self.expired = 0
+
+    def available(self, now: float) -> int:
+        """Free credit (lock held): drops deliveries whose ack timeout has passed."""
+        out = self.outstanding
+        while out:
+            ack_id, expiry = next(iter(out.items()))
+            if expiry > now:
+                break
+            del out[ack_id]
+            self.expired += 1
+        return self.max_in_flight - len(out)
+
+    def push(self, deliveries: list) -> None:
+        """On the loop thread: queue deliveries for the stream to write."""
+        self.inbox.extend(deliveries)
+        self.event.set()
+
+
+class ConsumerRegistry:
+    """Implements the engine's ``DeliverySink``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ack_timeout_ms: int, notify=None) -> None:
+        self.loop = loop
+        self.ack_timeout_s = ack_timeout_ms / 1000.0
+        self.notify = notify or (lambda: None)  # engine.notify_credit
+        self._lock = threading.Lock()
+        self._by_subject: dict[str, list[Subscription]] = {}
+        self._ids = itertools.count(1)
+        self._rr = 0
+        self.paused = False
+        self.dropped = 0  # deliveries that found no subscriber (the engine redelivers them)
+
+    # --- streams ----------------------------------------------------------------------------------
+    def register(self, subject: str, group: str, max_in_flight: int, peer: str = "") -> Subscription:
+        sub = Subscription(next(self._ids), subject, group, max_in_flight, peer)
+        with self._lock:
+            self._by_subject.setdefault(subject, []).append(sub)
+        log.info("subscribed", extra={"subject": subject, "group": group, "peer": peer,
+                                      "max_in_flight": max_in_flight, "subscription": sub.id})
+        self.notify()
+        return sub
+
+    def unregister(self, sub: Subscription) -> list[str]:
+        """Remove a stream; returns the ack ids it left unacknowledged."""
+        with self._lock:
+            subs = self._by_subject.get(sub.subject, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._by_subject.pop(sub.subject, None)
+            left = list(sub.outstanding)
+            sub.outstanding.clear()
+            sub.closed = True
+        sub.event.set()
+        log.info("unsubscribed", extra={"subject": sub.subject, "group": sub.group, "peer": sub.peer,
+                                        "subscription": sub.id, "delivered": sub.delivered, "acked": sub.acked,
+                                        "unacked": len(left)})
+        return left
+
+    def set_window(self, sub: Subscription, max_in_flight: int) -> None:
+        with self._lock:
+            sub.max_in_flight = max_in_flight
+        self.notify()
+
+    def acked(self, sub: Subscription, ack_ids) -> None:
+        """Forget acknowledged deliveries of ``sub`` (frees its credit)."""
+        with self._lock:
+            out = sub.outstanding
+            for ack_id in ack_ids:
+                out.pop(ack_id, None)
+            sub.acked += len(ack_ids)
+
+    def subscriptions(self) -> list[Subscription]:
+        with self._lock:
+            return [s for subs in self._by_subject.values() for s in subs]
+
+    def outstanding(self) -> int:
+        with self._lock:
+            now = time.monotonic()
+            total = 0
+            for subs in self._by_subject.values():
+                for s in subs:
+                    s.available(now)
+                    total += len(s.outstanding)
+            return total
+
+    def pause(self) -> None:
+        """Shutting down: hand out nothing more (credit 0)."""
+        self.paused = True
+
+    def close_all(self) -> None:
+        for sub in self.subscriptions():
+            sub.closed = True
+            self.loop.call_soon_threadsafe(sub.event.set)
+
+    # --- DeliverySink (dispatcher thread) -----------------------------------------------------------
+    def credit(self, subject: str) -> int:
+        if self.paused:
+            return 0
+        with self._lock:
+            subs = self._by_subject.get(subject)
+            if not subs:
+                return 0
+            now = time.monotonic()
+            total = 0
+            for s in subs:
+                free = s.available(now)
+                if free > 0:
+                    total += free
+            return total
+
+    def deliver(self, subject: str, deliveries: list) -> None:
+        plan: list[tuple[Subscription, list]] = []
+        with self._lock:
+            subs = self._by_subject.get(subject)
+            if not subs:
+                self.dropped += len(deliveries)
+                return
+            now = time.monotonic()
+            expiry = now + self.ack_timeout_s
+            n = len(subs)
+            start = self._rr % n
+            self._rr += 1
+            order = subs[start:] + subs[:start]
+            free = [max(0, s.available(now)) for s in order]
+            pos = 0
+            remaining = len(deliveries)
+            # spread evenly by free credit: each round gives every subscriber with credit an equal share
+            while remaining > 0:
+                takers = [i for i in range(n) if free[i] > 0]
+                if not takers:
+                    break
+                share = -(-remaining // len(takers))
+                for i in takers:
+                    k = min(share, free[i], remaining)
+                    if k <= 0:
+                        continue
+                    plan.append((order[i], deliveries[pos:pos + k]))
+                    free[i] -= k
+                    pos += k
+                    remaining -= k
+            if remaining > 0:
+                # credit shrank since the dispatcher asked (a window change): the least loaded
+                # subscriber takes the rest rather than letting them wait for the ack timeout
+                target = min(order, key=lambda s: len(s.outstanding))
+                plan.append((target, deliveries[pos:]))
+            for sub, part in plan:
+                out = sub.outstanding
+                for d in part:
+                    out[d.ack_id] = expiry
+                sub.delivered += len(part)
+        for sub, part in plan:
+            self.loop.call_soon_threadsafe(sub.push, part)

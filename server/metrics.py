@@ -1,0 +1,114 @@
+"""Prometheus metrics of a server (prometheus-client), on their own registry.
+
+Counters and histograms are updated by the service and the consumer registry; gauges
+that the engine owns (pending, wheel size, iterate lag, in flight, redeliveries ...) are
+read from ``engine.stats()`` at scrape time by a custom collector, so they cost nothing
+between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("qdelay.metrics")
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# engine.stats() key -> (metric name, help, kind)
+ENGINE_STATS = {
+    "pending": ("qdelay_pending_messages", "Scheduled messages not yet delivered or cancelled", "gauge"),
+    "wheel_size": ("qdelay_wheel_size", "Message indexes loaded in the in-memory timer wheel", "gauge"),
+    "iterate_lag_bytes": ("qdelay_iterate_lag_bytes", "Message-log bytes not yet copied to the schedule log", "gauge"),
+    "iterate_lag_records": ("qdelay_iterate_lag_records", "Message-log records not yet in the schedule log", "gauge"),
+    "in_flight": ("qdelay_in_flight_deliveries", "Deliveries handed to consumers and not yet acknowledged",
+                  "gauge"),
+    "redeliveries": ("qdelay_redeliveries", "Deliveries repeated after an ack timeout", "counter"),
+    "dispatched": ("qdelay_dispatched", "Deliveries handed to consumers", "counter"),
+    "epoch": ("qdelay_epoch", "Replication epoch of this server", "gauge"),
+    "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)",
+                              "gauge"),
+}
+
+
+class EngineCollector:
+    def __init__(self, engine, extra=None) -> None:
+        self.engine = engine
+        self.extra = extra  # callable -> dict of more gauges (name -> (help, value))
+
+    def describe(self):
+        return []  # names are dynamic; do not call collect() at registration
+
+    def collect(self):
+        try:
+            stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - a scrape must not break the server
+            log.exception("engine.stats() failed during a scrape")
+            stats = {}
+        for key, (name, text, kind) in ENGINE_STATS.items():
+            value = stats.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if kind == "counter":
+                family = CounterMetricFamily(name, text)
+            else:
+                family = GaugeMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family
+        role = stats.get("role")
+        if role:
+            family = GaugeMetricFamily("qdelay_role", "1 for the role this server has", labels=["role"])
+            family.add_metric([str(role)], 1)
+            yield family
+        extra = {}
+        if self.extra is not None:
+            try:
+                extra = self.extra()
+            except Exception:  # noqa: BLE001
+                log.exception("extra metrics failed during a scrape")
+        for name, (text, value) in extra.items():
+            family = GaugeMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ingested = Counter("qdelay_ingested_messages", "Messages durably accepted (rate = ingest rate)",
+                                registry=r)
+        self.ingest_bytes = Counter("qdelay_ingested_payload_bytes", "Payload bytes durably accepted", registry=r)
+        self.requests = Counter("qdelay_requests", "RPCs served", ["method", "code"], registry=r)
+        self.refused = Counter("qdelay_refused_messages", "Messages refused", ["reason"], registry=r)
+        self.fsync_seconds = Histogram("qdelay_wal_fsync_seconds", "Message-log fdatasync latency",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.send_seconds = Histogram("qdelay_send_seconds", "Send/SendBatch latency until durable",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.lateness = Histogram("qdelay_dispatch_lateness_seconds",
+                                  "Delivery hand-over to a consumer stream minus the due time",
+                                  buckets=LATENESS_BUCKETS, registry=r)
+        self.delivered = Counter("qdelay_delivered", "Deliveries written to consumer streams", registry=r)
+        self.acks = Counter("qdelay_acks", "Acknowledgements received from consumers", registry=r)
+        self.consumers = None  # set by the app: a gauge callback
+        self._http = None
+
+    def attach(self, engine, extra=None) -> None:
+        self.registry.register(EngineCollector(engine, extra))
+        log_obj = getattr(engine, "message_log", None) or getattr(engine, "wal", None)
+        if log_obj is not None and hasattr(log_obj, "on_fsync"):
+            log_obj.on_fsync = self.fsync_seconds.observe
+
+    def serve(self, host: str, port: int) -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,300 @@
+"""DelayService: the gRPC API v1 on top of the engine.
+
+Writes: validate the whole request (nothing is written for a refused one), check the
+free-space guard and the bounded ingest queue, then ``await engine.send`` — concurrent
+calls share the engine's group commit, so RPCs are never serialised here. A Send is
+answered only once its records are durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+
+import grpc
+
+from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
+from qdelay.server import status
+from qdelay.server.config import ServerConfig
+from qdelay.server.validation import IdGenerator, validate_messages, validate_receipt, validate_subscribe
+from qdelay.v1 import qdelay_pb2 as pb
+from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+log = logging.getLogger("qdelay.service")
+
+STREAM_PIPELINE = 16  # SendStream: batches submitted ahead of their responses, per stream
+
+
+class DiskGuard:
+    """Free-space guard: new messages need ``min_free`` bytes free, cancels ``hard`` bytes.
+
+    The statvfs result is cached briefly (it is checked on every write).
+    """
+
+    def __init__(self, path: str, min_free: int, hard: int, ttl: float = 0.2) -> None:
+        self.path = path
+        self.min_free = min_free
+        self.hard = hard
+        self.ttl = ttl
+        self._free = None
+        self._at = 0.0
+
+    def free(self) -> int:
+        now = time.monotonic()
+        if self._free is None or now - self._at > self.ttl:
+            try:
+                self._free = shutil.disk_usage(self.path).free
+            except OSError:
+                self._free = 1 << 62  # cannot tell: let the write itself fail if the disk is full
+            self._at = now
+        return self._free
+
+    def check(self, cancel: bool = False) -> None:
+        need = self.hard if cancel else self.min_free
+        if need <= 0:
+            return
+        free = self.free()
+        if free < need:
+            what = "cancels" if cancel else "new messages"
+            raise DiskFull(f"free space on the data disk is {free} bytes, below the {need} bytes needed "
+                           f"for {what}; free some space or raise the limit (min_free_bytes)")
+
+
+class IngestGate:
+    """The bounded ingest queue: messages (and bytes) accepted but not yet durable."""
+
+    def __init__(self, max_messages: int, max_bytes: int) -> None:
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes
+        self.messages = 0
+        self.bytes = 0
+
+    def enter(self, count: int, size: int) -> None:
+        if self.messages and (self.messages + count > self.max_messages or self.bytes + size > self.max_bytes):
+            raise Overloaded(f"ingest queue full: {self.messages} messages / {self.bytes} bytes waiting to be "
+                             f"durable (limits {self.max_messages} / {self.max_bytes}); retry later")
+        self.messages += count
+        self.bytes += size
+
+    def leave(self, count: int, size: int) -> None:
+        self.messages -= count
+        self.bytes -= size
+
+
+def _receipt(r) -> pb.Receipt:
+    return pb.Receipt(message_id=r.message_id, deliver_at_ms=r.deliver_at_ms, sequence=r.sequence)
+
+
+class DelayService(pb_grpc.DelayServiceServicer):
+    def __init__(self, engine, cfg: ServerConfig, consumers, metrics) -> None:
+        from qdelay.server.engine import NewMessage
+
+        self.engine = engine
+        self.cfg = cfg
+        self.limits = cfg.limits
+        self.consumers = consumers
+        self.metrics = metrics
+        self.guard = DiskGuard(cfg.data_dir, cfg.min_free_bytes, cfg.min_free_bytes_hard)
+        self.gate = IngestGate(cfg.ingest_queue_messages, cfg.ingest_queue_bytes)
+        self.new_id = IdGenerator()
+        self.make = NewMessage
+        self.closing = False
+        self.active_writes = 0
+
+    # --- writes -----------------------------------------------------------------------------------
+    def _validate(self, messages, single: bool = False):
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry on another server or later")
+        try:
+            return validate_messages(messages, self.limits, self.engine.now_ms(), self.new_id, self.make, single)
+        except InvalidArgument:
+            self.metrics.refused.labels("invalid").inc(len(messages) or 1)
+            raise
+
+    async def _write(self, new, size: int) -> list:
+        try:
+            self.guard.check()
+        except DiskFull:
+            self.metrics.refused.labels("disk").inc(len(new))
+            raise
+        try:
+            self.gate.enter(len(new), size)
+        except Overloaded:
+            self.metrics.refused.labels("overload").inc(len(new))
+            raise
+        self.active_writes += 1
+        started = time.perf_counter()
+        try:
+            receipts = await self.engine.send(new)
+        finally:
+            self.gate.leave(len(new), size)
+            self.active_writes -= 1
+        self.metrics.send_seconds.observe(time.perf_counter() - started)
+        self.metrics.ingested.inc(len(new))
+        self.metrics.ingest_bytes.inc(size)
+        return receipts
+
+    @status.unary
+    async def Send(self, request, context):
+        if not request.HasField("message"):
+            raise InvalidArgument("message: required")
+        new, size = self._validate([request.message], single=True)
+        receipts = await self._write(new, size)
+        return pb.SendResponse(receipt=_receipt(receipts[0]))
+
+    @status.unary
+    async def SendBatch(self, request, context):
+        new, size = self._validate(request.messages)
+        receipts = await self._write(new, size)
+        return pb.SendBatchResponse(receipts=[_receipt(r) for r in receipts])
+
+    @status.streaming
+    async def SendStream(self, request_iterator, context):
+        """Batches are validated in order and written concurrently; responses keep the order.
+
+        The first refused batch ends the stream with its status; every batch before it has
+        its response, nothing from it or after it is written.
+        """
+        pending: asyncio.Queue = asyncio.Queue(maxsize=STREAM_PIPELINE)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    try:
+                        new, size = self._validate(request.messages)
+                        task = asyncio.ensure_future(self._write(new, size))
+                    except Exception as error:  # noqa: BLE001 - reported in order by the writer below
+                        await pending.put(error)
+                        return
+                    await pending.put(task)
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                item = await pending.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    raise item
+                receipts = await item
+                yield pb.SendBatchResponse(receipts=[_receipt(r) for r in receipts])
+        finally:
+            if not reader.done():
+                reader.cancel()
+            # let batches already handed to the engine settle (they may still become durable)
+            while not pending.empty():
+                item = pending.get_nowait()
+                if isinstance(item, asyncio.Future):
+                    try:
+                        await item
+                    except Exception:  # noqa: BLE001 - the stream already failed
+                        pass
+
+    @status.unary
+    async def Cancel(self, request, context):
+        message_id, due, sequence = validate_receipt(request, self.limits)
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry later")
+        self.guard.check(cancel=True)
+        outcome = await self.engine.cancel(message_id, due, sequence)
+        return pb.CancelResponse(outcome=int(outcome))
+
+    @status.unary
+    async def Get(self, request, context):
+        message_id, due, sequence = validate_receipt(request, self.limits)
+        st = await self.engine.get(message_id, due, sequence)
+        resp = pb.GetResponse(state=int(st.state), deliver_at_ms=st.deliver_at_ms or 0,
+                              delivered_at_ms=st.delivered_at_ms or 0)
+        m = st.message
+        if m is not None:
+            resp.message.subject = m.subject
+            resp.message.payload = m.payload
+            resp.message.headers.update(m.headers)
+            resp.message.message_id = m.message_id
+            resp.message.deliver_at_ms = m.deliver_at_ms
+        return resp
+
+    @status.unary
+    async def Stats(self, request, context):
+        s = self.engine.stats()
+        lag = s.get("replication_lag_bytes", -1)
+        return pb.StatsResponse(pending=max(0, int(s.get("pending", 0))), wheel_size=int(s.get("wheel_size", 0)),
+                                iterate_lag_bytes=max(0, int(s.get("iterate_lag_bytes", 0))),
+                                role=str(s.get("role", self.cfg.role)), epoch=int(s.get("epoch", 0)),
+                                replication_lag_bytes=-1 if lag is None else int(lag))
+
+    # --- Subscribe ----------------------------------------------------------------------------------
+    @status.streaming
+    async def Subscribe(self, request_iterator, context):
+        try:
+            first = await request_iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        subject, group = validate_subscribe(first, self.limits)
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; subscribe again elsewhere or later")
+        window = first.max_in_flight or self.cfg.default_max_in_flight
+        registry = self.consumers
+        sub = registry.register(subject, group, window, context.peer())
+        engine = self.engine
+        metrics = self.metrics
+        if first.ack_ids:
+            self._ack(sub, list(first.ack_ids))
+
+        async def read_acks() -> None:
+            try:
+                async for request in request_iterator:
+                    if request.ack_ids:
+                        self._ack(sub, list(request.ack_ids))
+                    if request.max_in_flight:
+                        registry.set_window(sub, request.max_in_flight)
+            except (asyncio.CancelledError, grpc.RpcError):
+                pass
+            finally:
+                sub.closed = True
+                sub.event.set()
+
+        reader = asyncio.ensure_future(read_acks())
+        max_n = self.cfg.max_deliveries_per_response
+        max_bytes = self.cfg.max_response_bytes
+        try:
+            while True:
+                if not sub.inbox:
+                    if sub.closed:
+                        break
+                    sub.event.clear()
+                    if not sub.inbox and not sub.closed:
+                        await sub.event.wait()
+                    continue
+                inbox = sub.inbox
+                now = engine.now_ms()
+                batch = []
+                size = 0
+                lateness = metrics.lateness
+                while inbox and len(batch) < max_n and (size < max_bytes or not batch):
+                    d = inbox.popleft()
+                    batch.append(pb.Delivery(ack_id=d.ack_id, message_id=d.message_id, subject=d.subject,
+                                             payload=d.payload, headers=d.headers, deliver_at_ms=d.deliver_at_ms,
+                                             dispatched_at_ms=d.dispatched_at_ms, attempt=d.attempt))
+                    size += len(d.payload) + 64
+                    if d.attempt == 1:
+                        lateness.observe(max(0, now - d.deliver_at_ms) / 1000.0)
+                metrics.delivered.inc(len(batch))
+                yield pb.SubscribeResponse(deliveries=batch)
+        finally:
+            reader.cancel()
+            left = registry.unregister(sub)
+            release = getattr(engine, "release", None)
+            if left and release is not None:
+                release(left)  # hand the unacknowledged deliveries out again now, not after the timeout
+            engine.notify_credit()
+
+    def _ack(self, sub, ack_ids: list[str]) -> None:
+        self.consumers.acked(sub, ack_ids)
+        self.engine.ack(ack_ids)
+        self.metrics.acks.inc(len(ack_ids))
+        self.engine.notify_credit()
