@@ -1,0 +1,366 @@
+"""End-to-end: a real ``qdelay server`` process on 127.0.0.1, the Python client, no mocks."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from qdelay import errors
+from qdelay.v1 import qdelay_pb2 as pb
+from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+from serverproc import ServerProc
+
+ACK_TIMEOUT_MS = 1000
+_subjects = itertools.count(1)
+
+
+def subject() -> str:
+    return f"t{next(_subjects)}.{int(time.time() * 1000) % 100000}"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("e2e") / "data"
+    with ServerProc(data, args=["--set", f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}",
+                                "--set", "engine.retry_backoff_ms=0", "--metrics-listen", "127.0.0.1:0"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = server.client(timeout=20)
+    yield c
+    c.close()
+
+
+def test_send_then_receive_at_due_time_not_before(client):
+    s = subject()
+    with client.subscribe(s) as consumer:
+        r = client.send(s, b"hello", delay_ms=700, headers={"k": "v"})
+        assert r.deliver_at_ms >= now_ms() + 400
+        got = consumer.receive(1, timeout=10)
+        received = now_ms()
+        assert len(got) == 1
+        d = got[0]
+        assert (d.message_id, d.subject, d.payload, dict(d.headers)) == (r.message_id, s, b"hello", {"k": "v"})
+        assert d.attempt == 1 and d.deliver_at_ms == r.deliver_at_ms
+        assert received >= r.deliver_at_ms, "delivered early"
+        assert d.dispatched_at_ms >= r.deliver_at_ms
+        assert received - r.deliver_at_ms < 2000
+        consumer.ack(got)
+
+
+def test_past_due_delivered_at_once(client):
+    s = subject()
+    with client.subscribe(s) as consumer:
+        r = client.send(s, b"late", deliver_at_ms=now_ms() - 60_000)
+        got = consumer.receive(1, timeout=5)
+        assert [d.message_id for d in got] == [r.message_id]
+        consumer.ack(got)
+
+
+def test_batch_and_stream_sends(client):
+    s = subject()
+    due = now_ms() + 300
+    receipts = client.send_batch([client.message(s, b"b%d" % i, deliver_at_ms=due) for i in range(100)])
+    assert len(receipts) == 100
+    seqs = [r.sequence for r in receipts]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 100
+    # SendStream: several batches pipelined on one stream, one response per request, in order
+    batches = [pb.SendBatchRequest(messages=[pb.Message(subject=s, payload=b"s%d-%d" % (k, i), delay_ms=300)
+                                             for i in range(50)]) for k in range(4)]
+    stub = pb_grpc.DelayServiceStub(client.channel)
+    responses = list(stub.SendStream(iter(batches), timeout=20))
+    assert [len(r.receipts) for r in responses] == [50] * 4
+    stream_seqs = [rc.sequence for r in responses for rc in r.receipts]
+    assert stream_seqs == sorted(stream_seqs)
+    many = client.send_many((client.message(s, b"m", delay_ms=300) for _ in range(2500)), batch_size=400)
+    assert len(many) == 2500
+    expected = {r.message_id for r in receipts} | {rc.message_id for r in responses for rc in r.receipts} | \
+        {r.message_id for r in many}
+    with client.subscribe(s, max_in_flight=5000) as consumer:
+        seen = set()
+        deadline = time.monotonic() + 20
+        while len(seen) < len(expected) and time.monotonic() < deadline:
+            got = consumer.receive(len(expected) - len(seen), timeout=1)
+            seen |= {d.message_id for d in got}
+            consumer.ack(got)
+        assert seen == expected
+
+
+def test_stream_stops_at_first_bad_batch(client):
+    s = subject()
+    good = pb.SendBatchRequest(messages=[pb.Message(subject=s, payload=b"x", delay_ms=100)])
+    bad = pb.SendBatchRequest(messages=[pb.Message(subject=s, payload=b"x")])  # no due time
+    stub = pb_grpc.DelayServiceStub(client.channel)
+    call = stub.SendStream(iter([good, bad, good]), timeout=10)
+    got = []
+    with pytest.raises(grpc.RpcError) as info:
+        for resp in call:
+            got.append(resp)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(got) == 1
+    with client.subscribe(s) as consumer:
+        delivered = consumer.receive(5, timeout=1.5)
+        consumer.ack(delivered)
+        assert len({d.message_id for d in delivered}) == 1  # only the batch before the bad one
+
+
+def test_cancel_before_due_never_delivered_and_after_delivery(client):
+    s = subject()
+    keep = client.send(s, b"keep", delay_ms=500)
+    drop = client.send(s, b"drop", delay_ms=500)
+    assert client.cancel(drop) == "CANCELLED"
+    assert client.cancel(drop) == "ALREADY_CANCELLED"
+    assert client.state_name(client.get(drop)) == "CANCELLED"
+    with client.subscribe(s) as consumer:
+        got = consumer.receive(1, timeout=5)
+        consumer.ack(got)
+        got += consumer.receive(1, timeout=1.5)
+        consumer.ack(got)
+        assert {d.message_id for d in got} == {keep.message_id}
+    time.sleep(0.5)
+    assert client.cancel(keep) == "ALREADY_DELIVERED"
+
+
+def test_get_states(client):
+    s = subject()
+    r = client.send(s, b"payload", delay_ms=300, headers={"a": "b"})
+    st = client.get(r)
+    assert client.state_name(st) == "PENDING"
+    assert st.message.payload == b"payload" and st.message.subject == s and dict(st.message.headers) == {"a": "b"}
+    assert st.deliver_at_ms == r.deliver_at_ms
+    with client.subscribe(s) as consumer:
+        got = consumer.receive(1, timeout=5)
+        consumer.ack(got)
+        deadline = time.monotonic() + 5
+        while client.state_name(client.get(r)) != "DELIVERED" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    st = client.get(r)
+    assert client.state_name(st) == "DELIVERED"
+    assert st.delivered_at_ms >= r.deliver_at_ms
+    bogus = pb.Receipt(message_id="nope", deliver_at_ms=r.deliver_at_ms, sequence=r.sequence)
+    assert client.state_name(client.get(bogus)) == "NOT_FOUND"
+    assert client.cancel(bogus) == "NOT_FOUND"
+    assert client.state_name(client.get(pb.Receipt(message_id="x", deliver_at_ms=1, sequence=10**12))) == "NOT_FOUND"
+
+
+def test_redelivery_after_no_ack(client):
+    s = subject()
+    r = client.send(s, b"again", delay_ms=0)
+    with client.subscribe(s) as consumer:
+        first = consumer.receive(1, timeout=5)
+        assert [d.attempt for d in first] == [1]
+        second = consumer.receive(1, timeout=ACK_TIMEOUT_MS / 1000 + 5)
+        assert [(d.message_id, d.attempt) for d in second] == [(r.message_id, 2)]
+        assert second[0].ack_id != first[0].ack_id
+        consumer.ack(second)
+        assert consumer.receive(1, timeout=ACK_TIMEOUT_MS / 1000 + 1) == []
+
+
+def test_redelivered_to_another_consumer_when_one_leaves(client):
+    s = subject()
+    r = client.send(s, b"x", delay_ms=0)
+    a = client.subscribe(s)
+    got = a.receive(1, timeout=5)
+    assert len(got) == 1
+    a.close()
+    with client.subscribe(s) as b:
+        again = b.receive(1, timeout=ACK_TIMEOUT_MS / 1000 + 5)
+        assert [(d.message_id, d.attempt) for d in again] == [(r.message_id, 2)]
+        b.ack(again)
+
+
+def test_two_consumers_share_the_load(client):
+    s = subject()
+    a = client.subscribe(s, group="workers", max_in_flight=200)
+    b = client.subscribe(s, group="workers", max_in_flight=200)
+    try:
+        time.sleep(0.3)
+        client.send_many((client.message(s, b"w", delay_ms=200) for _ in range(3000)), batch_size=500)
+        counts = {"a": set(), "b": set()}
+        deadline = time.monotonic() + 20
+        while len(counts["a"] | counts["b"]) < 3000 and time.monotonic() < deadline:
+            for name, cons in (("a", a), ("b", b)):
+                got = cons.receive(1, timeout=0.05)
+                counts[name] |= {d.message_id for d in got}
+                cons.ack(got)
+        assert len(counts["a"] | counts["b"]) == 3000
+        assert len(counts["a"]) > 300 and len(counts["b"]) > 300, {k: len(v) for k, v in counts.items()}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_late_subscriber_gets_what_became_due(client):
+    s = subject()
+    receipts = client.send_batch([client.message(s, b"%d" % i, delay_ms=100) for i in range(50)])
+    time.sleep(1.0)  # due meanwhile, nobody subscribed
+    with client.subscribe(s) as consumer:
+        got = consumer.receive(50, timeout=5)
+        assert {d.message_id for d in got} == {r.message_id for r in receipts}
+        assert all(d.attempt == 1 for d in got)
+        consumer.ack(got)
+
+
+def _bad_inputs(s):
+    big = 4 * 1024 * 1024
+    return {
+        "subject empty": pb.Message(subject="", delay_ms=0),
+        "subject chars": pb.Message(subject="a b", delay_ms=0),
+        "subject long": pb.Message(subject="a" * 256, delay_ms=0),
+        "payload": pb.Message(subject=s, payload=b"x" * (big + 1), delay_ms=0),
+        "headers count": pb.Message(subject=s, headers={f"k{i}": "v" for i in range(65)}, delay_ms=0),
+        "header key": pb.Message(subject=s, headers={"k" * 129: "v"}, delay_ms=0),
+        "headers size": pb.Message(subject=s, headers={"k": "v" * 16384}, delay_ms=0),
+        "message_id long": pb.Message(subject=s, message_id="m" * 129, delay_ms=0),
+        "message_id chars": pb.Message(subject=s, message_id="m\u00e9", delay_ms=0),
+        "no due time": pb.Message(subject=s),
+        "delay too far": pb.Message(subject=s, delay_ms=2 * 365 * 86400 * 1000 + 1),
+        "deliver_at too far": pb.Message(subject=s, deliver_at_ms=now_ms() + 2 * 365 * 86400 * 1000 + 60_000),
+        "delay overflow": pb.Message(subject=s, delay_ms=2**63 - 1),
+    }
+
+
+def test_bad_inputs_refused_whole_and_nothing_delivered(client):
+    s = subject()
+    stub = pb_grpc.DelayServiceStub(client.channel)
+    pending_before = client.stats()["pending"]
+    for name, bad in _bad_inputs(s).items():
+        good = pb.Message(subject=s, payload=b"good", delay_ms=0)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SendBatch(pb.SendBatchRequest(messages=[good, bad]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "messages[1]" in info.value.details(), (name, info.value.details())
+        with pytest.raises(errors.InvalidArgument):
+            client.send_batch([bad])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Send(pb.SendRequest(message=bad), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    with pytest.raises(errors.InvalidArgument, match="empty batch"):
+        client.send_batch([])
+    with pytest.raises(errors.InvalidArgument, match="limit 10000"):
+        client.send_batch([client.message(s, delay_ms=0) for _ in range(10_001)])
+    with pytest.raises(errors.InvalidArgument, match="message: required"):
+        client._call(stub.Send, pb.SendRequest(), 5)
+    with pytest.raises(errors.InvalidArgument, match="receipt"):
+        client._call(stub.Cancel, pb.CancelRequest(), 5)
+    with client.subscribe(s) as consumer:
+        assert consumer.receive(1, timeout=1.5) == []
+    assert client.stats()["pending"] == pending_before
+
+
+def test_max_payload_accepted(client):
+    s = subject()
+    payload = bytes(range(256)) * (4 * 1024 * 1024 // 256)
+    r = client.send(s, payload, delay_ms=0)
+    with client.subscribe(s) as consumer:
+        got = consumer.receive(1, timeout=10)
+        assert [d.payload == payload for d in got] == [True]
+        consumer.ack(got)
+    assert r.message_id
+
+
+def test_bad_subscribe_refused(client):
+    with client.subscribe("bad subject") as consumer:
+        with pytest.raises(errors.InvalidArgument, match="subject"):
+            consumer.receive(1, timeout=5)
+
+
+def test_overload_gives_resource_exhausted(tmp_path):
+    with ServerProc(tmp_path / "data", args=["--ingest-queue-messages", "10"]) as srv:
+        c = srv.client(retries=0)
+        s = subject()
+
+        def one(_):
+            try:
+                c.send_batch([c.message(s, b"x" * 1000, delay_ms=60_000) for _ in range(10)])
+                return "ok"
+            except errors.ResourceExhausted as e:
+                assert "ingest queue full" in str(e)
+                return "full"
+
+        with ThreadPoolExecutor(32) as pool:
+            outcomes = list(pool.map(one, range(400)))
+        assert "ok" in outcomes and "full" in outcomes, outcomes.count("ok")
+        c.close()
+
+
+def test_free_space_guard(tmp_path):
+    data = tmp_path / "data"
+    with ServerProc(data) as srv:
+        c = srv.client()
+        s = subject()
+        due_soon = c.send(s, b"soon", delay_ms=1500)
+        later = c.send(s, b"later", delay_ms=60_000)
+        c.close()
+    with ServerProc(data, args=["--min-free-bytes", str(1 << 62)]) as srv:
+        c = srv.client(retries=0)
+        with pytest.raises(errors.ResourceExhausted, match="free space"):
+            c.send(s, b"refused", delay_ms=0)
+        assert c.cancel(later) == "CANCELLED"  # cancels pass the soft guard
+        with c.subscribe(s) as consumer:  # delivery goes on
+            got = consumer.receive(2, timeout=5)
+            assert [d.message_id for d in got] == [due_soon.message_id]
+            consumer.ack(got)
+        c.close()
+
+
+def test_health_reflection_stats_metrics(server, client):
+    assert client.health() == "SERVING"
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                          timeout=5))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"qdelay.v1.DelayService", "grpc.health.v1.Health"} <= names
+    st = client.stats()
+    assert st["role"] == "master" and st["replication_lag_bytes"] == -1
+    log = server.log_path.read_text()
+    port = int(log.split("metrics on 127.0.0.1:")[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in ("qdelay_ingested_messages_total", "qdelay_wal_fsync_seconds_bucket", "qdelay_iterate_lag_bytes",
+                 "qdelay_wheel_size", "qdelay_pending_messages", "qdelay_dispatch_lateness_seconds_bucket",
+                 "qdelay_redeliveries_total"):
+        assert name in text, name
+
+
+def test_sigterm_clean_exit_and_restart_keeps_pending(tmp_path):
+    data = tmp_path / "data"
+    srv = ServerProc(data).start()
+    c = srv.client()
+    s = subject()
+    r = c.send(s, b"survives", delay_ms=1500)
+    c.close()
+    assert srv.stop() == 0
+    assert "stopped" in srv.tail_log()
+    srv.start()
+    try:
+        c = srv.client()
+        assert c.state_name(c.get(r)) == "PENDING"
+        with c.subscribe(s) as consumer:
+            got = consumer.receive(1, timeout=10)
+            assert [d.message_id for d in got] == [r.message_id]
+            consumer.ack(got)
+        c.close()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_slave_refuses_writes(tmp_path):
+    with ServerProc(tmp_path / "data", args=["--role", "slave", "--master", "127.0.0.1:9"]) as srv:
+        c = srv.client(retries=0)
+        with pytest.raises(errors.FailedPrecondition):
+            c.send("a.b", b"x", delay_ms=0)
+        assert c.stats()["role"] == "slave"
+        c.close()
