@@ -1,0 +1,96 @@
+"""Authentication and TLS against real server processes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from qdelay import errors
+from qdelay.server.auth import check_metadata, token_matches
+from serverproc import ServerProc
+
+TOKEN = "s3cret-token-value-9f8e7d"
+
+
+def test_check_metadata_unit():
+    tokens = [b"one", b"two"]
+    assert check_metadata([("authorization", "Bearer two")], tokens) is None
+    assert check_metadata([("authorization", "bearer one")], tokens) is None
+    assert "missing" in check_metadata([], tokens)
+    assert "Bearer" in check_metadata([("authorization", "Basic b25l")], tokens)
+    assert check_metadata([("authorization", "Bearer three")], tokens) == "invalid token"
+    assert not token_matches(b"on", tokens) and token_matches(b"one", tokens)
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(f"# rotated tokens\n{TOKEN}\n\nother-token\n")
+    return path
+
+
+def test_token_required_on_every_rpc(tmp_path, token_file):
+    with ServerProc(tmp_path / "data", args=["--auth-token-file", str(token_file)]) as srv:
+        for kw in ({}, {"token": "wrong"}, {"token": TOKEN + "x"}):
+            c = srv.client(retries=0, **kw)
+            with pytest.raises(errors.Unauthenticated):
+                c.send("a.b", b"x", delay_ms=0)
+            with pytest.raises(errors.Unauthenticated):
+                c.send_batch([c.message("a.b", b"x", delay_ms=0)])
+            with pytest.raises(errors.Unauthenticated):
+                c.stats()
+            with pytest.raises(errors.Unauthenticated):
+                c.health()
+            with c.subscribe("a.b") as consumer:
+                with pytest.raises(errors.Unauthenticated):
+                    consumer.receive(1, timeout=5)
+            c.close()
+        for token in (TOKEN, "other-token"):
+            c = srv.client(token=token)
+            r = c.send("a.b", b"x", delay_ms=0)
+            assert c.state_name(c.get(r)) in ("PENDING", "DELIVERED")
+            assert c.health() == "SERVING"
+            with c.subscribe("a.b") as consumer:
+                got = consumer.receive(1, timeout=5)
+                assert [d.message_id for d in got] == [r.message_id]
+                consumer.ack(got)
+            c.close()
+    log = srv.log_path.read_text()
+    assert "refused" in log and TOKEN not in log and "wrong" not in log
+
+
+def test_auth_off_by_default(tmp_path):
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client(token="anything")
+        c.send("a.b", b"x", delay_ms=0)
+        c.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_with_token(tmp_path, token_file):
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(token_file)]
+    with ServerProc(tmp_path / "data", args=args) as srv:
+        c = srv.client(token=TOKEN, tls_ca=str(cert))
+        r = c.send("a.b", b"over tls", delay_ms=0)
+        assert r.message_id
+        c.close()
+        plain = srv.client(token=TOKEN, retries=0, timeout=3)
+        with pytest.raises(errors.Unavailable):
+            plain.send("a.b", b"x", delay_ms=0)
+        plain.close()
+        bad = srv.client(tls_ca=str(cert), retries=0)
+        with pytest.raises(errors.Unauthenticated):
+            bad.send("a.b", b"x", delay_ms=0)
+        bad.close()
+
+
+def test_unreadable_token_file_refuses_to_start(tmp_path):
+    with pytest.raises(RuntimeError, match="exited"):
+        ServerProc(tmp_path / "data", args=["--auth-token-file", str(tmp_path / "missing")],
+                   start_timeout=30).start()
