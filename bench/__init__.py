@@ -1,0 +1,1 @@
+"""qdelay benchmarks: ``python -m bench.<name>`` (see docs/benchmarks.md)."""

@@ -1,0 +1,94 @@
+"""Small helpers shared by the benchmarks: timing, CPU use, a table, a JSON record."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Sequence
+
+import psutil
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU time used so far by a process (default: this one), all threads."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+class Meter:
+    """Wall and process-CPU time of a block: ``with Meter() as m: ...; m.wall, m.cpu``."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self) -> "Meter":
+        self._cpu = cpu_seconds(self.pid)
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.cpu = cpu_seconds(self.pid) - self._cpu
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on, load included (record it next to the numbers)."""
+    return {
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "cpu_percent": psutil.cpu_percent(interval=0.5),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.2f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """Print rows as an aligned Markdown table (so it can be pasted into docs); return it."""
+    cells = [[fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = []
+    if title:
+        lines += [title, ""]
+    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for raw, row in zip(rows, cells):
+        lines.append("| " + " | ".join(
+            c.rjust(w) if isinstance(v, (int, float)) else c.ljust(w)  # numbers right, text left
+            for v, c, w in zip(raw, row, widths)) + " |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(name: str, data: dict[str, Any]) -> str:
+    """Write ``bench/out/<name>.json`` (git-ignored) and return its path."""
+    os.makedirs(OUT_DIR, exist_ok=True)
+    path = os.path.join(OUT_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path
