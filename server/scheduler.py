@@ -494,41 +494,46 @@ class Scheduler:
 
     def _prepare(self, sid: int, name: str, retries: list[tuple], fresh: list[tuple],
                  now: int) -> list[Delivery]:
-        """Turn ready items into deliveries: drop cancelled ones, read the records back."""
-        items = [(seq, off, bucket, due, attempt) for seq, off, bucket, due, attempt in retries]
+        """Turn ready items into deliveries: drop cancelled ones, read the records back.
+
+        This is the per-message hot path of a burst: records of one bucket are read with one
+        pread per run of nearby offsets and verified and decoded in place.
+        """
+        items = list(retries)
         items.extend((seq, off, bucket, due, 1) for due, seq, off, bucket in fresh)
-        by_bucket: dict[int, list[int]] = {}
-        keep = []
+        by_bucket: dict[int, list[tuple]] = {}
         for it in items:
-            seq, off, bucket, due, attempt = it
+            lst = by_bucket.get(it[2])
+            if lst is None:
+                lst = by_bucket[it[2]] = []
+            lst.append(it)
+        out: list[Delivery] = []
+        in_flight = self.in_flight
+        deadline_batch = []
+        lateness = []
+        fields = records.message_fields
+        for bucket, group in by_bucket.items():
             st = self.buckets.get(bucket)
             if st is None:
                 continue  # cannot happen for indexed entries; guards against a dropped bucket
-            if seq in st.cancelled or seq in self.cancelling:
-                st.outstanding -= 1
-                self.cancel_skipped += 1
-                continue
-            keep.append(it)
-            by_bucket.setdefault(bucket, []).append(off)
-        frames: dict[tuple[int, int], Frame] = {}
-        for bucket, offs in by_bucket.items():
-            self._read_many(self.buckets[bucket], offs, frames)
-        out = []
-        deadline_batch = []
-        lateness = []
-        for seq, off, bucket, due, attempt in keep:
-            f = frames.get((bucket, off))
-            if f is None:
-                self.buckets[bucket].outstanding -= 1
-                self.corrupt_skipped += 1
-                continue
-            m = records.decode_message(f.body)
-            out.append(Delivery(f"{seq}.{attempt}", m.message_id, m.subject, m.payload, m.headers,
-                                due, now, attempt))
-            self.in_flight[seq] = (bucket, off, due, sid, attempt, now, m.message_id)
-            deadline_batch.append((seq, attempt))
-            if attempt == 1:
-                lateness.append(now - due)
+            if st.cancelled or self.cancelling:
+                kept = [it for it in group if it[0] not in st.cancelled and it[0] not in self.cancelling]
+                skipped = len(group) - len(kept)
+                st.outstanding -= skipped
+                self.cancel_skipped += skipped
+                group = kept
+            bodies = self._read_group(st, group)
+            for (seq, off, _bucket, due, attempt), body in zip(group, bodies):
+                if body is None:
+                    st.outstanding -= 1
+                    self.corrupt_skipped += 1
+                    continue
+                subject, mid, headers, payload, _due = fields(body)
+                out.append(Delivery(f"{seq}.{attempt}", mid, subject, payload, headers, due, now, attempt))
+                in_flight[seq] = (bucket, off, due, sid, attempt, now, mid)
+                deadline_batch.append((seq, attempt))
+                if attempt == 1:
+                    lateness.append(now - due)
         if deadline_batch:
             self._deadlines.append((now + self.cfg.ack_timeout_ms, deadline_batch))
             self.dispatched += len(out)
@@ -536,27 +541,50 @@ class Scheduler:
                 self.on_dispatch(lateness)
         return out
 
-    def _read_many(self, st: _Bucket, offs: list[int], out: dict) -> None:
-        """Read the frames at ``offs`` with one read per run of nearby records."""
-        offs = sorted(set(offs))
+    def _read_group(self, st: _Bucket, group: list[tuple]) -> list:
+        """The bodies (or None) of ready items of one bucket, in the group's order.
+
+        Records are read with one pread per run of offsets less than 256 KiB apart, and
+        each is checked (magic, length, sequence, checksum) before its body is used; a
+        record that fails is read again on its own and, if still bad, reported and skipped.
+        """
+        order = sorted(range(len(group)), key=lambda k: group[k][1])
+        bodies: list = [None] * len(group)
+        unpack = framing.HEADER.unpack_from
+        xxh = framing._xxh
+        magic_ok = framing.MAGIC
+        hs = framing.HEADER_SIZE
+        checked = framing.CHECKED_FROM
         i = 0
-        while i < len(offs):
+        n = len(order)
+        while i < n:
             j = i
-            while j + 1 < len(offs) and offs[j + 1] - offs[i] < 256 * 1024:
+            first = group[order[i]][1]
+            while j + 1 < n and group[order[j + 1]][1] - first < 256 * 1024:
                 j += 1
-            start = offs[i]
-            data = st.seg.read(start, offs[j] - start + 16 * 1024)
-            for o in offs[i:j + 1]:
-                try:
-                    f = framing.check_at(data, o - start)
-                    out[(st.bucket, o)] = Frame(o, f.kind, f.sequence, f.timestamp, f.body)
-                except FrameError:
+            data = st.seg.read(first, group[order[j]][1] - first + 16 * 1024)
+            mv = memoryview(data)
+            size = len(data)
+            for k in order[i:j + 1]:
+                seq, off = group[k][0], group[k][1]
+                p = off - first
+                body = None
+                if p + hs <= size:
+                    magic, checksum, length, _kind, _v, _f, fseq, _ts = unpack(data, p)
+                    end = p + hs + length
+                    if magic == magic_ok and fseq == seq and end <= size and \
+                            xxh(mv[p + checked:end]) == checksum:
+                        body = data[p + hs:end]
+                if body is None:
                     try:  # longer than what was read, or really corrupt
-                        out[(st.bucket, o)] = st.seg.read_frame(o)
+                        f = st.seg.read_frame(off)
+                        body = f.body if f.sequence == seq else None
                     except CorruptRecord as err:
                         log.error("corrupt schedule record; it cannot be delivered", extra={
                             "path": err.path, "offset": err.offset, "reason": err.reason})
+                bodies[k] = body
             i = j + 1
+        return bodies
 
     # --- acknowledgements and the dispatch log ------------------------------------------------------
 
@@ -564,32 +592,34 @@ class Scheduler:
         now = self.clock()
         n = 0
         with self.lock:
+            pop = self.in_flight.pop
             for ack_id in ack_ids:
-                seq_text, _, _attempt = ack_id.partition(".")
                 try:
-                    seq = int(seq_text)
+                    seq = int(ack_id.partition(".")[0])
                 except ValueError:
                     continue
-                inf = self.in_flight.pop(seq, None)
+                inf = pop(seq, None)
                 if inf is None:
                     continue  # already acknowledged, or an ack id from another server
                 bucket, off, due, _subj, attempt, dispatched_at, mid = inf
-                self._record(bucket, seq, records.Dispatch(mid, due, dispatched_at, off, attempt,
-                                                           records.Outcome.DELIVERED), now)
+                self._record(bucket, seq, due, dispatched_at, off, attempt, records.Outcome.DELIVERED,
+                             mid, now)
                 n += 1
             self.acked += n
             if n:
                 self._wake.notify()
         return n
 
-    def _record(self, bucket: int, seq: int, d: records.Dispatch, now: int) -> None:
+    def _record(self, bucket: int, seq: int, due: int, dispatched_at: int, off: int, attempt: int,
+                outcome: int, message_id: str, now: int) -> None:
         """Buffer a DISPATCH record (lock held); the loop writes and fsyncs it shortly."""
         buf = self._dispatch_buf.get(bucket)
         if buf is None:
             buf = self._dispatch_buf[bucket] = bytearray()
             if len(self._dispatch_buf) == 1:
                 self._dispatch_first = time.monotonic()
-        framing.encode_into(buf, RecordKind.DISPATCH, seq, now, records.encode_dispatch(d))
+        records.encode_dispatch_frame_into(buf, seq, now, due, dispatched_at, off, attempt, outcome,
+                                           message_id.encode())
         st = self.buckets.get(bucket)
         if st is not None:
             st.outstanding -= 1
@@ -671,9 +701,8 @@ class Scheduler:
         def done(error: Exception | None) -> None:
             with self.lock:
                 if error is None:
-                    self._record(bucket, seq, records.Dispatch(
-                        msg.message_id, due, now, off, attempt - 1, records.Outcome.DEAD_LETTERED),
-                        self.clock())
+                    self._record(bucket, seq, due, now, off, attempt - 1, records.Outcome.DEAD_LETTERED,
+                                 msg.message_id, self.clock())
                     self.dead_lettered += 1
                 else:  # try again later; the message stays pending meanwhile
                     heapq.heappush(self._retry_heap, (self.clock() + self.cfg.retry_backoff_ms, seq, item))
