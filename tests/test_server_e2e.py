@@ -364,3 +364,15 @@ def test_slave_refuses_writes(tmp_path):
             c.send("a.b", b"x", delay_ms=0)
         assert c.stats()["role"] == "slave"
         c.close()
+
+
+def test_python_example_runs(server):
+    import os
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python",
+                        "example.py")
+    result = subprocess.run([sys.executable, path, server.address], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "received 1001 messages; cancelled one delivered: False" in result.stdout
