@@ -115,3 +115,27 @@ def test_checkpoint_must_be_one_checkpoint_frame():
         records.decode_checkpoint(framing.encode(RecordKind.MESSAGE, 0, 0, b"{}"))
     with pytest.raises(framing.FrameError, match="JSON object"):
         records.decode_checkpoint(framing.encode(RecordKind.CHECKPOINT, 0, 0, b"[1]"))
+
+
+def test_the_worked_example_in_docs_formats_md_is_what_the_code_writes():
+    """docs/formats.md shows a hex dump of two frames; it must stay byte-exact."""
+    import os
+    import re
+
+    doc = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "formats.md")
+    with open(doc, encoding="utf-8") as f:
+        text = f.read().split("## Worked example", 1)[1]
+    dumped = bytearray()
+    for m in re.finditer(r"^([0-9a-f]{4})  ((?:[0-9a-f]{2} ){0,15}[0-9a-f]{2})", text, re.MULTILINE):
+        assert int(m.group(1), 16) == len(dumped)
+        dumped += bytes.fromhex(m.group(2))
+    due = 1_767_225_600_000
+    accepted = due - 30 * 60_000
+    message = records.encode_message(b"orders.close", b"m-1", records.encode_headers({"k": "v"}),
+                                      b"order 42", due)
+    cancel = records.encode_cancel(Cancel("m-1", due, 1))
+    expected = (framing.encode(RecordKind.MESSAGE, 1, accepted, message)
+                + framing.encode(RecordKind.CANCEL, 2, accepted + 5_000, cancel))
+    assert bytes(dumped) == expected and len(expected) == 142
+    ckpt = records.encode_checkpoint({"offset": 142, "sequence": 2}, due)
+    assert len(ckpt) == 63 and ckpt[36:] == b'{"offset":142,"sequence":2}'
