@@ -81,18 +81,29 @@ def decode_headers(raw: bytes) -> dict[str, str]:
     headers: dict[str, str] = {}
     pos = 0
     end = len(raw)
-    while pos < end:
-        (klen,) = HEADER_ENTRY.unpack_from(raw, pos)
-        pos += 2
-        key = raw[pos:pos + klen].decode()
-        pos += klen
-        (vlen,) = HEADER_ENTRY.unpack_from(raw, pos)
-        pos += 2
-        headers[key] = raw[pos:pos + vlen].decode()
-        pos += vlen
+    try:
+        while pos < end:
+            (klen,) = HEADER_ENTRY.unpack_from(raw, pos)
+            pos += 2
+            key = raw[pos:pos + klen].decode()
+            pos += klen
+            (vlen,) = HEADER_ENTRY.unpack_from(raw, pos)
+            pos += 2
+            headers[key] = raw[pos:pos + vlen].decode()
+            pos += vlen
+    except struct.error:
+        raise ValueError("headers block overruns its length") from None
     if pos != end:
         raise ValueError("headers block overruns its length")
     return headers
+
+
+def _fixed(layout: struct.Struct, body: bytes, name: str) -> tuple:
+    """Unpack a body's fixed part; a body too short for it is a ValueError like any other."""
+    if len(body) < layout.size:
+        raise ValueError(f"{name} body of {len(body)} bytes is shorter than its fixed part "
+                         f"({layout.size})")
+    return layout.unpack_from(body, 0)
 
 
 def encode_message(subject: bytes, message_id: bytes, headers: bytes, payload: bytes,
@@ -110,7 +121,7 @@ def encode_message_obj(msg: Message) -> bytes:
 
 
 def decode_message(body: bytes) -> Message:
-    due, slen, mlen, hlen, plen = MESSAGE_FIXED.unpack_from(body, 0)
+    due, slen, mlen, hlen, plen = _fixed(MESSAGE_FIXED, body, "message")
     pos = MESSAGE_FIXED.size
     if pos + slen + mlen + hlen + plen != len(body):
         raise ValueError("message body lengths do not add up")
@@ -140,7 +151,7 @@ def encode_cancel(cancel: Cancel) -> bytes:
 
 
 def decode_cancel(body: bytes) -> Cancel:
-    due, seq, mlen = CANCEL_FIXED.unpack_from(body, 0)
+    due, seq, mlen = _fixed(CANCEL_FIXED, body, "cancel")
     if CANCEL_FIXED.size + mlen != len(body):
         raise ValueError("cancel body length does not add up")
     return Cancel(body[CANCEL_FIXED.size:].decode(), due, seq)
@@ -153,7 +164,7 @@ def encode_dispatch(d: Dispatch) -> bytes:
 
 
 def decode_dispatch(body: bytes) -> Dispatch:
-    due, dispatched, offset, attempt, outcome, _r, mlen = DISPATCH_FIXED.unpack_from(body, 0)
+    due, dispatched, offset, attempt, outcome, _r, mlen = _fixed(DISPATCH_FIXED, body, "dispatch")
     if DISPATCH_FIXED.size + mlen != len(body):
         raise ValueError("dispatch body length does not add up")
     return Dispatch(body[DISPATCH_FIXED.size:].decode(), due, dispatched, offset, attempt, outcome)

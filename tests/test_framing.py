@@ -18,7 +18,7 @@ kinds = st.sampled_from(list(RecordKind))
 bodies = st.binary(max_size=2048)
 
 
-@settings(max_examples=300)
+@settings(max_examples=150, deadline=None)
 @given(kind=kinds, sequence=u64, timestamp=i64, body=bodies)
 def test_encode_decode_round_trip(kind, sequence, timestamp, body):
     data = framing.encode(kind, sequence, timestamp, body)
@@ -28,7 +28,7 @@ def test_encode_decode_round_trip(kind, sequence, timestamp, body):
     assert frame.offset == 0 and frame.size == len(data)
 
 
-@settings(max_examples=200)
+@settings(max_examples=100, deadline=None)
 @given(records=st.lists(st.tuples(kinds, u64, i64, bodies), max_size=20), prefix=st.binary(max_size=8))
 def test_encode_into_matches_encode_and_scans_back(records, prefix):
     out = bytearray(prefix)
