@@ -19,6 +19,7 @@ goals of issue #2 as ratios. Writes bench/out/wal.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import tempfile
@@ -118,6 +119,44 @@ def run_appenders(directory: str, record_bytes: int, appenders: int, batch: int,
     }
 
 
+def run_coroutines(directory: str, record_bytes: int, appenders: int, flush: str,
+                   seconds: float) -> dict:
+    """``appenders`` coroutines on one event loop each ``await append_async`` one record at a
+    time: the shape of the server's Send path."""
+    workdir = tempfile.mkdtemp(prefix="wal-", dir=directory)
+    log = MessageLog(workdir, flush=flush)
+    entries = [(RecordKind.MESSAGE, int(time.time() * 1000), os.urandom(record_bytes))]
+    counts = [0] * appenders
+
+    async def appender(i: int, deadline: float) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            await log.append_async(entries)
+            n += 1
+        counts[i] = n
+
+    async def main() -> None:
+        deadline = time.perf_counter() + seconds
+        await asyncio.gather(*(appender(i, deadline) for i in range(appenders)))
+
+    fsyncs_before = log.fsyncs
+    with Meter() as meter:
+        asyncio.run(main())
+    fsyncs = log.fsyncs - fsyncs_before
+    log.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+    records = sum(counts)
+    return {
+        "record_bytes": record_bytes, "appenders": appenders, "batch": 1, "flush": flush,
+        "asyncio": True, "records": records, "seconds": meter.wall, "cpu_seconds": meter.cpu,
+        "records_per_s": records / meter.wall,
+        "mb_per_s": records * record_bytes / meter.wall / 1e6,
+        "fdatasyncs": fsyncs,
+        "records_per_fdatasync": records / fsyncs if fsyncs else float("nan"),
+        "cpu_us_per_record": meter.cpu / records * 1e6 if records else float("nan"),
+    }
+
+
 def pick_median(runs: list[dict]) -> dict:
     """The run with the median records/s (keeps its other columns consistent)."""
     ordered = sorted(runs, key=lambda r: r["records_per_s"])
@@ -164,12 +203,18 @@ def main() -> None:
             measure(100, 64, 1, FSYNC_OFF)
 
         results = {key: pick_median(rs) for key, rs in runs.items()}
+        # the server's path: coroutines awaiting append_async on one event loop
+        for flush in ("sync", FSYNC_OFF):
+            results[(100, 64, 1, flush, "asyncio")] = pick_median(
+                [run_coroutines(directory, 100, 64, flush, args.seconds)])
         rows = []
-        for (record_bytes, appenders, batch, flush), r in results.items():
+        for key, r in results.items():
+            record_bytes, appenders, batch, flush = key[:4]
             rows.append([record_bytes, appenders, batch, "sync" if flush == "sync" else "off",
+                         "coroutines" if len(key) > 4 else "threads",
                          r["records_per_s"], r["mb_per_s"], r["records_per_fdatasync"],
                          r["cpu_us_per_record"], r["runs"]])
-        print_table(["record B", "appenders", "batch", "fsync", "records/s", "MB/s",
+        print_table(["record B", "appenders", "batch", "fsync", "appender kind", "records/s", "MB/s",
                      "records/fdatasync", "CPU µs/record", "runs"], rows,
                     title="# message log (median of runs)")
         print()
