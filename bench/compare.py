@@ -1,0 +1,449 @@
+"""Side by side, in one run: qdelay vs Redis (sorted set + Lua poller, AOF appendfsync always)
+vs beanstalkd (binlog, -f 0), on the same disk, with the goals of issue #4 as ratios.
+
+    make bench-deps                      # apt-installs redis-server and beanstalkd
+    python -m bench.compare [--drivers qdelay,redis-always,beanstalkd-f0]
+                            [--scenarios ingest,lateness,burst,memory,crash] [--scale 1.0] [--repeat 1]
+
+Scenarios (sizes at --scale 1):
+  ingest   200,000 messages of 100 bytes due 1-60 min ahead, batches of 100, one batch in
+           flight, one producer process; durable acks. msgs/s, server and client CPU per message.
+  lateness 20,000 due evenly over 10 s, starting 3 s after sending starts; one consumer;
+           lateness = time in the consumer's hands - due time (p50/p99/max).
+  burst    100,000 due at one instant (after all are acknowledged); drain time after it.
+  memory   1,000,000 due 1-2 days ahead (two producers); server RSS growth per pending message.
+  crash    50,000 due 1-6 s after each batch is sent, a busy consumer; SIGKILL 2 s after the last
+           ack, restart on the same folder; lost and duplicated messages.
+Producers and the consumer are separate processes (multiprocessing spawn). Writes
+bench/out/compare.json and prints Markdown tables (pasted into docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import random
+import shutil
+import tempfile
+import threading
+import time
+from array import array
+
+from bench.common import machine, print_table, write_json
+from bench.peers import DRIVERS, make_client, make_payload
+
+CTX = mp.get_context("spawn")
+BATCH = 100
+
+
+# ------------------------------------------------------------------------------------- workers
+def _sender(spec, ids, rel_ms, per_batch_base, batch, q, go, t0, max_s):
+    try:
+        client = make_client(spec)
+        payloads = [make_payload(i) for i in ids]
+        q.put(("ready", os.getpid()))
+        if not go.wait(120):
+            raise TimeoutError("no go signal")
+        base0 = t0.value
+        dues, eff = array("d"), array("d")
+        start = time.time()
+        cpu0 = time.process_time()
+        deadline = start + max_s
+        n = 0
+        for k in range(0, len(ids), batch):
+            if time.time() > deadline:
+                break
+            base = time.time() * 1000.0 if per_batch_base else base0
+            chunk = [(ids[j], int(base + rel_ms[j]), payloads[j]) for j in range(k, min(k + batch, len(ids)))]
+            e = client.send_batch(chunk)
+            dues.extend(float(c[1]) for c in chunk)
+            eff.extend(e if e is not None else (float(c[1]) for c in chunk))
+            n += len(chunk)
+        end = time.time()
+        cpu = time.process_time() - cpu0
+        client.close()
+        q.put(("done", dict(start=start, end=end, n=n, cpu=cpu, ids=array("q", ids[:n]), dues=dues, eff=eff)))
+    except BaseException as ex:  # noqa: BLE001 - report, never hang the parent
+        q.put(("error", repr(ex)))
+
+
+def _consumer(spec, expected, q, ready, stop_evt, deadline, grace_s):
+    try:
+        ids, ts = array("q"), array("d")
+        seen: set[int] = set()
+        state = {"done_at": None}
+        local_stop = threading.Event()
+        client = make_client(spec)
+
+        def on_batch(batch_ids, t):
+            for i in batch_ids:
+                ids.append(i)
+                ts.append(t)
+                seen.add(i)
+            if state["done_at"] is None and len(seen) >= expected:
+                state["done_at"] = time.time()
+
+        worker = threading.Thread(target=client.consume, args=(on_batch, local_stop), daemon=True)
+        worker.start()
+        ready.set()
+        while time.time() < deadline and not stop_evt.is_set():
+            if state["done_at"] is not None and time.time() > state["done_at"] + grace_s:
+                break
+            time.sleep(0.05)
+        local_stop.set()
+        worker.join(15)
+        client.close()
+        q.put(("done", dict(ids=ids, ts=ts)))
+    except BaseException as ex:  # noqa: BLE001
+        q.put(("error", repr(ex)))
+
+
+def _get(q, deadline, what):
+    while True:
+        left = deadline - time.time()
+        if left <= 0:
+            raise TimeoutError(f"timed out waiting for {what}")
+        try:
+            kind, val = q.get(timeout=min(left, 5))
+        except queue_mod.Empty:
+            continue
+        if kind == "error":
+            raise RuntimeError(f"{what} failed: {val}")
+        return kind, val
+
+
+class Senders:
+    def __init__(self, spec, ids, rel_ms, procs=1, batch=BATCH, per_batch_base=False, max_s=900):
+        self.q = CTX.Queue()
+        self.go_evt = CTX.Event()
+        self.t0 = CTX.Value("d", 0.0)
+        self.max_s = max_s
+        step = (len(ids) + procs - 1) // procs
+        self.procs = [CTX.Process(target=_sender, daemon=True,
+                                  args=(spec, ids[p * step:(p + 1) * step], rel_ms[p * step:(p + 1) * step],
+                                        per_batch_base, batch, self.q, self.go_evt, self.t0, max_s))
+                      for p in range(procs)]
+
+    def start(self):
+        for p in self.procs:
+            p.start()
+        deadline = time.time() + 120
+        for _ in self.procs:
+            _get(self.q, deadline, "sender start")
+
+    def go(self) -> float:
+        self.t0.value = time.time() * 1000.0
+        self.go_evt.set()
+        return self.t0.value
+
+    def results(self):
+        deadline = time.time() + self.max_s + 120
+        out = [_get(self.q, deadline, "sender")[1] for _ in self.procs]
+        for p in self.procs:
+            p.join(30)
+        return out
+
+
+class Consumer:
+    def __init__(self, spec, expected, deadline, grace_s=1.0):
+        self.q = CTX.Queue()
+        self.ready = CTX.Event()
+        self.stop_evt = CTX.Event()
+        self.deadline = deadline
+        self.proc = CTX.Process(target=_consumer, daemon=True,
+                                args=(spec, expected, self.q, self.ready, self.stop_evt, deadline, grace_s))
+
+    def start(self):
+        self.proc.start()
+        if not self.ready.wait(120):
+            raise TimeoutError("consumer did not start")
+        time.sleep(0.3)  # let it subscribe / connect
+
+    def results(self, stop_at=None):
+        if stop_at is not None:
+            while time.time() < min(stop_at, self.deadline):
+                try:
+                    kind, val = self.q.get(timeout=1)
+                except queue_mod.Empty:
+                    continue
+                if kind == "error":
+                    raise RuntimeError(f"consumer failed: {val}")
+                self.proc.join(30)
+                return val
+            self.stop_evt.set()
+        val = _get(self.q, self.deadline + 120, "consumer")[1]
+        self.proc.join(30)
+        return val
+
+
+# ------------------------------------------------------------------------------------- helpers
+class Server:
+    def __init__(self, name, tmp):
+        self.driver = DRIVERS[name]()
+        self.workdir = tempfile.mkdtemp(prefix=f"qdbench-{name}-", dir=tmp)
+
+    def __enter__(self):
+        self.driver.startup_s = self.driver.start(self.workdir)
+        return self.driver
+
+    def __exit__(self, *exc):
+        try:
+            if self.driver.proc is not None:
+                self.driver.stop()
+        finally:
+            if self.driver.proc is not None:
+                self.driver.kill9()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def pct(values, p):
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, int(round(p / 100.0 * (len(values) - 1)))))]
+
+
+def lateness_stats(first, due, prefix=""):
+    lat = sorted(first[i] * 1000.0 - due[i] for i in first if i in due)
+    return {f"{prefix}p50_ms": round(pct(lat, 50), 1), f"{prefix}p99_ms": round(pct(lat, 99), 1),
+            f"{prefix}max_ms": round(lat[-1], 1) if lat else None, f"{prefix}min_ms": round(lat[0], 1) if lat else None}
+
+
+def first_receipts(res):
+    first = {}
+    for i, t in zip(res["ids"], res["ts"]):
+        if i not in first:
+            first[i] = t
+    return first, len(res["ids"]), len(first)
+
+
+def merge_sent(results):
+    due, eff = {}, {}
+    for r in results:
+        for i, d, e in zip(r["ids"], r["dues"], r["eff"]):
+            due[i] = d
+            eff[i] = e
+    return due, eff, min(r["start"] for r in results), max(r["end"] for r in results), sum(r["n"] for r in results)
+
+
+def load1():
+    return round(os.getloadavg()[0], 2)
+
+
+# ------------------------------------------------------------------------------------- scenarios
+def ingest(name, tmp, scale=1.0, seed=1):
+    n = int(200_000 * scale)
+    rnd = random.Random(seed)
+    ids = list(range(n))
+    rel = [rnd.uniform(60_000, 3_600_000) for _ in ids]
+    la0 = load1()
+    with Server(name, tmp) as d:
+        s = Senders(d.client_spec(), ids, rel)
+        s.start()
+        cpu0 = d.cpu_seconds()
+        s.go()
+        res = s.results()
+        srv_cpu = d.cpu_seconds() - cpu0
+    _, _, t_start, t_end, sent = merge_sent(res)
+    secs = t_end - t_start
+    return dict(n=sent, secs=round(secs, 2), msgs_per_s=round(sent / secs),
+                srv_cpu_us_per_msg=round(srv_cpu * 1e6 / sent, 1),
+                client_cpu_us_per_msg=round(sum(r["cpu"] for r in res) * 1e6 / sent, 1), load0=la0, load1=load1())
+
+
+def lateness(name, tmp, scale=1.0, seed=2, lead_s=3.0, spread_s=10.0):
+    n = int(20_000 * scale)
+    rnd = random.Random(seed)
+    ids = list(range(n))
+    rnd.shuffle(ids)  # due order differs from send order
+    rel = [lead_s * 1000.0 + spread_s * 1000.0 * i / n for i in ids]
+    la0 = load1()
+    with Server(name, tmp) as d:
+        spec = d.client_spec()
+        cons = Consumer(spec, n, deadline=time.time() + 180 + lead_s + spread_s)
+        cons.start()
+        s = Senders(spec, ids, rel)
+        s.start()
+        t0 = s.go()
+        sres = s.results()
+        cres = cons.results(stop_at=t0 / 1000.0 + lead_s + spread_s + 60.0)
+    due, eff, t_start, t_end, _ = merge_sent(sres)
+    first, total, uniq = first_receipts(cres)
+    out = dict(n=n, send_s=round(t_end - t_start, 2), sent_before_first_due=t_end * 1000.0 <= t0 + lead_s * 1000.0,
+               received=uniq, lost=n - uniq, duplicates=total - uniq)
+    out.update(lateness_stats(first, due))
+    out.update(lateness_stats(first, eff, "srv_"))
+    out.update(load0=la0, load1=load1())
+    return out
+
+
+def burst(name, tmp, scale=1.0, min_lead_s=5.0):
+    n = int(100_000 * scale)
+    la0 = load1()
+    with Server(name, tmp) as d:
+        spec = d.client_spec()
+        c = make_client(spec)  # probe the ingest rate, so the instant lies after the last ack
+        far = time.time() * 1000.0 + 86_400_000
+        t = time.time()
+        base = 10 ** 11
+        for k in range(0, 2000, BATCH):
+            c.send_batch([(base + j, int(far), make_payload(base + j)) for j in range(k, k + BATCH)])
+        rate = 2000 / (time.time() - t)
+        c.close()
+        lead_s = max(min_lead_s, 1.5 * n / rate + 3.0)
+        cons = Consumer(spec, n, deadline=time.time() + lead_s + 300)
+        cons.start()
+        s = Senders(spec, list(range(n)), [lead_s * 1000.0] * n)
+        s.start()
+        t0 = s.go()
+        sres = s.results()
+        cres = cons.results(stop_at=t0 / 1000.0 + lead_s + 60.0 + n / 1000.0)
+    due, eff, t_start, t_end, _ = merge_sent(sres)
+    first, total, uniq = first_receipts(cres)
+    instant = (t0 + lead_s * 1000.0) / 1000.0
+    ts = sorted(first.values())
+    return dict(n=n, lead_s=round(lead_s, 1), send_s=round(t_end - t_start, 2), sent_before_due=t_end <= instant,
+                received=uniq, lost=n - uniq, duplicates=total - uniq,
+                first_after_due_ms=round((ts[0] - instant) * 1000.0, 1) if ts else None,
+                drain_s=round(ts[-1] - instant, 3) if ts else None, load0=la0, load1=load1())
+
+
+def memory(name, tmp, scale=1.0, seed=3):
+    n = int(1_000_000 * scale)
+    rnd = random.Random(seed)
+    ids = list(range(n))
+    rel = [rnd.uniform(86_400_000, 2 * 86_400_000) for _ in ids]
+    la0 = load1()
+    with Server(name, tmp) as d:
+        time.sleep(0.5)
+        rss0 = d.rss_bytes()
+        s = Senders(d.client_spec(), ids, rel, procs=2)
+        s.start()
+        s.go()
+        res = s.results()
+        time.sleep(2.0)
+        rss1 = d.rss_bytes()
+    _, _, t_start, t_end, sent = merge_sent(res)
+    return dict(n=sent, load_s=round(t_end - t_start, 1), rss_empty_mb=round(rss0 / 2**20, 1),
+                rss_mb=round(rss1 / 2**20, 1), bytes_per_msg=round((rss1 - rss0) / max(sent, 1), 1),
+                load0=la0, load1=load1())
+
+
+def crash(name, tmp, scale=1.0, seed=4, lo_s=1.0, hi_s=6.0, kill_after_s=2.0):
+    n = int(50_000 * scale)
+    rnd = random.Random(seed)
+    ids = list(range(n))
+    rel = [rnd.uniform(lo_s * 1000.0, hi_s * 1000.0) for _ in ids]
+    la0 = load1()
+    with Server(name, tmp) as d:
+        spec = d.client_spec()
+        cons = Consumer(spec, n, deadline=time.time() + 300, grace_s=3.0)
+        cons.start()
+        s = Senders(spec, ids, rel, per_batch_base=True)
+        s.start()
+        s.go()
+        sres = s.results()
+        due, eff, t_start, t_end, _ = merge_sent(sres)
+        time.sleep(max(0.0, t_end + kill_after_s - time.time()))
+        t_kill = time.time()
+        d.kill9()
+        recovery_s = d.restart()
+        cres = cons.results(stop_at=max(max(due.values()) / 1000.0, time.time()) + 60.0)
+    first, total, uniq = first_receipts(cres)
+    before = sum(1 for t in first.values() if t < t_kill)
+    return dict(n=n, send_s=round(t_end - t_start, 2), received_before_kill=before, recovery_s=round(recovery_s, 2),
+                received=uniq, lost=n - uniq, duplicates=total - uniq, load0=la0, load1=load1())
+
+
+SCENARIOS = {"ingest": ingest, "lateness": lateness, "burst": burst, "memory": memory, "crash": crash}
+
+# what the issue asks, as ratios of the same run (scenario, metric, how qdelay must compare to redis)
+GOALS = [
+    ("ingest", "msgs_per_s", "durable ingest >= 3x Redis", lambda q, r: q >= 3 * r, lambda q, r: q / r),
+    ("ingest", "srv_cpu_us_per_msg", "server CPU per message <= Redis", lambda q, r: q <= r, lambda q, r: q / r),
+    ("lateness", "p99_ms", "lateness p99 <= 5 ms", lambda q, r: q <= 5.0, lambda q, r: q / r if r else None),
+    ("burst", "drain_s", "burst drained no slower than Redis", lambda q, r: q <= r, lambda q, r: q / r),
+    ("memory", "bytes_per_msg", "RSS per pending message <= 1/20 of Redis", lambda q, r: q <= r / 20,
+     lambda q, r: q / r),
+    ("crash", "lost", "zero loss after SIGKILL", lambda q, r: q == 0, lambda q, r: None),
+]
+
+COLUMNS = {
+    "ingest": ["msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "secs", "load0"],
+    "lateness": ["p50_ms", "p99_ms", "max_ms", "srv_p99_ms", "lost", "duplicates", "load0"],
+    "burst": ["drain_s", "first_after_due_ms", "lost", "duplicates", "sent_before_due", "load0"],
+    "memory": ["bytes_per_msg", "rss_empty_mb", "rss_mb", "load_s", "load0"],
+    "crash": ["lost", "duplicates", "received_before_kill", "recovery_s", "load0"],
+}
+
+
+def median_of(runs, key):
+    vals = sorted(r[key] for r in runs if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool))
+    if not vals:
+        return runs[0].get(key) if runs else None
+    return vals[len(vals) // 2]
+
+
+def report(results: dict) -> str:
+    texts = []
+    for scen, cols in COLUMNS.items():
+        if scen not in results:
+            continue
+        rows = [[drv] + [median_of(runs, c) for c in cols] for drv, runs in results[scen].items()]
+        texts.append(print_table(["server", *cols], rows, title=f"### {scen}"))
+        print()
+    rows = []
+    for scen, key, text, ok, ratio in GOALS:
+        runs = results.get(scen, {})
+        q = median_of(runs.get("qdelay", []), key)
+        r = median_of(runs.get("redis-always", []), key)
+        if q is None:
+            continue
+        met = ok(q, r) if r is not None or scen in ("lateness", "crash") else None
+        rat = ratio(q, r) if r not in (None, 0) else None
+        rows.append([text, q, r if r is not None else "-", round(rat, 3) if rat is not None else "-",
+                     "yes" if met else ("no" if met is not None else "-")])
+    texts.append(print_table(["goal", "qdelay", "redis-always", "qdelay / redis", "met"], rows, title="### goals"))
+    return "\n\n".join(texts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drivers", default="qdelay,redis-always,beanstalkd-f0")
+    parser.add_argument("--scenarios", default="ingest,lateness,burst,memory,crash")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every scenario's message count")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--tmp", default=None, help="folder for the servers' data (default: system temp)")
+    parser.add_argument("--out", default="compare")
+    args = parser.parse_args(argv)
+    results: dict = {}
+    info = {"machine": machine(), "args": vars(args), "skipped": {}}
+    drivers = [d for d in args.drivers.split(",") if d]
+    for name in drivers:
+        why = DRIVERS[name]().available()
+        if why:
+            print(f"skipping {name}: {why}", flush=True)
+            info["skipped"][name] = why
+    drivers = [d for d in drivers if d not in info["skipped"]]
+    for rep in range(args.repeat):
+        for scen in [s for s in args.scenarios.split(",") if s]:
+            for name in drivers:
+                print(f"[{rep + 1}/{args.repeat}] {scen} {name} ...", flush=True)
+                t = time.time()
+                try:
+                    res = SCENARIOS[scen](name, args.tmp, scale=args.scale)
+                except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
+                    res = {"error": repr(e)}
+                res["wall_s"] = round(time.time() - t, 1)
+                print(f"    {res}", flush=True)
+                results.setdefault(scen, {}).setdefault(name, []).append(res)
+    print()
+    text = report(results)
+    path = write_json(args.out, {**info, "results": results, "report": text})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
