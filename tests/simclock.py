@@ -153,9 +153,13 @@ class Driver:
         return self.engine.send_sync(list(msgs), timeout=30)
 
     def cancel(self, receipt):
+        # Cancel and Get wait for the iterate service to pass the sequence; it is not
+        # running in a driven engine, so copy what is committed first
+        self.catch_up()
         return asyncio.run(self.engine.cancel(receipt.message_id, receipt.deliver_at_ms, receipt.sequence))
 
     def get(self, receipt):
+        self.catch_up()
         return self.engine.get_sync(receipt.message_id, receipt.deliver_at_ms, receipt.sequence)
 
 
