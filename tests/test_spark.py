@@ -1,0 +1,280 @@
+"""The ``qdelay`` Spark source and the ``qdelay spark`` jobs, on local[2] with one session.
+
+Data folders are written by the real storage code (tests/datafolder.py); the import
+round trip runs a real ``qdelay server`` process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("pyspark")
+pytest.importorskip("pyarrow")
+
+import byte_surgery  # noqa: E402
+import datafolder  # noqa: E402
+from datafolder import T0  # noqa: E402
+
+pytestmark = pytest.mark.spark
+
+NOW = T0 + 600_000  # the audit fixtures are judged at this instant
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from qdelay.tools import spark_source
+
+    s = spark_source.session("local[2]", "qdelay-tests", {"spark.sql.shuffle.partitions": "4"})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spark")
+    out = {}
+    for name, build in (("golden", datafolder.build_golden), ("planted", datafolder.build_audit_planted),
+                        ("clean", datafolder.build_audit_clean), ("damaged", datafolder.build_golden)):
+        path = str(root / name)
+        build(path).close()
+        out[name] = path
+    d = out["damaged"]
+    byte_surgery.flip_byte(os.path.join(d, "schedule", "20260101", "202601010001.sched"), 50)
+    wal = os.path.join(d, "message", "00000000000000000342.wal")
+    byte_surgery.truncate_at(wal, os.path.getsize(wal) - 20)
+    return out
+
+
+def _job(argv: list[str]) -> int:
+    from qdelay.tools import spark_jobs
+
+    parser = argparse.ArgumentParser()
+    spark_jobs.add_arguments(parser)
+    return spark_jobs.run(parser.parse_args(argv))
+
+
+def test_reads_all_three_logs_with_the_documented_schema(spark, folders):
+    from pyspark.sql.types import _parse_datatype_string
+
+    from qdelay.tools.spark_source import COLUMNS, SCHEMA
+
+    expected = _parse_datatype_string(SCHEMA)
+    df = spark.read.format("qdelay").option("log", "all").load(folders["golden"])
+    assert [f.name for f in df.schema.fields] == COLUMNS
+    assert [f.dataType for f in df.schema.fields] == [f.dataType for f in expected.fields]
+    rows = df.collect()
+    by_log = {}
+    for r in rows:
+        by_log.setdefault(r.log, []).append(r)
+    assert {k: len(v) for k, v in by_log.items()} == {"message": 7, "schedule": 6, "dispatch": 3}
+    assert all(r.error is None for r in rows)
+    assert all(r.server == os.path.abspath(folders["golden"]) for r in rows)
+    # one partition per segment file: 2 WAL + 3 schedule + 2 dispatch segments
+    assert df.rdd.getNumPartitions() == 7
+
+    m3 = [r for r in by_log["schedule"] if r.sequence == 3][0]
+    assert (m3.kind, m3.message_id, m3.subject, m3.headers, bytes(m3.payload)) == \
+        ("MESSAGE", "msg-0003", "price.switch", {"tenant": "acme", "trace": "t-1"}, b"price=42")
+    assert (m3.created_ms, m3.due_ms, m3.segment, m3.offset) == \
+        (T0 + 2_000, T0 + 120_000, "schedule/20260101/202601010002.sched", 0)
+    m2 = [r for r in by_log["message"] if r.sequence == 2][0]
+    assert bytes(m2.payload) == b"\x00\xff\x10binary"
+    c4 = [r for r in by_log["message"] if r.sequence == 4][0]
+    assert (c4.kind, c4.target_sequence, c4.created_ms, c4.due_ms) == ("CANCEL", 3, T0 + 3_000, T0 + 120_000)
+    d6 = [r for r in by_log["dispatch"] if r.sequence == 6][0]
+    assert (d6.kind, d6.message_id, d6.due_ms, d6.dispatched_ms, d6.acked_ms, d6.attempt, d6.outcome,
+            d6.schedule_offset) == ("DISPATCH", "client-id-6", T0 + 210_000, T0 + 300_000, T0 + 300_010,
+                                    3, "DEAD_LETTERED", 81)
+
+
+def test_many_folders_and_split_segments(spark, folders):
+    from qdelay.tools import spark_source
+
+    two = [folders["golden"], folders["clean"]]
+    as_list = spark.read.format("qdelay").option("log", "schedule").load(two)
+    as_text = spark.read.format("qdelay").option("log", "schedule").load(",".join(two))
+    assert sorted(as_list.groupBy("server").count().collect()) == \
+        sorted(as_text.groupBy("server").count().collect())
+    # a segment split on record boundaries reads the same records as a whole one
+    whole = spark_source.read(spark, folders["clean"], log="schedule").select("segment", "offset", "sequence")
+    split = spark_source.read(spark, folders["clean"], log="schedule", splitBytes=200)
+    assert split.rdd.getNumPartitions() > whole.rdd.getNumPartitions()
+    assert sorted(split.select("segment", "offset", "sequence").collect()) == sorted(whole.collect())
+    assert split.where("error is not null").count() == 0
+
+
+def test_corrupt_records_are_rows_or_skipped_never_a_crash(spark, folders):
+    d = folders["damaged"]
+    rows = spark.read.format("qdelay").option("log", "all").option("corrupt", "row").load(d) \
+        .where("error is not null").select("segment", "offset", "error").orderBy("segment").collect()
+    assert [(r.segment, r.offset) for r in rows] == [
+        ("message/00000000000000000342.wal", 163), ("schedule/20260101/202601010001.sched", 0)]
+    assert rows[0].error.startswith("torn tail") and rows[1].error.startswith("checksum mismatch")
+    skipped = spark.read.format("qdelay").option("log", "all").option("corrupt", "skip").load(d)
+    assert skipped.count() == 16 - 2 and skipped.where("error is not null").count() == 0
+
+
+def test_audit_finds_every_planted_problem(spark, folders, tmp_path, capsys):
+    out = str(tmp_path / "audit")
+    assert _job(["audit", "--data-dir", folders["planted"], "--now", str(NOW), "--out", out]) == 1
+    assert "lost                     1" in capsys.readouterr().out
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["findings"] == {"lost": 1, "duplicated": 1, "delivered_after_cancel": 1, "early": 1}
+    assert (s["messages"], s["cancelled"], s["dispatch_records"]) == (7, 2, 5)
+    ex = s["examples"]
+    assert [(r["message_id"], r["sequence"]) for r in ex["lost"]] == [("lost-one", 2)]
+    assert [(r["message_id"], r["dispatches"], r["attempts"]) for r in ex["duplicated"]] == \
+        [("dup-one", 2, [1, 2])]
+    assert [r["message_id"] for r in ex["delivered_after_cancel"]] == ["cancelled-one"]
+    assert [(r["message_id"], r["early_by_ms"]) for r in ex["early"]] == [("early-one", 5_000)]
+    assert s["corrupt_records"] == [] and s["torn_tails"] == []
+    rows = [json.loads(line) for p in os.listdir(os.path.join(out, "findings")) if p.endswith(".json")
+            for line in open(os.path.join(out, "findings", p))]
+    assert sorted(r["message_id"] for r in rows) == ["cancelled-one", "dup-one", "early-one", "lost-one"]
+
+
+def test_audit_is_quiet_on_a_clean_folder(spark, folders, tmp_path):
+    out = str(tmp_path / "audit")
+    assert _job(["audit", "--data-dir", folders["clean"], "--now", str(NOW), "--out", out]) == 0
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}
+    assert (s["messages"], s["cancelled"], s["dispatch_records"]) == (21, 1, 19)
+
+
+def test_lateness_forecast_export(spark, folders, tmp_path, capsys):
+    import pandas as pd
+
+    out = str(tmp_path / "lat")
+    assert _job(["lateness", "--data-dir", folders["golden"], "--out", out]) == 0
+    per_minute = pd.read_csv(os.path.join(out, "lateness_per_minute.csv"))
+    assert per_minute[["minute_ms", "delivered", "max_ms"]].values.tolist() == [[T0 + 60_000, 2, 30_200]]
+    per_subject = pd.read_csv(os.path.join(out, "lateness_per_subject.csv"))
+    assert per_subject["subject"].tolist() == ["order.close"]
+    assert os.path.getsize(os.path.join(out, "lateness.png")) > 1000
+
+    out = str(tmp_path / "fc")
+    assert _job(["forecast", "--data-dir", folders["golden"], "--now", str(T0 + 150_000),
+                 "--hours", "2", "--out", out]) == 0
+    fc = pd.read_csv(os.path.join(out, "forecast_per_minute.csv"))
+    assert fc[["minute_ms", "due"]].values.tolist() == [[T0 + 180_000, 1], [T0 + 240_000, 1]]
+    assert os.path.getsize(os.path.join(out, "forecast.png")) > 1000
+
+    out = str(tmp_path / "ex")
+    assert _job(["export", "--data-dir", folders["golden"], "--data-dir", folders["planted"],
+                 "--log", "schedule,dispatch", "--out", out]) == 0
+    sched = spark.read.parquet(os.path.join(out, "schedule"))
+    assert sched.count() == 6 + 9
+    assert os.path.isdir(os.path.join(out, "schedule", "due_day=2026-01-01"))
+    assert spark.read.parquet(os.path.join(out, "dispatch")).count() == 3 + 5
+    capsys.readouterr()
+
+
+# --- import then audit, through a real server -----------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    if not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "server", "main.py")):
+        pytest.skip("qdelay server not written yet")
+    data = str(tmp_path / "server-data")
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "qdelay.cli", "server", "--data-dir", data,
+                             "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}: {open(tmp_path / 'server.log').read()}")
+        if "listening on" in open(tmp_path / "server.log").read():
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("server did not start")
+    yield f"127.0.0.1:{port}", data, proc
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
+    """A CSV dataset scheduled through gRPC (resumably), delivered by the server to a real
+    consumer, then audited from the server's data folder: nothing lost, early or doubled."""
+    from qdelay.tools import spark_jobs
+
+    target, data_dir, proc = server
+    now = int(time.time() * 1000)
+    n = 120
+    csv = tmp_path / "in.csv"
+    with open(csv, "w") as f:
+        f.write("subject,payload,deliver_at_ms,delay_ms,message_id\n")
+        for i in range(n):
+            if i % 2:
+                f.write(f"imp.t,p{i},{now + 500 + i * 5},,imp-{i:04d}\n")
+            else:
+                f.write(f"imp.t,p{i},,{500 + i * 5},imp-{i:04d}\n")
+    out = str(tmp_path / "import")
+    # first run: half the rows (a run cut short), then the whole set resumes
+    half = tmp_path / "half.csv"
+    lines = open(csv).read().splitlines()
+    half.write_text("\n".join(lines[: 1 + n // 2]) + "\n")
+    r1 = spark_jobs.import_dataset(spark, str(half), target, out, "csv", batch_size=16)
+    assert (r1["rows"], r1["already_accepted"], r1["accepted"], r1["rejected"]) == (n // 2, 0, n // 2, 0)
+    assert _job(["import", "--input", str(csv), "--format", "csv", "--target", target,
+                 "--out", out, "--batch-size", "16"]) == 0
+    assert f"{n // 2} accepted by an earlier run, {n} accepted in all" in capsys.readouterr().out
+    ids = [json.loads(line)["message_id"] for p in os.listdir(os.path.join(out, "accepted"))
+           for line in open(os.path.join(out, "accepted", p))]
+    assert sorted(ids) == [f"imp-{i:04d}" for i in range(n)]  # each once: the resume skipped the first half
+
+    # consume everything, acking, so the server writes its dispatch records
+    from qdelay.client import Client
+
+    got = set()
+    with Client(target) as c, c.subscribe("imp.t") as consumer:
+        deadline = time.monotonic() + 30
+        while len(got) < n and time.monotonic() < deadline:
+            batch = consumer.receive(n - len(got), timeout=2.0)
+            if batch:
+                consumer.ack(batch)
+                got.update(d.message_id for d in batch)
+    assert len(got) == n
+
+    def dispatched() -> int:
+        return spark.read.format("qdelay").option("log", "dispatch").load(data_dir) \
+            .where("error is null").select("sequence").distinct().count()
+
+    assert _wait_until(lambda: dispatched() >= n, 30)
+    s = spark_jobs.audit(spark, [data_dir], int(time.time() * 1000), 0)
+    assert s["messages"] == n
+    assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}, s
+    assert proc.poll() is None

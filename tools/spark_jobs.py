@@ -1,0 +1,594 @@
+"""``qdelay spark JOB``: offline jobs on the ``qdelay`` Spark source.
+
+    qdelay spark audit    --data-dir DIR [--data-dir DIR2 ...] [--now T] [--grace-ms MS]
+    qdelay spark lateness --data-dir DIR ... [--out DIR]
+    qdelay spark forecast --data-dir DIR ... [--now T] [--hours H]
+    qdelay spark export   --data-dir DIR ... [--log message|schedule|dispatch|all]
+    qdelay spark import   --input DATASET [--format parquet|csv] --target HOST:PORT
+
+Embedded ``local[*]`` by default; ``--master URL`` for a cluster, or submit this very file
+with ``spark-submit --master ... <path of qdelay/tools/spark_jobs.py> JOB ...`` (same code;
+the data folders must then be mounted at the same path on every node).
+Each job writes its tables and plots under ``--out`` (default ``./qdelay-spark/<job>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import sys
+import time
+import uuid
+
+from qdelay.tools import spark_source
+
+JOBS = ("audit", "lateness", "forecast", "export", "import")
+EXAMPLES = 10  # rows of each finding printed on stdout
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="spark_job", required=True)
+
+    def common(p, data=True):
+        if data:
+            p.add_argument("--data-dir", action="append", required=True, metavar="DIR",
+                           help="a server's data folder (repeat for several servers)")
+        p.add_argument("--master", default=None,
+                       help="Spark master URL (default local[*]; left to spark-submit when under it)")
+        p.add_argument("--out", default=None, help="output folder (default ./qdelay-spark/JOB)")
+        p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra Spark configuration (repeatable)")
+        return p
+
+    p = common(sub.add_parser("audit", help="lost, duplicated, delivered-after-cancel, early messages"))
+    p.add_argument("--now", default=None, help="judge 'past due' at this time (epoch ms or ISO; default now)")
+    p.add_argument("--grace-ms", type=int, default=60_000,
+                   help="a message is lost only when due more than this long before --now (default 60000)")
+    p = common(sub.add_parser("lateness", help="p50/p99/max of dispatched - due, per minute and per subject"))
+    p = common(sub.add_parser("forecast", help="messages due per future minute (table + heat map)"))
+    p.add_argument("--now", default=None, help="start of the future (epoch ms or ISO; default now)")
+    p.add_argument("--hours", type=int, default=24, help="hours shown in the heat map (default 24)")
+    p = common(sub.add_parser("export", help="a log to Parquet, partitioned by due day"))
+    p.add_argument("--log", default="all", help="message, schedule, dispatch or all (default all)")
+    p.add_argument("--corrupt", default="row", choices=("row", "skip"),
+                   help="unreadable records: rows with an error (default) or skipped")
+    p = common(sub.add_parser("import", help="schedule a Parquet/CSV dataset through the gRPC API"),
+               data=False)
+    p.add_argument("--input", required=True, help="a Parquet or CSV file or folder")
+    p.add_argument("--format", choices=("parquet", "csv"), default=None,
+                   help="default: from the file extension (csv when it ends in .csv)")
+    p.add_argument("--target", default="127.0.0.1:7600", help="qdelay server HOST:PORT")
+    p.add_argument("--token-file", default=None, help="file holding the bearer token")
+    p.add_argument("--batch-size", type=int, default=500, help="messages per SendBatch (default 500)")
+
+
+# --- session and data -----------------------------------------------------------------------
+
+
+def _session(args):
+    master = args.master
+    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit
+        master = "local[*]"
+    conf = {}
+    for item in getattr(args, "conf", None) or []:
+        k, _, v = item.partition("=")
+        conf[k.strip()] = v.strip()
+    return spark_source.session(master, f"qdelay-{args.spark_job}", conf)
+
+
+def _out_dir(args) -> str:
+    out = args.out or os.path.join("qdelay-spark", args.spark_job)
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
+def _now_ms(text: str | None) -> int:
+    from qdelay.tools.inspect import parse_time
+
+    return parse_time(text) if text else int(time.time() * 1000)
+
+
+def frames(spark, data_dirs, log="all"):
+    """The records of every log without payloads and headers (what the jobs need), cached."""
+    df = spark_source.read(spark, data_dirs, log=log, corrupt="row")
+    return df.drop("payload", "headers").cache()
+
+
+def tables(df):
+    """(messages, cancels, dispatches, errors) of a frames() DataFrame, keyed by (server, sequence).
+
+    A message appears in the message log and again in the schedule log (same sequence,
+    same bytes): it is counted once."""
+    from pyspark.sql import functions as F
+
+    ok = df.where(F.col("error").isNull())
+    messages = ok.where(F.col("kind") == "MESSAGE").groupBy("server", "sequence").agg(
+        F.first("message_id").alias("message_id"), F.first("subject").alias("subject"),
+        F.min("due_ms").alias("due_ms"), F.min("created_ms").alias("created_ms"))
+    cancels = ok.where(F.col("kind") == "CANCEL").groupBy(
+        "server", F.col("target_sequence").alias("sequence")).agg(
+        F.min("created_ms").alias("cancelled_ms"))
+    dispatches = ok.where(F.col("kind") == "DISPATCH").select(
+        "server", "sequence", "message_id", F.col("due_ms").alias("dispatch_due_ms"),
+        "dispatched_ms", "acked_ms", "attempt", "outcome", "segment", "offset")
+    errors = df.where(F.col("error").isNotNull()).select(
+        "server", "log", "segment", "offset", "size", "error",
+        F.col("error").startswith("torn tail").alias("torn"))
+    return messages, cancels, dispatches, errors
+
+
+def _write_json(df, path: str) -> None:
+    df.coalesce(1).write.mode("overwrite").json(path)
+
+
+def _print_rows(title: str, rows, columns) -> None:
+    print(f"  {title}:")
+    for r in rows:
+        print("    " + "  ".join(f"{c}={r[c]}" for c in columns))
+
+
+# --- audit ----------------------------------------------------------------------------------
+
+
+FINDINGS = ("lost", "duplicated", "delivered_after_cancel", "early")
+FINDING_COLUMNS = {
+    "lost": ["server", "sequence", "message_id", "subject", "due_ms", "overdue_ms"],
+    "duplicated": ["server", "sequence", "message_id", "dispatches", "attempts"],
+    "delivered_after_cancel": ["server", "sequence", "message_id", "cancelled_ms", "last_delivered_ms"],
+    "early": ["server", "sequence", "message_id", "due_ms", "first_dispatched_ms", "early_by_ms"],
+}
+
+
+def lives(messages, cancels, dispatches):
+    """One row per (server, sequence) seen anywhere: the message, its cancel, its dispatches."""
+    from pyspark.sql import functions as F
+
+    keys = ["server", "sequence"]
+    d = dispatches.groupBy(*keys).agg(
+        F.count("*").alias("dispatches"), F.sort_array(F.collect_list("attempt")).alias("attempts"),
+        F.min("dispatched_ms").alias("first_dispatched_ms"),
+        F.max(F.when(F.col("outcome") == "DELIVERED", F.col("dispatched_ms"))).alias("last_delivered_ms"),
+        F.first("message_id").alias("dispatch_message_id"), F.first("dispatch_due_ms").alias("dispatch_due_ms"))
+    return messages.withColumn("has_message", F.lit(True)) \
+        .join(d, keys, "full_outer").join(cancels, keys, "left") \
+        .withColumn("message_id", F.coalesce("message_id", "dispatch_message_id")) \
+        .withColumn("due_ms", F.coalesce("due_ms", "dispatch_due_ms")) \
+        .withColumn("dispatches", F.coalesce("dispatches", F.lit(0)))
+
+
+def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None = None) -> dict:
+    """Find lost (past due, never dispatched nor cancelled), duplicated (more than one
+    dispatch record), delivered-after-cancel and early (dispatched before due) messages.
+
+    Returns the summary (exact counts, the first examples of each finding); with ``out``,
+    writes every finding as JSON lines (``out/findings``) and ``out/summary.json``."""
+    from pyspark.sql import functions as F
+
+    df = frames(spark, data_dirs)
+    messages, cancels, dispatches, errors = tables(df)
+    life = lives(messages, cancels, dispatches)
+    flags = life \
+        .withColumn("lost", F.coalesce(F.col("has_message"), F.lit(False)) & (F.col("dispatches") == 0)
+                    & F.col("cancelled_ms").isNull() & (F.col("due_ms") < now_ms - grace_ms)) \
+        .withColumn("duplicated", F.col("dispatches") > 1) \
+        .withColumn("delivered_after_cancel", F.coalesce(
+            F.col("last_delivered_ms") >= F.col("cancelled_ms"), F.lit(False))) \
+        .withColumn("early", F.coalesce(F.col("first_dispatched_ms") < F.col("due_ms"), F.lit(False))) \
+        .withColumn("overdue_ms", F.lit(now_ms) - F.col("due_ms")) \
+        .withColumn("early_by_ms", F.col("due_ms") - F.col("first_dispatched_ms")) \
+        .cache()
+    totals = flags.agg(
+        F.count(F.when(F.col("has_message"), 1)).alias("messages"),
+        F.count(F.col("cancelled_ms")).alias("cancelled"),
+        F.sum("dispatches").alias("dispatch_records"),
+        *[F.count(F.when(F.col(n), 1)).alias(n) for n in FINDINGS]).collect()[0]
+    findings = flags.where(" or ".join(FINDINGS)).select(
+        "server", "sequence", "message_id", "subject", "due_ms", "cancelled_ms", "dispatches",
+        "attempts", "first_dispatched_ms", "last_delivered_ms", "overdue_ms", "early_by_ms", *FINDINGS)
+    summary: dict = {"now_ms": now_ms, "grace_ms": grace_ms, "messages": totals["messages"],
+                     "cancelled": totals["cancelled"],
+                     "dispatch_records": int(totals["dispatch_records"] or 0),
+                     "findings": {n: totals[n] for n in FINDINGS}, "examples": {n: [] for n in FINDINGS}}
+    if any(summary["findings"].values()):
+        for r in findings.orderBy("server", "sequence").limit(100 * EXAMPLES).collect():
+            for n in FINDINGS:
+                if r[n] and len(summary["examples"][n]) < EXAMPLES:
+                    summary["examples"][n].append({c: r[c] for c in FINDING_COLUMNS[n]})
+        if out:
+            _write_json(findings, os.path.join(out, "findings"))
+    err_rows = errors.collect()
+    summary["corrupt_records"] = [r.asDict() for r in err_rows if not r["torn"]]
+    summary["torn_tails"] = [r.asDict() for r in err_rows if r["torn"]]
+    flags.unpersist()
+    df.unpersist()
+    if out:
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+    return summary
+
+
+def _audit_cmd(spark, args) -> int:
+    out = _out_dir(args)
+    s = audit(spark, args.data_dir, _now_ms(args.now), args.grace_ms, out)
+    print(f"audit of {len(args.data_dir)} data folder(s) at now={s['now_ms']} (grace {s['grace_ms']} ms): "
+          f"{s['messages']} messages, {s['cancelled']} cancelled, {s['dispatch_records']} dispatch records")
+    for name, n in s["findings"].items():
+        print(f"{name:<24} {n}")
+        if n:
+            rows = s["examples"][name]
+            _print_rows(f"first {len(rows)}", rows, list(rows[0]))
+    for key, label in (("corrupt_records", "corrupt records (run 'qdelay inspect verify')"),
+                       ("torn_tails", "torn tails (a live or crashed writer; recovery cuts them)")):
+        if s[key]:
+            print(f"{label}: {len(s[key])}")
+            _print_rows("where", s[key][:EXAMPLES], ["server", "segment", "offset", "error"])
+    print(f"details: {out}")
+    bad = sum(s["findings"].values()) + len(s["corrupt_records"])
+    return 1 if bad else 0
+
+
+# --- lateness -------------------------------------------------------------------------------
+
+
+def lateness(spark, data_dirs):
+    """(per minute, per subject) pandas tables of dispatched - due for delivered messages."""
+    from pyspark.sql import functions as F
+
+    df = frames(spark, data_dirs)
+    messages, _c, dispatches, _e = tables(df)
+    d = dispatches.where(F.col("outcome") == "DELIVERED") \
+        .join(messages.select("server", "sequence", "subject", "due_ms"), ["server", "sequence"], "left") \
+        .withColumn("due_ms", F.coalesce("due_ms", "dispatch_due_ms")) \
+        .withColumn("lateness_ms", F.col("dispatched_ms") - F.col("due_ms")) \
+        .withColumn("subject", F.coalesce("subject", F.lit("(unknown)")))
+
+    def stats(frame, key):
+        return frame.groupBy(key).agg(
+            F.count("*").alias("delivered"),
+            F.percentile_approx("lateness_ms", 0.5, 10000).alias("p50_ms"),
+            F.percentile_approx("lateness_ms", 0.99, 10000).alias("p99_ms"),
+            F.max("lateness_ms").alias("max_ms"), F.min("lateness_ms").alias("min_ms")).orderBy(key)
+
+    per_minute = stats(d.withColumn("minute_ms", F.floor(F.col("due_ms") / 60000) * 60000), "minute_ms").toPandas()
+    per_subject = stats(d, "subject").toPandas()
+    df.unpersist()
+    if len(per_minute):
+        import pandas as pd
+
+        per_minute.insert(0, "minute", pd.to_datetime(per_minute["minute_ms"], unit="ms", utc=True))
+    return per_minute, per_subject
+
+
+def _plot_lateness(per_minute, per_subject, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(11, 8))
+    if len(per_minute):
+        for col, style in (("p50_ms", "-"), ("p99_ms", "--"), ("max_ms", ":")):
+            a.plot(per_minute["minute"], per_minute[col], style, label=col.replace("_ms", ""))
+        a.set_yscale("symlog")
+        a.legend()
+    a.set_title("lateness (dispatched - due) per due minute, ms")
+    a.set_xlabel("due minute (UTC)")
+    top = per_subject.sort_values("p99_ms", ascending=False).head(20) if len(per_subject) else per_subject
+    if len(top):
+        b.barh(top["subject"], top["p99_ms"], label="p99")
+        b.barh(top["subject"], top["p50_ms"], label="p50")
+        b.legend()
+    b.set_title("lateness per subject (20 worst p99), ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _lateness_cmd(spark, args) -> int:
+    out = _out_dir(args)
+    per_minute, per_subject = lateness(spark, args.data_dir)
+    per_minute.to_csv(os.path.join(out, "lateness_per_minute.csv"), index=False)
+    per_subject.to_csv(os.path.join(out, "lateness_per_subject.csv"), index=False)
+    _plot_lateness(per_minute, per_subject, os.path.join(out, "lateness.png"))
+    cols = ["delivered", "p50_ms", "p99_ms", "max_ms"]
+    print("per due minute:")
+    print(per_minute[["minute"] + cols].to_string(index=False) if len(per_minute) else "  (no deliveries)")
+    print("per subject:")
+    print(per_subject[["subject"] + cols].to_string(index=False) if len(per_subject) else "  (no deliveries)")
+    print(f"tables and lateness.png in {out}")
+    return 0
+
+
+# --- forecast -------------------------------------------------------------------------------
+
+
+def forecast(spark, data_dirs, now_ms: int):
+    """pandas table of pending (not dispatched, not cancelled) messages per due minute >= now,
+    and the count already overdue."""
+    from pyspark.sql import functions as F
+
+    df = frames(spark, data_dirs)
+    messages, cancels, dispatches, _e = tables(df)
+    keys = ["server", "sequence"]
+    pending = messages.join(dispatches.select(*keys).distinct(), keys, "left_anti") \
+        .join(cancels, keys, "left_anti")
+    overdue = pending.where(F.col("due_ms") < now_ms).count()
+    per_minute = pending.where(F.col("due_ms") >= now_ms - now_ms % 60000) \
+        .groupBy((F.floor(F.col("due_ms") / 60000) * 60000).alias("minute_ms")) \
+        .agg(F.count("*").alias("due")).orderBy("minute_ms").toPandas()
+    df.unpersist()
+    if len(per_minute):
+        import pandas as pd
+
+        per_minute.insert(0, "minute", pd.to_datetime(per_minute["minute_ms"], unit="ms", utc=True))
+    return per_minute, overdue
+
+
+def _plot_heatmap(per_minute, now_ms: int, hours: int, path: str) -> int:
+    """Rows: hours from now's hour; columns: minute of the hour. Returns messages beyond."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    start = now_ms - now_ms % 3_600_000
+    grid = np.zeros((hours, 60))
+    beyond = 0
+    for m, n in zip(per_minute["minute_ms"] if len(per_minute) else [],
+                    per_minute["due"] if len(per_minute) else []):
+        row = (int(m) - start) // 3_600_000
+        if 0 <= row < hours:
+            grid[row, (int(m) // 60000) % 60] += n
+        else:
+            beyond += int(n)
+    fig, ax = plt.subplots(figsize=(12, max(3, hours * 0.3)))
+    im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set_xlabel("minute of the hour")
+    labels = [time.strftime("%m-%d %H:00", time.gmtime((start + h * 3_600_000) / 1000)) for h in range(hours)]
+    step = max(1, hours // 24)
+    ax.set_yticks(range(0, hours, step))
+    ax.set_yticklabels(labels[::step])
+    ax.set_title(f"messages due per minute (UTC), next {hours} h; {beyond} more beyond")
+    fig.colorbar(im, ax=ax, label="messages due")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return beyond
+
+
+def _forecast_cmd(spark, args) -> int:
+    out = _out_dir(args)
+    now_ms = _now_ms(args.now)
+    per_minute, overdue = forecast(spark, args.data_dir, now_ms)
+    per_minute.to_csv(os.path.join(out, "forecast_per_minute.csv"), index=False)
+    beyond = _plot_heatmap(per_minute, now_ms, args.hours, os.path.join(out, "forecast.png"))
+    total = int(per_minute["due"].sum()) if len(per_minute) else 0
+    print(f"pending at now={now_ms}: {total} due from now on ({beyond} beyond {args.hours} h), "
+          f"{overdue} already overdue")
+    if len(per_minute):
+        print("hottest minutes:")
+        print(per_minute.sort_values("due", ascending=False).head(EXAMPLES)[["minute", "due"]]
+              .to_string(index=False))
+        print("next minutes:")
+        print(per_minute.head(EXAMPLES)[["minute", "due"]].to_string(index=False))
+    print(f"forecast_per_minute.csv and forecast.png in {out}")
+    return 0
+
+
+# --- export ---------------------------------------------------------------------------------
+
+
+def export(spark, data_dirs, out: str, log: str = "all", corrupt: str = "row") -> dict:
+    """Each log to ``out/<log>/`` as Parquet partitioned by ``due_day`` (UTC, yyyy-MM-dd)."""
+    from pyspark.sql import functions as F
+
+    counts = {}
+    for name in spark_source.parse_logs(log):
+        df = spark_source.read(spark, data_dirs, log=name, corrupt=corrupt) \
+            .withColumn("due_day", F.date_format(F.timestamp_millis("due_ms"), "yyyy-MM-dd"))
+        df.write.mode("overwrite").partitionBy("due_day").parquet(os.path.join(out, name))
+        counts[name] = spark.read.parquet(os.path.join(out, name)).count()
+    return counts
+
+
+def _export_cmd(spark, args) -> int:
+    out = _out_dir(args)
+    for name, n in export(spark, args.data_dir, out, args.log, args.corrupt).items():
+        print(f"{name}: {n} rows -> {os.path.join(out, name)} (partitioned by due_day)")
+    return 0
+
+
+# --- import ---------------------------------------------------------------------------------
+
+REPORT_DIR = "accepted"     # JSON lines of every accepted message (the resumable report)
+REJECT_DIR = "rejected"     # JSON lines of every message the server refused, with why
+
+
+def derived_id(subject: str, payload: bytes, deliver_at_ms, delay_ms) -> str:
+    """A stable id for a row without one, so a resumed import recognises it."""
+    h = hashlib.sha256()
+    for part in (subject.encode(), payload, str(deliver_at_ms).encode(), str(delay_ms).encode()):
+        h.update(len(part).to_bytes(8, "little") + part)
+    return "imp-" + h.hexdigest()[:32]
+
+
+def _accepted_ids(spark, out: str):
+    files = glob.glob(os.path.join(out, REPORT_DIR, "*.jsonl"))
+    if not files or not any(os.path.getsize(f) for f in files):
+        return None
+    return spark.read.schema("message_id string").json(files).select("message_id").distinct()
+
+
+def _send_partition(target: str, token: str | None, batch_size: int, out: str):
+    """The foreachPartition function: SendBatch in batches, one report file per task attempt."""
+
+    def run(rows):
+        import grpc
+        from pyspark import TaskContext
+
+        from qdelay.v1 import qdelay_pb2 as pb
+        from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+        ctx = TaskContext.get()
+        tag = f"p{ctx.partitionId() if ctx else 0:05d}-a{ctx.attemptNumber() if ctx else 0}-{uuid.uuid4().hex[:8]}"
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20),
+                                                         ("grpc.max_receive_message_length", 64 << 20)])
+        stub = pb_grpc.DelayServiceStub(channel)
+        os.makedirs(os.path.join(out, REPORT_DIR), exist_ok=True)
+        os.makedirs(os.path.join(out, REJECT_DIR), exist_ok=True)
+        accepted_f = open(os.path.join(out, REPORT_DIR, f"{tag}.jsonl"), "a")
+        rejected_f = None
+
+        def message(row) -> pb.Message:
+            payload = row["payload"]
+            if isinstance(payload, str):
+                payload = payload.encode()
+            payload = bytes(payload or b"")
+            kw = {}
+            if row["deliver_at_ms"] is not None:
+                kw["deliver_at_ms"] = int(row["deliver_at_ms"])
+            elif row["delay_ms"] is not None:
+                kw["delay_ms"] = int(row["delay_ms"])
+            mid = row["message_id"] or derived_id(row["subject"], payload, row["deliver_at_ms"],
+                                                  row["delay_ms"])
+            headers = row["headers"] or {}
+            return pb.Message(subject=row["subject"] or "", payload=payload, message_id=mid,
+                              headers=dict(headers), **kw)
+
+        def call(method, request):
+            delay = 0.2
+            for attempt in range(8):
+                try:
+                    return method(request, metadata=metadata, timeout=60)
+                except grpc.RpcError as err:
+                    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED) \
+                            or attempt == 7:
+                        raise
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+
+        def record(msgs, receipts):
+            for m, r in zip(msgs, receipts):
+                accepted_f.write(json.dumps({"message_id": r.message_id or m.message_id,
+                                             "sequence": r.sequence, "deliver_at_ms": r.deliver_at_ms,
+                                             "subject": m.subject}) + "\n")
+            accepted_f.flush()
+            os.fsync(accepted_f.fileno())
+
+        def reject(m, err):
+            nonlocal rejected_f
+            if rejected_f is None:
+                rejected_f = open(os.path.join(out, REJECT_DIR, f"{tag}.jsonl"), "a")
+            rejected_f.write(json.dumps({"message_id": m.message_id, "subject": m.subject,
+                                         "code": err.code().name, "error": err.details()}) + "\n")
+            rejected_f.flush()
+
+        def flush(batch):
+            try:
+                resp = call(stub.SendBatch, pb.SendBatchRequest(messages=batch))
+                record(batch, resp.receipts)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                # all-or-nothing: find the bad ones one by one, keep the good ones
+                for m in batch:
+                    try:
+                        resp = call(stub.Send, pb.SendRequest(message=m))
+                        record([m], [resp.receipt])
+                    except grpc.RpcError as one:
+                        if one.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                            raise
+                        reject(m, one)
+
+        try:
+            batch = []
+            for row in rows:
+                batch.append(message(row))
+                if len(batch) >= batch_size:
+                    flush(batch)
+                    batch = []
+            if batch:
+                flush(batch)
+        finally:
+            accepted_f.close()
+            if rejected_f is not None:
+                rejected_f.close()
+            channel.close()
+
+    return run
+
+
+def import_dataset(spark, path: str, target: str, out: str, fmt: str | None = None,
+                   token: str | None = None, batch_size: int = 500) -> dict:
+    """Schedule every row of a dataset not yet in the report; returns the counts."""
+    from pyspark.sql import functions as F
+
+    fmt = fmt or ("csv" if path.rstrip("/").lower().endswith(".csv") else "parquet")
+    if fmt == "csv":
+        df = spark.read.option("header", True).csv(path)
+    else:
+        df = spark.read.parquet(path)
+    cols = set(df.columns)
+    missing = {"subject", "payload"} - cols
+    if missing or not ({"deliver_at_ms", "delay_ms"} & cols):
+        raise SystemExit(f"qdelay spark import: the dataset needs subject, payload and deliver_at_ms "
+                         f"or delay_ms (missing {sorted(missing) or 'deliver_at_ms/delay_ms'})")
+    for c in ("deliver_at_ms", "delay_ms"):
+        df = df.withColumn(c, F.col(c).cast("long") if c in cols else F.lit(None).cast("long"))
+    if "message_id" not in cols:
+        df = df.withColumn("message_id", F.lit(None).cast("string"))
+    if "headers" not in cols:
+        df = df.withColumn("headers", F.lit(None).cast("map<string,string>"))
+    # the stable id of each row, so that the report identifies it on a resumed run
+    idf = F.udf(lambda s, p, d, dl: derived_id(s or "", p.encode() if isinstance(p, str) else bytes(p or b""), d, dl))
+    df = df.withColumn("message_id", F.coalesce(F.col("message_id"),
+                                                idf("subject", "payload", "deliver_at_ms", "delay_ms")))
+    df = df.select("subject", "payload", "deliver_at_ms", "delay_ms", "message_id", "headers")
+    total = df.count()
+    done = _accepted_ids(spark, out)
+    todo = df.join(done, "message_id", "left_anti") if done is not None else df
+    already = total - todo.count()
+    todo.foreachPartition(_send_partition(target, token, batch_size, out))
+    accepted = _accepted_ids(spark, out)
+    n_accepted = accepted.count() if accepted is not None else 0
+    rej_files = glob.glob(os.path.join(out, REJECT_DIR, "*.jsonl"))
+    rejected = sum(1 for f in rej_files for _ in open(f))
+    return {"rows": total, "already_accepted": already, "accepted": n_accepted, "rejected": rejected,
+            "report": os.path.join(out, REPORT_DIR)}
+
+
+def _import_cmd(spark, args) -> int:
+    out = _out_dir(args)
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.readline().strip()
+    r = import_dataset(spark, args.input, args.target, out, args.format, token, args.batch_size)
+    print(f"{r['rows']} rows: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
+          f"in all, {r['rejected']} rejected; report in {r['report']}")
+    return 0 if r["accepted"] + r["rejected"] >= r["rows"] and not r["rejected"] else 1
+
+
+COMMANDS = {"audit": _audit_cmd, "lateness": _lateness_cmd, "forecast": _forecast_cmd,
+            "export": _export_cmd, "import": _import_cmd}
+
+
+def run(args) -> int:
+    spark = _session(args)
+    return COMMANDS[args.spark_job](spark, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``spark-submit spark_jobs.py JOB ...``."""
+    parser = argparse.ArgumentParser(prog="qdelay spark")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
