@@ -87,6 +87,14 @@ def _receipt(r) -> pb.Receipt:
     return pb.Receipt(message_id=r.message_id, deliver_at_ms=r.deliver_at_ms, sequence=r.sequence)
 
 
+def _batch_response(receipts) -> pb.SendBatchResponse:
+    resp = pb.SendBatchResponse()
+    add = resp.receipts.add
+    for r in receipts:
+        add(message_id=r.message_id, deliver_at_ms=r.deliver_at_ms, sequence=r.sequence)
+    return resp
+
+
 class DelayService(pb_grpc.DelayServiceServicer):
     def __init__(self, engine, cfg: ServerConfig, consumers, metrics) -> None:
         from qdelay.server.engine import NewMessage
@@ -148,7 +156,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
     async def SendBatch(self, request, context):
         new, size = self._validate(request.messages)
         receipts = await self._write(new, size)
-        return pb.SendBatchResponse(receipts=[_receipt(r) for r in receipts])
+        return _batch_response(receipts)
 
     @status.streaming
     async def SendStream(self, request_iterator, context):
@@ -181,7 +189,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                 if isinstance(item, Exception):
                     raise item
                 receipts = await item
-                yield pb.SendBatchResponse(receipts=[_receipt(r) for r in receipts])
+                yield _batch_response(receipts)
         finally:
             if not reader.done():
                 reader.cancel()

@@ -114,36 +114,52 @@ def validate_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: C
     if count > limits.max_batch:
         raise InvalidArgument(f"messages: {count} in one batch, limit {limits.max_batch}")
     out = []
+    append = out.append
     total = 0
-    seen: dict[str, int] | None = None
+    seen: set[str] = set()
     max_payload = limits.max_payload_bytes
+    max_id = limits.max_message_id_bytes
+    max_delay = limits.max_delay_ms
+    good_subjects = limits.__dict__.setdefault("_good_subjects", set())  # per limits: subjects repeat
     for i, msg in enumerate(messages):
-        index = None if single else i
-        prefix = "message" if single else f"messages[{i}]"
-        check_subject(msg.subject, limits, _where(index, "subject"))
+        # fast path: cheap checks inline; anything unusual goes to the precise checkers,
+        # which raise with the field, the index and the limit
+        subject = msg.subject
+        if subject not in good_subjects:
+            check_subject(subject, limits, _where(None if single else i, "subject"))
+            if len(good_subjects) >= 4096:
+                good_subjects.clear()
+            good_subjects.add(subject)
         payload = msg.payload
-        if len(payload) > max_payload:
-            raise InvalidArgument(f"{_where(index, 'payload')}: {len(payload)} bytes, limit {max_payload}")
+        size = len(payload)
+        if size > max_payload:
+            raise InvalidArgument(f"{_where(None if single else i, 'payload')}: {size} bytes, limit {max_payload}")
         headers = msg.headers
         if headers:
-            check_headers(headers, limits, _where(index, "headers"))
+            check_headers(headers, limits, _where(None if single else i, "headers"))
             headers = dict(headers)
         else:
             headers = {}
         message_id = msg.message_id
         if message_id:
-            check_message_id(message_id, limits, _where(index, "message_id"))
-            if count > 1:
-                if seen is None:
-                    seen = {}
-                first = seen.setdefault(message_id, i)
-                if first != i:
-                    raise InvalidArgument(f"{_where(index, 'message_id')}: {message_id!r} repeats messages[{first}]")
+            if not (len(message_id) <= max_id and message_id.isascii() and message_id.isprintable()):
+                check_message_id(message_id, limits, _where(None if single else i, "message_id"))
+            if message_id in seen:
+                first = next(j for j, m in enumerate(messages) if m.message_id == message_id)
+                raise InvalidArgument(f"{_where(None if single else i, 'message_id')}: {message_id!r} "
+                                      f"repeats messages[{first}]")
+            seen.add(message_id)
         else:
             message_id = new_id()
-        due = resolve_due(msg, limits, now_ms, prefix)
-        total += len(payload)
-        out.append(make(msg.subject, payload, headers, message_id, due))
+        which = msg.WhichOneof("when")
+        if which == "deliver_at_ms":
+            due = msg.deliver_at_ms
+            if due < 0 or due - now_ms > max_delay:
+                resolve_due(msg, limits, now_ms, "message" if single else f"messages[{i}]")
+        else:
+            due = resolve_due(msg, limits, now_ms, "message" if single else f"messages[{i}]")
+        total += size
+        append(make(subject, payload, headers, message_id, due))
     return out, total
 
 
