@@ -1,0 +1,146 @@
+"""Durable ingest of a real ``qdelay server`` through the Python client, by API shape.
+
+    python -m bench.ingest [--messages 200000] [--payload 100] [--flush sync]
+
+One server process (flush policy ``sync``: every acknowledged message is on disk), fresh
+data folder; producers are separate processes. For each shape it reports messages/s,
+the server's CPU per message (all its threads) and the producers' CPU per message:
+
+- unary Send, 64 calls in flight (thread pool of futures)
+- SendBatch of 100, 1 in flight (the side-by-side benchmark's shape) and 8 in flight
+- SendBatch of 1000, 4 in flight
+- SendStream, batches of 100, pipelined on one stream
+- SendBatch of 100, 8 in flight, from 2 producer processes
+
+Writes bench/out/ingest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+
+from bench.common import machine, print_table, write_json
+from bench.peers import QdelayDriver
+
+CTX = mp.get_context("spawn")
+
+SHAPES = [
+    # name, kind, batch, in flight, producer processes
+    ("unary, 64 in flight", "unary", 1, 64, 1),
+    ("SendBatch 100, 1 in flight", "batch", 100, 1, 1),
+    ("SendBatch 100, 8 in flight", "batch", 100, 8, 1),
+    ("SendBatch 1000, 4 in flight", "batch", 1000, 4, 1),
+    ("SendStream, batches of 100", "stream", 100, 16, 1),
+    ("SendBatch 100, 8 in flight, 2 producers", "batch", 100, 8, 2),
+]
+
+
+def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from qdelay.client import Client
+        from qdelay.v1 import qdelay_pb2 as pb
+
+        client = Client(address, retries=0, timeout=120)
+        client.wait_ready()
+        body = b"p" * payload
+        q.put("ready")
+        go.wait(60)
+        due = int(time.time() * 1000) + 600_000
+        start = time.time()
+        cpu0 = time.process_time()
+        msgs = (pb.Message(subject="bench", payload=body, message_id=str(first_id + i), deliver_at_ms=due + i % 60_000)
+                for i in range(n))
+        if kind == "batch":
+            client.send_many(msgs, batch_size=batch, max_in_flight=inflight)
+        elif kind == "unary":
+            with ThreadPoolExecutor(inflight) as pool:
+                list(pool.map(lambda m: client.stub.Send(pb.SendRequest(message=m), timeout=60), msgs,
+                              chunksize=256))
+        else:
+            def requests():
+                chunk = []
+                for m in msgs:
+                    chunk.append(m)
+                    if len(chunk) == batch:
+                        yield pb.SendBatchRequest(messages=chunk)
+                        chunk = []
+                if chunk:
+                    yield pb.SendBatchRequest(messages=chunk)
+
+            got = sum(len(r.receipts) for r in client.stub.SendStream(requests(), timeout=600))
+            assert got == n, got
+        q.put(dict(start=start, end=time.time(), cpu=time.process_time() - cpu0, n=n))
+        client.close()
+    except BaseException as e:  # noqa: BLE001 - report to the parent
+        q.put(dict(error=repr(e)))
+
+
+def run_shape(driver, kind, n, batch, inflight, procs, payload, offset):
+    q = CTX.Queue()
+    go = CTX.Event()
+    per = n // procs
+    ps = [CTX.Process(target=_producer, daemon=True,
+                      args=(f"127.0.0.1:{driver.port}", kind, per, batch, inflight, payload, offset + p * per, go, q))
+          for p in range(procs)]
+    for p in ps:
+        p.start()
+    for _ in ps:
+        assert q.get(timeout=120) == "ready"
+    cpu0 = driver.cpu_seconds()
+    go.set()
+    results = [q.get(timeout=900) for _ in ps]
+    server_cpu = driver.cpu_seconds() - cpu0
+    for p in ps:
+        p.join(30)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(errors[0])
+    total = sum(r["n"] for r in results)
+    secs = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return dict(n=total, secs=round(secs, 2), msgs_per_s=round(total / secs),
+                server_cpu_us_per_msg=round(server_cpu * 1e6 / total, 1),
+                client_cpu_us_per_msg=round(sum(r["cpu"] for r in results) * 1e6 / total, 1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--unary-messages", type=int, default=20_000, help="unary Send is ~100x slower")
+    parser.add_argument("--payload", type=int, default=100)
+    parser.add_argument("--flush", default="sync")
+    parser.add_argument("--tmp", default=None)
+    args = parser.parse_args(argv)
+    info = machine()
+    rows, results = [], {}
+    workdir = tempfile.mkdtemp(prefix="qdbench-ingest-", dir=args.tmp)
+    driver = QdelayDriver(flush=args.flush)
+    try:
+        driver.start(workdir)
+        offset = 0
+        for name, kind, batch, inflight, procs in SHAPES:
+            n = args.unary_messages if kind == "unary" else args.messages
+            print(f"{name} ...", flush=True)
+            res = run_shape(driver, kind, n, batch, inflight, procs, args.payload, offset)
+            offset += n
+            res["load1"] = round(__import__("os").getloadavg()[0], 2)
+            results[name] = res
+            rows.append([name, res["msgs_per_s"], res["server_cpu_us_per_msg"], res["client_cpu_us_per_msg"],
+                         res["n"], res["load1"]])
+    finally:
+        driver.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = print_table(["shape", "msgs/s", "server CPU µs/msg", "client CPU µs/msg", "messages", "load"], rows,
+                       title=f"### qdelay durable ingest (flush {args.flush}, {args.payload}-byte payloads)")
+    path = write_json("ingest", {"machine": info, "args": vars(args), "results": results, "report": text})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
