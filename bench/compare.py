@@ -318,7 +318,7 @@ def memory(name, tmp, scale=1.0, seed=3):
     with Server(name, tmp) as d:
         time.sleep(0.5)
         rss0 = d.rss_bytes()
-        s = Senders(d.client_spec(), ids, rel, procs=2)
+        s = Senders(d.client_spec(), ids, rel, procs=2, max_s=300)  # slow servers: bytes/msg of what got in
         s.start()
         s.go()
         res = s.results()

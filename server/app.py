@@ -138,11 +138,27 @@ class App:
             mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
             self.metrics_port = self.metrics.serve(mhost, mport)
             log.info("metrics on %s", format_address(mhost, self.metrics_port))
+        self._watch = asyncio.ensure_future(self._watch_health())
         address = format_address(host, port)
         log.info("started", extra={"listen": address, "data_dir": cfg.data_dir, "role": cfg.role,
                                    "tls": bool(cfg.tls_cert), "auth": bool(cfg.auth_token_file),
                                    "startup_seconds": round(time.monotonic() - started, 3)})
         return address
+
+    async def _watch_health(self) -> None:
+        """Health follows the engine: NOT_SERVING while its WAL, iterate or scheduler failed."""
+        serving = True
+        while True:
+            await asyncio.sleep(1.0)
+            healthy = getattr(self.engine, "healthy", lambda: True)()
+            if healthy != serving:
+                serving = healthy
+                status = health_pb2.HealthCheckResponse.SERVING if healthy else \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, status)
+                log.log(logging.INFO if healthy else logging.ERROR, "health: %s",
+                        "serving" if healthy else "not serving (engine failed; see the errors above)")
 
     def _install_hooks(self, server, engine) -> list[str]:
         try:
@@ -164,6 +180,7 @@ class App:
     async def stop(self) -> None:
         cfg = self.cfg
         log.info("shutting down")
+        self._watch.cancel()
         await self.health.enter_graceful_shutdown()
         self.service.closing = True
         # no new deliveries; give consumers a moment to ack what they hold

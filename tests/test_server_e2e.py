@@ -376,3 +376,56 @@ def test_python_example_runs(server):
     result = subprocess.run([sys.executable, path, server.address], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "received 1001 messages; cancelled one delivered: False" in result.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs, so that ENOSPC is real (needs root / CAP_SYS_ADMIN)."""
+    import subprocess
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs ({done.stderr.strip()})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_disk_full_refused_then_recovers(small_disk):
+    import errno
+    import os
+
+    args = ["--min-free-bytes", "0", "--set", "min_free_bytes_hard=0", "--set", "engine.segment_bytes=1048576"]
+    with ServerProc(small_disk / "data", args=args) as srv:
+        c = srv.client(retries=0)
+        s = subject()
+        first = c.send_batch([c.message(s, b"a" * 1000, delay_ms=0) for _ in range(10)])
+        filler = small_disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while os.write(fd, b"\xff" * 65536):
+                pass
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        for _ in range(3):
+            with pytest.raises(errors.ResourceExhausted):
+                c.send_batch([c.message(s, b"b" * 1000, delay_ms=0) for _ in range(200)])
+        os.unlink(filler)
+        second = c.send_batch([c.message(s, b"c" * 1000, delay_ms=0) for _ in range(10)])
+        expected = {r.message_id for r in first + second}
+        with c.subscribe(s) as consumer:
+            seen = set()
+            deadline = time.monotonic() + 10
+            while not expected <= seen and time.monotonic() < deadline:
+                got = consumer.receive(20, timeout=1)
+                seen |= {d.message_id for d in got}
+                consumer.ack(got)
+        assert seen == expected  # nothing of the refused batches, everything acknowledged
+        c.close()
+    assert srv.proc.returncode == 0
