@@ -9,9 +9,12 @@ between scrapes.
 from __future__ import annotations
 
 import logging
+import threading
+
+import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 log = logging.getLogger("qdelay.metrics")
 
@@ -75,6 +78,45 @@ class EngineCollector:
             yield family
 
 
+class BulkHistogram:
+    """A histogram fed in bulk (numpy), exposed at scrape time: ~0.05 µs per observation
+    instead of prometheus-client's ~3 µs, for per-delivery figures on the hot path."""
+
+    def __init__(self, name: str, text: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.text = text
+        self.bounds = np.asarray(buckets, dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # last: above the largest bound
+        self.sum = 0.0
+        self.lock = threading.Lock()
+
+    def observe_many(self, values) -> None:
+        arr = np.asarray(values, dtype=np.float64)
+        if not arr.size:
+            return
+        idx = np.searchsorted(self.bounds, arr, side="left")  # le semantics: value <= bound
+        counts = np.bincount(idx, minlength=len(self.counts))
+        with self.lock:
+            self.counts += counts
+            self.sum += float(arr.sum())
+
+    def observe(self, value: float) -> None:
+        self.observe_many((value,))
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        with self.lock:
+            cumulative = np.cumsum(self.counts)
+            total = self.sum
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1])]
+        buckets.append(("+Inf", int(cumulative[-1])))
+        family = HistogramMetricFamily(self.name, self.text)
+        family.add_metric([], buckets, total)
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -88,9 +130,10 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.send_seconds = Histogram("qdelay_send_seconds", "Send/SendBatch latency until durable",
                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.lateness = Histogram("qdelay_dispatch_lateness_seconds",
-                                  "Delivery hand-over to a consumer stream minus the due time",
-                                  buckets=LATENESS_BUCKETS, registry=r)
+        self.lateness = BulkHistogram("qdelay_dispatch_lateness_seconds",
+                                      "Delivery hand-over to a consumer stream minus the due time (first attempts)",
+                                      LATENESS_BUCKETS)
+        r.register(self.lateness)
         self.delivered = Counter("qdelay_delivered", "Deliveries written to consumer streams", registry=r)
         self.acks = Counter("qdelay_acks", "Acknowledgements received from consumers", registry=r)
         self.consumers = None  # set by the app: a gauge callback
