@@ -118,7 +118,7 @@ def test_flush_policy_parsing():
 
 
 def test_interval_policy_acks_before_fsync_and_syncs_later(wal_dir):
-    log = MessageLog(wal_dir, flush="interval:200")
+    log = MessageLog(wal_dir, flush="interval:1000")
     for _ in range(20):
         log.append(entries(1))
     tail = log.segments()[-1]
