@@ -259,6 +259,12 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     # consume everything, acking, so the server writes its dispatch records
     from qdelay.client import Client
 
+    def dispatched() -> int:  # distinct sequences in the dispatch log, read with the inspect walker
+        from qdelay.tools.inspect import segment_files, walk_file
+
+        return len({i.frame.sequence for sf in segment_files(data_dir, ("dispatch",))
+                    for i in walk_file(sf) if i.record is not None})
+
     got = set()
     with Client(target) as c, c.subscribe("imp.t") as consumer:
         deadline = time.monotonic() + 30
@@ -267,13 +273,9 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
             if batch:
                 consumer.ack(batch)
                 got.update(d.message_id for d in batch)
-    assert len(got) == n
-
-    def dispatched() -> int:
-        return spark.read.format("qdelay").option("log", "dispatch").load(data_dir) \
-            .where("error is null").select("sequence").distinct().count()
-
-    assert _wait_until(lambda: dispatched() >= n, 30)
+        assert len(got) == n
+        # keep the stream open until the server has recorded every ack
+        assert _wait_until(lambda: dispatched() >= n, 30)
     s = spark_jobs.audit(spark, [data_dir], int(time.time() * 1000), 0)
     assert s["messages"] == n
     assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}, s

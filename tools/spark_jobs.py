@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import sys
@@ -408,12 +407,32 @@ REPORT_DIR = "accepted"     # JSON lines of every accepted message (the resumabl
 REJECT_DIR = "rejected"     # JSON lines of every message the server refused, with why
 
 
-def derived_id(subject: str, payload: bytes, deliver_at_ms, delay_ms) -> str:
-    """A stable id for a row without one, so a resumed import recognises it."""
-    h = hashlib.sha256()
-    for part in (subject.encode(), payload, str(deliver_at_ms).encode(), str(delay_ms).encode()):
-        h.update(len(part).to_bytes(8, "little") + part)
-    return "imp-" + h.hexdigest()[:32]
+def with_ids(df):
+    """Give every row without a message id a stable one derived from its content
+    (``imp-`` + 32 hex digits of a SHA-256), so that a resumed import recognises it."""
+    from pyspark.sql import functions as F
+
+    payload = F.col("payload")
+    if dict(df.dtypes)["payload"] == "binary":
+        payload = F.base64(payload)
+    digest = F.sha2(F.concat_ws("\x1f", F.col("subject"), payload,
+                                F.coalesce(F.col("deliver_at_ms").cast("string"), F.lit("")),
+                                F.coalesce(F.col("delay_ms").cast("string"), F.lit(""))), 256)
+    return df.withColumn("message_id", F.coalesce(F.col("message_id"),
+                                                  F.concat(F.lit("imp-"), F.substring(digest, 1, 32))))
+
+
+def _read_report(out: str) -> set[str]:
+    ids: set[str] = set()
+    for path in glob.glob(os.path.join(out, REPORT_DIR, "*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        ids.add(json.loads(line)["message_id"])
+                    except (ValueError, KeyError):
+                        pass  # a line torn by a crash: that batch is sent again
+    return ids
 
 
 def _accepted_ids(spark, out: str):
@@ -454,8 +473,7 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
                 kw["deliver_at_ms"] = int(row["deliver_at_ms"])
             elif row["delay_ms"] is not None:
                 kw["delay_ms"] = int(row["delay_ms"])
-            mid = row["message_id"] or derived_id(row["subject"], payload, row["deliver_at_ms"],
-                                                  row["delay_ms"])
+            mid = row["message_id"]
             headers = row["headers"] or {}
             return pb.Message(subject=row["subject"] or "", payload=payload, message_id=mid,
                               headers=dict(headers), **kw)
@@ -544,22 +562,21 @@ def import_dataset(spark, path: str, target: str, out: str, fmt: str | None = No
         df = df.withColumn("message_id", F.lit(None).cast("string"))
     if "headers" not in cols:
         df = df.withColumn("headers", F.lit(None).cast("map<string,string>"))
-    # the stable id of each row, so that the report identifies it on a resumed run
-    idf = F.udf(lambda s, p, d, dl: derived_id(s or "", p.encode() if isinstance(p, str) else bytes(p or b""), d, dl))
-    df = df.withColumn("message_id", F.coalesce(F.col("message_id"),
-                                                idf("subject", "payload", "deliver_at_ms", "delay_ms")))
-    df = df.select("subject", "payload", "deliver_at_ms", "delay_ms", "message_id", "headers")
-    total = df.count()
+    df = with_ids(df).select("subject", "payload", "deliver_at_ms", "delay_ms", "message_id", "headers")
     done = _accepted_ids(spark, out)
-    todo = df.join(done, "message_id", "left_anti") if done is not None else df
-    already = total - todo.count()
-    todo.foreachPartition(_send_partition(target, token, batch_size, out))
-    accepted = _accepted_ids(spark, out)
-    n_accepted = accepted.count() if accepted is not None else 0
+    if done is not None:
+        df = df.join(done.withColumn("done", F.lit(True)), "message_id", "left")
+    else:
+        df = df.withColumn("done", F.lit(None).cast("boolean"))
+    df = df.cache()
+    counts = df.agg(F.count("*").alias("rows"), F.count("done").alias("done")).collect()[0]
+    df.where(F.col("done").isNull()).drop("done").foreachPartition(
+        _send_partition(target, token, batch_size, out))
+    df.unpersist()
     rej_files = glob.glob(os.path.join(out, REJECT_DIR, "*.jsonl"))
-    rejected = sum(1 for f in rej_files for _ in open(f))
-    return {"rows": total, "already_accepted": already, "accepted": n_accepted, "rejected": rejected,
-            "report": os.path.join(out, REPORT_DIR)}
+    rejected = sum(1 for f in rej_files for line in open(f) if line.strip())
+    return {"rows": counts["rows"], "already_accepted": counts["done"], "accepted": len(_read_report(out)),
+            "rejected": rejected, "report": os.path.join(out, REPORT_DIR)}
 
 
 def _import_cmd(spark, args) -> int:
