@@ -30,6 +30,7 @@ from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.segments.segment import CorruptionPolicy, HandlePool
 from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
+from qdelay.server import allocator
 from qdelay.server.bucket_log import BucketLog
 from qdelay.server.cleaner import Cleaner, CleanerConfig
 from qdelay.server.iterate import IterateService
@@ -127,6 +128,7 @@ def _now_ms() -> int:
 class Engine:
     def __init__(self, config: EngineConfig, clock: Callable[[], int] = _now_ms) -> None:
         config.validate()
+        allocator.tune()
         self.config = config
         self.clock = clock
         self.policy = CorruptionPolicy(config.corruption)
@@ -164,6 +166,7 @@ class Engine:
             self.wal, self.schedule, self.checkpoint_path, start_offset=start_offset,
             start_sequence=start_sequence, scale_minutes=config.scale_minutes,
             checkpoint_interval=config.checkpoint_interval_ms / 1000, extra_state=self._extra_state,
+            read_bytes=1024 * 1024,
             counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")})
         self.scheduler = Scheduler(
             self.schedule, self.dispatch, SchedulerConfig(
@@ -278,7 +281,8 @@ class Engine:
         self._closed = True
         self.cleaner.stop()
         self.scheduler.stop()
-        self.iterate.wait_for(self.wal.committed_sequence, timeout=10)
+        if self._started:
+            self.iterate.wait_for(self.wal.committed_sequence, timeout=10)
         self.wal.close()
         self.iterate.stop()
         self.pool.close()

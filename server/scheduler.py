@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from qdelay.errors import CorruptRecord, QdelayError
+from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
 from qdelay.segments import framing, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
@@ -90,7 +90,7 @@ class _Bucket:
     """What the scheduler knows of one loaded bucket."""
 
     __slots__ = ("bucket", "seg", "cursor", "complete", "outstanding", "cancelled", "closed",
-                 "done", "dispatch_ready")
+                 "done", "dispatch_ready", "tombstones_known")
 
     def __init__(self, bucket: int, seg: Segment, cursor: int = 0, complete: bool = False) -> None:
         self.bucket = bucket
@@ -102,6 +102,8 @@ class _Bucket:
         self.closed: set[int] | None = None  # delivered sequences, only while loading
         self.done = False
         self.dispatch_ready = False       # the dispatch log was checked and read
+        # every tombstone of the segment is in ``cancelled`` (so a loaded entry may fire)
+        self.tombstones_known = complete
 
 
 class _Ready:
@@ -171,6 +173,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.load_blocked = False
+        self._last_done_check = 0
         # counters
         self.dispatched = 0
         self.acked = 0
@@ -216,6 +219,8 @@ class Scheduler:
             self._expire(now)
         self._dispatch(now)
         self._flush_dispatch(force=True)
+        self._last_done_check = 0
+        self._check_done(now)
 
     def _run(self) -> None:
         try:
@@ -230,6 +235,7 @@ class Scheduler:
                     self._expire(now)
                 self._dispatch(now)
                 self._flush_dispatch()
+                self._check_done(now)
                 with self.lock:
                     if self._stop:
                         return
@@ -291,14 +297,20 @@ class Scheduler:
             start, stop = st.cursor, st.seg.size
         if need_closed:
             closed = self._read_closed(st.bucket)
+            # A bucket loaded in several chunks fires its first entries before the loader
+            # reaches the tombstones behind them: collect those tombstones first.
+            tombstones = self._read_tombstones(st, start, stop) \
+                if stop - start > self.cfg.load_chunk_bytes else set()
             with self.lock:
                 st.closed = closed
+                st.cancelled |= tombstones
                 st.dispatch_ready = True
-        frames, nxt = read_frames(st.seg, start, stop, self.cfg.load_chunk_bytes) if start < stop else ([], start)
+                st.tombstones_known = True
+        frames, nxt = self._read_chunk(st, start, stop) if start < stop else ([], start)
         entries = self._index(st, frames)
         with self.lock:
-            if st.cursor != start:  # cannot happen: only this thread advances a loading cursor
-                raise QdelayError(f"bucket {st.bucket} cursor moved during load")
+            if st.cursor != start:  # only this thread advances a loading cursor
+                raise InvariantViolation(f"bucket {st.bucket} cursor moved during load")
             if entries is not None:
                 self.wheel.add_many(entries)
             st.cursor = nxt
@@ -307,6 +319,37 @@ class Scheduler:
                 st.closed = None
                 self._maybe_done(st, now)
         return True
+
+    def _read_chunk(self, st: _Bucket, start: int, stop: int) -> tuple[list[Frame], int]:
+        """One chunk of a schedule segment; a corrupt record is reported and stepped over.
+
+        The message in a corrupt record cannot be delivered (it is never served as data);
+        the audit job reports it as lost. Everything after it still is.
+        """
+        try:
+            return read_frames(st.seg, start, stop, self.cfg.load_chunk_bytes)
+        except CorruptRecord as err:
+            log.error("corrupt schedule record skipped", extra={
+                "path": err.path, "offset": err.offset, "reason": err.reason})
+            self.corrupt_skipped += 1
+            frames: list[Frame] = []
+            pos = start
+            while pos < err.offset:
+                more, pos = read_frames(st.seg, pos, err.offset, self.cfg.load_chunk_bytes)
+                frames.extend(more)
+            rest = st.seg.read(err.offset, stop - err.offset)
+            found = framing.find_next_frame(rest, 1)
+            return frames, err.offset + found if found is not None else stop
+
+    def _read_tombstones(self, st: _Bucket, start: int, stop: int) -> set[int]:
+        found: set[int] = set()
+        pos = start
+        while pos < stop:
+            frames, pos = self._read_chunk(st, pos, stop)
+            for f in frames:
+                if f.kind == RecordKind.CANCEL:
+                    found.add(records.decode_cancel(f.body).target_sequence)
+        return found
 
     def _open_buckets(self, horizon: int) -> None:
         """Give every unfinished bucket up to ``horizon`` a state for the loader (lock held)."""
@@ -327,15 +370,31 @@ class Scheduler:
             self._open_buckets(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
 
     def _read_closed(self, bucket: int) -> set[int]:
-        """Sequences the dispatch log of ``bucket`` says were delivered or dead-lettered."""
+        """Sequences the dispatch log of ``bucket`` says were delivered or dead-lettered.
+
+        A torn tail is cut (only the last flush before a crash can be torn); a corrupt
+        record in the middle is reported and stepped over: at worst its message is
+        delivered again, which at-least-once allows, rather than the scheduler stopping.
+        """
         if self.dispatch.get(bucket) is None:
             return set()
-        self.dispatch.recover(bucket, self.cfg.corruption)
+        try:
+            self.dispatch.recover(bucket, self.cfg.corruption)
+        except CorruptRecord as err:
+            log.error("corrupt dispatch record; messages it covered may be delivered again", extra={
+                "path": err.path, "offset": err.offset, "reason": err.reason})
         seg = self.dispatch.get(bucket)
         closed: set[int] = set()
         pos = 0
-        while pos < seg.size:
-            frames, pos = read_frames(seg, pos, seg.size)
+        stop = seg.size
+        while pos < stop:
+            try:
+                frames, pos = read_frames(seg, pos, stop)
+            except CorruptRecord as err:
+                rest = seg.read(err.offset, stop - err.offset)
+                found = framing.find_next_frame(rest, 1)
+                pos = err.offset + found if found is not None else stop
+                continue
             closed.update(f.sequence for f in frames if f.kind == RecordKind.DISPATCH)
         return closed
 
@@ -377,21 +436,25 @@ class Scheduler:
                     st.dispatch_ready = True
                     if rec.bucket < self.done_before:
                         self.reopened.add(rec.bucket)
+                if rec.kind == RecordKind.CANCEL:
+                    # known at once, whatever the loader's progress: an entry loaded from an
+                    # earlier chunk must not fire after its cancel was acknowledged
+                    st.cancelled.add(rec.target)
                 if not st.complete:
                     continue  # the loader has not reached the end; it will index this record
                 if st.cursor != rec.offset:
                     log.error("schedule segment out of step with the wheel; reloading", extra={
                         "bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset})
                     st.complete = False
-                    st.dispatch_ready = False
                     continue
-                st.cursor = rec.offset + rec.size
                 if rec.kind == RecordKind.MESSAGE:
+                    if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
+                        st.complete = False  # over budget: the loader streams the rest later
+                        continue
                     self.wheel.add(rec.due, rec.sequence, rec.offset, rec.bucket, self.subject_id(rec.subject))
                     st.outstanding += 1
                     st.done = False
-                elif rec.kind == RecordKind.CANCEL:
-                    st.cancelled.add(rec.target)
+                st.cursor = rec.offset + rec.size
             for rec in written:
                 if rec.kind == RecordKind.CANCEL:
                     self.cancelling.discard(rec.target)
@@ -646,6 +709,17 @@ class Scheduler:
     def pending_dispatch(self, bucket: int) -> bytes:
         """DISPATCH frames of ``bucket`` buffered but not yet in its file (lock held)."""
         return bytes(self._dispatch_buf.get(bucket, b""))
+
+    def _check_done(self, now: int) -> None:
+        """Every 100 ms: buckets whose time passed with nothing outstanding become done."""
+        if now - self._last_done_check < 100:
+            return
+        self._last_done_check = now
+        with self.lock:
+            for st in self.buckets.values():
+                if not st.done:
+                    self._maybe_done(st, now)
+            self._advance_done(now)
 
     def _maybe_done(self, st: _Bucket, now: int) -> None:
         end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE

@@ -121,9 +121,6 @@ def _deliver(d, upto, ack_at=None):
     return got
 
 
-@pytest.mark.xfail(strict=True, reason="a bucket is marked done only in _flush_dispatch/_load_step, and "
-                   "done_before advances only when dispatch records are flushed: a bucket whose last ack "
-                   "came before its end is never done (reported to the lead)")
 def test_done_before_advances_when_last_ack_precedes_bucket_end(tmp_path):
     d = make(tmp_path, schedule_keep_ms=0)
     r = d.send([message("s", d.clock.now + 1_000, "a")])[0]

@@ -51,8 +51,6 @@ def test_close_of_a_never_started_engine(tmp_path, clock):
     e.close()  # twice is harmless
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.close() waits iterate.wait_for(..., timeout=10) even when "
-                   "the iterate thread was never started: a 10 s hang (reported to the lead)")
 def test_close_of_a_never_started_engine_with_iterate_lag_does_not_hang(tmp_path, clock):
     """close() waits for the iterate service to catch up; when it was never started it
     must not sit out its 10 s timeout, and what it did not copy is replayed next time."""
@@ -308,10 +306,6 @@ def test_chunked_loading_cancel_outcome_is_exact(tmp_path, clock):
     d.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a tombstone is appended at the end of its target's schedule "
-                   "segment and the scheduler forgets `cancelling` once the iterate copied it; a bucket "
-                   "loaded in chunks fires the target before the loader reads the tombstone "
-                   "(reported to the lead)")
 def test_chunked_loading_never_delivers_a_cancelled_message(tmp_path, clock):
     n, bound = 3_000, 300
     d, sink, receipts, due0 = _load_big_bucket(tmp_path, clock, n, bound, 8 * 1024)
@@ -329,8 +323,6 @@ def test_chunked_loading_never_delivers_a_cancelled_message(tmp_path, clock):
     d.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Scheduler.on_records adds records for buckets inside the loaded "
-                   "window straight to the wheel without checking max_loaded (reported to the lead)")
 def test_live_records_into_the_window_respect_max_loaded(tmp_path, clock):
     """A burst sent for the next minute (already inside the window) must not grow the
     in-memory index past max_loaded either: the loader can pick the rest up from disk."""

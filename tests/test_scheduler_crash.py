@@ -85,10 +85,6 @@ def next_index(runs: list[Run]) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="cancelled messages are sometimes delivered after the cancel was "
-                   "acknowledged: a bucket being loaded (in chunks, after a restart) when the tombstone "
-                   "is copied loses it from `cancelling` (same bug as "
-                   "test_engine.py::test_chunked_loading_never_delivers_a_cancelled_message)")
 def test_sigkill_at_random_instants(tmp_path):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
