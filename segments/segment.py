@@ -278,11 +278,13 @@ def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL,
                 pos += used  # the frame crosses the chunk boundary: re-read from it
                 continue
             if used == 0 and pos + len(chunk) < size:
-                # a single frame larger than a chunk, or a bad frame: decide on the whole rest
+                # a single frame larger than a chunk, or a bad frame: read just that frame
                 f.seek(pos)
-                rest = f.read()
+                head = f.read(framing.HEADER_SIZE)
+                length = int.from_bytes(head[12:16], "little")
+                one = head + f.read(length) if length <= framing.MAX_BODY else head
                 try:
-                    frame = framing.check_at(rest, 0)
+                    frame = framing.check_at(one, 0)
                 except FrameError as err:
                     bad = err
                 else:
