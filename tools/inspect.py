@@ -120,7 +120,8 @@ def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item
             pos += nxt
             continue
         size = frame.size
-        frame = Frame(file_offset + pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
+        if file_offset:
+            frame = Frame(file_offset + pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
         if decode_bodies:
             record, why = decode(frame)
             if why is not None:

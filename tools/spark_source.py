@@ -163,8 +163,22 @@ def plan(servers: list[str], logs, split_bytes: int, pack_bytes: int) -> list[Qd
     return parts
 
 
+# the columns each kind of row fills (besides server, log, segment, which are the piece's)
+_FILLED = {
+    "MESSAGE": ("offset", "size", "sequence", "message_id", "subject", "headers", "payload",
+                "created_ms", "due_ms"),
+    "CANCEL": ("offset", "size", "sequence", "message_id", "created_ms", "due_ms", "target_sequence"),
+    "DISPATCH": ("offset", "size", "sequence", "message_id", "due_ms", "dispatched_ms", "acked_ms",
+                 "schedule_offset", "attempt", "outcome"),
+    "ERROR": ("offset", "size", "sequence", "kind", "error"),
+}
+
+
 def read_piece(piece: Piece, corrupt: str, batch_rows: int):
-    """Yield Arrow record batches (of the columns in :data:`COLUMNS`) for one piece."""
+    """Yield Arrow record batches (of the columns in :data:`COLUMNS`) for one piece.
+
+    Rows are gathered per record kind (each kind fills only its own columns; the rest are
+    all-null arrays), so a batch holds one kind; within a kind, rows keep file order."""
     import pyarrow as pa
 
     from qdelay.tools.inspect import walk
@@ -176,68 +190,76 @@ def read_piece(piece: Piece, corrupt: str, batch_rows: int):
             buf = f.read(piece.stop - piece.start)
     except FileNotFoundError:  # cleaned by a live server after listing
         return
-    cols: dict[str, list] = {c: [] for c in COLUMNS}
+    acc = {k: {c: [] for c in cols} for k, cols in _FILLED.items()}
+    constant = {"server": piece.server, "log": piece.log, "segment": piece.rel}
+
+    def batch(kind: str):
+        cols = acc[kind]
+        n = len(cols["offset"])
+        arrays = []
+        for field in schema:
+            name = field.name
+            if name in cols:
+                arrays.append(pa.array(cols[name], type=field.type))
+            elif name in constant:
+                arrays.append(pa.array([constant[name]] * n, type=field.type))
+            elif name == "kind":
+                arrays.append(pa.array([kind] * n, type=field.type))
+            else:
+                arrays.append(pa.nulls(n, type=field.type))
+        acc[kind] = {c: [] for c in _FILLED[kind]}
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    m, c, d, e = acc["MESSAGE"], acc["CANCEL"], acc["DISPATCH"], acc["ERROR"]
+    m_off, m_size, m_seq, m_mid, m_subj, m_head, m_pay, m_created, m_due = (m[k] for k in _FILLED["MESSAGE"])
     skipped = 0
-
-    def flush():
-        batch = pa.RecordBatch.from_arrays([pa.array(cols[c], type=schema.field(c).type)
-                                            for c in COLUMNS], schema=schema)
-        for c in COLUMNS:
-            cols[c] = []
-        return batch
-
-    c_server, c_log, c_seg, c_off, c_size, c_seq, c_kind, c_mid, c_subj, c_head, c_pay, \
-        c_created, c_due, c_target, c_disp, c_acked, c_soff, c_att, c_out, c_err = \
-        (cols[c] for c in COLUMNS)
-    n = 0
     for item in walk(buf, piece.start):
+        rec = item.record
+        if isinstance(rec, Message):
+            f = item.frame
+            m_off.append(item.offset); m_size.append(item.end - item.offset); m_seq.append(f.sequence)
+            m_mid.append(rec.message_id); m_subj.append(rec.subject)
+            m_head.append(list(rec.headers.items()) if rec.headers else [])
+            m_pay.append(rec.payload); m_created.append(f.timestamp); m_due.append(rec.deliver_at_ms)
+            if len(m_off) >= batch_rows:
+                yield batch("MESSAGE")
+                m = acc["MESSAGE"]
+                m_off, m_size, m_seq, m_mid, m_subj, m_head, m_pay, m_created, m_due = \
+                    (m[k] for k in _FILLED["MESSAGE"])
+            continue
         if item.status == "zero":
             continue
-        rec = item.record
-        if rec is None and corrupt == "skip":
-            skipped += 1
-            continue
-        if n >= batch_rows:
-            yield flush()
-            c_server, c_log, c_seg, c_off, c_size, c_seq, c_kind, c_mid, c_subj, c_head, c_pay, \
-                c_created, c_due, c_target, c_disp, c_acked, c_soff, c_att, c_out, c_err = \
-                (cols[c] for c in COLUMNS)
-            n = 0
-        n += 1
-        c_server.append(piece.server)
-        c_log.append(piece.log)
-        c_seg.append(piece.rel)
-        c_off.append(item.offset)
-        c_size.append(item.end - item.offset)
-        f = item.frame
-        if isinstance(rec, Message):
-            c_seq.append(f.sequence); c_kind.append("MESSAGE"); c_mid.append(rec.message_id)
-            c_subj.append(rec.subject); c_head.append(list(rec.headers.items()))
-            c_pay.append(rec.payload); c_created.append(f.timestamp); c_due.append(rec.deliver_at_ms)
-            c_target.append(None); c_disp.append(None); c_acked.append(None); c_soff.append(None)
-            c_att.append(None); c_out.append(None); c_err.append(None)
-        elif isinstance(rec, Dispatch):
-            c_seq.append(f.sequence); c_kind.append("DISPATCH"); c_mid.append(rec.message_id)
-            c_subj.append(None); c_head.append(None); c_pay.append(None); c_created.append(None)
-            c_due.append(rec.deliver_at_ms); c_target.append(None)
-            c_disp.append(rec.dispatched_at_ms); c_acked.append(f.timestamp)
-            c_soff.append(rec.schedule_offset); c_att.append(rec.attempt)
-            c_out.append(_OUTCOMES.get(rec.outcome, f"OUTCOME_{rec.outcome}")); c_err.append(None)
+        if isinstance(rec, Dispatch):
+            f = item.frame
+            for k, v in zip(_FILLED["DISPATCH"], (
+                    item.offset, item.end - item.offset, f.sequence, rec.message_id, rec.deliver_at_ms,
+                    rec.dispatched_at_ms, f.timestamp, rec.schedule_offset, rec.attempt,
+                    _OUTCOMES.get(rec.outcome, f"OUTCOME_{rec.outcome}"))):
+                d[k].append(v)
+            if len(d["offset"]) >= batch_rows:
+                yield batch("DISPATCH")
+                d = acc["DISPATCH"]
         elif isinstance(rec, Cancel):
-            c_seq.append(f.sequence); c_kind.append("CANCEL"); c_mid.append(rec.message_id)
-            c_subj.append(None); c_head.append(None); c_pay.append(None)
-            c_created.append(f.timestamp); c_due.append(rec.deliver_at_ms)
-            c_target.append(rec.target_sequence); c_disp.append(None); c_acked.append(None)
-            c_soff.append(None); c_att.append(None); c_out.append(None); c_err.append(None)
+            f = item.frame
+            for k, v in zip(_FILLED["CANCEL"], (
+                    item.offset, item.end - item.offset, f.sequence, rec.message_id, f.timestamp,
+                    rec.deliver_at_ms, rec.target_sequence)):
+                c[k].append(v)
+            if len(c["offset"]) >= batch_rows:
+                yield batch("CANCEL")
+                c = acc["CANCEL"]
+        elif corrupt == "skip":
+            skipped += 1
         else:  # an error row: only where and why
-            c_seq.append(f.sequence if f is not None else None)
-            c_kind.append(_KINDS.get(f.kind, f"KIND_{f.kind}") if f is not None else None)
-            for c in (c_mid, c_subj, c_head, c_pay, c_created, c_due, c_target, c_disp, c_acked,
-                      c_soff, c_att, c_out):
-                c.append(None)
-            c_err.append(item.error or "record of an unexpected kind")
-    if n:
-        yield flush()
+            f = item.frame
+            for k, v in zip(_FILLED["ERROR"], (
+                    item.offset, item.end - item.offset, f.sequence if f is not None else None,
+                    _KINDS.get(f.kind, f"KIND_{f.kind}") if f is not None else None,
+                    item.error or "record of an unexpected kind")):
+                e[k].append(v)
+    for kind in ("MESSAGE", "CANCEL", "DISPATCH", "ERROR"):
+        if acc[kind]["offset"]:
+            yield batch(kind)  # ERROR rows fill "kind" themselves: the frame's kind, or null
     if skipped:
         sys.stderr.write(f"qdelay source: skipped {skipped} unreadable stretches in {piece.rel} "
                          f"[{piece.start}:{piece.stop}] of {piece.server}\n")
