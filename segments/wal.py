@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from qdelay.errors import (DiskFull, InvariantViolation, QdelayError, ShuttingDown, StorageError,
+from qdelay.errors import (CorruptRecord, DiskFull, InvariantViolation, QdelayError, ShuttingDown, StorageError,
                            WalFailed)
 from qdelay.segments import framing, naming
 from qdelay.segments.framing import Frame
@@ -462,6 +462,117 @@ class MessageLog:
             nxt = self.segment_at(end)
             return self.read_raw(end, max_bytes) if nxt is not None and nxt is not seg else b""
         return seg.read(offset - seg.key, min(max_bytes, end - offset))
+
+    # --- replication (slave side) ---------------------------------------------------------
+
+    def append_raw(self, data: bytes, expected_offset: int, segment_base: int) -> list[int]:
+        """Append frames copied byte-for-byte from a master, durably (a slave's only write).
+
+        Every frame is checked (magic, version, whole, checksum) and its sequence must follow
+        the previous one; ``expected_offset`` must be where this log ends, and
+        ``segment_base`` the base of the master's segment holding the bytes, so segments
+        start where the master's did. Nothing is written when a check fails
+        (:class:`CorruptRecord` / :class:`InvariantViolation`). Returns the frames' timestamps.
+        """
+        unpack = framing.HEADER.unpack_from
+        xxh = framing._xxh
+        hs, checked, magic_ok = framing.HEADER_SIZE, framing.CHECKED_FROM, framing.MAGIC
+        mv = memoryview(data)
+        n = len(data)
+        stamps: list[int] = []
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            if self._closing:
+                raise ShuttingDown("the message log is closing")
+            if self._queue or self._waiters:
+                raise InvariantViolation("append_raw on a log with local appends queued")
+            end = self._plan_segment.key + self._plan_size
+            if expected_offset != end:
+                raise InvariantViolation(f"replicated bytes start at offset {expected_offset}, "
+                                         f"but this message log ends at {end}")
+            seq = self._next_sequence
+            pos = 0
+            while pos < n:
+                bad = None
+                if n - pos < hs:
+                    bad = "partial frame header"
+                else:
+                    magic, checksum, length, _k, version, _f, fseq, ts = unpack(data, pos)
+                    stop = pos + hs + length
+                    if magic != magic_ok or version != framing.VERSION:
+                        bad = "bad magic or version"
+                    elif stop > n:
+                        bad = "partial frame"
+                    elif xxh(mv[pos + checked:stop]) != checksum:
+                        bad = "checksum mismatch"
+                    elif fseq != seq:
+                        raise InvariantViolation(
+                            f"replicated frame at offset {end + pos} has sequence {fseq}, expected {seq}")
+                if bad is not None:
+                    raise CorruptRecord("replicated message-log chunk", end + pos, bad)
+                stamps.append(ts)
+                seq += 1
+                pos = stop
+            if not stamps:
+                return stamps
+            seg = self._plan_segment
+            if segment_base == end and self._plan_size > 0:
+                seg = self._create_segment(end)
+            elif segment_base != seg.key:
+                raise InvariantViolation(f"replicated bytes at {end} belong to the master's segment "
+                                         f"{segment_base}, this log's tail segment starts at {seg.key}")
+            before = seg.size
+            try:
+                seg.append(data)
+                self._sync_segments([seg])
+            except OSError as err:
+                try:
+                    seg.truncate(before)
+                except OSError:
+                    pass
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull("the disk holding the message log is full") from err
+                raise StorageError(f"cannot write replicated bytes: {err}") from err
+            seg.last_sequence = seq - 1
+            self._plan_segment = seg
+            self._plan_size = seg.size
+            self._next_sequence = seq
+        with self._commit:
+            self.committed_offset = end + n
+            self.committed_sequence = seq - 1
+            self.records_appended += len(stamps)
+            self._commit.notify_all()
+        return stamps
+
+    def truncate_to(self, offset: int, last_sequence: int) -> int:
+        """Cut the log at ``offset`` (a frame boundary; ``last_sequence`` is the sequence of
+        the frame before it): a divergent tail, before re-attaching as a slave. Returns the
+        number of bytes removed. Only for a log without local appends in flight."""
+        removed = 0
+        with self._lock:
+            if self._queue or self._waiters:
+                raise InvariantViolation("truncate_to on a log with appends queued")
+            if offset < self._segments[0].key:
+                raise InvariantViolation(f"cannot truncate to {offset}: before the oldest segment")
+            while len(self._segments) > 1 and self._segments[-1].key >= offset:
+                seg = self._segments[-1]
+                removed += seg.size
+                self._drop_empty_tail()
+            seg = self._segments[-1]
+            if seg.key + seg.size > offset:
+                removed += seg.key + seg.size - offset
+                seg.truncate(offset - seg.key)
+            seg.last_sequence = last_sequence
+            fsync_dir(self.directory)
+            self._plan_segment = seg
+            self._plan_size = seg.size
+            self._next_sequence = last_sequence + 1
+        with self._commit:
+            self.committed_offset = seg.key + seg.size
+            self.committed_sequence = last_sequence
+            self._commit.notify_all()
+        return removed
 
     @property
     def first_offset(self) -> int:
