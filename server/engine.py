@@ -145,6 +145,10 @@ class Engine:
         role_state = checkpoint.read(self.role_path) or {}
         self.role = role_state.get("role", config.role)
         self.epoch = int(role_state.get("epoch", 0))
+        if config.role == "slave" and self.role in ("master", "fenced"):
+            # told to follow a master, but this server was (or still thinks it is) one: it
+            # neither writes nor dispatches until replication compared epochs with that master
+            self.role = "joining"
 
         state = self._read_checkpoint()
         self.wal = MessageLog(os.path.join(root, naming.MESSAGE_DIR), segment_bytes=config.segment_bytes,
@@ -176,11 +180,18 @@ class Engine:
                 retry_backoff_ms=config.retry_backoff_ms, dead_letter_prefix=config.dead_letter_prefix,
                 max_loaded=config.max_loaded, corruption=self.policy),
             clock=self.clock, done_before=done_before, reopened=reopened, dead_letter=self._dead_letter)
-        self.iterate.on_records = self.scheduler.on_records
+        # a slave's scheduler stays idle (no wheel) until promotion; meanwhile the slave only
+        # notes records that land in finished buckets (see _slave_on_records)
+        self.slave_records: dict[int, int] = {}  # bucket -> highest sequence iterated into it
+        self.iterate.on_records = self.scheduler.on_records if self.role == "master" else self._slave_on_records
         self.cleaner = Cleaner(self, CleanerConfig(
             enabled=config.cleaner_enabled, interval_ms=config.cleaner_interval_ms,
             message_retention_ms=config.message_retention_ms, schedule_keep_ms=config.schedule_keep_ms))
         self.replication_floor: Callable[[], int | None] = lambda: None
+        # replication hooks (qdelay.replication): sync mode waits here after the local fsync
+        # until a slave has the bytes up to an offset; stats() merges replication_stats()
+        self.replication_wait: Callable[[int], object] | None = None
+        self.replication_stats: Callable[[], dict] = lambda: {"replication_lag_bytes": -1}
 
     # --- recovery (docs/recovery.md) -------------------------------------------------------------
 
@@ -288,13 +299,39 @@ class Engine:
         self.pool.close()
 
     def set_role(self, role: str, epoch: int) -> None:
-        """Persist a new role and epoch (promotion, demotion, fencing)."""
+        """Persist a new role and epoch (promotion, demotion, fencing).
+
+        Becoming master starts the scheduler: it loads every bucket from ``done_before`` and
+        the reopened ones, skipping what their dispatch logs say was delivered. Leaving the
+        master role (fenced) stops dispatching at once.
+        """
         checkpoint.write(self.role_path, {"role": role, "epoch": epoch})
         was = self.role
         self.role, self.epoch = role, epoch
         if was != "master" and role == "master" and self._started:
-            self.scheduler.prime(self.clock())
+            with self.iterate.append_lock:
+                self.scheduler.prime(self.clock())
+                self.iterate.on_records = self.scheduler.on_records
             self.scheduler.start()
+        elif was == "master" and role != "master":
+            self.scheduler.stop()
+            with self.iterate.append_lock:
+                self.iterate.on_records = self._slave_on_records
+
+    def _slave_on_records(self, written) -> None:
+        """Slave: remember past-due records; one in a finished bucket reopens it, so that a
+        promotion loads that bucket again (the scheduler itself stays idle)."""
+        sched = self.scheduler
+        horizon = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
+        seen = self.slave_records
+        with sched.lock:
+            for rec in written:
+                b = rec.bucket
+                if b <= horizon:
+                    if rec.sequence > seen.get(b, 0):
+                        seen[b] = rec.sequence
+                    if b < sched.done_before:
+                        sched.reopened.add(b)
 
     # --- writes -----------------------------------------------------------------------------------
 
@@ -319,6 +356,8 @@ class Engine:
         """Append to the message log; return once durable. Input is already validated."""
         self._check_writable()
         appended = await self.wal.append_async(self._encode(messages, self.clock()))
+        if self.replication_wait is not None:
+            await self.replication_wait(appended.end_offset)
         first = appended.first_sequence
         return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
 
@@ -356,11 +395,13 @@ class Engine:
             sched.cancelling.add(sequence)
         body = records.encode_cancel(records.Cancel(message_id, deliver_at_ms, sequence))
         try:
-            await self.wal.append_async([(RecordKind.CANCEL, self.clock(), body)])
+            appended = await self.wal.append_async([(RecordKind.CANCEL, self.clock(), body)])
         except BaseException:
             with sched.lock:
                 sched.cancelling.discard(sequence)
             raise
+        if self.replication_wait is not None:
+            await self.replication_wait(appended.end_offset)
         return CancelOutcome.CANCELLED
 
     async def get(self, message_id: str, deliver_at_ms: int, sequence: int) -> MessageStatus:
@@ -453,6 +494,7 @@ class Engine:
             open_files=self.pool.open_count,
             healthy=self.healthy(),
         )
+        s.update(self.replication_stats())
         return s
 
     def healthy(self) -> bool:
