@@ -16,6 +16,7 @@ Extension point: a module ``qdelay.replication.hooks`` with ``install(server, en
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import json
 import logging
@@ -220,6 +221,14 @@ async def _main(cfg: ServerConfig) -> int:
     return 0
 
 
+def tune_runtime() -> None:
+    """Keep the start-up objects (modules, protobuf descriptors) out of every later full
+    garbage collection: shorter pauses on the delivery path."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(cfg: ServerConfig) -> int:
     setup_logging(cfg)
+    tune_runtime()
     return asyncio.run(_main(cfg))

@@ -429,3 +429,33 @@ def test_disk_full_refused_then_recovers(small_disk):
         assert seen == expected  # nothing of the refused batches, everything acknowledged
         c.close()
     assert srv.proc.returncode == 0
+
+
+def test_client_retries_unavailable_then_raises_it():
+    import socket
+
+    from qdelay.client import Client
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    c = Client(f"127.0.0.1:{port}", retries=2, retry_backoff=0.01, timeout=2)
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable) as info:
+        c.send("a.b", b"x", delay_ms=0)
+    assert info.value.attempts == 3 and info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 10
+    with pytest.raises(errors.Unavailable):
+        c.send_many([c.message("a.b", b"x", delay_ms=0)])
+    c.close()
+
+
+def test_client_never_retries_invalid_and_send_many_reports_progress(client):
+    s = subject()
+    msgs = [client.message(s, b"ok", delay_ms=60_000) for _ in range(250)]
+    msgs.append(pb.Message(subject="bad subject", delay_ms=0))
+    with pytest.raises(errors.InvalidArgument) as info:
+        client.send_many(msgs, batch_size=100, max_in_flight=1)
+    assert info.value.attempts == 1
+    assert len(info.value.receipts) == 200  # the two batches before the refused one
+    assert [r.message_id for r in info.value.receipts] == [m.message_id for m in msgs[:200]]
