@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import collections
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -117,7 +118,7 @@ class _Ready:
         self.count = 0
 
     def take(self, n: int) -> tuple[list[tuple], list[tuple]]:
-        """Up to n items: (retries as tuples, fresh entries as (due, seq, off, bucket) tuples)."""
+        """Up to n items, retries first, each as (seq, off, bucket, due, attempt)."""
         retries = []
         while self.retries and n > 0:
             retries.append(self.retries.popleft())
@@ -127,8 +128,9 @@ class _Ready:
             chunk = self.chunks[0]
             e, pos = chunk
             end = min(len(e), pos + n)
-            fresh.extend(zip(e.due[pos:end].tolist(), e.seq[pos:end].tolist(),
-                             e.off[pos:end].tolist(), e.bucket[pos:end].tolist()))
+            fresh.extend(zip(e.seq[pos:end].tolist(), e.off[pos:end].tolist(),
+                             e.bucket[pos:end].tolist(), e.due[pos:end].tolist(),
+                             itertools.repeat(1, end - pos)))
             n -= end - pos
             if end >= len(e):
                 self.chunks.popleft()
@@ -562,14 +564,17 @@ class Scheduler:
         This is the per-message hot path of a burst: records of one bucket are read with one
         pread per run of nearby offsets and verified and decoded in place.
         """
-        items = list(retries)
-        items.extend((seq, off, bucket, due, 1) for due, seq, off, bucket in fresh)
-        by_bucket: dict[int, list[tuple]] = {}
-        for it in items:
-            lst = by_bucket.get(it[2])
-            if lst is None:
-                lst = by_bucket[it[2]] = []
-            lst.append(it)
+        items = retries + fresh if retries else fresh
+        first_bucket = items[0][2]
+        if all(it[2] == first_bucket for it in items):
+            by_bucket: dict[int, list[tuple]] = {first_bucket: items}
+        else:
+            by_bucket = {}
+            for it in items:
+                lst = by_bucket.get(it[2])
+                if lst is None:
+                    lst = by_bucket[it[2]] = []
+                lst.append(it)
         out: list[Delivery] = []
         in_flight = self.in_flight
         deadline_batch = []
