@@ -116,6 +116,9 @@ class Cleaner:
                 seg = engine.schedule.get(b)
                 if seg is not None:
                     engine.finder.forget(seg.path)
+                dseg = engine.dispatch.get(b)
+                if dseg is not None:
+                    engine.dispatched.forget(dseg.path)
                 engine.schedule.delete(b)
                 engine.dispatch.delete(b)
                 removed.append(b)

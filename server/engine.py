@@ -34,7 +34,7 @@ from qdelay.server import allocator
 from qdelay.server.bucket_log import BucketLog
 from qdelay.server.cleaner import Cleaner, CleanerConfig
 from qdelay.server.iterate import IterateService
-from qdelay.server.lookup import RecordFinder, read_frames
+from qdelay.server.lookup import DispatchIndex, RecordFinder
 from qdelay.server.scheduler import (DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler,
                                      SchedulerConfig)
 
@@ -138,6 +138,7 @@ class Engine:
         self.role_path = os.path.join(root, naming.CHECKPOINT_DIR, "role.ckpt")
         self.pool = HandlePool(config.open_files)
         self.finder = RecordFinder()
+        self.dispatched = DispatchIndex()
         self._closed = False
         self._started = False
         self.recovery_notes: list[str] = []
@@ -437,30 +438,29 @@ class Engine:
         msg = records.decode_message(frame.body)
         if msg.message_id != message_id or msg.deliver_at_ms != deliver_at_ms:
             return answer(MessageState.NOT_FOUND)
-        # delivered? the dispatch file up to a snapshot, then (under the lock) the rest + buffer
+        # delivered? the dispatch file as far as it goes, then (under the lock, so that no
+        # ack slips between the two looks) what was appended since and the unflushed buffer
         dseg = self.dispatch.get(bucket)
-        found, scanned = self.finder.find_dispatch(dseg, sequence)
-        if found is None:
+        delivered_at = self.dispatched.lookup(dseg, sequence)
+        if delivered_at is None:
             with self.scheduler.lock:
-                dseg = self.dispatch.get(bucket)
-                if dseg is not None and dseg.size > scanned:
-                    found, _ = self.finder.find_dispatch(dseg, sequence, scanned)
-                if found is None:
-                    pending = self.scheduler.pending_dispatch(bucket)
-                    for f in framing.iter_frames(pending):
+                delivered_at = self.dispatched.lookup(self.dispatch.get(bucket), sequence)
+                if delivered_at is None:
+                    for f in framing.iter_frames(self.scheduler.pending_dispatch(bucket)):
                         if f.sequence == sequence:
-                            found = f
+                            delivered_at = records.decode_dispatch(f.body).dispatched_at_ms
                             break
                 in_flight = sequence in self.scheduler.in_flight
-            if found is None and in_flight and not detail:
+            if delivered_at is None and in_flight and not detail:
                 return answer(MessageState.DELIVERED, frame.offset, msg)
-        if found is not None:
-            d = records.decode_dispatch(found.body)
-            return answer(MessageState.DELIVERED, frame.offset, msg, d.dispatched_at_ms)
+        if delivered_at is not None:
+            return answer(MessageState.DELIVERED, frame.offset, msg, delivered_at)
         st = self.scheduler.buckets.get(bucket)
-        if st is not None and sequence in st.cancelled:
-            return answer(MessageState.CANCELLED, frame.offset, msg)
-        if self.finder.find_cancel(seg, sequence, frame.offset + frame.size) is not None:
+        if st is not None and st.tombstones_known:
+            cancelled = sequence in st.cancelled  # every tombstone of a loaded bucket is here
+        else:
+            cancelled = self.finder.find_cancel(seg, sequence, frame.offset + frame.size) is not None
+        if cancelled:
             return answer(MessageState.CANCELLED, frame.offset, msg)
         return answer(MessageState.PENDING, frame.offset, msg)
 
