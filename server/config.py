@@ -8,6 +8,11 @@ silently)::
     role = "master"                 # or "slave"
     master = "10.0.0.1:7600"        # slave only: where to pull from
     replication = "async"           # or "sync"
+    replication_timeout_ms = 5000   # sync: answer UNAVAILABLE if no slave confirmed by then
+    peers = "10.0.0.2:7600,10.0.0.3:7600"  # other cluster members: fencing and failover
+    replication_tls_ca = "/etc/qdelay/ca.crt"  # slave/admin: CA to verify the master's TLS
+    replication_token_file = "/etc/qdelay/tokens"  # slave/admin: token to present (default:
+                                    # the first line of auth_token_file)
     auth_token_file = "/etc/qdelay/tokens"
     tls_cert = "/etc/qdelay/server.crt"
     tls_key = "/etc/qdelay/server.key"
@@ -76,6 +81,14 @@ class ServerConfig:
     role: str = "master"
     master: str | None = None
     replication: str = "async"
+    replication_timeout_ms: int = 5000
+    peers: str | None = None
+    replication_tls_ca: str | None = None
+    replication_tls_server_name: str | None = None
+    replication_token_file: str | None = None
+    replication_batch_bytes: int = 1024 * 1024
+    # how long the master keeps message-log segments for a slave that disconnected
+    slave_hold_ms: int = 3_600_000
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -114,13 +127,15 @@ class ServerConfig:
             raise ConfigError("role 'slave' needs --master HOST:PORT")
         if self.master:
             parse_hostport(self.master, "master")
+        for peer in self.peer_list():
+            parse_hostport(peer, "peers")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
         for name in ("min_free_bytes", "min_free_bytes_hard", "ingest_queue_messages", "ingest_queue_bytes",
                      "default_max_in_flight", "max_deliveries_per_response", "max_response_bytes",
-                     "max_concurrent_rpcs"):
+                     "max_concurrent_rpcs", "replication_timeout_ms", "replication_batch_bytes", "slave_hold_ms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
@@ -133,6 +148,13 @@ class ServerConfig:
         if self.limits.max_payload_bytes >= 2**31:
             raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
         return self
+
+
+    def peer_list(self) -> list[str]:
+        peers = self.peers or []
+        if isinstance(peers, str):
+            peers = peers.split(",")
+        return [p.strip() for p in peers if p and p.strip()]
 
 
 def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:

@@ -18,6 +18,10 @@ FLAGS = [
     ("--role", "role", "master (default) or slave"),
     ("--master", "master", "slave: the master's HOST:PORT"),
     ("--replication", "replication", "sync or async (default async)"),
+    ("--peers", "peers", "comma-separated HOST:PORT of the other cluster members (fencing, failover)"),
+    ("--replication-tls-ca", "replication_tls_ca", "slave: CA certificate to verify the master's TLS"),
+    ("--replication-token-file", "replication_token_file",
+     "slave: token file to present to the master (default: the first token of --auth-token-file)"),
     ("--auth-token-file", "auth_token_file", "file with bearer token(s), one per line; enables authentication"),
     ("--tls-cert", "tls_cert", "PEM certificate chain; with --tls-key enables TLS"),
     ("--tls-key", "tls_key", "PEM private key"),
@@ -28,6 +32,8 @@ FLAGS = [
 INT_FLAGS = [
     ("--min-free-bytes", "min_free_bytes", "refuse new messages when the data disk has less free space"),
     ("--ingest-queue-messages", "ingest_queue_messages", "messages accepted but not yet durable (bound)"),
+    ("--replication-timeout-ms", "replication_timeout_ms",
+     "sync replication: answer UNAVAILABLE when no slave confirmed a write within this time (default 5000)"),
 ]
 
 

@@ -1,0 +1,153 @@
+"""``qdelay admin``: cluster administration.
+
+    qdelay admin status  --servers A,B,C            role, epoch, offsets, lag of each server
+    qdelay admin promote --target B [--force]       make slave B the master (epoch + 1)
+    qdelay admin fence   --target A --epoch N       tell A a master with epoch N exists
+    qdelay admin resync  --data-dir DIR --master M  rebuild a slave's data folder from M
+
+Every command takes ``--token-file`` / ``--tls-ca`` / ``--tls-server-name`` like a client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from qdelay.replication import common
+from qdelay.v1 import replication_pb2 as rpb
+from qdelay.v1 import replication_pb2_grpc as rpb_grpc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="admin_command", required=True)
+
+    def common_args(p):
+        p.add_argument("--token-file", help="file whose first line is the bearer token")
+        p.add_argument("--tls-ca", help="CA certificate (PEM) to verify the servers; enables TLS")
+        p.add_argument("--tls-server-name", help="expected TLS server name (override)")
+        p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("status", help="role, epoch, offsets and lag of servers")
+    p.add_argument("--servers", required=True, help="comma-separated HOST:PORT list")
+    common_args(p)
+    p = sub.add_parser("promote", help="make a slave the master with epoch + 1")
+    p.add_argument("--target", required=True, help="HOST:PORT of the slave to promote")
+    p.add_argument("--force", action="store_true", help="even if its master still answers (it gets fenced)")
+    p.add_argument("--min-epoch", type=int, default=0)
+    common_args(p)
+    p = sub.add_parser("fence", help="tell a server that a master with a higher epoch exists")
+    p.add_argument("--target", required=True)
+    p.add_argument("--epoch", type=int, required=True)
+    p.add_argument("--master", default="", help="HOST:PORT of the current master (slaves follow it)")
+    common_args(p)
+    p = sub.add_parser("resync", help="rebuild a (stopped) slave's data folder from the master (full resync)")
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--master", required=True)
+    common_args(p)
+
+
+def _channel(target: str, args):
+    ca = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            ca = f.read()
+    return common.make_channel(target, tls=bool(ca), ca=ca, server_name=args.tls_server_name, aio=False)
+
+
+def _md(args):
+    return common.metadata(common.read_token(args.token_file))
+
+
+def _fmt_status(target: str, st) -> str:
+    line = (f"{target:<22} {st.role:<8} epoch={st.epoch:<3} offsets={st.first_offset}..{st.end_offset} "
+            f"seq={st.last_sequence} lag_bytes={st.lag_bytes} lag_ms={st.lag_ms}")
+    if st.role in ("slave", "joining"):
+        line += f" master={st.master} connected={st.connected}"
+        if st.delay_p99_ms >= 0:
+            line += f" delay_p99_ms={st.delay_p99_ms}"
+    if st.role == "master":
+        line += f" mode={st.replication} sync_timeouts={st.sync_timeouts}"
+        for s in st.slaves:
+            line += f"\n    slave {s.name} connected={s.connected} acked={s.acked_offset} lag_bytes={s.lag_bytes}"
+    if st.error:
+        line += f"\n    error: {st.error}"
+    if st.note:
+        line += f"\n    note: {st.note}"
+    return line
+
+
+def _to_dict(msg) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = args.admin_command
+    try:
+        if cmd == "status":
+            code = 0
+            out = {}
+            for target in [s.strip() for s in args.servers.split(",") if s.strip()]:
+                ch = _channel(target, args)
+                try:
+                    st = rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=args.timeout,
+                                                             metadata=_md(args))
+                    out[target] = _to_dict(st)
+                    if not args.json:
+                        print(_fmt_status(target, st))
+                except grpc.RpcError as e:
+                    code = 1
+                    out[target] = {"error": f"{e.code().name}: {e.details()}"}
+                    if not args.json:
+                        print(f"{target:<22} unreachable ({e.code().name}: {e.details()})")
+                finally:
+                    ch.close()
+            if args.json:
+                print(json.dumps(out, indent=1))
+            return code
+        if cmd == "promote":
+            ch = _channel(args.target, args)
+            try:
+                r = rpb_grpc.ReplicationStub(ch).Promote(
+                    rpb.PromoteRequest(min_epoch=args.min_epoch, force=args.force, address=args.target),
+                    timeout=args.timeout, metadata=_md(args))
+            finally:
+                ch.close()
+            print(json.dumps(_to_dict(r)) if args.json else
+                  f"{args.target} is master at epoch {r.epoch} (log ends at {r.end_offset}, "
+                  f"sequence {r.last_sequence})\n{r.note}")
+            return 0
+        if cmd == "fence":
+            ch = _channel(args.target, args)
+            try:
+                r = rpb_grpc.ReplicationStub(ch).Fence(rpb.FenceRequest(epoch=args.epoch, master=args.master),
+                                                       timeout=args.timeout, metadata=_md(args))
+            finally:
+                ch.close()
+            print(f"{args.target}: {r.role} at epoch {r.epoch}")
+            return 0
+        if cmd == "resync":
+            from qdelay.replication.snapshot import write_snapshot
+
+            ch = _channel(args.master, args)
+            try:
+                stream = rpb_grpc.ReplicationStub(ch).Snapshot(rpb.SnapshotRequest(slave_name=args.data_dir),
+                                                               timeout=3600, metadata=_md(args))
+                info = write_snapshot(args.data_dir, stream)
+            finally:
+                ch.close()
+            print(json.dumps(info) if args.json else
+                  f"resynced {args.data_dir} from {args.master}: {info['files']} segment files, {info['bytes']} "
+                  f"bytes; its message log starts at offset {info['offset']} (after sequence {info['sequence']})"
+                  + (f"; the old folder was moved to {info['moved_old_to']}" if info["moved_old_to"] else "")
+                  + f"\nnow start it: qdelay server --data-dir {args.data_dir} --role slave --master {args.master}")
+            return 0
+    except grpc.RpcError as e:
+        print(f"qdelay admin {cmd}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 2

@@ -1,0 +1,5 @@
+"""Entry point the server loads (``qdelay.server.app``): ``install(server, engine, cfg)``."""
+
+from qdelay.replication.node import install
+
+__all__ = ["install"]

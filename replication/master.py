@@ -1,0 +1,320 @@
+"""Master side of replication: the sync-ack tracker and what a slave stream is served.
+
+Every attached slave has a :class:`SlaveSession`: where its stream has been sent up to,
+what it reported durable, and which dispatch-log bytes it holds. The :class:`Hub`
+answers three questions for the rest of the server:
+
+- ``floor()`` (the cleaner): keep message-log segments from the lowest offset a slave
+  still needs (attached slaves, and detached ones for ``slave_hold_ms``);
+- ``wait(end_offset)`` (sync mode, the send path): resolve once a slave reported the
+  bytes up to ``end_offset`` durable, or raise :class:`ReplicationTimeout` after
+  ``replication_timeout_ms`` -- the write is then answered UNAVAILABLE, never acknowledged;
+- ``stats()``: lag in bytes and milliseconds of the slowest attached slave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+
+import xxhash
+
+from qdelay.errors import ReplicationTimeout
+from qdelay.replication import common
+from qdelay.v1 import replication_pb2 as rpb
+
+log = logging.getLogger("qdelay.replication")
+
+WINDOW_BYTES = 32 * 1024 * 1024   # sent but not yet confirmed durable, per slave
+DISPATCH_SCAN_S = 0.02
+PROGRESS_S = 0.25
+IDLE_WAIT_S = 0.05
+
+
+class SlaveSession:
+    def __init__(self, name: str, peer: str, offset: int) -> None:
+        self.name = name
+        self.peer = peer
+        self.sent = offset
+        self.acked = offset
+        self.connected = True
+        self.last_seen = time.monotonic()
+        self.known: dict[int, int] = {}   # dispatch bucket -> bytes the slave holds (-1: reset it)
+        self.acked_event = asyncio.Event()
+
+
+class Hub:
+    def __init__(self, engine, cfg) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.sync = cfg.replication == "sync"
+        self.timeout = cfg.replication_timeout_ms / 1000.0
+        self.hold = cfg.slave_hold_ms / 1000.0
+        self.sessions: dict[str, SlaveSession] = {}
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
+        self._tie = itertools.count()
+        self.best_acked = 0
+        self.sync_timeouts = 0
+        self.sync_waits = 0
+
+    # --- sessions -----------------------------------------------------------------------------
+    def attach(self, name: str, peer: str, offset: int) -> SlaveSession:
+        old = self.sessions.get(name)
+        if old is not None and old.connected:
+            log.warning("slave %s reconnected; dropping its previous stream", name)
+            old.connected = False
+        s = self.sessions[name] = SlaveSession(name, peer, offset)
+        log.info("slave attached", extra={"slave": name, "peer": peer, "offset": offset})
+        return s
+
+    def detach(self, session: SlaveSession) -> None:
+        session.connected = False
+        session.last_seen = time.monotonic()
+        log.info("slave detached", extra={"slave": session.name, "acked": session.acked})
+
+    def hold_for(self, name: str, offset: int) -> None:
+        """Keep the message log from ``offset`` for a slave that is about to attach (resync)."""
+        s = SlaveSession(name, "snapshot", offset)
+        s.connected = False
+        self.sessions[name] = s
+
+    def on_ack(self, session: SlaveSession, offset: int) -> None:
+        if offset > session.acked:
+            session.acked = offset
+            session.last_seen = time.monotonic()
+            session.acked_event.set()
+            if offset > self.best_acked:
+                self.best_acked = offset
+            self._release()
+
+    def _release(self) -> None:
+        best = max((s.acked for s in self.sessions.values() if s.connected), default=0)
+        while self._waiters and self._waiters[0][0] <= best:
+            _off, _n, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)
+
+    def live(self) -> list[SlaveSession]:
+        return [s for s in self.sessions.values() if s.connected]
+
+    # --- for the engine -----------------------------------------------------------------------
+    def floor(self) -> int | None:
+        now = time.monotonic()
+        offsets = [s.acked for s in list(self.sessions.values())
+                   if s.connected or now - s.last_seen < self.hold]
+        return min(offsets) if offsets else None
+
+    async def wait(self, end_offset: int) -> None:
+        if self.engine.role != "master":
+            return
+        if any(s.acked >= end_offset for s in self.sessions.values() if s.connected):
+            return
+        self.sync_waits += 1
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (end_offset, next(self._tie), fut))
+        try:
+            await asyncio.wait_for(fut, self.timeout)
+        except asyncio.TimeoutError:
+            self.sync_timeouts += 1
+            attached = len(self.live())
+            log.error("sync replication timeout", extra={"offset": end_offset, "slaves": attached,
+                                                         "timeouts": self.sync_timeouts})
+            raise ReplicationTimeout(
+                f"sync replication: no slave confirmed the write within {self.timeout:g}s "
+                f"({attached} slave(s) attached); it is durable on the master but NOT acknowledged: "
+                f"retry with the same message_id") from None
+
+    def lag(self) -> tuple[int, int]:
+        """(bytes, ms) of the slowest attached slave; (-1, -1) when none is attached."""
+        live = self.live()
+        if not live:
+            return -1, -1
+        wal = self.engine.wal
+        end = wal.committed_offset
+        slowest = min(s.acked for s in live)
+        lag_bytes = max(0, end - slowest)
+        lag_ms = 0
+        if lag_bytes:
+            try:
+                head = wal.read_raw(slowest, common.HS)
+                if len(head) == common.HS:
+                    lag_ms = max(0, int(time.time() * 1000) - common.HEADER.unpack_from(head, 0)[7])
+            except Exception:  # noqa: BLE001 - a stat must not fail the caller
+                lag_ms = -1
+        return lag_bytes, lag_ms
+
+
+class PullServer:
+    """Serves one slave stream (the body of Replication.Pull on a master)."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.engine = node.engine
+        self.hub: Hub = node.hub
+        self.batch = node.cfg.replication_batch_bytes
+
+    def check_hello(self, hello) -> None:
+        """Raise (code, message) when the slave cannot continue from where it is."""
+        wal = self.engine.wal
+        end = hello.end_offset
+        committed = wal.committed_offset
+        if end > committed:
+            raise _Refuse("ABORTED", f"diverged: the slave's message log ends at {end}, beyond the master's "
+                                     f"end {committed}; the slave truncates its divergent tail")
+        if end < wal.first_offset:
+            raise _Refuse("OUT_OF_RANGE",
+                          f"behind retention: the slave needs message-log offset {end} but the master's oldest "
+                          f"segment starts at {wal.first_offset}; stop the slave and run "
+                          f"'qdelay admin resync --data-dir DIR --master HOST:PORT', then start it again")
+        if hello.last_sequence:
+            head = wal.read_raw(hello.last_frame_offset, common.HS)
+            ok = len(head) == common.HS
+            if ok:
+                _m, checksum, length, _k, _v, _f, seq, _ts = common.HEADER.unpack_from(head, 0)
+                ok = (seq == hello.last_sequence and checksum == hello.last_frame_checksum
+                      and hello.last_frame_offset + common.HS + length == end)
+            if not ok:
+                raise _Refuse("ABORTED", f"diverged: the slave's last record (sequence {hello.last_sequence} at "
+                                         f"offset {hello.last_frame_offset}) differs from the master's")
+
+    def dispatch_states(self, hello, session: SlaveSession) -> None:
+        disp = self.engine.dispatch
+        for st in hello.dispatch:
+            seg = disp.get(st.bucket)
+            ok = False
+            if seg is not None and seg.synced_size >= st.size:
+                data = seg.read(0, st.size) if st.size else b""
+                ok = xxhash.xxh3_64_intdigest(data) == st.checksum
+            session.known[st.bucket] = st.size if ok else -1
+
+    def dispatch_chunks(self, session: SlaveSession, budget: int) -> list:
+        disp = self.engine.dispatch
+        out = []
+        try:
+            buckets = disp.buckets()
+        except RuntimeError:  # the dict changed while sorting: next scan
+            return out
+        known = session.known
+        for b in [b for b, k in known.items() if k == -1 and disp.get(b) is None]:
+            out.append(rpb.DispatchChunk(bucket=b, offset=0, data=b"", reset=True))
+            known[b] = 0
+        for b in buckets:
+            seg = disp.get(b)
+            if seg is None:
+                continue
+            have = known.get(b, 0)
+            reset = have == -1
+            if reset:
+                have = 0
+            synced = seg.synced_size
+            if synced <= have and not reset:
+                continue
+            data = seg.read(have, min(synced - have, budget)) if synced > have else b""
+            n = common.whole_frames(data)
+            if n == 0 and not reset:
+                continue
+            out.append(rpb.DispatchChunk(bucket=b, offset=have, data=data[:n], reset=reset))
+            known[b] = have + n
+            budget -= n
+            if budget <= 0:
+                break
+        return out
+
+    async def serve(self, request_iterator, context):
+        engine = self.engine
+        hello = await request_iterator.__anext__()
+        name = hello.slave_name or context.peer()
+        if hello.epoch > engine.epoch:
+            await self.node.fence(hello.epoch, "", f"slave {name} knows epoch {hello.epoch}")
+        if engine.role != "master":
+            raise _Refuse("FAILED_PRECONDITION", f"this server is {engine.role} at epoch {engine.epoch}, "
+                                                 f"not a master; pull from the current master")
+        self.check_hello(hello)
+        session = self.hub.attach(name, context.peer(), hello.end_offset)
+        await asyncio.to_thread(self.dispatch_states, hello, session)
+
+        async def read_acks() -> None:
+            try:
+                async for req in request_iterator:
+                    self.hub.on_ack(session, req.durable_offset)
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the stream ended
+                pass
+            finally:
+                session.connected = False
+                session.acked_event.set()
+
+        reader = asyncio.ensure_future(read_acks())
+        wal = engine.wal
+        last_scan = 0.0
+        last_progress = 0.0
+        try:
+            while session.connected:
+                if engine.role != "master":
+                    raise _Refuse("FAILED_PRECONDITION",
+                                  f"this server is now {engine.role} at epoch {engine.epoch}")
+                committed = wal.committed_offset
+                resp = None
+                if session.sent < committed and session.sent - session.acked < WINDOW_BYTES:
+                    resp = self._wal_chunk(session)
+                now = time.monotonic()
+                if now - last_scan >= DISPATCH_SCAN_S:
+                    last_scan = now
+                    chunks = self.dispatch_chunks(session, self.batch)
+                    if chunks:
+                        resp = resp or rpb.PullResponse()
+                        resp.dispatch.extend(chunks)
+                if now - last_progress >= PROGRESS_S:
+                    last_progress = now
+                    done_before, reopened, seq = common.master_progress(engine)
+                    resp = resp or rpb.PullResponse()
+                    resp.progress.done_before = done_before
+                    resp.progress.reopened.extend(reopened)
+                    resp.progress.sequence = seq
+                if resp is not None:
+                    resp.master_epoch = engine.epoch
+                    resp.master_end_offset = committed
+                    resp.master_time_ms = int(time.time() * 1000)
+                    await context.write(resp)
+                    continue
+                if session.sent - session.acked >= WINDOW_BYTES:
+                    session.acked_event.clear()
+                    try:
+                        await asyncio.wait_for(session.acked_event.wait(), IDLE_WAIT_S)
+                    except asyncio.TimeoutError:
+                        pass
+                else:
+                    await asyncio.to_thread(wal.wait_commit, session.sent, IDLE_WAIT_S)
+        finally:
+            reader.cancel()
+            self.hub.detach(session)
+
+    def _wal_chunk(self, session: SlaveSession):
+        wal = self.engine.wal
+        start = session.sent
+        if start < wal.first_offset:
+            raise _Refuse("OUT_OF_RANGE", f"behind retention: offset {start} was cleaned "
+                                          f"(oldest {wal.first_offset}); run 'qdelay admin resync'")
+        seg = wal.segment_at(start)
+        if seg is not None and start >= seg.key + seg.size:
+            seg = wal.segment_at(seg.key + seg.size)
+        data = wal.read_raw(start, self.batch)
+        n = common.whole_frames(data)
+        if n == 0 and data:
+            length = int.from_bytes(data[12:16], "little") if len(data) >= common.HS else 0
+            data = wal.read_raw(start, common.HS + length)
+            n = common.whole_frames(data)
+        if n == 0:
+            return None
+        session.sent = start + n
+        base = seg.key if seg is not None and seg.key <= start else start
+        return rpb.PullResponse(start_offset=start, segment_base=base, data=data[:n])
+
+
+class _Refuse(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

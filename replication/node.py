@@ -1,0 +1,286 @@
+"""One server's replication role: the Replication gRPC service, promotion and fencing.
+
+Roles (persisted with the epoch in ``checkpoint/role.ckpt``):
+
+- ``master``: accepts writes, dispatches, serves Pull streams;
+- ``slave``: pulls from its master, refuses writes (FAILED_PRECONDITION), never dispatches;
+- ``fenced``: a master that learned of a higher epoch: refuses writes, stops dispatching;
+  it re-attaches as a slave when started with ``--role slave --master NEW``;
+- ``joining``: a former master started with ``--role slave``: refuses writes until the
+  configured master proved a higher epoch, then becomes a slave (truncating a divergent tail).
+
+How a server learns of a higher epoch: a Fence call (``qdelay admin promote`` fences the
+old master and tells the peers), a slave's hello carrying a higher epoch, and -- with
+``peers`` configured -- a check of the peers at start-up (before it listens) and every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from qdelay.replication import common
+from qdelay.replication.master import Hub, PullServer, _Refuse
+from qdelay.v1 import replication_pb2 as rpb
+from qdelay.v1 import replication_pb2_grpc as rpb_grpc
+
+log = logging.getLogger("qdelay.replication")
+
+PEER_CHECK_S = 1.0
+
+
+class Node:
+    def __init__(self, engine, cfg) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.hub = Hub(engine, cfg)
+        self.puller = None
+        self.peers = cfg.peer_list()
+        self.token, self.ca, self.tls = common.slave_credentials(cfg)
+        self._tasks: list[asyncio.Task] = []
+        self.promoted_note = ""
+
+    # --- life cycle ----------------------------------------------------------------------------------
+    def install(self) -> None:
+        engine = self.engine
+        engine.replication_floor = self.hub.floor
+        engine.replication_stats = self.stats
+        if self.cfg.replication == "sync":
+            engine.replication_wait = self.hub.wait
+        if engine.role == "master" and self.peers:
+            self.check_peers_blocking()
+        if self.cfg.role == "slave" and engine.role in ("slave", "joining"):
+            from qdelay.replication.slave import Puller
+
+            self.puller = Puller(self, self.cfg.master)
+            self.puller.start()
+        if self.peers:
+            self._tasks.append(asyncio.ensure_future(self._watch_peers()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.puller is not None:
+            await self.puller.stop()
+
+    # --- peers ------------------------------------------------------------------------------------------
+    def _channel(self, target: str, aio: bool = True):
+        return common.make_channel(target, tls=self.tls, ca=self.ca, server_name=self.cfg.replication_tls_server_name,
+                                   aio=aio)
+
+    def check_peers_blocking(self) -> None:
+        """Start-up, before listening: a master that a peer outranks is fenced at once."""
+        for peer in self.peers:
+            ch = self._channel(peer, aio=False)
+            try:
+                st = rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=1.0,
+                                                         metadata=common.metadata(self.token))
+            except grpc.RpcError:
+                continue
+            finally:
+                ch.close()
+            if st.epoch > self.engine.epoch and st.role in ("master", "slave", "fenced"):
+                self._do_fence(st.epoch, peer if st.role == "master" else "",
+                               f"peer {peer} is {st.role} at epoch {st.epoch}")
+
+    async def peer_status(self, peer: str, timeout: float = 1.0):
+        ch = self._channel(peer)
+        try:
+            return await rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=timeout,
+                                                             metadata=common.metadata(self.token))
+        except grpc.aio.AioRpcError:
+            return None
+        finally:
+            await ch.close()
+
+    async def find_master(self, exclude_self: bool = True) -> tuple[str, int] | None:
+        targets = list(self.peers)
+        best = None
+        for peer in targets:
+            st = await self.peer_status(peer)
+            if st is not None and st.role == "master" and (best is None or st.epoch > best[1]):
+                best = (peer, st.epoch)
+        return best
+
+    async def _watch_peers(self) -> None:
+        while True:
+            await asyncio.sleep(PEER_CHECK_S)
+            try:
+                if self.engine.role != "master":
+                    continue
+                for peer in self.peers:
+                    st = await self.peer_status(peer)
+                    if st is not None and st.epoch > self.engine.epoch:
+                        await self.fence(st.epoch, peer if st.role == "master" else "",
+                                         f"peer {peer} is {st.role} at epoch {st.epoch}")
+                        break
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("peer check failed")
+
+    # --- fencing and promotion -----------------------------------------------------------------------
+    def _do_fence(self, epoch: int, master: str, reason: str) -> None:
+        engine = self.engine
+        if epoch <= engine.epoch:
+            return
+        if engine.role == "master":
+            log.error("fenced: a newer master exists; refusing writes and stopping dispatch",
+                      extra={"epoch": engine.epoch, "new_epoch": epoch, "reason": reason})
+            engine.set_role("fenced", epoch)
+        elif engine.role == "slave":
+            engine.set_role("slave", epoch)
+        elif engine.role == "fenced":
+            engine.set_role("fenced", epoch)
+
+    async def fence(self, epoch: int, master: str, reason: str) -> None:
+        await asyncio.to_thread(self._do_fence, epoch, master, reason)
+        if master and self.puller is not None:
+            self.puller.follow(master)
+
+    async def promote(self, req) -> rpb.PromoteResponse:
+        engine = self.engine
+        wal = engine.wal
+        if engine.role == "master":
+            return rpb.PromoteResponse(epoch=engine.epoch, end_offset=wal.committed_offset,
+                                       last_sequence=wal.committed_sequence, note="already master")
+        if engine.role != "slave":
+            raise _Refuse("FAILED_PRECONDITION", f"this server is {engine.role}: only a slave can be promoted "
+                                                 f"(a fenced server re-attaches as slave first)")
+        puller = self.puller
+        old_master = puller.master if puller is not None else self.cfg.master
+        if puller is not None and puller.connected and not req.force:
+            raise _Refuse("FAILED_PRECONDITION", f"the master {old_master} is still connected; stop it first, "
+                                                 f"or promote with --force (it will be fenced)")
+        known = max(engine.epoch, puller.master_epoch if puller is not None else 0, req.min_epoch)
+        for peer in self.peers:
+            st = await self.peer_status(peer)
+            if st is not None:
+                known = max(known, st.epoch)
+        epoch = known + 1
+        if puller is not None:
+            await puller.stop()
+            self.puller = None
+        await asyncio.to_thread(engine.set_role, "master", epoch)
+        notes = [f"promoted to master at epoch {epoch} (message log ends at {wal.committed_offset}, "
+                 f"sequence {wal.committed_sequence})"]
+        # tell the old master (fence) and the peers (fence or follow); best effort
+        for target in dict.fromkeys([t for t in [old_master, *self.peers] if t and t != req.address]):
+            ch = self._channel(target)
+            try:
+                r = await rpb_grpc.ReplicationStub(ch).Fence(rpb.FenceRequest(epoch=epoch, master=req.address),
+                                                             timeout=2.0, metadata=common.metadata(self.token))
+                notes.append(f"{target}: now {r.role} at epoch {r.epoch}")
+            except grpc.aio.AioRpcError as e:
+                notes.append(f"{target}: not reached ({e.code().name}); it is fenced when it comes back "
+                             f"(peers) or must be started with --role slave --master {req.address or 'NEW'}")
+            finally:
+                await ch.close()
+        note = "; ".join(notes)
+        log.warning(note)
+        self.promoted_note = note
+        return rpb.PromoteResponse(epoch=epoch, end_offset=wal.committed_offset,
+                                   last_sequence=wal.committed_sequence, note=note)
+
+    # --- status -------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        engine = self.engine
+        out = {"replication_mode": self.cfg.replication, "sync_timeouts": self.hub.sync_timeouts}
+        if engine.role == "master":
+            lag_bytes, lag_ms = self.hub.lag()
+            out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms,
+                       slaves_attached=len(self.hub.live()))
+        elif self.puller is not None:
+            lag_bytes, lag_ms = self.puller.lag()
+            out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms,
+                       replication_connected=self.puller.connected, replication_error=self.puller.error,
+                       replication_delay_p99_ms=self.puller.delay_p99(), master=self.puller.master)
+        else:
+            out.update(replication_lag_bytes=-1, replication_lag_ms=-1)
+        return out
+
+    def status(self) -> rpb.ReplicationStatus:
+        engine = self.engine
+        wal = engine.wal
+        s = self.stats()
+        st = rpb.ReplicationStatus(
+            role=engine.role, epoch=engine.epoch, first_offset=wal.first_offset, end_offset=wal.committed_offset,
+            last_sequence=wal.committed_sequence, first_sequence=common.first_sequence(wal),
+            lag_bytes=s.get("replication_lag_bytes", -1), lag_ms=s.get("replication_lag_ms", -1),
+            replication=self.cfg.replication, sync_timeouts=self.hub.sync_timeouts,
+            iterate_offset=engine.iterate.offset)
+        if self.puller is not None:
+            p = self.puller
+            st.master = p.master
+            st.connected = p.connected
+            st.error = p.error
+            st.delay_p99_ms = p.delay_p99()
+            st.note = p.note
+        elif self.promoted_note:
+            st.note = self.promoted_note
+        now = time.monotonic()
+        end = wal.committed_offset
+        for sess in self.hub.sessions.values():
+            st.slaves.add(name=sess.name, peer=sess.peer, connected=sess.connected, acked_offset=sess.acked,
+                          lag_bytes=max(0, end - sess.acked), lag_ms=int((now - sess.last_seen) * 1000))
+        return st
+
+
+class ReplicationService(rpb_grpc.ReplicationServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def _abort(self, context, err: _Refuse):
+        await context.abort(getattr(grpc.StatusCode, err.code), err.message)
+
+    async def Pull(self, request_iterator, context):
+        try:
+            await PullServer(self.node).serve(request_iterator, context)
+        except _Refuse as err:
+            await self._abort(context, err)
+        except StopAsyncIteration:
+            return
+
+    async def Status(self, request, context):
+        return self.node.status()
+
+    async def Promote(self, request, context):
+        try:
+            return await self.node.promote(request)
+        except _Refuse as err:
+            await self._abort(context, err)
+
+    async def Fence(self, request, context):
+        await self.node.fence(request.epoch, request.master, f"Fence call from {context.peer()}")
+        return rpb.FenceResponse(role=self.node.engine.role, epoch=self.node.engine.epoch)
+
+    async def Frames(self, request, context):
+        wal = self.node.engine.wal
+        n = min(request.max_frames or 1000, 10_000)
+        out = rpb.FramesResponse(first_offset=wal.first_offset, end_offset=wal.committed_offset)
+        if wal.first_offset <= request.offset < wal.committed_offset:
+            data = await asyncio.to_thread(wal.read_raw, request.offset, 2 * 1024 * 1024)
+            for off, seq, checksum, size in common.frame_infos(data, request.offset)[:n]:
+                out.frames.add(offset=off, sequence=seq, checksum=checksum, size=size)
+        return out
+
+    async def Snapshot(self, request, context):
+        from qdelay.replication.snapshot import serve_snapshot
+
+        try:
+            async for chunk in serve_snapshot(self.node, request):
+                yield chunk
+        except _Refuse as err:
+            await self._abort(context, err)
+
+
+def install(server, engine, cfg):
+    """qdelay.replication.hooks entry: add the service, wire the engine, start the puller."""
+    node = Node(engine, cfg)
+    rpb_grpc.add_ReplicationServicer_to_server(ReplicationService(node), server)
+    node.install()
+    name = rpb.DESCRIPTOR.services_by_name["Replication"].full_name
+    return node.stop, [name]
