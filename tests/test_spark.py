@@ -90,6 +90,12 @@ def test_reads_all_three_logs_with_the_documented_schema(spark, folders):
     assert bytes(m2.payload) == b"\x00\xff\x10binary"
     c4 = [r for r in by_log["message"] if r.sequence == 4][0]
     assert (c4.kind, c4.target_sequence, c4.created_ms, c4.due_ms) == ("CANCEL", 3, T0 + 3_000, T0 + 120_000)
+    # payload=false: same rows, payload and headers left null (what the jobs read)
+    light = spark.read.format("qdelay").option("log", "all").option("payload", "false") \
+        .load(folders["golden"]).collect()
+    assert all(r.payload is None and r.headers is None for r in light)
+    strip = lambda r: r.asDict() | {"payload": None, "headers": None}  # noqa: E731
+    assert sorted(map(str, map(strip, light))) == sorted(map(str, map(strip, rows)))
     d6 = [r for r in by_log["dispatch"] if r.sequence == 6][0]
     assert (d6.kind, d6.message_id, d6.due_ms, d6.dispatched_ms, d6.acked_ms, d6.attempt, d6.outcome,
             d6.schedule_offset) == ("DISPATCH", "client-id-6", T0 + 210_000, T0 + 300_000, T0 + 300_010,
@@ -242,6 +248,7 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
                 f.write(f"imp.t,p{i},{now + 500 + i * 5},,imp-{i:04d}\n")
             else:
                 f.write(f"imp.t,p{i},,{500 + i * 5},imp-{i:04d}\n")
+        f.write(f"bad subject!,x,,{500},imp-bad\n")  # refused by the server: reported, not fatal
     out = str(tmp_path / "import")
     # first run: half the rows (a run cut short), then the whole set resumes
     half = tmp_path / "half.csv"
@@ -250,8 +257,12 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     r1 = spark_jobs.import_dataset(spark, str(half), target, out, "csv", batch_size=16)
     assert (r1["rows"], r1["already_accepted"], r1["accepted"], r1["rejected"]) == (n // 2, 0, n // 2, 0)
     assert _job(["import", "--input", str(csv), "--format", "csv", "--target", target,
-                 "--out", out, "--batch-size", "16"]) == 0
-    assert f"{n // 2} accepted by an earlier run, {n} accepted in all" in capsys.readouterr().out
+                 "--out", out, "--batch-size", "16"]) == 1  # one row rejected
+    assert f"{n + 1} rows: {n // 2} accepted by an earlier run, {n} accepted in all, 1 rejected" \
+        in capsys.readouterr().out
+    rejected = [json.loads(line) for p in os.listdir(os.path.join(out, "rejected"))
+                for line in open(os.path.join(out, "rejected", p))]
+    assert [(r["message_id"], r["code"]) for r in rejected] == [("imp-bad", "INVALID_ARGUMENT")]
     ids = [json.loads(line)["message_id"] for p in os.listdir(os.path.join(out, "accepted"))
            for line in open(os.path.join(out, "accepted", p))]
     assert sorted(ids) == [f"imp-{i:04d}" for i in range(n)]  # each once: the resume skipped the first half

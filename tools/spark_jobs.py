@@ -92,7 +92,7 @@ def _now_ms(text: str | None) -> int:
 
 def frames(spark, data_dirs, log="all"):
     """The records of every log without payloads and headers (what the jobs need), cached."""
-    df = spark_source.read(spark, data_dirs, log=log, corrupt="row")
+    df = spark_source.read(spark, data_dirs, log=log, corrupt="row", payload="false")
     return df.drop("payload", "headers").cache()
 
 
