@@ -1,0 +1,142 @@
+"""A client for a replicated qdelay cluster: a list of servers, follows the master.
+
+    from qdelay.client.cluster import ClusterClient
+    with ClusterClient(["10.0.0.1:7600", "10.0.0.2:7600"], token=...) as c:
+        c.send("order.close", b"42", delay_ms=60_000)
+
+Writes go to the current master. A write refused with FAILED_PRECONDITION (the server is a
+slave, or a fenced master) or UNAVAILABLE (unreachable, shutting down, sync replication
+timed out) is retried on the next server, with backoff, until ``failover_timeout``
+seconds passed. Every message gets its ``message_id`` on the client before the first try,
+so a retry of a write whose first try did land carries the same id: the consumer may see
+one id twice (at-least-once), never two different ids for one send.
+
+Reads (get, cancel) follow the same rule. ``subscribe_all`` opens one Subscribe stream per
+server: only the master dispatches, so after a promotion deliveries simply start flowing
+from the new master's stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterable, Sequence
+
+from qdelay import errors
+from qdelay.client.client import Client, Consumer, _Ids
+from qdelay.v1 import qdelay_pb2 as pb
+
+RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
+
+
+class ClusterClient:
+    def __init__(self, targets: Sequence[str] | str, *, failover_timeout: float = 30.0, backoff: float = 0.05,
+                 max_backoff: float = 1.0, timeout: float = 10.0, **client_kw) -> None:
+        if isinstance(targets, str):
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        if not targets:
+            raise errors.InvalidArgument("ClusterClient needs at least one server")
+        self.targets = list(targets)
+        self.clients = [Client(t, retries=0, timeout=timeout, **client_kw) for t in self.targets]
+        self.failover_timeout = failover_timeout
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._current = 0
+        self._lock = threading.Lock()
+        self._ids = _Ids()
+        self.failovers = 0      # how many times writes moved to another server
+        self.retries = 0        # writes repeated (same message ids)
+        self.epoch = 0
+
+    # --- plumbing --------------------------------------------------------------------------------
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> "ClusterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def current(self) -> str:
+        return self.targets[self._current]
+
+    def find_master(self, timeout: float = 2.0) -> int | None:
+        """Index of the server that says it is master with the highest epoch (None: none)."""
+        best = None
+        for i, c in enumerate(self.clients):
+            try:
+                s = c.stats(timeout=timeout)
+            except errors.QdelayError:
+                continue
+            if s["role"] == "master" and (best is None or s["epoch"] > best[1]):
+                best = (i, s["epoch"])
+        if best is not None:
+            self.epoch = max(self.epoch, best[1])
+            return best[0]
+        return None
+
+    def _retry(self, call):
+        deadline = time.monotonic() + self.failover_timeout
+        delay = self.backoff
+        tried = 0
+        while True:
+            with self._lock:
+                i = self._current
+            try:
+                return call(self.clients[i])
+            except RETRYABLE as err:
+                if time.monotonic() >= deadline:
+                    raise err
+                self.retries += 1
+                tried += 1
+                found = self.find_master()
+                with self._lock:
+                    if found is not None and found != self._current:
+                        self._current = found
+                        self.failovers += 1
+                    elif found is None:
+                        self._current = (i + 1) % len(self.clients)
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, self.max_backoff)
+
+    # --- API ----------------------------------------------------------------------------------------
+    def message(self, subject: str, payload: bytes = b"", **kw) -> pb.Message:
+        msg = self.clients[0].message(subject, payload, **kw)
+        if not msg.message_id:
+            msg.message_id = self._ids()
+        return msg
+
+    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw) -> pb.Receipt:
+        msg = self.message(subject, payload, **kw)
+        request = pb.SendRequest(message=msg)
+        return self._retry(lambda c: c._call(c.stub.Send, request, timeout).receipt)
+
+    def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[pb.Receipt]:
+        msgs = list(messages)
+        for m in msgs:
+            if not m.message_id:
+                m.message_id = self._ids()
+        request = pb.SendBatchRequest(messages=msgs)
+        return self._retry(lambda c: list(c._call(c.stub.SendBatch, request, timeout).receipts))
+
+    def cancel(self, receipt, timeout: float | None = None) -> str:
+        return self._retry(lambda c: c.cancel(receipt, timeout))
+
+    def get(self, receipt, timeout: float | None = None) -> pb.GetResponse:
+        return self._retry(lambda c: c.get(receipt, timeout))
+
+    def stats(self) -> dict[str, dict | str]:
+        out: dict[str, dict | str] = {}
+        for t, c in zip(self.targets, self.clients):
+            try:
+                out[t] = c.stats(timeout=2.0)
+            except errors.QdelayError as e:
+                out[t] = str(e)
+        return out
+
+    def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list[Consumer]:
+        """One consumer per server (only the master delivers)."""
+        return [c.subscribe(subject, group, max_in_flight) for c in self.clients]

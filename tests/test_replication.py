@@ -1,0 +1,321 @@
+"""Replication with real server processes on 127.0.0.1 (docs/operations.md, the runbook).
+
+Helpers here are shared with test_failover.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from qdelay import errors
+from qdelay.segments import framing, naming
+from qdelay.v1 import replication_pb2 as rpb
+from qdelay.v1 import replication_pb2_grpc as rpb_grpc
+from serverproc import ServerProc
+
+SMALL_SEGMENTS = ["--set", "engine.segment_bytes=65536"]
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def status(address: str, token: str | None = None, timeout: float = 5.0) -> rpb.ReplicationStatus:
+    ch = grpc.insecure_channel(address)
+    try:
+        md = (("authorization", f"Bearer {token}"),) if token else ()
+        return rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=timeout, metadata=md)
+    finally:
+        ch.close()
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+            if last:
+                return last
+        except (grpc.RpcError, errors.QdelayError) as e:  # server starting or gone
+            last = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last: {last})")
+
+
+def wait_caught_up(master: str, slave: str, timeout: float = 30.0) -> None:
+    def ok():
+        m, s = status(master), status(slave)
+        return s.connected and s.end_offset == m.end_offset and m.end_offset > 0 and (m, s)
+    wait_for(ok, timeout, f"{slave} to catch up with {master}")
+
+
+def admin(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cp = subprocess.run([sys.executable, "-m", "qdelay.cli", "admin", *args], capture_output=True, text=True,
+                        timeout=120)
+    if check and cp.returncode != 0:
+        raise AssertionError(f"qdelay admin {' '.join(args)} failed ({cp.returncode}): {cp.stdout}{cp.stderr}")
+    return cp
+
+
+def wal_files(data_dir) -> dict[str, bytes]:
+    d = Path(data_dir) / naming.MESSAGE_DIR
+    return {p.name: p.read_bytes() for p in sorted(d.glob("*.wal"))}
+
+
+def assert_same_message_log(a, b, *, allow_missing_head: bool = False) -> None:
+    fa, fb = wal_files(a), wal_files(b)
+    if allow_missing_head:
+        common = sorted(set(fa) & set(fb))
+        assert common and common[-1] == sorted(fa)[-1] == sorted(fb)[-1]
+        fa = {k: fa[k] for k in common}
+        fb = {k: fb[k] for k in common}
+    assert list(fa) == list(fb), (list(fa), list(fb))
+    for name in fa:
+        assert fa[name] == fb[name], f"segment {name} differs"
+
+
+def schedule_records(data_dir) -> set[tuple[int, int, int]]:
+    """(bucket, sequence, kind) of every schedule-log record."""
+    out = set()
+    for bucket, path in naming.list_buckets(str(Path(data_dir) / naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX):
+        data = Path(path).read_bytes()
+        for f in framing.iter_frames(data):
+            out.add((bucket, f.sequence, f.kind))
+    return out
+
+
+def dispatched(data_dir) -> set[int]:
+    out = set()
+    for _b, path in naming.list_buckets(str(Path(data_dir) / naming.DISPATCH_DIR), naming.DISPATCH_SUFFIX):
+        out |= {f.sequence for f in framing.iter_frames(Path(path).read_bytes())}
+    return out
+
+
+def master(tmp_path, name="a", args=(), **kw) -> ServerProc:
+    return ServerProc(tmp_path / name, args=[*SMALL_SEGMENTS, *args], **kw)
+
+
+def slave(tmp_path, of: ServerProc | str, name="b", args=(), **kw) -> ServerProc:
+    addr = of if isinstance(of, str) else of.address
+    return ServerProc(tmp_path / name, args=[*SMALL_SEGMENTS, "--role", "slave", "--master", addr, *args], **kw)
+
+
+def send_some(address: str, n: int, delay_ms: int = 600_000, size: int = 200) -> list:
+    from qdelay.client import Client
+
+    with Client(address) as c:
+        return c.send_many((c.message("rep.test", os.urandom(size), delay_ms=delay_ms + (i % 7) * 60_000)
+                            for i in range(n)), batch_size=500)
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+def test_slave_catches_up_from_empty_and_from_behind(tmp_path):
+    with master(tmp_path) as a:
+        send_some(a.address, 3000)
+        b = slave(tmp_path, a)
+        with b:
+            wait_caught_up(a.address, b.address)
+            st = status(b.address)
+            assert st.role == "slave" and st.lag_bytes == 0
+            with pytest.raises(errors.FailedPrecondition):
+                b.client(retries=0).send("x", b"1")  # a slave refuses writes
+            assert status(a.address).lag_bytes == 0
+        # slave stopped: the master goes on, the slave catches up from behind
+        send_some(a.address, 3000)
+        ms = status(a.address)
+        assert ms.lag_bytes == -1  # no slave attached
+        with b:
+            b.start() if not b.alive() else None
+            wait_caught_up(a.address, b.address)
+            send_some(a.address, 500)  # and follows live appends
+            wait_caught_up(a.address, b.address)
+            wait_for(lambda: status(b.address).iterate_offset == status(b.address).end_offset, 20, "slave iterate")
+            wait_for(lambda: status(a.address).iterate_offset == status(a.address).end_offset, 20, "master iterate")
+    assert len(wal_files(tmp_path / "a")) > 5
+    assert_same_message_log(tmp_path / "a", tmp_path / "b")
+    # the slave built its own schedule log: the same records, hence the same pending set
+    assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")
+
+
+def test_sync_mode_acks_after_slave_and_times_out_without_one(tmp_path):
+    with master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"]) as a:
+        c = a.client(retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(errors.Unavailable) as info:
+            c.send("s", b"x", delay_ms=1000)
+        assert "sync replication" in str(info.value) and time.monotonic() - t0 >= 0.25
+        assert status(a.address).sync_timeouts == 1
+        with slave(tmp_path, a) as b:
+            wait_for(lambda: status(b.address).connected, 20, "slave attached")
+            r = c.send("s", b"y", delay_ms=1000)
+            # acknowledged only once the slave had it durable
+            assert status(b.address).last_sequence >= r.sequence
+            rs = c.send_many((c.message("s", b"z", delay_ms=1000) for _ in range(2000)), batch_size=200)
+            assert status(b.address).last_sequence >= rs[-1].sequence
+            assert status(a.address).sync_timeouts == 1
+
+
+def test_slave_without_token_is_refused(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret-token\n")
+    other = tmp_path / "wrong"
+    other.write_text("not-it\n")
+    with master(tmp_path, args=["--auth-token-file", str(tokens)]) as a:
+        c = a.client(token="s3cret-token")
+        c.send_many((c.message("s", b"x", delay_ms=60_000) for _ in range(100)))
+        with pytest.raises(grpc.RpcError) as info:
+            status(a.address)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # a slave presenting a wrong token is refused, and says so
+        with slave(tmp_path, a, name="b", args=["--auth-token-file", str(tokens),
+                                                "--replication-token-file", str(other)]) as b:
+            st = wait_for(lambda: (s := status(b.address, "s3cret-token")).error and s, 20, "refusal")
+            assert "UNAUTHENTICATED" in st.error or "refused" in st.error
+            assert st.end_offset == 0
+        # with the cluster's token it replicates
+        with slave(tmp_path, a, name="c", args=["--auth-token-file", str(tokens)]) as b2:
+            wait_for(lambda: status(b2.address, "s3cret-token").end_offset == status(a.address, "s3cret-token")
+                     .end_offset, 20, "catch-up with token")
+        cp = admin("status", "--servers", a.address, check=False)
+        assert cp.returncode == 1 and "UNAUTHENTICATED" in cp.stdout
+        tf = tmp_path / "tok"
+        tf.write_text("s3cret-token\n")
+        assert "master" in admin("status", "--servers", a.address, "--token-file", str(tf)).stdout
+
+
+def test_dispatch_progress_replicated_and_promotion_delivers_the_rest(tmp_path):
+    from qdelay.client import Client
+
+    peers_a = []
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address])
+    b.start()
+    try:
+        now = int(time.time() * 1000)
+        with Client(a.address) as c:
+            first = c.send_many(c.message("disp", str(i).encode(), deliver_at_ms=now + 500) for i in range(400))
+            later = c.send_many(c.message("disp", str(i).encode(), deliver_at_ms=now + 8000) for i in range(300))
+            got = {}
+            with c.subscribe("disp", max_in_flight=5000) as cons:
+                deadline = time.monotonic() + 20
+                while len(got) < 400 and time.monotonic() < deadline:
+                    batch = cons.receive(400 - len(got), 1.0)
+                    for d in batch:
+                        got[d.message_id] = d
+                    cons.ack(batch)
+                time.sleep(0.5)  # acks written to the dispatch log
+        assert set(got) == {r.message_id for r in first}
+        delivered_seqs = {r.sequence for r in first}
+        wait_for(lambda: delivered_seqs <= dispatched(tmp_path / "b"), 20, "dispatch records on the slave")
+        assert dispatched(tmp_path / "b") == dispatched(tmp_path / "a")
+        a.kill9()
+        cp = admin("promote", "--target", b.address)
+        assert "master at epoch 1" in cp.stdout
+        st = status(b.address)
+        assert st.role == "master" and st.epoch == 1
+        with Client(b.address) as cb:
+            with cb.subscribe("disp", max_in_flight=5000) as cons:
+                again = {}
+                deadline = time.monotonic() + 25
+                while len(again) < 300 and time.monotonic() < deadline:
+                    batch = cons.receive(300 - len(again), 1.0)
+                    for d in batch:
+                        again[d.message_id] = d
+                        assert d.dispatched_at_ms >= d.deliver_at_ms
+                    cons.ack(batch)
+                extra = cons.receive(1, 1.5)
+        # the promoted master delivered what was not in its dispatch log, and nothing else
+        assert set(again) == {r.message_id for r in later}
+        assert not extra
+        # the new master accepts writes; the restarted old master (peers: b) is fenced
+        cb = Client(b.address)
+        cb.send("disp", b"after", delay_ms=100_000)
+        a.args += ["--peers", b.address]
+        a.start()
+        sa = status(a.address)
+        assert sa.role == "fenced" and sa.epoch == 1
+        with pytest.raises(errors.FailedPrecondition):
+            a.client(retries=0).send("x", b"1")
+        # runbook: re-attach the old master as a slave of the new one
+        a.stop()
+        a.args = [*SMALL_SEGMENTS, "--role", "slave", "--master", b.address]
+        a.start()
+        wait_caught_up(b.address, a.address)
+        assert status(a.address).role == "slave"
+    finally:
+        for p in (a, b):
+            if p.alive():
+                p.stop()
+    assert_same_message_log(tmp_path / "a", tmp_path / "b")
+    del peers_a
+
+
+def test_behind_retention_is_reported_then_full_resync(tmp_path):
+    args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200",
+            "--set", "slave_hold_ms=0", "--set", "engine.checkpoint_interval_ms=50"]
+    with master(tmp_path, args=args) as a:
+        send_some(a.address, 1500, delay_ms=3_600_000)
+        with slave(tmp_path, a) as b:
+            wait_caught_up(a.address, b.address)
+        send_some(a.address, 3000, delay_ms=3_600_000)
+        wait_for(lambda: status(a.address).first_offset > status(a.address).iterate_offset - 200_000 and
+                 status(a.address).first_offset > 0, 20, "master cleaned its message log")
+        with b:
+            b.start() if not b.alive() else None
+            st = wait_for(lambda: (s := status(b.address)).error and s, 20, "retention error")
+            assert "behind retention" in st.error and "resync" in st.error
+            assert not st.connected
+        cp = admin("resync", "--data-dir", str(tmp_path / "b"), "--master", a.address)
+        assert "resynced" in cp.stdout
+        with b:
+            b.start() if not b.alive() else None
+            send_some(a.address, 200, delay_ms=3_600_000)
+            wait_caught_up(a.address, b.address)
+            wait_for(lambda: status(b.address).iterate_offset == status(b.address).end_offset, 20, "slave iterate")
+            wait_for(lambda: status(a.address).iterate_offset == status(a.address).end_offset, 20, "master iterate")
+    assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
+    # every pending message is in the resynced slave's schedule log
+    assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")
+
+
+def test_three_servers_failover_other_slave_follows_new_master(tmp_path):
+    from qdelay.client import ClusterClient
+
+    a = master(tmp_path, "a")
+    a.start()
+    b = slave(tmp_path, a, "b")
+    c = slave(tmp_path, a, "c")
+    b.start()
+    c.start()
+    b.args += ["--peers", f"{a.address},{c.address}"]
+    c.args += ["--peers", f"{a.address},{b.address}"]
+    b.restart()
+    c.restart()
+    try:
+        send_some(a.address, 2000)
+        wait_caught_up(a.address, b.address)
+        wait_caught_up(a.address, c.address)
+        a.kill9()
+        admin("promote", "--target", b.address)
+        with ClusterClient([a.address, b.address, c.address], failover_timeout=20) as cc:
+            rs = cc.send_batch([cc.message("three", b"x", delay_ms=600_000) for _ in range(500)])
+            assert len(rs) == 500
+        wait_caught_up(b.address, c.address)
+        st = status(c.address)
+        assert st.master == b.address and st.epoch == 1
+        out = admin("status", "--servers", f"{a.address},{b.address},{c.address}", check=False).stdout
+        assert "unreachable" in out and "master" in out and "slave" in out
+    finally:
+        for p in (a, b, c):
+            if p.alive():
+                p.stop()
+    assert_same_message_log(tmp_path / "b", tmp_path / "c")
+    assert schedule_records(tmp_path / "b") == schedule_records(tmp_path / "c")
