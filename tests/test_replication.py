@@ -262,8 +262,9 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
     args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200",
             "--set", "slave_hold_ms=0", "--set", "engine.checkpoint_interval_ms=50"]
     with master(tmp_path, args=args) as a:
-        send_some(a.address, 1500, delay_ms=3_600_000)
-        with slave(tmp_path, a) as b:
+        with slave(tmp_path, a) as b:  # attached: the master keeps what it has not confirmed
+            wait_for(lambda: status(b.address).connected, 20, "slave attached")
+            send_some(a.address, 1500, delay_ms=3_600_000)
             wait_caught_up(a.address, b.address)
         send_some(a.address, 3000, delay_ms=3_600_000)
         wait_for(lambda: status(a.address).first_offset > status(a.address).iterate_offset - 200_000 and
