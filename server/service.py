@@ -26,6 +26,7 @@ from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 log = logging.getLogger("qdelay.service")
 
 STREAM_PIPELINE = 16  # SendStream: batches submitted ahead of their responses, per stream
+MAX_IN_FLIGHT_CAP = 100_000  # Subscribe credit is clamped here: it bounds the server's memory per stream
 
 
 class DiskGuard:
@@ -246,7 +247,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         subject, group = validate_subscribe(first, self.limits)
         if self.closing:
             raise ShuttingDown("the server is shutting down; subscribe again elsewhere or later")
-        window = first.max_in_flight or self.cfg.default_max_in_flight
+        window = min(first.max_in_flight or self.cfg.default_max_in_flight, MAX_IN_FLIGHT_CAP)
         registry = self.consumers
         sub = registry.register(subject, group, window, context.peer())
         engine = self.engine
@@ -260,7 +261,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     if request.ack_ids:
                         self._ack(sub, list(request.ack_ids))
                     if request.max_in_flight:
-                        registry.set_window(sub, request.max_in_flight)
+                        registry.set_window(sub, min(request.max_in_flight, MAX_IN_FLIGHT_CAP))
             except (asyncio.CancelledError, grpc.RpcError):
                 pass
             finally:
