@@ -1,0 +1,149 @@
+"""Replication benchmark: ingest with no slave vs async vs sync, and slave lag under load.
+
+    python -m bench.replication [--seconds 8] [--producers 4] [--batch 100] [--rate 20000]
+
+- ingest: ``producers`` threads each send SendBatch of ``batch`` 100-byte messages for
+  ``seconds``; messages/s durable-acknowledged, for a lone master, a master with an async
+  slave and a master with a sync slave (goal: sync >= 50 % of no-slave).
+- lag: an async master with a slave under a steady ``rate`` msgs/s (batches every 10 ms);
+  the slave's ingest-to-durable delay p99 (from Replication.Status, sampled every 0.5 s;
+  goal <= 50 ms) and the master's lag in bytes.
+
+Servers are real processes on 127.0.0.1 with temporary data folders (same disk).
+Writes bench/out/replication.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+from bench.common import OUT_DIR
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from serverproc import ServerProc  # noqa: E402
+
+from qdelay.client import Client  # noqa: E402
+from qdelay.v1 import replication_pb2 as rpb  # noqa: E402
+from qdelay.v1 import replication_pb2_grpc as rpb_grpc  # noqa: E402
+
+
+def status(address: str) -> rpb.ReplicationStatus:
+    ch = grpc.insecure_channel(address)
+    try:
+        return rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=5)
+    finally:
+        ch.close()
+
+
+def cluster(root: str, mode: str | None):
+    a = ServerProc(os.path.join(root, "a"), args=["--replication", mode or "async"]).start()
+    b = None
+    if mode:
+        b = ServerProc(os.path.join(root, "b"), args=["--role", "slave", "--master", a.address]).start()
+        deadline = time.monotonic() + 20
+        while not status(b.address).connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return a, b
+
+
+def ingest(address: str, seconds: float, producers: int, batch: int) -> float:
+    counts = [0] * producers
+    stop = time.monotonic() + seconds
+    payload = b"x" * 100
+
+    def run(i: int) -> None:
+        with Client(address) as c:
+            while time.monotonic() < stop:
+                c.send_batch([c.message("bench.rep", payload, delay_ms=3_600_000) for _ in range(batch)])
+                counts[i] += batch
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(producers)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.monotonic() - t0)
+
+
+def lag(master: str, slave: str, seconds: float, rate: int) -> dict:
+    per_tick = max(1, rate // 100)
+    payload = b"x" * 100
+    stop = time.monotonic() + seconds
+    samples, lag_bytes = [], []
+    sent = 0
+
+    def sample() -> None:
+        while time.monotonic() < stop:
+            time.sleep(0.5)
+            s, m = status(slave), status(master)
+            if s.delay_p99_ms >= 0:
+                samples.append(s.delay_p99_ms)
+            lag_bytes.append(max(0, m.end_offset - s.end_offset))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    with Client(master) as c:
+        t0 = time.monotonic()
+        tick = 0
+        while time.monotonic() < stop:
+            c.send_batch([c.message("bench.lag", payload, delay_ms=3_600_000) for _ in range(per_tick)])
+            sent += per_tick
+            tick += 1
+            wait = t0 + tick * 0.01 - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+        achieved = sent / (time.monotonic() - t0)
+    sampler.join()
+    samples.sort()
+    return {"target_rate": rate, "achieved_rate": round(achieved),
+            "slave_delay_p99_ms_median_window": samples[len(samples) // 2] if samples else None,
+            "slave_delay_p99_ms_worst_window": samples[-1] if samples else None,
+            "master_lag_bytes_max": max(lag_bytes) if lag_bytes else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--producers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=100)
+    p.add_argument("--rate", type=int, default=20_000)
+    args = p.parse_args(argv)
+    out = {"ingest_msgs_per_s": {}, "params": vars(args), "cpus": os.cpu_count()}
+    for mode in (None, "async", "sync"):
+        with tempfile.TemporaryDirectory() as root:
+            a, b = cluster(root, mode)
+            try:
+                rate = ingest(a.address, args.seconds, args.producers, args.batch)
+            finally:
+                for s in (b, a):
+                    if s is not None:
+                        s.stop()
+        out["ingest_msgs_per_s"][mode or "no_slave"] = round(rate)
+        print(f"ingest {mode or 'no slave':>8}: {rate:,.0f} msgs/s", flush=True)
+    r = out["ingest_msgs_per_s"]
+    out["sync_vs_no_slave"] = round(r["sync"] / r["no_slave"], 3)
+    with tempfile.TemporaryDirectory() as root:
+        a, b = cluster(root, "async")
+        try:
+            out["lag"] = lag(a.address, b.address, args.seconds, args.rate)
+        finally:
+            b.stop()
+            a.stop()
+    print(json.dumps(out, indent=1))
+    os.makedirs(OUT_DIR, exist_ok=True)
+    with open(os.path.join(OUT_DIR, "replication.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
