@@ -156,6 +156,17 @@ def test_audit_is_quiet_on_a_clean_folder(spark, folders, tmp_path):
     assert (s["messages"], s["cancelled"], s["dispatch_records"]) == (21, 1, 19)
 
 
+def test_audit_reports_damage_and_goes_on(spark, folders):
+    from qdelay.tools import spark_jobs
+
+    s = spark_jobs.audit(spark, [folders["damaged"]], T0, 60_000)
+    assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}
+    assert s["messages"] == 5  # seq 7 was torn off; seq 1 survives in the message log
+    assert [(r["segment"], r["offset"]) for r in s["corrupt_records"]] == \
+        [("schedule/20260101/202601010001.sched", 0)]
+    assert [(r["segment"], r["offset"]) for r in s["torn_tails"]] == [("message/00000000000000000342.wal", 163)]
+
+
 def test_lateness_forecast_export(spark, folders, tmp_path, capsys):
     import pandas as pd
 

@@ -141,21 +141,39 @@ FINDING_COLUMNS = {
 }
 
 
-def lives(messages, cancels, dispatches):
-    """One row per (server, sequence) seen anywhere: the message, its cancel, its dispatches."""
+def life_table(spark, data_dirs):
+    """One row per (server, sequence) with everything the audit needs, in ONE scan of the
+    logs and one shuffle: a conditional aggregate over MESSAGE, CANCEL (keyed by its target)
+    and DISPATCH rows. Each unreadable stretch is a row of its own (``error`` set)."""
     from pyspark.sql import functions as F
 
-    keys = ["server", "sequence"]
-    d = dispatches.groupBy(*keys).agg(
-        F.count("*").alias("dispatches"), F.sort_array(F.collect_list("attempt")).alias("attempts"),
-        F.min("dispatched_ms").alias("first_dispatched_ms"),
-        F.max(F.when(F.col("outcome") == "DELIVERED", F.col("dispatched_ms"))).alias("last_delivered_ms"),
-        F.first("message_id").alias("dispatch_message_id"), F.first("dispatch_due_ms").alias("dispatch_due_ms"))
-    return messages.withColumn("has_message", F.lit(True)) \
-        .join(d, keys, "full_outer").join(cancels, keys, "left") \
-        .withColumn("message_id", F.coalesce("message_id", "dispatch_message_id")) \
-        .withColumn("due_ms", F.coalesce("due_ms", "dispatch_due_ms")) \
-        .withColumn("dispatches", F.coalesce("dispatches", F.lit(0)))
+    df = spark_source.read(spark, data_dirs, log="all", corrupt="row", payload="false")
+    ok = F.col("error").isNull()
+    kind = F.col("kind")
+    is_msg, is_cxl, is_disp = ok & (kind == "MESSAGE"), ok & (kind == "CANCEL"), ok & (kind == "DISPATCH")
+    when = F.when
+    return df.withColumn("key", when(is_cxl, F.col("target_sequence")).when(ok, F.col("sequence"))) \
+        .withColumn("errkey", when(~ok, F.concat_ws(":", "log", "segment", F.col("offset").cast("string")))) \
+        .groupBy("server", "key", "errkey").agg(
+            F.count(when(is_msg, 1)).alias("copies"),
+            F.first(when(is_msg, F.col("message_id")), ignorenulls=True).alias("m_id"),
+            F.first(when(is_msg, F.col("subject")), ignorenulls=True).alias("subject"),
+            F.min(when(is_msg, F.col("due_ms"))).alias("m_due"),
+            F.min(when(is_cxl, F.col("created_ms"))).alias("cancelled_ms"),
+            F.count(when(is_disp, 1)).alias("dispatches"),
+            F.sort_array(F.collect_list(when(is_disp, F.col("attempt")))).alias("attempts"),
+            F.min(when(is_disp, F.col("dispatched_ms"))).alias("first_dispatched_ms"),
+            F.max(when(is_disp & (F.col("outcome") == "DELIVERED"), F.col("dispatched_ms")))
+            .alias("last_delivered_ms"),
+            F.first(when(is_disp, F.col("message_id")), ignorenulls=True).alias("d_id"),
+            F.first(when(is_disp, F.col("due_ms")), ignorenulls=True).alias("d_due"),
+            F.first("log").alias("log"), F.first("segment").alias("segment"),
+            F.first("offset").alias("offset"), F.first("size").alias("size"),
+            F.first("error").alias("error")) \
+        .withColumnRenamed("key", "sequence") \
+        .withColumn("has_message", F.col("copies") > 0) \
+        .withColumn("message_id", F.coalesce("m_id", "d_id")) \
+        .withColumn("due_ms", F.coalesce("m_due", "d_due"))
 
 
 def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None = None) -> dict:
@@ -166,19 +184,19 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
     writes every finding as JSON lines (``out/findings``) and ``out/summary.json``."""
     from pyspark.sql import functions as F
 
-    df = frames(spark, data_dirs)
-    messages, cancels, dispatches, errors = tables(df)
-    life = lives(messages, cancels, dispatches)
-    flags = life \
-        .withColumn("lost", F.coalesce(F.col("has_message"), F.lit(False)) & (F.col("dispatches") == 0)
+    table = life_table(spark, data_dirs).cache()
+    flags = table.where(F.col("errkey").isNull()) \
+        .withColumn("lost", F.col("has_message") & (F.col("dispatches") == 0)
                     & F.col("cancelled_ms").isNull() & (F.col("due_ms") < now_ms - grace_ms)) \
         .withColumn("duplicated", F.col("dispatches") > 1) \
         .withColumn("delivered_after_cancel", F.coalesce(
             F.col("last_delivered_ms") >= F.col("cancelled_ms"), F.lit(False))) \
         .withColumn("early", F.coalesce(F.col("first_dispatched_ms") < F.col("due_ms"), F.lit(False))) \
         .withColumn("overdue_ms", F.lit(now_ms) - F.col("due_ms")) \
-        .withColumn("early_by_ms", F.col("due_ms") - F.col("first_dispatched_ms")) \
-        .cache()
+        .withColumn("early_by_ms", F.col("due_ms") - F.col("first_dispatched_ms"))
+    errors = table.where(F.col("errkey").isNotNull()).select(
+        "server", "log", "segment", "offset", "size", "error",
+        F.col("error").startswith("torn tail").alias("torn"))
     totals = flags.agg(
         F.count(F.when(F.col("has_message"), 1)).alias("messages"),
         F.count(F.col("cancelled_ms")).alias("cancelled"),
@@ -201,8 +219,7 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
     err_rows = errors.collect()
     summary["corrupt_records"] = [r.asDict() for r in err_rows if not r["torn"]]
     summary["torn_tails"] = [r.asDict() for r in err_rows if r["torn"]]
-    flags.unpersist()
-    df.unpersist()
+    table.unpersist()
     if out:
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
