@@ -301,4 +301,12 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     s = spark_jobs.audit(spark, [data_dir], int(time.time() * 1000), 0)
     assert s["messages"] == n
     assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}, s
+    # the server's own (live) folder passes inspect's checks, and find tells a life from it
+    from qdelay import cli
+
+    capsys.readouterr()
+    assert cli.main(["inspect", "verify", "--data-dir", data_dir]) == 0
+    assert cli.main(["inspect", "find", "--data-dir", data_dir, "--id", "imp-0007"]) == 0
+    life = capsys.readouterr().out
+    assert "imp-0007" in life and ": DELIVERED" in life and "scheduled" in life
     assert proc.poll() is None
