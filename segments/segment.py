@@ -71,15 +71,17 @@ class HandlePool:
                 self._evict_locked()
 
     def _evict_locked(self) -> None:
-        if len(self._fds) <= self.capacity:
+        excess = len(self._fds) - self.capacity
+        if excess <= 0:
             return
-        for path in list(self._fds):  # least recently used first
-            if len(self._fds) <= self.capacity:
-                break
-            fd = self._fds[path]
+        victims = []
+        for path, fd in self._fds.items():  # least recently used first; stops early
             if fd not in self._pins:
-                del self._fds[path]
-                os.close(fd)
+                victims.append(path)
+                if len(victims) >= excess:
+                    break
+        for path in victims:
+            os.close(self._fds.pop(path))
 
     def forget(self, path: str) -> None:
         """Drop the handle of a file about to be deleted, truncated by another owner or renamed."""

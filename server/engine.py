@@ -62,7 +62,7 @@ class EngineConfig:
     dead_letter_prefix: str = "DLQ."
     max_loaded: int = 8_000_000
     corruption: str = "fail"
-    open_files: int = 256
+    open_files: int = 4096
     cleaner_enabled: bool = True
     cleaner_interval_ms: int = 60_000
     message_retention_ms: int = 3_600_000
@@ -121,6 +121,25 @@ class MessageStatus:
     delivered_at_ms: int = 0
 
 
+def _open_files_allowed(wanted: int) -> int:
+    """Raise the soft open-files limit toward ``wanted`` + headroom if the hard limit allows;
+    size the handle pool to what is really available (sockets and logs need some too)."""
+    headroom = 256
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = wanted + headroom
+        if soft != resource.RLIM_INFINITY and soft < need:
+            new_soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            soft = new_soft
+        if soft != resource.RLIM_INFINITY:
+            wanted = min(wanted, max(8, soft - headroom))
+    except (ImportError, ValueError, OSError):
+        pass
+    return wanted
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -136,7 +155,7 @@ class Engine:
         os.makedirs(root, exist_ok=True)
         self.checkpoint_path = os.path.join(root, naming.CHECKPOINT_DIR, "iterate.ckpt")
         self.role_path = os.path.join(root, naming.CHECKPOINT_DIR, "role.ckpt")
-        self.pool = HandlePool(config.open_files)
+        self.pool = HandlePool(_open_files_allowed(config.open_files))
         self.finder = RecordFinder()
         self.dispatched = DispatchIndex()
         self._closed = False
@@ -171,7 +190,7 @@ class Engine:
             self.wal, self.schedule, self.checkpoint_path, start_offset=start_offset,
             start_sequence=start_sequence, scale_minutes=config.scale_minutes,
             checkpoint_interval=config.checkpoint_interval_ms / 1000, extra_state=self._extra_state,
-            read_bytes=1024 * 1024,
+            read_bytes=1024 * 1024, horizon=self._handover_horizon,
             counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")})
         self.scheduler = Scheduler(
             self.schedule, self.dispatch, SchedulerConfig(
@@ -319,7 +338,12 @@ class Engine:
             with self.iterate.append_lock:
                 self.iterate.on_records = self._slave_on_records
 
-    def _slave_on_records(self, written) -> None:
+    def _handover_horizon(self) -> int:
+        """Up to which bucket the iterate service hands records to the scheduler."""
+        now_bucket = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
+        return max(self.scheduler._horizon, now_bucket)
+
+    def _slave_on_records(self, written, near: int | None = None) -> None:
         """Slave: remember past-due records; one in a finished bucket reopens it, so that a
         promotion loads that bucket again (the scheduler itself stays idle)."""
         sched = self.scheduler

@@ -21,9 +21,10 @@ from typing import Callable
 
 from qdelay.segments import checkpoint, framing, records
 from qdelay.segments.framing import RecordKind
-from qdelay.segments.naming import bucket_of
+from qdelay.errors import CorruptRecord
+from qdelay.segments.naming import MS_PER_MINUTE
 from qdelay.segments.wal import MessageLog
-from qdelay.server.bucket_log import BucketLog
+from qdelay.server.bucket_log import BucketLog, sync_all, sync_dirs
 
 log = logging.getLogger("qdelay.iterate")
 
@@ -46,7 +47,8 @@ class IterateService:
     def __init__(self, wal: MessageLog, schedule: BucketLog, checkpoint_path: str, *,
                  start_offset: int, start_sequence: int, scale_minutes: int = 1,
                  checkpoint_interval: float = 0.2, read_bytes: int = 4 * 1024 * 1024,
-                 extra_state: Callable[[], dict] | None = None, counts: dict | None = None) -> None:
+                 extra_state: Callable[[], dict] | None = None, counts: dict | None = None,
+                 horizon: Callable[[], int] | None = None) -> None:
         self.wal = wal
         self.schedule = schedule
         self.checkpoint_path = checkpoint_path
@@ -56,8 +58,11 @@ class IterateService:
         self.scale = scale_minutes
         self.checkpoint_interval = checkpoint_interval
         self.read_bytes = read_bytes
+        self.max_read_bytes = max(read_bytes, 16 * 1024 * 1024)
         self.extra_state = extra_state or (lambda: {})
-        self.on_records: Callable[[list[Scheduled]], None] | None = None
+        self.horizon = horizon
+        # on_records(records, near): records copied for buckets <= near (None: all of them)
+        self.on_records: Callable[[list[Scheduled], int | None], None] | None = None
         self.records_copied = 0
         # records passed, duplicates included, so the totals saved with a checkpoint are
         # exactly those of the records before its offset
@@ -70,6 +75,7 @@ class IterateService:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._last_checkpoint = time.monotonic()
+        self._persist_lock = threading.Lock()
 
     # --- control ------------------------------------------------------------------------------
 
@@ -110,7 +116,7 @@ class IterateService:
                 if not self.step():
                     if time.monotonic() - self._last_checkpoint >= self.checkpoint_interval and \
                             self.saved_offset != self.offset:
-                        self.checkpoint()
+                        self._request_checkpoint()
                     self.wal.wait_commit(self.offset, 0.05)
         except BaseException as err:  # surfaced through stats and health, never swallowed
             self.error = err
@@ -118,66 +124,150 @@ class IterateService:
 
     def step(self) -> bool:
         """Copy one batch; return False when there was nothing to copy."""
-        frames, nxt = self.wal.read(self.offset, self.read_bytes)
-        if not frames:
+        # Read more at once when behind: records spread over many buckets (far-future due
+        # times land in up to 1,440 minute files a day) then share each bucket's append.
+        lag = self.wal.committed_offset - self.offset
+        want = min(self.max_read_bytes, max(self.read_bytes, lag // 4))
+        data = self.wal.read_raw(self.offset, want)
+        if not data:
             return False
         with self.append_lock:
-            written = self._copy(frames)
-            if written and self.on_records is not None:
-                self.on_records(written)
+            used, last_seq, written, near = self._copy(data)
+            if self.on_records is not None and (written or near is not None):
+                self.on_records(written, near)
         with self._progress:
-            self.offset = nxt
-            self.sequence = max(self.sequence, frames[-1].sequence)
+            self.offset += used
+            self.sequence = max(self.sequence, last_seq)
             self._progress.notify_all()
         if time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
-            self.checkpoint()
+            self._request_checkpoint()
         return True
 
-    def _copy(self, frames) -> list[Scheduled]:
+    def _copy(self, data: bytes) -> tuple[int, int, list[Scheduled], int | None]:
+        """Copy the whole frames at the start of ``data`` (message-log bytes from ``offset``)
+        to their schedule segments, byte for byte.
+
+        Returns (bytes used, last sequence, records handed to the scheduler, the highest
+        bucket for which records were handed over). Records beyond the scheduler's loading
+        horizon are not handed over — the loader reads them from disk when their time comes
+        — so a far-future message costs no Python object here.
+        """
+        unpack = framing.HEADER.unpack_from
+        fixed = records.MESSAGE_FIXED.unpack_from
+        xxh = framing._xxh
+        hs, checked, magic_ok = framing.HEADER_SIZE, framing.CHECKED_FROM, framing.MAGIC
+        scale = self.scale
+        mv = memoryview(data)
+        size = len(data)
+        # hand over everything up to one bucket past the horizon: the horizon may move
+        # while this batch is copied (see Scheduler.on_records for the rest)
+        near = self.horizon() + scale if self.horizon is not None else None
         per_bucket: dict[int, bytearray] = {}
-        pending: list[tuple[int, int, Scheduled]] = []  # (bucket, position in its buffer, record)
-        for f in frames:
-            if f.kind == RecordKind.MESSAGE:
-                due, subject, _mid = records.message_index_fields(f.body)
+        last_in: dict[int, int] = {}
+        pending: list[tuple[int, int, Scheduled]] = []
+        counts = self.counts
+        pos = 0
+        copied = 0
+        last_seq = self.sequence
+        while pos + hs <= size:
+            magic, checksum, length, kind, version, _flags, seq, _ts = unpack(data, pos)
+            end = pos + hs + length
+            if end > size:
+                if pos == 0:  # one frame larger than a read: fetch it whole
+                    return self._copy(self.wal.read_raw(self.offset, hs + length))
+                break
+            if magic != magic_ok or version != framing.VERSION or xxh(mv[pos + checked:end]) != checksum:
+                raise CorruptRecord(self._wal_path(), self.offset + pos,
+                                    "message-log record failed its checks while iterating")
+            last_seq = seq
+            if kind == RecordKind.MESSAGE:
+                due, slen = fixed(data, pos + hs)[:2]
+                counts["messages"] += 1
                 target = 0
-                self.counts["messages"] += 1
-            elif f.kind == RecordKind.CANCEL:
-                c = records.decode_cancel(f.body)
-                due, subject, target = c.deliver_at_ms, b"", c.target_sequence
-                self.counts["cancels"] += 1
+            elif kind == RecordKind.CANCEL:
+                c = records.decode_cancel(bytes(mv[pos + hs:end]))
+                due, slen, target = c.deliver_at_ms, 0, c.target_sequence
+                counts["cancels"] += 1
             else:
                 log.error("unexpected record kind in message log", extra={
-                    "kind": f.kind, "offset": f.offset})
+                    "kind": kind, "offset": self.offset + pos})
+                pos = end
                 continue
-            bucket = bucket_of(due, self.scale)
-            seg = self.schedule.get(bucket)
-            if seg is not None and f.sequence <= seg.last_sequence:
+            minute = due // MS_PER_MINUTE
+            bucket = minute - minute % scale
+            seen = last_in.get(bucket)
+            if seen is None:
+                seg = self.schedule.get(bucket)
+                seen = seg.last_sequence if seg is not None else -1
+            if seq <= seen:
                 self.duplicates_skipped += 1
+                pos = end
                 continue
-            buf = per_bucket.setdefault(bucket, bytearray())
-            pending.append((bucket, len(buf), Scheduled(f.kind, bucket, 0, f.sequence, due, subject, target,
-                                                        f.size)))
-            buf += framing.encode(f.kind, f.sequence, f.timestamp, f.body)
-        bases = {}
+            last_in[bucket] = seq
+            copied += 1
+            buf = per_bucket.get(bucket)
+            if buf is None:
+                buf = per_bucket[bucket] = bytearray()
+            if near is None or bucket <= near or kind == RecordKind.CANCEL:
+                subject = bytes(mv[pos + hs + 20:pos + hs + 20 + slen]) if slen else b""
+                pending.append((bucket, len(buf), Scheduled(kind, bucket, 0, seq, due, subject, target,
+                                                            end - pos)))
+            buf += mv[pos:end]
+            pos = end
         for bucket, buf in per_bucket.items():
             seg, base = self.schedule.append(bucket, buf)
-            bases[bucket] = base
-        written: list[Scheduled] = []
-        for bucket, pos, rec in pending:
-            rec.offset = bases[bucket] + pos
-            seg = self.schedule.get(bucket)
-            if rec.sequence > seg.last_sequence:
-                seg.last_sequence = rec.sequence
+            per_bucket[bucket] = base  # reuse the dict: bucket -> where its buffer landed
+            if last_in[bucket] > seg.last_sequence:
+                seg.last_sequence = last_in[bucket]
+        written = []
+        for bucket, at, rec in pending:
+            rec.offset = per_bucket[bucket] + at
             written.append(rec)
-        self.records_copied += len(written)
-        return written
+        self.records_copied += copied
+        return pos, last_seq, written, near
+
+    def _wal_path(self) -> str:
+        seg = self.wal.segment_at(self.offset)
+        return seg.path if seg is not None else self.wal.directory
 
     def checkpoint(self) -> None:
-        """Flush the schedule segments written so far, then save the offset (in that order)."""
-        offset, sequence = self.offset, self.sequence
-        self.schedule.sync()
-        state = {"offset": offset, "sequence": sequence}
+        """Flush the schedule segments written so far, then save the offset (in that order).
+
+        Synchronous (tests, shutdown); while running, the same happens in the background
+        (``_request_checkpoint``) so copying never waits for the fsyncs.
+        """
+        with self._persist_lock:
+            state, dirty = self._snapshot()
+            self._persist(state, dirty)
+
+    def _snapshot(self) -> tuple[dict, list]:
+        """On the iterate thread, between steps: the offset and the segments it depends on."""
+        state = {"offset": self.offset, "sequence": self.sequence}
         state.update(self.extra_state())
+        state.update(self.counts)
+        return state, (self.schedule.take_dirty(), self.schedule.take_dirty_dirs())
+
+    def _persist(self, state: dict, dirty: tuple) -> None:
+        segments, dirs = dirty
+        sync_all(segments)
+        sync_dirs(dirs)
         checkpoint.write(self.checkpoint_path, state)
-        self.saved_offset = offset
+        self.saved_offset = state["offset"]
+
+    def _request_checkpoint(self) -> None:
+        """Start a background checkpoint unless one is still being written."""
         self._last_checkpoint = time.monotonic()
+        if not self._persist_lock.acquire(blocking=False):
+            return
+        state, dirty = self._snapshot()
+
+        def run() -> None:
+            try:
+                self._persist(state, dirty)
+            except BaseException as err:  # fsync failed: stop, as for any storage error
+                self.error = err
+                log.exception("iterate checkpoint failed")
+            finally:
+                self._persist_lock.release()
+
+        threading.Thread(target=run, name="qdelay-iterate-checkpoint", daemon=True).start()

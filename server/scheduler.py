@@ -167,6 +167,10 @@ class Scheduler:
         self._retry_heap: list[tuple[int, int, tuple]] = []
         self._dispatch_buf: dict[int, bytearray] = {}
         self._dispatch_first = 0.0
+        self._write_gen: dict[int, int] = {}  # buckets with DISPATCH records written, not fsynced
+        self._sync_wanted = threading.Event()
+        self._sync_stop = False
+        self._syncer: threading.Thread | None = None
         self.cancelling: set[int] = set()  # cancel accepted, tombstone not yet through iterate
         self.sink: DeliverySink | None = None
         self._tokens = 0.0
@@ -190,6 +194,8 @@ class Scheduler:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="qdelay-scheduler", daemon=True)
         self._thread.start()
+        self._syncer = threading.Thread(target=self._sync_loop, name="qdelay-dispatch-sync", daemon=True)
+        self._syncer.start()
 
     def stop(self) -> None:
         with self.lock:
@@ -198,7 +204,13 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._syncer is not None:
+            self._sync_stop = True
+            self._sync_wanted.set()
+            self._syncer.join()
+            self._syncer = None
         self._flush_dispatch(force=True)
+        self._sync_dispatch()
 
     def wake(self) -> None:
         with self.lock:
@@ -221,6 +233,7 @@ class Scheduler:
             self._expire(now)
         self._dispatch(now)
         self._flush_dispatch(force=True)
+        self._sync_dispatch()
         self._last_done_check = 0
         self._check_done(now)
 
@@ -423,10 +436,19 @@ class Scheduler:
                        np.array(off, dtype=np.int64), np.full(n, st.bucket, dtype=np.int32),
                        np.array(subj, dtype=np.int32))
 
-    def on_records(self, written: list[Scheduled]) -> None:
-        """Called by the iterate service once records are in schedule segments."""
-        now = self.clock()
+    def on_records(self, written: list[Scheduled], near: int | None = None) -> None:
+        """Called by the iterate service once records are in schedule segments.
+
+        ``near``: the iterate service handed over the records of buckets up to it only. If
+        the horizon moved past it meanwhile, a bucket opened in between may have been loaded
+        before those records were written and be waiting for them live: such buckets go
+        back to the loader, which reads on from its cursor.
+        """
         with self.lock:
+            if near is not None and self._horizon > near:
+                for st in self.buckets.values():
+                    if st.bucket > near and st.complete:
+                        st.complete = False
             for rec in written:
                 st = self.buckets.get(rec.bucket)
                 if st is None:
@@ -693,6 +715,8 @@ class Scheduler:
             st.outstanding -= 1
 
     def _flush_dispatch(self, force: bool = False) -> None:
+        """Write buffered DISPATCH records; their fsync happens on the syncer thread, so
+        the timer never waits for the disk."""
         with self.lock:
             if not self._dispatch_buf:
                 return
@@ -702,14 +726,38 @@ class Scheduler:
             for bucket, buf in bufs.items():
                 # written under the lock so a Cancel/Get check sees either the buffer or the file
                 self.dispatch.append(bucket, buf)
+                self._write_gen[bucket] = self._write_gen.get(bucket, 0) + 1
+        self._sync_wanted.set()
+
+    def _sync_dispatch(self) -> None:
+        """fsync written DISPATCH records, then let their buckets become done."""
+        with self.lock:
+            gens = dict(self._write_gen)
+        if not gens:
+            return
         self.dispatch.sync()
         now = self.clock()
         with self.lock:
-            for bucket in bufs:
+            for bucket, gen in gens.items():
+                if self._write_gen.get(bucket) == gen:
+                    del self._write_gen[bucket]
                 st = self.buckets.get(bucket)
                 if st is not None:
                     self._maybe_done(st, now)
             self._advance_done(now)
+
+    def _sync_loop(self) -> None:
+        while True:
+            self._sync_wanted.wait()
+            self._sync_wanted.clear()
+            if self._sync_stop:
+                return
+            try:
+                self._sync_dispatch()
+            except BaseException as err:  # fsync failed: stop like any storage failure
+                self.error = err
+                log.exception("dispatch log sync failed")
+                return
 
     def pending_dispatch(self, bucket: int) -> bytes:
         """DISPATCH frames of ``bucket`` buffered but not yet in its file (lock held)."""
@@ -728,7 +776,8 @@ class Scheduler:
 
     def _maybe_done(self, st: _Bucket, now: int) -> None:
         end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE
-        if st.complete and st.outstanding <= 0 and now >= end and st.bucket not in self._dispatch_buf:
+        if st.complete and st.outstanding <= 0 and now >= end and st.bucket not in self._dispatch_buf \
+                and st.bucket not in self._write_gen:  # its dispatch records are on disk
             st.done = True
 
     def _advance_done(self, now: int) -> None:
