@@ -149,8 +149,19 @@ class MessageLog:
         listed = naming.list_wal(self.directory)
         last_seq = min_next_sequence - 1
         expected_base = None
+        # Only the newest segment holding records can have a torn tail: segments before it
+        # were complete when the log rolled past them. They are taken at their file size and
+        # their records are checked when read (iterate, replication, 'qdelay inspect
+        # verify'), so opening costs the active segment, not the whole retention.
+        sizes = [os.path.getsize(path) for _base, path in listed]
+        with_data = [i for i, size in enumerate(sizes) if size]
+        sealed = with_data[-1] if with_data else 0  # segments before this index are sealed
         for i, (base, path) in enumerate(listed):
             later = listed[i + 1:]
+            if i < sealed and (expected_base is None or base == expected_base):
+                self._segments.append(Segment(path, base, self.pool, size=sizes[i]))
+                expected_base = base + sizes[i]
+                continue
             if expected_base is not None and base != expected_base:
                 # A roll creates the next segment before the records queued for the previous
                 # one are written; a crash in between leaves empty segments past the real end.
@@ -169,6 +180,10 @@ class MessageLog:
             if rec.records:
                 seg.last_sequence = rec.last_sequence
                 last_seq = max(last_seq, rec.last_sequence)
+            elif self._segments and rec.cut_bytes:
+                # the newest segment lost all its records: the last sequence is the sealed
+                # one's before it
+                last_seq = max(last_seq, self._last_sequence_of(self._segments[-1]))
             self._segments.append(seg)
             expected_base = base + rec.valid_size
             if rec.cut_bytes:
@@ -177,6 +192,13 @@ class MessageLog:
             self._create_segment(0)
         self.committed_offset = self._segments[-1].key + self._segments[-1].size
         self.committed_sequence = last_seq
+
+    @staticmethod
+    def _last_sequence_of(seg: Segment) -> int:
+        last = -1
+        for frame in seg.frames():
+            last = frame.sequence
+        return last
 
     def _drop_unwritten(self, listed: list[tuple[int, str]]) -> bool:
         """Delete segments that never got a byte (an interrupted roll); False if any has data."""

@@ -407,3 +407,27 @@ def test_crash_between_schedule_flush_and_checkpoint(tmp_path, clock, monkeypatc
     got = deliver_all(d, clock.now + 31_000)
     assert sorted(g.message_id for g in got) == sorted(r.message_id for r in first + second)
     d.close()
+
+
+def test_sealed_segment_corruption_found_when_read(tmp_path):
+    """Row 3b: opening does not scan sealed message-log segments; a damaged one is found
+    by the first reader, which refuses it with its path and offset."""
+    from qdelay.segments.wal import MessageLog
+    from qdelay.segments.framing import RecordKind
+    from qdelay.segments import records as rec
+
+    wal_dir = str(tmp_path / "message")
+    log_ = MessageLog(wal_dir, segment_bytes=4096)
+    body = rec.encode_message(b"s", b"id", b"", b"x" * 100, 0)
+    for _ in range(10):
+        log_.append([(RecordKind.MESSAGE, 1, body)] * 5)
+    log_.close()
+    first = sorted(p for p in (tmp_path / "message").iterdir())[0]
+    bs.flip_byte(str(first), framing.HEADER_SIZE + 40)
+    reopened = MessageLog(wal_dir, segment_bytes=4096)  # opens: the damage is in a sealed segment
+    try:
+        with pytest.raises(CorruptRecord) as err:
+            reopened.read(0)
+        assert err.value.path == str(first) and err.value.offset == 0
+    finally:
+        reopened.close()
