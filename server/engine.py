@@ -496,6 +496,11 @@ class Engine:
     def ack(self, ack_ids: list[str]) -> int:
         return self.scheduler.ack(ack_ids)
 
+    def release(self, ack_ids: list[str]) -> int:
+        """A consumer's stream ended with these deliveries unacknowledged: offer them again
+        now (attempt + 1), not after the ack timeout; see Scheduler.release."""
+        return self.scheduler.release(ack_ids)
+
     def notify_credit(self) -> None:
         self.scheduler.wake()
 

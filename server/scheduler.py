@@ -525,15 +525,19 @@ class Scheduler:
                 heapq.heappush(self._retry_heap, (now + backoff, seq, item))
         while self._retry_heap and self._retry_heap[0][0] <= now:
             _t, _seq, item = heapq.heappop(self._retry_heap)
-            seq, off, bucket, due, attempt, subj = item
-            q = self._ready.get(subj)
-            if q is None:
-                q = self._ready[subj] = _Ready()
-            if q.count == 0:
-                self._rr.append(subj)
-            q.retries.append((seq, off, bucket, due, attempt))
-            q.count += 1
-            self._ready_total += 1
+            self._requeue(item)
+
+    def _requeue(self, item: tuple) -> None:
+        """Put a retry at the front of its subject's ready queue (lock held)."""
+        seq, off, bucket, due, attempt, subj = item
+        q = self._ready.get(subj)
+        if q is None:
+            q = self._ready[subj] = _Ready()
+        if q.count == 0:
+            self._rr.append(subj)
+        q.retries.append((seq, off, bucket, due, attempt))
+        q.count += 1
+        self._ready_total += 1
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -696,6 +700,41 @@ class Scheduler:
                              mid, now)
                 n += 1
             self.acked += n
+            if n:
+                self._wake.notify()
+        return n
+
+    def release(self, ack_ids: list[str]) -> int:
+        """Give back deliveries a consumer will not acknowledge (its stream ended).
+
+        Each one still in flight *with that attempt* goes back to its subject's ready queue
+        at once, as attempt + 1 (a redelivery, without the ack timeout or backoff); one that
+        used its ``max_attempts`` goes to the dead-letter path, like an expiry. Ids of an
+        older attempt, or of deliveries already acknowledged or expired, are ignored.
+        Returns how many were released (dead-lettered ones included).
+        """
+        now = self.clock()
+        n = 0
+        with self.lock:
+            in_flight = self.in_flight
+            for ack_id in ack_ids:
+                seq_text, _, attempt_text = ack_id.partition(".")
+                try:
+                    seq, attempt = int(seq_text), int(attempt_text)
+                except ValueError:
+                    continue
+                inf = in_flight.get(seq)
+                if inf is None or inf[4] != attempt:
+                    continue
+                del in_flight[seq]
+                self.redeliveries += 1
+                n += 1
+                bucket, off, due, subj, attempt, _at, _mid = inf
+                item = (seq, off, bucket, due, attempt + 1, subj)
+                if attempt >= self.cfg.max_attempts:
+                    self._dead_letter(seq, item, now)
+                else:
+                    self._requeue(item)
             if n:
                 self._wake.notify()
         return n
