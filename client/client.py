@@ -270,6 +270,7 @@ class Consumer:
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(pb.SubscribeRequest(subject=subject, group=group, max_in_flight=max_in_flight))
         self._closed = threading.Event()
+        self._read_lock = threading.Lock()  # one reader of the response stream at a time
         self._call = client.stub.Subscribe(self._request_iter(), metadata=client.metadata)
         self.subject = subject
         self.group = group
@@ -284,7 +285,11 @@ class Consumer:
     def batches(self) -> Iterator[list[pb.Delivery]]:
         """Each SubscribeResponse's deliveries as one list (the efficient way)."""
         try:
-            for resp in self._call:
+            while True:
+                with self._read_lock:
+                    resp = next(self._call, None)
+                if resp is None:
+                    return
                 if resp.deliveries:
                     yield list(resp.deliveries)
         except grpc.RpcError as e:
@@ -341,10 +346,35 @@ class Consumer:
         """Change how many unacknowledged deliveries this consumer accepts."""
         self._requests.put(pb.SubscribeRequest(max_in_flight=max_in_flight))
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """End the stream: acks queued by :meth:`ack` are sent first, then the request side
+        is closed and the server ends the stream once it has applied them (it gives what is
+        left unacknowledged to other consumers at once). Cancels the call if the server has
+        not ended it within ``timeout`` seconds (acks not yet sent then are lost, and those
+        deliveries come again: at-least-once)."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         self._requests.put(_END)
-        self._call.cancel()
+        ended = threading.Event()
+        self._call.add_done_callback(lambda _call: ended.set())
+
+        def drain() -> None:
+            # the call's status arrives only after every response was read: read (and drop:
+            # they are unacknowledged, the server gives them to others) what nobody else reads
+            while not ended.is_set():
+                with self._read_lock:
+                    if ended.is_set():
+                        return
+                    try:
+                        if next(self._call, None) is None:
+                            return
+                    except grpc.RpcError:
+                        return
+
+        threading.Thread(target=drain, name="qdelay-consumer-close", daemon=True).start()
+        if not ended.wait(timeout):
+            self._call.cancel()
 
     def __enter__(self) -> "Consumer":
         return self

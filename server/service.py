@@ -274,9 +274,13 @@ class DelayService(pb_grpc.DelayServiceServicer):
         max_bytes = self.cfg.max_response_bytes
         try:
             while True:
+                if sub.closed:
+                    # the client half-closed (every ack it sent was applied by read_acks
+                    # before it set this), or the server is stopping: deliveries still in
+                    # the inbox could not be acknowledged any more; unregister gives them
+                    # back with the unacknowledged ones
+                    break
                 if not sub.inbox:
-                    if sub.closed:
-                        break
                     sub.event.clear()
                     if not sub.inbox and not sub.closed:
                         await sub.event.wait()

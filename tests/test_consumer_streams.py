@@ -48,3 +48,52 @@ def test_unacked_deliveries_go_to_another_consumer_when_one_disconnects(client):
         assert all(d.attempt == 2 for d in again)
         assert took < ACK_TIMEOUT_MS / 1000 / 5, f"redelivered after {took:.1f} s: waited for the ack timeout"
         b.ack(again)
+
+
+@pytest.mark.parametrize("rounds", [1, 5])
+def test_acks_sent_just_before_close_are_all_applied(client, rounds):
+    """Ack and close at once: every acked message is DELIVERED, none comes again."""
+    s = subject()
+    receipts = client.send_batch([client.message(s, b"%d" % i, delay_ms=0) for i in range(300)])
+    ids = {r.message_id for r in receipts}
+    seen: set[str] = set()
+    for _ in range(rounds):
+        consumer = client.subscribe(s, max_in_flight=1000)
+        got = consumer.receive(len(ids - seen), timeout=10)
+        assert {d.message_id for d in got} == ids - seen
+        # ack in several requests, the last one right before the close
+        for k in range(0, len(got), 50):
+            consumer.ack(got[k:k + 50])
+        started = time.monotonic()
+        consumer.close()
+        assert time.monotonic() - started < 3.0, "close() waited for its timeout"
+        seen |= {d.message_id for d in got}
+        if seen == ids:
+            break
+    time.sleep(0.3)
+    states = {r.message_id: client.state_name(client.get(r)) for r in receipts}
+    assert {k: v for k, v in states.items() if v != "DELIVERED"} == {}
+    assert client.stats()["pending"] >= 0
+    with client.subscribe(s) as again:
+        assert again.receive(1, timeout=1.5) == [], "an acknowledged message was delivered again"
+
+
+def test_close_with_deliveries_not_yet_read(client):
+    """Deliveries the server pushed and the client never read: close() ends quickly and a
+    second consumer gets them at once (they were never acknowledged)."""
+    s = subject()
+    receipts = client.send_batch([client.message(s, b"x" * 1000, delay_ms=0) for i in range(2000)])
+    ids = {r.message_id for r in receipts}
+    a = client.subscribe(s, max_in_flight=5000)
+    time.sleep(1.0)  # the server hands everything to a, which reads nothing
+    started = time.monotonic()
+    a.close()
+    assert time.monotonic() - started < 3.0, "close() waited for its timeout"
+    got = []
+    with client.subscribe(s, max_in_flight=5000) as b:
+        deadline = time.monotonic() + 10
+        while {d.message_id for d in got} != ids and time.monotonic() < deadline:
+            more = b.receive(2000, timeout=1)
+            b.ack(more)
+            got.extend(more)
+    assert {d.message_id for d in got} == ids
