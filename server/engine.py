@@ -183,8 +183,24 @@ class Engine:
             keys = self.schedule.buckets()
             done_before = keys[0] if keys else bucket_of(now, config.scale_minutes)
         reopened = set(state.get("reopened", ()))
-        reopened |= {b for b in self._recover_touched(start_offset) if b < done_before}
-        self._closed_before = int(state.get("closed", 0))
+        reopened_at = {int(b): int(n) for b, n in state.get("reopened_at", ())}
+        if "closed_retired" in state:
+            closed_retired = int(state["closed_retired"])
+        else:
+            # a checkpoint of an older version saved one total of closed messages, which
+            # includes what the dispatch logs of the buckets to load hold: count only what
+            # is appended to those from now on
+            closed_retired = int(state.get("closed", 0))
+            for b in self.dispatch.buckets():
+                if b >= done_before or b in reopened:
+                    reopened_at[b] = self.dispatch.get(b).size
+        for b in self._recover_touched(start_offset):
+            if b < done_before and b not in reopened:
+                # reopened after the checkpoint: its closes so far are taken as counted in
+                # closed_retired (those made after that checkpoint are not: see stats())
+                reopened.add(b)
+                seg = self.dispatch.get(b)
+                reopened_at[b] = seg.size if seg is not None else 0
 
         self.iterate = IterateService(
             self.wal, self.schedule, self.checkpoint_path, start_offset=start_offset,
@@ -199,7 +215,8 @@ class Engine:
                 ack_timeout_ms=config.ack_timeout_ms, max_attempts=config.max_attempts,
                 retry_backoff_ms=config.retry_backoff_ms, dead_letter_prefix=config.dead_letter_prefix,
                 max_loaded=config.max_loaded, corruption=self.policy),
-            clock=self.clock, done_before=done_before, reopened=reopened, dead_letter=self._dead_letter)
+            clock=self.clock, done_before=done_before, reopened=reopened, dead_letter=self._dead_letter,
+            closed_retired=closed_retired, reopened_at=reopened_at)
         # a slave's scheduler stays idle (no wheel) until promotion; meanwhile the slave only
         # notes records that land in finished buckets (see _slave_on_records)
         self.slave_records: dict[int, int] = {}  # bucket -> highest sequence iterated into it
@@ -286,11 +303,11 @@ class Engine:
         log.warning(text)
 
     def _closed_total(self) -> int:
-        return self._closed_before + self.scheduler.acked + self.scheduler.dead_lettered
+        return self.scheduler.closed_total()
 
     def _extra_state(self) -> dict:
         state = self.scheduler.persistent_state()
-        state.update(self.iterate.counts, closed=self._closed_total())
+        state.update(self.iterate.counts)
         return state
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -415,9 +432,24 @@ class Engine:
         with sched.lock:
             if sequence in sched.cancelling:
                 return CancelOutcome.ALREADY_CANCELLED
-            if sequence in sched.in_flight:
+            if sequence in sched.in_flight or sequence in sched.dead_lettering:
                 return CancelOutcome.ALREADY_DELIVERED
             sched.cancelling.add(sequence)
+        # Claimed: the dispatcher skips it from now on. Look again, as between the first look
+        # and the claim it may have been delivered and acknowledged, or another Cancel's
+        # tombstone may have gone through (either would make this tombstone a second close).
+        try:
+            state, _off = await asyncio.to_thread(self._locate, message_id, deliver_at_ms, sequence)
+        except BaseException:
+            with sched.lock:
+                sched.cancelling.discard(sequence)
+            raise
+        if state != MessageState.PENDING:
+            with sched.lock:
+                sched.cancelling.discard(sequence)
+            return {MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
+                    MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+                    MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED}[state]
         body = records.encode_cancel(records.Cancel(message_id, deliver_at_ms, sequence))
         try:
             appended = await self.wal.append_async([(RecordKind.CANCEL, self.clock(), body)])
@@ -507,6 +539,22 @@ class Engine:
     # --- introspection ----------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        """Scheduler, iterate, log and replication figures.
+
+        ``pending`` = messages - cancels - closed. Messages and cancels are counted per
+        message-log record and saved with the iterate checkpoint (exact for the records
+        before its offset; the replay after a restart counts the rest). Closed (delivered or
+        dead-lettered) is counted from durable state: buckets already done are summed in the
+        same checkpoint (``closed_retired``, with ``done_before``); loaded buckets recount
+        their dispatch logs when loaded. So it is exact in operation and after a clean
+        restart, and after a crash too once the loader has read the buckets to load (the
+        first scheduler pass), with one exception: a finished bucket reopened by a late
+        record *after* the last checkpoint has its closes from then until the crash counted
+        nowhere (pending too high by at most that many, until the data folder is rebuilt).
+        Messages in corrupt schedule records, never delivered, stay counted as pending. A
+        promoted slave counts as pending the messages of buckets below its ``done_before``
+        that the old master delivered.
+        """
         s = self.scheduler.stats()
         c = self.iterate.counts
         s.update(

@@ -91,7 +91,7 @@ class _Bucket:
     """What the scheduler knows of one loaded bucket."""
 
     __slots__ = ("bucket", "seg", "cursor", "complete", "outstanding", "cancelled", "closed",
-                 "done", "dispatch_ready", "tombstones_known")
+                 "done", "dispatch_ready", "tombstones_known", "nclosed")
 
     def __init__(self, bucket: int, seg: Segment, cursor: int = 0, complete: bool = False) -> None:
         self.bucket = bucket
@@ -105,6 +105,10 @@ class _Bucket:
         self.dispatch_ready = False       # the dispatch log was checked and read
         # every tombstone of the segment is in ``cancelled`` (so a loaded entry may fire)
         self.tombstones_known = complete
+        # messages of this bucket closed (DISPATCH record: delivered or dead-lettered) and not
+        # yet counted in Scheduler.closed_retired: read back from the dispatch log when the
+        # bucket is loaded, then one more per record written
+        self.nclosed = 0
 
 
 class _Ready:
@@ -144,7 +148,7 @@ class Scheduler:
     def __init__(self, schedule: BucketLog, dispatch: BucketLog, config: SchedulerConfig, *,
                  clock: Callable[[], int], done_before: int, reopened: set[int],
                  dead_letter: Callable[[records.Message, int, Callable[[Exception | None], None]], None]
-                 | None = None) -> None:
+                 | None = None, closed_retired: int = 0, reopened_at: dict[int, int] | None = None) -> None:
         self.schedule = schedule
         self.dispatch = dispatch
         self.cfg = config
@@ -156,6 +160,14 @@ class Scheduler:
         self.buckets: dict[int, _Bucket] = {}
         self.done_before = done_before
         self.reopened = set(reopened)
+        # Closed messages are counted from durable state, so that ``pending`` survives a
+        # crash: those of buckets already forgotten (done, dispatch records fsynced) here,
+        # saved with done_before in the same checkpoint; those of loaded buckets per bucket
+        # (_Bucket.nclosed, recounted from the dispatch log on each load). A reopened bucket
+        # was counted up to its dispatch log's size when it was reopened (reopened_at).
+        self.closed_retired = closed_retired
+        self.reopened_at: dict[int, int] = dict(reopened_at or {})
+        self.dead_lettering: set[int] = set()  # dead-letter copy being written; cancel refused
         self._horizon = done_before - config.scale_minutes  # highest bucket considered for loading
         self._subjects: list[str] = []
         self._subject_ids: dict[bytes, int] = {}
@@ -311,13 +323,14 @@ class Scheduler:
             need_closed = not st.dispatch_ready
             start, stop = st.cursor, st.seg.size
         if need_closed:
-            closed = self._read_closed(st.bucket)
+            closed, nclosed = self._read_closed(st.bucket, self.reopened_at.get(st.bucket, 0))
             # A bucket loaded in several chunks fires its first entries before the loader
             # reaches the tombstones behind them: collect those tombstones first.
             tombstones = self._read_tombstones(st, start, stop) \
                 if stop - start > self.cfg.load_chunk_bytes else set()
             with self.lock:
                 st.closed = closed
+                st.nclosed = nclosed
                 st.cancelled |= tombstones
                 st.dispatch_ready = True
                 st.tombstones_known = True
@@ -378,21 +391,30 @@ class Scheduler:
                 self.buckets[b] = _Bucket(b, self.schedule.get(b))
         self._horizon = max(self._horizon, horizon)
 
+    def _mark_reopened(self, bucket: int) -> None:
+        """A finished bucket comes back (lock held): the closes in its dispatch log so far are
+        in ``closed_retired``; a reload after a restart counts only those after this size."""
+        if bucket not in self.reopened_at:
+            seg = self.dispatch.get(bucket)
+            self.reopened_at[bucket] = seg.size if seg is not None else 0
+
     def prime(self, now: int) -> None:
         """Create the states of the buckets to load before the iterate service starts, so
         that records it replays into them are left to the loader (which dedupes them)."""
         with self.lock:
             self._open_buckets(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
 
-    def _read_closed(self, bucket: int) -> set[int]:
-        """Sequences the dispatch log of ``bucket`` says were delivered or dead-lettered.
+    def _read_closed(self, bucket: int, counted_below: int = 0) -> tuple[set[int], int]:
+        """Sequences the dispatch log of ``bucket`` says were delivered or dead-lettered, and
+        how many of them are closed only by records at or after offset ``counted_below``
+        (the closes not yet counted in ``closed_retired``).
 
         A torn tail is cut (only the last flush before a crash can be torn); a corrupt
         record in the middle is reported and stepped over: at worst its message is
         delivered again, which at-least-once allows, rather than the scheduler stopping.
         """
         if self.dispatch.get(bucket) is None:
-            return set()
+            return set(), 0
         try:
             self.dispatch.recover(bucket, self.cfg.corruption)
         except CorruptRecord as err:
@@ -400,9 +422,12 @@ class Scheduler:
                 "path": err.path, "offset": err.offset, "reason": err.reason})
         seg = self.dispatch.get(bucket)
         closed: set[int] = set()
+        before: set[int] | None = None
         pos = 0
         stop = seg.size
         while pos < stop:
+            if before is None and pos >= counted_below:
+                before = set(closed)
             try:
                 frames, pos = read_frames(seg, pos, stop)
             except CorruptRecord as err:
@@ -410,8 +435,14 @@ class Scheduler:
                 found = framing.find_next_frame(rest, 1)
                 pos = err.offset + found if found is not None else stop
                 continue
-            closed.update(f.sequence for f in frames if f.kind == RecordKind.DISPATCH)
-        return closed
+            for f in frames:
+                if f.kind == RecordKind.DISPATCH:
+                    if before is None and f.offset >= counted_below:
+                        before = set(closed)
+                    closed.add(f.sequence)
+        if before is None:
+            before = set(closed)
+        return closed, len(closed) - len(before)
 
     def _index(self, st: _Bucket, frames: list[Frame]) -> Entries | None:
         due, seq, off, subj = [], [], [], []
@@ -460,6 +491,7 @@ class Scheduler:
                     st.dispatch_ready = True
                     if rec.bucket < self.done_before:
                         self.reopened.add(rec.bucket)
+                        self._mark_reopened(rec.bucket)
                 if rec.kind == RecordKind.CANCEL:
                     # known at once, whatever the loader's progress: an entry loaded from an
                     # earlier chunk must not fire after its cancel was acknowledged
@@ -752,6 +784,14 @@ class Scheduler:
         st = self.buckets.get(bucket)
         if st is not None:
             st.outstanding -= 1
+            st.nclosed += 1
+        else:
+            self.closed_retired += 1
+
+    def closed_total(self) -> int:
+        """Messages closed (delivered or dead-lettered) over the data folder's life."""
+        with self.lock:
+            return self.closed_retired + sum(st.nclosed for st in self.buckets.values())
 
     def _flush_dispatch(self, force: bool = False) -> None:
         """Write buffered DISPATCH records; their fsync happens on the syncer thread, so
@@ -824,8 +864,7 @@ class Scheduler:
         for b in [b for b in self.reopened if b < self.done_before]:
             st = self.buckets.get(b)
             if st is not None and st.done:
-                del self.buckets[b]
-                self.reopened.discard(b)
+                self._retire(b)
         limit = min(bucket_of(now, self.cfg.scale_minutes), self._horizon + self.cfg.scale_minutes)
         if self.done_before >= limit:
             return
@@ -839,9 +878,16 @@ class Scheduler:
                 break
             i += 1
         for b in keys[first:i]:
-            self.buckets.pop(b, None)
-            self.reopened.discard(b)
+            self._retire(b)
         self.done_before = max(self.done_before, new)
+
+    def _retire(self, bucket: int) -> None:
+        """Forget a done bucket (lock held); its closes move to ``closed_retired``."""
+        st = self.buckets.pop(bucket, None)
+        if st is not None:
+            self.closed_retired += st.nclosed
+        self.reopened.discard(bucket)
+        self.reopened_at.pop(bucket, None)
 
     # --- dead letters -------------------------------------------------------------------------------
 
@@ -867,6 +913,7 @@ class Scheduler:
 
         def done(error: Exception | None) -> None:
             with self.lock:
+                self.dead_lettering.discard(seq)
                 if error is None:
                     self._record(bucket, seq, due, now, off, attempt - 1, records.Outcome.DEAD_LETTERED,
                                  msg.message_id, self.clock())
@@ -875,9 +922,11 @@ class Scheduler:
                     heapq.heappush(self._retry_heap, (self.clock() + self.cfg.retry_backoff_ms, seq, item))
                 self._wake.notify()
 
+        self.dead_lettering.add(seq)
         try:
             self.dead_letter(msg, seq, done)
         except QdelayError as err:
+            self.dead_lettering.discard(seq)
             log.warning("dead-letter write refused; will retry", extra={"error": str(err)})
             heapq.heappush(self._retry_heap, (now + self.cfg.retry_backoff_ms, seq, item))
 
@@ -903,4 +952,6 @@ class Scheduler:
 
     def persistent_state(self) -> dict:
         with self.lock:
-            return {"done_before": self.done_before, "reopened": sorted(self.reopened)}
+            return {"done_before": self.done_before, "reopened": sorted(self.reopened),
+                    "closed_retired": self.closed_retired,
+                    "reopened_at": [[b, n] for b, n in sorted(self.reopened_at.items())]}
