@@ -34,6 +34,17 @@ ENGINE_STATS = {
     "epoch": ("qdelay_epoch", "Replication epoch of this server", "gauge"),
     "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)",
                               "gauge"),
+    "replication_lag_ms": ("qdelay_replication_lag_ms",
+                           "Replication lag in milliseconds: on a master, how old the oldest record the "
+                           "slowest slave lacks is; on a slave, how far behind its master it applies (-1: none)",
+                           "gauge"),
+    "sync_timeouts": ("qdelay_replication_sync_timeouts",
+                      "Sync-mode writes answered without a slave's confirmation in time", "counter"),
+    "slaves_attached": ("qdelay_replication_slaves_attached", "Slaves connected to this master", "gauge"),
+    "replication_delay_p99_ms": ("qdelay_replication_delay_p99_ms",
+                                 "Slave: p99 of record age when applied, recent window (ms)", "gauge"),
+    "replication_connected": ("qdelay_replication_connected", "Slave: 1 while connected to its master",
+                              "gauge"),
 }
 
 
@@ -53,7 +64,9 @@ class EngineCollector:
             stats = {}
         for key, (name, text, kind) in ENGINE_STATS.items():
             value = stats.get(key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if isinstance(value, bool):
+                value = int(value)
+            if not isinstance(value, (int, float)):
                 continue
             if kind == "counter":
                 family = CounterMetricFamily(name, text)
@@ -65,6 +78,12 @@ class EngineCollector:
         if role:
             family = GaugeMetricFamily("qdelay_role", "1 for the role this server has", labels=["role"])
             family.add_metric([str(role)], 1)
+            yield family
+        mode = stats.get("replication_mode")
+        if mode:
+            family = GaugeMetricFamily("qdelay_replication_mode", "1 for the replication mode (async, sync)",
+                                       labels=["mode"])
+            family.add_metric([str(mode)], 1)
             yield family
         extra = {}
         if self.extra is not None:

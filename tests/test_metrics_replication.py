@@ -1,0 +1,57 @@
+"""The replication figures of engine.stats() are exported as Prometheus metrics (real
+master and slave processes, scraped over HTTP)."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+
+from qdelay import errors
+from serverproc import ServerProc
+
+METRICS = ["--metrics-listen", "127.0.0.1:0"]
+
+
+def scrape(srv: ServerProc) -> dict[str, float]:
+    port = int(srv.tail_log(100_000).split("metrics on 127.0.0.1:")[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(qdelay_replication\w*(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_replication_stats_exported(tmp_path):
+    with ServerProc(tmp_path / "a", args=["--replication", "sync", "--replication-timeout-ms", "300",
+                                          *METRICS]) as a:
+        c = a.client(retries=0)
+        with pytest.raises(errors.Unavailable):
+            c.send("s", b"x", delay_ms=60_000)
+        m = scrape(a)
+        assert m["qdelay_replication_sync_timeouts_total"] == 1
+        assert m["qdelay_replication_lag_ms"] == -1 and m["qdelay_replication_lag_bytes"] == -1
+        assert m["qdelay_replication_slaves_attached"] == 0
+        assert m['qdelay_replication_mode{mode="sync"}'] == 1
+        with ServerProc(tmp_path / "b", args=["--role", "slave", "--master", a.address, *METRICS]) as b:
+            assert wait_for(lambda: scrape(a).get("qdelay_replication_slaves_attached") == 1)
+            c.send("s", b"y", delay_ms=60_000)
+            m = scrape(a)
+            assert m["qdelay_replication_lag_ms"] >= 0 and m["qdelay_replication_lag_bytes"] >= 0
+            s = scrape(b)
+            assert s["qdelay_replication_connected"] == 1
+            assert s["qdelay_replication_lag_ms"] >= 0 and "qdelay_replication_delay_p99_ms" in s
+        c.close()
