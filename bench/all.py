@@ -1,0 +1,88 @@
+"""Run every benchmark in sequence (``make bench``) and say where each wrote its figures.
+
+    python -m bench.all            # full runs (long: the comparison and Spark take a while)
+    python -m bench.all --quick    # smaller counts / shorter runs, a smoke run
+    python -m bench.all --only wal,scheduler
+    python -m bench.all --dry-run  # print the commands only
+
+Each benchmark runs as its own process (``python -m bench.<name> ...``), so one that
+fails does not stop the others; the exit code is 1 if any failed. Figures go to
+``bench/out/<name>.json`` (git-ignored); docs/benchmarks.md explains them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from bench.common import OUT_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plan(quick: bool) -> list[tuple[str, list[str], str]]:
+    """(name, arguments, the file it writes) per benchmark, in running order."""
+    def out(name: str) -> str:
+        return os.path.join(OUT_DIR, f"{name}.json")
+
+    return [
+        # the message log: no --quick flag, shorter and fewer runs instead
+        ("wal", ["--seconds", "0.5", "--repeats", "1"] if quick else [], out("wal")),
+        # writes its JSON only when told where
+        ("scheduler", ["--json", os.path.relpath(out("scheduler"), ROOT)] + (["--quick"] if quick else []),
+         out("scheduler")),
+        ("compare", ["--out", "compare"] + (["--scale", "0.1"] if quick else []), out("compare")),
+        ("replication", ["--seconds", "2"] if quick else [], out("replication")),
+        ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.all", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller counts and shorter runs (a smoke run)")
+    ap.add_argument("--only", default="", help="comma-separated subset: wal,scheduler,compare,replication,spark")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+
+    steps = plan(args.quick)
+    if args.only:
+        wanted = [n for n in args.only.split(",") if n]
+        unknown = sorted(set(wanted) - {n for n, _a, _o in steps})
+        if unknown:
+            ap.error(f"unknown benchmark(s): {', '.join(unknown)}")
+        steps = [s for s in steps if s[0] in wanted]
+
+    results: list[tuple[str, str, float, str]] = []
+    for name, extra, out in steps:
+        cmd = [sys.executable, "-m", f"bench.{name}", *extra]
+        shown = " ".join(["python", "-m", f"bench.{name}", *extra])
+        print(f"=== {shown}", flush=True)
+        if args.dry_run:
+            results.append((name, "not run", 0.0, out))
+            continue
+        before = os.path.getmtime(out) if os.path.exists(out) else None
+        started = time.monotonic()
+        code = subprocess.call(cmd, cwd=ROOT)
+        took = time.monotonic() - started
+        wrote = os.path.exists(out) and os.path.getmtime(out) != before
+        if code != 0:
+            status = f"FAILED (exit {code})"
+        elif not wrote:
+            status = "ran, but did not write its figures"
+        else:
+            status = "ok"
+        results.append((name, status, took, out))
+        print(flush=True)
+
+    print("=== benchmarks")
+    for name, status, took, out in results:
+        where = os.path.relpath(out, ROOT)
+        print(f"{name:12s} {status:28s} {took:8.1f} s  {where}")
+    return 1 if any(s.startswith("FAILED") or s.startswith("ran,") for _n, s, _t, _o in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
