@@ -86,8 +86,12 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
 
 def write_json(name: str, data: dict[str, Any]) -> str:
     """Write ``bench/out/<name>.json`` (git-ignored) and return its path."""
-    os.makedirs(OUT_DIR, exist_ok=True)
-    path = os.path.join(OUT_DIR, f"{name}.json")
+    if os.sep in name or name.endswith(".json"):  # a path was given (e.g. --out dir/x.json)
+        path = name
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    else:
+        os.makedirs(OUT_DIR, exist_ok=True)
+        path = os.path.join(OUT_DIR, f"{name}.json")
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
