@@ -51,17 +51,22 @@ function receive(subject, count, timeoutMs) {
   return new Promise((resolve, reject) => {
     const call = client.Subscribe(metadata());
     const got = [];
+    let ending = false;
     const timer = setTimeout(() => { call.cancel(); reject(new Error(`received ${got.length} of ${count}`)); },
       timeoutMs);
     call.on('data', (response) => {
+      if (ending) return; // sent before the server saw the end of our stream: it gives them to others
       const at = Date.now();
       for (const d of response.deliveries) got.push({ ...d, received_at_ms: at });
       call.write({ ack_ids: response.deliveries.map((d) => d.ack_id) });
       if (got.length >= count) {
+        ending = true;
         clearTimeout(timer);
+        // half-close, not cancel: the server applies the acks written above, then ends the
+        // stream (a cancel right after the write may drop them: delivered again later)
         call.end();
-        call.cancel();
-        resolve(got);
+        const fallback = setTimeout(() => call.cancel(), 5000);
+        call.on('status', () => { clearTimeout(fallback); resolve(got); });
       }
     });
     call.on('error', (err) => {
