@@ -17,6 +17,8 @@ inside worker processes from a picklable (path, kwargs) spec.
 
 from __future__ import annotations
 
+import abc
+
 import atexit
 import importlib
 import math
@@ -68,7 +70,7 @@ def make_client(spec: tuple[str, dict]):
 
 
 # ------------------------------------------------------------------------------------- drivers
-class Driver:
+class Driver(abc.ABC):
     name = "base"
     delay_resolution_ms = 1
 
@@ -78,14 +80,17 @@ class Driver:
         self.proc: subprocess.Popen | None = None
         self._log = None
 
+    @abc.abstractmethod
     def argv(self) -> list[str]:
-        raise NotImplementedError
+        """Each driver or client defines this."""
 
+    @abc.abstractmethod
     def ready(self) -> bool:
-        raise NotImplementedError
+        """Each driver or client defines this."""
 
+    @abc.abstractmethod
     def client_spec(self) -> tuple[str, dict]:
-        raise NotImplementedError
+        """Each driver or client defines this."""
 
     def available(self) -> str | None:
         """None when this server can run here, else why not."""
@@ -252,15 +257,17 @@ DRIVERS = {"qdelay": QdelayDriver, "redis-always": RedisDriver, "beanstalkd-f0":
 
 
 # ------------------------------------------------------------------------------------- clients
-class BenchClient:
+class BenchClient(abc.ABC):
     """send_batch([(id, due_ms, payload)]) -> effective dues or None, once durably acknowledged;
     consume(on_batch(ids, t), stop) takes due messages, hands them over and acknowledges them."""
 
+    @abc.abstractmethod
     def send_batch(self, msgs):
-        raise NotImplementedError
+        """Each driver or client defines this."""
 
+    @abc.abstractmethod
     def consume(self, on_batch, stop: threading.Event) -> None:
-        raise NotImplementedError
+        """Each driver or client defines this."""
 
     def close(self) -> None:
         pass
