@@ -17,16 +17,7 @@ from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import CancelOutcome, Engine, MessageState
 from qdelay.server.scheduler import DEAD_LETTER_HEADER
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message, wait_until
 
 
 @pytest.fixture

@@ -11,16 +11,7 @@ import time
 import pytest
 
 from qdelay.server.engine import CancelOutcome, MessageState
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message, wait_until
 
 
 @pytest.fixture

@@ -8,16 +8,7 @@ import time
 import pytest
 
 from qdelay.server.engine import MessageState
-from simclock import T0, CollectingSink, Driver, FakeClock, message
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()
+from simclock import T0, CollectingSink, Driver, FakeClock, message, wait_until
 
 
 @pytest.fixture
