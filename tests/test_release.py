@@ -3,7 +3,6 @@ offered again at once, as the next attempt; after ``max_attempts`` they are dead
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
