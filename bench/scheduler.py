@@ -89,12 +89,18 @@ def wait_iterated(engine: Engine, timeout: float = 120) -> None:
     engine.iterate.wait_for(engine.wal.committed_sequence, timeout)
 
 
-def scenario_lateness(root: str, n: int, span_ms: int) -> dict:
-    engine = Engine(EngineConfig(data_dir=os.path.join(root, "lateness"), cleaner_enabled=False))
+def started_engine(root: str, name: str, expect: int) -> tuple[Engine, AckingSink]:
+    """A started engine on ``root/name`` whose sink expects ``expect`` deliveries."""
+    engine = Engine(EngineConfig(data_dir=os.path.join(root, name), cleaner_enabled=False))
     sink = AckingSink(engine)
-    sink.expect = n
+    sink.expect = expect
     engine.set_sink(sink)
     engine.start()
+    return engine, sink
+
+
+def scenario_lateness(root: str, n: int, span_ms: int) -> dict:
+    engine, sink = started_engine(root, "lateness", n)
     start = engine.now_ms() + 3000
     send_all(engine, [start + i * span_ms // n for i in range(n)])
     sink.done.wait(span_ms / 1000 + 30)
@@ -107,11 +113,7 @@ def scenario_lateness(root: str, n: int, span_ms: int) -> dict:
 
 
 def scenario_burst(root: str, n: int) -> dict:
-    engine = Engine(EngineConfig(data_dir=os.path.join(root, "burst"), cleaner_enabled=False))
-    sink = AckingSink(engine)
-    sink.expect = n
-    engine.set_sink(sink)
-    engine.start()
+    engine, sink = started_engine(root, "burst", n)
     due = engine.now_ms() + 8000
     send_all(engine, [due] * n)
     wait_iterated(engine)
