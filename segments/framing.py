@@ -89,6 +89,18 @@ def encode_into(out: bytearray, kind: int, sequence: int, timestamp: int, body: 
     out += checked
 
 
+def encode_many_into(out: bytearray, kind: int, sequence: int, timestamp: int, bodies: list[bytes]) -> int:
+    """Append one frame per body (sequences from ``sequence`` on) to ``out``; return the
+    next sequence. Byte-identical to :func:`encode_into` per body, without its call per record."""
+    rest, lead, xxh = _pack_rest, _pack_lead, _xxh
+    for body in bodies:
+        checked = rest(len(body), kind, VERSION, 0, sequence, timestamp) + body
+        out += lead(MAGIC, xxh(checked))
+        out += checked
+        sequence += 1
+    return sequence
+
+
 class FrameError(Exception):
     """Why the bytes at an offset are not a valid frame (decided by :func:`check_at`)."""
 

@@ -225,17 +225,30 @@ class MessageLog:
     def submit(self, entries: Iterable[Entry],
                callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
         """Queue records; ``callback(appended, error)`` runs on the writer thread once durable."""
+        def frame(buf: bytearray, seq: int) -> int:
+            encode_into = framing.encode_into
+            for kind, timestamp, body in entries:
+                encode_into(buf, kind, seq, timestamp, body)
+                seq += 1
+            return seq
+        return self._submit(frame, callback)
+
+    def submit_bodies(self, kind: int, timestamp: int, bodies: list[bytes],
+                      callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
+        """:meth:`submit` for records of one kind and timestamp (a SendBatch)."""
+        return self._submit(lambda buf, seq: framing.encode_many_into(buf, kind, seq, timestamp, bodies),
+                            callback)
+
+    def _submit(self, frame: Callable[[bytearray, int], int],
+                callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
         buf = bytearray()
         with self._lock:
             if self._failed is not None:
                 raise self._failed
             if self._closing:
                 raise ShuttingDown("the message log is closing")
-            seq = first = self._next_sequence
-            encode_into = framing.encode_into
-            for kind, timestamp, body in entries:
-                encode_into(buf, kind, seq, timestamp, body)
-                seq += 1
+            first = self._next_sequence
+            seq = frame(buf, first)
             if seq == first:
                 raise InvariantViolation("submit needs at least one record")
             if self._plan_size > 0 and self._plan_size + len(buf) > self.segment_bytes:
@@ -272,6 +285,13 @@ class MessageLog:
 
     async def append_async(self, entries: Iterable[Entry]) -> Appended:
         """Append from asyncio code; resolves once durable, without blocking the loop."""
+        return await self._append_async(lambda cb: self.submit(entries, cb))
+
+    async def append_bodies_async(self, kind: int, timestamp: int, bodies: list[bytes]) -> Appended:
+        """:meth:`append_async` for records of one kind and timestamp."""
+        return await self._append_async(lambda cb: self.submit_bodies(kind, timestamp, bodies, cb))
+
+    async def _append_async(self, submit: Callable) -> Appended:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -289,7 +309,7 @@ class MessageLog:
             except RuntimeError:
                 pass  # the loop is closed: nobody is waiting any more
 
-        self.submit(entries, cb)
+        submit(cb)
         return await fut
 
     # --- the writer thread ----------------------------------------------------------------

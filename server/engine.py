@@ -388,24 +388,31 @@ class Engine:
     def now_ms(self) -> int:
         return self.clock()
 
-    def _encode(self, messages: list[NewMessage], now: int) -> list[tuple[int, int, bytes]]:
+    @staticmethod
+    def _bodies(messages: list[NewMessage]) -> list[bytes]:
         enc = records.encode_message
         hdr = records.encode_headers
-        return [(RecordKind.MESSAGE, now, enc(m.subject.encode(), m.message_id.encode(), hdr(m.headers),
-                                              m.payload, m.deliver_at_ms)) for m in messages]
+        return [enc(m.subject.encode(), m.message_id.encode(), hdr(m.headers), m.payload, m.deliver_at_ms)
+                for m in messages]
+
+    async def send_bodies(self, bodies: list[bytes]) -> int:
+        """Append MESSAGE bodies (already validated and encoded); return the first one's
+        sequence once durable (and replicated, in sync mode)."""
+        self._check_writable()
+        appended = await self.wal.append_bodies_async(RecordKind.MESSAGE, self.clock(), bodies)
+        if self.replication_wait is not None:
+            await self.replication_wait(appended.end_offset)
+        return appended.first_sequence
 
     async def send(self, messages: list[NewMessage]) -> list[Receipt]:
         """Append to the message log; return once durable. Input is already validated."""
-        self._check_writable()
-        appended = await self.wal.append_async(self._encode(messages, self.clock()))
-        if self.replication_wait is not None:
-            await self.replication_wait(appended.end_offset)
-        first = appended.first_sequence
+        first = await self.send_bodies(self._bodies(messages))
         return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
 
     def send_sync(self, messages: list[NewMessage], timeout: float | None = None) -> list[Receipt]:
         self._check_writable()
-        appended = self.wal.append(self._encode(messages, self.clock()), timeout)
+        now = self.clock()
+        appended = self.wal.append([(RecordKind.MESSAGE, now, body) for body in self._bodies(messages)], timeout)
         first = appended.first_sequence
         return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
 
@@ -485,6 +492,7 @@ class Engine:
         if not self.iterate.wait_for(sequence, timeout=5.0):
             raise StorageError("the iterate service is behind; retry shortly")
         bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
+        self.iterate.flush_bucket(bucket)  # a far-future record may still be written behind
         seg = self.schedule.get(bucket)
         if seg is None:
             return answer(MessageState.NOT_FOUND)

@@ -9,6 +9,15 @@ is skipped, so re-running never duplicates.
 
 Records are handed to the scheduler once written (``on_records``), so a message due
 within the loaded window reaches the timer without waiting for a reload.
+
+Records of buckets beyond the scheduler's loading horizon are written behind: they
+collect in one buffer per bucket and reach their segment with the next checkpoint (at
+most ``checkpoint_interval`` later), when the buffers pass ``write_behind_bytes``, or when
+a reader needs that bucket (``flush_bucket``: Cancel and Get). Far-future due times
+spread a batch over dozens of minute files; writing each bucket once per checkpoint
+instead of once per batch cut the iterate service's CPU per record several times (see
+docs/benchmarks.md). Nothing is lost by a crash: the checkpoint moves only past records
+whose segments were written and fsynced.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from qdelay.segments import checkpoint, framing, records
 from qdelay.segments.framing import RecordKind
 from qdelay.errors import CorruptRecord
 from qdelay.segments.naming import MS_PER_MINUTE
+from qdelay.segments.segment import Segment
 from qdelay.segments.wal import MessageLog
 from qdelay.server.bucket_log import BucketLog, sync_all, sync_dirs
 
@@ -48,7 +58,7 @@ class IterateService:
                  start_offset: int, start_sequence: int, scale_minutes: int = 1,
                  checkpoint_interval: float = 0.2, read_bytes: int = 4 * 1024 * 1024,
                  extra_state: Callable[[], dict] | None = None, counts: dict | None = None,
-                 horizon: Callable[[], int] | None = None) -> None:
+                 horizon: Callable[[], int] | None = None, write_behind_bytes: int = 8 * 1024 * 1024) -> None:
         self.wal = wal
         self.schedule = schedule
         self.checkpoint_path = checkpoint_path
@@ -76,6 +86,11 @@ class IterateService:
         self.error: BaseException | None = None
         self._last_checkpoint = time.monotonic()
         self._persist_lock = threading.Lock()
+        # write-behind buffers of far buckets (guarded by append_lock); each segment's
+        # last_sequence already counts what its buffer holds
+        self.write_behind_bytes = write_behind_bytes
+        self._behind: dict[int, bytearray] = {}
+        self._behind_bytes = 0
 
     # --- control ------------------------------------------------------------------------------
 
@@ -129,12 +144,27 @@ class IterateService:
         lag = self.wal.committed_offset - self.offset
         want = min(self.max_read_bytes, max(self.read_bytes, lag // 4))
         data = self.wal.read_raw(self.offset, want)
+        if self._behind and self.horizon is not None:
+            # buckets the horizon reached since they were written behind go to disk now (the
+            # loader wants them), and before any record of theirs is handed over, so that
+            # handed-over offsets stay in file order
+            with self.append_lock:
+                near = self.horizon() + self.scale
+                if self._behind and min(self._behind) <= near:
+                    self._flush_behind([b for b in self._behind if b <= near])
         if not data:
             return False
         with self.append_lock:
-            used, last_seq, written, near = self._copy(data)
-            if self.on_records is not None and (written or near is not None):
+            # hand over everything up to one bucket past the horizon: the horizon may move
+            # while this batch is copied (see Scheduler.on_records for the rest)
+            near = self.horizon() + self.scale if self.horizon is not None else None
+            if near is not None and self._behind and min(self._behind) <= near:
+                self._flush_behind([b for b in self._behind if b <= near])
+            used, last_seq, written = self._copy(data, near)
+            if self.on_records is not None and (written or (near is not None and self.horizon() > near)):
                 self.on_records(written, near)
+            if self._behind_bytes > self.write_behind_bytes:
+                self._flush_behind(list(self._behind))
         with self._progress:
             self.offset += used
             self.sequence = max(self.sequence, last_seq)
@@ -143,14 +173,36 @@ class IterateService:
             self._request_checkpoint()
         return True
 
-    def _copy(self, data: bytes) -> tuple[int, int, list[Scheduled], int | None]:
+    def flush_bucket(self, bucket: int) -> None:
+        """Write ``bucket``'s records out of the write-behind buffer (a reader needs them)."""
+        with self.append_lock:
+            if bucket in self._behind:
+                self._flush_behind([bucket])
+
+    def _flush_behind(self, buckets: list[int]) -> None:
+        """Append the write-behind buffers of ``buckets`` to their segments (append_lock held).
+
+        A bucket the scheduler loaded meanwhile (the horizon passed it) is sent back to its
+        loader, which reads on from its cursor: ``on_records`` with an empty list and a
+        ``near`` just below the lowest bucket written does that.
+        """
+        if not buckets:
+            return
+        for bucket in buckets:
+            buf = self._behind.pop(bucket)
+            self.schedule.append(bucket, buf)
+            self._behind_bytes -= len(buf)
+        if self.on_records is not None:
+            self.on_records([], min(buckets) - self.scale)
+
+    def _copy(self, data: bytes, near: int | None) -> tuple[int, int, list[Scheduled]]:
         """Copy the whole frames at the start of ``data`` (message-log bytes from ``offset``)
         to their schedule segments, byte for byte.
 
-        Returns (bytes used, last sequence, records handed to the scheduler, the highest
-        bucket for which records were handed over). Records beyond the scheduler's loading
-        horizon are not handed over — the loader reads them from disk when their time comes
-        — so a far-future message costs no Python object here.
+        Returns (bytes used, last sequence, records handed to the scheduler). Records of
+        buckets up to ``near`` (all of them if None) and cancels are written at once and
+        handed over; the others are written behind, and the loader reads them from disk
+        when their time comes, so a far-future message costs no Python object here.
         """
         unpack = framing.HEADER.unpack_from
         fixed = records.MESSAGE_FIXED.unpack_from
@@ -159,22 +211,22 @@ class IterateService:
         scale = self.scale
         mv = memoryview(data)
         size = len(data)
-        # hand over everything up to one bucket past the horizon: the horizon may move
-        # while this batch is copied (see Scheduler.on_records for the rest)
-        near = self.horizon() + scale if self.horizon is not None else None
-        per_bucket: dict[int, bytearray] = {}
-        last_in: dict[int, int] = {}
+        behind = self._behind
+        segments: dict[int, Segment] = {}
         pending: list[tuple[int, int, Scheduled]] = []
+        now_buckets: set[int] = set()
         counts = self.counts
         pos = 0
         copied = 0
+        added = 0
         last_seq = self.sequence
+        get_or_create = self.schedule.get_or_create
         while pos + hs <= size:
             magic, checksum, length, kind, version, _flags, seq, _ts = unpack(data, pos)
             end = pos + hs + length
             if end > size:
                 if pos == 0:  # one frame larger than a read: fetch it whole
-                    return self._copy(self.wal.read_raw(self.offset, hs + length))
+                    return self._copy(self.wal.read_raw(self.offset, hs + length), near)
                 break
             if magic != magic_ok or version != framing.VERSION or xxh(mv[pos + checked:end]) != checksum:
                 raise CorruptRecord(self._wal_path(), self.offset + pos,
@@ -195,36 +247,38 @@ class IterateService:
                 continue
             minute = due // MS_PER_MINUTE
             bucket = minute - minute % scale
-            seen = last_in.get(bucket)
-            if seen is None:
-                seg = self.schedule.get(bucket)
-                seen = seg.last_sequence if seg is not None else -1
-            if seq <= seen:
+            seg = segments.get(bucket)
+            if seg is None:
+                seg = segments[bucket] = get_or_create(bucket)
+            if seq <= seg.last_sequence:
                 self.duplicates_skipped += 1
                 pos = end
                 continue
-            last_in[bucket] = seq
+            seg.last_sequence = seq
             copied += 1
-            buf = per_bucket.get(bucket)
+            buf = behind.get(bucket)
             if buf is None:
-                buf = per_bucket[bucket] = bytearray()
+                buf = behind[bucket] = bytearray()
             if near is None or bucket <= near or kind == RecordKind.CANCEL:
                 subject = bytes(mv[pos + hs + 20:pos + hs + 20 + slen]) if slen else b""
                 pending.append((bucket, len(buf), Scheduled(kind, bucket, 0, seq, due, subject, target,
                                                             end - pos)))
+                now_buckets.add(bucket)
             buf += mv[pos:end]
+            added += end - pos
             pos = end
-        for bucket, buf in per_bucket.items():
-            seg, base = self.schedule.append(bucket, buf)
-            per_bucket[bucket] = base  # reuse the dict: bucket -> where its buffer landed
-            if last_in[bucket] > seg.last_sequence:
-                seg.last_sequence = last_in[bucket]
+        self._behind_bytes += added
+        base: dict[int, int] = {}
+        for bucket in now_buckets:
+            buf = behind.pop(bucket)
+            base[bucket] = self.schedule.append(bucket, buf)[1]
+            self._behind_bytes -= len(buf)
         written = []
         for bucket, at, rec in pending:
-            rec.offset = per_bucket[bucket] + at
+            rec.offset = base[bucket] + at
             written.append(rec)
         self.records_copied += copied
-        return pos, last_seq, written, near
+        return pos, last_seq, written
 
     def _wal_path(self) -> str:
         seg = self.wal.segment_at(self.offset)
@@ -241,7 +295,10 @@ class IterateService:
             self._persist(state, dirty)
 
     def _snapshot(self) -> tuple[dict, list]:
-        """On the iterate thread, between steps: the offset and the segments it depends on."""
+        """On the iterate thread, between steps: the offset and the segments it depends on
+        (written-behind records included: they are written out first)."""
+        with self.append_lock:
+            self._flush_behind(list(self._behind))
         state = {"offset": self.offset, "sequence": self.sequence}
         state.update(self.extra_state())
         state.update(self.counts)

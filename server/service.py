@@ -19,7 +19,8 @@ import numpy as np
 from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
-from qdelay.server.validation import IdGenerator, validate_messages, validate_receipt, validate_subscribe
+from qdelay.server.validation import (EncodedBatch, IdGenerator, encode_messages, validate_receipt,
+                                      validate_subscribe)
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -85,22 +86,19 @@ class IngestGate:
         self.bytes -= size
 
 
-def _receipt(r) -> pb.Receipt:
-    return pb.Receipt(message_id=r.message_id, deliver_at_ms=r.deliver_at_ms, sequence=r.sequence)
-
-
-def _batch_response(receipts) -> pb.SendBatchResponse:
+def _batch_response(batch: EncodedBatch, first: int) -> pb.SendBatchResponse:
     resp = pb.SendBatchResponse()
     add = resp.receipts.add
-    for r in receipts:
-        add(message_id=r.message_id, deliver_at_ms=r.deliver_at_ms, sequence=r.sequence)
+    for sequence, (message_id, due) in enumerate(zip(batch.ids, batch.dues), first):
+        r = add()  # setting fields beats add(**kwargs) by ~20 % (measured, protobuf upb)
+        r.message_id = message_id
+        r.deliver_at_ms = due
+        r.sequence = sequence
     return resp
 
 
 class DelayService(pb_grpc.DelayServiceServicer):
     def __init__(self, engine, cfg: ServerConfig, consumers, metrics) -> None:
-        from qdelay.server.engine import NewMessage
-
         self.engine = engine
         self.cfg = cfg
         self.limits = cfg.limits
@@ -109,56 +107,57 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.guard = DiskGuard(cfg.data_dir, cfg.min_free_bytes, cfg.min_free_bytes_hard)
         self.gate = IngestGate(cfg.ingest_queue_messages, cfg.ingest_queue_bytes)
         self.new_id = IdGenerator()
-        self.make = NewMessage
         self.closing = False
         self.active_writes = 0
 
     # --- writes -----------------------------------------------------------------------------------
-    def _validate(self, messages, single: bool = False):
+    def _validate(self, messages, single: bool = False) -> EncodedBatch:
         if self.closing:
             raise ShuttingDown("the server is shutting down; retry on another server or later")
         try:
-            return validate_messages(messages, self.limits, self.engine.now_ms(), self.new_id, self.make, single)
+            return encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single)
         except InvalidArgument:
             self.metrics.refused.labels("invalid").inc(len(messages) or 1)
             raise
 
-    async def _write(self, new, size: int) -> list:
+    async def _write(self, batch: EncodedBatch) -> int:
+        """Append a validated batch; return its first sequence once durable."""
+        count, size = len(batch.bodies), batch.payload_bytes
         try:
             self.guard.check()
         except DiskFull:
-            self.metrics.refused.labels("disk").inc(len(new))
+            self.metrics.refused.labels("disk").inc(count)
             raise
         try:
-            self.gate.enter(len(new), size)
+            self.gate.enter(count, size)
         except Overloaded:
-            self.metrics.refused.labels("overload").inc(len(new))
+            self.metrics.refused.labels("overload").inc(count)
             raise
         self.active_writes += 1
         started = time.perf_counter()
         try:
-            receipts = await self.engine.send(new)
+            first = await self.engine.send_bodies(batch.bodies)
         finally:
-            self.gate.leave(len(new), size)
+            self.gate.leave(count, size)
             self.active_writes -= 1
         self.metrics.send_seconds.observe(time.perf_counter() - started)
-        self.metrics.ingested.inc(len(new))
+        self.metrics.ingested.inc(count)
         self.metrics.ingest_bytes.inc(size)
-        return receipts
+        return first
 
     @status.unary
     async def Send(self, request, context):
         if not request.HasField("message"):
             raise InvalidArgument("message: required")
-        new, size = self._validate([request.message], single=True)
-        receipts = await self._write(new, size)
-        return pb.SendResponse(receipt=_receipt(receipts[0]))
+        batch = self._validate([request.message], single=True)
+        first = await self._write(batch)
+        return pb.SendResponse(receipt=pb.Receipt(message_id=batch.ids[0], deliver_at_ms=batch.dues[0],
+                                                  sequence=first))
 
     @status.unary
     async def SendBatch(self, request, context):
-        new, size = self._validate(request.messages)
-        receipts = await self._write(new, size)
-        return _batch_response(receipts)
+        batch = self._validate(request.messages)
+        return _batch_response(batch, await self._write(batch))
 
     @status.streaming
     async def SendStream(self, request_iterator, context):
@@ -173,12 +172,12 @@ class DelayService(pb_grpc.DelayServiceServicer):
             try:
                 async for request in request_iterator:
                     try:
-                        new, size = self._validate(request.messages)
-                        task = asyncio.ensure_future(self._write(new, size))
+                        batch = self._validate(request.messages)
+                        task = asyncio.ensure_future(self._write(batch))
                     except Exception as error:  # noqa: BLE001 - reported in order by the writer below
                         await pending.put(error)
                         return
-                    await pending.put(task)
+                    await pending.put((batch, task))
             finally:
                 await pending.put(None)
 
@@ -190,17 +189,17 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     break
                 if isinstance(item, Exception):
                     raise item
-                receipts = await item
-                yield _batch_response(receipts)
+                batch, task = item
+                yield _batch_response(batch, await task)
         finally:
             if not reader.done():
                 reader.cancel()
             # let batches already handed to the engine settle (they may still become durable)
             while not pending.empty():
                 item = pending.get_nowait()
-                if isinstance(item, asyncio.Future):
+                if isinstance(item, tuple):
                     try:
-                        await item
+                        await item[1]
                     except Exception:  # noqa: BLE001 - the stream already failed
                         pass
 

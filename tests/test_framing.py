@@ -41,6 +41,17 @@ def test_encode_into_matches_encode_and_scans_back(records, prefix):
     assert result.error is None and result.valid_end == len(out)
 
 
+@settings(max_examples=100, deadline=None)
+@given(kind=kinds, first=st.integers(min_value=0, max_value=2**63), timestamp=i64,
+       many=st.lists(bodies, max_size=20), prefix=st.binary(max_size=8))
+def test_encode_many_into_matches_encode_into(kind, first, timestamp, many, prefix):
+    one, batch = bytearray(prefix), bytearray(prefix)
+    for i, body in enumerate(many):
+        framing.encode_into(one, kind, first + i, timestamp, body)
+    assert framing.encode_many_into(batch, kind, first, timestamp, many) == first + len(many)
+    assert batch == one
+
+
 def test_header_layout_matches_the_spec():
     data = framing.encode(RecordKind.CANCEL, 0x0102030405060708, -2, b"xyz")
     magic, checksum, length, kind, version, flags, seq, ts = struct.unpack_from("<IQIBBHQq", data)

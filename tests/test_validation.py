@@ -9,19 +9,21 @@ from qdelay import errors
 from qdelay.server import config as config_mod
 from qdelay.server.config import ConfigError, Limits, ServerConfig
 from qdelay.server.status import status_of
-from qdelay.server.validation import IdGenerator, validate_messages, validate_receipt, validate_subscribe
+from qdelay.segments import records
+from qdelay.server.validation import IdGenerator, encode_messages, validate_receipt, validate_subscribe
 from qdelay.v1 import qdelay_pb2 as pb
 
 NOW = 1_700_000_000_000
 LIMITS = Limits()
 
 
-def make(subject, payload, headers, message_id, due):
-    return (subject, payload, headers, message_id, due)
-
-
 def run(messages, limits=LIMITS, single=False):
-    return validate_messages(messages, limits, NOW, IdGenerator(), make, single=single)
+    """Validate and encode; decode the bodies again: [(subject, payload, headers, id, due)], bytes."""
+    batch = encode_messages(messages, limits, NOW, IdGenerator(), single=single)
+    decoded = [records.decode_message(body) for body in batch.bodies]
+    assert [m.message_id for m in decoded] == batch.ids
+    assert [m.deliver_at_ms for m in decoded] == batch.dues
+    return [(m.subject, m.payload, m.headers, m.message_id, m.deliver_at_ms) for m in decoded], batch.payload_bytes
 
 
 def msg(**kw):
