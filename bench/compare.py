@@ -48,19 +48,27 @@ def _sender(spec, ids, rel_ms, per_batch_base, batch, q, go, t0, max_s):
             raise TimeoutError("no go signal")
         base0 = t0.value
         dues, eff = array("d"), array("d")
+        sizes: list[int] = []
         start = time.time()
         cpu0 = time.process_time()
         deadline = start + max_s
-        n = 0
-        for k in range(0, len(ids), batch):
-            if time.time() > deadline:
-                break
-            base = time.time() * 1000.0 if per_batch_base else base0
-            chunk = [(ids[j], int(base + rel_ms[j]), payloads[j]) for j in range(k, min(k + batch, len(ids)))]
-            e = client.send_batch(chunk)
-            dues.extend(float(c[1]) for c in chunk)
-            eff.extend(e if e is not None else (float(c[1]) for c in chunk))
-            n += len(chunk)
+
+        def chunks():
+            for k in range(0, len(ids), batch):
+                if time.time() > deadline:
+                    return
+                base = time.time() * 1000.0 if per_batch_base else base0
+                chunk = [(ids[j], int(base + rel_ms[j]), payloads[j]) for j in range(k, min(k + batch, len(ids)))]
+                dues.extend(float(c[1]) for c in chunk)
+                sizes.append(len(chunk))
+                yield chunk
+
+        results = client.send_batches(chunks(), batch)
+        at = 0
+        for size, e in zip(sizes, results):
+            eff.extend(e if e is not None else dues[at:at + size])
+            at += size
+        n = len(dues)
         end = time.time()
         cpu = time.process_time() - cpu0
         client.close()

@@ -36,6 +36,7 @@ import time
 import psutil
 
 PAYLOAD_ID_DIGITS = 12
+PIPELINE = 8  # qdelay's producer: batches sent ahead of their answers (SendStream)
 _LIVE: set[int] = set()
 
 
@@ -265,6 +266,12 @@ class BenchClient(abc.ABC):
     def send_batch(self, msgs):
         """Each driver or client defines this."""
 
+    def send_batches(self, chunks, batch: int) -> list:
+        """send_batch for each chunk (of ``batch`` messages) of an iterable, one batch in flight (how the peers'
+        client libraries are driven); a client with a pipelined bulk API overrides it.
+        Returns send_batch's result per chunk, in order."""
+        return [self.send_batch(chunk) for chunk in chunks]
+
     @abc.abstractmethod
     def consume(self, on_batch, stop: threading.Event) -> None:
         """Each driver or client defines this."""
@@ -289,6 +296,21 @@ class QdelayClient(BenchClient):
         self.client.send_batch([M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due)
                                 for i, due, p in msgs])
         return None
+
+    def send_batches(self, chunks, batch: int) -> list:
+        """The Python client's bulk API: ``send_many`` pipelines batches over SendStream
+        (PIPELINE batches unanswered); every message is durable when it returns."""
+        M = self.pb.Message
+        sizes: list[int] = []
+
+        def messages():
+            for chunk in chunks:
+                sizes.append(len(chunk))
+                for i, due, p in chunk:
+                    yield M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due)
+
+        self.client.send_many(messages(), batch_size=batch, max_in_flight=PIPELINE)
+        return [None] * len(sizes)
 
     def consume(self, on_batch, stop):
         from qdelay import errors

@@ -459,3 +459,28 @@ def test_client_never_retries_invalid_and_send_many_reports_progress(client):
     assert info.value.attempts == 1
     assert len(info.value.receipts) == 200  # the two batches before the refused one
     assert [r.message_id for r in info.value.receipts] == [m.message_id for m in msgs[:200]]
+
+
+def test_send_many_opens_a_new_stream_every_half_timeout_and_keeps_order(server):
+    """send_many ends its stream after timeout/2 and goes on with a new one: receipts stay
+    complete, in input order, with increasing sequences."""
+    from qdelay.client import Client
+
+    c = Client(server.address, timeout=0.4)
+    s = subject()
+    calls = []
+    real = c.stub.SendStream
+    c.stub.SendStream = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+
+    def slow():  # ~1.5 s of messages: several streams of 0.2 s each
+        for i in range(300):
+            if i % 20 == 0:
+                time.sleep(0.1)
+            yield c.message(s, b"x", delay_ms=60_000, message_id=f"order-{i}")
+
+    receipts = c.send_many(slow(), batch_size=10, max_in_flight=3)
+    assert [r.message_id for r in receipts] == [f"order-{i}" for i in range(300)]
+    seqs = [r.sequence for r in receipts]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 300
+    assert len(calls) >= 3
+    c.close()

@@ -1,0 +1,205 @@
+"""The iterate service on its own: message log -> schedule segments, byte for byte.
+
+Real files (a message log, a schedule log, a checkpoint) in a temporary folder; the
+scheduler is replaced by a list that collects what would be handed over, and the loading
+horizon is a number the test sets.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from qdelay.segments import checkpoint, framing, naming, records
+from qdelay.segments.framing import RecordKind
+from qdelay.segments.segment import HandlePool
+from qdelay.segments.wal import MessageLog
+from qdelay.server.bucket_log import BucketLog
+from qdelay.server.iterate import IterateService
+
+MIN = naming.MS_PER_MINUTE
+T0 = 1_800_000_000_000 - 1_800_000_000_000 % MIN  # a minute boundary
+
+
+class Rig:
+    def __init__(self, root, horizon_minutes: int = 3, read_bytes: int = 64 * 1024, start_offset=None,
+                 write_behind_bytes: int = 8 * 1024 * 1024) -> None:
+        self.root = str(root)
+        self.pool = HandlePool(64)
+        self.wal = MessageLog(os.path.join(self.root, "message"), pool=self.pool)
+        self.schedule = BucketLog(os.path.join(self.root, "schedule"), naming.SCHEDULE_SUFFIX, self.pool)
+        self.horizon = naming.bucket_of(T0) + horizon_minutes
+        self.handed: list = []
+        self.calls: list[tuple[int, int | None]] = []
+        self.ckpt = os.path.join(self.root, "iterate.ckpt")
+        self.it = IterateService(self.wal, self.schedule, self.ckpt,
+                                 start_offset=self.wal.first_offset if start_offset is None else start_offset,
+                                 start_sequence=0, read_bytes=read_bytes, horizon=lambda: self.horizon,
+                                 write_behind_bytes=write_behind_bytes)
+        self.it.on_records = self._on_records
+
+    def _on_records(self, written, near):
+        self.handed.extend(written)
+        self.calls.append((len(written), near))
+
+    def send(self, dues, payload=b"p" * 40, subject=b"s"):
+        bodies = [records.encode_message(subject, f"m{d}-{i}".encode(), b"", payload, d) for i, d in enumerate(dues)]
+        return self.wal.append([(RecordKind.MESSAGE, T0, b) for b in bodies])
+
+    def cancel(self, due, seq):
+        body = records.encode_cancel(records.Cancel(f"c{seq}", due, seq))
+        return self.wal.append([(RecordKind.CANCEL, T0, body)])
+
+    def catch_up(self):
+        while self.it.step():
+            pass
+
+    def close(self):
+        self.wal.close()
+        self.pool.close()
+
+
+def wal_frames(rig) -> list[framing.Frame]:
+    out, pos = [], rig.wal.first_offset
+    while True:
+        frames, pos2 = rig.wal.read(pos, 1 << 20)
+        if not frames:
+            return out
+        out += frames
+        pos = pos2
+
+
+def sched_bytes(rig, bucket) -> bytes:
+    seg = rig.schedule.get(bucket)
+    return b"" if seg is None or seg.size == 0 else seg.read(0, seg.size)
+
+
+def expected_bytes(rig) -> dict[int, bytes]:
+    """Bucket -> the message-log frames routed to it, in log order, re-encoded."""
+    out: dict[int, bytearray] = {}
+    for f in wal_frames(rig):
+        due = records.decode_body(f.kind, f.body).deliver_at_ms
+        framing.encode_into(out.setdefault(naming.bucket_of(due), bytearray()), f.kind, f.sequence,
+                            f.timestamp, f.body)
+    return {b: bytes(v) for b, v in out.items()}
+
+
+def test_copies_every_record_byte_for_byte_and_hands_over_only_near_ones(tmp_path):
+    rig = Rig(tmp_path)
+    rnd = random.Random(7)
+    dues = [T0 + rnd.randrange(0, 60 * MIN) for _ in range(2_000)]
+    for k in range(0, len(dues), 100):
+        rig.send(dues[k:k + 100])
+    rig.cancel(dues[5], 6)          # a tombstone for a far bucket: handed over at once
+    rig.catch_up()
+    rig.it.checkpoint()
+    want = expected_bytes(rig)
+    for bucket, data in want.items():
+        assert sched_bytes(rig, bucket) == data, bucket
+    near = rig.horizon + 1
+    assert all(r.bucket <= near or r.kind == RecordKind.CANCEL for r in rig.handed)
+    assert sum(1 for d in dues if naming.bucket_of(d) <= near) == \
+        sum(1 for r in rig.handed if r.kind == RecordKind.MESSAGE)
+    for r in rig.handed:  # every handed-over offset is that record's frame
+        frame = rig.schedule.get(r.bucket).read_frame(r.offset)
+        assert (frame.sequence, frame.kind, frame.size) == (r.sequence, r.kind, r.size)
+        if r.kind == RecordKind.MESSAGE:
+            assert r.subject == b"s" and r.due == records.decode_message(frame.body).deliver_at_ms
+        else:
+            assert (r.target, r.due) == (6, dues[5])
+    assert rig.it.counts == {"messages": 2_000, "cancels": 1}
+    assert checkpoint.read(rig.ckpt)["offset"] == rig.wal.committed_offset
+    rig.close()
+
+
+def test_far_records_are_written_behind_until_checkpoint_or_a_reader(tmp_path):
+    rig = Rig(tmp_path)
+    far = naming.bucket_of(T0) + 30
+    rig.send([far * MIN + 5, far * MIN + 6])
+    rig.send([(far + 1) * MIN])
+    rig.catch_up()
+    assert sched_bytes(rig, far) == b"" and not rig.handed
+    rig.it.flush_bucket(far)  # Cancel and Get call this before they look
+    assert len(framing.scan(sched_bytes(rig, far), 0).frames) == 2
+    assert sched_bytes(rig, far + 1) == b""
+    rig.it.checkpoint()
+    assert sched_bytes(rig, far + 1) == expected_bytes(rig)[far + 1]
+    rig.close()
+
+
+def test_write_behind_is_bounded(tmp_path):
+    rig = Rig(tmp_path, write_behind_bytes=10_000)
+    far = naming.bucket_of(T0) + 30
+    for k in range(10):
+        rig.send([far * MIN + k] * 20)
+        rig.catch_up()
+        assert rig.it._behind_bytes <= 10_000
+    rig.close()
+
+
+def test_a_bucket_reached_by_the_horizon_is_written_and_sent_back_to_its_loader(tmp_path):
+    rig = Rig(tmp_path)
+    b = naming.bucket_of(T0) + 10
+    rig.send([b * MIN + 1])
+    rig.catch_up()
+    assert sched_bytes(rig, b) == b""
+    rig.horizon = b  # the loader may have read the bucket without the record ...
+    rig.it.step()    # ... so it is written and the loader told to read on from its cursor
+    assert sched_bytes(rig, b) == expected_bytes(rig)[b]
+    assert rig.calls[-1] == (0, b - 1)
+    rig.send([b * MIN + 2])  # from now on handed over, at its real offset
+    rig.catch_up()
+    (rec,) = rig.handed
+    assert rig.schedule.get(b).read_frame(rec.offset).sequence == rec.sequence == 2
+    rig.close()
+
+
+def test_replay_from_an_older_checkpoint_never_duplicates(tmp_path):
+    rig = Rig(tmp_path)
+    rnd = random.Random(3)
+    rig.send([T0 + rnd.randrange(0, 20 * MIN) for _ in range(500)])
+    rig.catch_up()
+    rig.it.checkpoint()
+    before = {b: sched_bytes(rig, b) for b in rig.schedule.buckets()}
+    rig.send([T0 + rnd.randrange(0, 20 * MIN) for _ in range(50)])  # some new ones too
+    replay = IterateService(rig.wal, rig.schedule, rig.ckpt, start_offset=rig.wal.first_offset,
+                            start_sequence=0, horizon=lambda: rig.horizon)
+    while replay.step():
+        pass
+    replay.checkpoint()
+    assert replay.duplicates_skipped == 500
+    assert replay.records_copied == 50
+    for b, data in expected_bytes(rig).items():
+        assert sched_bytes(rig, b) == data
+        assert sched_bytes(rig, b).startswith(before.get(b, b""))
+    rig.close()
+
+
+def test_a_record_larger_than_one_read(tmp_path):
+    rig = Rig(tmp_path, read_bytes=4096)
+    b = naming.bucket_of(T0) + 1
+    rig.send([b * MIN], payload=b"x" * 20_000)
+    rig.send([b * MIN + 1, b * MIN + 2])
+    rig.catch_up()
+    assert sched_bytes(rig, b) == expected_bytes(rig)[b]
+    assert [r.sequence for r in rig.handed] == [1, 2, 3]
+    rig.close()
+
+
+def test_a_corrupt_message_log_record_stops_the_copy(tmp_path):
+    rig = Rig(tmp_path)
+    rig.send([T0 + 1, T0 + 2])
+    seg = rig.wal.segment_at(rig.wal.first_offset)
+    second = framing.HEADER_SIZE + len(wal_frames(rig)[0].body)
+    with open(seg.path, "r+b") as f:  # flip a body byte of the second record
+        f.seek(second + framing.HEADER_SIZE + 3)
+        byte = f.read(1)
+        f.seek(second + framing.HEADER_SIZE + 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    rig.pool.forget(seg.path)
+    with pytest.raises(Exception) as info:
+        rig.catch_up()
+    assert getattr(info.value, "offset", None) == rig.wal.first_offset + second
+    rig.close()
