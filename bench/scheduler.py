@@ -1,6 +1,7 @@
 """Scheduler benchmark: lateness, burst drain, memory per pending message, restart time.
 
-Run: ``python -m bench.scheduler [--quick] [--json FILE]``. Every scenario uses a real
+Run: ``python -m bench.scheduler [--quick] [--json FILE] [--only burst,lateness,...]
+[--repeat N]``. Every scenario uses a real
 Engine on a temporary data folder and an in-process sink that acknowledges everything;
 memory and restart run in a child process each so their RSS is not mixed with the others.
 
@@ -50,9 +51,10 @@ class AckingSink:
         return 1_000_000
 
     def deliver(self, subject: str, deliveries) -> None:
+        # the batch's columns, as the gRPC sink (server/consumers.py) reads them
         now = time.time() * 1000
-        self.lateness.extend(now - d.deliver_at_ms for d in deliveries)
-        self._acks.put([d.ack_id for d in deliveries])
+        self.lateness.extend(now - due for due in deliveries.deliver_at_ms)
+        self._acks.put(deliveries.ack_ids)
         self.count += len(deliveries)
         if self.count >= self.expect:
             self.done.set()
@@ -191,6 +193,19 @@ def run_child(kind: str, root: str, n: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+SCENARIOS = ("lateness", "burst", "memory_far", "memory_near", "restart")
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """Per numeric key, the median over runs."""
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)):
+            vals = sorted(r[key] for r in runs)
+            out[key] = vals[len(vals) // 2]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
@@ -198,6 +213,9 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="", help="comma-separated subset: " + ",".join(SCENARIOS))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each chosen in-process scenario N times and add the median (burst, lateness)")
     args = ap.parse_args()
     if args.child:
         path = os.path.join(args.root, args.child)
@@ -207,17 +225,31 @@ def main() -> None:
             print(json.dumps(child_memory(path, args.n, args.child)))
         return
     big = 100_000 if args.quick else 1_000_000
+    wanted = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    unknown = sorted(set(wanted) - set(SCENARIOS))
+    if unknown:
+        ap.error(f"unknown scenario(s): {', '.join(unknown)}")
     root = tempfile.mkdtemp(prefix="qdelay-bench-")
+    runs = {
+        "lateness": lambda i: scenario_lateness(os.path.join(root, f"r{i}"), 20_000, 10_000),
+        "burst": lambda i: scenario_burst(os.path.join(root, f"r{i}"), 100_000),
+        "memory_far": lambda i: run_child("far", os.path.join(root, f"r{i}"), big),
+        "memory_near": lambda i: run_child("near", os.path.join(root, f"r{i}"), big),
+        "restart": lambda i: run_child("restart", os.path.join(root, f"r{i}"), big),
+    }
     try:
-        results = {
-            "load_avg_before": os.getloadavg(),
-            "lateness": scenario_lateness(root, 20_000, 10_000),
-            "burst": scenario_burst(root, 100_000),
-            "memory_far": run_child("far", root, big),
-            "memory_near": run_child("near", root, big),
-            "restart": run_child("restart", root, big),
-            "load_avg_after": os.getloadavg(),
-        }
+        results: dict = {"load_avg_before": os.getloadavg()}
+        for name in SCENARIOS:
+            if name not in wanted:
+                continue
+            repeat = args.repeat if name in ("lateness", "burst") else 1
+            if repeat <= 1:
+                results[name] = runs[name](0)
+                continue
+            # each run on its own folder; the median smooths a machine shared with others
+            each = [runs[name](i) for i in range(repeat)]
+            results[name] = {"runs": each, "median": _median_of(each)}
+        results["load_avg_after"] = os.getloadavg()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for name, r in results.items():

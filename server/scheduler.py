@@ -46,6 +46,16 @@ from qdelay.server.wheel import Entries, TimerWheel
 
 log = logging.getLogger("qdelay.scheduler")
 
+# frame header + MESSAGE fixed part (docs/formats.md): records read back for delivery are
+# checked and split column-wise, with these 56 bytes of each gathered into one array
+_HEAD_DTYPE = np.dtype([("magic", "<u4"), ("checksum", "<u8"), ("length", "<u4"), ("kind", "u1"),
+                        ("version", "u1"), ("flags", "<u2"), ("seq", "<u8"), ("timestamp", "<i8"),
+                        ("due", "<i8"), ("slen", "<u2"), ("mlen", "<u2"), ("hlen", "<u4"), ("plen", "<u4")])
+_HEAD_SIZE = _HEAD_DTYPE.itemsize
+_HEAD_RANGE = np.arange(_HEAD_SIZE, dtype=np.int64)
+if _HEAD_SIZE != framing.HEADER_SIZE + records.MESSAGE_FIXED.size:
+    raise InvariantViolation("frame header + MESSAGE fixed part does not match the spec's layout")
+
 DEAD_LETTER_HEADER = "qdelay-dead-letter-of"
 
 
@@ -61,11 +71,57 @@ class Delivery:
     attempt: int
 
 
+class Deliveries:
+    """A batch of deliveries of one subject, as parallel lists (one entry per delivery).
+
+    A burst hands out hundreds of thousands of deliveries a second; one Python object per
+    delivery was a large share of that cost, so the dispatcher fills columns instead and a
+    sink reads them directly (``ack_ids``, ``payloads`` ...). Iterating, indexing and
+    ``len`` still behave like a list of :class:`Delivery` (built on demand), and a slice is
+    a ``Deliveries`` again. ``headers`` holds None for a delivery without headers.
+    """
+
+    __slots__ = ("subject", "ack_ids", "message_ids", "payloads", "headers", "deliver_at_ms",
+                 "dispatched_at_ms", "attempts")
+
+    def __init__(self, subject: str, ack_ids: list[str], message_ids: list[str], payloads: list[bytes],
+                 headers: list[dict[str, str] | None], deliver_at_ms: list[int], dispatched_at_ms: int,
+                 attempts: list[int]) -> None:
+        self.subject = subject
+        self.ack_ids = ack_ids
+        self.message_ids = message_ids
+        self.payloads = payloads
+        self.headers = headers
+        self.deliver_at_ms = deliver_at_ms
+        self.dispatched_at_ms = dispatched_at_ms  # one hand-over time for the whole batch
+        self.attempts = attempts
+
+    def __len__(self) -> int:
+        return len(self.ack_ids)
+
+    def _one(self, i: int) -> Delivery:
+        return Delivery(self.ack_ids[i], self.message_ids[i], self.subject, self.payloads[i],
+                        self.headers[i] or {}, self.deliver_at_ms[i], self.dispatched_at_ms, self.attempts[i])
+
+    def __iter__(self):
+        return map(self._one, range(len(self.ack_ids)))
+
+    def __getitem__(self, key: int | slice) -> "Delivery | Deliveries":
+        if isinstance(key, slice):
+            return Deliveries(self.subject, self.ack_ids[key], self.message_ids[key], self.payloads[key],
+                              self.headers[key], self.deliver_at_ms[key], self.dispatched_at_ms,
+                              self.attempts[key])
+        return self._one(range(len(self.ack_ids))[key])
+
+    def __repr__(self) -> str:
+        return f"Deliveries({self.subject!r}, {len(self)} deliveries)"
+
+
 class DeliverySink(Protocol):
     def credit(self, subject: str) -> int:
         """How many more deliveries of ``subject`` the consumers accept now (cheap, thread-safe)."""
 
-    def deliver(self, subject: str, deliveries: list[Delivery]) -> None:
+    def deliver(self, subject: str, deliveries: Deliveries) -> None:
         """Take a batch; called on the scheduler thread, so it must not block."""
 
 
@@ -121,27 +177,37 @@ class _Ready:
         self.retries: collections.deque[tuple] = collections.deque()  # (seq, off, bucket, due, attempt)
         self.count = 0
 
-    def take(self, n: int) -> tuple[list[tuple], list[tuple]]:
-        """Up to n items, retries first, each as (seq, off, bucket, due, attempt)."""
-        retries = []
+    def take(self, n: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt)."""
+        seqs: list[int] = []
+        offs: list[int] = []
+        buckets: list[int] = []
+        dues: list[int] = []
+        attempts: list[int] = []
         while self.retries and n > 0:
-            retries.append(self.retries.popleft())
+            seq, off, bucket, due, attempt = self.retries.popleft()
+            seqs.append(seq)
+            offs.append(off)
+            buckets.append(bucket)
+            dues.append(due)
+            attempts.append(attempt)
             n -= 1
-        fresh: list[tuple] = []
         while self.chunks and n > 0:
             chunk = self.chunks[0]
             e, pos = chunk
             end = min(len(e), pos + n)
-            fresh.extend(zip(e.seq[pos:end].tolist(), e.off[pos:end].tolist(),
-                             e.bucket[pos:end].tolist(), e.due[pos:end].tolist(),
-                             itertools.repeat(1, end - pos)))
+            seqs += e.seq[pos:end].tolist()
+            offs += e.off[pos:end].tolist()
+            buckets += e.bucket[pos:end].tolist()
+            dues += e.due[pos:end].tolist()
+            attempts += [1] * (end - pos)
             n -= end - pos
             if end >= len(e):
                 self.chunks.popleft()
             else:
                 chunk[1] = end
-        self.count -= len(retries) + len(fresh)
-        return retries, fresh
+        self.count -= len(seqs)
+        return seqs, offs, buckets, dues, attempts
 
 
 class Scheduler:
@@ -174,8 +240,10 @@ class Scheduler:
         self._ready: dict[int, _Ready] = {}
         self._ready_total = 0
         self._rr: collections.deque[int] = collections.deque()  # subjects with ready work
-        self.in_flight: dict[int, tuple] = {}  # seq -> (bucket, off, due, subj, attempt, dispatched_at, mid)
-        self._deadlines: collections.deque[tuple[int, list[tuple[int, int]]]] = collections.deque()
+        # seq -> (seq, bucket, off, due, subj, attempt, dispatched_at, message id bytes)
+        self.in_flight: dict[int, tuple] = {}
+        # (deadline, sequences, attempts) per dispatched batch, in deadline order
+        self._deadlines: collections.deque[tuple[int, list[int], list[int]]] = collections.deque()
         self._retry_heap: list[tuple[int, int, tuple]] = []
         self._dispatch_buf: dict[int, bytearray] = {}
         self._dispatch_first = 0.0
@@ -260,13 +328,13 @@ class Scheduler:
                 with self.lock:
                     self._fire(now)
                     self._expire(now)
-                self._dispatch(now)
+                more = self._dispatch(now)
                 self._flush_dispatch()
                 self._check_done(now)
                 with self.lock:
                     if self._stop:
                         return
-                    timeout = self._sleep_for(self.clock(), loading)
+                    timeout = self._sleep_for(self.clock(), loading or more)
                     if timeout > 0:
                         self._wake.wait(timeout)
         except BaseException as err:
@@ -541,14 +609,14 @@ class Scheduler:
     def _expire(self, now: int) -> None:
         """Deliveries not acknowledged in time go back for another attempt (or dead letters)."""
         while self._deadlines and self._deadlines[0][0] <= now:
-            _deadline, batch = self._deadlines.popleft()
-            for seq, attempt in batch:
+            _deadline, seqs, attempts = self._deadlines.popleft()
+            for seq, attempt in zip(seqs, attempts):
                 inf = self.in_flight.get(seq)
-                if inf is None or inf[4] != attempt:
+                if inf is None or inf[5] != attempt:
                     continue
                 del self.in_flight[seq]
                 self.redeliveries += 1
-                bucket, off, due, subj, attempt, _at, _mid = inf
+                _seq, bucket, off, due, subj, attempt, _at, _mid = inf
                 item = (seq, off, bucket, due, attempt + 1, subj)
                 if attempt >= self.cfg.max_attempts:
                     self._dead_letter(seq, item, now)
@@ -584,13 +652,16 @@ class Scheduler:
         self._tokens -= n
         return n
 
-    def _dispatch(self, now: int) -> None:
+    def _dispatch(self, now: int) -> bool:
+        """Hand ready entries to the sink; True if it stopped at the round limit with
+        deliveries still flowing (the loop then goes round again without sleeping: no ack
+        or credit notification may come to wake it)."""
         sink = self.sink
         if sink is None:
-            return
+            return False
         rounds = 0
         while True:
-            batches: list[tuple[str, list[Delivery]]] = []
+            batches: list[Deliveries] = []
             with self.lock:
                 if not self._rr or self._stop:
                     break
@@ -602,137 +673,247 @@ class Scheduler:
                     n = min(credit, self.cfg.dispatch_quantum, q.count)
                     n = self._take_tokens(n) if n > 0 else 0
                     if n > 0:
-                        retries, fresh = q.take(n)
-                        self._ready_total -= len(retries) + len(fresh)
-                        out = self._prepare(sid, name, retries, fresh, now)
-                        if out:
-                            batches.append((name, out))
+                        seqs, offs, buckets, dues, attempts = q.take(n)
+                        self._ready_total -= len(seqs)
+                        out = self._prepare(sid, name, seqs, offs, buckets, dues, attempts, now)
+                        if out is not None:
+                            batches.append(out)
                     if q.count > 0:
                         self._rr.append(sid)
-            for name, out in batches:
-                sink.deliver(name, out)
+            for out in batches:
+                sink.deliver(out.subject, out)
             rounds += 1
-            if not batches or rounds >= 64:
-                break
+            if not batches:
+                return False
+            if rounds >= 64:  # let the loop flush dispatch records and fire new entries
+                return True
+        return False
 
-    def _prepare(self, sid: int, name: str, retries: list[tuple], fresh: list[tuple],
-                 now: int) -> list[Delivery]:
-        """Turn ready items into deliveries: drop cancelled ones, read the records back.
+    def _prepare(self, sid: int, name: str, seqs: list[int], offs: list[int], buckets: list[int],
+                 dues: list[int], attempts: list[int], now: int) -> Deliveries | None:
+        """Turn ready items (columns, all of subject ``sid``) into deliveries (lock held):
+        drop cancelled ones, read the records back, register them as in flight.
 
-        This is the per-message hot path of a burst: records of one bucket are read with one
-        pread per run of nearby offsets and verified and decoded in place.
+        This is the per-message hot path of a burst, so it works on columns: no object or
+        tuple per delivery except the in-flight entry an ack needs.
         """
-        items = retries + fresh if retries else fresh
-        first_bucket = items[0][2]
-        if all(it[2] == first_bucket for it in items):
-            by_bucket: dict[int, list[tuple]] = {first_bucket: items}
+        first = buckets[0]
+        if buckets.count(first) == len(buckets):
+            groups = [(first, seqs, offs, dues, attempts)]
         else:
-            by_bucket = {}
-            for it in items:
-                lst = by_bucket.get(it[2])
-                if lst is None:
-                    lst = by_bucket[it[2]] = []
-                lst.append(it)
-        out: list[Delivery] = []
+            where: dict[int, list[int]] = {}
+            for i, b in enumerate(buckets):
+                where.setdefault(b, []).append(i)
+            groups = [(b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx],
+                       [attempts[i] for i in idx]) for b, idx in where.items()]
+        o_seqs: list[int] = []
+        o_dues: list[int] = []
+        o_attempts: list[int] = []
+        o_mids: list[bytes] = []
+        o_payloads: list[bytes] = []
+        o_headers: list[dict[str, str] | None] = []
         in_flight = self.in_flight
-        deadline_batch = []
-        lateness = []
-        fields = records.message_fields
-        for bucket, group in by_bucket.items():
+        for bucket, g_seqs, g_offs, g_dues, g_attempts in groups:
             st = self.buckets.get(bucket)
             if st is None:
                 continue  # cannot happen for indexed entries; guards against a dropped bucket
             if st.cancelled or self.cancelling:
-                kept = [it for it in group if it[0] not in st.cancelled and it[0] not in self.cancelling]
-                skipped = len(group) - len(kept)
-                st.outstanding -= skipped
-                self.cancel_skipped += skipped
-                group = kept
-            bodies = self._read_group(st, group)
-            for (seq, off, _bucket, due, attempt), body in zip(group, bodies):
-                if body is None:
-                    st.outstanding -= 1
-                    self.corrupt_skipped += 1
+                cancelled, cancelling = st.cancelled, self.cancelling
+                keep = [i for i, q in enumerate(g_seqs) if q not in cancelled and q not in cancelling]
+                if len(keep) < len(g_seqs):
+                    skipped = len(g_seqs) - len(keep)
+                    st.outstanding -= skipped
+                    self.cancel_skipped += skipped
+                    g_seqs, g_offs, g_dues, g_attempts = ([col[i] for i in keep]
+                                                          for col in (g_seqs, g_offs, g_dues, g_attempts))
+                    if not g_seqs:
+                        continue
+            mids, payloads, headers = self._read_group(st, g_seqs, g_offs)
+            if None in mids:  # unreadable records: reported by _read_group, never served
+                keep = [i for i, m in enumerate(mids) if m is not None]
+                bad = len(mids) - len(keep)
+                st.outstanding -= bad
+                self.corrupt_skipped += bad
+                g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers = (
+                    [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers))
+                if not g_seqs:
                     continue
-                subject, mid, headers, payload, _due = fields(body)
-                out.append(Delivery(f"{seq}.{attempt}", mid, subject, payload, headers, due, now, attempt))
-                in_flight[seq] = (bucket, off, due, sid, attempt, now, mid)
-                deadline_batch.append((seq, attempt))
-                if attempt == 1:
-                    lateness.append(now - due)
-        if deadline_batch:
-            self._deadlines.append((now + self.cfg.ack_timeout_ms, deadline_batch))
-            self.dispatched += len(out)
-            if self.on_dispatch is not None and lateness:
+            in_flight.update(zip(g_seqs, zip(g_seqs, itertools.repeat(bucket), g_offs, g_dues,
+                                             itertools.repeat(sid), g_attempts, itertools.repeat(now), mids)))
+            o_seqs += g_seqs
+            o_dues += g_dues
+            o_attempts += g_attempts
+            o_mids += mids
+            o_payloads += payloads
+            o_headers += headers
+        if not o_seqs:
+            return None
+        self._deadlines.append((now + self.cfg.ack_timeout_ms, o_seqs, o_attempts))
+        self.dispatched += len(o_seqs)
+        if self.on_dispatch is not None:
+            lateness = [now - d for d, a in zip(o_dues, o_attempts) if a == 1]
+            if lateness:
                 self.on_dispatch(lateness)
-        return out
+        return Deliveries(name, [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
+                          [m.decode() for m in o_mids], o_payloads, o_headers, o_dues, now, o_attempts)
 
-    def _read_group(self, st: _Bucket, group: list[tuple]) -> list:
-        """The bodies (or None) of ready items of one bucket, in the group's order.
+    def _read_group(self, st: _Bucket, seqs: list[int], offs: list[int]) -> tuple[list, list, list]:
+        """Message ids (bytes), payloads and headers (dict or None) of the records of one
+        bucket at ``offs``, each in the input's order; the id is None for a record that
+        cannot be served.
 
-        Records are read with one pread per run of offsets less than 256 KiB apart, and
-        each is checked (magic, length, sequence, checksum) before its body is used; a
-        record that fails is read again on its own and, if still bad, reported and skipped.
+        Records are read with one pread per run of offsets less than 256 KiB apart and
+        checked column-wise (:meth:`_check_run`); one that fails is read again on its own
+        and, if still bad, reported and skipped.
         """
-        order = sorted(range(len(group)), key=lambda k: group[k][1])
-        bodies: list = [None] * len(group)
-        unpack = framing.HEADER.unpack_from
-        xxh = framing._xxh
-        magic_ok = framing.MAGIC
-        hs = framing.HEADER_SIZE
-        checked = framing.CHECKED_FROM
+        n = len(seqs)
+        o = np.array(offs, dtype=np.int64)
+        in_order = n < 2 or bool((o[1:] > o[:-1]).all())
+        order = None if in_order else np.argsort(o, kind="stable")
+        so = o if order is None else o[order]
+        sseq = np.array(seqs if order is None else [seqs[k] for k in order.tolist()], dtype=np.int64)
+        mids: list = [None] * n
+        payloads: list = [None] * n
+        headers: list = [None] * n
+        failed: list[int] = []
         i = 0
-        n = len(order)
         while i < n:
-            j = i
-            first = group[order[i]][1]
-            while j + 1 < n and group[order[j + 1]][1] - first < 256 * 1024:
-                j += 1
-            data = st.seg.read(first, group[order[j]][1] - first + 16 * 1024)
-            mv = memoryview(data)
-            size = len(data)
-            for k in order[i:j + 1]:
-                seq, off = group[k][0], group[k][1]
-                p = off - first
-                body = None
-                if p + hs <= size:
-                    magic, checksum, length, _kind, _v, _f, fseq, _ts = unpack(data, p)
-                    end = p + hs + length
-                    if magic == magic_ok and fseq == seq and end <= size and \
-                            xxh(mv[p + checked:end]) == checksum:
-                        body = data[p + hs:end]
-                if body is None:
-                    try:  # longer than what was read, or really corrupt
-                        f = st.seg.read_frame(off)
-                        body = f.body if f.sequence == seq else None
-                    except CorruptRecord as err:
-                        log.error("corrupt schedule record; it cannot be delivered", extra={
-                            "path": err.path, "offset": err.offset, "reason": err.reason})
-                bodies[k] = body
-            i = j + 1
-        return bodies
+            first = int(so[i])
+            j = int(np.searchsorted(so, first + 256 * 1024, side="left"))
+            data = st.seg.read(first, int(so[j - 1]) - first + 16 * 1024)
+            failed += self._check_run(data, so[i:j] - first, sseq[i:j], mids, payloads, headers, i)
+            i = j
+        for k in failed:  # longer than what was read, or really corrupt: the slow, fully checked path
+            mids[k], payloads[k], headers[k] = self._read_one(st, int(sseq[k]), int(so[k]))
+            if headers[k] is not None:
+                headers[k] = self._headers(headers[k], int(sseq[k]), int(so[k]), mids, k)
+        if order is not None:  # back to the input's order
+            back = order.tolist()
+            m2, p2, h2 = [None] * n, [None] * n, [None] * n
+            for pos, k in enumerate(back):
+                m2[k], p2[k], h2[k] = mids[pos], payloads[pos], headers[pos]
+            mids, payloads, headers = m2, p2, h2
+        return mids, payloads, headers
+
+    def _check_run(self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list,
+                   headers: list, base: int) -> list[int]:
+        """Check and split the records at offsets ``rel`` of ``data`` (one read): fill
+        ``mids``/``payloads``/``headers`` from position ``base`` on, return the positions
+        (from ``base``) that failed a check and were left empty.
+
+        Every check of a frame is made before any of its bytes is used: magic, kind, the
+        sequence the index expects, the frame inside the read, the MESSAGE lengths adding
+        up to the frame's length, and the xxh3 checksum (one call per frame; the rest is
+        done for the whole run with numpy on the frame headers gathered side by side).
+        """
+        size = len(data)
+        n = len(rel)
+        if size < _HEAD_SIZE:
+            return list(range(base, base + n))
+        room = rel + _HEAD_SIZE <= size
+        u8 = np.frombuffer(data, dtype=np.uint8)
+        h = u8[np.minimum(rel, size - _HEAD_SIZE)[:, None] + _HEAD_RANGE].view(_HEAD_DTYPE)[:, 0]
+        length = h["length"].astype(np.int64)
+        slen = h["slen"].astype(np.int64)
+        mlen = h["mlen"].astype(np.int64)
+        hlen = h["hlen"].astype(np.int64)
+        plen = h["plen"].astype(np.int64)
+        end = rel + framing.HEADER_SIZE + length
+        ok = room & (h["magic"] == framing.MAGIC) & (h["kind"] == RecordKind.MESSAGE) & \
+            (h["version"] == framing.VERSION) & \
+            (h["seq"].astype(np.int64) == seqs) & (end <= size) & \
+            (records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length)
+        cand = np.flatnonzero(ok)
+        sums = np.fromiter(map(framing._xxh, map(data.__getitem__, map(
+            slice, (rel[cand] + framing.CHECKED_FROM).tolist(), end[cand].tolist()))), dtype=np.uint64, count=len(cand))
+        good = cand[sums == h["checksum"][cand]]
+        a = rel[good] + _HEAD_SIZE + slen[good]
+        b = a + mlen[good]
+        e = end[good]
+        got_mids = list(map(data.__getitem__, map(slice, a.tolist(), b.tolist())))
+        got_payloads = list(map(data.__getitem__, map(slice, (e - plen[good]).tolist(), e.tolist())))
+        if len(good) == n:
+            mids[base:base + n] = got_mids
+            payloads[base:base + n] = got_payloads
+            failed: list[int] = []
+        else:
+            for pos, k in enumerate(good.tolist()):
+                mids[base + k] = got_mids[pos]
+                payloads[base + k] = got_payloads[pos]
+            bad = np.ones(n, dtype=bool)
+            bad[good] = False
+            failed = (np.flatnonzero(bad) + base).tolist()
+        with_headers = np.flatnonzero(hlen[good] > 0)
+        for pos in with_headers.tolist():
+            k = int(good[pos])
+            raw = data[int(b[pos]):int(b[pos]) + int(hlen[k])]
+            headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
+        return failed
+
+    def _headers(self, raw: bytes, seq: int, off: int, mids: list, k: int) -> dict[str, str] | None:
+        """Decode a checked record's header block; a malformed one makes the record
+        unservable (``mids[k] = None``)."""
+        try:
+            return records.decode_headers(raw)
+        except ValueError as err:
+            log.error("malformed headers in a schedule record; it cannot be delivered", extra={
+                "offset": off, "sequence": seq, "reason": str(err)})
+            mids[k] = None
+            return None
+
+    def _read_one(self, st: _Bucket, seq: int, off: int) -> tuple:
+        """(message id, payload, raw headers or None) of one record read and checked on its
+        own, or (None, None, None) if it cannot be served."""
+        try:
+            f = st.seg.read_frame(off)
+        except CorruptRecord as err:
+            log.error("corrupt schedule record; it cannot be delivered", extra={
+                "path": err.path, "offset": err.offset, "reason": err.reason})
+            return None, None, None
+        if f.sequence != seq or f.kind != RecordKind.MESSAGE:
+            log.error("schedule record is not the indexed message; it cannot be delivered", extra={
+                "offset": off, "sequence": seq, "found": f.sequence})
+            return None, None, None
+        body = f.body
+        slen = mlen = hlen = plen = -1
+        if len(body) >= records.MESSAGE_FIXED.size:
+            _due, slen, mlen, hlen, plen = records.MESSAGE_FIXED.unpack_from(body, 0)
+        a = records.MESSAGE_FIXED.size + slen
+        if slen < 0 or a + mlen + hlen + plen != len(body):
+            log.error("malformed schedule record; it cannot be delivered", extra={"offset": off, "sequence": seq})
+            return None, None, None
+        return body[a:a + mlen], body[a + mlen + hlen:], (body[a + mlen:a + mlen + hlen] if hlen else None)
 
     # --- acknowledgements and the dispatch log ------------------------------------------------------
 
     def ack(self, ack_ids: list[str]) -> int:
+        """Close acknowledged deliveries: one lock hold and one encode per bucket for the
+        whole request, the DISPATCH frames buffered for the loop to write and fsync."""
         now = self.clock()
-        n = 0
-        with self.lock:
-            pop = self.in_flight.pop
+        try:
+            seqs = [int(a.partition(".")[0]) for a in ack_ids]
+        except ValueError:  # a malformed id among them: skip just those
+            seqs = []
             for ack_id in ack_ids:
                 try:
-                    seq = int(ack_id.partition(".")[0])
+                    seqs.append(int(ack_id.partition(".")[0]))
                 except ValueError:
                     continue
-                inf = pop(seq, None)
-                if inf is None:
-                    continue  # already acknowledged, or an ack id from another server
-                bucket, off, due, _subj, attempt, dispatched_at, mid = inf
-                self._record(bucket, seq, due, dispatched_at, off, attempt, records.Outcome.DELIVERED,
-                             mid, now)
-                n += 1
-            self.acked += n
+        with self.lock:
+            # an id already acknowledged, expired or from another server finds nothing
+            live = [inf for inf in map(self.in_flight.pop, seqs, itertools.repeat(None)) if inf is not None]
+            n = len(live)
             if n:
+                _seq, buckets, *_rest = cols = list(zip(*live))
+                if buckets.count(buckets[0]) == n:
+                    self._record_many(buckets[0], cols, records.Outcome.DELIVERED, now)
+                else:
+                    where: dict[int, list[int]] = {}
+                    for i, b in enumerate(buckets):
+                        where.setdefault(b, []).append(i)
+                    for b, idx in where.items():
+                        self._record_many(b, [[col[i] for i in idx] for col in cols], records.Outcome.DELIVERED, now)
+                self.acked += n
                 self._wake.notify()
         return n
 
@@ -756,12 +937,12 @@ class Scheduler:
                 except ValueError:
                     continue
                 inf = in_flight.get(seq)
-                if inf is None or inf[4] != attempt:
+                if inf is None or inf[5] != attempt:
                     continue
                 del in_flight[seq]
                 self.redeliveries += 1
                 n += 1
-                bucket, off, due, subj, attempt, _at, _mid = inf
+                _seq, bucket, off, due, subj, attempt, _at, _mid = inf
                 item = (seq, off, bucket, due, attempt + 1, subj)
                 if attempt >= self.cfg.max_attempts:
                     self._dead_letter(seq, item, now)
@@ -774,19 +955,26 @@ class Scheduler:
     def _record(self, bucket: int, seq: int, due: int, dispatched_at: int, off: int, attempt: int,
                 outcome: int, message_id: str, now: int) -> None:
         """Buffer a DISPATCH record (lock held); the loop writes and fsyncs it shortly."""
+        self._record_many(bucket, [(seq,), (bucket,), (off,), (due,), (None,), (attempt,), (dispatched_at,),
+                                   (message_id.encode(),)], outcome, now)
+
+    def _record_many(self, bucket: int, cols: list, outcome: int, now: int) -> None:
+        """Buffer DISPATCH records of ``bucket`` (lock held); the loop writes and fsyncs them
+        shortly. ``cols`` are in-flight entries as columns: seq, bucket, off, due, subject,
+        attempt, dispatched_at, message id bytes."""
+        seqs, _b, offs, dues, _s, attempts, dispatched_at, mids = cols
         buf = self._dispatch_buf.get(bucket)
         if buf is None:
             buf = self._dispatch_buf[bucket] = bytearray()
             if len(self._dispatch_buf) == 1:
                 self._dispatch_first = time.monotonic()
-        records.encode_dispatch_frame_into(buf, seq, now, due, dispatched_at, off, attempt, outcome,
-                                           message_id.encode())
+        buf += records.encode_dispatch_frames(seqs, dues, dispatched_at, offs, attempts, mids, now, outcome)
         st = self.buckets.get(bucket)
         if st is not None:
-            st.outstanding -= 1
-            st.nclosed += 1
+            st.outstanding -= len(seqs)
+            st.nclosed += len(seqs)
         else:
-            self.closed_retired += 1
+            self.closed_retired += len(seqs)
 
     def closed_total(self) -> int:
         """Messages closed (delivered or dead-lettered) over the data folder's life."""

@@ -153,3 +153,20 @@ def test_bad_header_blocks_are_value_errors():
     for cut in range(1, len(good)):
         with pytest.raises(ValueError):
             records.decode_headers(good[:cut])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(u64, i64, i64, u64, u32, message_ids), min_size=0, max_size=20), i64,
+       st.sampled_from(list(Outcome)))
+def test_batch_dispatch_encoder_is_byte_identical_to_one_frame_at_a_time(items, timestamp, outcome):
+    """The ack path encodes a whole batch column-wise (ids of one length or of several);
+    the bytes must be exactly the frames the plain codec writes, in the same order."""
+    expected = b"".join(
+        framing.encode(RecordKind.DISPATCH, seq, timestamp, records.encode_dispatch(
+            Dispatch(mid, due, at, off, attempt, outcome)))
+        for seq, due, at, off, attempt, mid in items)
+    cols = list(zip(*items)) or [()] * 6
+    seqs, dues, ats, offs, attempts, mids = cols
+    got = records.encode_dispatch_frames(list(seqs), list(dues), list(ats), list(offs), list(attempts),
+                                         [m.encode() for m in mids], timestamp, outcome)
+    assert got == expected
