@@ -45,8 +45,12 @@ class HandlePool:
         self._orphans: set[int] = set()  # forgotten while pinned: close on the last unpin
         self.opens = 0  # how many times a file was opened (for tests and stats)
 
-    @contextlib.contextmanager
-    def fd(self, path: str, create: bool = False) -> Iterator[int]:
+    def acquire(self, path: str, create: bool = False) -> int:
+        """A pinned descriptor of ``path``; give it back with :meth:`release`.
+
+        The hot paths (appends, record reads) call acquire/release in try/finally rather
+        than the :meth:`fd` context manager, which costs ~2 µs more per use.
+        """
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
@@ -57,18 +61,30 @@ class HandlePool:
             else:
                 self._fds.move_to_end(path)
             self._pins[fd] += 1
-            self._evict_locked()
+            if len(self._fds) > self.capacity:
+                self._evict_locked()
+        return fd
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            left = self._pins[fd] - 1
+            if left > 0:
+                self._pins[fd] = left
+                return
+            del self._pins[fd]
+            if fd in self._orphans:
+                self._orphans.discard(fd)
+                os.close(fd)
+            if len(self._fds) > self.capacity:
+                self._evict_locked()
+
+    @contextlib.contextmanager
+    def fd(self, path: str, create: bool = False) -> Iterator[int]:
+        fd = self.acquire(path, create)
         try:
             yield fd
         finally:
-            with self._lock:
-                self._pins[fd] -= 1
-                if self._pins[fd] <= 0:
-                    del self._pins[fd]
-                    if fd in self._orphans:
-                        self._orphans.discard(fd)
-                        os.close(fd)
-                self._evict_locked()
+            self.release(fd)
 
     def _evict_locked(self) -> None:
         excess = len(self._fds) - self.capacity
@@ -124,13 +140,17 @@ class Segment:
     def append(self, data: bytes | bytearray | memoryview) -> int:
         """Write ``data`` at the end; return the offset it starts at (not yet durable)."""
         offset = self.size
-        with self.pool.fd(self.path, create=True) as fd:
+        pool = self.pool
+        fd = pool.acquire(self.path, create=True)
+        try:
             written = os.pwrite(fd, data, offset)
             while written < len(data):  # short writes happen on signals and near ENOSPC
                 more = os.pwrite(fd, memoryview(data)[written:], offset + written)
                 if more == 0:
                     raise OSError("pwrite wrote nothing")
                 written += more
+        finally:
+            pool.release(fd)
         self.size = offset + len(data)
         return offset
 
@@ -150,8 +170,12 @@ class Segment:
         self.synced_size = size
 
     def read(self, offset: int, length: int) -> bytes:
-        with self.pool.fd(self.path) as fd:
+        pool = self.pool
+        fd = pool.acquire(self.path)
+        try:
             return os.pread(fd, length, offset)
+        finally:
+            pool.release(fd)
 
     def read_frame(self, offset: int) -> Frame:
         """Read and verify the frame at ``offset``; a bad one raises :class:`CorruptRecord`."""

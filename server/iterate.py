@@ -230,7 +230,9 @@ class IterateService:
             return pos, self.sequence, []
         u8 = np.frombuffer(data, dtype=np.uint8, count=pos)
         st = np.asarray(starts, dtype=np.int64)
-        sizes = np.diff(st, append=pos)
+        sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
+        sizes[:-1] = st[1:] - st[:-1]
+        sizes[-1] = pos - starts[-1]
         kind = u8[st + _KIND_AT]
         seq = _gather_i64(u8, st + _SEQ_AT)
         due = _gather_i64(u8, st + framing.HEADER_SIZE)  # MESSAGE and CANCEL bodies start with it
@@ -264,7 +266,7 @@ class IterateService:
         o_st, o_size = st[order], sizes[order]
         o_end = np.cumsum(o_size)
         o_at = (o_end - o_size).tolist()  # where each frame lands in its group's run
-        firsts = np.flatnonzero(np.diff(group, prepend=-1)).tolist()  # each group's first record
+        firsts = [0] + (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()  # each group's first record
         bounds = firsts[1:] + [len(order)]
         starts_l, ends_l = o_st.tolist(), (o_st + o_size).tolist()
         group_l, seq_l, buckets_l = group.tolist(), seq[order].tolist(), buckets.tolist()
