@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import grpc
 
@@ -84,6 +84,28 @@ class _Ids:
 
     def __call__(self) -> str:
         return f"{self._prefix}{next(self._count):x}"
+
+
+class SentReceipt(NamedTuple):
+    """A receipt as ``send_many`` returns it: the fields of ``qdelay.v1.Receipt`` in a tuple
+    (accepted wherever a receipt is, e.g. ``cancel``/``get``), built from a compact answer
+    at a fraction of the cost of a protobuf object per message."""
+
+    message_id: str
+    deliver_at_ms: int
+    sequence: int
+
+
+def _receipts_of(request: pb.SendBatchRequest, response: pb.SendBatchResponse) -> list:
+    """The receipts of a batch, from a full or a compact answer (see SendBatchRequest)."""
+    if response.receipts or not request.messages:
+        return list(response.receipts)
+    dues = response.deliver_at_ms
+    count = len(request.messages)
+    if len(dues) != count:
+        raise errors.InvariantViolation(f"compact answer has {len(dues)} due times for {count} messages")
+    first = response.first_sequence
+    return list(map(SentReceipt, [m.message_id for m in request.messages], dues, range(first, first + count)))
 
 
 def _receipt(r) -> pb.Receipt:
@@ -158,9 +180,9 @@ class Client:
             msg.delay_ms = delay_ms or 0
         return msg
 
-    def _with_ids(self, messages: Iterable[pb.Message]) -> list[pb.Message]:
+    def _with_ids(self, messages: Iterable[pb.Message], always: bool = False) -> list[pb.Message]:
         out = list(messages)
-        if self.retries:
+        if self.retries or always:
             for m in out:
                 if not m.message_id:
                     m.message_id = self._ids()
@@ -177,7 +199,8 @@ class Client:
 
     def send_many(self, messages: Iterable[pb.Message], batch_size: int = 1000, max_in_flight: int = 4,
                   timeout: float | None = None) -> list[pb.Receipt]:
-        """Send any number of messages as pipelined batches; receipts in input order.
+        """Send any number of messages as pipelined batches; receipts (:class:`SentReceipt`)
+        in input order.
 
         The batches go over SendStream, up to ``max_in_flight`` of them unanswered: a
         streamed batch costs the server about half the CPU of a SendBatch call. A stream
@@ -196,7 +219,10 @@ class Client:
 
         def next_request() -> pb.SendBatchRequest | None:
             batch = list(itertools.islice(source, batch_size))
-            return pb.SendBatchRequest(messages=self._with_ids(batch)) if batch else None
+            # compact receipts: the answer carries due times and the first sequence only,
+            # so every message needs its own id here
+            return pb.SendBatchRequest(messages=self._with_ids(batch, always=True), compact_receipts=True) \
+                if batch else None
 
         attempt = 1
         while True:
@@ -245,8 +271,7 @@ class Client:
             for response in call:
                 if not unanswered:
                     raise errors.InvariantViolation("SendStream answered a batch that was not sent")
-                unanswered.popleft()
-                receipts.extend(response.receipts)
+                receipts.extend(_receipts_of(unanswered.popleft(), response))
                 credit.release()
         finally:
             done.set()

@@ -86,8 +86,12 @@ class IngestGate:
         self.bytes -= size
 
 
-def _batch_response(batch: EncodedBatch, first: int) -> pb.SendBatchResponse:
+def _batch_response(batch: EncodedBatch, first: int, compact: bool) -> pb.SendBatchResponse:
     resp = pb.SendBatchResponse()
+    if compact:  # two C calls instead of three field sets per message
+        resp.first_sequence = first
+        resp.deliver_at_ms.extend(batch.dues)
+        return resp
     add = resp.receipts.add
     for sequence, (message_id, due) in enumerate(zip(batch.ids, batch.dues), first):
         r = add()  # setting fields beats add(**kwargs) by ~20 % (measured, protobuf upb)
@@ -111,11 +115,12 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.active_writes = 0
 
     # --- writes -----------------------------------------------------------------------------------
-    def _validate(self, messages, single: bool = False) -> EncodedBatch:
+    def _validate(self, messages, single: bool = False, ids_required: bool = False) -> EncodedBatch:
         if self.closing:
             raise ShuttingDown("the server is shutting down; retry on another server or later")
         try:
-            return encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single)
+            return encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single,
+                                   ids_required)
         except InvalidArgument:
             self.metrics.refused.labels("invalid").inc(len(messages) or 1)
             raise
@@ -156,8 +161,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
 
     @status.unary
     async def SendBatch(self, request, context):
-        batch = self._validate(request.messages)
-        return _batch_response(batch, await self._write(batch))
+        compact = request.compact_receipts
+        batch = self._validate(request.messages, ids_required=compact)
+        return _batch_response(batch, await self._write(batch), compact)
 
     @status.streaming
     async def SendStream(self, request_iterator, context):
@@ -172,12 +178,13 @@ class DelayService(pb_grpc.DelayServiceServicer):
             try:
                 async for request in request_iterator:
                     try:
-                        batch = self._validate(request.messages)
+                        compact = request.compact_receipts
+                        batch = self._validate(request.messages, ids_required=compact)
                         task = asyncio.ensure_future(self._write(batch))
                     except Exception as error:  # noqa: BLE001 - reported in order by the writer below
                         await pending.put(error)
                         return
-                    await pending.put((batch, task))
+                    await pending.put((batch, task, compact))
             finally:
                 await pending.put(None)
 
@@ -189,8 +196,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     break
                 if isinstance(item, Exception):
                     raise item
-                batch, task = item
-                yield _batch_response(batch, await task)
+                batch, task, compact = item
+                yield _batch_response(batch, await task, compact)
         finally:
             if not reader.done():
                 reader.cancel()

@@ -114,12 +114,13 @@ class EncodedBatch:
 
 
 def encode_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: Callable[[], str],
-                    single: bool = False) -> EncodedBatch:
+                    single: bool = False, ids_required: bool = False) -> EncodedBatch:
     """Validate a batch of ``qdelay.v1.Message`` and encode each as a MESSAGE body.
 
     One pass over the batch does both (this is the ingest hot path: every Python step per
     message shows in the server's CPU per message). Raises :class:`InvalidArgument` on the
-    first bad message; nothing is returned for a refused batch.
+    first bad message; nothing is returned for a refused batch. ``ids_required``: every
+    message must carry its message_id (compact receipts do not return generated ids).
     """
     count = len(messages)
     if count == 0:
@@ -155,6 +156,9 @@ def encode_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: Cal
         if message_id:
             if not (len(message_id) <= max_id and message_id.isascii() and message_id.isprintable()):
                 check_message_id(message_id, limits, _where(None if single else i, "message_id"))
+        elif ids_required:
+            raise InvalidArgument(f"{_where(None if single else i, 'message_id')}: required with "
+                                  f"compact_receipts (the answer does not carry generated ids)")
         else:
             message_id = new_id()
         if msg.WhichOneof("when") == "deliver_at_ms":

@@ -484,3 +484,22 @@ def test_send_many_opens_a_new_stream_every_half_timeout_and_keeps_order(server)
     assert seqs == sorted(seqs) and len(set(seqs)) == 300
     assert len(calls) >= 3
     c.close()
+
+
+def test_compact_receipts(client):
+    """compact_receipts: first_sequence + packed due times; ids are required."""
+    s = subject()
+    stub = pb_grpc.DelayServiceStub(client.channel)
+    due = now_ms() + 60_000
+    msgs = [pb.Message(subject=s, payload=b"c", message_id=f"cr-{i}", deliver_at_ms=due + i) for i in range(5)]
+    resp = stub.SendBatch(pb.SendBatchRequest(messages=msgs, compact_receipts=True), timeout=10)
+    assert len(resp.receipts) == 0 and list(resp.deliver_at_ms) == [due + i for i in range(5)]
+    last = client.get((f"cr-4", due + 4, resp.first_sequence + 4))
+    assert client.state_name(last) == "PENDING" and last.message.message_id == "cr-4"
+    before = client.stats()["pending"]
+    bad = msgs[:2] + [pb.Message(subject=s, payload=b"c", delay_ms=10)]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.SendBatch(pb.SendBatchRequest(messages=bad, compact_receipts=True), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[2].message_id: required with compact_receipts" in info.value.details()
+    assert client.stats()["pending"] == before  # nothing written

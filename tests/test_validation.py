@@ -206,3 +206,11 @@ def test_main_flags_override_file(tmp_path):
     args = parser.parse_args([])
     cfg = main.config_from_args(args)
     assert cfg.listen == "127.0.0.1:7600" and cfg.data_dir == "./data" and cfg.role == "master"
+
+
+def test_compact_receipts_need_every_message_id():
+    batch = encode_messages([msg(message_id="a"), msg(message_id="b")], LIMITS, NOW, IdGenerator(),
+                            ids_required=True)
+    assert batch.ids == ["a", "b"]
+    with pytest.raises(errors.InvalidArgument, match=r"messages\[1\].message_id: required with compact_receipts"):
+        encode_messages([msg(message_id="a"), msg()], LIMITS, NOW, IdGenerator(), ids_required=True)
