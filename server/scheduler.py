@@ -27,6 +27,7 @@ import collections
 import heapq
 import itertools
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,17 +80,20 @@ class Deliveries:
     sink reads them directly (``ack_ids``, ``payloads`` ...). Iterating, indexing and
     ``len`` still behave like a list of :class:`Delivery` (built on demand), and a slice is
     a ``Deliveries`` again. ``headers`` holds None for a delivery without headers.
+    ``message_id_bytes`` are the ids as stored (ASCII); ``message_ids`` decodes them on
+    first use (a sink that encodes protobuf itself needs only the bytes).
     """
 
-    __slots__ = ("subject", "ack_ids", "message_ids", "payloads", "headers", "deliver_at_ms",
-                 "dispatched_at_ms", "attempts")
+    __slots__ = ("subject", "ack_ids", "message_id_bytes", "_message_ids", "payloads", "headers",
+                 "deliver_at_ms", "dispatched_at_ms", "attempts")
 
-    def __init__(self, subject: str, ack_ids: list[str], message_ids: list[str], payloads: list[bytes],
+    def __init__(self, subject: str, ack_ids: list[str], message_id_bytes: list[bytes], payloads: list[bytes],
                  headers: list[dict[str, str] | None], deliver_at_ms: list[int], dispatched_at_ms: int,
                  attempts: list[int]) -> None:
         self.subject = subject
         self.ack_ids = ack_ids
-        self.message_ids = message_ids
+        self.message_id_bytes = message_id_bytes
+        self._message_ids: list[str] | None = None
         self.payloads = payloads
         self.headers = headers
         self.deliver_at_ms = deliver_at_ms
@@ -98,6 +102,12 @@ class Deliveries:
 
     def __len__(self) -> int:
         return len(self.ack_ids)
+
+    @property
+    def message_ids(self) -> list[str]:
+        if self._message_ids is None:
+            self._message_ids = [m.decode() for m in self.message_id_bytes]
+        return self._message_ids
 
     def _one(self, i: int) -> Delivery:
         return Delivery(self.ack_ids[i], self.message_ids[i], self.subject, self.payloads[i],
@@ -108,7 +118,7 @@ class Deliveries:
 
     def __getitem__(self, key: int | slice) -> "Delivery | Deliveries":
         if isinstance(key, slice):
-            return Deliveries(self.subject, self.ack_ids[key], self.message_ids[key], self.payloads[key],
+            return Deliveries(self.subject, self.ack_ids[key], self.message_id_bytes[key], self.payloads[key],
                               self.headers[key], self.deliver_at_ms[key], self.dispatched_at_ms,
                               self.attempts[key])
         return self._one(range(len(self.ack_ids))[key])
@@ -210,6 +220,72 @@ class _Ready:
         return seqs, offs, buckets, dues, attempts
 
 
+_ACK_IDS = re.compile(r"(?:[0-9]{1,18}\.[0-9]{1,9} )*")  # "seq.attempt" ids, each followed by a space
+
+
+def _ack_sequences(ack_ids: list[str]) -> list[int]:
+    """The sequence part of each ack id ("seq.attempt"; a bare "seq" is accepted too);
+    ids that are not numbers are skipped. Well-formed ids (all of them, normally) are
+    parsed in one numpy call: per id, ``int(id.partition(".")[0])`` was a tenth of the
+    ack path's cost."""
+    joined = " ".join(ack_ids) + " "
+    if _ACK_IDS.fullmatch(joined):  # at most 18 digits: no int64 overflow
+        return np.fromstring(joined.replace(".", " "), dtype=np.int64, sep=" ")[::2].tolist()
+    seqs = []
+    for ack_id in ack_ids:
+        try:
+            seqs.append(int(ack_id.partition(".")[0]))
+        except ValueError:
+            continue
+    return seqs
+
+
+class _Flight:
+    """Deliveries of one bucket handed out together, still awaiting their acks.
+
+    ``Scheduler.in_flight`` maps each sequence to its flight: one object per batch
+    rather than a tuple per delivery, and an ack request that returns a whole batch in
+    order (the usual case) reads the columns as they are. A sequence belongs to the
+    flight ``in_flight`` maps it to; a redelivery is a new flight, so an older flight
+    still listing the sequence no longer owns it.
+    """
+
+    __slots__ = ("bucket", "subj", "at", "seqs", "offs", "dues", "attempts", "mids", "_pos")
+
+    def __init__(self, bucket: int, subj: int, at: int, seqs: list[int], offs: list[int], dues: list[int],
+                 attempts: list[int], mids: list[bytes]) -> None:
+        self.bucket = bucket
+        self.subj = subj
+        self.at = at  # dispatched at (ms)
+        self.seqs = seqs
+        self.offs = offs
+        self.dues = dues
+        self.attempts = attempts
+        self.mids = mids
+        self._pos: dict[int, int] | None = None  # seq -> position, built when first needed
+
+    def index(self, seq: int) -> int:
+        if self._pos is None:
+            self._pos = dict(zip(self.seqs, range(len(self.seqs))))
+        return self._pos[seq]
+
+    def attempt_of(self, seq: int) -> int:
+        return self.attempts[self.index(seq)]
+
+    def item(self, seq: int) -> tuple:
+        """(seq, off, bucket, due, attempt + 1, subj): the entry for its next attempt."""
+        i = self.index(seq)
+        return (seq, self.offs[i], self.bucket, self.dues[i], self.attempts[i] + 1, self.subj)
+
+    def columns(self, seqs: list[int]) -> tuple[list, list, list, list]:
+        """(offs, dues, attempts, mids) of ``seqs``, all of this flight."""
+        if seqs == self.seqs:
+            return self.offs, self.dues, self.attempts, self.mids
+        idx = [self.index(q) for q in seqs]
+        return ([self.offs[i] for i in idx], [self.dues[i] for i in idx], [self.attempts[i] for i in idx],
+                [self.mids[i] for i in idx])
+
+
 class Scheduler:
     def __init__(self, schedule: BucketLog, dispatch: BucketLog, config: SchedulerConfig, *,
                  clock: Callable[[], int], done_before: int, reopened: set[int],
@@ -240,10 +316,9 @@ class Scheduler:
         self._ready: dict[int, _Ready] = {}
         self._ready_total = 0
         self._rr: collections.deque[int] = collections.deque()  # subjects with ready work
-        # seq -> (seq, bucket, off, due, subj, attempt, dispatched_at, message id bytes)
-        self.in_flight: dict[int, tuple] = {}
-        # (deadline, sequences, attempts) per dispatched batch, in deadline order
-        self._deadlines: collections.deque[tuple[int, list[int], list[int]]] = collections.deque()
+        self.in_flight: dict[int, _Flight] = {}  # seq -> the batch it was handed out in
+        # (ack deadline, flights) per dispatched batch, in deadline order
+        self._deadlines: collections.deque[tuple[int, list[_Flight]]] = collections.deque()
         self._retry_heap: list[tuple[int, int, tuple]] = []
         self._dispatch_buf: dict[int, bytearray] = {}
         self._dispatch_first = 0.0
@@ -609,23 +684,27 @@ class Scheduler:
     def _expire(self, now: int) -> None:
         """Deliveries not acknowledged in time go back for another attempt (or dead letters)."""
         while self._deadlines and self._deadlines[0][0] <= now:
-            _deadline, seqs, attempts = self._deadlines.popleft()
-            for seq, attempt in zip(seqs, attempts):
-                inf = self.in_flight.get(seq)
-                if inf is None or inf[5] != attempt:
-                    continue
-                del self.in_flight[seq]
-                self.redeliveries += 1
-                _seq, bucket, off, due, subj, attempt, _at, _mid = inf
-                item = (seq, off, bucket, due, attempt + 1, subj)
-                if attempt >= self.cfg.max_attempts:
-                    self._dead_letter(seq, item, now)
-                    continue
-                backoff = min(self.cfg.max_backoff_ms, self.cfg.retry_backoff_ms * (2 ** (attempt - 1)))
-                heapq.heappush(self._retry_heap, (now + backoff, seq, item))
+            _deadline, flights = self._deadlines.popleft()
+            in_flight = self.in_flight
+            for fl in flights:
+                for seq in fl.seqs:
+                    if in_flight.get(seq) is not fl:
+                        continue  # acknowledged, or handed out again since
+                    del in_flight[seq]
+                    self._expired(seq, fl.item(seq), now)
         while self._retry_heap and self._retry_heap[0][0] <= now:
             _t, _seq, item = heapq.heappop(self._retry_heap)
             self._requeue(item)
+
+    def _expired(self, seq: int, item: tuple, now: int) -> None:
+        """One delivery's ack timeout passed: retry after a backoff, or dead-letter it."""
+        self.redeliveries += 1
+        attempt = item[4] - 1
+        if attempt >= self.cfg.max_attempts:
+            self._dead_letter(seq, item, now)
+            return
+        backoff = min(self.cfg.max_backoff_ms, self.cfg.retry_backoff_ms * (2 ** (attempt - 1)))
+        heapq.heappush(self._retry_heap, (now + backoff, seq, item))
 
     def _requeue(self, item: tuple) -> None:
         """Put a retry at the front of its subject's ready queue (lock held)."""
@@ -713,6 +792,7 @@ class Scheduler:
         o_payloads: list[bytes] = []
         o_headers: list[dict[str, str] | None] = []
         in_flight = self.in_flight
+        flights: list[_Flight] = []
         for bucket, g_seqs, g_offs, g_dues, g_attempts in groups:
             st = self.buckets.get(bucket)
             if st is None:
@@ -738,8 +818,9 @@ class Scheduler:
                     [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers))
                 if not g_seqs:
                     continue
-            in_flight.update(zip(g_seqs, zip(g_seqs, itertools.repeat(bucket), g_offs, g_dues,
-                                             itertools.repeat(sid), g_attempts, itertools.repeat(now), mids)))
+            fl = _Flight(bucket, sid, now, g_seqs, g_offs, g_dues, g_attempts, mids)
+            in_flight.update(zip(g_seqs, itertools.repeat(fl)))
+            flights.append(fl)
             o_seqs += g_seqs
             o_dues += g_dues
             o_attempts += g_attempts
@@ -748,14 +829,14 @@ class Scheduler:
             o_headers += headers
         if not o_seqs:
             return None
-        self._deadlines.append((now + self.cfg.ack_timeout_ms, o_seqs, o_attempts))
+        self._deadlines.append((now + self.cfg.ack_timeout_ms, flights))
         self.dispatched += len(o_seqs)
         if self.on_dispatch is not None:
             lateness = [now - d for d, a in zip(o_dues, o_attempts) if a == 1]
             if lateness:
                 self.on_dispatch(lateness)
         return Deliveries(name, [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
-                          [m.decode() for m in o_mids], o_payloads, o_headers, o_dues, now, o_attempts)
+                          o_mids, o_payloads, o_headers, o_dues, now, o_attempts)
 
     def _read_group(self, st: _Bucket, seqs: list[int], offs: list[int]) -> tuple[list, list, list]:
         """Message ids (bytes), payloads and headers (dict or None) of the records of one
@@ -890,29 +971,26 @@ class Scheduler:
         """Close acknowledged deliveries: one lock hold and one encode per bucket for the
         whole request, the DISPATCH frames buffered for the loop to write and fsync."""
         now = self.clock()
-        try:
-            seqs = [int(a.partition(".")[0]) for a in ack_ids]
-        except ValueError:  # a malformed id among them: skip just those
-            seqs = []
-            for ack_id in ack_ids:
-                try:
-                    seqs.append(int(ack_id.partition(".")[0]))
-                except ValueError:
-                    continue
+        seqs = _ack_sequences(ack_ids)
         with self.lock:
             # an id already acknowledged, expired or from another server finds nothing
-            live = [inf for inf in map(self.in_flight.pop, seqs, itertools.repeat(None)) if inf is not None]
-            n = len(live)
+            flights = list(map(self.in_flight.pop, seqs, itertools.repeat(None)))
+            first = flights[0] if flights else None
+            if first is not None and flights.count(first) == len(flights):
+                groups = [(first, seqs)]  # the usual case: one batch acknowledged as handed out
+            else:
+                by_flight: dict[int, tuple[_Flight, list[int]]] = {}
+                for seq, fl in zip(seqs, flights):
+                    if fl is not None:
+                        by_flight.setdefault(id(fl), (fl, []))[1].append(seq)
+                groups = list(by_flight.values())
+            n = 0
+            for fl, got in groups:
+                offs, dues, attempts, mids = fl.columns(got)
+                self._record_many(fl.bucket, got, dues, [fl.at] * len(got), offs, attempts, mids,
+                                  records.Outcome.DELIVERED, now)
+                n += len(got)
             if n:
-                _seq, buckets, *_rest = cols = list(zip(*live))
-                if buckets.count(buckets[0]) == n:
-                    self._record_many(buckets[0], cols, records.Outcome.DELIVERED, now)
-                else:
-                    where: dict[int, list[int]] = {}
-                    for i, b in enumerate(buckets):
-                        where.setdefault(b, []).append(i)
-                    for b, idx in where.items():
-                        self._record_many(b, [[col[i] for i in idx] for col in cols], records.Outcome.DELIVERED, now)
                 self.acked += n
                 self._wake.notify()
         return n
@@ -936,14 +1014,13 @@ class Scheduler:
                     seq, attempt = int(seq_text), int(attempt_text)
                 except ValueError:
                     continue
-                inf = in_flight.get(seq)
-                if inf is None or inf[5] != attempt:
+                fl = in_flight.get(seq)
+                if fl is None or fl.attempt_of(seq) != attempt:
                     continue
                 del in_flight[seq]
                 self.redeliveries += 1
                 n += 1
-                _seq, bucket, off, due, subj, attempt, _at, _mid = inf
-                item = (seq, off, bucket, due, attempt + 1, subj)
+                item = fl.item(seq)
                 if attempt >= self.cfg.max_attempts:
                     self._dead_letter(seq, item, now)
                 else:
@@ -955,14 +1032,13 @@ class Scheduler:
     def _record(self, bucket: int, seq: int, due: int, dispatched_at: int, off: int, attempt: int,
                 outcome: int, message_id: str, now: int) -> None:
         """Buffer a DISPATCH record (lock held); the loop writes and fsyncs it shortly."""
-        self._record_many(bucket, [(seq,), (bucket,), (off,), (due,), (None,), (attempt,), (dispatched_at,),
-                                   (message_id.encode(),)], outcome, now)
+        self._record_many(bucket, [seq], [due], [dispatched_at], [off], [attempt], [message_id.encode()],
+                          outcome, now)
 
-    def _record_many(self, bucket: int, cols: list, outcome: int, now: int) -> None:
-        """Buffer DISPATCH records of ``bucket`` (lock held); the loop writes and fsyncs them
-        shortly. ``cols`` are in-flight entries as columns: seq, bucket, off, due, subject,
-        attempt, dispatched_at, message id bytes."""
-        seqs, _b, offs, dues, _s, attempts, dispatched_at, mids = cols
+    def _record_many(self, bucket: int, seqs: list[int], dues: list[int], dispatched_at: list[int],
+                     offs: list[int], attempts: list[int], mids: list[bytes], outcome: int, now: int) -> None:
+        """Buffer DISPATCH records of messages of ``bucket`` (lock held), given as columns;
+        the loop writes and fsyncs them shortly."""
         buf = self._dispatch_buf.get(bucket)
         if buf is None:
             buf = self._dispatch_buf[bucket] = bytearray()

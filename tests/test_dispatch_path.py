@@ -105,10 +105,20 @@ def test_a_torn_end_is_not_served():
 
 
 def test_a_batch_of_deliveries_behaves_like_a_list_of_them():
-    batch = Deliveries("s", ["1.1", "2.3"], ["a", "b"], [b"p", b"q"], [None, {"k": "v"}], [10, 20], 25, [1, 3])
+    batch = Deliveries("s", ["1.1", "2.3"], [b"a", b"b"], [b"p", b"q"], [None, {"k": "v"}], [10, 20], 25, [1, 3])
     assert len(batch) == 2
     assert list(batch) == [Delivery("1.1", "a", "s", b"p", {}, 10, 25, 1),
                            Delivery("2.3", "b", "s", b"q", {"k": "v"}, 20, 25, 3)]
     assert batch[-1].ack_id == "2.3" and batch[0].headers == {}
     tail = batch[1:]
     assert isinstance(tail, Deliveries) and tail.ack_ids == ["2.3"] and tail.dispatched_at_ms == 25
+
+
+def test_ack_ids_parse_like_int_of_the_part_before_the_dot():
+    from qdelay.server.scheduler import _ack_sequences
+
+    assert _ack_sequences([]) == []
+    assert _ack_sequences(["12.1", "7.3", "99999999999.16"]) == [12, 7, 99999999999]
+    # anything else takes the per-id path: bare sequences count, junk is skipped
+    assert _ack_sequences(["12.1", "7", "bogus", "x.1", "5.2"]) == [12, 7, 5]
+    assert _ack_sequences(["1" * 25 + ".1"]) == [int("1" * 25)]
