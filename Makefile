@@ -11,7 +11,8 @@ export SPARK_LOCAL_IP := 127.0.0.1
 
 setup: $(STAMP) proto
 
-$(STAMP): pyproject.toml
+# the install also builds the native codec (segments/_codec.c) next to its source
+$(STAMP): pyproject.toml segments/_codec.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[test,spark,bench]'
@@ -46,4 +47,4 @@ bench: bench-deps
 	$(BIN)/python -m bench.all
 
 clean:
-	rm -rf $(VENV) $(GEN) proto/qdelay/v1/*_pb2*.py proto/qdelay/v1/*_pb2*.pyi
+	rm -rf $(VENV) $(GEN) proto/qdelay/v1/*_pb2*.py proto/qdelay/v1/*_pb2*.pyi segments/_codec*.so build

@@ -26,6 +26,7 @@ from typing import Iterator
 import xxhash
 
 from qdelay.errors import InvariantViolation
+from qdelay.segments import native
 
 MAGIC = 0x31445151  # b"QQD1" read little-endian
 VERSION = 1
@@ -92,6 +93,14 @@ def encode_into(out: bytearray, kind: int, sequence: int, timestamp: int, body: 
 def encode_many_into(out: bytearray, kind: int, sequence: int, timestamp: int, bodies: list[bytes]) -> int:
     """Append one frame per body (sequences from ``sequence`` on) to ``out``; return the
     next sequence. Byte-identical to :func:`encode_into` per body, without its call per record."""
+    codec = native.codec
+    if codec is not None and type(bodies) is list and type(out) is bytearray:
+        return codec.frame_bodies(out, kind, sequence, timestamp, bodies, MAX_BODY)
+    return encode_many_into_py(out, kind, sequence, timestamp, bodies)
+
+
+def encode_many_into_py(out: bytearray, kind: int, sequence: int, timestamp: int, bodies: list[bytes]) -> int:
+    """The Python twin of ``native.codec.frame_bodies``."""
     rest, lead, xxh = _pack_rest, _pack_lead, _xxh
     for body in bodies:
         checked = rest(len(body), kind, VERSION, 0, sequence, timestamp) + body

@@ -1,0 +1,382 @@
+/* qdelay.segments._codec: the per-record loops of the ingest path, in C.
+ *
+ * The formats are those of docs/formats.md and of the Python codecs in segments/framing.py
+ * and segments/records.py, which stay the reference: every function here has a Python
+ * twin, tests/test_codec_native.py checks both give the same bytes, and the server runs
+ * the Python twin when this module is not built (it is an optional extension).
+ *
+ * Why C: at 100-byte messages, the Python loops over each message (validate and encode a
+ * batch, frame it, walk and route it in the iterate service) were most of the server's
+ * CPU per message (docs/benchmarks.md, "Where a durable message's server CPU goes").
+ *
+ * The host must be little-endian (the formats are): the module refuses to load otherwise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "vendor/xxhash/xxhash.h"
+
+#define MAGIC 0x31445151u /* "QQD1" read little-endian */
+#define VERSION 1
+#define HEADER_SIZE 36
+#define CHECKED_FROM 12
+#define MESSAGE_FIXED 20 /* due i64, subject_len u16, message_id_len u16, headers_len u32, payload_len u32 */
+
+static inline uint32_t get_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t get_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline void put_u16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
+static inline void put_u32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put_u64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* Write one frame header (checksum over [12, 36 + length) computed from the body in place). */
+static void write_frame(unsigned char *p, unsigned kind, uint64_t seq, int64_t ts, Py_ssize_t length) {
+    put_u32(p, MAGIC);
+    put_u32(p + 12, (uint32_t)length);
+    p[16] = (unsigned char)kind;
+    p[17] = VERSION;
+    put_u16(p + 18, 0);
+    put_u64(p + 20, seq);
+    put_u64(p + 28, (uint64_t)ts);
+    put_u64(p + 4, XXH3_64bits(p + CHECKED_FROM, (size_t)(HEADER_SIZE - CHECKED_FROM + length)));
+}
+
+/* frame_bodies(out: bytearray, kind, sequence, timestamp, bodies: list[bytes], max_body) -> next sequence */
+static PyObject *frame_bodies(PyObject *self, PyObject *args) {
+    PyObject *out, *bodies;
+    unsigned int kind;
+    unsigned long long seq;
+    long long ts;
+    Py_ssize_t max_body;
+    if (!PyArg_ParseTuple(args, "O!IKLO!n", &PyByteArray_Type, &out, &kind, &seq, &ts, &PyList_Type, &bodies,
+                          &max_body))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(bodies), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(bodies, i);
+        if (!PyBytes_Check(b)) {
+            PyErr_Format(PyExc_TypeError, "bodies[%zd] is not bytes", i);
+            return NULL;
+        }
+        if (PyBytes_GET_SIZE(b) > max_body) {
+            PyErr_Format(PyExc_ValueError, "bodies[%zd] is %zd bytes, more than %zd", i, PyBytes_GET_SIZE(b), max_body);
+            return NULL;
+        }
+        total += HEADER_SIZE + PyBytes_GET_SIZE(b);
+    }
+    Py_ssize_t start = PyByteArray_GET_SIZE(out);
+    if (PyByteArray_Resize(out, start + total) < 0)
+        return NULL;
+    unsigned char *p = (unsigned char *)PyByteArray_AS_STRING(out) + start;
+    for (Py_ssize_t i = 0; i < n; i++, seq++) {
+        PyObject *b = PyList_GET_ITEM(bodies, i);
+        Py_ssize_t len = PyBytes_GET_SIZE(b);
+        memcpy(p + HEADER_SIZE, PyBytes_AS_STRING(b), (size_t)len);
+        write_frame(p, kind, seq, ts, len);
+        p += HEADER_SIZE + len;
+    }
+    return PyLong_FromUnsignedLongLong(seq);
+}
+
+/* scan(data, max_body) -> (end, count, starts, kinds, sequences, dues, bad)
+ *
+ * Walks the whole frames at the start of ``data``, verifying magic, version, length and
+ * checksum. ``end``: where the last whole good frame ends. ``starts``/``sequences``/``dues``
+ * are int64 arrays (bytes), ``kinds`` a uint8 array; a due is the body's first 8 bytes
+ * (MESSAGE and CANCEL bodies start with it; 0 for a shorter body). ``bad``: the offset of a
+ * frame failing its checks, or -1. A frame cut by the end of ``data`` just ends the walk.
+ */
+static PyObject *scan(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t max_body;
+    if (!PyArg_ParseTuple(args, "y*n", &buf, &max_body))
+        return NULL;
+    const unsigned char *data = buf.buf;
+    Py_ssize_t size = buf.len, pos = 0, count = 0, bad = -1;
+    /* a frame is at least HEADER_SIZE bytes: this bounds the count */
+    Py_ssize_t cap = size / HEADER_SIZE + 1;
+    PyObject *starts = PyBytes_FromStringAndSize(NULL, cap * 8);
+    PyObject *kinds = PyBytes_FromStringAndSize(NULL, cap);
+    PyObject *seqs = PyBytes_FromStringAndSize(NULL, cap * 8);
+    PyObject *dues = PyBytes_FromStringAndSize(NULL, cap * 8);
+    if (!starts || !kinds || !seqs || !dues)
+        goto fail;
+    unsigned char *st = (unsigned char *)PyBytes_AS_STRING(starts), *kd = (unsigned char *)PyBytes_AS_STRING(kinds);
+    unsigned char *sq = (unsigned char *)PyBytes_AS_STRING(seqs), *du = (unsigned char *)PyBytes_AS_STRING(dues);
+    Py_BEGIN_ALLOW_THREADS
+    while (pos + HEADER_SIZE <= size) {
+        const unsigned char *p = data + pos;
+        uint32_t length = get_u32(p + 12);
+        if (get_u32(p) != MAGIC || p[17] != VERSION || (Py_ssize_t)length > max_body) {
+            bad = pos;
+            break;
+        }
+        Py_ssize_t end = pos + HEADER_SIZE + (Py_ssize_t)length;
+        if (end > size)
+            break;
+        if (XXH3_64bits(p + CHECKED_FROM, (size_t)(end - pos - CHECKED_FROM)) != get_u64(p + 4)) {
+            bad = pos;
+            break;
+        }
+        put_u64(st + 8 * count, (uint64_t)pos);
+        kd[count] = p[16];
+        memcpy(sq + 8 * count, p + 20, 8);
+        if (length >= 8)
+            memcpy(du + 8 * count, p + HEADER_SIZE, 8);
+        else
+            put_u64(du + 8 * count, 0);
+        count++;
+        pos = end;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    if (_PyBytes_Resize(&starts, count * 8) < 0 || _PyBytes_Resize(&kinds, count) < 0 ||
+        _PyBytes_Resize(&seqs, count * 8) < 0 || _PyBytes_Resize(&dues, count * 8) < 0) {
+        Py_XDECREF(starts); Py_XDECREF(kinds); Py_XDECREF(seqs); Py_XDECREF(dues);
+        return NULL;
+    }
+    return Py_BuildValue("(nnNNNNn)", pos, count, starts, kinds, seqs, dues, bad);
+fail:
+    PyBuffer_Release(&buf);
+    Py_XDECREF(starts); Py_XDECREF(kinds); Py_XDECREF(seqs); Py_XDECREF(dues);
+    return NULL;
+}
+
+/* gather(data, starts, ends, lo, hi) -> bytes: data[starts[i]:ends[i]] for i in [lo, hi), joined.
+ * starts/ends: int64 arrays (any buffer); bounds are checked. */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    Py_buffer data, sb, eb;
+    Py_ssize_t lo, hi;
+    if (!PyArg_ParseTuple(args, "y*y*y*nn", &data, &sb, &eb, &lo, &hi))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t *s = sb.buf, *e = eb.buf;
+    Py_ssize_t n = sb.len / 8, total = 0;
+    if (eb.len / 8 != n || lo < 0 || hi > n || lo > hi) {
+        PyErr_SetString(PyExc_ValueError, "gather: bad index range");
+        goto done;
+    }
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        if (s[i] < 0 || e[i] < s[i] || e[i] > data.len) {
+            PyErr_Format(PyExc_ValueError, "gather: range %zd [%lld, %lld) outside the data", i,
+                         (long long)s[i], (long long)e[i]);
+            goto done;
+        }
+        total += (Py_ssize_t)(e[i] - s[i]);
+    }
+    result = PyBytes_FromStringAndSize(NULL, total);
+    if (result) {
+        char *p = PyBytes_AS_STRING(result);
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            memcpy(p, (const char *)data.buf + s[i], (size_t)(e[i] - s[i]));
+            p += e[i] - s[i];
+        }
+    }
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&eb);
+    return result;
+}
+
+/* ---- encode_messages: validate and encode a batch of qdelay.v1.Message, fast path only ---- */
+
+static PyObject *s_subject, *s_payload, *s_message_id, *s_headers, *s_which, *s_when, *s_deliver_at_ms,
+    *s_delay_ms;
+static unsigned char subject_ok[256];
+
+/* encode_messages(messages, now_ms, max_subject, max_payload, max_id, max_delay, new_id, ids_required)
+ *   -> (bodies, ids, dues, payload_bytes) or None
+ *
+ * None means "take the Python path" (server/validation.encode_messages): a message with
+ * headers, or anything the Python path would refuse, which it does with the precise
+ * message. A batch accepted here is exactly what the Python path makes of it.
+ */
+static PyObject *encode_messages(PyObject *self, PyObject *args) {
+    PyObject *messages, *new_id;
+    long long now, max_delay;
+    Py_ssize_t max_subject, max_payload, max_id;
+    int ids_required;
+    if (!PyArg_ParseTuple(args, "OLnnnLOp", &messages, &now, &max_subject, &max_payload, &max_id, &max_delay,
+                          &new_id, &ids_required))
+        return NULL;
+    PyObject *seq = PySequence_Fast(messages, "messages must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *bodies = PyList_New(n), *ids = PyList_New(n), *dues = PyList_New(n), *seen = PySet_New(NULL);
+    PyObject *result = NULL;
+    long long total = 0;
+    if (!bodies || !ids || !dues || !seen)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *msg = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *subject = NULL, *payload = NULL, *mid = NULL, *headers = NULL, *which = NULL, *when = NULL;
+        int fallback = 1, failed = 1;
+        long long due = 0;
+        do {
+            if (!(subject = PyObject_GetAttr(msg, s_subject)) || !(payload = PyObject_GetAttr(msg, s_payload)) ||
+                !(mid = PyObject_GetAttr(msg, s_message_id)) || !(headers = PyObject_GetAttr(msg, s_headers)))
+                break;
+            if (!PyUnicode_Check(subject) || !PyBytes_Check(payload) || !PyUnicode_Check(mid)) {
+                PyErr_SetString(PyExc_TypeError, "messages must be qdelay.v1.Message");
+                break;
+            }
+            Py_ssize_t hn = PyObject_Length(headers);
+            if (hn < 0)
+                break;
+            failed = 0;
+            if (hn > 0)
+                break; /* headers: the Python path */
+            Py_ssize_t slen = PyUnicode_GET_LENGTH(subject);
+            if (slen < 1 || slen > max_subject || !PyUnicode_IS_ASCII(subject))
+                break;
+            const unsigned char *sc = PyUnicode_1BYTE_DATA(subject);
+            Py_ssize_t k;
+            for (k = 0; k < slen && subject_ok[sc[k]]; k++)
+                ;
+            if (k < slen)
+                break;
+            if (PyBytes_GET_SIZE(payload) > max_payload)
+                break;
+            Py_ssize_t mlen = PyUnicode_GET_LENGTH(mid);
+            if (mlen == 0) {
+                if (ids_required)
+                    break;
+                Py_DECREF(mid);
+                if (!(mid = PyObject_CallNoArgs(new_id))) {
+                    failed = 1;
+                    break;
+                }
+                if (!PyUnicode_Check(mid) || !PyUnicode_IS_ASCII(mid)) {
+                    PyErr_SetString(PyExc_TypeError, "new_id() must return an ASCII str");
+                    failed = 1;
+                    break;
+                }
+                mlen = PyUnicode_GET_LENGTH(mid);
+            } else {
+                if (mlen > max_id || !PyUnicode_IS_ASCII(mid))
+                    break;
+                const unsigned char *mc = PyUnicode_1BYTE_DATA(mid);
+                for (k = 0; k < mlen && mc[k] >= 0x20 && mc[k] <= 0x7e; k++)
+                    ;
+                if (k < mlen)
+                    break;
+            }
+            int added = PySet_Add(seen, mid);
+            if (added < 0) {
+                failed = 1;
+                break;
+            }
+            if (PySet_GET_SIZE(seen) != i + 1)
+                break; /* a repeated id: the Python path names both */
+            if (!(which = PyObject_CallMethodOneArg(msg, s_which, s_when))) {
+                failed = 1;
+                break;
+            }
+            int is_at = PyUnicode_Check(which) && PyUnicode_Compare(which, s_deliver_at_ms) == 0;
+            int is_delay = PyUnicode_Check(which) && PyUnicode_Compare(which, s_delay_ms) == 0;
+            if (!is_at && !is_delay)
+                break;
+            if (!(when = PyObject_GetAttr(msg, is_at ? s_deliver_at_ms : s_delay_ms))) {
+                failed = 1;
+                break;
+            }
+            long long v = PyLong_AsLongLong(when);
+            if (v == -1 && PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            if (is_at) {
+                if (v < 0 || v - now > max_delay)
+                    break;
+                due = v;
+            } else {
+                if (v < 0 || v > max_delay || v > LLONG_MAX - now)
+                    break;
+                due = now + v;
+            }
+            /* the MESSAGE body (docs/formats.md): fixed part, subject, message id, payload */
+            Py_ssize_t plen = PyBytes_GET_SIZE(payload);
+            PyObject *body = PyBytes_FromStringAndSize(NULL, MESSAGE_FIXED + slen + mlen + plen);
+            if (!body) {
+                failed = 1;
+                break;
+            }
+            unsigned char *b = (unsigned char *)PyBytes_AS_STRING(body);
+            put_u64(b, (uint64_t)due);
+            put_u16(b + 8, (uint16_t)slen);
+            put_u16(b + 10, (uint16_t)mlen);
+            put_u32(b + 12, 0);
+            put_u32(b + 16, (uint32_t)plen);
+            memcpy(b + MESSAGE_FIXED, sc, (size_t)slen);
+            memcpy(b + MESSAGE_FIXED + slen, PyUnicode_1BYTE_DATA(mid), (size_t)mlen);
+            memcpy(b + MESSAGE_FIXED + slen + mlen, PyBytes_AS_STRING(payload), (size_t)plen);
+            PyObject *due_obj = PyLong_FromLongLong(due);
+            if (!due_obj) {
+                Py_DECREF(body);
+                failed = 1;
+                break;
+            }
+            PyList_SET_ITEM(bodies, i, body);
+            Py_INCREF(mid);
+            PyList_SET_ITEM(ids, i, mid);
+            PyList_SET_ITEM(dues, i, due_obj);
+            total += plen;
+            fallback = 0;
+        } while (0);
+        Py_XDECREF(subject);
+        Py_XDECREF(payload);
+        Py_XDECREF(mid);
+        Py_XDECREF(headers);
+        Py_XDECREF(which);
+        Py_XDECREF(when);
+        if (failed)
+            goto done; /* an exception is set */
+        if (fallback) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    result = Py_BuildValue("(OOOL)", bodies, ids, dues, total);
+done:
+    Py_DECREF(seq);
+    Py_XDECREF(bodies);
+    Py_XDECREF(ids);
+    Py_XDECREF(dues);
+    Py_XDECREF(seen);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
+    {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
+    {"gather", gather, METH_VARARGS, "Join byte ranges of a buffer."},
+    {"encode_messages", encode_messages, METH_VARARGS,
+     "Validate and encode a batch of Messages (fast path); None means: use the Python path."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_codec", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__codec(void) {
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) {
+        PyErr_SetString(PyExc_ImportError, "qdelay's native codec needs a little-endian host");
+        return NULL;
+    }
+    for (int c = 0; c < 256; c++)
+        subject_ok[c] = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
+                        c == '_' || c == '-';
+    if (!(s_subject = PyUnicode_InternFromString("subject")) || !(s_payload = PyUnicode_InternFromString("payload")) ||
+        !(s_message_id = PyUnicode_InternFromString("message_id")) ||
+        !(s_headers = PyUnicode_InternFromString("headers")) || !(s_which = PyUnicode_InternFromString("WhichOneof")) ||
+        !(s_when = PyUnicode_InternFromString("when")) ||
+        !(s_deliver_at_ms = PyUnicode_InternFromString("deliver_at_ms")) ||
+        !(s_delay_ms = PyUnicode_InternFromString("delay_ms")))
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,19 @@
+"""The optional C twins of the ingest path's per-record loops (segments/_codec.c).
+
+``codec`` is the compiled module, or None when it was not built (it is an optional
+extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one benchmark run).
+Callers look it up at each call (``native.codec``), so a test can switch it off. Every
+function has a Python twin that stays the reference; tests/test_codec_native.py checks
+that both give the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+codec = None
+if os.environ.get("QDELAY_NATIVE", "1") != "0":
+    try:
+        from qdelay.segments import _codec as codec
+    except ImportError:  # not built: the Python twins run
+        codec = None

@@ -1,0 +1,154 @@
+"""The native codec (segments/_codec.c) against its Python twins: same bytes, same verdicts.
+
+The Python twins are the reference (they follow docs/formats.md line by line); every
+function of the C module is checked against its twin on generated input, valid and not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qdelay import errors
+from qdelay.segments import framing, native, records
+from qdelay.segments.framing import RecordKind
+from qdelay.server.config import Limits
+from qdelay.server.validation import encode_messages, encode_messages_py
+from qdelay.v1 import qdelay_pb2 as pb
+
+codec = native.codec
+pytestmark = pytest.mark.skipif(codec is None and os.environ.get("QDELAY_NATIVE") == "0",
+                                reason="QDELAY_NATIVE=0: the native codec is switched off on purpose")
+
+NOW = 1_800_000_000_000
+LIMITS = Limits()
+bodies = st.lists(st.binary(max_size=300), max_size=30)
+
+
+def test_the_native_codec_is_built():
+    """`make setup` builds it (gcc and the Python headers are on every supported machine);
+    the server would still run without it, only slower, so a silent build failure must
+    show here."""
+    assert codec is not None, "qdelay.segments._codec was not built: see the pip install output"
+
+
+@settings(max_examples=100, deadline=None)
+@given(kind=st.sampled_from(list(RecordKind)), first=st.integers(0, 2**63), ts=st.integers(-(2**63), 2**63 - 1),
+       many=bodies, prefix=st.binary(max_size=5))
+def test_frame_bodies_matches_python(kind, first, ts, many, prefix):
+    a, b = bytearray(prefix), bytearray(prefix)
+    assert codec.frame_bodies(a, kind, first, ts, many, framing.MAX_BODY) == \
+        framing.encode_many_into_py(b, kind, first, ts, many)
+    assert a == b
+
+
+def test_frame_bodies_refuses_what_it_cannot_frame():
+    with pytest.raises(TypeError):
+        codec.frame_bodies(bytearray(), 1, 0, 0, [b"ok", "not bytes"], framing.MAX_BODY)
+    with pytest.raises(ValueError):
+        codec.frame_bodies(bytearray(), 1, 0, 0, [b"x" * 11], 10)
+
+
+def frames(draw_bodies, kinds):
+    out = bytearray()
+    for i, (body, kind) in enumerate(zip(draw_bodies, kinds)):
+        framing.encode_into(out, kind, 100 + i, 7, body)
+    return bytes(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(many=st.lists(st.binary(min_size=0, max_size=200), max_size=20), cut=st.integers(0, 5000),
+       flip=st.one_of(st.none(), st.integers(0, 5000)))
+def test_scan_matches_a_python_walk(many, cut, flip):
+    data = bytearray(frames(many, itertools.cycle([RecordKind.MESSAGE, RecordKind.CANCEL])))
+    if flip is not None and flip < len(data):
+        data[flip] ^= 0x5A
+    data = bytes(data[:cut])
+    end, count, starts, kinds, seqs, dues, bad = codec.scan(data, framing.MAX_BODY)
+    # the reference: framing.check_at frame after frame, stopping at a cut or a bad frame
+    pos, want, want_bad = 0, [], -1
+    while pos + framing.HEADER_SIZE <= len(data):
+        try:
+            f = framing.check_at(data, pos)
+        except framing.FrameError as err:
+            length = int.from_bytes(data[pos + 12:pos + 16], "little")
+            cut_short = pos + framing.HEADER_SIZE + length > len(data)
+            header_ok = data[pos:pos + 4] == framing._MAGIC_BYTES and data[pos + 17] == framing.VERSION
+            if not (cut_short and header_ok):
+                want_bad = pos
+            assert err.offset == pos
+            break
+        want.append((pos, f.kind, f.sequence, int.from_bytes(f.body[:8], "little", signed=True)
+                     if len(f.body) >= 8 else 0))
+        pos += f.size
+    assert bad == want_bad
+    assert count == len(want) and end == pos
+    got = list(zip(np.frombuffer(starts, np.int64).tolist(), np.frombuffer(kinds, np.uint8).tolist(),
+                   np.frombuffer(seqs, np.int64).tolist(), np.frombuffer(dues, np.int64).tolist()))
+    assert got == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=500), ranges=st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500)),
+                                                     max_size=20))
+def test_gather_joins_ranges(data, ranges):
+    ranges = [(min(a, b, len(data)), min(max(a, b), len(data))) for a, b in ranges]
+    s = np.asarray([a for a, _ in ranges], dtype=np.int64)
+    e = np.asarray([b for _, b in ranges], dtype=np.int64)
+    for lo in range(len(ranges) + 1):
+        assert codec.gather(data, s, e, lo, len(ranges)) == b"".join(data[a:b] for a, b in ranges[lo:])
+    with pytest.raises(ValueError):
+        codec.gather(data, np.asarray([0], np.int64), np.asarray([len(data) + 1], np.int64), 0, 1)
+
+
+subjects = st.one_of(st.sampled_from(["a.b", "order.close", "x" * 255, "x" * 256, "", "bad subject", "é"]),
+                     st.text(alphabet="abcXYZ019._-", min_size=1, max_size=10))
+ids = st.one_of(st.just(""), st.text(alphabet="abc-123", min_size=1, max_size=8),
+                st.sampled_from(["x" * 128, "x" * 129, "tab\there", "ü"]))
+whens = st.one_of(st.tuples(st.just("deliver_at_ms"), st.integers(-5, NOW + LIMITS.max_delay_ms + 5)),
+                  st.tuples(st.just("delay_ms"), st.integers(-5, LIMITS.max_delay_ms + 5)),
+                  st.just(None))
+
+
+@st.composite
+def messages(draw):
+    m = pb.Message(subject=draw(subjects), payload=draw(st.binary(max_size=40)), message_id=draw(ids))
+    when = draw(whens)
+    if when is not None:
+        setattr(m, when[0], when[1])
+    if draw(st.integers(0, 9)) == 0:
+        m.headers["k"] = "v"
+    return m
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.lists(messages(), min_size=1, max_size=8), ids_required=st.booleans(),
+       small_payload=st.booleans())
+def test_encode_messages_takes_only_what_python_accepts_and_encodes_it_alike(batch, ids_required, small_payload):
+    limits = Limits(max_payload_bytes=20) if small_payload else LIMITS
+
+    def gen():
+        counter = itertools.count()
+        return lambda: f"gen-{next(counter)}"
+
+    fast = codec.encode_messages(batch, NOW, limits.max_subject_len, limits.max_payload_bytes,
+                                 limits.max_message_id_bytes, limits.max_delay_ms, gen(), ids_required)
+    try:
+        slow = encode_messages_py(batch, limits, NOW, gen(), ids_required=ids_required)
+    except errors.InvalidArgument:
+        assert fast is None
+        return
+    if any(m.headers for m in batch):
+        assert fast is None
+        return
+    assert fast is not None
+    assert (fast[0], fast[1], fast[2], fast[3]) == (slow.bodies, slow.ids, slow.dues, slow.payload_bytes)
+    assert [records.decode_message(b).message_id for b in fast[0]] == slow.ids
+    # and the public entry point gives the same whichever path it took
+    again = encode_messages(batch, limits, NOW, gen(), ids_required=ids_required)
+    assert again.bodies == slow.bodies
