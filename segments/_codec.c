@@ -182,6 +182,209 @@ done:
     return result;
 }
 
+/* ---- route: the iterate service's copy of a read into per-bucket buffers ---- */
+
+typedef struct {
+    long long bucket;
+    PyObject *seg;     /* the bucket's schedule segment (a new reference) */
+    PyObject *buf;     /* its write-behind bytearray (a new reference), or NULL until needed */
+    long long last;    /* highest sequence it holds, this call's appends included */
+    int used, touched;
+} Slot;
+
+typedef struct {
+    Slot *slots;
+    Py_ssize_t cap, count;
+} Table;
+
+static Slot *table_find(Table *t, long long bucket) {
+    size_t mask = (size_t)t->cap - 1, h = ((size_t)bucket * 0x9E3779B97F4A7C15ull) & mask;
+    while (t->slots[h].used && t->slots[h].bucket != bucket)
+        h = (h + 1) & mask;
+    return &t->slots[h];
+}
+
+static int table_grow(Table *t) {
+    Table bigger = {PyMem_Calloc((size_t)t->cap * 2, sizeof(Slot)), t->cap * 2, 0};
+    if (!bigger.slots)
+        return -1;
+    for (Py_ssize_t i = 0; i < t->cap; i++)
+        if (t->slots[i].used) {
+            *table_find(&bigger, t->slots[i].bucket) = t->slots[i];
+            bigger.count++;
+        }
+    PyMem_Free(t->slots);
+    *t = bigger;
+    return 0;
+}
+
+static inline long long floor_div(long long a, long long b) { long long q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
+
+/* route(data, end, starts, kinds, seqs, dues, scale, near, behind, segment_of)
+ *   -> (handed, messages, cancels, duplicates, unknown, copied, added)
+ *
+ * For each frame (the arrays come from scan()): a MESSAGE or CANCEL goes to its due
+ * bucket (UTC minute rounded down to ``scale``) unless that bucket's segment already
+ * holds its sequence (a replay); its bytes are appended to ``behind[bucket]`` (a
+ * bytearray, created when missing). ``segment_of(bucket)`` gives the segment, whose
+ * ``last_sequence`` is read once and written back at the end. ``handed``: (index,
+ * bucket, offset in its buffer) of the copied records of buckets <= ``near`` (all when
+ * None) and of every CANCEL. ``unknown``: indexes of frames of another kind (skipped).
+ * The Python twin is IterateService._route_numpy.
+ */
+static PyObject *route(PyObject *self, PyObject *args) {
+    Py_buffer data, sb, kb, qb, db;
+    Py_ssize_t end;
+    long long scale;
+    PyObject *near_obj, *behind, *segment_of;
+    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*LOO!O", &data, &end, &sb, &kb, &qb, &db, &scale, &near_obj,
+                          &PyDict_Type, &behind, &segment_of))
+        return NULL;
+    PyObject *result = NULL, *handed = PyList_New(0), *unknown = PyList_New(0);
+    Table t = {NULL, 0, 0};
+    long long near = LLONG_MAX, messages = 0, cancels = 0, dups = 0, copied = 0, added = 0;
+    Py_ssize_t n = sb.len / 8;
+    const int64_t *starts = sb.buf, *seqs = qb.buf, *dues = db.buf;
+    const unsigned char *kinds = kb.buf, *bytes = data.buf;
+    if (!handed || !unknown)
+        goto done;
+    if (kb.len != n || qb.len / 8 != n || db.len / 8 != n || end > data.len || scale < 1 ||
+        (n > 0 && (starts[0] < 0 || starts[n - 1] >= end))) {
+        PyErr_SetString(PyExc_ValueError, "route: arrays do not match the data");
+        goto done;
+    }
+    if (near_obj != Py_None) {
+        near = PyLong_AsLongLong(near_obj);
+        if (near == -1 && PyErr_Occurred())
+            goto done;
+    }
+    t.cap = 64;
+    if (!(t.slots = PyMem_Calloc((size_t)t.cap, sizeof(Slot)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned kind = kinds[i];
+        if (kind != 1 && kind != 2) {
+            PyObject *ix = PyLong_FromSsize_t(i);
+            if (!ix || PyList_Append(unknown, ix) < 0) {
+                Py_XDECREF(ix);
+                goto done;
+            }
+            Py_DECREF(ix);
+            continue;
+        }
+        if (kind == 1)
+            messages++;
+        else
+            cancels++;
+        long long minute = floor_div(dues[i], 60000);
+        long long bucket = minute - (minute - floor_div(minute, scale) * scale);
+        Slot *slot = table_find(&t, bucket);
+        if (!slot->used) {
+            if (t.count * 2 >= t.cap) {
+                if (table_grow(&t) < 0) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                slot = table_find(&t, bucket);
+            }
+            PyObject *seg = PyObject_CallFunction(segment_of, "L", bucket);
+            if (!seg)
+                goto done;
+            PyObject *last = PyObject_GetAttrString(seg, "last_sequence");
+            long long lastv = last ? PyLong_AsLongLong(last) : -1;
+            Py_XDECREF(last);
+            if (!last || (lastv == -1 && PyErr_Occurred())) {
+                Py_DECREF(seg);
+                goto done;
+            }
+            slot->used = 1;
+            slot->bucket = bucket;
+            slot->seg = seg;
+            slot->last = lastv;
+            slot->buf = NULL;
+            slot->touched = 0;
+            t.count++;
+        }
+        if (seqs[i] <= slot->last) {
+            dups++;
+            continue;
+        }
+        Py_ssize_t start = (Py_ssize_t)starts[i], stop = i + 1 < n ? (Py_ssize_t)starts[i + 1] : end;
+        if (stop < start || stop > end) {
+            PyErr_SetString(PyExc_ValueError, "route: frame offsets out of order");
+            goto done;
+        }
+        if (!slot->buf) {
+            PyObject *key = PyLong_FromLongLong(bucket);
+            if (!key)
+                goto done;
+            PyObject *buf = PyDict_GetItemWithError(behind, key);
+            if (!buf && PyErr_Occurred()) {
+                Py_DECREF(key);
+                goto done;
+            }
+            if (buf) {
+                if (!PyByteArray_Check(buf)) {
+                    Py_DECREF(key);
+                    PyErr_SetString(PyExc_TypeError, "route: behind holds a non-bytearray");
+                    goto done;
+                }
+                Py_INCREF(buf);
+            } else if (!(buf = PyByteArray_FromStringAndSize(NULL, 0)) || PyDict_SetItem(behind, key, buf) < 0) {
+                Py_XDECREF(buf);
+                Py_DECREF(key);
+                goto done;
+            }
+            Py_DECREF(key);
+            slot->buf = buf;
+        }
+        Py_ssize_t at = PyByteArray_GET_SIZE(slot->buf);
+        if (PyByteArray_Resize(slot->buf, at + (stop - start)) < 0)
+            goto done;
+        memcpy(PyByteArray_AS_STRING(slot->buf) + at, bytes + start, (size_t)(stop - start));
+        slot->last = seqs[i];
+        slot->touched = 1;
+        copied++;
+        added += stop - start;
+        if (kind == 2 || bucket <= near) {
+            PyObject *h = Py_BuildValue("(nLn)", i, bucket, at);
+            if (!h || PyList_Append(handed, h) < 0) {
+                Py_XDECREF(h);
+                goto done;
+            }
+            Py_DECREF(h);
+        }
+    }
+    result = Py_BuildValue("(OLLLOLL)", handed, messages, cancels, dups, unknown, copied, added);
+done:
+    if (t.slots) {
+        for (Py_ssize_t k = 0; k < t.cap; k++) {
+            Slot *slot = &t.slots[k];
+            if (!slot->used)
+                continue;
+            if (slot->touched && result) {  /* write back what the segment now holds */
+                PyObject *v = PyLong_FromLongLong(slot->last);
+                if (!v || PyObject_SetAttrString(slot->seg, "last_sequence", v) < 0)
+                    Py_CLEAR(result);
+                Py_XDECREF(v);
+            }
+            Py_XDECREF(slot->seg);
+            Py_XDECREF(slot->buf);
+        }
+        PyMem_Free(t.slots);
+    }
+    Py_XDECREF(handed);
+    Py_XDECREF(unknown);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&qb);
+    PyBuffer_Release(&db);
+    return result;
+}
+
 /* ---- encode_messages: validate and encode a batch of qdelay.v1.Message, fast path only ---- */
 
 static PyObject *s_subject, *s_payload, *s_message_id, *s_headers, *s_which, *s_when, *s_deliver_at_ms,
@@ -355,6 +558,7 @@ static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
     {"gather", gather, METH_VARARGS, "Join byte ranges of a buffer."},
+    {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
     {"encode_messages", encode_messages, METH_VARARGS,
      "Validate and encode a batch of Messages (fast path); None means: use the Python path."},
     {NULL, NULL, 0, NULL},

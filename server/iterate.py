@@ -228,77 +228,27 @@ class IterateService:
         data, pos, st, kind, seq, due = self._scan(data)
         if len(st) == 0:
             return pos, self.sequence, []
-        starts = st  # frame offsets in ``data``
-        sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
-        sizes[:-1] = st[1:] - st[:-1]
-        sizes[-1] = pos - st[-1]
-        is_msg = kind == _MESSAGE
-        is_cancel = kind == _CANCEL
-        known = is_msg | is_cancel
-        self.counts["messages"] += int(is_msg.sum())
-        self.counts["cancels"] += int(is_cancel.sum())
-        minute = due // MS_PER_MINUTE
-        bucket = minute - minute % self.scale
-        if not known.all():
-            for i in np.flatnonzero(~known).tolist():
-                log.error("unexpected record kind in message log", extra={
-                    "kind": int(kind[i]), "offset": self.offset + int(starts[i])})
-            if not known.any():
-                return pos, max(self.sequence, int(seq[-1])), []
-            bucket[~known] = bucket[known][0]  # skipped below; must not create a segment
-        # a replay after a crash finds records its segment already holds: skip those
-        buckets, inverse = np.unique(bucket, return_inverse=True)
-        segs = [self.schedule.get_or_create(b) for b in buckets.tolist()]
-        held = np.fromiter((sg.last_sequence for sg in segs), dtype=np.int64, count=len(segs))
-        keep = known & (seq > held[inverse])
-        self.duplicates_skipped += int(known.sum() - keep.sum())
-        idx = np.flatnonzero(keep)
-        last_seq = max(self.sequence, int(seq[-1]))
-        if len(idx) == 0:
-            return pos, last_seq, []
-        # group by bucket, in sequence order inside each; gather each group's frame bytes
-        order = idx[np.argsort(inverse[idx], kind="stable")]
-        group = inverse[order]
-        o_st, o_size = st[order], sizes[order]
-        o_end = np.cumsum(o_size)
-        o_at = (o_end - o_size).tolist()  # where each frame lands in its group's run
-        firsts = [0] + (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()  # each group's first record
-        bounds = firsts[1:] + [len(order)]
-        o_stop = o_st + o_size
         codec = native.codec
-        if codec is None:
-            starts_l, ends_l = o_st.tolist(), o_stop.tolist()
-        group_l, seq_l, buckets_l = group.tolist(), seq[order].tolist(), buckets.tolist()
-        behind = self._behind
-        mv = memoryview(data)
-        base_of: dict[int, int] = {}  # group -> its buffer's length before this run, minus the run's o_at
-        for lo, hi in zip(firsts, bounds):
-            g = group_l[lo]
-            b = buckets_l[g]
-            segs[g].last_sequence = seq_l[hi - 1]
-            buf = behind.get(b)
-            if buf is None:
-                buf = behind[b] = bytearray()
-            base_of[g] = len(buf) - o_at[lo]
-            if codec is not None:
-                buf += codec.gather(data, o_st, o_stop, lo, hi)
-            else:  # joining slices beats a numpy gather of the bytes by ~10x at these sizes
-                buf += b"".join([mv[a:z] for a, z in zip(starts_l[lo:hi], ends_l[lo:hi])])
-        self._behind_bytes += int(o_end[-1])
-        self.records_copied += len(order)
-        handed = keep & (is_cancel | (bucket <= near)) if near is not None else keep
-        if not handed.any():
+        route = codec.route if codec is not None else self._route_numpy
+        handed, messages, cancels, duplicates, unknown, copied, added = route(
+            data, pos, st, kind, seq, due, self.scale, near, self._behind, self.schedule.get_or_create)
+        self.counts["messages"] += messages
+        self.counts["cancels"] += cancels
+        self.duplicates_skipped += duplicates
+        self.records_copied += copied
+        self._behind_bytes += added
+        for i in unknown:
+            log.error("unexpected record kind in message log", extra={
+                "kind": int(kind[i]), "offset": self.offset + int(st[i])})
+        last_seq = max(self.sequence, int(seq[-1]))
+        if not handed:
             return pos, last_seq, []
         # records handed to the scheduler: written at once, with their offsets
-        at_of = np.empty(len(st), dtype=np.int64)
-        at_of[order] = o_at
-        hand = np.flatnonzero(handed)
         pending: list[tuple[int, Scheduled]] = []
-        for i, g, k, sq, d, a in zip(hand.tolist(), inverse[hand].tolist(), kind[hand].tolist(),
-                                     seq[hand].tolist(), due[hand].tolist(), at_of[hand].tolist()):
-            b = buckets_l[g]
-            start = int(starts[i])
-            end = start + int(sizes[i])
+        for i, b, at in handed:
+            start = int(st[i])
+            end = int(st[i + 1]) if i + 1 < len(st) else pos
+            k = int(kind[i])
             if k == _MESSAGE:
                 slen = _SUBJECT_LEN.unpack_from(data, start + _SUBJECT_LEN_AT)[0]
                 subject = bytes(data[start + _SUBJECT_AT:start + _SUBJECT_AT + slen])
@@ -306,10 +256,10 @@ class IterateService:
             else:
                 subject = b""
                 target = records.decode_cancel(bytes(data[start + framing.HEADER_SIZE:end])).target_sequence
-            pending.append((b, Scheduled(k, b, a + base_of[g], sq, d, subject, target, end - start)))
+            pending.append((b, Scheduled(k, b, at, int(seq[i]), int(due[i]), subject, target, end - start)))
         base: dict[int, int] = {}
         for b in {b for b, _ in pending}:
-            buf = behind.pop(b)
+            buf = self._behind.pop(b)
             base[b] = self.schedule.append(b, buf)[1]
             self._behind_bytes -= len(buf)
         written = []
@@ -317,6 +267,66 @@ class IterateService:
             rec.offset += base[b]
             written.append(rec)
         return pos, last_seq, written
+
+    @staticmethod
+    def _route_numpy(data: bytes, pos: int, st: np.ndarray, kind: np.ndarray, seq: np.ndarray,
+                     due: np.ndarray, scale: int, near: int | None, behind: dict[int, bytearray],
+                     segment_of: Callable[[int], Segment]) -> tuple:
+        """The Python twin of ``native.codec.route`` (see segments/_codec.c): the frames'
+        bytes into ``behind[bucket]``, replayed records skipped; returns (handed: [(index,
+        bucket, offset in its buffer)], messages, cancels, duplicates, unknown indexes,
+        copied, bytes added)."""
+        sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
+        sizes[:-1] = st[1:] - st[:-1]
+        sizes[-1] = pos - st[-1]
+        is_msg = kind == _MESSAGE
+        is_cancel = kind == _CANCEL
+        known = is_msg | is_cancel
+        minute = due // MS_PER_MINUTE
+        bucket = minute - minute % scale
+        unknown = np.flatnonzero(~known).tolist()
+        counts = (int(is_msg.sum()), int(is_cancel.sum()))
+        if not known.any():
+            return [], *counts, 0, unknown, 0, 0
+        if unknown:
+            bucket[~known] = bucket[known][0]  # skipped below; must not create a segment
+        # a replay after a crash finds records its segment already holds: skip those
+        buckets, inverse = np.unique(bucket, return_inverse=True)
+        segs = [segment_of(b) for b in buckets.tolist()]
+        held = np.fromiter((sg.last_sequence for sg in segs), dtype=np.int64, count=len(segs))
+        keep = known & (seq > held[inverse])
+        duplicates = int(known.sum() - keep.sum())
+        idx = np.flatnonzero(keep)
+        if len(idx) == 0:
+            return [], *counts, duplicates, unknown, 0, 0
+        # group by bucket, in sequence order inside each; join each group's frame bytes
+        order = idx[np.argsort(inverse[idx], kind="stable")]
+        group = inverse[order]
+        o_st, o_size = st[order], sizes[order]
+        o_end = np.cumsum(o_size)
+        o_at = (o_end - o_size).tolist()  # where each frame lands in its group's run
+        firsts = [0] + (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()  # each group's first record
+        bounds = firsts[1:] + [len(order)]
+        starts_l, ends_l = o_st.tolist(), (o_st + o_size).tolist()
+        group_l, seq_l, buckets_l = group.tolist(), seq[order].tolist(), buckets.tolist()
+        mv = memoryview(data)
+        at_of: dict[int, int] = {}  # group -> its buffer's length before this run, minus the run's o_at
+        for lo, hi in zip(firsts, bounds):
+            g = group_l[lo]
+            b = buckets_l[g]
+            segs[g].last_sequence = seq_l[hi - 1]
+            buf = behind.get(b)
+            if buf is None:
+                buf = behind[b] = bytearray()
+            at_of[g] = len(buf) - o_at[lo]
+            buf += b"".join([mv[a:z] for a, z in zip(starts_l[lo:hi], ends_l[lo:hi])])
+        handed_mask = keep & (is_cancel | (bucket <= near)) if near is not None else keep
+        where = np.empty(len(st), dtype=np.int64)
+        where[order] = o_at
+        handed = [(i, buckets_l[g], w + at_of[g]) for i, g, w in
+                  zip(np.flatnonzero(handed_mask).tolist(), inverse[handed_mask].tolist(),
+                      where[handed_mask].tolist())]
+        return handed, *counts, duplicates, unknown, len(order), int(o_end[-1])
 
     def _scan(self, data: bytes) -> tuple[bytes, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(data, end, starts, kinds, sequences, dues) of the whole, verified frames at the

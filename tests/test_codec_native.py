@@ -152,3 +152,46 @@ def test_encode_messages_takes_only_what_python_accepts_and_encodes_it_alike(bat
     # and the public entry point gives the same whichever path it took
     again = encode_messages(batch, limits, NOW, gen(), ids_required=ids_required)
     assert again.bodies == slow.bodies
+
+
+class FakeSegment:
+    def __init__(self, last: int) -> None:
+        self.last_sequence = last
+
+
+@settings(max_examples=200, deadline=None)
+@given(recs=st.lists(st.tuples(st.sampled_from([1, 2, 3]), st.integers(0, 6 * 60_000), st.binary(max_size=30)),
+                     min_size=1, max_size=40),
+       held=st.dictionaries(st.integers(0, 6), st.integers(-1, 140), max_size=4),
+       scale=st.sampled_from([1, 2, 5]), near=st.one_of(st.none(), st.integers(0, 6)),
+       preexisting=st.dictionaries(st.integers(0, 6), st.binary(max_size=10), max_size=3))
+def test_route_matches_python(recs, held, scale, near, preexisting):
+    """The iterate service's routing into write-behind buffers: same buffers, same
+    handed-over records, same counts, same segments' last sequences."""
+    from qdelay.server.iterate import IterateService
+
+    data = bytearray()
+    for i, (kind, due, tail) in enumerate(recs):
+        body = due.to_bytes(8, "little", signed=True) + tail  # a due first, like MESSAGE and CANCEL
+        framing.encode_into(data, kind, 100 + i, 0, body)
+    data = bytes(data)
+    end, count, starts, kinds, seqs, dues, bad = codec.scan(data, framing.MAX_BODY)
+    assert bad == -1 and count == len(recs)
+    arrays = (np.frombuffer(starts, np.int64), np.frombuffer(kinds, np.uint8),
+              np.frombuffer(seqs, np.int64), np.frombuffer(dues, np.int64))
+    outcomes = []
+    for route in (codec.route, IterateService._route_numpy):
+        segments = {b * scale: FakeSegment(last) for b, last in held.items()}
+        asked = []
+
+        def segment_of(bucket):
+            asked.append(bucket)
+            return segments.setdefault(bucket, FakeSegment(-1))
+
+        behind = {b * scale: bytearray(v) for b, v in preexisting.items()}
+        near_bucket = None if near is None else near * scale
+        got = route(data, end, *arrays, scale, near_bucket, behind, segment_of)
+        outcomes.append((list(map(tuple, got[0])), tuple(got[1:4]), list(got[4]), tuple(got[5:]),
+                         {b: bytes(v) for b, v in behind.items()},
+                         {b: s.last_sequence for b, s in segments.items()}))
+    assert outcomes[0] == outcomes[1]
