@@ -554,11 +554,195 @@ done:
     return result;
 }
 
+/* ---- decode_batch: a SendBatchRequest's wire bytes straight to MESSAGE bodies ---- */
+
+/* protobuf varint at *pos (< end); -1 when malformed */
+static int read_varint(const unsigned char *buf, Py_ssize_t end, Py_ssize_t *pos, uint64_t *out) {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64 && *pos < end; shift += 7) {
+        unsigned char b = buf[(*pos)++];
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    Py_ssize_t subject, subject_len, payload, payload_len, id, id_len;
+    int when; /* 0 unset, 5 deliver_at_ms, 6 delay_ms */
+    int64_t when_value;
+} Parsed;
+
+/* Parse one qdelay.v1.Message; 1 = ok, 0 = not for the fast path (headers, unknown or
+ * malformed fields: the Python path decides), never raises. */
+static int parse_message(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, Parsed *m) {
+    memset(m, 0, sizeof(*m));
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0)
+            return 0;
+        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        if (wire == 2) {
+            if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+                return 0;
+            Py_ssize_t at = pos, len = (Py_ssize_t)v;
+            pos += len;
+            if (field == 1) { m->subject = at; m->subject_len = len; }
+            else if (field == 2) { m->payload = at; m->payload_len = len; }
+            else if (field == 4) { m->id = at; m->id_len = len; }
+            else return 0; /* headers (3) or unknown */
+        } else if (wire == 0) {
+            if (read_varint(buf, end, &pos, &v) < 0)
+                return 0;
+            if (field == 5 || field == 6) { m->when = (int)field; m->when_value = (int64_t)v; }
+            else return 0;
+        } else {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* decode_batch(raw, now_ms, max_subject, max_payload, max_id, max_delay, max_batch, new_id)
+ *   -> (bodies, ids, dues, payload_bytes, compact_receipts) or None
+ *
+ * The fast path of SendBatch/SendStream: the request's wire bytes (the server registers
+ * these RPCs without a deserializer) are parsed, validated and encoded in one pass, with
+ * no protobuf object per message. None: parse with protobuf and take the Python path
+ * (headers, unknown fields, anything malformed or refused: it words the error).
+ */
+static PyObject *decode_batch(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    long long now, max_delay;
+    Py_ssize_t max_subject, max_payload, max_id, max_batch;
+    PyObject *new_id;
+    if (!PyArg_ParseTuple(args, "y*LnnnLnO", &raw, &now, &max_subject, &max_payload, &max_id, &max_delay,
+                          &max_batch, &new_id))
+        return NULL;
+    const unsigned char *buf = raw.buf;
+    Py_ssize_t end = raw.len, pos = 0, n = 0, cap = 0;
+    Parsed *msgs = NULL;
+    int compact = 0, fast = 1;
+    PyObject *result = NULL, *bodies = NULL, *ids = NULL, *dues = NULL, *seen = NULL;
+    long long total = 0;
+    /* pass 1: the request's fields; compact_receipts may come after the messages */
+    while (pos < end && fast) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0) { fast = 0; break; }
+        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        if (field == 1 && wire == 2) {
+            if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos)) { fast = 0; break; }
+            if (n == cap) {
+                Py_ssize_t ncap = cap ? cap * 2 : 128;
+                Parsed *more = PyMem_Realloc(msgs, (size_t)ncap * sizeof(Parsed));
+                if (!more) { PyErr_NoMemory(); goto done; }
+                msgs = more;
+                cap = ncap;
+            }
+            if (!parse_message(buf, pos, pos + (Py_ssize_t)v, &msgs[n])) { fast = 0; break; }
+            n++;
+            pos += (Py_ssize_t)v;
+        } else if (field == 2 && wire == 0) {
+            if (read_varint(buf, end, &pos, &v) < 0) { fast = 0; break; }
+            compact = v != 0;
+        } else {
+            fast = 0;
+        }
+    }
+    if (!fast || n == 0 || n > max_batch)
+        goto fallback;
+    /* pass 2: validate and encode, exactly as encode_messages does */
+    if (!(bodies = PyList_New(n)) || !(ids = PyList_New(n)) || !(dues = PyList_New(n)) || !(seen = PySet_New(NULL)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Parsed *m = &msgs[i];
+        const unsigned char *sc = buf + m->subject;
+        if (m->subject_len < 1 || m->subject_len > max_subject || m->payload_len > max_payload)
+            goto fallback;
+        for (Py_ssize_t k = 0; k < m->subject_len; k++)
+            if (!subject_ok[sc[k]])
+                goto fallback;
+        PyObject *mid;
+        if (m->id_len == 0) {
+            if (compact)
+                goto fallback;
+            if (!(mid = PyObject_CallNoArgs(new_id)))
+                goto done;
+            if (!PyUnicode_Check(mid) || !PyUnicode_IS_ASCII(mid)) {
+                Py_DECREF(mid);
+                PyErr_SetString(PyExc_TypeError, "new_id() must return an ASCII str");
+                goto done;
+            }
+        } else {
+            if (m->id_len > max_id)
+                goto fallback;
+            for (Py_ssize_t k = 0; k < m->id_len; k++)
+                if (buf[m->id + k] < 0x20 || buf[m->id + k] > 0x7e)
+                    goto fallback;
+            if (!(mid = PyUnicode_FromStringAndSize((const char *)buf + m->id, m->id_len)))
+                goto done;
+        }
+        PyList_SET_ITEM(ids, i, mid);
+        if (PySet_Add(seen, mid) < 0)
+            goto done;
+        if (PySet_GET_SIZE(seen) != i + 1)
+            goto fallback; /* a repeated id */
+        long long due, v = m->when_value;
+        if (m->when == 5) {
+            if (v < 0 || v - now > max_delay)
+                goto fallback;
+            due = v;
+        } else if (m->when == 6) {
+            if (v < 0 || v > max_delay || v > LLONG_MAX - now)
+                goto fallback;
+            due = now + v;
+        } else {
+            goto fallback;
+        }
+        Py_ssize_t slen = m->subject_len, mlen = PyUnicode_GET_LENGTH(mid), plen = m->payload_len;
+        PyObject *body = PyBytes_FromStringAndSize(NULL, MESSAGE_FIXED + slen + mlen + plen);
+        if (!body)
+            goto done;
+        unsigned char *b = (unsigned char *)PyBytes_AS_STRING(body);
+        put_u64(b, (uint64_t)due);
+        put_u16(b + 8, (uint16_t)slen);
+        put_u16(b + 10, (uint16_t)mlen);
+        put_u32(b + 12, 0);
+        put_u32(b + 16, (uint32_t)plen);
+        memcpy(b + MESSAGE_FIXED, sc, (size_t)slen);
+        memcpy(b + MESSAGE_FIXED + slen, PyUnicode_1BYTE_DATA(mid), (size_t)mlen);
+        memcpy(b + MESSAGE_FIXED + slen + mlen, buf + m->payload, (size_t)plen);
+        PyList_SET_ITEM(bodies, i, body);
+        PyObject *due_obj = PyLong_FromLongLong(due);
+        if (!due_obj)
+            goto done;
+        PyList_SET_ITEM(dues, i, due_obj);
+        total += plen;
+    }
+    result = Py_BuildValue("(OOOLO)", bodies, ids, dues, total, compact ? Py_True : Py_False);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(msgs);
+    Py_XDECREF(bodies);
+    Py_XDECREF(ids);
+    Py_XDECREF(dues);
+    Py_XDECREF(seen);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
     {"gather", gather, METH_VARARGS, "Join byte ranges of a buffer."},
     {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
+    {"decode_batch", decode_batch, METH_VARARGS,
+     "Parse, validate and encode a SendBatchRequest's wire bytes (fast path); None: use protobuf."},
     {"encode_messages", encode_messages, METH_VARARGS,
      "Validate and encode a batch of Messages (fast path); None means: use the Python path."},
     {NULL, NULL, 0, NULL},

@@ -79,6 +79,35 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+RAW_REQUEST_METHODS = ("SendBatch", "SendStream")  # decoded by the native codec from wire bytes
+
+
+class _HandlerRecorder:
+    """Stands in for a server to capture the generated code's method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def add_delay_service(service: DelayService, server) -> None:
+    """Register DelayService with the generated handlers, except that SendBatch and
+    SendStream get their requests as wire bytes: the service decodes those in one native
+    pass (server/validation.decode_batch) instead of a protobuf object per message."""
+    recorder = _HandlerRecorder()
+    pb_grpc.add_DelayServiceServicer_to_server(service, recorder)
+    handlers = recorder.handlers
+    for name in RAW_REQUEST_METHODS:
+        handlers[name] = handlers[name]._replace(request_deserializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class App:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -118,7 +147,7 @@ class App:
                    ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
         self.server = server = grpc.aio.server(interceptors=interceptors, options=options,
                                                maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None)
-        pb_grpc.add_DelayServiceServicer_to_server(self.service, server)
+        add_delay_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         names += self._install_hooks(server, engine)

@@ -19,8 +19,8 @@ import numpy as np
 from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
-from qdelay.server.validation import (EncodedBatch, IdGenerator, encode_messages, validate_receipt,
-                                      validate_subscribe)
+from qdelay.server.validation import (EncodedBatch, IdGenerator, decode_batch, encode_messages,
+                                      validate_receipt, validate_subscribe)
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -125,6 +125,20 @@ class DelayService(pb_grpc.DelayServiceServicer):
             self.metrics.refused.labels("invalid").inc(len(messages) or 1)
             raise
 
+    def _validate_request(self, request) -> tuple[EncodedBatch, bool]:
+        """A SendBatchRequest as wire bytes (how app.py registers SendBatch and SendStream:
+        the native codec decodes them without protobuf objects) or as a message."""
+        if not isinstance(request, bytes):
+            compact = request.compact_receipts
+            return self._validate(request.messages, ids_required=compact), compact
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry on another server or later")
+        try:
+            return decode_batch(request, self.limits, self.engine.now_ms(), self.new_id)
+        except InvalidArgument:
+            self.metrics.refused.labels("invalid").inc()
+            raise
+
     async def _write(self, batch: EncodedBatch) -> int:
         """Append a validated batch; return its first sequence once durable."""
         count, size = len(batch.bodies), batch.payload_bytes
@@ -161,8 +175,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
 
     @status.unary
     async def SendBatch(self, request, context):
-        compact = request.compact_receipts
-        batch = self._validate(request.messages, ids_required=compact)
+        batch, compact = self._validate_request(request)
         return _batch_response(batch, await self._write(batch), compact)
 
     @status.streaming
@@ -178,8 +191,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             try:
                 async for request in request_iterator:
                     try:
-                        compact = request.compact_receipts
-                        batch = self._validate(request.messages, ids_required=compact)
+                        batch, compact = self._validate_request(request)
                         task = asyncio.ensure_future(self._write(batch))
                     except Exception as error:  # noqa: BLE001 - reported in order by the writer below
                         await pending.put(error)
@@ -246,6 +258,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
     # --- Subscribe ----------------------------------------------------------------------------------
     @status.streaming
     async def Subscribe(self, request_iterator, context):
+        from qdelay.server.consumers import fill_response, take_for_response
+
         try:
             first = await request_iterator.__anext__()
         except StopAsyncIteration:
@@ -291,25 +305,10 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     if not sub.inbox and not sub.closed:
                         await sub.event.wait()
                     continue
-                inbox = sub.inbox
+                # the inbox holds whole batches from the dispatcher; their columns go
+                # straight into the response
                 resp = pb.SubscribeResponse()
-                add = resp.deliveries.add
-                firsts = []
-                count = 0
-                size = 0
-                while inbox and count < max_n and (size < max_bytes or not count):
-                    d = inbox.popleft()
-                    if d.headers:
-                        add(ack_id=d.ack_id, message_id=d.message_id, subject=d.subject, payload=d.payload,
-                            headers=d.headers, deliver_at_ms=d.deliver_at_ms, dispatched_at_ms=d.dispatched_at_ms,
-                            attempt=d.attempt)
-                    else:
-                        add(ack_id=d.ack_id, message_id=d.message_id, subject=d.subject, payload=d.payload,
-                            deliver_at_ms=d.deliver_at_ms, dispatched_at_ms=d.dispatched_at_ms, attempt=d.attempt)
-                    count += 1
-                    size += len(d.payload) + 64
-                    if d.attempt == 1:
-                        firsts.append(d.deliver_at_ms)
+                count, firsts = fill_response(resp, take_for_response(sub.inbox, max_n, max_bytes))
                 if firsts:
                     lateness.observe_many((engine.now_ms() - np.asarray(firsts, dtype=np.int64)).clip(0) / 1000.0)
                 metrics.delivered.inc(count)

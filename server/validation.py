@@ -15,9 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from google.protobuf.message import DecodeError
+
 from qdelay.errors import InvalidArgument, InvariantViolation
 from qdelay.segments import native, records
 from qdelay.server.config import Limits
+from qdelay.v1 import qdelay_pb2 as pb
 
 INT64_MAX = 2**63 - 1
 _SUBJECT_CHARS = re.compile(r"[A-Za-z0-9._-]+")
@@ -132,6 +135,28 @@ def encode_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: Cal
         if fast is not None:
             return EncodedBatch(*fast)
     return encode_messages_py(messages, limits, now_ms, new_id, single, ids_required)
+
+
+def decode_batch(raw: bytes, limits: Limits, now_ms: int, new_id: Callable[[], str]) -> tuple[EncodedBatch, bool]:
+    """A SendBatchRequest's wire bytes -> (validated batch, compact_receipts).
+
+    The native codec parses, validates and encodes in one pass without a protobuf object
+    per message; anything it does not take (headers, unknown fields, refusals) is parsed
+    with protobuf and goes through :func:`encode_messages`, which words the errors.
+    """
+    codec = native.codec
+    if codec is not None:
+        fast = codec.decode_batch(raw, now_ms, limits.max_subject_len, limits.max_payload_bytes,
+                                  limits.max_message_id_bytes, limits.max_delay_ms, limits.max_batch, new_id)
+        if fast is not None:
+            bodies, ids, dues, total, compact = fast
+            return EncodedBatch(bodies, ids, dues, total), compact
+    try:
+        request = pb.SendBatchRequest.FromString(raw)
+    except DecodeError as err:
+        raise InvalidArgument(f"malformed SendBatchRequest: {err}") from None
+    compact = request.compact_receipts
+    return encode_messages(request.messages, limits, now_ms, new_id, ids_required=compact), compact
 
 
 def encode_messages_py(messages: Sequence, limits: Limits, now_ms: int, new_id: Callable[[], str],

@@ -195,3 +195,34 @@ def test_route_matches_python(recs, held, scale, near, preexisting):
                          {b: bytes(v) for b, v in behind.items()},
                          {b: s.last_sequence for b, s in segments.items()}))
     assert outcomes[0] == outcomes[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.lists(messages(), min_size=0, max_size=8), compact=st.booleans(), junk=st.binary(max_size=8),
+       mode=st.sampled_from(["plain", "junk-suffix", "truncated"]))
+def test_decode_batch_takes_only_what_python_accepts_and_encodes_it_alike(batch, compact, junk, mode):
+    """SendBatchRequest wire bytes: the native decoder agrees with protobuf + the Python
+    twin, and gives up (None, never an exception) on anything else."""
+    raw = pb.SendBatchRequest(messages=batch, compact_receipts=compact).SerializeToString()
+    if mode == "junk-suffix":
+        raw += junk
+    elif mode == "truncated" and raw:
+        raw = raw[:len(raw) // 2]
+
+    def gen():
+        counter = itertools.count()
+        return lambda: f"gen-{next(counter)}"
+
+    fast = codec.decode_batch(raw, NOW, LIMITS.max_subject_len, LIMITS.max_payload_bytes,
+                              LIMITS.max_message_id_bytes, LIMITS.max_delay_ms, LIMITS.max_batch, gen())
+    try:
+        request = pb.SendBatchRequest.FromString(raw)
+        slow = encode_messages_py(request.messages, LIMITS, NOW, gen(), ids_required=request.compact_receipts)
+    except Exception:  # noqa: BLE001 - malformed bytes or a refused batch: the fast path must give up
+        assert fast is None
+        return
+    if fast is None:  # allowed for headers and for wire forms the fast path leaves to protobuf
+        assert any(m.headers for m in request.messages) or mode != "plain"
+        return
+    assert fast[:4] == (slow.bodies, slow.ids, slow.dues, slow.payload_bytes)
+    assert fast[4] == request.compact_receipts
