@@ -59,8 +59,10 @@ class Subscription:
             self.expired += 1
         return self.max_in_flight - len(out)
 
-    def push(self, deliveries: list) -> None:
-        """On the loop thread: queue deliveries for the stream to write."""
+    def push(self, deliveries) -> None:
+        """On the loop thread: queue deliveries for the stream to write (one by one: the
+        Subscribe loop of this commit pops single deliveries; take_for_response and
+        fill_response below are for a loop that reads whole batches)."""
         self.inbox.extend(deliveries)
         self.event.set()
 
@@ -114,9 +116,7 @@ class ConsumerRegistry:
     def acked(self, sub: Subscription, ack_ids) -> None:
         """Forget acknowledged deliveries of ``sub`` (frees its credit)."""
         with self._lock:
-            out = sub.outstanding
-            for ack_id in ack_ids:
-                out.pop(ack_id, None)
+            collections.deque(map(sub.outstanding.pop, ack_ids, itertools.repeat(None)), maxlen=0)
             sub.acked += len(ack_ids)
 
     def subscriptions(self) -> list[Subscription]:
@@ -158,7 +158,9 @@ class ConsumerRegistry:
                     total += free
             return total
 
-    def deliver(self, subject: str, deliveries: list) -> None:
+    def deliver(self, subject: str, deliveries) -> None:
+        """Spread a ``scheduler.Deliveries`` batch over the subject's subscribers (a slice
+        of it each, by free credit) and pass each slice to the loop thread."""
         plan: list[tuple[Subscription, list]] = []
         with self._lock:
             subs = self._by_subject.get(subject)
@@ -194,9 +196,66 @@ class ConsumerRegistry:
                 target = min(order, key=lambda s: len(s.outstanding))
                 plan.append((target, deliveries[pos:]))
             for sub, part in plan:
-                out = sub.outstanding
-                for d in part:
-                    out[d.ack_id] = expiry
+                sub.outstanding.update(zip(part.ack_ids, itertools.repeat(expiry)))
                 sub.delivered += len(part)
         for sub, part in plan:
             self.loop.call_soon_threadsafe(sub.push, part)
+
+
+def take_for_response(inbox: collections.deque, max_n: int, max_bytes: int) -> list:
+    """Pop up to ``max_n`` deliveries from an inbox of ``Deliveries`` batches, stopping once
+    ``max_bytes`` (payload + 64 per delivery) is reached (at least one delivery is taken;
+    the last may overshoot, as one delivery cannot be split). A batch taken in part leaves
+    the rest at the head of the inbox. Returns the batches (or parts) taken, in order."""
+    taken: list = []
+    count = 0
+    size = 0
+    while inbox and count < max_n and (size < max_bytes or not count):
+        batch = inbox[0]
+        if not len(batch):
+            inbox.popleft()
+            continue
+        k = min(len(batch), max_n - count)
+        sizes = list(map(len, batch.payloads[:k]))
+        total = sum(sizes) + 64 * k
+        if size + total - sizes[-1] - 64 >= max_bytes and k > 1:
+            # the byte limit falls inside this batch: count deliveries up to it
+            j = 0
+            while j < k and (size < max_bytes or not count):
+                size += sizes[j] + 64
+                count += 1
+                j += 1
+            k = j
+        else:
+            size += total
+            count += k
+        if k >= len(batch):
+            taken.append(inbox.popleft())
+        else:
+            taken.append(batch[:k])
+            inbox[0] = batch[k:]
+    return taken
+
+
+def fill_response(resp, batches: list) -> tuple[int, list[int]]:
+    """Add the deliveries of ``batches`` to a SubscribeResponse, straight from the batches'
+    columns (no object per delivery); returns how many, and the due times of the first
+    attempts among them (for the lateness histogram)."""
+    add = resp.deliveries.add
+    count = 0
+    firsts: list[int] = []
+    for b in batches:
+        subject = b.subject
+        at = b.dispatched_at_ms
+        for ack_id, mid, payload, headers, due, attempt in zip(b.ack_ids, b.message_ids, b.payloads, b.headers,
+                                                               b.deliver_at_ms, b.attempts):
+            if headers:
+                add(ack_id=ack_id, message_id=mid, subject=subject, payload=payload, headers=headers,
+                    deliver_at_ms=due, dispatched_at_ms=at, attempt=attempt)
+            else:
+                add(ack_id=ack_id, message_id=mid, subject=subject, payload=payload, deliver_at_ms=due,
+                    dispatched_at_ms=at, attempt=attempt)
+        count += len(b)
+        if 1 in b.attempts:
+            firsts += [due for due, attempt in zip(b.deliver_at_ms, b.attempts) if attempt == 1]
+    return count, firsts

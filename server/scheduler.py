@@ -281,9 +281,13 @@ class _Flight:
         """(offs, dues, attempts, mids) of ``seqs``, all of this flight."""
         if seqs == self.seqs:
             return self.offs, self.dues, self.attempts, self.mids
-        idx = [self.index(q) for q in seqs]
-        return ([self.offs[i] for i in idx], [self.dues[i] for i in idx], [self.attempts[i] for i in idx],
-                [self.mids[i] for i in idx])
+        i = self.index(seqs[0])
+        j = i + len(seqs)
+        if self.seqs[i:j] == seqs:  # a stretch of the batch, as a consumer's response held it
+            return self.offs[i:j], self.dues[i:j], self.attempts[i:j], self.mids[i:j]
+        idx = list(map(self._pos.__getitem__, seqs))
+        return (list(map(self.offs.__getitem__, idx)), list(map(self.dues.__getitem__, idx)),
+                list(map(self.attempts.__getitem__, idx)), list(map(self.mids.__getitem__, idx)))
 
 
 class Scheduler:
@@ -978,12 +982,14 @@ class Scheduler:
             first = flights[0] if flights else None
             if first is not None and flights.count(first) == len(flights):
                 groups = [(first, seqs)]  # the usual case: one batch acknowledged as handed out
-            else:
-                by_flight: dict[int, tuple[_Flight, list[int]]] = {}
-                for seq, fl in zip(seqs, flights):
+            else:  # several batches (or unknown ids): one group per run of the same batch
+                groups = []
+                start = 0
+                for fl, run in itertools.groupby(flights):
+                    k = sum(1 for _ in run)
                     if fl is not None:
-                        by_flight.setdefault(id(fl), (fl, []))[1].append(seq)
-                groups = list(by_flight.values())
+                        groups.append((fl, seqs[start:start + k]))
+                    start += k
             n = 0
             for fl, got in groups:
                 offs, dues, attempts, mids = fl.columns(got)

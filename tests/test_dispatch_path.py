@@ -122,3 +122,13 @@ def test_ack_ids_parse_like_int_of_the_part_before_the_dot():
     # anything else takes the per-id path: bare sequences count, junk is skipped
     assert _ack_sequences(["12.1", "7", "bogus", "x.1", "5.2"]) == [12, 7, 5]
     assert _ack_sequences(["1" * 25 + ".1"]) == [int("1" * 25)]
+
+
+def test_a_flight_gives_the_columns_of_any_of_its_sequences():
+    from qdelay.server.scheduler import _Flight
+
+    fl = _Flight(7, 0, 99, [10, 11, 12, 13], [0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
+    assert fl.columns([10, 11, 12, 13]) == ([0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
+    assert fl.columns([11, 12]) == ([5, 9], [2, 3], [1, 2], [b"b", b"c"])
+    assert fl.columns([13, 10]) == ([14, 0], [4, 1], [1, 1], [b"d", b"a"])
+    assert fl.item(12) == (12, 9, 7, 3, 3, 0) and fl.attempt_of(12) == 2
