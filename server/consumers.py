@@ -41,7 +41,7 @@ class Subscription:
         self.max_in_flight = max_in_flight
         # ack_id -> monotonic expiry; insertion order is hand-over order, so expiry order too
         self.outstanding: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.inbox: collections.deque = collections.deque()
+        self.inbox: collections.deque = collections.deque()  # Deliveries batches, oldest first
         self.event = asyncio.Event()
         self.closed = False
         self.delivered = 0
@@ -60,10 +60,9 @@ class Subscription:
         return self.max_in_flight - len(out)
 
     def push(self, deliveries) -> None:
-        """On the loop thread: queue deliveries for the stream to write (one by one: the
-        Subscribe loop of this commit pops single deliveries; take_for_response and
-        fill_response below are for a loop that reads whole batches)."""
-        self.inbox.extend(deliveries)
+        """On the loop thread: queue a batch of deliveries (``scheduler.Deliveries``) for
+        the stream to write; kept whole, the stream reads its columns."""
+        self.inbox.append(deliveries)
         self.event.set()
 
 
