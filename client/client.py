@@ -21,13 +21,15 @@ repeats the same id (the consumer sees one id, maybe twice: at-least-once).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import queue
 import threading
 import time
 from collections import deque
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Iterable, Iterator, NamedTuple
 
 import grpc
 
@@ -96,16 +98,52 @@ class SentReceipt(NamedTuple):
     sequence: int
 
 
-def _receipts_of(request: pb.SendBatchRequest, response: pb.SendBatchResponse) -> list:
-    """The receipts of a batch, from a full or a compact answer (see SendBatchRequest)."""
-    if response.receipts or not request.messages:
-        return list(response.receipts)
-    dues = response.deliver_at_ms
-    count = len(request.messages)
-    if len(dues) != count:
-        raise errors.InvariantViolation(f"compact answer has {len(dues)} due times for {count} messages")
-    first = response.first_sequence
-    return list(map(SentReceipt, [m.message_id for m in request.messages], dues, range(first, first + count)))
+class SentReceipts(Sequence):
+    """What ``send_many`` returns: every message's receipt, in input order, as
+    :class:`SentReceipt`, made when read. A receipt object per message would cost the
+    producer more CPU than sending it (they are built from the compact answers)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[tuple] = []  # (ids, first sequence, due times) or (None, 0, [pb.Receipt])
+        self._ends: list[int] = []
+        self._len = 0
+
+    def _add(self, ids: list[str], response: pb.SendBatchResponse) -> None:
+        if response.receipts or not ids:  # a full answer (a server without compact receipts)
+            chunk = (None, 0, list(response.receipts))
+        else:
+            if len(response.deliver_at_ms) != len(ids):
+                raise errors.InvariantViolation(f"compact answer has {len(response.deliver_at_ms)} due "
+                                                f"times for {len(ids)} messages")
+            chunk = (ids, response.first_sequence, response.deliver_at_ms)
+        self._chunks.append(chunk)
+        self._len += len(chunk[2])
+        self._ends.append(self._len)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError("receipt index out of range")
+        k = bisect.bisect_right(self._ends, index)
+        ids, first, dues = self._chunks[k]
+        j = index - (self._ends[k] - len(dues))
+        return dues[j] if ids is None else SentReceipt(ids[j], dues[j], first + j)
+
+    def __iter__(self) -> Iterator:
+        for ids, first, dues in self._chunks:
+            if ids is None:
+                yield from dues
+            else:
+                yield from map(SentReceipt, ids, dues, itertools.count(first))
+
+    def __repr__(self) -> str:
+        return f"<SentReceipts of {self._len} messages>"
 
 
 def _receipt(r) -> pb.Receipt:
@@ -188,6 +226,15 @@ class Client:
                     m.message_id = self._ids()
         return out
 
+    def _ids_of(self, messages: list[pb.Message]) -> list[str]:
+        """Every message's id, giving one to those without."""
+        ids = [m.message_id for m in messages]
+        if not all(ids):
+            for i, m in enumerate(messages):
+                if not ids[i]:
+                    ids[i] = m.message_id = self._ids()
+        return ids
+
     def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw) -> pb.Receipt:
         msg = self.message(subject, payload, **kw)
         return self._call(self.stub.Send, pb.SendRequest(message=msg), timeout).receipt
@@ -198,9 +245,9 @@ class Client:
         return list(self._call(self.stub.SendBatch, request, timeout).receipts)
 
     def send_many(self, messages: Iterable[pb.Message], batch_size: int = 1000, max_in_flight: int = 4,
-                  timeout: float | None = None) -> list[pb.Receipt]:
-        """Send any number of messages as pipelined batches; receipts (:class:`SentReceipt`)
-        in input order.
+                  timeout: float | None = None) -> SentReceipts:
+        """Send any number of messages as pipelined batches; their receipts in input order
+        (:class:`SentReceipts`: a sequence of :class:`SentReceipt`).
 
         The batches go over SendStream, up to ``max_in_flight`` of them unanswered: a
         streamed batch costs the server about half the CPU of a SendBatch call. A stream
@@ -213,16 +260,18 @@ class Client:
         """
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
-        receipts: list[pb.Receipt] = []
-        unanswered: deque[pb.SendBatchRequest] = deque()
+        receipts = SentReceipts()
+        unanswered: deque[tuple[pb.SendBatchRequest, list[str]]] = deque()
         source = iter(messages)
 
-        def next_request() -> pb.SendBatchRequest | None:
+        def next_request() -> tuple[pb.SendBatchRequest, list[str]] | None:
             batch = list(itertools.islice(source, batch_size))
+            if not batch:
+                return None
             # compact receipts: the answer carries due times and the first sequence only,
             # so every message needs its own id here
-            return pb.SendBatchRequest(messages=self._with_ids(batch, always=True), compact_receipts=True) \
-                if batch else None
+            ids = self._ids_of(batch)
+            return pb.SendBatchRequest(messages=batch, compact_receipts=True), ids
 
         attempt = 1
         while True:
@@ -239,7 +288,7 @@ class Client:
                 time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
                 attempt += 1
 
-    def _stream_batches(self, next_request, unanswered: deque, receipts: list, max_in_flight: int,
+    def _stream_batches(self, next_request, unanswered: deque, receipts: SentReceipts, max_in_flight: int,
                         timeout: float) -> bool:
         """One SendStream: first the batches still unanswered from a broken one, then new
         ones. Returns True when every batch is answered, False when it ended on time
@@ -250,7 +299,7 @@ class Client:
         ends_at = time.monotonic() + timeout / 2
 
         def requests() -> Iterator[pb.SendBatchRequest]:
-            for request in list(unanswered):  # sent again, in order, ahead of anything new
+            for request, _ids in list(unanswered):  # sent again, in order, ahead of anything new
                 while not credit.acquire(timeout=0.05):
                     if done.is_set():
                         return
@@ -259,19 +308,19 @@ class Client:
                 while not credit.acquire(timeout=0.05):
                     if done.is_set():
                         return
-                request = next_request()
-                if request is None:
+                item = next_request()
+                if item is None:
                     state["exhausted"] = True
                     return
-                unanswered.append(request)  # before it is sent: a break re-sends it
-                yield request
+                unanswered.append(item)  # before it is sent: a break re-sends it
+                yield item[0]
 
         call = self.stub.SendStream(requests(), timeout=timeout, metadata=self.metadata)
         try:
             for response in call:
                 if not unanswered:
                     raise errors.InvariantViolation("SendStream answered a batch that was not sent")
-                receipts.extend(_receipts_of(unanswered.popleft(), response))
+                receipts._add(unanswered.popleft()[1], response)
                 credit.release()
         finally:
             done.set()
