@@ -736,11 +736,231 @@ done:
     return result;
 }
 
+/* ---- the dispatch path: read records back, encode deliveries ---- */
+
+/* read_messages(data, offsets, sequences) -> (message_ids, payloads, headers, failed)
+ *
+ * The MESSAGE records at ``offsets`` (int64 array) of ``data`` (one read of a schedule
+ * segment), each expected to carry the sequence in ``sequences``: every check is made
+ * before any byte is used (magic, version, kind, sequence, the frame inside the read,
+ * the body's lengths adding up, the xxh3 checksum). Returns lists in input order:
+ * message id bytes, payload bytes, the raw header block (bytes) or None; ``failed`` holds
+ * the positions that failed a check (their entries are None). The Python twin is
+ * Scheduler._check_run_numpy.
+ */
+static PyObject *read_messages(PyObject *self, PyObject *args) {
+    Py_buffer data, ob, qb;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &data, &ob, &qb))
+        return NULL;
+    PyObject *result = NULL, *mids = NULL, *payloads = NULL, *headers = NULL, *failed = NULL;
+    Py_ssize_t n = ob.len / 8;
+    const int64_t *offs = ob.buf, *seqs = qb.buf;
+    const unsigned char *buf = data.buf;
+    Py_ssize_t size = data.len;
+    if (qb.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "read_messages: offsets and sequences differ in length");
+        goto done;
+    }
+    if (!(mids = PyList_New(n)) || !(payloads = PyList_New(n)) || !(headers = PyList_New(n)) ||
+        !(failed = PyList_New(0)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t off = offs[i];
+        int ok = off >= 0 && off + HEADER_SIZE + MESSAGE_FIXED <= size;
+        const unsigned char *p = buf + (ok ? off : 0);
+        uint32_t length = ok ? get_u32(p + 12) : 0;
+        ok = ok && get_u32(p) == MAGIC && p[16] == 1 && p[17] == VERSION && (int64_t)get_u64(p + 20) == seqs[i] &&
+             off + HEADER_SIZE + (int64_t)length <= size && length >= MESSAGE_FIXED;
+        Py_ssize_t slen = 0, mlen = 0, hlen = 0, plen = 0;
+        if (ok) {
+            const unsigned char *b = p + HEADER_SIZE;
+            slen = b[8] | (b[9] << 8);
+            mlen = b[10] | (b[11] << 8);
+            hlen = (Py_ssize_t)get_u32(b + 12);
+            plen = (Py_ssize_t)get_u32(b + 16);
+            ok = (int64_t)MESSAGE_FIXED + slen + mlen + hlen + plen == (int64_t)length &&
+                 XXH3_64bits(p + CHECKED_FROM, (size_t)(HEADER_SIZE - CHECKED_FROM + length)) == get_u64(p + 4);
+        }
+        PyObject *mid = NULL, *payload = NULL, *hdr = NULL;
+        if (ok) {
+            const char *b = (const char *)p + HEADER_SIZE + MESSAGE_FIXED + slen;
+            mid = PyBytes_FromStringAndSize(b, mlen);
+            hdr = hlen ? PyBytes_FromStringAndSize(b + mlen, hlen) : Py_NewRef(Py_None);
+            payload = PyBytes_FromStringAndSize(b + mlen + hlen, plen);
+            if (!mid || !hdr || !payload) {
+                Py_XDECREF(mid); Py_XDECREF(hdr); Py_XDECREF(payload);
+                goto done;
+            }
+        } else {
+            PyObject *ix = PyLong_FromSsize_t(i);
+            if (!ix || PyList_Append(failed, ix) < 0) {
+                Py_XDECREF(ix);
+                goto done;
+            }
+            Py_DECREF(ix);
+            mid = Py_NewRef(Py_None);
+            payload = Py_NewRef(Py_None);
+            hdr = Py_NewRef(Py_None);
+        }
+        PyList_SET_ITEM(mids, i, mid);
+        PyList_SET_ITEM(payloads, i, payload);
+        PyList_SET_ITEM(headers, i, hdr);
+    }
+    result = PyTuple_Pack(4, mids, payloads, headers, failed);
+done:
+    Py_XDECREF(mids);
+    Py_XDECREF(payloads);
+    Py_XDECREF(headers);
+    Py_XDECREF(failed);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&qb);
+    return result;
+}
+
+static inline unsigned char *put_varint(unsigned char *p, uint64_t v) {
+    while (v >= 0x80) {
+        *p++ = (unsigned char)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (unsigned char)v;
+    return p;
+}
+
+static inline Py_ssize_t varint_size(uint64_t v) {
+    Py_ssize_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static inline Py_ssize_t field_size(Py_ssize_t len) { return 1 + varint_size((uint64_t)len) + len; }
+
+/* an ASCII or UTF-8 view of a str or bytes */
+static int text_of(PyObject *o, const char **p, Py_ssize_t *n) {
+    if (PyBytes_Check(o)) {
+        *p = PyBytes_AS_STRING(o);
+        *n = PyBytes_GET_SIZE(o);
+        return 0;
+    }
+    if (PyUnicode_Check(o)) {
+        *p = PyUnicode_AsUTF8AndSize(o, n);
+        return *p ? 0 : -1;
+    }
+    PyErr_SetString(PyExc_TypeError, "expected str or bytes");
+    return -1;
+}
+
+/* encode_deliveries(out, subject, ack_ids, message_ids, payloads, headers, deliver_at_ms,
+ *                   dispatched_at_ms, attempts) -> count
+ *
+ * Appends one SubscribeResponse ``deliveries`` entry (field 1, a Delivery message) per
+ * delivery to the bytearray ``out``: the wire form protobuf would write (fields in number
+ * order, default values left out). ``headers`` entries are dicts or None. The Python twin
+ * is consumers.fill_response + SerializeToString.
+ */
+static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
+    PyObject *out, *subject, *acks, *mids, *payloads, *headers, *dues, *attempts;
+    long long dispatched;
+    if (!PyArg_ParseTuple(args, "O!OO!O!O!O!O!LO!", &PyByteArray_Type, &out, &subject, &PyList_Type, &acks,
+                          &PyList_Type, &mids, &PyList_Type, &payloads, &PyList_Type, &headers, &PyList_Type,
+                          &dues, &dispatched, &PyList_Type, &attempts))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(acks);
+    if (PyList_GET_SIZE(mids) != n || PyList_GET_SIZE(payloads) != n || PyList_GET_SIZE(headers) != n ||
+        PyList_GET_SIZE(dues) != n || PyList_GET_SIZE(attempts) != n) {
+        PyErr_SetString(PyExc_ValueError, "encode_deliveries: columns differ in length");
+        return NULL;
+    }
+    const char *sp;
+    Py_ssize_t sn;
+    if (text_of(subject, &sp, &sn) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *ap, *mp, *pp;
+        Py_ssize_t an, mn, pn;
+        if (text_of(PyList_GET_ITEM(acks, i), &ap, &an) < 0 || text_of(PyList_GET_ITEM(mids, i), &mp, &mn) < 0)
+            return NULL;
+        PyObject *payload = PyList_GET_ITEM(payloads, i), *hd = PyList_GET_ITEM(headers, i);
+        if (!PyBytes_Check(payload)) {
+            PyErr_SetString(PyExc_TypeError, "payloads must be bytes");
+            return NULL;
+        }
+        pp = PyBytes_AS_STRING(payload);
+        pn = PyBytes_GET_SIZE(payload);
+        long long due = PyLong_AsLongLong(PyList_GET_ITEM(dues, i));
+        long long attempt = PyLong_AsLongLong(PyList_GET_ITEM(attempts, i));
+        if (PyErr_Occurred())
+            return NULL;
+        /* size of the Delivery message */
+        Py_ssize_t body = 0, hsize = 0;
+        if (an) body += field_size(an);
+        if (mn) body += field_size(mn);
+        if (sn) body += field_size(sn);
+        if (pn) body += field_size(pn);
+        if (hd != Py_None && !PyDict_Check(hd)) {
+            PyErr_SetString(PyExc_TypeError, "headers must be dicts or None");
+            return NULL;
+        }
+        if (hd != Py_None) {
+            PyObject *k, *v;
+            Py_ssize_t it = 0;
+            while (PyDict_Next(hd, &it, &k, &v)) {
+                const char *kp, *vp;
+                Py_ssize_t kn, vn;
+                if (text_of(k, &kp, &kn) < 0 || text_of(v, &vp, &vn) < 0)
+                    return NULL;
+                Py_ssize_t entry = (kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0);
+                hsize += field_size(entry);
+            }
+        }
+        body += hsize;
+        if (due) body += 1 + varint_size((uint64_t)due);
+        if (dispatched) body += 1 + varint_size((uint64_t)dispatched);
+        if (attempt) body += 1 + varint_size((uint64_t)(uint32_t)attempt);
+        Py_ssize_t start = PyByteArray_GET_SIZE(out), total = field_size(body);
+        if (PyByteArray_Resize(out, start + total) < 0)
+            return NULL;
+        unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(out) + start;
+        *w++ = 0x0a;  /* SubscribeResponse.deliveries = 1, length-delimited */
+        w = put_varint(w, (uint64_t)body);
+#define PUT_BYTES(tag, ptr, len) do { if (len) { *w++ = (tag); w = put_varint(w, (uint64_t)(len)); \
+                                       memcpy(w, (ptr), (size_t)(len)); w += (len); } } while (0)
+        PUT_BYTES(0x0a, ap, an);  /* ack_id = 1 */
+        PUT_BYTES(0x12, mp, mn);  /* message_id = 2 */
+        PUT_BYTES(0x1a, sp, sn);  /* subject = 3 */
+        PUT_BYTES(0x22, pp, pn);  /* payload = 4 */
+        if (hd != Py_None) {      /* headers = 5: map entries {key = 1, value = 2} */
+            PyObject *k, *v;
+            Py_ssize_t it = 0;
+            while (PyDict_Next(hd, &it, &k, &v)) {
+                const char *kp, *vp;
+                Py_ssize_t kn, vn;
+                text_of(k, &kp, &kn);
+                text_of(v, &vp, &vn);
+                *w++ = 0x2a;
+                w = put_varint(w, (uint64_t)((kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0)));
+                PUT_BYTES(0x0a, kp, kn);
+                PUT_BYTES(0x12, vp, vn);
+            }
+        }
+#undef PUT_BYTES
+        if (due) { *w++ = 0x30; w = put_varint(w, (uint64_t)due); }                    /* deliver_at_ms = 6 */
+        if (dispatched) { *w++ = 0x38; w = put_varint(w, (uint64_t)dispatched); }      /* dispatched_at_ms = 7 */
+        if (attempt) { *w++ = 0x40; w = put_varint(w, (uint64_t)(uint32_t)attempt); }  /* attempt = 8 */
+    }
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
     {"gather", gather, METH_VARARGS, "Join byte ranges of a buffer."},
     {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
+    {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},
+    {"encode_deliveries", encode_deliveries, METH_VARARGS, "Append Delivery entries of a SubscribeResponse."},
     {"decode_batch", decode_batch, METH_VARARGS,
      "Parse, validate and encode a SendBatchRequest's wire bytes (fast path); None: use protobuf."},
     {"encode_messages", encode_messages, METH_VARARGS,

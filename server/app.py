@@ -80,6 +80,7 @@ def format_address(host: str, port: int) -> str:
 
 
 RAW_REQUEST_METHODS = ("SendBatch", "SendStream")  # decoded by the native codec from wire bytes
+RAW_RESPONSE_METHODS = ("Subscribe",)  # yields SubscribeResponse bytes (consumers.response_bytes)
 
 
 class _HandlerRecorder:
@@ -97,13 +98,17 @@ class _HandlerRecorder:
 
 def add_delay_service(service: DelayService, server) -> None:
     """Register DelayService with the generated handlers, except that SendBatch and
-    SendStream get their requests as wire bytes: the service decodes those in one native
-    pass (server/validation.decode_batch) instead of a protobuf object per message."""
+    SendStream get their requests as wire bytes and Subscribe yields its responses as
+    wire bytes: the native codec decodes and encodes those in one pass
+    (validation.decode_batch, consumers.response_bytes) instead of a protobuf object per
+    message."""
     recorder = _HandlerRecorder()
     pb_grpc.add_DelayServiceServicer_to_server(service, recorder)
     handlers = recorder.handlers
     for name in RAW_REQUEST_METHODS:
         handlers[name] = handlers[name]._replace(request_deserializer=None)
+    for name in RAW_RESPONSE_METHODS:
+        handlers[name] = handlers[name]._replace(response_serializer=None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

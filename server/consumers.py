@@ -26,6 +26,9 @@ import logging
 import threading
 import time
 
+from qdelay.segments import native
+from qdelay.v1 import qdelay_pb2 as pb
+
 log = logging.getLogger("qdelay.consumers")
 
 
@@ -234,6 +237,27 @@ def take_for_response(inbox: collections.deque, max_n: int, max_bytes: int) -> l
             taken.append(batch[:k])
             inbox[0] = batch[k:]
     return taken
+
+
+def response_bytes(batches: list) -> tuple[bytes, int, list[int]]:
+    """A SubscribeResponse carrying the deliveries of ``batches``, serialized (Subscribe is
+    registered to yield bytes): encoded by the native codec straight from the batches'
+    columns, or by protobuf via :func:`fill_response`. Returns (bytes, how many, the due
+    times of the first attempts among them)."""
+    codec = native.codec
+    if codec is None:
+        resp = pb.SubscribeResponse()
+        count, firsts = fill_response(resp, batches)
+        return resp.SerializeToString(), count, firsts
+    out = bytearray()
+    count = 0
+    firsts: list[int] = []
+    for b in batches:
+        count += codec.encode_deliveries(out, b.subject, b.ack_ids, b.message_id_bytes, b.payloads, b.headers,
+                                         b.deliver_at_ms, b.dispatched_at_ms, b.attempts)
+        if 1 in b.attempts:
+            firsts += [due for due, attempt in zip(b.deliver_at_ms, b.attempts) if attempt == 1]
+    return bytes(out), count, firsts
 
 
 def fill_response(resp, batches: list) -> tuple[int, list[int]]:

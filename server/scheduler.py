@@ -36,7 +36,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
-from qdelay.segments import framing, records
+from qdelay.segments import framing, native, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
 from qdelay.segments.segment import CorruptionPolicy, Segment
@@ -900,7 +900,26 @@ class Scheduler:
                    headers: list, base: int) -> list[int]:
         """Check and split the records at offsets ``rel`` of ``data`` (one read): fill
         ``mids``/``payloads``/``headers`` from position ``base`` on, return the positions
-        (from ``base``) that failed a check and were left empty.
+        (from ``base``) that failed a check and were left empty. One call of the native
+        codec (``read_messages``), or its Python twin :meth:`_check_run_numpy`.
+        """
+        codec = native.codec
+        if codec is None:
+            return self._check_run_numpy(data, rel, seqs, mids, payloads, headers, base)
+        got_mids, got_payloads, raw_headers, bad = codec.read_messages(
+            data, np.ascontiguousarray(rel, dtype=np.int64), np.ascontiguousarray(seqs, dtype=np.int64))
+        n = len(rel)
+        mids[base:base + n] = got_mids
+        payloads[base:base + n] = got_payloads
+        if raw_headers.count(None) != n:
+            for k, raw in enumerate(raw_headers):
+                if raw is not None:
+                    headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
+        return [base + k for k in bad]
+
+    def _check_run_numpy(self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list,
+                         headers: list, base: int) -> list[int]:
+        """The Python twin of ``native.codec.read_messages`` (see :meth:`_check_run`).
 
         Every check of a frame is made before any of its bytes is used: magic, kind, the
         sequence the index expects, the frame inside the read, the MESSAGE lengths adding

@@ -258,7 +258,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
     # --- Subscribe ----------------------------------------------------------------------------------
     @status.streaming
     async def Subscribe(self, request_iterator, context):
-        from qdelay.server.consumers import fill_response, take_for_response
+        from qdelay.server.consumers import response_bytes, take_for_response
 
         try:
             first = await request_iterator.__anext__()
@@ -307,8 +307,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     continue
                 # the inbox holds whole batches from the dispatcher; their columns go
                 # straight into the response
-                resp = pb.SubscribeResponse()
-                count, firsts = fill_response(resp, take_for_response(sub.inbox, max_n, max_bytes))
+                resp, count, firsts = response_bytes(take_for_response(sub.inbox, max_n, max_bytes))
                 if firsts:
                     lateness.observe_many((engine.now_ms() - np.asarray(firsts, dtype=np.int64)).clip(0) / 1000.0)
                 metrics.delivered.inc(count)
