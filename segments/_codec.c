@@ -954,11 +954,77 @@ static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(n);
 }
 
+/* dispatch_frames(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
+ *                 message_ids, timestamp, outcome) -> bytes
+ *
+ * Whole DISPATCH frames back to back, one per position of the (equally long) columns
+ * (sequences of ints; message ids bytes). The Python twin is
+ * records.encode_dispatch_frames_py. */
+static PyObject *dispatch_frames(PyObject *self, PyObject *args) {
+    PyObject *cols[6];
+    long long ts;
+    unsigned int outcome;
+    if (!PyArg_ParseTuple(args, "OOOOOOLI", &cols[0], &cols[1], &cols[2], &cols[3], &cols[4], &cols[5], &ts,
+                          &outcome))
+        return NULL;
+    PyObject *fast[6] = {NULL};
+    PyObject *result = NULL;
+    for (int c = 0; c < 6; c++)
+        if (!(fast[c] = PySequence_Fast(cols[c], "dispatch_frames: columns must be sequences")))
+            goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast[0]), total = 0;
+    for (int c = 1; c < 6; c++)
+        if (PySequence_Fast_GET_SIZE(fast[c]) != n) {
+            PyErr_SetString(PyExc_ValueError, "dispatch_frames: columns differ in length");
+            goto done;
+        }
+    PyObject **mids = PySequence_Fast_ITEMS(fast[5]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(mids[i]) || PyBytes_GET_SIZE(mids[i]) > 0xffff) {
+            PyErr_SetString(PyExc_TypeError, "dispatch_frames: message ids must be bytes of at most 65535");
+            goto done;
+        }
+        total += HEADER_SIZE + 32 + PyBytes_GET_SIZE(mids[i]);
+    }
+    if (!(result = PyBytes_FromStringAndSize(NULL, total)))
+        goto done;
+    unsigned char *w = (unsigned char *)PyBytes_AS_STRING(result);
+    PyObject **seq = PySequence_Fast_ITEMS(fast[0]), **due = PySequence_Fast_ITEMS(fast[1]),
+             **at = PySequence_Fast_ITEMS(fast[2]), **off = PySequence_Fast_ITEMS(fast[3]),
+             **att = PySequence_Fast_ITEMS(fast[4]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long sq = PyLong_AsUnsignedLongLong(seq[i]), so = PyLong_AsUnsignedLongLong(off[i]);
+        long long d = PyLong_AsLongLong(due[i]), a = PyLong_AsLongLong(at[i]);
+        unsigned long at_n = PyLong_AsUnsignedLong(att[i]);
+        if (PyErr_Occurred()) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        Py_ssize_t mlen = PyBytes_GET_SIZE(mids[i]);
+        unsigned char *b = w + HEADER_SIZE;
+        put_u64(b, (uint64_t)d);
+        put_u64(b + 8, (uint64_t)a);
+        put_u64(b + 16, (uint64_t)so);
+        put_u32(b + 24, (uint32_t)at_n);
+        b[28] = (unsigned char)outcome;
+        b[29] = 0;
+        put_u16(b + 30, (uint16_t)mlen);
+        memcpy(b + 32, PyBytes_AS_STRING(mids[i]), (size_t)mlen);
+        write_frame(w, 3, (uint64_t)sq, (int64_t)ts, 32 + mlen);
+        w += HEADER_SIZE + 32 + mlen;
+    }
+done:
+    for (int c = 0; c < 6; c++)
+        Py_XDECREF(fast[c]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
     {"gather", gather, METH_VARARGS, "Join byte ranges of a buffer."},
     {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
+    {"dispatch_frames", dispatch_frames, METH_VARARGS, "Whole DISPATCH frames from columns."},
     {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},
     {"encode_deliveries", encode_deliveries, METH_VARARGS, "Append Delivery entries of a SubscribeResponse."},
     {"decode_batch", decode_batch, METH_VARARGS,

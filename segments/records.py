@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qdelay.errors import InvariantViolation
-from qdelay.segments import framing
+from qdelay.segments import framing, native
 from qdelay.segments.framing import RecordKind
 
 # MESSAGE body: deliver_at_ms i64, subject_len u16, message_id_len u16, headers_len u32,
@@ -250,6 +250,18 @@ def encode_dispatch_frames(sequences, deliver_at_ms, dispatched_at_ms, schedule_
                            message_ids, timestamp: int, outcome: int) -> bytes:
     """Whole DISPATCH frames, back to back, one per position of the (equally long) columns;
     ``message_ids`` are bytes. Every frame gets the frame ``timestamp`` and ``outcome``.
+    The native codec's ``dispatch_frames``, or :func:`encode_dispatch_frames_py`."""
+    codec = native.codec
+    if codec is not None:
+        return codec.dispatch_frames(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
+                                     message_ids, timestamp, outcome)
+    return encode_dispatch_frames_py(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
+                                     message_ids, timestamp, outcome)
+
+
+def encode_dispatch_frames_py(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
+                              message_ids, timestamp: int, outcome: int) -> bytes:
+    """The Python twin of ``native.codec.dispatch_frames``.
 
     Byte-identical to ``framing.encode(DISPATCH, sequence, timestamp, encode_dispatch(...))``
     for each position in turn; built column-wise with numpy (the ack path of a burst closes

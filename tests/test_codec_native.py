@@ -295,3 +295,13 @@ def test_encode_deliveries_parses_back_to_what_protobuf_builds(batches, subject,
     assert pb.SubscribeResponse.FromString(bytes(out)) == want
     if not any(d[3] for b in batches for d in b):  # without maps the bytes are protobuf's own
         assert bytes(out) == want.SerializeToString()
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 2**63), st.integers(-2**62, 2**62), st.integers(-2**62, 2**62),
+                               st.integers(0, 2**63), st.integers(0, 2**32 - 1), st.binary(max_size=20)),
+                     max_size=20),
+       ts=st.integers(-2**62, 2**62), outcome=st.sampled_from(list(records.Outcome)))
+def test_dispatch_frames_match_python(rows, ts, outcome):
+    cols = [list(c) for c in zip(*rows)] if rows else [[] for _ in range(6)]
+    assert codec.dispatch_frames(*cols, ts, outcome) == records.encode_dispatch_frames_py(*cols, ts, outcome)
