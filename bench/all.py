@@ -35,6 +35,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("scheduler", ["--json", os.path.relpath(out("scheduler"), ROOT)] + (["--quick"] if quick else []),
          out("scheduler")),
         ("compare", ["--out", "compare"] + (["--scale", "0.1"] if quick else []), out("compare")),
+        ("ingest", ["--messages", "20000", "--unary-messages", "2000"] if quick else [], out("ingest")),
+        ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),
         ("replication", ["--seconds", "2"] if quick else [], out("replication")),
         ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),
     ]

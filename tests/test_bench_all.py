@@ -18,7 +18,8 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
 
     for quick in (False, True):
         steps = plan(quick)
-        assert [n for n, _a, _o in steps] == ["wal", "scheduler", "compare", "replication", "spark"]
+        assert [n for n, _a, _o in steps] == ["wal", "scheduler", "compare", "ingest", "grpc_floor", "replication",
+                                              "spark"]
         for name, extra, out in steps:
             assert out.endswith(os.path.join("bench", "out", f"{name}.json"))
             flags = [a for a in extra if a.startswith("--")]
@@ -35,7 +36,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
 def test_dry_run_lists_commands_and_output_paths():
     res = run("bench.all", "--dry-run", "--quick")
     assert res.returncode == 0, res.stderr
-    for name in ("wal", "scheduler", "compare", "replication", "spark"):
+    for name in ("wal", "scheduler", "compare", "ingest", "grpc_floor", "replication", "spark"):
         assert f"=== python -m bench.{name}" in res.stdout
         assert os.path.join("bench", "out", f"{name}.json") in res.stdout
     assert "--quick" in res.stdout
