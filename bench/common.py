@@ -42,6 +42,26 @@ class Meter:
         self.cpu = cpu_seconds(self.pid) - self._cpu
 
 
+def cpu_counters() -> list[int]:
+    """The machine's CPU time counters (the ``cpu`` line of /proc/stat; [] elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_percent(before: list[int]) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests since ``before``
+    (``cpu_counters()``): on a shared VM, runs with high steal are not comparable."""
+    after = cpu_counters()
+    if len(before) < 8 or len(after) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])
+    return round(100.0 * delta[7] / total, 1) if total > 0 else None
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on, load included (record it next to the numbers)."""
     return {

@@ -31,7 +31,7 @@ import threading
 import time
 from array import array
 
-from bench.common import machine, print_table, write_json
+from bench.common import cpu_counters, machine, print_table, steal_percent, write_json
 from bench.peers import DRIVERS, make_client, make_payload
 
 CTX = mp.get_context("spawn")
@@ -378,11 +378,11 @@ GOALS = [
 ]
 
 COLUMNS = {
-    "ingest": ["msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "secs", "load0"],
-    "lateness": ["p50_ms", "p99_ms", "max_ms", "srv_p99_ms", "lost", "duplicates", "load0"],
-    "burst": ["drain_s", "first_after_due_ms", "lost", "duplicates", "sent_before_due", "load0"],
-    "memory": ["bytes_per_msg", "rss_empty_mb", "rss_mb", "load_s", "load0"],
-    "crash": ["lost", "duplicates", "received_before_kill", "recovery_s", "load0"],
+    "ingest": ["msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "secs", "load0", "steal_pct"],
+    "lateness": ["p50_ms", "p99_ms", "max_ms", "srv_p99_ms", "lost", "duplicates", "load0", "steal_pct"],
+    "burst": ["drain_s", "first_after_due_ms", "lost", "duplicates", "sent_before_due", "load0", "steal_pct"],
+    "memory": ["bytes_per_msg", "rss_empty_mb", "rss_mb", "load_s", "load0", "steal_pct"],
+    "crash": ["lost", "duplicates", "received_before_kill", "recovery_s", "load0", "steal_pct"],
 }
 
 
@@ -439,11 +439,13 @@ def main(argv=None) -> int:
             for name in drivers:
                 print(f"[{rep + 1}/{args.repeat}] {scen} {name} ...", flush=True)
                 t = time.time()
+                counters = cpu_counters()
                 try:
                     res = SCENARIOS[scen](name, args.tmp, scale=args.scale)
                 except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
                     res = {"error": repr(e)}
                 res["wall_s"] = round(time.time() - t, 1)
+                res["steal_pct"] = steal_percent(counters)
                 print(f"    {res}", flush=True)
                 results.setdefault(scen, {}).setdefault(name, []).append(res)
     print()
