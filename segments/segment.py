@@ -13,17 +13,20 @@ import contextlib
 import enum
 import logging
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 from qdelay.errors import CorruptRecord
-from qdelay.segments import framing
+from qdelay.segments import framing, native
 from qdelay.segments.framing import Frame, FrameError
 
 log = logging.getLogger("qdelay.segments")
 
 READ_CHUNK = 4 * 1024 * 1024
+_TIMESTAMP = struct.Struct("<q")
+_TIMESTAMP_AT = 28  # the frame header's timestamp field (docs/formats.md)
 
 
 class HandlePool:
@@ -283,6 +286,19 @@ def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL,
             chunk = f.read(READ_CHUNK)
             used = 0
             bad: FrameError | None = None
+            codec = native.codec
+            if codec is not None and on_frame is None:
+                # the native walk verifies the sound prefix; the loop below goes on from
+                # where it stopped and decides what a bad frame there is
+                end, count, starts, _kinds, seqs, _dues, _bad = codec.scan(chunk, framing.MAX_BODY)
+                if count:
+                    result.records += count
+                    result.last_sequence = int.from_bytes(seqs[-8:], "little")
+                    if result.first_timestamp is None:
+                        result.first_timestamp = _TIMESTAMP.unpack_from(chunk, _TIMESTAMP_AT)[0]
+                    last = int.from_bytes(starts[-8:], "little")
+                    result.last_timestamp = _TIMESTAMP.unpack_from(chunk, last + _TIMESTAMP_AT)[0]
+                    used = end
             while used < len(chunk):
                 try:
                     frame = framing.check_at(chunk, used)
