@@ -325,6 +325,7 @@ class Scheduler:
         self._deadlines: collections.deque[tuple[int, list[_Flight]]] = collections.deque()
         self._retry_heap: list[tuple[int, int, tuple]] = []
         self._dispatch_buf: dict[int, bytearray] = {}
+        self._writing: dict[int, bytearray] = {}  # DISPATCH frames being appended to their files
         self._dispatch_first = 0.0
         self._write_gen: dict[int, int] = {}  # buckets with DISPATCH records written, not fsynced
         self._sync_wanted = threading.Event()
@@ -1107,10 +1108,19 @@ class Scheduler:
             if not force and (time.monotonic() - self._dispatch_first) * 1000 < self.cfg.dispatch_flush_ms:
                 return
             bufs, self._dispatch_buf = self._dispatch_buf, {}
+            # visible to Cancel/Get (pending_dispatch) until they are in the files
+            self._writing = bufs
+        try:
+            # outside the lock: appending to a page that the syncer's fdatasync has under
+            # writeback can block for milliseconds, and acks (the asyncio thread) and the
+            # timer wait for this lock
             for bucket, buf in bufs.items():
-                # written under the lock so a Cancel/Get check sees either the buffer or the file
                 self.dispatch.append(bucket, buf)
-                self._write_gen[bucket] = self._write_gen.get(bucket, 0) + 1
+        finally:
+            with self.lock:
+                self._writing = {}
+                for bucket in bufs:
+                    self._write_gen[bucket] = self._write_gen.get(bucket, 0) + 1
         self._sync_wanted.set()
 
     def _sync_dispatch(self) -> None:
@@ -1145,7 +1155,7 @@ class Scheduler:
 
     def pending_dispatch(self, bucket: int) -> bytes:
         """DISPATCH frames of ``bucket`` buffered but not yet in its file (lock held)."""
-        return bytes(self._dispatch_buf.get(bucket, b""))
+        return bytes(self._writing.get(bucket, b"")) + bytes(self._dispatch_buf.get(bucket, b""))
 
     def _check_done(self, now: int) -> None:
         """Every 100 ms: buckets whose time passed with nothing outstanding become done."""
@@ -1161,6 +1171,7 @@ class Scheduler:
     def _maybe_done(self, st: _Bucket, now: int) -> None:
         end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE
         if st.complete and st.outstanding <= 0 and now >= end and st.bucket not in self._dispatch_buf \
+                and st.bucket not in self._writing \
                 and st.bucket not in self._write_gen:  # its dispatch records are on disk
             st.done = True
 
