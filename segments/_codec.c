@@ -385,6 +385,25 @@ done:
     return result;
 }
 
+/* A MESSAGE body (docs/formats.md, "Record bodies"): fixed part, subject, message id, no
+ * headers, payload. A new reference, or NULL with an exception set. */
+static PyObject *message_body(long long due, const void *subject, Py_ssize_t slen, const void *mid, Py_ssize_t mlen,
+                              const void *payload, Py_ssize_t plen) {
+    PyObject *body = PyBytes_FromStringAndSize(NULL, MESSAGE_FIXED + slen + mlen + plen);
+    if (!body)
+        return NULL;
+    unsigned char *b = (unsigned char *)PyBytes_AS_STRING(body);
+    put_u64(b, (uint64_t)due);
+    put_u16(b + 8, (uint16_t)slen);
+    put_u16(b + 10, (uint16_t)mlen);
+    put_u32(b + 12, 0);
+    put_u32(b + 16, (uint32_t)plen);
+    memcpy(b + MESSAGE_FIXED, subject, (size_t)slen);
+    memcpy(b + MESSAGE_FIXED + slen, mid, (size_t)mlen);
+    memcpy(b + MESSAGE_FIXED + slen + mlen, payload, (size_t)plen);
+    return body;
+}
+
 /* ---- encode_messages: validate and encode a batch of qdelay.v1.Message, fast path only ---- */
 
 static PyObject *s_subject, *s_payload, *s_message_id, *s_headers, *s_which, *s_when, *s_deliver_at_ms,
@@ -502,22 +521,13 @@ static PyObject *encode_messages(PyObject *self, PyObject *args) {
                     break;
                 due = now + v;
             }
-            /* the MESSAGE body (docs/formats.md): fixed part, subject, message id, payload */
             Py_ssize_t plen = PyBytes_GET_SIZE(payload);
-            PyObject *body = PyBytes_FromStringAndSize(NULL, MESSAGE_FIXED + slen + mlen + plen);
+            PyObject *body = message_body(due, sc, slen, PyUnicode_1BYTE_DATA(mid), mlen,
+                                          PyBytes_AS_STRING(payload), plen);
             if (!body) {
                 failed = 1;
                 break;
             }
-            unsigned char *b = (unsigned char *)PyBytes_AS_STRING(body);
-            put_u64(b, (uint64_t)due);
-            put_u16(b + 8, (uint16_t)slen);
-            put_u16(b + 10, (uint16_t)mlen);
-            put_u32(b + 12, 0);
-            put_u32(b + 16, (uint32_t)plen);
-            memcpy(b + MESSAGE_FIXED, sc, (size_t)slen);
-            memcpy(b + MESSAGE_FIXED + slen, PyUnicode_1BYTE_DATA(mid), (size_t)mlen);
-            memcpy(b + MESSAGE_FIXED + slen + mlen, PyBytes_AS_STRING(payload), (size_t)plen);
             PyObject *due_obj = PyLong_FromLongLong(due);
             if (!due_obj) {
                 Py_DECREF(body);
@@ -702,25 +712,16 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
         } else {
             goto fallback;
         }
-        Py_ssize_t slen = m->subject_len, mlen = PyUnicode_GET_LENGTH(mid), plen = m->payload_len;
-        PyObject *body = PyBytes_FromStringAndSize(NULL, MESSAGE_FIXED + slen + mlen + plen);
+        PyObject *body = message_body(due, sc, m->subject_len, PyUnicode_1BYTE_DATA(mid), PyUnicode_GET_LENGTH(mid),
+                                      buf + m->payload, m->payload_len);
         if (!body)
             goto done;
-        unsigned char *b = (unsigned char *)PyBytes_AS_STRING(body);
-        put_u64(b, (uint64_t)due);
-        put_u16(b + 8, (uint16_t)slen);
-        put_u16(b + 10, (uint16_t)mlen);
-        put_u32(b + 12, 0);
-        put_u32(b + 16, (uint32_t)plen);
-        memcpy(b + MESSAGE_FIXED, sc, (size_t)slen);
-        memcpy(b + MESSAGE_FIXED + slen, PyUnicode_1BYTE_DATA(mid), (size_t)mlen);
-        memcpy(b + MESSAGE_FIXED + slen + mlen, buf + m->payload, (size_t)plen);
         PyList_SET_ITEM(bodies, i, body);
         PyObject *due_obj = PyLong_FromLongLong(due);
         if (!due_obj)
             goto done;
         PyList_SET_ITEM(dues, i, due_obj);
-        total += plen;
+        total += m->payload_len;
     }
     result = Py_BuildValue("(OOOLO)", bodies, ids, dues, total, compact ? Py_True : Py_False);
     goto done;
