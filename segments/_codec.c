@@ -1,4 +1,4 @@
-/* qdelay.segments._codec: the per-record loops of the ingest path, in C.
+/* qdelay.segments._codec: the per-record loops of the ingest and dispatch paths, in C.
  *
  * The formats are those of docs/formats.md and of the Python codecs in segments/framing.py
  * and segments/records.py, which stay the reference: every function here has a Python
@@ -143,43 +143,6 @@ fail:
     PyBuffer_Release(&buf);
     Py_XDECREF(starts); Py_XDECREF(kinds); Py_XDECREF(seqs); Py_XDECREF(dues);
     return NULL;
-}
-
-/* gather(data, starts, ends, lo, hi) -> bytes: data[starts[i]:ends[i]] for i in [lo, hi), joined.
- * starts/ends: int64 arrays (any buffer); bounds are checked. */
-static PyObject *gather(PyObject *self, PyObject *args) {
-    Py_buffer data, sb, eb;
-    Py_ssize_t lo, hi;
-    if (!PyArg_ParseTuple(args, "y*y*y*nn", &data, &sb, &eb, &lo, &hi))
-        return NULL;
-    PyObject *result = NULL;
-    const int64_t *s = sb.buf, *e = eb.buf;
-    Py_ssize_t n = sb.len / 8, total = 0;
-    if (eb.len / 8 != n || lo < 0 || hi > n || lo > hi) {
-        PyErr_SetString(PyExc_ValueError, "gather: bad index range");
-        goto done;
-    }
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        if (s[i] < 0 || e[i] < s[i] || e[i] > data.len) {
-            PyErr_Format(PyExc_ValueError, "gather: range %zd [%lld, %lld) outside the data", i,
-                         (long long)s[i], (long long)e[i]);
-            goto done;
-        }
-        total += (Py_ssize_t)(e[i] - s[i]);
-    }
-    result = PyBytes_FromStringAndSize(NULL, total);
-    if (result) {
-        char *p = PyBytes_AS_STRING(result);
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            memcpy(p, (const char *)data.buf + s[i], (size_t)(e[i] - s[i]));
-            p += e[i] - s[i];
-        }
-    }
-done:
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&eb);
-    return result;
 }
 
 /* ---- route: the iterate service's copy of a read into per-bucket buffers ---- */
@@ -1023,7 +986,6 @@ done:
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
-    {"gather", gather, METH_VARARGS, "Join byte ranges of a buffer."},
     {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
     {"dispatch_frames", dispatch_frames, METH_VARARGS, "Whole DISPATCH frames from columns."},
     {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},

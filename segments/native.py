@@ -1,4 +1,4 @@
-"""The optional C twins of the ingest path's per-record loops (segments/_codec.c).
+"""The optional C twins of the per-record loops of the ingest and dispatch paths (segments/_codec.c).
 
 ``codec`` is the compiled module, or None when it was not built (it is an optional
 extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one benchmark run).

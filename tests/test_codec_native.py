@@ -93,19 +93,6 @@ def test_scan_matches_a_python_walk(many, cut, flip):
     assert got == want
 
 
-@settings(max_examples=100, deadline=None)
-@given(data=st.binary(max_size=500), ranges=st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500)),
-                                                     max_size=20))
-def test_gather_joins_ranges(data, ranges):
-    ranges = [(min(a, b, len(data)), min(max(a, b), len(data))) for a, b in ranges]
-    s = np.asarray([a for a, _ in ranges], dtype=np.int64)
-    e = np.asarray([b for _, b in ranges], dtype=np.int64)
-    for lo in range(len(ranges) + 1):
-        assert codec.gather(data, s, e, lo, len(ranges)) == b"".join(data[a:b] for a, b in ranges[lo:])
-    with pytest.raises(ValueError):
-        codec.gather(data, np.asarray([0], np.int64), np.asarray([len(data) + 1], np.int64), 0, 1)
-
-
 subjects = st.one_of(st.sampled_from(["a.b", "order.close", "x" * 255, "x" * 256, "", "bad subject", "é"]),
                      st.text(alphabet="abcXYZ019._-", min_size=1, max_size=10))
 ids = st.one_of(st.just(""), st.text(alphabet="abc-123", min_size=1, max_size=8),
