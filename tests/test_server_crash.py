@@ -118,3 +118,24 @@ def test_sigkill_under_load_loses_no_acknowledged_message(tmp_path):
     dups = sum(n - 1 for n in delivered.values())
     print(f"\n{TRIALS} SIGKILL trials: {len(acked)} acknowledged, all delivered, {dups} duplicates, "
           f"pending after drain {stats['pending']}")
+
+
+def test_sigkill_right_after_far_future_sends_keeps_every_message(tmp_path):
+    """Far-future records wait in the iterate service's write-behind buffers (up to one
+    checkpoint interval): a SIGKILL right after the acks loses those copies, and the
+    restart must copy them again from the message log (a real process, a real kill)."""
+    with ServerProc(tmp_path / "data") as srv:
+        client = srv.client(timeout=20)
+        base = now_ms() + 3_600_000
+        receipts = []
+        for k in range(10):  # spread over many minute buckets, all beyond the loading horizon
+            receipts += client.send_many((client.message(SUBJECT, b"far", deliver_at_ms=base + (k * 100 + i) * 7_000)
+                                          for i in range(100)), batch_size=100)
+        client.close()
+        srv.kill9()
+        srv.start()
+        client = srv.client(timeout=20)
+        states = {client.state_name(client.get(r)) for r in receipts}
+        assert states == {"PENDING"}, states
+        assert client.stats()["pending"] == len(receipts)
+        client.close()
