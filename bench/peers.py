@@ -298,16 +298,17 @@ class QdelayClient(BenchClient):
         return None
 
     def send_batches(self, chunks, batch: int) -> list:
-        """The Python client's bulk API: ``send_many`` pipelines batches over SendStream
-        (PIPELINE batches unanswered); every message is durable when it returns."""
-        M = self.pb.Message
+        """The Python client's bulk API: ``send_many`` of ``Outgoing`` tuples pipelines batches
+        over SendStream (PIPELINE batches unanswered); every message is durable when it returns."""
+        from qdelay.client import Outgoing
+
         sizes: list[int] = []
 
         def messages():
             for chunk in chunks:
                 sizes.append(len(chunk))
                 for i, due, p in chunk:
-                    yield M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due)
+                    yield Outgoing("bench", p, due, None, str(i))
 
         self.client.send_many(messages(), batch_size=batch, max_in_flight=PIPELINE)
         return [None] * len(sizes)

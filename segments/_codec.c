@@ -817,6 +817,56 @@ static int text_of(PyObject *o, const char **p, Py_ssize_t *n) {
     return -1;
 }
 
+/* the wire size of a map<string, string> field's entries (the field's tag included), or -1 */
+static Py_ssize_t headers_size(PyObject *hd) {
+    Py_ssize_t total = 0, it = 0;
+    PyObject *k, *v;
+    if (hd == Py_None)
+        return 0;
+    if (!PyDict_Check(hd)) {
+        PyErr_SetString(PyExc_TypeError, "headers must be dicts or None");
+        return -1;
+    }
+    while (PyDict_Next(hd, &it, &k, &v)) {
+        const char *kp, *vp;
+        Py_ssize_t kn, vn;
+        if (text_of(k, &kp, &kn) < 0 || text_of(v, &vp, &vn) < 0)
+            return -1;
+        total += field_size((kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0));
+    }
+    return total;
+}
+
+static inline unsigned char *put_bytes(unsigned char *w, unsigned char tag, const void *p, Py_ssize_t n) {
+    if (n) {
+        *w++ = tag;
+        w = put_varint(w, (uint64_t)n);
+        memcpy(w, p, (size_t)n);
+        w += n;
+    }
+    return w;
+}
+
+/* writes the entries {key = 1, value = 2} of a map<string, string> field ``tag``; the
+ * dict was checked by headers_size */
+static unsigned char *put_headers(unsigned char *w, unsigned char tag, PyObject *hd) {
+    Py_ssize_t it = 0;
+    PyObject *k, *v;
+    if (hd == Py_None)
+        return w;
+    while (PyDict_Next(hd, &it, &k, &v)) {
+        const char *kp, *vp;
+        Py_ssize_t kn, vn;
+        text_of(k, &kp, &kn);
+        text_of(v, &vp, &vn);
+        *w++ = tag;
+        w = put_varint(w, (uint64_t)((kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0)));
+        w = put_bytes(w, 0x0a, kp, kn);
+        w = put_bytes(w, 0x12, vp, vn);
+    }
+    return w;
+}
+
 /* encode_deliveries(out, subject, ack_ids, message_ids, payloads, headers, deliver_at_ms,
  *                   dispatched_at_ms, attempts) -> count
  *
@@ -859,27 +909,14 @@ static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
         if (PyErr_Occurred())
             return NULL;
         /* size of the Delivery message */
-        Py_ssize_t body = 0, hsize = 0;
+        Py_ssize_t body = 0;
         if (an) body += field_size(an);
         if (mn) body += field_size(mn);
         if (sn) body += field_size(sn);
         if (pn) body += field_size(pn);
-        if (hd != Py_None && !PyDict_Check(hd)) {
-            PyErr_SetString(PyExc_TypeError, "headers must be dicts or None");
+        Py_ssize_t hsize = headers_size(hd);
+        if (hsize < 0)
             return NULL;
-        }
-        if (hd != Py_None) {
-            PyObject *k, *v;
-            Py_ssize_t it = 0;
-            while (PyDict_Next(hd, &it, &k, &v)) {
-                const char *kp, *vp;
-                Py_ssize_t kn, vn;
-                if (text_of(k, &kp, &kn) < 0 || text_of(v, &vp, &vn) < 0)
-                    return NULL;
-                Py_ssize_t entry = (kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0);
-                hsize += field_size(entry);
-            }
-        }
         body += hsize;
         if (due) body += 1 + varint_size((uint64_t)due);
         if (dispatched) body += 1 + varint_size((uint64_t)dispatched);
@@ -890,27 +927,11 @@ static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
         unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(out) + start;
         *w++ = 0x0a;  /* SubscribeResponse.deliveries = 1, length-delimited */
         w = put_varint(w, (uint64_t)body);
-#define PUT_BYTES(tag, ptr, len) do { if (len) { *w++ = (tag); w = put_varint(w, (uint64_t)(len)); \
-                                       memcpy(w, (ptr), (size_t)(len)); w += (len); } } while (0)
-        PUT_BYTES(0x0a, ap, an);  /* ack_id = 1 */
-        PUT_BYTES(0x12, mp, mn);  /* message_id = 2 */
-        PUT_BYTES(0x1a, sp, sn);  /* subject = 3 */
-        PUT_BYTES(0x22, pp, pn);  /* payload = 4 */
-        if (hd != Py_None) {      /* headers = 5: map entries {key = 1, value = 2} */
-            PyObject *k, *v;
-            Py_ssize_t it = 0;
-            while (PyDict_Next(hd, &it, &k, &v)) {
-                const char *kp, *vp;
-                Py_ssize_t kn, vn;
-                text_of(k, &kp, &kn);
-                text_of(v, &vp, &vn);
-                *w++ = 0x2a;
-                w = put_varint(w, (uint64_t)((kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0)));
-                PUT_BYTES(0x0a, kp, kn);
-                PUT_BYTES(0x12, vp, vn);
-            }
-        }
-#undef PUT_BYTES
+        w = put_bytes(w, 0x0a, ap, an);  /* ack_id = 1 */
+        w = put_bytes(w, 0x12, mp, mn);  /* message_id = 2 */
+        w = put_bytes(w, 0x1a, sp, sn);  /* subject = 3 */
+        w = put_bytes(w, 0x22, pp, pn);  /* payload = 4 */
+        w = put_headers(w, 0x2a, hd);    /* headers = 5 */
         if (due) { *w++ = 0x30; w = put_varint(w, (uint64_t)due); }                    /* deliver_at_ms = 6 */
         if (dispatched) { *w++ = 0x38; w = put_varint(w, (uint64_t)dispatched); }      /* dispatched_at_ms = 7 */
         if (attempt) { *w++ = 0x40; w = put_varint(w, (uint64_t)(uint32_t)attempt); }  /* attempt = 8 */
@@ -983,6 +1004,78 @@ done:
     return result;
 }
 
+/* encode_send_batch(out, messages, ids) -> count
+ *
+ * The client's bulk path: appends one SendBatchRequest ``messages`` entry (field 1, a
+ * Message) per item of ``messages`` to the bytearray ``out``, in the wire form protobuf
+ * writes (fields in number order, empty strings left out). An item is a sequence
+ * (subject, payload, deliver_at_ms, delay_ms, message_id, headers): the first two str /
+ * bytes, the times int or None (a time that is not None is written even when 0: it is a
+ * oneof member; both set is a ValueError), headers a dict or None. ``ids`` (a list of str, one per item) gives the
+ * message ids written; the item's own message_id is not read. Nothing is validated here:
+ * the server does that. The Python twin is qdelay.client.client.encode_send_batch_py.
+ */
+static PyObject *encode_send_batch(PyObject *self, PyObject *args) {
+    PyObject *out, *items, *ids;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyByteArray_Type, &out, &PyList_Type, &items, &PyList_Type, &ids))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    if (PyList_GET_SIZE(ids) != n) {
+        PyErr_SetString(PyExc_ValueError, "encode_send_batch: one id per message");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 6) {
+            PyErr_SetString(PyExc_TypeError,
+                            "messages must be 6-tuples (subject, payload, deliver_at_ms, delay_ms, message_id, headers)");
+            return NULL;
+        }
+        const char *sp, *pp, *mp;
+        Py_ssize_t sn, pn, mn;
+        if (text_of(PyTuple_GET_ITEM(item, 0), &sp, &sn) < 0 || text_of(PyList_GET_ITEM(ids, i), &mp, &mn) < 0)
+            return NULL;
+        PyObject *payload = PyTuple_GET_ITEM(item, 1), *at = PyTuple_GET_ITEM(item, 2),
+                 *delay = PyTuple_GET_ITEM(item, 3), *hd = PyTuple_GET_ITEM(item, 5);
+        if (!PyBytes_Check(payload)) {
+            PyErr_SetString(PyExc_TypeError, "payload must be bytes");
+            return NULL;
+        }
+        pp = PyBytes_AS_STRING(payload);
+        pn = PyBytes_GET_SIZE(payload);
+        int has_at = at != Py_None, has_delay = delay != Py_None;
+        if (has_at && has_delay) {
+            PyErr_SetString(PyExc_ValueError, "give deliver_at_ms or delay_ms, not both");
+            return NULL;
+        }
+        long long at_v = has_at ? PyLong_AsLongLong(at) : 0, delay_v = has_delay ? PyLong_AsLongLong(delay) : 0;
+        if (PyErr_Occurred())
+            return NULL;
+        Py_ssize_t hsize = headers_size(hd);
+        if (hsize < 0)
+            return NULL;
+        Py_ssize_t body = hsize;
+        if (sn) body += field_size(sn);
+        if (pn) body += field_size(pn);
+        if (mn) body += field_size(mn);
+        if (has_at) body += 1 + varint_size((uint64_t)at_v);
+        if (has_delay) body += 1 + varint_size((uint64_t)delay_v);
+        Py_ssize_t start = PyByteArray_GET_SIZE(out);
+        if (PyByteArray_Resize(out, start + field_size(body)) < 0)
+            return NULL;
+        unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(out) + start;
+        *w++ = 0x0a;  /* SendBatchRequest.messages = 1, length-delimited */
+        w = put_varint(w, (uint64_t)body);
+        w = put_bytes(w, 0x0a, sp, sn);  /* subject = 1 */
+        w = put_bytes(w, 0x12, pp, pn);  /* payload = 2 */
+        w = put_headers(w, 0x1a, hd);    /* headers = 3 */
+        w = put_bytes(w, 0x22, mp, mn);  /* message_id = 4 */
+        if (has_at) { *w++ = 0x28; w = put_varint(w, (uint64_t)at_v); }        /* deliver_at_ms = 5 */
+        if (has_delay) { *w++ = 0x30; w = put_varint(w, (uint64_t)delay_v); }  /* delay_ms = 6 */
+    }
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
@@ -990,6 +1083,7 @@ static PyMethodDef methods[] = {
     {"dispatch_frames", dispatch_frames, METH_VARARGS, "Whole DISPATCH frames from columns."},
     {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},
     {"encode_deliveries", encode_deliveries, METH_VARARGS, "Append Delivery entries of a SubscribeResponse."},
+    {"encode_send_batch", encode_send_batch, METH_VARARGS, "Append Message entries of a SendBatchRequest (client)."},
     {"decode_batch", decode_batch, METH_VARARGS,
      "Parse, validate and encode a SendBatchRequest's wire bytes (fast path); None: use protobuf."},
     {"encode_messages", encode_messages, METH_VARARGS,

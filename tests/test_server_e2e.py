@@ -469,8 +469,8 @@ def test_send_many_opens_a_new_stream_every_half_timeout_and_keeps_order(server)
     c = Client(server.address, timeout=0.4)
     s = subject()
     calls = []
-    real = c.stub.SendStream
-    c.stub.SendStream = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    real = c._send_stream_raw  # send_many's SendStream (requests encoded ahead)
+    c._send_stream_raw = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
 
     def slow():  # ~1.5 s of messages: several streams of 0.2 s each
         for i in range(300):
