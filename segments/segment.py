@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import errno
 import logging
 import os
 import struct
@@ -139,6 +140,14 @@ class Segment:
         self.size = os.path.getsize(path) if size is None else size
         self.synced_size = self.size
         self.last_sequence = -1  # highest sequence appended, maintained by the owner
+        # Preallocation (the message log sets ``prealloc``): the file is kept zero-filled
+        # ahead of ``size`` up to ``allocated``, so that an fdatasync after an append finds
+        # the blocks and the file size already on disk: it flushes data only, without a
+        # journal commit (half the latency and CPU on ext4, and no waiting behind other
+        # files' metadata). Readers stop at ``size``; recovery treats the zeros as an
+        # unwritten tail (docs/formats.md).
+        self.prealloc = 0
+        self.allocated = self.size
 
     def append(self, data: bytes | bytearray | memoryview) -> int:
         """Write ``data`` at the end; return the offset it starts at (not yet durable)."""
@@ -152,16 +161,40 @@ class Segment:
                 if more == 0:
                     raise OSError("pwrite wrote nothing")
                 written += more
+            end = offset + len(data)
+            if end > self.allocated:
+                self.allocated = end
+                if self.prealloc:
+                    self._extend(fd, end)
         finally:
             pool.release(fd)
         self.size = offset + len(data)
         return offset
 
+    def _extend(self, fd: int, end: int) -> None:
+        """Zero-fill the file from ``end`` to the next multiple of ``prealloc`` past it.
+
+        Best effort: where the zeros do not fit (a full disk) the file just ends at ``end``."""
+        step = self.prealloc
+        target = (end // step + 1) * step
+        try:
+            self.allocated = end + os.pwrite(fd, _zeros(target - end), end)
+        except OSError:
+            pass
+
+    def trim(self) -> None:
+        """Cut the preallocated zeros off, durably: a sealed segment ends at its last record."""
+        if self.allocated > self.size:
+            with self.pool.fd(self.path) as fd:
+                os.ftruncate(fd, self.size)
+                os.fdatasync(fd)
+            self.allocated = self.synced_size = self.size
+
     def truncate(self, size: int) -> None:
         with self.pool.fd(self.path) as fd:
             os.ftruncate(fd, size)
             os.fdatasync(fd)
-        self.size = self.synced_size = size
+        self.size = self.synced_size = self.allocated = size
 
     def sync(self) -> None:
         """fdatasync if anything was appended since the last sync; errors propagate."""
@@ -242,6 +275,13 @@ class Segment:
         except FrameError as err2:
             raise CorruptRecord(self.path, pos, err2.reason) from None
         return Frame(pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def _zeros(n: int) -> memoryview | bytes:
+    return memoryview(_ZEROS)[:n] if n <= len(_ZEROS) else bytes(n)
 
 
 class CorruptionPolicy(enum.Enum):
@@ -378,10 +418,18 @@ def _cut(result: Recovery, at: int, rest: bytes) -> None:
         os.fsync(f.fileno())
     result.valid_size = at
     result.cut_bytes = len(rest)
-    if result.cut_bytes:
+    if result.cut_bytes and result.broken_path is None:
+        log.info("cut the unwritten (zero) tail of a segment", extra={
+            "path": result.path, "offset": at, "cut_bytes": len(rest)})
+    elif result.cut_bytes:
         log.warning("truncated segment tail", extra={
             "path": result.path, "offset": at, "cut_bytes": len(rest), "reason": result.reason,
             "kept_in": result.broken_path})
+
+
+def disk_full(err: OSError) -> bool:
+    """Whether a failed write means "no space" (full disk or quota), which frees up later."""
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_dir(path: str) -> None:

@@ -8,7 +8,9 @@ hands out sequences and offsets, so file order is sequence order. One writer thr
 takes everything queued, writes it with one pwrite per segment and one fdatasync, then
 completes every appender whose records it covered. An append is acknowledged only once
 its bytes are durable (flush policy ``sync``); ``interval:N`` acknowledges after the write
-and fsyncs every N ms, which loses up to N ms of acknowledged writes on power loss.
+and fsyncs every N ms, which loses up to N ms of acknowledged writes on power loss. The
+segment being written is kept zero-filled a little ahead of its end (preallocation), so an
+fdatasync flushes data without a journal commit (docs/formats.md, "Preallocation").
 
 Failures: a write that fails (ENOSPC) is cut back off the file and its appenders, and
 everything queued behind them, get :class:`DiskFull`; the log stays usable. A failed
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import errno
 import logging
 import os
 import threading
@@ -32,11 +33,12 @@ from qdelay.errors import (CorruptRecord, DiskFull, InvariantViolation, QdelayEr
                            WalFailed)
 from qdelay.segments import framing, naming
 from qdelay.segments.framing import Frame
-from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, fsync_dir, recover
+from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, disk_full, fsync_dir, recover
 
 log = logging.getLogger("qdelay.wal")
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+DEFAULT_PREALLOC_BYTES = 1024 * 1024  # zeros kept ahead of the last record (docs/formats.md)
 
 Entry = tuple[int, int, bytes]  # (kind, timestamp ms, body)
 
@@ -106,9 +108,10 @@ class MessageLog:
     def __init__(self, directory: str, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  flush: FlushPolicy | str = "sync", pool: HandlePool | None = None,
                  corruption: CorruptionPolicy = CorruptionPolicy.FAIL,
-                 min_next_sequence: int = 1) -> None:
+                 min_next_sequence: int = 1, prealloc_bytes: int = DEFAULT_PREALLOC_BYTES) -> None:
         self.directory = directory
         self.segment_bytes = segment_bytes
+        self.prealloc_bytes = prealloc_bytes
         self.flush = FlushPolicy.parse(flush) if isinstance(flush, str) else flush
         self._owns_pool = pool is None
         self.pool = pool or HandlePool(64)
@@ -190,6 +193,7 @@ class MessageLog:
                 break  # the later (empty) segments were just dropped
         if not self._segments:
             self._create_segment(0)
+        self._segments[-1].prealloc = self.prealloc_bytes
         self.committed_offset = self._segments[-1].key + self._segments[-1].size
         self.committed_sequence = last_seq
 
@@ -217,6 +221,7 @@ class MessageLog:
         os.close(fd)
         fsync_dir(self.directory)
         seg = Segment(path, base, self.pool, size=0)
+        seg.prealloc = self.prealloc_bytes
         self._segments.append(seg)
         return seg
 
@@ -256,7 +261,7 @@ class MessageLog:
                 try:
                     self._plan_segment = self._create_segment(base)
                 except OSError as err:
-                    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    if disk_full(err):
                         raise DiskFull("no room for a new message-log segment; free space and "
                                        "retry") from err
                     raise StorageError(f"cannot create a message-log segment: {err}") from err
@@ -370,6 +375,8 @@ class MessageLog:
         try:
             for seg, data in queue:
                 before = seg.size
+                if before == 0:
+                    self._seal_before(seg)
                 written.append((seg, before))
                 seg.append(data)
             if self.flush.is_sync or time.monotonic() - self._last_sync >= self.flush.interval_ms / 1000:
@@ -379,6 +386,13 @@ class MessageLog:
             return self._fail_write(err, written)
         except QdelayError as err:
             return err
+
+    def _seal_before(self, seg: Segment) -> None:
+        """Before the first write into ``seg``, the segment before it loses its preallocated
+        zeros: only the newest segment holding records may end in zeros."""
+        i = bisect.bisect_left(self._segments, seg.key, key=_segment_key)
+        if i > 0:
+            self._segments[i - 1].trim()
 
     def _sync_segments(self, segments: list[Segment]) -> None:
         started = time.monotonic()
@@ -405,7 +419,7 @@ class MessageLog:
             failure = WalFailed(f"message log write failed ({err}) and could not be undone ({cut_err})")
             self._poison(failure)
             return failure
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(err):
             failure: Exception = DiskFull("the disk holding the message log is full; free space and retry")
         else:
             failure = WalFailed(f"message log write failed: {err}")
@@ -566,6 +580,8 @@ class MessageLog:
                                          f"{segment_base}, this log's tail segment starts at {seg.key}")
             before = seg.size
             try:
+                if before == 0:
+                    self._seal_before(seg)
                 seg.append(data)
                 self._sync_segments([seg])
             except OSError as err:
@@ -573,7 +589,7 @@ class MessageLog:
                     seg.truncate(before)
                 except OSError:
                     pass
-                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                if disk_full(err):
                     raise DiskFull("the disk holding the message log is full") from err
                 raise StorageError(f"cannot write replicated bytes: {err}") from err
             seg.last_sequence = seq - 1
@@ -657,6 +673,11 @@ class MessageLog:
             self._closing = True
             self._wake.notify()
         self._writer.join()
+        if self._failed is None:
+            try:
+                self._segments[-1].trim()  # a cleanly closed log ends at its last record
+            except OSError as err:
+                log.warning("could not cut the preallocated zeros off the message log", extra={"error": str(err)})
         if self._owns_pool:
             self.pool.close()
 

@@ -10,6 +10,11 @@ is skipped, so re-running never duplicates.
 Records are handed to the scheduler once written (``on_records``), so a message due
 within the loaded window reaches the timer without waiting for a reload.
 
+A full disk stalls copying instead of stopping it: a schedule write that finds no space is
+tried again (with a growing pause) until space is freed, so nothing is skipped or written
+twice, and the message log refuses new writes meanwhile. A checkpoint that finds no space
+is left for the next one.
+
 Records of buckets beyond the scheduler's loading horizon are written behind: they
 collect in one buffer per bucket and reach their segment with the next checkpoint (at
 most ``checkpoint_interval`` later), when the buffers pass ``write_behind_bytes``, or when
@@ -33,9 +38,9 @@ import numpy as np
 
 from qdelay.segments import checkpoint, framing, native, records
 from qdelay.segments.framing import RecordKind
-from qdelay.errors import CorruptRecord
+from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments.naming import MS_PER_MINUTE
-from qdelay.segments.segment import Segment
+from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
 from qdelay.server.bucket_log import BucketLog, sync_all, sync_dirs
 
@@ -108,6 +113,7 @@ class IterateService:
         self.write_behind_bytes = write_behind_bytes
         self._behind: dict[int, bytearray] = {}
         self._behind_bytes = 0
+        self.disk_full_waits = 0  # schedule writes retried for want of space
 
     # --- control ------------------------------------------------------------------------------
 
@@ -121,7 +127,10 @@ class IterateService:
             self._thread.join()
             self._thread = None
         if self.error is None:
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except DiskFull:
+                log.warning("no space for the final checkpoint: a restart copies again from the last one")
 
     def lag_bytes(self) -> int:
         return max(0, self.wal.committed_offset - self.offset)
@@ -196,6 +205,32 @@ class IterateService:
             if bucket in self._behind:
                 self._flush_behind([bucket])
 
+    def _until_space(self, write: Callable, *args):
+        """``write(*args)``, waiting out a full disk: tried again after a pause that grows to
+        1 s, until it succeeds or the service stops (then DiskFull). The caller's state is
+        untouched by a failed try (a segment's size moves only after a whole write)."""
+        pause = 0.01
+        while True:
+            try:
+                return write(*args)
+            except OSError as err:
+                if not disk_full(err):
+                    raise
+                if self.disk_full_waits == 0 or pause >= 1.0:
+                    log.warning("disk full: copying to the schedule log waits for free space",
+                                extra={"error": str(err)})
+                self.disk_full_waits += 1
+                if self._stop.wait(pause):
+                    raise DiskFull(f"stopped while waiting for disk space: {err}") from err
+                pause = min(1.0, pause * 2)
+
+    def _segment_of(self, bucket: int) -> Segment:
+        return self._until_space(self.schedule.get_or_create, bucket)
+
+    def _append(self, bucket: int, data: bytearray) -> int:
+        """Append to a schedule segment; returns the offset the data starts at."""
+        return self._until_space(self.schedule.append, bucket, data)[1]
+
     def _flush_behind(self, buckets: list[int]) -> None:
         """Append the write-behind buffers of ``buckets`` to their segments (append_lock held).
 
@@ -206,8 +241,8 @@ class IterateService:
         if not buckets:
             return
         for bucket in buckets:
+            self._append(bucket, self._behind[bucket])
             buf = self._behind.pop(bucket)
-            self.schedule.append(bucket, buf)
             self._behind_bytes -= len(buf)
         if self.on_records is not None:
             self.on_records([], min(buckets) - self.scale)
@@ -231,7 +266,7 @@ class IterateService:
         codec = native.codec
         route = codec.route if codec is not None else self._route_numpy
         handed, messages, cancels, duplicates, unknown, copied, added = route(
-            data, pos, st, kind, seq, due, self.scale, near, self._behind, self.schedule.get_or_create)
+            data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of)
         self.counts["messages"] += messages
         self.counts["cancels"] += cancels
         self.duplicates_skipped += duplicates
@@ -259,8 +294,8 @@ class IterateService:
             pending.append((b, Scheduled(k, b, at, int(seq[i]), int(due[i]), subject, target, end - start)))
         base: dict[int, int] = {}
         for b in {b for b, _ in pending}:
+            base[b] = self._append(b, self._behind[b])
             buf = self._behind.pop(b)
-            base[b] = self.schedule.append(b, buf)[1]
             self._behind_bytes -= len(buf)
         written = []
         for b, rec in pending:
@@ -405,7 +440,15 @@ class IterateService:
         segments, dirs = dirty
         sync_all(segments)
         sync_dirs(dirs)
-        checkpoint.write(self.checkpoint_path, state)
+        try:
+            checkpoint.write(self.checkpoint_path, state)
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            # the segments are durable; the offset stays where it was, and the next
+            # checkpoint (which covers these records too) tries again
+            log.warning("no space for the iterate checkpoint; kept the previous one", extra={"error": str(err)})
+            return
         self.saved_offset = state["offset"]
 
     def _request_checkpoint(self) -> None:

@@ -39,7 +39,7 @@ from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
 from qdelay.segments import framing, native, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
-from qdelay.segments.segment import CorruptionPolicy, Segment
+from qdelay.segments.segment import CorruptionPolicy, Segment, disk_full
 from qdelay.server.bucket_log import BucketLog
 from qdelay.server.iterate import Scheduled
 from qdelay.server.lookup import read_frames
@@ -348,6 +348,7 @@ class Scheduler:
         self.dead_lettered = 0
         self.cancel_skipped = 0
         self.corrupt_skipped = 0
+        self.dispatch_disk_full = 0  # failed DISPATCH writes since space was last found
         self.on_dispatch: Callable[[list[int]], None] | None = None  # lateness observer (ms)
 
     # --- control --------------------------------------------------------------------------------
@@ -372,6 +373,9 @@ class Scheduler:
             self._syncer = None
         self._flush_dispatch(force=True)
         self._sync_dispatch()
+        if self._dispatch_buf:
+            log.warning("no space for the last DISPATCH records: their messages are delivered again after "
+                        "a restart", extra={"bytes": sum(map(len, self._dispatch_buf.values()))})
 
     def wake(self) -> None:
         with self.lock:
@@ -1110,18 +1114,39 @@ class Scheduler:
             bufs, self._dispatch_buf = self._dispatch_buf, {}
             # visible to Cancel/Get (pending_dispatch) until they are in the files
             self._writing = bufs
+        written: list[int] = []
         try:
             # outside the lock: appending to a page that the syncer's fdatasync has under
             # writeback can block for milliseconds, and acks (the asyncio thread) and the
             # timer wait for this lock
             for bucket, buf in bufs.items():
                 self.dispatch.append(bucket, buf)
+                written.append(bucket)
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            # no space: the records not written go back in front of any newer ones, and
+            # the next pass tries again (a failed append moves no segment's size)
+            if not self.dispatch_disk_full:
+                log.warning("disk full: DISPATCH records wait for free space", extra={"error": str(err)})
+            self.dispatch_disk_full += 1
+            with self.lock:
+                for bucket, buf in bufs.items():
+                    if bucket not in written:
+                        newer = self._dispatch_buf.get(bucket)
+                        self._dispatch_buf[bucket] = buf + newer if newer else buf
+                self._dispatch_first = time.monotonic()
+        else:
+            if self.dispatch_disk_full:
+                log.info("DISPATCH records written again after a full disk")
+                self.dispatch_disk_full = 0
         finally:
             with self.lock:
                 self._writing = {}
-                for bucket in bufs:
+                for bucket in written:
                     self._write_gen[bucket] = self._write_gen.get(bucket, 0) + 1
-        self._sync_wanted.set()
+        if written:
+            self._sync_wanted.set()
 
     def _sync_dispatch(self) -> None:
         """fsync written DISPATCH records, then let their buckets become done."""

@@ -413,22 +413,70 @@ def test_disk_full_refused_then_recovers(small_disk):
             assert err.errno == errno.ENOSPC
         finally:
             os.close(fd)
-        for _ in range(3):
+        # the message log's preallocated zeros (1 MiB ahead of its last record) are
+        # written into first; then every batch is refused
+        taken = []
+        with pytest.raises(errors.ResourceExhausted):
+            for _ in range(20):
+                taken += c.send_batch([c.message(s, b"b" * 1000, delay_ms=0) for _ in range(200)])
+        assert len(taken) <= 1000
+        for _ in range(2):
             with pytest.raises(errors.ResourceExhausted):
                 c.send_batch([c.message(s, b"b" * 1000, delay_ms=0) for _ in range(200)])
         os.unlink(filler)
         second = c.send_batch([c.message(s, b"c" * 1000, delay_ms=0) for _ in range(10)])
-        expected = {r.message_id for r in first + second}
+        expected = {r.message_id for r in first + taken + second}
         with c.subscribe(s) as consumer:
             seen = set()
             deadline = time.monotonic() + 10
             while not expected <= seen and time.monotonic() < deadline:
-                got = consumer.receive(20, timeout=1)
+                got = consumer.receive(500, timeout=1)
                 seen |= {d.message_id for d in got}
                 consumer.ack(got)
         assert seen == expected  # nothing of the refused batches, everything acknowledged
         c.close()
     assert srv.proc.returncode == 0
+
+
+def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk):
+    """The dispatch log cannot take the acks' records while the disk is full: the server
+    keeps them, stays healthy, and writes them when space is back, so a restart delivers
+    none of those messages again."""
+    import os
+
+    args = ["--min-free-bytes", "0", "--set", "min_free_bytes_hard=0"]
+    with ServerProc(small_disk / "data", args=args) as srv:
+        c = srv.client(retries=0)
+        s = subject()
+        sent = c.send_batch([c.message(s, b"a" * 100, delay_ms=0) for _ in range(20)])
+        filler = small_disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while os.write(fd, b"\xff" * 65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with c.subscribe(s) as consumer:
+            seen = []
+            deadline = time.monotonic() + 10
+            while len(seen) < 20 and time.monotonic() < deadline:
+                got = consumer.receive(50, timeout=1)
+                seen += got
+                consumer.ack(got)
+            assert sorted(d.message_id for d in seen) == sorted(r.message_id for r in sent)
+            time.sleep(0.5)  # the dispatch log's writes fail and are kept for later
+            assert c.health() == "SERVING"
+            os.unlink(filler)
+            time.sleep(0.5)
+        c.close()
+    assert srv.proc.returncode == 0
+    with ServerProc(small_disk / "data", args=args) as again:
+        c = again.client(retries=0)
+        with c.subscribe(s) as consumer:
+            assert consumer.receive(50, timeout=2) == []  # every ack reached the dispatch log
+        c.close()
 
 
 def test_client_retries_unavailable_then_raises_it():

@@ -241,7 +241,7 @@ def test_a_gap_between_segments_with_records_is_refused(wal_dir):
 
 
 def test_a_failed_write_is_undone_and_rejected(wal_dir, monkeypatch):
-    log = MessageLog(wal_dir)
+    log = MessageLog(wal_dir, prealloc_bytes=0)  # byte-exact file contents
     log.append(entries(3))
     before = file_bytes(log.segments()[-1].path)
     real_pwrite = os.pwrite
@@ -298,11 +298,8 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_disk_full_for_real(small_disk):
-    directory = os.path.join(small_disk, "message")
-    log = MessageLog(directory)
-    log.append(entries(10, size=500))
-    filler = os.path.join(small_disk, "filler")
+def fill_disk(directory: str) -> str:
+    filler = os.path.join(directory, "filler")
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         while os.write(fd, b"\xff" * 4096):
@@ -311,6 +308,14 @@ def test_disk_full_for_real(small_disk):
         assert err.errno == errno.ENOSPC
     finally:
         os.close(fd)
+    return filler
+
+
+def test_disk_full_for_real(small_disk):
+    directory = os.path.join(small_disk, "message")
+    log = MessageLog(directory, prealloc_bytes=0)  # no reserved zeros: the next append fails
+    log.append(entries(10, size=500))
+    filler = fill_disk(small_disk)
     path = log.segments()[-1].path
     before = file_bytes(path)
     for _ in range(3):
@@ -326,4 +331,67 @@ def test_disk_full_for_real(small_disk):
     assert (rec.records, rec.cut_bytes) == (110, 0)
     log = MessageLog(directory)
     assert [f.sequence for f in read_all(log)] == list(range(1, 111))
+    log.close()
+
+
+def test_disk_full_with_preallocated_space(small_disk):
+    """The zeros reserved ahead of the last record are written into after the disk fills;
+    once they are used, appends fail with DiskFull and leave nothing behind."""
+    directory = os.path.join(small_disk, "message")
+    log = MessageLog(directory, prealloc_bytes=256 * 1024)
+    log.append(entries(10, size=500))
+    path = log.segments()[-1].path
+    assert os.path.getsize(path) == 256 * 1024
+    filler = fill_disk(small_disk)
+    taken = 0
+    with pytest.raises(DiskFull):
+        for _ in range(100):
+            log.append(entries(10, size=1000))
+            taken += 10
+    assert 10 <= taken and (10 + taken) * 1036 <= 256 * 1024 + 10 * 1036  # the reserve, then no more
+    size = log.segments()[-1].size
+    assert file_bytes(path)[size:] == bytes(os.path.getsize(path) - size)  # only zeros after the records
+    assert log.committed_sequence == 10 + taken and log.failed is None
+    os.unlink(filler)
+    assert log.append(entries(5)).first_sequence == 11 + taken
+    log.close()
+    assert (recover(path).records, os.path.getsize(path)) == (15 + taken, size + 5 * 136)
+
+
+def test_the_segment_being_written_is_zero_filled_ahead_and_trimmed_when_sealed(wal_dir):
+    log = MessageLog(wal_dir, segment_bytes=3000, prealloc_bytes=1024)
+    log.append(entries(2))  # 272 bytes
+    seg = log.segments()[-1]
+    assert os.path.getsize(seg.path) == 1024 and file_bytes(seg.path)[272:] == bytes(1024 - 272)
+    for _ in range(12):
+        log.append(entries(2))
+    segs = log.segments()
+    assert len(segs) == 2
+    assert os.path.getsize(segs[0].path) == segs[0].size  # sealed: cut to its last record
+    assert os.path.getsize(segs[1].path) % 1024 == 0 and os.path.getsize(segs[1].path) > segs[1].size
+    assert [f.sequence for f in read_all(log)] == list(range(1, 27))
+    assert log.read_raw(segs[1].key, 1 << 20) == file_bytes(segs[1].path)[:segs[1].size]
+    log.close()
+    assert os.path.getsize(segs[1].path) == segs[1].size  # a clean close cuts the zeros too
+
+
+def test_a_crash_leaves_zeros_that_recovery_cuts(wal_dir, tmp_path):
+    """What a SIGKILL leaves (tests/test_wal_crash.py kills real processes): every
+    acknowledged record, then zeros. Reopening cuts the zeros, keeps nothing as evidence and
+    continues the sequences and offsets."""
+    import shutil
+
+    log = MessageLog(wal_dir, prealloc_bytes=4096)
+    log.append(entries(7))
+    end = log.committed_offset
+    crashed = str(tmp_path / "crashed")
+    shutil.copytree(wal_dir, crashed)  # the files as they are on disk while the log runs
+    log.close()
+    path = os.path.join(crashed, naming.wal_name(0))
+    assert os.path.getsize(path) == 4096
+    log = MessageLog(crashed)
+    rec = log.recoveries[-1]
+    assert rec.torn and rec.cut_bytes == 4096 - end and rec.broken_path is None
+    assert log.committed_offset == end and log.append(entries(1)).first_sequence == 8
+    assert [f.sequence for f in read_all(log)] == list(range(1, 9))
     log.close()
