@@ -68,7 +68,7 @@ class EngineConfig:
     message_retention_ms: int = 3_600_000
     schedule_keep_ms: int = 3_600_000
     role: str = "master"
-    checkpoint_interval_ms: int = 200
+    checkpoint_interval_ms: int = 1000
 
     def validate(self) -> None:
         if self.scale_minutes < 1 or 1440 % self.scale_minutes:
