@@ -8,8 +8,10 @@ the server's CPU per message (all its threads) and the producers' CPU per messag
 
 - unary Send, 64 calls in flight (thread pool of futures)
 - SendBatch of 100, 1 in flight (one call at a time, as the peers are driven) and 8 in flight
-- the client's bulk API ``send_many`` (SendStream; the side-by-side benchmark's producer):
-  batches of 100 with 8 unanswered, batches of 1000 with 4, and 100 x 8 from 2 processes
+- the client's bulk API ``send_many`` (SendStream): of protobuf Message objects, and of
+  ``Outgoing`` tuples (encoded straight into wire bytes; the side-by-side benchmark's
+  producer), batches of 100 with 8 and 16 unanswered, batches of 1000 with 4, and
+  100 x 16 from 2 processes
 
 Writes bench/out/ingest.json.
 """
@@ -32,9 +34,11 @@ SHAPES = [
     ("unary Send, 64 in flight", "unary", 1, 64, 1),
     ("SendBatch 100, 1 in flight", "batch", 100, 1, 1),
     ("SendBatch 100, 8 in flight", "batch", 100, 8, 1),
-    ("send_many (SendStream) 100 x 8 in flight", "many", 100, 8, 1),
-    ("send_many (SendStream) 1000 x 4 in flight", "many", 1000, 4, 1),
-    ("send_many 100 x 8, 2 producers", "many", 100, 8, 2),
+    ("send_many (SendStream) of Message objects, 100 x 16 in flight", "many-pb", 100, 16, 1),
+    ("send_many (SendStream) of Outgoing tuples, 100 x 8 in flight", "many", 100, 8, 1),
+    ("send_many (SendStream) of Outgoing tuples, 100 x 16 in flight", "many", 100, 16, 1),
+    ("send_many (SendStream) of Outgoing tuples, 1000 x 4 in flight", "many", 1000, 4, 1),
+    ("send_many of Outgoing tuples, 100 x 16, 2 producers", "many", 100, 16, 2),
 ]
 
 
@@ -42,7 +46,7 @@ def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
     try:
         from concurrent.futures import ThreadPoolExecutor
 
-        from qdelay.client import Client
+        from qdelay.client import Client, Outgoing
         from qdelay.v1 import qdelay_pb2 as pb
 
         client = Client(address, retries=0, timeout=120)
@@ -55,7 +59,10 @@ def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
         cpu0 = time.process_time()
         msgs = (pb.Message(subject="bench", payload=body, message_id=str(first_id + i), deliver_at_ms=due + i % 60_000)
                 for i in range(n))
-        if kind == "many":
+        if kind == "many":  # the bulk path: tuples encoded straight into the request's bytes
+            client.send_many((Outgoing("bench", body, due + i % 60_000, None, str(first_id + i)) for i in range(n)),
+                             batch_size=batch, max_in_flight=inflight)
+        elif kind == "many-pb":
             client.send_many(msgs, batch_size=batch, max_in_flight=inflight)
         elif kind == "unary":
             with ThreadPoolExecutor(inflight) as pool:

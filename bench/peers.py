@@ -36,7 +36,7 @@ import time
 import psutil
 
 PAYLOAD_ID_DIGITS = 12
-PIPELINE = 8  # qdelay's producer: batches sent ahead of their answers (SendStream)
+PIPELINE = 16  # qdelay's producer: batches sent ahead of their answers (SendStream)
 _LIVE: set[int] = set()
 
 
