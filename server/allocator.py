@@ -20,9 +20,17 @@ MMAP_THRESHOLD = 256 * 1024
 _done = False
 
 
+_LIBC: list = []  # the loaded libc, or None where there is none (looked up once: find_library runs ldconfig)
+
+
 def _libc():
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC.append(ctypes.CDLL(name) if name else None)
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
 
 
 def tune() -> bool:

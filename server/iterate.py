@@ -42,6 +42,7 @@ from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments.naming import MS_PER_MINUTE
 from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
+from qdelay.server import allocator
 from qdelay.server.bucket_log import BucketLog, sync_all, sync_dirs
 
 log = logging.getLogger("qdelay.iterate")
@@ -54,6 +55,7 @@ _SUBJECT_LEN = struct.Struct("<H")
 _SUBJECT_LEN_AT = framing.HEADER_SIZE + 8  # MESSAGE body: due i64, then subject_len u16
 _SUBJECT_AT = framing.HEADER_SIZE + records.MESSAGE_FIXED.size
 _BYTE_OFFSETS = np.arange(8, dtype=np.int64)
+TRIM_AFTER_BYTES = 4 * 1024 * 1024  # a write-behind flush this large gives its memory back (_trim)
 
 
 def _gather_i64(u8: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -114,6 +116,7 @@ class IterateService:
         self._behind: dict[int, bytearray] = {}
         self._behind_bytes = 0
         self.disk_full_waits = 0  # schedule writes retried for want of space
+        self._trim_due = False  # write-behind buffers of several MiB were freed
 
     # --- control ------------------------------------------------------------------------------
 
@@ -158,6 +161,7 @@ class IterateService:
                     if time.monotonic() - self._last_checkpoint >= self.checkpoint_interval and \
                             self.saved_offset != self.offset:
                         self._request_checkpoint()
+                        self._trim()
                     self.wal.wait_commit(self.offset, 0.05)
         except BaseException as err:  # surfaced through stats and health, never swallowed
             self.error = err
@@ -197,7 +201,16 @@ class IterateService:
             self._progress.notify_all()
         if time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
             self._request_checkpoint()
+        self._trim()
         return True
+
+    def _trim(self) -> None:
+        """After a big write-behind flush, hand the freed heap back to the kernel: the
+        buffers are many small blocks (a few KiB per minute file) that glibc keeps
+        otherwise, and RSS would stay at their high-water mark (about write_behind_bytes)."""
+        if self._trim_due:
+            self._trim_due = False
+            allocator.trim()
 
     def flush_bucket(self, bucket: int) -> None:
         """Write ``bucket``'s records out of the write-behind buffer (a reader needs them)."""
@@ -240,10 +253,14 @@ class IterateService:
         """
         if not buckets:
             return
+        freed = 0
         for bucket in buckets:
             self._append(bucket, self._behind[bucket])
             buf = self._behind.pop(bucket)
             self._behind_bytes -= len(buf)
+            freed += len(buf)
+        if freed >= TRIM_AFTER_BYTES:
+            self._trim_due = True
         if self.on_records is not None:
             self.on_records([], min(buckets) - self.scale)
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from qdelay import errors
-from qdelay.client import Client
+from qdelay.client import Client, Outgoing
 
 
 def main() -> int:
@@ -27,8 +27,9 @@ def main() -> int:
         keep = client.send(subject, b"close order 42", delay_ms=500, headers={"order": "42"})
         print(f"sent {keep.message_id} due at {keep.deliver_at_ms}")
 
-        # many at once: pipelined batches, each acknowledged once durable
-        receipts = client.send_many((client.message(subject, b"bulk %d" % i, delay_ms=800) for i in range(1000)),
+        # many at once: pipelined batches, each acknowledged once durable (Outgoing tuples
+        # are the cheapest form; Message objects from client.message work too)
+        receipts = client.send_many((Outgoing(subject, b"bulk %d" % i, delay_ms=800) for i in range(1000)),
                                     batch_size=500)
         print(f"sent {len(receipts)} more in batches")
 
