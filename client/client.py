@@ -21,6 +21,7 @@ repeats the same id (the consumer sees one id, maybe twice: at-least-once).
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import os
@@ -116,6 +117,61 @@ def encode_send_batch_py(out: bytearray, messages: list[tuple], ids: list[str]) 
 
 # SendBatchRequest.compact_receipts = true (field 2, varint)
 _COMPACT_RECEIPTS = b"\x10\x01"
+_SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
+
+
+class _BulkSender:
+    """send_many's I/O: a grpc.aio channel to the same target, on a private event loop in a
+    daemon thread, both made on first use. A streamed batch costs the producer about a
+    quarter less CPU on grpc.aio than on the blocking stack, which hands every request
+    to a thread of its own and waits for it (measured: 3.6-4.6 -> 2.9-3.8 us per 100-byte
+    message, batches of 100, 16 unanswered). The messages iterator is read on that loop."""
+
+    def __init__(self, target: str, creds, options: list) -> None:
+        self._target = target
+        self._creds = creds
+        self._options = options
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._channel = None
+
+    def run(self, work):
+        """``await work(channel)`` on the loop; its result or its exception. Interrupting the
+        caller (KeyboardInterrupt) cancels the work."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="qdelay-client-bulk",
+                                                daemon=True)
+                self._thread.start()
+            loop = self._loop
+        future = asyncio.run_coroutine_threadsafe(self._on_channel(work), loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    async def _on_channel(self, work):
+        if self._channel is None:
+            if self._creds is None:
+                self._channel = grpc.aio.insecure_channel(self._target, self._options)
+            else:
+                self._channel = grpc.aio.secure_channel(self._target, self._creds, self._options)
+        return await work(self._channel)
+
+    def close(self) -> None:
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None:
+            return
+        if self._channel is not None:
+            asyncio.run_coroutine_threadsafe(self._channel.close(), loop).result(10)
+            self._channel = None
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 class _Ids:
@@ -208,14 +264,13 @@ class Client:
                     root = f.read()
             if tls_server_name:
                 opts.append(("grpc.ssl_target_name_override", tls_server_name))
-            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root), opts)
+            creds = grpc.ssl_channel_credentials(root_certificates=root)
+            self.channel = grpc.secure_channel(target, creds, opts)
         else:
+            creds = None
             self.channel = grpc.insecure_channel(target, opts)
         self.stub = pb_grpc.DelayServiceStub(self.channel)
-        # send_many's requests are encoded ahead (bytes), so this SendStream has no serializer
-        self._send_stream_raw = self.channel.stream_stream(
-            "/qdelay.v1.DelayService/SendStream", request_serializer=None,
-            response_deserializer=pb.SendBatchResponse.FromString)
+        self._bulk = _BulkSender(target, creds, opts)  # send_many's grpc.aio channel, made on first use
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
         self.retries = retries
@@ -235,6 +290,7 @@ class Client:
                 time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
 
     def close(self) -> None:
+        self._bulk.close()
         self.channel.close()
 
     def __enter__(self) -> "Client":
@@ -307,8 +363,6 @@ class Client:
         """
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
-        receipts = SentReceipts()
-        unanswered: deque[tuple[bytes, list[str]]] = deque()
         source = iter(messages)
 
         def next_request() -> tuple[bytes, list[str]] | None:
@@ -322,11 +376,20 @@ class Client:
             ids = self._ids_of(batch)
             return pb.SendBatchRequest(messages=batch, compact_receipts=True).SerializeToString(), ids
 
+        return self._bulk.run(lambda channel: self._send_many(channel, next_request, max_in_flight,
+                                                               timeout or self.timeout))
+
+    async def _send_many(self, channel, next_request, max_in_flight: int, timeout: float) -> SentReceipts:
+        """send_many on the bulk channel's loop: streams one after another until every
+        batch is answered; UNAVAILABLE opens a new stream that sends the unanswered again."""
+        stream = channel.stream_stream(_SEND_STREAM, request_serializer=None,
+                                       response_deserializer=pb.SendBatchResponse.FromString)
+        receipts = SentReceipts()
+        unanswered: deque[tuple[bytes, list[str]]] = deque()
         attempt = 1
         while True:
             try:
-                if self._stream_batches(next_request, unanswered, receipts, max_in_flight,
-                                        timeout or self.timeout):
+                if await self._stream_batches(stream, next_request, unanswered, receipts, max_in_flight, timeout):
                     return receipts
                 attempt = 1  # a stream ended on time: the next one starts a fresh count
             except grpc.RpcError as e:
@@ -334,8 +397,11 @@ class Client:
                     err = translate(e, attempt)
                     err.receipts = receipts
                     raise err from None
-                time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+                await asyncio.sleep(self.retry_backoff * (2 ** (attempt - 1)))
                 attempt += 1
+            except errors.QdelayError as err:  # a message the client could not encode
+                err.receipts = receipts
+                raise
 
     def _encode_outgoing(self, batch: list) -> tuple[bytes, list[str]]:
         """A SendBatchRequest (compact receipts) of :class:`Outgoing` tuples, as wire bytes, and
@@ -352,42 +418,44 @@ class Client:
         out += _COMPACT_RECEIPTS
         return bytes(out), ids
 
-    def _stream_batches(self, next_request, unanswered: deque, receipts: SentReceipts, max_in_flight: int,
-                        timeout: float) -> bool:
+    async def _stream_batches(self, stream, next_request, unanswered: deque, receipts: SentReceipts,
+                              max_in_flight: int, timeout: float) -> bool:
         """One SendStream: first the batches still unanswered from a broken one, then new
         ones. Returns True when every batch is answered, False when it ended on time
-        (``timeout``/2 after it started) with batches left to send."""
-        credit = threading.Semaphore(max_in_flight)
-        done = threading.Event()
-        state = {"exhausted": False}
+        (``timeout``/2 after it started) with batches left to send. A message that cannot
+        be encoded ends the requests; the batches before it are answered, then it is raised."""
+        credit = asyncio.Semaphore(max_in_flight)
+        state: dict = {"exhausted": False, "error": None}
         ends_at = time.monotonic() + timeout / 2
 
-        def requests() -> Iterator[pb.SendBatchRequest]:
+        async def requests():
             for request, _ids in list(unanswered):  # sent again, in order, ahead of anything new
-                while not credit.acquire(timeout=0.05):
-                    if done.is_set():
-                        return
+                await credit.acquire()
                 yield request
             while time.monotonic() < ends_at:
-                while not credit.acquire(timeout=0.05):
-                    if done.is_set():
-                        return
-                item = next_request()
+                await credit.acquire()
+                try:
+                    item = next_request()
+                except errors.QdelayError as err:
+                    state["error"] = err
+                    return
                 if item is None:
                     state["exhausted"] = True
                     return
                 unanswered.append(item)  # before it is sent: a break re-sends it
                 yield item[0]
 
-        call = self._send_stream_raw(requests(), timeout=timeout, metadata=self.metadata)
+        call = stream(requests(), timeout=timeout, metadata=self.metadata)
         try:
-            for response in call:
+            async for response in call:
                 if not unanswered:
                     raise errors.InvariantViolation("SendStream answered a batch that was not sent")
                 receipts._add(unanswered.popleft()[1], response)
                 credit.release()
         finally:
-            done.set()
+            call.cancel()  # a no-op once the call ended; stops the request generator otherwise
+        if state["error"] is not None:
+            raise state["error"]
         if unanswered:
             raise errors.InvariantViolation(f"SendStream ended with {len(unanswered)} batches unanswered")
         return state["exhausted"]

@@ -509,6 +509,31 @@ def test_client_never_retries_invalid_and_send_many_reports_progress(client):
     assert [r.message_id for r in info.value.receipts] == [m.message_id for m in msgs[:200]]
 
 
+def test_send_many_of_outgoing_tuples(client):
+    """The bulk path's own encoding: what Get gives back is what was sent (both kinds of due
+    time, headers, ids given or made); a tuple that cannot be encoded stops the call after
+    the batches before it were answered, and nothing of its batch is written."""
+    from qdelay.client import Outgoing
+
+    s = subject()
+    at = now_ms() + 3_600_000
+    msgs = [Outgoing(s, b"p%d" % i, deliver_at_ms=at + i) if i % 2 else
+            Outgoing(s, b"p%d" % i, delay_ms=3_600_000, message_id=f"given-{i}", headers={"k": str(i)})
+            for i in range(30)]
+    receipts = client.send_many(msgs, batch_size=7, max_in_flight=2)
+    assert len(receipts) == 30 and [r.message_id for r in receipts][0::2] == [f"given-{i}" for i in range(0, 30, 2)]
+    for i in (0, 1, 28, 29):
+        got = client.get(receipts[i])
+        assert client.state_name(got) == "PENDING" and got.message.payload == b"p%d" % i
+        assert dict(got.message.headers) == ({} if i % 2 else {"k": str(i)})
+        if i % 2:
+            assert got.deliver_at_ms == at + i == receipts[i].deliver_at_ms
+    bad = msgs[:14] + [Outgoing(s, "not bytes", delay_ms=0)] + msgs[:5]
+    with pytest.raises(errors.InvalidArgument, match="Outgoing") as info:
+        client.send_many(bad, batch_size=7, max_in_flight=1)
+    assert len(info.value.receipts) == 14  # the two batches before the one holding it
+
+
 def test_send_many_opens_a_new_stream_every_half_timeout_and_keeps_order(server):
     """send_many ends its stream after timeout/2 and goes on with a new one: receipts stay
     complete, in input order, with increasing sequences."""
@@ -517,8 +542,13 @@ def test_send_many_opens_a_new_stream_every_half_timeout_and_keeps_order(server)
     c = Client(server.address, timeout=0.4)
     s = subject()
     calls = []
-    real = c._send_stream_raw  # send_many's SendStream (requests encoded ahead)
-    c._send_stream_raw = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    real = c._stream_batches  # one call per SendStream opened
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    c._stream_batches = counting
 
     def slow():  # ~1.5 s of messages: several streams of 0.2 s each
         for i in range(300):
