@@ -13,6 +13,7 @@ import pytest
 from qdelay import errors
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+from disks import fill_disk, small_tmpfs
 from serverproc import ServerProc
 
 ACK_TIMEOUT_MS = 1000
@@ -380,23 +381,12 @@ def test_python_example_runs(server):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 16 MiB tmpfs, so that ENOSPC is real (needs root / CAP_SYS_ADMIN)."""
-    import subprocess
-
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs ({done.stderr.strip()})")
-    try:
+    """A 16 MiB tmpfs, so that ENOSPC is real."""
+    with small_tmpfs(tmp_path, "16m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_disk_full_refused_then_recovers(small_disk):
-    import errno
     import os
 
     args = ["--min-free-bytes", "0", "--set", "min_free_bytes_hard=0", "--set", "engine.segment_bytes=1048576"]
@@ -404,15 +394,7 @@ def test_disk_full_refused_then_recovers(small_disk):
         c = srv.client(retries=0)
         s = subject()
         first = c.send_batch([c.message(s, b"a" * 1000, delay_ms=0) for _ in range(10)])
-        filler = small_disk / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            while os.write(fd, b"\xff" * 65536):
-                pass
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        filler = fill_disk(small_disk, 65536)
         # the message log's preallocated zeros (1 MiB ahead of its last record) are
         # written into first; then every batch is refused
         taken = []
@@ -449,15 +431,7 @@ def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk
         c = srv.client(retries=0)
         s = subject()
         sent = c.send_batch([c.message(s, b"a" * 100, delay_ms=0) for _ in range(20)])
-        filler = small_disk / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            while os.write(fd, b"\xff" * 65536):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        filler = fill_disk(small_disk, 65536)
         with c.subscribe(s) as consumer:
             seen = []
             deadline = time.monotonic() + 10

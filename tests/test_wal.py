@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
 import threading
 import time
 
 import pytest
 
 from byte_surgery import file_bytes
+from disks import fill_disk, small_tmpfs
 from qdelay.errors import DiskFull, InvariantViolation, ShuttingDown, WalFailed
 from qdelay.segments import naming, segment
 from qdelay.segments.framing import RecordKind
@@ -284,31 +284,10 @@ def test_a_failed_fdatasync_poisons_the_log(wal_dir, monkeypatch):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MiB tmpfs, so that ENOSPC is real (needs root / CAP_SYS_ADMIN)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill up ({done.stderr.strip()}); "
-                    "the ENOSPC path is covered by test_a_failed_write_is_undone_and_rejected")
-    try:
+    """A 1 MiB tmpfs, so that ENOSPC is real (test_a_failed_write_is_undone_and_rejected covers
+    the same path where mounting is not allowed)."""
+    with small_tmpfs(tmp_path, "1m") as mount_point:
         yield str(mount_point)
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
-
-def fill_disk(directory: str) -> str:
-    filler = os.path.join(directory, "filler")
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while os.write(fd, b"\xff" * 4096):
-            pass
-    except OSError as err:
-        assert err.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_disk_full_for_real(small_disk):
