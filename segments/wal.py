@@ -675,7 +675,8 @@ class MessageLog:
         self._writer.join()
         if self._failed is None:
             try:
-                self._segments[-1].trim()  # a cleanly closed log ends at its last record
+                for seg in self._segments[-2:]:  # a cleanly closed log ends at its last record
+                    seg.trim()
             except OSError as err:
                 log.warning("could not cut the preallocated zeros off the message log", extra={"error": str(err)})
         if self._owns_pool:
