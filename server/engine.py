@@ -577,6 +577,7 @@ class Engine:
             fsyncs=self.wal.fsyncs,
             schedule_segments=len(self.schedule),
             open_files=self.pool.open_count,
+            disk_full_waits=self.iterate.disk_full_waits + self.scheduler.dispatch_disk_full_total,
             healthy=self.healthy(),
         )
         s.update(self.replication_stats())

@@ -31,6 +31,9 @@ ENGINE_STATS = {
                   "gauge"),
     "redeliveries": ("qdelay_redeliveries", "Deliveries repeated after an ack timeout", "counter"),
     "dispatched": ("qdelay_dispatched", "Deliveries handed to consumers", "counter"),
+    "disk_full_waits": ("qdelay_disk_full_waits",
+                        "Schedule-log and dispatch-log writes that found the disk full and were tried "
+                        "again later (nothing is lost; alert on any increase)", "counter"),
     "epoch": ("qdelay_epoch", "Replication epoch of this server", "gauge"),
     "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)",
                               "gauge"),

@@ -349,6 +349,7 @@ class Scheduler:
         self.cancel_skipped = 0
         self.corrupt_skipped = 0
         self.dispatch_disk_full = 0  # failed DISPATCH writes since space was last found
+        self.dispatch_disk_full_total = 0
         self.on_dispatch: Callable[[list[int]], None] | None = None  # lateness observer (ms)
 
     # --- control --------------------------------------------------------------------------------
@@ -1130,6 +1131,7 @@ class Scheduler:
             if not self.dispatch_disk_full:
                 log.warning("disk full: DISPATCH records wait for free space", extra={"error": str(err)})
             self.dispatch_disk_full += 1
+            self.dispatch_disk_full_total += 1
             with self.lock:
                 for bucket, buf in bufs.items():
                     if bucket not in written:

@@ -427,10 +427,11 @@ def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk
     import os
 
     args = ["--min-free-bytes", "0", "--set", "min_free_bytes_hard=0"]
-    with ServerProc(small_disk / "data", args=args) as srv:
+    with ServerProc(small_disk / "data", args=args + ["--metrics-listen", "127.0.0.1:0"]) as srv:
         c = srv.client(retries=0)
         s = subject()
         sent = c.send_batch([c.message(s, b"a" * 100, delay_ms=0) for _ in range(20)])
+        port = int(srv.log_path.read_text().split("metrics on 127.0.0.1:")[1].split()[0])
         filler = fill_disk(small_disk, 65536)
         with c.subscribe(s) as consumer:
             seen = []
@@ -442,6 +443,10 @@ def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk
             assert sorted(d.message_id for d in seen) == sorted(r.message_id for r in sent)
             time.sleep(0.5)  # the dispatch log's writes fail and are kept for later
             assert c.health() == "SERVING"
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            waits = [float(line.split()[1]) for line in text.splitlines()
+                     if line.startswith("qdelay_disk_full_waits_total ")]
+            assert waits and waits[0] > 0, "the retries show in the metrics"
             os.unlink(filler)
             time.sleep(0.5)
         c.close()
