@@ -348,8 +348,8 @@ class Scheduler:
         self.dead_lettered = 0
         self.cancel_skipped = 0
         self.corrupt_skipped = 0
-        self.dispatch_disk_full = 0  # failed DISPATCH writes since space was last found
-        self.dispatch_disk_full_total = 0
+        self.dispatch_disk_full_total = 0  # DISPATCH writes that found the disk full (tried again later)
+        self._dispatch_waiting_space = False  # the last DISPATCH write found the disk full
         self.on_dispatch: Callable[[list[int]], None] | None = None  # lateness observer (ms)
 
     # --- control --------------------------------------------------------------------------------
@@ -1128,9 +1128,9 @@ class Scheduler:
                 raise
             # no space: the records not written go back in front of any newer ones, and
             # the next pass tries again (a failed append moves no segment's size)
-            if not self.dispatch_disk_full:
+            if not self._dispatch_waiting_space:
                 log.warning("disk full: DISPATCH records wait for free space", extra={"error": str(err)})
-            self.dispatch_disk_full += 1
+            self._dispatch_waiting_space = True
             self.dispatch_disk_full_total += 1
             with self.lock:
                 for bucket, buf in bufs.items():
@@ -1139,9 +1139,9 @@ class Scheduler:
                         self._dispatch_buf[bucket] = buf + newer if newer else buf
                 self._dispatch_first = time.monotonic()
         else:
-            if self.dispatch_disk_full:
+            if self._dispatch_waiting_space:
                 log.info("DISPATCH records written again after a full disk")
-                self.dispatch_disk_full = 0
+                self._dispatch_waiting_space = False
         finally:
             with self.lock:
                 self._writing = {}
