@@ -86,7 +86,7 @@ def next_index(runs: list[Run]) -> int:
 
 @pytest.mark.slow
 def test_sigkill_at_random_instants(tmp_path):
-    seed = random.randrange(1 << 30)
+    seed = int(os.environ.get("QDELAY_TEST_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
     data_dir = str(tmp_path / "data")
     base = int(time.time() * 1000) + 3_000
@@ -97,6 +97,10 @@ def test_sigkill_at_random_instants(tmp_path):
     while trial < MIN_TRIALS or time.time() * 1000 < end + 500:
         run = Run(trial)
         die_k = rng.randrange(2, 8) if trial in die_trials else 0
+        if die_k and next_index(runs) > COUNT // 2:
+            # the hook fires at a checkpoint, and checkpoints follow copying: a child with
+            # little left to send may never reach its k-th one (trial 0 always does)
+            die_k = 0
         child, run.lines, ready, reader = start_child(data_dir, base, next_index(runs), seed, die_k)
         assert ready.wait(60), "child never started"
         wait = rng.choice([rng.uniform(0.05, 0.5), rng.uniform(0.5, 3.0), rng.uniform(0.5, 3.0)])
