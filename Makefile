@@ -7,7 +7,7 @@ PROTOS := $(wildcard proto/qdelay/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 export SPARK_LOCAL_IP := 127.0.0.1
 
-.PHONY: setup proto run test test-fast bench bench-deps node-deps clean
+.PHONY: setup proto run lint test test-fast bench bench-deps node-deps clean
 
 setup: $(STAMP) proto
 
@@ -33,7 +33,12 @@ examples/node/node_modules/.package-lock.json: examples/node/package.json exampl
 run: setup
 	$(BIN)/qdelay server --data-dir ./data --listen 127.0.0.1:7600
 
-test: setup $(if $(wildcard examples/node/package.json),node-deps)
+# the gate: lint and format check (configuration in pyproject.toml)
+lint: setup
+	$(BIN)/ruff check -q .
+	$(BIN)/ruff format --check -q .
+
+test: setup lint $(if $(wildcard examples/node/package.json),node-deps)
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def plan(quick: bool) -> list[tuple[str, list[str], str]]:
     """(name, arguments, the file it writes) per benchmark, in running order."""
+
     def out(name: str) -> str:
         return os.path.join(OUT_DIR, f"{name}.json")
 
@@ -32,8 +33,11 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         # the message log: no --quick flag, shorter and fewer runs instead
         ("wal", ["--seconds", "0.5", "--repeats", "1"] if quick else [], out("wal")),
         # writes its JSON only when told where
-        ("scheduler", ["--json", os.path.relpath(out("scheduler"), ROOT)] + (["--quick"] if quick else []),
-         out("scheduler")),
+        (
+            "scheduler",
+            ["--json", os.path.relpath(out("scheduler"), ROOT)] + (["--quick"] if quick else []),
+            out("scheduler"),
+        ),
         ("compare", ["--out", "compare"] + (["--scale", "0.1"] if quick else []), out("compare")),
         ("ingest", ["--messages", "20000", "--unary-messages", "2000"] if quick else [], out("ingest")),
         ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),

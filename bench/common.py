@@ -8,7 +8,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import psutil
 
@@ -32,7 +33,7 @@ class Meter:
         self.pid = pid
         self.wall = self.cpu = 0.0
 
-    def __enter__(self) -> "Meter":
+    def __enter__(self) -> Meter:
         self._cpu = cpu_seconds(self.pid)
         self._wall = time.perf_counter()
         return self
@@ -65,7 +66,7 @@ def steal_percent(before: list[int]) -> float | None:
 def machine() -> dict[str, Any]:
     """What the figures were measured on, load included (record it next to the numbers)."""
     return {
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "when": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "cpu_percent": psutil.cpu_percent(interval=0.5),
@@ -96,9 +97,14 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for raw, row in zip(rows, cells):
-        lines.append("| " + " | ".join(
-            c.rjust(w) if isinstance(v, (int, float)) else c.ljust(w)  # numbers right, text left
-            for v, c, w in zip(raw, row, widths)) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                c.rjust(w) if isinstance(v, (int, float)) else c.ljust(w)  # numbers right, text left
+                for v, c, w in zip(raw, row, widths)
+            )
+            + " |"
+        )
     text = "\n".join(lines)
     print(text, flush=True)
     return text

@@ -67,7 +67,7 @@ def _sender(spec, ids, rel_ms, per_batch_base, batch, q, go, t0, max_s):
         results = client.send_batches(chunks(), batch)
         at = 0
         for size, e in zip(sizes, results):
-            eff.extend(e if e is not None else dues[at:at + size])
+            eff.extend(e if e is not None else dues[at : at + size])
             at += size
         n = len(dues)
         end = time.time()
@@ -130,10 +130,24 @@ class Senders:
         self.t0 = CTX.Value("d", 0.0)
         self.max_s = max_s
         step = (len(ids) + procs - 1) // procs
-        self.procs = [CTX.Process(target=_sender, daemon=True,
-                                  args=(spec, ids[p * step:(p + 1) * step], rel_ms[p * step:(p + 1) * step],
-                                        per_batch_base, batch, self.q, self.go_evt, self.t0, max_s))
-                      for p in range(procs)]
+        self.procs = [
+            CTX.Process(
+                target=_sender,
+                daemon=True,
+                args=(
+                    spec,
+                    ids[p * step : (p + 1) * step],
+                    rel_ms[p * step : (p + 1) * step],
+                    per_batch_base,
+                    batch,
+                    self.q,
+                    self.go_evt,
+                    self.t0,
+                    max_s,
+                ),
+            )
+            for p in range(procs)
+        ]
 
     def start(self):
         for p in self.procs:
@@ -161,8 +175,9 @@ class Consumer:
         self.ready = CTX.Event()
         self.stop_evt = CTX.Event()
         self.deadline = deadline
-        self.proc = CTX.Process(target=_consumer, daemon=True,
-                                args=(spec, expected, self.q, self.ready, self.stop_evt, deadline, grace_s))
+        self.proc = CTX.Process(
+            target=_consumer, daemon=True, args=(spec, expected, self.q, self.ready, self.stop_evt, deadline, grace_s)
+        )
 
     def start(self):
         self.proc.start()
@@ -215,8 +230,12 @@ def pct(values, p):
 
 def lateness_stats(first, due, prefix=""):
     lat = sorted(first[i] * 1000.0 - due[i] for i in first if i in due)
-    return {f"{prefix}p50_ms": round(pct(lat, 50), 1), f"{prefix}p99_ms": round(pct(lat, 99), 1),
-            f"{prefix}max_ms": round(lat[-1], 1) if lat else None, f"{prefix}min_ms": round(lat[0], 1) if lat else None}
+    return {
+        f"{prefix}p50_ms": round(pct(lat, 50), 1),
+        f"{prefix}p99_ms": round(pct(lat, 99), 1),
+        f"{prefix}max_ms": round(lat[-1], 1) if lat else None,
+        f"{prefix}min_ms": round(lat[0], 1) if lat else None,
+    }
 
 
 def first_receipts(res):
@@ -282,9 +301,15 @@ def ingest(name, tmp, scale=1.0, seed=1):
         srv_cpu = settled_cpu(d, cpu0, t_go, idle)
     _, _, t_start, t_end, sent = merge_sent(res)
     secs = t_end - t_start
-    return dict(n=sent, secs=round(secs, 2), msgs_per_s=round(sent / secs),
-                srv_cpu_us_per_msg=round(srv_cpu * 1e6 / sent, 1),
-                client_cpu_us_per_msg=round(sum(r["cpu"] for r in res) * 1e6 / sent, 1), load0=la0, load1=load1())
+    return dict(
+        n=sent,
+        secs=round(secs, 2),
+        msgs_per_s=round(sent / secs),
+        srv_cpu_us_per_msg=round(srv_cpu * 1e6 / sent, 1),
+        client_cpu_us_per_msg=round(sum(r["cpu"] for r in res) * 1e6 / sent, 1),
+        load0=la0,
+        load1=load1(),
+    )
 
 
 def lateness(name, tmp, scale=1.0, seed=2, lead_s=3.0, spread_s=10.0):
@@ -305,8 +330,14 @@ def lateness(name, tmp, scale=1.0, seed=2, lead_s=3.0, spread_s=10.0):
         cres = cons.results(stop_at=t0 / 1000.0 + lead_s + spread_s + 60.0)
     due, eff, t_start, t_end, _ = merge_sent(sres)
     first, total, uniq = first_receipts(cres)
-    out = dict(n=n, send_s=round(t_end - t_start, 2), sent_before_first_due=t_end * 1000.0 <= t0 + lead_s * 1000.0,
-               received=uniq, lost=n - uniq, duplicates=total - uniq)
+    out = dict(
+        n=n,
+        send_s=round(t_end - t_start, 2),
+        sent_before_first_due=t_end * 1000.0 <= t0 + lead_s * 1000.0,
+        received=uniq,
+        lost=n - uniq,
+        duplicates=total - uniq,
+    )
     out.update(lateness_stats(first, due))
     out.update(lateness_stats(first, eff, "srv_"))
     out.update(load0=la0, load1=load1())
@@ -321,7 +352,7 @@ def burst(name, tmp, scale=1.0, min_lead_s=5.0):
         c = make_client(spec)  # probe the ingest rate, so the instant lies after the last ack
         far = time.time() * 1000.0 + 86_400_000
         t = time.time()
-        base = 10 ** 11
+        base = 10**11
         for k in range(0, 2000, BATCH):
             c.send_batch([(base + j, int(far), make_payload(base + j)) for j in range(k, k + BATCH)])
         rate = 2000 / (time.time() - t)
@@ -338,10 +369,19 @@ def burst(name, tmp, scale=1.0, min_lead_s=5.0):
     first, total, uniq = first_receipts(cres)
     instant = (t0 + lead_s * 1000.0) / 1000.0
     ts = sorted(first.values())
-    return dict(n=n, lead_s=round(lead_s, 1), send_s=round(t_end - t_start, 2), sent_before_due=t_end <= instant,
-                received=uniq, lost=n - uniq, duplicates=total - uniq,
-                first_after_due_ms=round((ts[0] - instant) * 1000.0, 1) if ts else None,
-                drain_s=round(ts[-1] - instant, 3) if ts else None, load0=la0, load1=load1())
+    return dict(
+        n=n,
+        lead_s=round(lead_s, 1),
+        send_s=round(t_end - t_start, 2),
+        sent_before_due=t_end <= instant,
+        received=uniq,
+        lost=n - uniq,
+        duplicates=total - uniq,
+        first_after_due_ms=round((ts[0] - instant) * 1000.0, 1) if ts else None,
+        drain_s=round(ts[-1] - instant, 3) if ts else None,
+        load0=la0,
+        load1=load1(),
+    )
 
 
 def memory(name, tmp, scale=1.0, seed=3):
@@ -360,9 +400,15 @@ def memory(name, tmp, scale=1.0, seed=3):
         time.sleep(2.0)
         rss1 = d.rss_bytes()
     _, _, t_start, t_end, sent = merge_sent(res)
-    return dict(n=sent, load_s=round(t_end - t_start, 1), rss_empty_mb=round(rss0 / 2**20, 1),
-                rss_mb=round(rss1 / 2**20, 1), bytes_per_msg=round((rss1 - rss0) / max(sent, 1), 1),
-                load0=la0, load1=load1())
+    return dict(
+        n=sent,
+        load_s=round(t_end - t_start, 1),
+        rss_empty_mb=round(rss0 / 2**20, 1),
+        rss_mb=round(rss1 / 2**20, 1),
+        bytes_per_msg=round((rss1 - rss0) / max(sent, 1), 1),
+        load0=la0,
+        load1=load1(),
+    )
 
 
 def crash(name, tmp, scale=1.0, seed=4, lo_s=1.0, hi_s=6.0, kill_after_s=2.0):
@@ -387,8 +433,17 @@ def crash(name, tmp, scale=1.0, seed=4, lo_s=1.0, hi_s=6.0, kill_after_s=2.0):
         cres = cons.results(stop_at=max(max(due.values()) / 1000.0, time.time()) + 60.0)
     first, total, uniq = first_receipts(cres)
     before = sum(1 for t in first.values() if t < t_kill)
-    return dict(n=n, send_s=round(t_end - t_start, 2), received_before_kill=before, recovery_s=round(recovery_s, 2),
-                received=uniq, lost=n - uniq, duplicates=total - uniq, load0=la0, load1=load1())
+    return dict(
+        n=n,
+        send_s=round(t_end - t_start, 2),
+        received_before_kill=before,
+        recovery_s=round(recovery_s, 2),
+        received=uniq,
+        lost=n - uniq,
+        duplicates=total - uniq,
+        load0=la0,
+        load1=load1(),
+    )
 
 
 SCENARIOS = {"ingest": ingest, "lateness": lateness, "burst": burst, "memory": memory, "crash": crash}
@@ -399,8 +454,13 @@ GOALS = [
     ("ingest", "srv_cpu_us_per_msg", "server CPU per message <= Redis", lambda q, r: q <= r, lambda q, r: q / r),
     ("lateness", "p99_ms", "lateness p99 <= 5 ms", lambda q, r: q <= 5.0, lambda q, r: q / r if r else None),
     ("burst", "drain_s", "burst drained no slower than Redis", lambda q, r: q <= r, lambda q, r: q / r),
-    ("memory", "bytes_per_msg", "RSS per pending message <= 1/20 of Redis", lambda q, r: q <= r / 20,
-     lambda q, r: q / r),
+    (
+        "memory",
+        "bytes_per_msg",
+        "RSS per pending message <= 1/20 of Redis",
+        lambda q, r: q <= r / 20,
+        lambda q, r: q / r,
+    ),
     ("crash", "lost", "zero loss after SIGKILL", lambda q, r: q == 0, lambda q, r: None),
 ]
 
@@ -437,8 +497,15 @@ def report(results: dict) -> str:
             continue
         met = ok(q, r) if r is not None or scen in ("lateness", "crash") else None
         rat = ratio(q, r) if r not in (None, 0) else None
-        rows.append([text, q, r if r is not None else "-", round(rat, 3) if rat is not None else "-",
-                     "yes" if met else ("no" if met is not None else "-")])
+        rows.append(
+            [
+                text,
+                q,
+                r if r is not None else "-",
+                round(rat, 3) if rat is not None else "-",
+                "yes" if met else ("no" if met is not None else "-"),
+            ]
+        )
     texts.append(print_table(["goal", "qdelay", "redis-always", "qdelay / redis", "met"], rows, title="### goals"))
     return "\n\n".join(texts)
 

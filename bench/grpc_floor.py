@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import subprocess
 import sys
 import threading
@@ -75,9 +74,12 @@ def serve(address: str) -> None:
 
 def run_shape(stub, pb, shape: str, inflight: int, answer: str, batches: int, batch: int, server_pid: int) -> dict:
     due = int(time.time() * 1000) + 600_000
-    request = pb.SendBatchRequest(messages=[
-        pb.Message(subject=answer, payload=b"p" * 100, message_id=str(10_000_000 + i), deliver_at_ms=due + i)
-        for i in range(batch)])
+    request = pb.SendBatchRequest(
+        messages=[
+            pb.Message(subject=answer, payload=b"p" * 100, message_id=str(10_000_000 + i), deliver_at_ms=due + i)
+            for i in range(batch)
+        ]
+    )
     for _ in range(20):  # warm up the channel and the server's code paths
         stub.SendBatch(request, timeout=30)
     srv0, cli0, t0 = cpu_seconds(server_pid), cpu_seconds(), time.perf_counter()
@@ -104,9 +106,14 @@ def run_shape(stub, pb, shape: str, inflight: int, answer: str, batches: int, ba
             f.result()
     wall = time.perf_counter() - t0
     n = batches * batch
-    return dict(shape=shape, in_flight=inflight, answer=answer, msgs_per_s=round(n / wall),
-                server_cpu_us_per_msg=round((cpu_seconds(server_pid) - srv0) * 1e6 / n, 2),
-                client_cpu_us_per_msg=round((cpu_seconds() - cli0) * 1e6 / n, 2))
+    return dict(
+        shape=shape,
+        in_flight=inflight,
+        answer=answer,
+        msgs_per_s=round(n / wall),
+        server_cpu_us_per_msg=round((cpu_seconds(server_pid) - srv0) * 1e6 / n, 2),
+        client_cpu_us_per_msg=round((cpu_seconds() - cli0) * 1e6 / n, 2),
+    )
 
 
 def main(argv=None) -> int:
@@ -130,15 +137,17 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    server = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", address],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.grpc_floor", "--serve", address], stdout=subprocess.PIPE, text=True
+    )
     try:
         if server.stdout.readline().strip() != "ready":
             raise RuntimeError("the bare server did not start")
         channel = grpc.insecure_channel(address)
         stub = pb_grpc.DelayServiceStub(channel)
-        cases = [(shape, k, answer) for shape, k in (("SendBatch", 1), ("SendBatch", 8), ("stream", 8))
-                 for answer in ANSWERS]
+        cases = [
+            (shape, k, answer) for shape, k in (("SendBatch", 1), ("SendBatch", 8), ("stream", 8)) for answer in ANSWERS
+        ]
         runs: dict[tuple, list[dict]] = collections.defaultdict(list)
         started = machine()
         for _ in range(args.repeats):  # interleaved, so that load changes hit every case alike
@@ -152,11 +161,22 @@ def main(argv=None) -> int:
     for case in cases:
         best = sorted(runs[case], key=lambda r: r["server_cpu_us_per_msg"])[len(runs[case]) // 2]  # median
         results.append(best)
-        rows.append([best["shape"], best["in_flight"], best["answer"], best["msgs_per_s"],
-                     best["server_cpu_us_per_msg"], best["client_cpu_us_per_msg"]])
-    print_table(["shape", "in flight", "answer", "msgs/s", "server CPU µs/msg", "client CPU µs/msg"], rows,
-                title=f"bare grpc.aio server, batches of {args.batch} x 100-byte messages "
-                      f"(median of {args.repeats}; load {started['loadavg']})")
+        rows.append(
+            [
+                best["shape"],
+                best["in_flight"],
+                best["answer"],
+                best["msgs_per_s"],
+                best["server_cpu_us_per_msg"],
+                best["client_cpu_us_per_msg"],
+            ]
+        )
+    print_table(
+        ["shape", "in flight", "answer", "msgs/s", "server CPU µs/msg", "client CPU µs/msg"],
+        rows,
+        title=f"bare grpc.aio server, batches of {args.batch} x 100-byte messages "
+        f"(median of {args.repeats}; load {started['loadavg']})",
+    )
     path = write_json("grpc_floor", dict(machine=started, ended=machine(), batch=args.batch, results=results))
     print(f"wrote {path}")
     return 0

@@ -57,17 +57,21 @@ def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
         due = int(time.time() * 1000) + 600_000
         start = time.time()
         cpu0 = time.process_time()
-        msgs = (pb.Message(subject="bench", payload=body, message_id=str(first_id + i), deliver_at_ms=due + i % 60_000)
-                for i in range(n))
+        msgs = (
+            pb.Message(subject="bench", payload=body, message_id=str(first_id + i), deliver_at_ms=due + i % 60_000)
+            for i in range(n)
+        )
         if kind == "many":  # the bulk path: tuples encoded straight into the request's bytes
-            client.send_many((Outgoing("bench", body, due + i % 60_000, None, str(first_id + i)) for i in range(n)),
-                             batch_size=batch, max_in_flight=inflight)
+            client.send_many(
+                (Outgoing("bench", body, due + i % 60_000, None, str(first_id + i)) for i in range(n)),
+                batch_size=batch,
+                max_in_flight=inflight,
+            )
         elif kind == "many-pb":
             client.send_many(msgs, batch_size=batch, max_in_flight=inflight)
         elif kind == "unary":
             with ThreadPoolExecutor(inflight) as pool:
-                list(pool.map(lambda m: client.stub.Send(pb.SendRequest(message=m), timeout=60), msgs,
-                              chunksize=256))
+                list(pool.map(lambda m: client.stub.Send(pb.SendRequest(message=m), timeout=60), msgs, chunksize=256))
         else:  # SendBatch calls, ``inflight`` of them unanswered
             from collections import deque
             from itertools import islice
@@ -89,9 +93,14 @@ def run_shape(driver, kind, n, batch, inflight, procs, payload, offset):
     q = CTX.Queue()
     go = CTX.Event()
     per = n // procs
-    ps = [CTX.Process(target=_producer, daemon=True,
-                      args=(f"127.0.0.1:{driver.port}", kind, per, batch, inflight, payload, offset + p * per, go, q))
-          for p in range(procs)]
+    ps = [
+        CTX.Process(
+            target=_producer,
+            daemon=True,
+            args=(f"127.0.0.1:{driver.port}", kind, per, batch, inflight, payload, offset + p * per, go, q),
+        )
+        for p in range(procs)
+    ]
     for p in ps:
         p.start()
     for _ in ps:
@@ -107,9 +116,13 @@ def run_shape(driver, kind, n, batch, inflight, procs, payload, offset):
         raise RuntimeError(errors[0])
     total = sum(r["n"] for r in results)
     secs = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return dict(n=total, secs=round(secs, 2), msgs_per_s=round(total / secs),
-                server_cpu_us_per_msg=round(server_cpu * 1e6 / total, 1),
-                client_cpu_us_per_msg=round(sum(r["cpu"] for r in results) * 1e6 / total, 1))
+    return dict(
+        n=total,
+        secs=round(secs, 2),
+        msgs_per_s=round(total / secs),
+        server_cpu_us_per_msg=round(server_cpu * 1e6 / total, 1),
+        client_cpu_us_per_msg=round(sum(r["cpu"] for r in results) * 1e6 / total, 1),
+    )
 
 
 def main(argv=None) -> int:
@@ -134,13 +147,24 @@ def main(argv=None) -> int:
             offset += n
             res["load1"] = round(__import__("os").getloadavg()[0], 2)
             results[name] = res
-            rows.append([name, res["msgs_per_s"], res["server_cpu_us_per_msg"], res["client_cpu_us_per_msg"],
-                         res["n"], res["load1"]])
+            rows.append(
+                [
+                    name,
+                    res["msgs_per_s"],
+                    res["server_cpu_us_per_msg"],
+                    res["client_cpu_us_per_msg"],
+                    res["n"],
+                    res["load1"],
+                ]
+            )
     finally:
         driver.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    text = print_table(["shape", "msgs/s", "server CPU µs/msg", "client CPU µs/msg", "messages", "load"], rows,
-                       title=f"### qdelay durable ingest (flush {args.flush}, {args.payload}-byte payloads)")
+    text = print_table(
+        ["shape", "msgs/s", "server CPU µs/msg", "client CPU µs/msg", "messages", "load"],
+        rows,
+        title=f"### qdelay durable ingest (flush {args.flush}, {args.payload}-byte payloads)",
+    )
     path = write_json("ingest", {"machine": info, "args": vars(args), "results": results, "report": text})
     print(f"\nwrote {path}")
     return 0

@@ -18,7 +18,6 @@ inside worker processes from a picklable (path, kwargs) spec.
 from __future__ import annotations
 
 import abc
-
 import atexit
 import importlib
 import math
@@ -108,8 +107,14 @@ class Driver(abc.ABC):
     def _spawn(self) -> float:
         t0 = time.monotonic()
         self._log = open(os.path.join(self.workdir, f"{self.name}.log"), "ab")
-        self.proc = subprocess.Popen(self.argv(), cwd=self.workdir, stdout=self._stdout(), stderr=self._log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv(),
+            cwd=self.workdir,
+            stdout=self._stdout(),
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _LIVE.add(self.proc.pid)
         deadline = t0 + 120
         while time.monotonic() < deadline:
@@ -177,8 +182,21 @@ class QdelayDriver(Driver):
         self._buf = b""
 
     def argv(self):
-        return [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", os.path.join(self.workdir, "data"),
-                "--listen", f"127.0.0.1:{self.port}", "--flush", self.flush, "--log-level", "warning", *self.extra]
+        return [
+            sys.executable,
+            "-m",
+            "qdelay.cli",
+            "server",
+            "--data-dir",
+            os.path.join(self.workdir, "data"),
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--flush",
+            self.flush,
+            "--log-level",
+            "warning",
+            *self.extra,
+        ]
 
     def _stdout(self):
         return subprocess.PIPE
@@ -217,9 +235,27 @@ class RedisDriver(Driver):
         return None
 
     def argv(self):
-        return ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.workdir,
-                "--daemonize", "no", "--protected-mode", "no", "--save", "", "--appendonly", "yes",
-                "--appendfsync", self.fsync, "--logfile", "redis-server.log"]
+        return [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.workdir,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.fsync,
+            "--logfile",
+            "redis-server.log",
+        ]
 
     def ready(self):
         import redis
@@ -276,7 +312,7 @@ class BenchClient(abc.ABC):
     def consume(self, on_batch, stop: threading.Event) -> None:
         """Each driver or client defines this."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most drivers hold nothing to close
         pass
 
 
@@ -293,8 +329,9 @@ class QdelayClient(BenchClient):
 
     def send_batch(self, msgs):
         M = self.pb.Message
-        self.client.send_batch([M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due)
-                                for i, due, p in msgs])
+        self.client.send_batch(
+            [M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due) for i, due, p in msgs]
+        )
         return None
 
     def send_batches(self, chunks, batch: int) -> list:
@@ -320,7 +357,7 @@ class QdelayClient(BenchClient):
         while not stop.is_set():
             client = Client(self.address, retries=0)
             consumer = client.subscribe("bench", max_in_flight=self.max_in_flight)
-            watcher = threading.Thread(target=lambda: (stop.wait(), consumer.close()), daemon=True)
+            watcher = threading.Thread(target=lambda c=consumer: (stop.wait(), c.close()), daemon=True)
             watcher.start()
             try:
                 for batch in consumer.batches():
@@ -367,8 +404,9 @@ class RedisClient(BenchClient):
         while not stop.is_set():
             try:
                 if r is None:
-                    r = self.redis_mod.Redis(host="127.0.0.1", port=self.port, socket_timeout=10,
-                                             socket_connect_timeout=1)
+                    r = self.redis_mod.Redis(
+                        host="127.0.0.1", port=self.port, socket_timeout=10, socket_connect_timeout=1
+                    )
                     script = r.register_script(LUA_POP)
                 items = script(keys=[self.key], args=[int(time.time() * 1000), 1000])
             except Exception:  # noqa: BLE001 - server gone: reconnect
@@ -412,7 +450,7 @@ class BeanstalkClient(BenchClient):
             i = self.buf.find(b"\r\n")
             if i >= 0:
                 line = bytes(self.buf[:i])
-                del self.buf[:i + 2]
+                del self.buf[: i + 2]
                 return line
             self._fill()
 
@@ -475,4 +513,3 @@ class BeanstalkClient(BenchClient):
             self.sock.close()
         except OSError:
             pass
-

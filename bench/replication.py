@@ -104,10 +104,13 @@ def lag(master: str, slave: str, seconds: float, rate: int) -> dict:
         achieved = sent / (time.monotonic() - t0)
     sampler.join()
     samples.sort()
-    return {"target_rate": rate, "achieved_rate": round(achieved),
-            "slave_delay_p99_ms_median_window": samples[len(samples) // 2] if samples else None,
-            "slave_delay_p99_ms_worst_window": samples[-1] if samples else None,
-            "master_lag_bytes_max": max(lag_bytes) if lag_bytes else None}
+    return {
+        "target_rate": rate,
+        "achieved_rate": round(achieved),
+        "slave_delay_p99_ms_median_window": samples[len(samples) // 2] if samples else None,
+        "slave_delay_p99_ms_worst_window": samples[-1] if samples else None,
+        "master_lag_bytes_max": max(lag_bytes) if lag_bytes else None,
+    }
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,6 @@ import time
 import psutil
 
 from qdelay.server import allocator
-
 from qdelay.server.engine import Engine, EngineConfig, NewMessage
 
 
@@ -40,7 +39,7 @@ class AckingSink:
         self.engine = engine
         self.lateness: list[float] = []
         self.count = 0
-        self.done = threading.Event()       # every expected delivery handed over
+        self.done = threading.Event()  # every expected delivery handed over
         self.all_acked = threading.Event()  # ... and acknowledged
         self.expect = 0
         self.acked = 0
@@ -72,15 +71,15 @@ def percentile(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
 
 
-def send_all(engine: Engine, due_times, batch: int = 1000, payload: bytes = b"x" * 100,
-             subject: str = "bench.sched") -> None:
+def send_all(
+    engine: Engine, due_times, batch: int = 1000, payload: bytes = b"x" * 100, subject: str = "bench.sched"
+) -> None:
     """Send messages due at ``due_times`` (any iterable: a generator keeps the bench's own
     memory out of the server's RSS figures) in batches."""
     it = iter(due_times)
     i = 0
     while True:
-        chunk = [NewMessage(subject, payload, {}, f"m{i + j}", due)
-                 for j, due in zip(range(batch), it)]
+        chunk = [NewMessage(subject, payload, {}, f"m{i + j}", due) for j, due in zip(range(batch), it)]
         if not chunk:
             return
         engine.send_sync(chunk)
@@ -109,9 +108,15 @@ def scenario_lateness(root: str, n: int, span_ms: int) -> dict:
     sink.all_acked.wait(30)
     engine.close()
     late = sink.lateness
-    return {"messages": n, "delivered": sink.count, "p50_ms": round(percentile(late, 50), 3),
-            "p99_ms": round(percentile(late, 99), 3), "max_ms": round(max(late), 3),
-            "early": sum(1 for x in late if x < 0), "goal_p99_ms": 5.0}
+    return {
+        "messages": n,
+        "delivered": sink.count,
+        "p50_ms": round(percentile(late, 50), 3),
+        "p99_ms": round(percentile(late, 99), 3),
+        "max_ms": round(max(late), 3),
+        "early": sum(1 for x in late if x < 0),
+        "goal_p99_ms": 5.0,
+    }
 
 
 def scenario_burst(root: str, n: int) -> dict:
@@ -128,10 +133,15 @@ def scenario_burst(root: str, n: int) -> dict:
     cpu1 = proc.cpu_times()
     engine.close()
     cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-    return {"messages": n, "delivered": sink.count, "drain_s": round(drained / 1000, 3),
-            "all_acked_s": round(acked / 1000, 3),
-            "cpu_us_per_msg": round(cpu / n * 1e6, 2), "goal_drain_s": 0.5,
-            "early": sum(1 for x in sink.lateness if x < 0)}
+    return {
+        "messages": n,
+        "delivered": sink.count,
+        "drain_s": round(drained / 1000, 3),
+        "all_acked_s": round(acked / 1000, 3),
+        "cpu_us_per_msg": round(cpu / n * 1e6, 2),
+        "goal_drain_s": 0.5,
+        "early": sum(1 for x in sink.lateness if x < 0),
+    }
 
 
 def child_memory(data_dir: str, n: int, window: str) -> dict:
@@ -161,10 +171,15 @@ def child_memory(data_dir: str, n: int, window: str) -> dict:
     rss = proc.memory_info().rss
     stats = engine.stats()
     engine.close()
-    return {"pending": n, "wheel_size": stats["wheel_size"], "rss_base_mb": round(base / 2**20, 1),
-            "rss_mb": round(rss / 2**20, 1), "bytes_per_msg": round((rss - base) / n, 2),
-            "bytes_per_msg_untrimmed": round((rss_untrimmed - base) / n, 2),
-            "goal_bytes_per_msg": 8 if window == "far" else 64}
+    return {
+        "pending": n,
+        "wheel_size": stats["wheel_size"],
+        "rss_base_mb": round(base / 2**20, 1),
+        "rss_mb": round(rss / 2**20, 1),
+        "bytes_per_msg": round((rss - base) / n, 2),
+        "bytes_per_msg_untrimmed": round((rss_untrimmed - base) / n, 2),
+        "goal_bytes_per_msg": 8 if window == "far" else 64,
+    }
 
 
 def child_restart(data_dir: str, n: int) -> dict:
@@ -188,8 +203,12 @@ def child_restart(data_dir: str, n: int) -> dict:
 
 
 def run_child(kind: str, root: str, n: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.scheduler", "--child", kind, "--root", root,
-                          "--n", str(n)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.scheduler", "--child", kind, "--root", root, "--n", str(n)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -214,8 +233,12 @@ def main() -> None:
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="comma-separated subset: " + ",".join(SCENARIOS))
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run each chosen in-process scenario N times and add the median (burst, lateness)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each chosen in-process scenario N times and add the median (burst, lateness)",
+    )
     args = ap.parse_args()
     if args.child:
         path = os.path.join(args.root, args.child)

@@ -70,8 +70,13 @@ def build(root: str, n: int, minutes: int, payload_bytes: int, dispatched_fracti
         sched_bytes += len(sbuf)
         disp_bytes += len(dbuf)
     pool.close()
-    return {"schedule_records": seq, "schedule_bytes": sched_bytes, "dispatch_records": dispatched,
-            "dispatch_bytes": disp_bytes, "segments": minutes}
+    return {
+        "schedule_records": seq,
+        "schedule_bytes": sched_bytes,
+        "dispatch_records": dispatched,
+        "dispatch_bytes": disp_bytes,
+        "segments": minutes,
+    }
 
 
 def plain_scan(root: str) -> tuple[int, float]:
@@ -143,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         first = df().count()
         t_first = time.perf_counter() - t
         n_spark, t_count, counts = best(lambda: df().count(), args.repeat)
-        _, t_group, groups = best(lambda: df().groupBy("subject").agg({"due_ms": "max", "*": "count"}).collect(),
-                                  args.repeat)
-        _, t_light, lights = best(lambda: spark.read.format("qdelay").option("log", "schedule")
-                                  .option("payload", "false").load(root).count(), args.repeat)
+        _, t_group, groups = best(
+            lambda: df().groupBy("subject").agg({"due_ms": "max", "*": "count"}).collect(), args.repeat
+        )
+        _, t_light, lights = best(
+            lambda: spark.read.format("qdelay").option("log", "schedule").option("payload", "false").load(root).count(),
+            args.repeat,
+        )
         partitions = df().rdd.getNumPartitions()
         print(f"spark count {n_spark} best {t_count:.2f} s (first query {t_first:.1f} s)", flush=True)
         now = T0 + (args.minutes + 10) * 60_000
@@ -159,17 +167,29 @@ def main(argv: list[str] | None = None) -> int:
         spark.stop()
         assert first == n_spark == n_plain == n_arrow
         n_all = summary["messages"] + summary["dispatch_records"]
-        result.update({
-            "records": n_plain, "partitions": partitions,
-            "plain_python_s": t_plain, "plain_python_rps": n_plain / t_plain,
-            "python_arrow_s": t_arrow, "python_arrow_rps": n_arrow / t_arrow,
-            "spark_session_s": t_session, "spark_first_count_s": t_first,
-            "spark_count_s": t_count, "spark_count_rps": n_spark / t_count, "spark_count_runs": counts,
-            "spark_count_no_payload_s": t_light, "spark_count_no_payload_rps": n_spark / t_light,
-            "spark_groupby_s": t_group, "spark_groupby_rps": n_spark / t_group, "spark_groupby_runs": groups,
-            "audit_s": audits, "audit_findings": summary["findings"],
-            "machine_after": machine(),
-        })
+        result.update(
+            {
+                "records": n_plain,
+                "partitions": partitions,
+                "plain_python_s": t_plain,
+                "plain_python_rps": n_plain / t_plain,
+                "python_arrow_s": t_arrow,
+                "python_arrow_rps": n_arrow / t_arrow,
+                "spark_session_s": t_session,
+                "spark_first_count_s": t_first,
+                "spark_count_s": t_count,
+                "spark_count_rps": n_spark / t_count,
+                "spark_count_runs": counts,
+                "spark_count_no_payload_s": t_light,
+                "spark_count_no_payload_rps": n_spark / t_light,
+                "spark_groupby_s": t_group,
+                "spark_groupby_rps": n_spark / t_group,
+                "spark_groupby_runs": groups,
+                "audit_s": audits,
+                "audit_findings": summary["findings"],
+                "machine_after": machine(),
+            }
+        )
         rows = [
             ["plain Python scan (walk: checksum + decode), 1 core", n_plain, t_plain, n_plain / t_plain],
             ["Python scan + Arrow batches (read_piece), 1 core", n_arrow, t_arrow, n_arrow / t_arrow],
@@ -180,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             [f"audit job {args.master}, second run", n_all, audits[1], n_all / audits[1]],
         ]
         print()
-        print_table(["what", "records", "seconds (best)", "records/s"], rows,
-                    title=f"{n_plain:,} schedule records in {partitions} segments, "
-                          f"payload {args.payload} B; session start {t_session:.1f} s, "
-                          f"first query {t_first:.1f} s; load before/after "
-                          f"{result['machine_before']['loadavg']} / {result['machine_after']['loadavg']}")
+        print_table(
+            ["what", "records", "seconds (best)", "records/s"],
+            rows,
+            title=f"{n_plain:,} schedule records in {partitions} segments, "
+            f"payload {args.payload} B; session start {t_session:.1f} s, "
+            f"first query {t_first:.1f} s; load before/after "
+            f"{result['machine_before']['loadavg']} / {result['machine_after']['loadavg']}",
+        )
         print(f"audit findings: {summary['findings']}")
         print("written", write_json("spark", result))
     finally:

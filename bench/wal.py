@@ -26,13 +26,13 @@ import tempfile
 import threading
 import time
 
-from bench.common import Meter, machine, median, print_table, write_json
+from bench.common import Meter, machine, print_table, write_json
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.wal import MessageLog
 
-GOAL_BATCH_RECORDS_PER_S = 200_000   # 8 appenders x 100-record batches of 100 B, durable
-GOAL_GROUP_COMMIT_RATIO = 0.5        # 64 single appenders: durable / fsync-off
-FSYNC_OFF = "interval:3600000"       # an interval longer than any run: no fdatasync at all
+GOAL_BATCH_RECORDS_PER_S = 200_000  # 8 appenders x 100-record batches of 100 B, durable
+GOAL_GROUP_COMMIT_RATIO = 0.5  # 64 single appenders: durable / fsync-off
+FSYNC_OFF = "interval:3600000"  # an interval longer than any run: no fdatasync at all
 MIB = 1024 * 1024
 
 
@@ -74,8 +74,7 @@ def raw_sequential_mb_s(directory: str, seconds: float, limit_bytes: int = 1024 
         os.unlink(path)
 
 
-def run_appenders(directory: str, record_bytes: int, appenders: int, batch: int, flush: str,
-                  seconds: float) -> dict:
+def run_appenders(directory: str, record_bytes: int, appenders: int, batch: int, flush: str, seconds: float) -> dict:
     """``appenders`` threads each append ``batch`` records per call for ``seconds``."""
     workdir = tempfile.mkdtemp(prefix="wal-", dir=directory)
     log = MessageLog(workdir, flush=flush)
@@ -109,8 +108,13 @@ def run_appenders(directory: str, record_bytes: int, appenders: int, batch: int,
     shutil.rmtree(workdir, ignore_errors=True)
     records = sum(counts)
     return {
-        "record_bytes": record_bytes, "appenders": appenders, "batch": batch, "flush": flush,
-        "records": records, "seconds": meter.wall, "cpu_seconds": meter.cpu,
+        "record_bytes": record_bytes,
+        "appenders": appenders,
+        "batch": batch,
+        "flush": flush,
+        "records": records,
+        "seconds": meter.wall,
+        "cpu_seconds": meter.cpu,
         "records_per_s": records / meter.wall,
         "mb_per_s": records * record_bytes / meter.wall / 1e6,
         "fdatasyncs": fsyncs,
@@ -119,8 +123,7 @@ def run_appenders(directory: str, record_bytes: int, appenders: int, batch: int,
     }
 
 
-def run_coroutines(directory: str, record_bytes: int, appenders: int, flush: str,
-                   seconds: float) -> dict:
+def run_coroutines(directory: str, record_bytes: int, appenders: int, flush: str, seconds: float) -> dict:
     """``appenders`` coroutines on one event loop each ``await append_async`` one record at a
     time: the shape of the server's Send path."""
     workdir = tempfile.mkdtemp(prefix="wal-", dir=directory)
@@ -147,8 +150,14 @@ def run_coroutines(directory: str, record_bytes: int, appenders: int, flush: str
     shutil.rmtree(workdir, ignore_errors=True)
     records = sum(counts)
     return {
-        "record_bytes": record_bytes, "appenders": appenders, "batch": 1, "flush": flush,
-        "asyncio": True, "records": records, "seconds": meter.wall, "cpu_seconds": meter.cpu,
+        "record_bytes": record_bytes,
+        "appenders": appenders,
+        "batch": 1,
+        "flush": flush,
+        "asyncio": True,
+        "records": records,
+        "seconds": meter.wall,
+        "cpu_seconds": meter.cpu,
         "records_per_s": records / meter.wall,
         "mb_per_s": records * record_bytes / meter.wall / 1e6,
         "fdatasyncs": fsyncs,
@@ -179,10 +188,14 @@ def main() -> None:
     try:
         fdatasync_per_s = raw_fdatasync_rate(directory, 1.0)
         sequential_mb_s = raw_sequential_mb_s(directory, 1.0)
-        print_table(["raw limit of this disk", "value"], [
-            ["fdatasync calls/s (100-byte append each)", fdatasync_per_s],
-            ["sequential MB/s (fdatasync per MiB)", sequential_mb_s],
-        ], title=f"# raw disk ({directory})")
+        print_table(
+            ["raw limit of this disk", "value"],
+            [
+                ["fdatasync calls/s (100-byte append each)", fdatasync_per_s],
+                ["sequential MB/s (fdatasync per MiB)", sequential_mb_s],
+            ],
+            title=f"# raw disk ({directory})",
+        )
         print()
 
         runs: dict[tuple, list[dict]] = {}
@@ -190,7 +203,8 @@ def main() -> None:
         def measure(record_bytes: int, appenders: int, batch: int, flush: str) -> None:
             key = (record_bytes, appenders, batch, flush)
             runs.setdefault(key, []).append(
-                run_appenders(directory, record_bytes, appenders, batch, flush, args.seconds))
+                run_appenders(directory, record_bytes, appenders, batch, flush, args.seconds)
+            )
 
         for record_bytes in (100, 1024):
             for batch in (1, 100):
@@ -206,43 +220,85 @@ def main() -> None:
         # the server's path: coroutines awaiting append_async on one event loop
         for flush in ("sync", FSYNC_OFF):
             results[(100, 64, 1, flush, "asyncio")] = pick_median(
-                [run_coroutines(directory, 100, 64, flush, args.seconds)])
+                [run_coroutines(directory, 100, 64, flush, args.seconds)]
+            )
         rows = []
         for key, r in results.items():
             record_bytes, appenders, batch, flush = key[:4]
-            rows.append([record_bytes, appenders, batch, "sync" if flush == "sync" else "off",
-                         "coroutines" if len(key) > 4 else "threads",
-                         r["records_per_s"], r["mb_per_s"], r["records_per_fdatasync"],
-                         r["cpu_us_per_record"], r["runs"]])
-        print_table(["record B", "appenders", "batch", "fsync", "appender kind", "records/s", "MB/s",
-                     "records/fdatasync", "CPU µs/record", "runs"], rows,
-                    title="# message log (median of runs)")
+            rows.append(
+                [
+                    record_bytes,
+                    appenders,
+                    batch,
+                    "sync" if flush == "sync" else "off",
+                    "coroutines" if len(key) > 4 else "threads",
+                    r["records_per_s"],
+                    r["mb_per_s"],
+                    r["records_per_fdatasync"],
+                    r["cpu_us_per_record"],
+                    r["runs"],
+                ]
+            )
+        print_table(
+            [
+                "record B",
+                "appenders",
+                "batch",
+                "fsync",
+                "appender kind",
+                "records/s",
+                "MB/s",
+                "records/fdatasync",
+                "CPU µs/record",
+                "runs",
+            ],
+            rows,
+            title="# message log (median of runs)",
+        )
         print()
 
         goal1 = results[(100, 8, 100, "sync")]["records_per_s"]
         durable64 = results[(100, 64, 1, "sync")]["records_per_s"]
         off64 = results[(100, 64, 1, FSYNC_OFF)]["records_per_s"]
         goals = [
-            ["1: 8 appenders x 100-record batches, 100 B, durable", f"{goal1:,.0f} rec/s",
-             f">= {GOAL_BATCH_RECORDS_PER_S:,}", f"{goal1 / GOAL_BATCH_RECORDS_PER_S:.2f}x",
-             "met" if goal1 >= GOAL_BATCH_RECORDS_PER_S else "MISSED"],
-            ["2: 64 single appenders, 100 B, durable / fsync off",
-             f"{durable64:,.0f} / {off64:,.0f}", f">= {GOAL_GROUP_COMMIT_RATIO:.0%}",
-             f"{durable64 / off64:.0%}",
-             "met" if durable64 >= GOAL_GROUP_COMMIT_RATIO * off64 else "MISSED"],
+            [
+                "1: 8 appenders x 100-record batches, 100 B, durable",
+                f"{goal1:,.0f} rec/s",
+                f">= {GOAL_BATCH_RECORDS_PER_S:,}",
+                f"{goal1 / GOAL_BATCH_RECORDS_PER_S:.2f}x",
+                "met" if goal1 >= GOAL_BATCH_RECORDS_PER_S else "MISSED",
+            ],
+            [
+                "2: 64 single appenders, 100 B, durable / fsync off",
+                f"{durable64:,.0f} / {off64:,.0f}",
+                f">= {GOAL_GROUP_COMMIT_RATIO:.0%}",
+                f"{durable64 / off64:.0%}",
+                "met" if durable64 >= GOAL_GROUP_COMMIT_RATIO * off64 else "MISSED",
+            ],
         ]
         print_table(["goal", "measured", "target", "ratio", ""], goals, title="# goals (issue #2)")
         after = machine()
         elapsed = time.perf_counter() - started
-        print(f"\nload average before {before['loadavg']}, after {after['loadavg']}; "
-              f"{before['cpus']} CPUs; bench took {elapsed:.0f} s")
-        out = write_json("wal", {
-            "machine_before": before, "machine_after": after, "elapsed_s": elapsed,
-            "raw": {"fdatasync_per_s": fdatasync_per_s, "sequential_mb_s": sequential_mb_s},
-            "runs": [dict(r, key=list(k)) for k, r in results.items()],
-            "goals": {"batch_records_per_s": goal1, "durable64_records_per_s": durable64,
-                      "off64_records_per_s": off64, "group_commit_ratio": durable64 / off64},
-        })
+        print(
+            f"\nload average before {before['loadavg']}, after {after['loadavg']}; "
+            f"{before['cpus']} CPUs; bench took {elapsed:.0f} s"
+        )
+        out = write_json(
+            "wal",
+            {
+                "machine_before": before,
+                "machine_after": after,
+                "elapsed_s": elapsed,
+                "raw": {"fdatasync_per_s": fdatasync_per_s, "sequential_mb_s": sequential_mb_s},
+                "runs": [dict(r, key=list(k)) for k, r in results.items()],
+                "goals": {
+                    "batch_records_per_s": goal1,
+                    "durable64_records_per_s": durable64,
+                    "off64_records_per_s": off64,
+                    "group_commit_ratio": durable64 / off64,
+                },
+            },
+        )
         print(f"wrote {os.path.relpath(out)}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -29,8 +29,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -142,8 +142,7 @@ class _BulkSender:
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="qdelay-client-bulk",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._loop.run_forever, name="qdelay-client-bulk", daemon=True)
                 self._thread.start()
             loop = self._loop
         future = asyncio.run_coroutine_threadsafe(self._on_channel(work), loop)
@@ -208,8 +207,9 @@ class SentReceipts(Sequence):
             chunk = (None, 0, list(response.receipts))
         else:
             if len(response.deliver_at_ms) != len(ids):
-                raise errors.InvariantViolation(f"compact answer has {len(response.deliver_at_ms)} due "
-                                                f"times for {len(ids)} messages")
+                raise errors.InvariantViolation(
+                    f"compact answer has {len(response.deliver_at_ms)} due times for {len(ids)} messages"
+                )
             chunk = (ids, response.first_sequence, response.deliver_at_ms)
         self._chunks.append(chunk)
         self._len += len(chunk[2])
@@ -251,12 +251,25 @@ def _receipt(r) -> pb.Receipt:
 
 
 class Client:
-    def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None, tls: bool = False,
-                 tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
-                 timeout: float = 30.0, retries: int = 3, retry_backoff: float = 0.1,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, options: Sequence[tuple] = ()) -> None:
-        opts = [("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes), *options]
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        retry_backoff: float = 0.1,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        options: Sequence[tuple] = (),
+    ) -> None:
+        opts = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            *options,
+        ]
         if tls or tls_ca is not None:
             root = tls_ca
             if isinstance(tls_ca, str):
@@ -293,7 +306,7 @@ class Client:
         self._bulk.close()
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -303,14 +316,25 @@ class Client:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
     # ------------------------------------------------------------------ producer
-    def message(self, subject: str, payload: bytes = b"", *, delay_ms: int | None = None,
-                deliver_at_ms: int | None = None, headers: dict[str, str] | None = None,
-                message_id: str | None = None) -> pb.Message:
+    def message(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        delay_ms: int | None = None,
+        deliver_at_ms: int | None = None,
+        headers: dict[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> pb.Message:
         """Build a Message; exactly one of ``delay_ms`` / ``deliver_at_ms`` (default: delay 0)."""
         if delay_ms is not None and deliver_at_ms is not None:
             raise errors.InvalidArgument("give delay_ms or deliver_at_ms, not both")
-        msg = pb.Message(subject=subject, payload=payload, headers=headers or {},
-                         message_id=message_id or (self._ids() if self.retries else ""))
+        msg = pb.Message(
+            subject=subject,
+            payload=payload,
+            headers=headers or {},
+            message_id=message_id or (self._ids() if self.retries else ""),
+        )
         if deliver_at_ms is not None:
             msg.deliver_at_ms = deliver_at_ms
         else:
@@ -343,8 +367,13 @@ class Client:
         request = pb.SendBatchRequest(messages=self._with_ids(messages))
         return list(self._call(self.stub.SendBatch, request, timeout).receipts)
 
-    def send_many(self, messages: Iterable[pb.Message | Outgoing], batch_size: int = 1000, max_in_flight: int = 4,
-                  timeout: float | None = None) -> SentReceipts:
+    def send_many(
+        self,
+        messages: Iterable[pb.Message | Outgoing],
+        batch_size: int = 1000,
+        max_in_flight: int = 4,
+        timeout: float | None = None,
+    ) -> SentReceipts:
         """Send any number of messages as pipelined batches; their receipts in input order
         (:class:`SentReceipts`: a sequence of :class:`SentReceipt`).
 
@@ -376,14 +405,16 @@ class Client:
             ids = self._ids_of(batch)
             return pb.SendBatchRequest(messages=batch, compact_receipts=True).SerializeToString(), ids
 
-        return self._bulk.run(lambda channel: self._send_many(channel, next_request, max_in_flight,
-                                                               timeout or self.timeout))
+        return self._bulk.run(
+            lambda channel: self._send_many(channel, next_request, max_in_flight, timeout or self.timeout)
+        )
 
     async def _send_many(self, channel, next_request, max_in_flight: int, timeout: float) -> SentReceipts:
         """send_many on the bulk channel's loop: streams one after another until every
         batch is answered; UNAVAILABLE opens a new stream that sends the unanswered again."""
-        stream = channel.stream_stream(_SEND_STREAM, request_serializer=None,
-                                       response_deserializer=pb.SendBatchResponse.FromString)
+        stream = channel.stream_stream(
+            _SEND_STREAM, request_serializer=None, response_deserializer=pb.SendBatchResponse.FromString
+        )
         receipts = SentReceipts()
         unanswered: deque[tuple[bytes, list[str]]] = deque()
         attempt = 1
@@ -412,14 +443,17 @@ class Client:
         try:
             (codec.encode_send_batch if codec is not None else encode_send_batch_py)(out, batch, ids)
         except (TypeError, ValueError, OverflowError) as err:
-            raise errors.InvalidArgument(f"send_many: a message is not an Outgoing tuple of the right types "
-                                         f"(subject str, payload bytes, one time an int, the other None): "
-                                         f"{err}") from None
+            raise errors.InvalidArgument(
+                f"send_many: a message is not an Outgoing tuple of the right types "
+                f"(subject str, payload bytes, one time an int, the other None): "
+                f"{err}"
+            ) from None
         out += _COMPACT_RECEIPTS
         return bytes(out), ids
 
-    async def _stream_batches(self, stream, next_request, unanswered: deque, receipts: SentReceipts,
-                              max_in_flight: int, timeout: float) -> bool:
+    async def _stream_batches(
+        self, stream, next_request, unanswered: deque, receipts: SentReceipts, max_in_flight: int, timeout: float
+    ) -> bool:
         """One SendStream: first the batches still unanswered from a broken one, then new
         ones. Returns True when every batch is answered, False when it ended on time
         (``timeout``/2 after it started) with batches left to send. A message that cannot
@@ -488,7 +522,7 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     # ------------------------------------------------------------------ consumer
-    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> "Consumer":
+    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> Consumer:
         return Consumer(self, subject, group, max_in_flight)
 
 
@@ -613,7 +647,7 @@ class Consumer:
         if not ended.wait(timeout):
             self._call.cancel()
 
-    def __enter__(self) -> "Consumer":
+    def __enter__(self) -> Consumer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, _Ids
@@ -30,8 +30,16 @@ RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
 
 
 class ClusterClient:
-    def __init__(self, targets: Sequence[str] | str, *, failover_timeout: float = 30.0, backoff: float = 0.05,
-                 max_backoff: float = 1.0, timeout: float = 10.0, **client_kw) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str] | str,
+        *,
+        failover_timeout: float = 30.0,
+        backoff: float = 0.05,
+        max_backoff: float = 1.0,
+        timeout: float = 10.0,
+        **client_kw,
+    ) -> None:
         if isinstance(targets, str):
             targets = [t.strip() for t in targets.split(",") if t.strip()]
         if not targets:
@@ -44,8 +52,8 @@ class ClusterClient:
         self._current = 0
         self._lock = threading.Lock()
         self._ids = _Ids()
-        self.failovers = 0      # how many times writes moved to another server
-        self.retries = 0        # writes repeated (same message ids)
+        self.failovers = 0  # how many times writes moved to another server
+        self.retries = 0  # writes repeated (same message ids)
         self.epoch = 0
 
     # --- plumbing --------------------------------------------------------------------------------
@@ -53,7 +61,7 @@ class ClusterClient:
         for c in self.clients:
             c.close()
 
-    def __enter__(self) -> "ClusterClient":
+    def __enter__(self) -> ClusterClient:
         return self
 
     def __exit__(self, *exc) -> None:

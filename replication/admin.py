@@ -63,8 +63,10 @@ def _md(args):
 
 
 def _fmt_status(target: str, st) -> str:
-    line = (f"{target:<22} {st.role:<8} epoch={st.epoch:<3} offsets={st.first_offset}..{st.end_offset} "
-            f"seq={st.last_sequence} lag_bytes={st.lag_bytes} lag_ms={st.lag_ms}")
+    line = (
+        f"{target:<22} {st.role:<8} epoch={st.epoch:<3} offsets={st.first_offset}..{st.end_offset} "
+        f"seq={st.last_sequence} lag_bytes={st.lag_bytes} lag_ms={st.lag_ms}"
+    )
     if st.role in ("slave", "joining"):
         line += f" master={st.master} connected={st.connected}"
         if st.delay_p99_ms >= 0:
@@ -95,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
             for target in [s.strip() for s in args.servers.split(",") if s.strip()]:
                 ch = _channel(target, args)
                 try:
-                    st = rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=args.timeout,
-                                                             metadata=_md(args))
+                    st = rpb_grpc.ReplicationStub(ch).Status(
+                        rpb.ReplicationStatusRequest(), timeout=args.timeout, metadata=_md(args)
+                    )
                     out[target] = _to_dict(st)
                     if not args.json:
                         print(_fmt_status(target, st))
@@ -115,18 +118,24 @@ def run(args: argparse.Namespace) -> int:
             try:
                 r = rpb_grpc.ReplicationStub(ch).Promote(
                     rpb.PromoteRequest(min_epoch=args.min_epoch, force=args.force, address=args.target),
-                    timeout=args.timeout, metadata=_md(args))
+                    timeout=args.timeout,
+                    metadata=_md(args),
+                )
             finally:
                 ch.close()
-            print(json.dumps(_to_dict(r)) if args.json else
-                  f"{args.target} is master at epoch {r.epoch} (log ends at {r.end_offset}, "
-                  f"sequence {r.last_sequence})\n{r.note}")
+            print(
+                json.dumps(_to_dict(r))
+                if args.json
+                else f"{args.target} is master at epoch {r.epoch} (log ends at {r.end_offset}, "
+                f"sequence {r.last_sequence})\n{r.note}"
+            )
             return 0
         if cmd == "fence":
             ch = _channel(args.target, args)
             try:
-                r = rpb_grpc.ReplicationStub(ch).Fence(rpb.FenceRequest(epoch=args.epoch, master=args.master),
-                                                       timeout=args.timeout, metadata=_md(args))
+                r = rpb_grpc.ReplicationStub(ch).Fence(
+                    rpb.FenceRequest(epoch=args.epoch, master=args.master), timeout=args.timeout, metadata=_md(args)
+                )
             finally:
                 ch.close()
             print(f"{args.target}: {r.role} at epoch {r.epoch}")
@@ -136,16 +145,20 @@ def run(args: argparse.Namespace) -> int:
 
             ch = _channel(args.master, args)
             try:
-                stream = rpb_grpc.ReplicationStub(ch).Snapshot(rpb.SnapshotRequest(slave_name=args.data_dir),
-                                                               timeout=3600, metadata=_md(args))
+                stream = rpb_grpc.ReplicationStub(ch).Snapshot(
+                    rpb.SnapshotRequest(slave_name=args.data_dir), timeout=3600, metadata=_md(args)
+                )
                 info = write_snapshot(args.data_dir, stream)
             finally:
                 ch.close()
-            print(json.dumps(info) if args.json else
-                  f"resynced {args.data_dir} from {args.master}: {info['files']} segment files, {info['bytes']} "
-                  f"bytes; its message log starts at offset {info['offset']} (after sequence {info['sequence']})"
-                  + (f"; the old folder was moved to {info['moved_old_to']}" if info["moved_old_to"] else "")
-                  + f"\nnow start it: qdelay server --data-dir {args.data_dir} --role slave --master {args.master}")
+            print(
+                json.dumps(info)
+                if args.json
+                else f"resynced {args.data_dir} from {args.master}: {info['files']} segment files, {info['bytes']} "
+                f"bytes; its message log starts at offset {info['offset']} (after sequence {info['sequence']})"
+                + (f"; the old folder was moved to {info['moved_old_to']}" if info["moved_old_to"] else "")
+                + f"\nnow start it: qdelay server --data-dir {args.data_dir} --role slave --master {args.master}"
+            )
             return 0
     except grpc.RpcError as e:
         print(f"qdelay admin {cmd}: {e.code().name}: {e.details()}", file=sys.stderr)

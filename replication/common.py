@@ -12,10 +12,16 @@ MAX_MESSAGE = 80 * 1024 * 1024
 
 
 def channel_options() -> list[tuple]:
-    return [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2_000)]
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
 
 
 def read_token(token_file: str | None) -> str | None:
@@ -44,8 +50,9 @@ def slave_credentials(cfg) -> tuple[str | None, bytes | None, bool]:
     return token, ca, tls
 
 
-def make_channel(target: str, *, tls: bool = False, ca: bytes | None = None, server_name: str | None = None,
-                 aio: bool = True):
+def make_channel(
+    target: str, *, tls: bool = False, ca: bytes | None = None, server_name: str | None = None, aio: bool = True
+):
     opts = channel_options()
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
@@ -64,7 +71,7 @@ def whole_frames(data: bytes) -> int:
     pos = 0
     n = len(data)
     while pos + HS <= n:
-        length = int.from_bytes(data[pos + 12:pos + 16], "little")
+        length = int.from_bytes(data[pos + 12 : pos + 16], "little")
         if pos + HS + length > n:
             break
         pos += HS + length

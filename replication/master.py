@@ -28,7 +28,7 @@ from qdelay.v1 import replication_pb2 as rpb
 
 log = logging.getLogger("qdelay.replication")
 
-WINDOW_BYTES = 32 * 1024 * 1024   # sent but not yet confirmed durable, per slave
+WINDOW_BYTES = 32 * 1024 * 1024  # sent but not yet confirmed durable, per slave
 DISPATCH_SCAN_S = 0.02
 PROGRESS_S = 0.25
 IDLE_WAIT_S = 0.05
@@ -42,7 +42,7 @@ class SlaveSession:
         self.acked = offset
         self.connected = True
         self.last_seen = time.monotonic()
-        self.known: dict[int, int] = {}   # dispatch bucket -> bytes the slave holds (-1: reset it)
+        self.known: dict[int, int] = {}  # dispatch bucket -> bytes the slave holds (-1: reset it)
         self.acked_event = asyncio.Event()
 
 
@@ -103,8 +103,7 @@ class Hub:
     # --- for the engine -----------------------------------------------------------------------
     def floor(self) -> int | None:
         now = time.monotonic()
-        offsets = [s.acked for s in list(self.sessions.values())
-                   if s.connected or now - s.last_seen < self.hold]
+        offsets = [s.acked for s in list(self.sessions.values()) if s.connected or now - s.last_seen < self.hold]
         return min(offsets) if offsets else None
 
     async def wait(self, end_offset: int) -> None:
@@ -117,15 +116,18 @@ class Hub:
         heapq.heappush(self._waiters, (end_offset, next(self._tie), fut))
         try:
             await asyncio.wait_for(fut, self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.sync_timeouts += 1
             attached = len(self.live())
-            log.error("sync replication timeout", extra={"offset": end_offset, "slaves": attached,
-                                                         "timeouts": self.sync_timeouts})
+            log.error(
+                "sync replication timeout",
+                extra={"offset": end_offset, "slaves": attached, "timeouts": self.sync_timeouts},
+            )
             raise ReplicationTimeout(
                 f"sync replication: no slave confirmed the write within {self.timeout:g}s "
                 f"({attached} slave(s) attached); it is durable on the master but NOT acknowledged: "
-                f"retry with the same message_id") from None
+                f"retry with the same message_id"
+            ) from None
 
     def lag(self) -> tuple[int, int]:
         """(bytes, ms) of the slowest attached slave; (-1, -1) when none is attached."""
@@ -162,23 +164,34 @@ class PullServer:
         end = hello.end_offset
         committed = wal.committed_offset
         if end > committed:
-            raise _Refuse("ABORTED", f"diverged: the slave's message log ends at {end}, beyond the master's "
-                                     f"end {committed}; the slave truncates its divergent tail")
+            raise _Refuse(
+                "ABORTED",
+                f"diverged: the slave's message log ends at {end}, beyond the master's "
+                f"end {committed}; the slave truncates its divergent tail",
+            )
         if end < wal.first_offset:
-            raise _Refuse("OUT_OF_RANGE",
-                          f"behind retention: the slave needs message-log offset {end} but the master's oldest "
-                          f"segment starts at {wal.first_offset}; stop the slave and run "
-                          f"'qdelay admin resync --data-dir DIR --master HOST:PORT', then start it again")
+            raise _Refuse(
+                "OUT_OF_RANGE",
+                f"behind retention: the slave needs message-log offset {end} but the master's oldest "
+                f"segment starts at {wal.first_offset}; stop the slave and run "
+                f"'qdelay admin resync --data-dir DIR --master HOST:PORT', then start it again",
+            )
         if hello.last_sequence:
             head = wal.read_raw(hello.last_frame_offset, common.HS)
             ok = len(head) == common.HS
             if ok:
                 _m, checksum, length, _k, _v, _f, seq, _ts = common.HEADER.unpack_from(head, 0)
-                ok = (seq == hello.last_sequence and checksum == hello.last_frame_checksum
-                      and hello.last_frame_offset + common.HS + length == end)
+                ok = (
+                    seq == hello.last_sequence
+                    and checksum == hello.last_frame_checksum
+                    and hello.last_frame_offset + common.HS + length == end
+                )
             if not ok:
-                raise _Refuse("ABORTED", f"diverged: the slave's last record (sequence {hello.last_sequence} at "
-                                         f"offset {hello.last_frame_offset}) differs from the master's")
+                raise _Refuse(
+                    "ABORTED",
+                    f"diverged: the slave's last record (sequence {hello.last_sequence} at "
+                    f"offset {hello.last_frame_offset}) differs from the master's",
+                )
 
     def dispatch_states(self, hello, session: SlaveSession) -> None:
         disp = self.engine.dispatch
@@ -230,8 +243,10 @@ class PullServer:
         if hello.epoch > engine.epoch:
             await self.node.fence(hello.epoch, "", f"slave {name} knows epoch {hello.epoch}")
         if engine.role != "master":
-            raise _Refuse("FAILED_PRECONDITION", f"this server is {engine.role} at epoch {engine.epoch}, "
-                                                 f"not a master; pull from the current master")
+            raise _Refuse(
+                "FAILED_PRECONDITION",
+                f"this server is {engine.role} at epoch {engine.epoch}, not a master; pull from the current master",
+            )
         self.check_hello(hello)
         session = self.hub.attach(name, context.peer(), hello.end_offset)
         await asyncio.to_thread(self.dispatch_states, hello, session)
@@ -253,8 +268,7 @@ class PullServer:
         try:
             while session.connected:
                 if engine.role != "master":
-                    raise _Refuse("FAILED_PRECONDITION",
-                                  f"this server is now {engine.role} at epoch {engine.epoch}")
+                    raise _Refuse("FAILED_PRECONDITION", f"this server is now {engine.role} at epoch {engine.epoch}")
                 committed = wal.committed_offset
                 resp = None
                 if session.sent < committed and session.sent - session.acked < WINDOW_BYTES:
@@ -283,7 +297,7 @@ class PullServer:
                     session.acked_event.clear()
                     try:
                         await asyncio.wait_for(session.acked_event.wait(), IDLE_WAIT_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 else:
                     await asyncio.to_thread(wal.wait_commit, session.sent, IDLE_WAIT_S)
@@ -295,8 +309,10 @@ class PullServer:
         wal = self.engine.wal
         start = session.sent
         if start < wal.first_offset:
-            raise _Refuse("OUT_OF_RANGE", f"behind retention: offset {start} was cleaned "
-                                          f"(oldest {wal.first_offset}); run 'qdelay admin resync'")
+            raise _Refuse(
+                "OUT_OF_RANGE",
+                f"behind retention: offset {start} was cleaned (oldest {wal.first_offset}); run 'qdelay admin resync'",
+            )
         seg = wal.segment_at(start)
         if seg is not None and start >= seg.key + seg.size:
             seg = wal.segment_at(seg.key + seg.size)

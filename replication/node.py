@@ -68,29 +68,33 @@ class Node:
 
     # --- peers ------------------------------------------------------------------------------------------
     def _channel(self, target: str, aio: bool = True):
-        return common.make_channel(target, tls=self.tls, ca=self.ca, server_name=self.cfg.replication_tls_server_name,
-                                   aio=aio)
+        return common.make_channel(
+            target, tls=self.tls, ca=self.ca, server_name=self.cfg.replication_tls_server_name, aio=aio
+        )
 
     def check_peers_blocking(self) -> None:
         """Start-up, before listening: a master that a peer outranks is fenced at once."""
         for peer in self.peers:
             ch = self._channel(peer, aio=False)
             try:
-                st = rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=1.0,
-                                                         metadata=common.metadata(self.token))
+                st = rpb_grpc.ReplicationStub(ch).Status(
+                    rpb.ReplicationStatusRequest(), timeout=1.0, metadata=common.metadata(self.token)
+                )
             except grpc.RpcError:
                 continue
             finally:
                 ch.close()
             if st.epoch > self.engine.epoch and st.role in ("master", "slave", "fenced"):
-                self._do_fence(st.epoch, peer if st.role == "master" else "",
-                               f"peer {peer} is {st.role} at epoch {st.epoch}")
+                self._do_fence(
+                    st.epoch, peer if st.role == "master" else "", f"peer {peer} is {st.role} at epoch {st.epoch}"
+                )
 
     async def peer_status(self, peer: str, timeout: float = 1.0):
         ch = self._channel(peer)
         try:
-            return await rpb_grpc.ReplicationStub(ch).Status(rpb.ReplicationStatusRequest(), timeout=timeout,
-                                                             metadata=common.metadata(self.token))
+            return await rpb_grpc.ReplicationStub(ch).Status(
+                rpb.ReplicationStatusRequest(), timeout=timeout, metadata=common.metadata(self.token)
+            )
         except grpc.aio.AioRpcError:
             return None
         finally:
@@ -114,8 +118,11 @@ class Node:
                 for peer in self.peers:
                     st = await self.peer_status(peer)
                     if st is not None and st.epoch > self.engine.epoch:
-                        await self.fence(st.epoch, peer if st.role == "master" else "",
-                                         f"peer {peer} is {st.role} at epoch {st.epoch}")
+                        await self.fence(
+                            st.epoch,
+                            peer if st.role == "master" else "",
+                            f"peer {peer} is {st.role} at epoch {st.epoch}",
+                        )
                         break
             except asyncio.CancelledError:
                 raise
@@ -128,8 +135,10 @@ class Node:
         if epoch <= engine.epoch:
             return
         if engine.role == "master":
-            log.error("fenced: a newer master exists; refusing writes and stopping dispatch",
-                      extra={"epoch": engine.epoch, "new_epoch": epoch, "reason": reason})
+            log.error(
+                "fenced: a newer master exists; refusing writes and stopping dispatch",
+                extra={"epoch": engine.epoch, "new_epoch": epoch, "reason": reason},
+            )
             engine.set_role("fenced", epoch)
         elif engine.role == "slave":
             engine.set_role("slave", epoch)
@@ -145,16 +154,26 @@ class Node:
         engine = self.engine
         wal = engine.wal
         if engine.role == "master":
-            return rpb.PromoteResponse(epoch=engine.epoch, end_offset=wal.committed_offset,
-                                       last_sequence=wal.committed_sequence, note="already master")
+            return rpb.PromoteResponse(
+                epoch=engine.epoch,
+                end_offset=wal.committed_offset,
+                last_sequence=wal.committed_sequence,
+                note="already master",
+            )
         if engine.role != "slave":
-            raise _Refuse("FAILED_PRECONDITION", f"this server is {engine.role}: only a slave can be promoted "
-                                                 f"(a fenced server re-attaches as slave first)")
+            raise _Refuse(
+                "FAILED_PRECONDITION",
+                f"this server is {engine.role}: only a slave can be promoted "
+                f"(a fenced server re-attaches as slave first)",
+            )
         puller = self.puller
         old_master = puller.master if puller is not None else self.cfg.master
         if puller is not None and puller.connected and not req.force:
-            raise _Refuse("FAILED_PRECONDITION", f"the master {old_master} is still connected; stop it first, "
-                                                 f"or promote with --force (it will be fenced)")
+            raise _Refuse(
+                "FAILED_PRECONDITION",
+                f"the master {old_master} is still connected; stop it first, "
+                f"or promote with --force (it will be fenced)",
+            )
         known = max(engine.epoch, puller.master_epoch if puller is not None else 0, req.min_epoch)
         for peer in self.peers:
             st = await self.peer_status(peer)
@@ -165,25 +184,31 @@ class Node:
             await puller.stop()
             self.puller = None
         await asyncio.to_thread(engine.set_role, "master", epoch)
-        notes = [f"promoted to master at epoch {epoch} (message log ends at {wal.committed_offset}, "
-                 f"sequence {wal.committed_sequence})"]
+        notes = [
+            f"promoted to master at epoch {epoch} (message log ends at {wal.committed_offset}, "
+            f"sequence {wal.committed_sequence})"
+        ]
         # tell the old master (fence) and the peers (fence or follow); best effort
         for target in dict.fromkeys([t for t in [old_master, *self.peers] if t and t != req.address]):
             ch = self._channel(target)
             try:
-                r = await rpb_grpc.ReplicationStub(ch).Fence(rpb.FenceRequest(epoch=epoch, master=req.address),
-                                                             timeout=2.0, metadata=common.metadata(self.token))
+                r = await rpb_grpc.ReplicationStub(ch).Fence(
+                    rpb.FenceRequest(epoch=epoch, master=req.address), timeout=2.0, metadata=common.metadata(self.token)
+                )
                 notes.append(f"{target}: now {r.role} at epoch {r.epoch}")
             except grpc.aio.AioRpcError as e:
-                notes.append(f"{target}: not reached ({e.code().name}); it is fenced when it comes back "
-                             f"(peers) or must be started with --role slave --master {req.address or 'NEW'}")
+                notes.append(
+                    f"{target}: not reached ({e.code().name}); it is fenced when it comes back "
+                    f"(peers) or must be started with --role slave --master {req.address or 'NEW'}"
+                )
             finally:
                 await ch.close()
         note = "; ".join(notes)
         log.warning(note)
         self.promoted_note = note
-        return rpb.PromoteResponse(epoch=epoch, end_offset=wal.committed_offset,
-                                   last_sequence=wal.committed_sequence, note=note)
+        return rpb.PromoteResponse(
+            epoch=epoch, end_offset=wal.committed_offset, last_sequence=wal.committed_sequence, note=note
+        )
 
     # --- status -------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -191,13 +216,17 @@ class Node:
         out = {"replication_mode": self.cfg.replication, "sync_timeouts": self.hub.sync_timeouts}
         if engine.role == "master":
             lag_bytes, lag_ms = self.hub.lag()
-            out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms,
-                       slaves_attached=len(self.hub.live()))
+            out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms, slaves_attached=len(self.hub.live()))
         elif self.puller is not None:
             lag_bytes, lag_ms = self.puller.lag()
-            out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms,
-                       replication_connected=self.puller.connected, replication_error=self.puller.error,
-                       replication_delay_p99_ms=self.puller.delay_p99(), master=self.puller.master)
+            out.update(
+                replication_lag_bytes=lag_bytes,
+                replication_lag_ms=lag_ms,
+                replication_connected=self.puller.connected,
+                replication_error=self.puller.error,
+                replication_delay_p99_ms=self.puller.delay_p99(),
+                master=self.puller.master,
+            )
         else:
             out.update(replication_lag_bytes=-1, replication_lag_ms=-1)
         return out
@@ -207,11 +236,18 @@ class Node:
         wal = engine.wal
         s = self.stats()
         st = rpb.ReplicationStatus(
-            role=engine.role, epoch=engine.epoch, first_offset=wal.first_offset, end_offset=wal.committed_offset,
-            last_sequence=wal.committed_sequence, first_sequence=common.first_sequence(wal),
-            lag_bytes=s.get("replication_lag_bytes", -1), lag_ms=s.get("replication_lag_ms", -1),
-            replication=self.cfg.replication, sync_timeouts=self.hub.sync_timeouts,
-            iterate_offset=engine.iterate.offset)
+            role=engine.role,
+            epoch=engine.epoch,
+            first_offset=wal.first_offset,
+            end_offset=wal.committed_offset,
+            last_sequence=wal.committed_sequence,
+            first_sequence=common.first_sequence(wal),
+            lag_bytes=s.get("replication_lag_bytes", -1),
+            lag_ms=s.get("replication_lag_ms", -1),
+            replication=self.cfg.replication,
+            sync_timeouts=self.hub.sync_timeouts,
+            iterate_offset=engine.iterate.offset,
+        )
         if self.puller is not None:
             p = self.puller
             st.master = p.master
@@ -224,8 +260,14 @@ class Node:
         now = time.monotonic()
         end = wal.committed_offset
         for sess in self.hub.sessions.values():
-            st.slaves.add(name=sess.name, peer=sess.peer, connected=sess.connected, acked_offset=sess.acked,
-                          lag_bytes=max(0, end - sess.acked), lag_ms=int((now - sess.last_seen) * 1000))
+            st.slaves.add(
+                name=sess.name,
+                peer=sess.peer,
+                connected=sess.connected,
+                acked_offset=sess.acked,
+                lag_bytes=max(0, end - sess.acked),
+                lag_ms=int((now - sess.last_seen) * 1000),
+            )
         return st
 
 

@@ -54,7 +54,7 @@ class Puller:
         self.master_epoch = 0
         self.master_end = 0
         self.last_response = 0.0
-        self.delays = collections.deque(maxlen=64)   # numpy arrays of per-record delays (ms)
+        self.delays = collections.deque(maxlen=64)  # numpy arrays of per-record delays (ms)
         self.records_replicated = 0
         self._task: asyncio.Task | None = None
         self._stop = False
@@ -163,17 +163,21 @@ class Puller:
             persisted = _persisted_role(engine)
             ok = st.epoch > engine.epoch or (persisted == "fenced" and st.epoch >= engine.epoch)
             if not ok:
-                raise _Stop(f"refusing to follow {self.master}: its epoch {st.epoch} is not above this server's "
-                            f"({engine.epoch}, was {persisted}); start this server with --role master, or promote "
-                            f"a server with a higher epoch")
+                raise _Stop(
+                    f"refusing to follow {self.master}: its epoch {st.epoch} is not above this server's "
+                    f"({engine.epoch}, was {persisted}); start this server with --role master, or promote "
+                    f"a server with a higher epoch"
+                )
             await asyncio.to_thread(engine.set_role, "slave", st.epoch)
             self.note = f"re-attached as slave of {self.master} (epoch {st.epoch}); was {persisted}"
             log.warning(self.note)
         elif st.epoch > engine.epoch:
             await asyncio.to_thread(engine.set_role, "slave", st.epoch)
         elif st.epoch < engine.epoch:
-            raise _Stop(f"the configured master {self.master} has epoch {st.epoch}, older than this slave's "
-                        f"{engine.epoch}: it is stale (a newer master exists)")
+            raise _Stop(
+                f"the configured master {self.master} has epoch {st.epoch}, older than this slave's "
+                f"{engine.epoch}: it is stale (a newer master exists)"
+            )
         self.master_epoch = st.epoch
 
     def _hello(self) -> rpb.PullRequest:
@@ -181,8 +185,12 @@ class Puller:
         wal = engine.wal
         if self._last is None or self._last[0] >= wal.committed_offset:
             self._last = common.last_frame(wal)
-        req = rpb.PullRequest(slave_name=self.name, epoch=engine.epoch, end_offset=wal.committed_offset,
-                              durable_offset=wal.committed_offset)
+        req = rpb.PullRequest(
+            slave_name=self.name,
+            epoch=engine.epoch,
+            end_offset=wal.committed_offset,
+            durable_offset=wal.committed_offset,
+        )
         if self._last is not None:
             req.last_frame_offset, req.last_sequence, req.last_frame_checksum = self._last
         for b in engine.dispatch.buckets():
@@ -194,8 +202,9 @@ class Puller:
         return req
 
     async def _session(self) -> None:
-        channel = common.make_channel(self.master, tls=self.tls, ca=self.ca,
-                                      server_name=self.cfg.replication_tls_server_name)
+        channel = common.make_channel(
+            self.master, tls=self.tls, ca=self.ca, server_name=self.cfg.replication_tls_server_name
+        )
         try:
             stub = rpb_grpc.ReplicationStub(channel)
             await self._check_epochs(stub)
@@ -317,15 +326,18 @@ class Puller:
             log.warning("dispatch log diverged from the master's; replacing it", extra={"bucket": b})
             seg.truncate(0)
         if seg.size != chunk.offset:
-            raise InvariantViolation(f"dispatch bucket {b}: the master sent bytes for offset {chunk.offset}, "
-                                     f"this copy holds {seg.size}")
+            raise InvariantViolation(
+                f"dispatch bucket {b}: the master sent bytes for offset {chunk.offset}, this copy holds {seg.size}"
+            )
         data = chunk.data
         pos = 0
         while pos < len(data):
             try:
                 f = framing.check_at(data, pos)
             except framing.FrameError as err:
-                raise CorruptRecord(f"replicated dispatch chunk of bucket {b}", chunk.offset + pos, err.reason)
+                raise CorruptRecord(
+                    f"replicated dispatch chunk of bucket {b}", chunk.offset + pos, err.reason
+                ) from None
             pos += f.size
         if data:
             disp.append(b, data)
@@ -333,8 +345,9 @@ class Puller:
 
     # --- divergence ----------------------------------------------------------------------------------
     async def _repair(self) -> None:
-        channel = common.make_channel(self.master, tls=self.tls, ca=self.ca,
-                                      server_name=self.cfg.replication_tls_server_name)
+        channel = common.make_channel(
+            self.master, tls=self.tls, ca=self.ca, server_name=self.cfg.replication_tls_server_name
+        )
         try:
             stub = rpb_grpc.ReplicationStub(channel)
             md = common.metadata(self.token)
@@ -387,8 +400,10 @@ async def find_fork(wal, master_frames) -> tuple[int, int]:
         if i == 0:
             if mine and theirs == [] and start == wal.first_offset:
                 pass
-            raise InvariantViolation(f"no common prefix with the master's log from offset {start}: "
-                                     f"a full resync is needed ('qdelay admin resync')")
+            raise InvariantViolation(
+                f"no common prefix with the master's log from offset {start}: "
+                f"a full resync is needed ('qdelay admin resync')"
+            )
         i -= 1
     pos = start
     last_seq = mine[0][1] - 1
@@ -464,7 +479,8 @@ def truncate_divergent(engine, offset: int, last_sequence: int) -> str:
     finally:
         it._stop.clear()
         it.start()
-    note = (f"divergent tail truncated: {end - offset} bytes at offset {offset} (sequences {first}..{last}); "
-            f"kept in {path}")
+    note = (
+        f"divergent tail truncated: {end - offset} bytes at offset {offset} (sequences {first}..{last}); kept in {path}"
+    )
     log.warning(note)
     return note

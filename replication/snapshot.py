@@ -44,10 +44,10 @@ def _segment_chunks(seg, limit_seq: int | None):
         for off, seq, _c, size in infos:
             if limit_seq is not None and seq > limit_seq:
                 if end > pos:
-                    yield pos, data[:end - pos]
+                    yield pos, data[: end - pos]
                 return
             end = off + size
-        yield pos, data[:end - pos]
+        yield pos, data[: end - pos]
         pos = end
 
 
@@ -120,15 +120,27 @@ def write_snapshot(data_dir: str, chunks, master_epoch_hint: int = 0) -> dict:
             f.flush()
             os.fsync(f.fileno())
             f.close()
-    state = {"offset": offset, "sequence": sequence, "done_before": head.progress.done_before,
-             "reopened": list(head.progress.reopened)}
+    state = {
+        "offset": offset,
+        "sequence": sequence,
+        "done_before": head.progress.done_before,
+        "reopened": list(head.progress.reopened),
+    }
     checkpoint.write(os.path.join(data_dir, naming.CHECKPOINT_DIR, "iterate.ckpt"), state)
-    checkpoint.write(os.path.join(data_dir, naming.CHECKPOINT_DIR, "role.ckpt"),
-                     {"role": "slave", "epoch": max(head.epoch, master_epoch_hint)})
+    checkpoint.write(
+        os.path.join(data_dir, naming.CHECKPOINT_DIR, "role.ckpt"),
+        {"role": "slave", "epoch": max(head.epoch, master_epoch_hint)},
+    )
     for root, dirs, _files in os.walk(data_dir):
         for d in dirs:
             fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY)
             os.fsync(fd)
             os.close(fd)
-    return {"offset": offset, "sequence": sequence, "files": files, "bytes": total, "moved_old_to": moved,
-            "epoch": head.epoch}
+    return {
+        "offset": offset,
+        "sequence": sequence,
+        "files": files,
+        "bytes": total,
+        "moved_old_to": moved,
+        "epoch": head.epoch,
+    }

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import xxhash
 
@@ -39,7 +39,7 @@ if HEADER.size != HEADER_SIZE:  # the spec in docs/formats.md is the source of t
     raise InvariantViolation(f"frame header is {HEADER.size} bytes, spec says {HEADER_SIZE}")
 
 _REST = struct.Struct("<IBBHQq")  # header bytes [12, 36): what the checksum covers before the body
-_LEAD = struct.Struct("<IQ")      # header bytes [0, 12): magic, checksum
+_LEAD = struct.Struct("<IQ")  # header bytes [0, 12): magic, checksum
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _xxh = xxhash.xxh3_64_intdigest
 _pack_rest = _REST.pack
@@ -51,10 +51,10 @@ if _LEAD.size + _REST.size != HEADER_SIZE or _LEAD.size != CHECKED_FROM:
 
 
 class RecordKind(enum.IntEnum):
-    MESSAGE = 1      # a scheduled message (message log and schedule log)
-    CANCEL = 2       # a tombstone for a scheduled message (message log and schedule log)
-    DISPATCH = 3     # a delivered (acknowledged) or dead-lettered message (dispatch log)
-    CHECKPOINT = 4   # a checkpoint file's single record
+    MESSAGE = 1  # a scheduled message (message log and schedule log)
+    CANCEL = 2  # a tombstone for a scheduled message (message log and schedule log)
+    DISPATCH = 3  # a delivered (acknowledged) or dead-lettered message (dispatch log)
+    CHECKPOINT = 4  # a checkpoint file's single record
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ def check_at(buf: bytes | memoryview | bytearray, offset: int) -> Frame:
         raise FrameError(offset, f"{end - offset} bytes left, a header needs {HEADER_SIZE}", zero)
     magic, checksum, length, kind, version, _flags, sequence, timestamp = _unpack_from(buf, offset)
     if magic != MAGIC:
-        zero = magic == 0 and not any(buf[offset:min(end, offset + HEADER_SIZE)])
+        zero = magic == 0 and not any(buf[offset : min(end, offset + HEADER_SIZE)])
         raise FrameError(offset, f"bad magic 0x{magic:08x}", zero)
     if version != VERSION:
         raise FrameError(offset, f"unknown frame version {version}")
@@ -137,9 +137,9 @@ def check_at(buf: bytes | memoryview | bytearray, offset: int) -> Frame:
     stop = offset + HEADER_SIZE + length
     if stop > end:
         raise FrameError(offset, f"record of {HEADER_SIZE + length} bytes runs past the end ({end})")
-    if _xxh(memoryview(buf)[offset + CHECKED_FROM:stop]) != checksum:
+    if _xxh(memoryview(buf)[offset + CHECKED_FROM : stop]) != checksum:
         raise FrameError(offset, "checksum mismatch")
-    return Frame(offset, kind, sequence, timestamp, bytes(buf[offset + HEADER_SIZE:stop]))
+    return Frame(offset, kind, sequence, timestamp, bytes(buf[offset + HEADER_SIZE : stop]))
 
 
 def iter_frames(buf: bytes | memoryview | bytearray, start: int = 0) -> Iterator[Frame]:
@@ -164,9 +164,9 @@ class ScanResult:
     """What :func:`scan` found: the valid prefix, and why it ended before the buffer did."""
 
     frames: list[Frame]
-    valid_end: int             # offset just after the last valid frame of the prefix
-    error: FrameError | None   # None when the buffer ended cleanly
-    resync_at: int | None      # offset of the next valid frame after the error, if any
+    valid_end: int  # offset just after the last valid frame of the prefix
+    error: FrameError | None  # None when the buffer ended cleanly
+    resync_at: int | None  # offset of the next valid frame after the error, if any
 
 
 def scan(buf: bytes | memoryview | bytearray, start: int = 0, keep: bool = True) -> ScanResult:

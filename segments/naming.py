@@ -47,12 +47,12 @@ def bucket_of(due_ms: int, scale_minutes: int = 1) -> int:
 
 
 def minute_stamp(bucket: int) -> str:
-    t = _dt.datetime.fromtimestamp(bucket * 60, tz=_dt.timezone.utc)
+    t = _dt.datetime.fromtimestamp(bucket * 60, tz=_dt.UTC)
     return t.strftime("%Y%m%d%H%M")
 
 
 def parse_minute_stamp(stamp: str) -> int:
-    t = _dt.datetime.strptime(stamp, "%Y%m%d%H%M").replace(tzinfo=_dt.timezone.utc)
+    t = _dt.datetime.strptime(stamp, "%Y%m%d%H%M").replace(tzinfo=_dt.UTC)
     return int(t.timestamp()) // 60
 
 

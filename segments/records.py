@@ -28,8 +28,11 @@ CANCEL_FIXED = struct.Struct("<qQH")
 DISPATCH_FIXED = struct.Struct("<qqQIBBH")
 HEADER_ENTRY = struct.Struct("<H")
 
-_SIZES = {"MESSAGE_FIXED": (MESSAGE_FIXED, 20), "CANCEL_FIXED": (CANCEL_FIXED, 18),
-          "DISPATCH_FIXED": (DISPATCH_FIXED, 32)}
+_SIZES = {
+    "MESSAGE_FIXED": (MESSAGE_FIXED, 20),
+    "CANCEL_FIXED": (CANCEL_FIXED, 18),
+    "DISPATCH_FIXED": (DISPATCH_FIXED, 32),
+}
 for _name, (_struct, _size) in _SIZES.items():
     if _struct.size != _size:
         raise InvariantViolation(f"{_name} is {_struct.size} bytes, docs/formats.md says {_size}")
@@ -38,7 +41,7 @@ for _name, (_struct, _size) in _SIZES.items():
 class Outcome(enum.IntEnum):
     """How a dispatch record closed a message."""
 
-    DELIVERED = 1      # a consumer acknowledged it
+    DELIVERED = 1  # a consumer acknowledged it
     DEAD_LETTERED = 2  # it failed max_attempts times and was moved to the dead-letter subject
 
 
@@ -54,7 +57,7 @@ class Message:
 @dataclass(frozen=True, slots=True)
 class Cancel:
     message_id: str
-    deliver_at_ms: int   # the target's due time: routes the tombstone to its schedule segment
+    deliver_at_ms: int  # the target's due time: routes the tombstone to its schedule segment
     target_sequence: int
 
 
@@ -87,11 +90,11 @@ def decode_headers(raw: bytes) -> dict[str, str]:
         while pos < end:
             (klen,) = HEADER_ENTRY.unpack_from(raw, pos)
             pos += 2
-            key = raw[pos:pos + klen].decode()
+            key = raw[pos : pos + klen].decode()
             pos += klen
             (vlen,) = HEADER_ENTRY.unpack_from(raw, pos)
             pos += 2
-            headers[key] = raw[pos:pos + vlen].decode()
+            headers[key] = raw[pos : pos + vlen].decode()
             pos += vlen
     except struct.error:
         raise ValueError("headers block overruns its length") from None
@@ -103,23 +106,27 @@ def decode_headers(raw: bytes) -> dict[str, str]:
 def _fixed(layout: struct.Struct, body: bytes, name: str) -> tuple:
     """Unpack a body's fixed part; a body too short for it is a ValueError like any other."""
     if len(body) < layout.size:
-        raise ValueError(f"{name} body of {len(body)} bytes is shorter than its fixed part "
-                         f"({layout.size})")
+        raise ValueError(f"{name} body of {len(body)} bytes is shorter than its fixed part ({layout.size})")
     return layout.unpack_from(body, 0)
 
 
-def encode_message(subject: bytes, message_id: bytes, headers: bytes, payload: bytes,
-                   deliver_at_ms: int) -> bytes:
+def encode_message(subject: bytes, message_id: bytes, headers: bytes, payload: bytes, deliver_at_ms: int) -> bytes:
     """MESSAGE body from already-encoded parts (the ingest path encodes each once)."""
-    return b"".join((
-        MESSAGE_FIXED.pack(deliver_at_ms, len(subject), len(message_id), len(headers), len(payload)),
-        subject, message_id, headers, payload,
-    ))
+    return b"".join(
+        (
+            MESSAGE_FIXED.pack(deliver_at_ms, len(subject), len(message_id), len(headers), len(payload)),
+            subject,
+            message_id,
+            headers,
+            payload,
+        )
+    )
 
 
 def encode_message_obj(msg: Message) -> bytes:
-    return encode_message(msg.subject.encode(), msg.message_id.encode(),
-                          encode_headers(msg.headers), msg.payload, msg.deliver_at_ms)
+    return encode_message(
+        msg.subject.encode(), msg.message_id.encode(), encode_headers(msg.headers), msg.payload, msg.deliver_at_ms
+    )
 
 
 def decode_message(body: bytes) -> Message:
@@ -127,20 +134,20 @@ def decode_message(body: bytes) -> Message:
     pos = MESSAGE_FIXED.size
     if pos + slen + mlen + hlen + plen != len(body):
         raise ValueError("message body lengths do not add up")
-    subject = body[pos:pos + slen].decode()
+    subject = body[pos : pos + slen].decode()
     pos += slen
-    message_id = body[pos:pos + mlen].decode()
+    message_id = body[pos : pos + mlen].decode()
     pos += mlen
-    headers = decode_headers(body[pos:pos + hlen])
+    headers = decode_headers(body[pos : pos + hlen])
     pos += hlen
-    return Message(subject, body[pos:pos + plen], due, message_id, headers)
+    return Message(subject, body[pos : pos + plen], due, message_id, headers)
 
 
 def message_index_fields(body: bytes) -> tuple[int, bytes, bytes]:
     """(deliver_at_ms, subject, message_id) without decoding headers or payload."""
     due, slen, mlen, _h, _p = MESSAGE_FIXED.unpack_from(body, 0)
     pos = MESSAGE_FIXED.size
-    return due, body[pos:pos + slen], body[pos + slen:pos + slen + mlen]
+    return due, body[pos : pos + slen], body[pos + slen : pos + slen + mlen]
 
 
 def message_due(body: bytes) -> int:
@@ -156,20 +163,22 @@ def decode_cancel(body: bytes) -> Cancel:
     due, seq, mlen = _fixed(CANCEL_FIXED, body, "cancel")
     if CANCEL_FIXED.size + mlen != len(body):
         raise ValueError("cancel body length does not add up")
-    return Cancel(body[CANCEL_FIXED.size:].decode(), due, seq)
+    return Cancel(body[CANCEL_FIXED.size :].decode(), due, seq)
 
 
 def encode_dispatch(d: Dispatch) -> bytes:
     mid = d.message_id.encode()
-    return DISPATCH_FIXED.pack(d.deliver_at_ms, d.dispatched_at_ms, d.schedule_offset, d.attempt,
-                               d.outcome, 0, len(mid)) + mid
+    return (
+        DISPATCH_FIXED.pack(d.deliver_at_ms, d.dispatched_at_ms, d.schedule_offset, d.attempt, d.outcome, 0, len(mid))
+        + mid
+    )
 
 
 def decode_dispatch(body: bytes) -> Dispatch:
     due, dispatched, offset, attempt, outcome, _r, mlen = _fixed(DISPATCH_FIXED, body, "dispatch")
     if DISPATCH_FIXED.size + mlen != len(body):
         raise ValueError("dispatch body length does not add up")
-    return Dispatch(body[DISPATCH_FIXED.size:].decode(), due, dispatched, offset, attempt, outcome)
+    return Dispatch(body[DISPATCH_FIXED.size :].decode(), due, dispatched, offset, attempt, outcome)
 
 
 def encode_checkpoint(state: dict, timestamp: int) -> bytes:
@@ -207,16 +216,38 @@ def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | dict:
 
 _xxh = framing._xxh
 # frame header + DISPATCH fixed part, the 68 bytes before the message id
-_DISPATCH_HEAD_FIELDS = [("magic", "<u4"), ("checksum", "<u8"), ("length", "<u4"), ("kind", "u1"),
-                         ("version", "u1"), ("flags", "<u2"), ("sequence", "<u8"), ("timestamp", "<i8"),
-                         ("deliver_at_ms", "<i8"), ("dispatched_at_ms", "<i8"), ("schedule_offset", "<u8"),
-                         ("attempt", "<u4"), ("outcome", "u1"), ("reserved", "u1"), ("message_id_len", "<u2")]
+_DISPATCH_HEAD_FIELDS = [
+    ("magic", "<u4"),
+    ("checksum", "<u8"),
+    ("length", "<u4"),
+    ("kind", "u1"),
+    ("version", "u1"),
+    ("flags", "<u2"),
+    ("sequence", "<u8"),
+    ("timestamp", "<i8"),
+    ("deliver_at_ms", "<i8"),
+    ("dispatched_at_ms", "<i8"),
+    ("schedule_offset", "<u8"),
+    ("attempt", "<u4"),
+    ("outcome", "u1"),
+    ("reserved", "u1"),
+    ("message_id_len", "<u2"),
+]
 if np.dtype(_DISPATCH_HEAD_FIELDS).itemsize != framing.HEADER_SIZE + DISPATCH_FIXED.size:
     raise InvariantViolation("DISPATCH frame layout (numpy) does not match the spec's layout")
 
 
-def _dispatch_frames_of_one_length(id_len: int, sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets,
-                                   attempts, message_ids, timestamp: int, outcome: int) -> tuple[bytes, int]:
+def _dispatch_frames_of_one_length(
+    id_len: int,
+    sequences,
+    deliver_at_ms,
+    dispatched_at_ms,
+    schedule_offsets,
+    attempts,
+    message_ids,
+    timestamp: int,
+    outcome: int,
+) -> tuple[bytes, int]:
     """DISPATCH frames whose message ids all have ``id_len`` bytes, and the frame size:
     every field of every frame is filled column-wise, then each frame is hashed."""
     dt = np.dtype(_DISPATCH_HEAD_FIELDS + [("message_id", f"S{id_len}")])
@@ -241,26 +272,38 @@ def _dispatch_frames_of_one_length(id_len: int, sequences, deliver_at_ms, dispat
     raw = arr.tobytes()
     # the checksum covers bytes [12, size) of each frame
     arr["checksum"] = np.fromiter(
-        map(_xxh, map(raw.__getitem__, map(slice, range(framing.CHECKED_FROM, n * size, size),
-                                           range(size, n * size + 1, size)))), dtype=np.uint64, count=n)
+        map(
+            _xxh,
+            map(
+                raw.__getitem__,
+                map(slice, range(framing.CHECKED_FROM, n * size, size), range(size, n * size + 1, size)),
+            ),
+        ),
+        dtype=np.uint64,
+        count=n,
+    )
     return arr.tobytes(), size
 
 
-def encode_dispatch_frames(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
-                           message_ids, timestamp: int, outcome: int) -> bytes:
+def encode_dispatch_frames(
+    sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp: int, outcome: int
+) -> bytes:
     """Whole DISPATCH frames, back to back, one per position of the (equally long) columns;
     ``message_ids`` are bytes. Every frame gets the frame ``timestamp`` and ``outcome``.
     The native codec's ``dispatch_frames``, or :func:`encode_dispatch_frames_py`."""
     codec = native.codec
     if codec is not None:
-        return codec.dispatch_frames(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
-                                     message_ids, timestamp, outcome)
-    return encode_dispatch_frames_py(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
-                                     message_ids, timestamp, outcome)
+        return codec.dispatch_frames(
+            sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp, outcome
+        )
+    return encode_dispatch_frames_py(
+        sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp, outcome
+    )
 
 
-def encode_dispatch_frames_py(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
-                              message_ids, timestamp: int, outcome: int) -> bytes:
+def encode_dispatch_frames_py(
+    sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp: int, outcome: int
+) -> bytes:
     """The Python twin of ``native.codec.dispatch_frames``.
 
     Byte-identical to ``framing.encode(DISPATCH, sequence, timestamp, encode_dispatch(...))``
@@ -275,22 +318,43 @@ def encode_dispatch_frames_py(sequences, deliver_at_ms, dispatched_at_ms, schedu
     if len(distinct) == 1:
         (id_len,) = distinct
         if id_len > 0:
-            return _dispatch_frames_of_one_length(id_len, sequences, deliver_at_ms, dispatched_at_ms,
-                                                  schedule_offsets, attempts, message_ids, timestamp,
-                                                  outcome)[0]
+            return _dispatch_frames_of_one_length(
+                id_len,
+                sequences,
+                deliver_at_ms,
+                dispatched_at_ms,
+                schedule_offsets,
+                attempts,
+                message_ids,
+                timestamp,
+                outcome,
+            )[0]
     # ids of several lengths: one array per length, then the frames back in input order
     frames: list = [None] * n
     for id_len in distinct:
         idx = [i for i, k in enumerate(lengths) if k == id_len]
         if id_len == 0:  # numpy has no zero-width string field
             for i in idx:
-                frames[i] = framing.encode(RecordKind.DISPATCH, sequences[i], timestamp, DISPATCH_FIXED.pack(
-                    deliver_at_ms[i], dispatched_at_ms[i], schedule_offsets[i], attempts[i], outcome, 0, 0))
+                frames[i] = framing.encode(
+                    RecordKind.DISPATCH,
+                    sequences[i],
+                    timestamp,
+                    DISPATCH_FIXED.pack(
+                        deliver_at_ms[i], dispatched_at_ms[i], schedule_offsets[i], attempts[i], outcome, 0, 0
+                    ),
+                )
             continue
         raw, size = _dispatch_frames_of_one_length(
-            id_len, [sequences[i] for i in idx], [deliver_at_ms[i] for i in idx],
-            [dispatched_at_ms[i] for i in idx], [schedule_offsets[i] for i in idx],
-            [attempts[i] for i in idx], [message_ids[i] for i in idx], timestamp, outcome)
+            id_len,
+            [sequences[i] for i in idx],
+            [deliver_at_ms[i] for i in idx],
+            [dispatched_at_ms[i] for i in idx],
+            [schedule_offsets[i] for i in idx],
+            [attempts[i] for i in idx],
+            [message_ids[i] for i in idx],
+            timestamp,
+            outcome,
+        )
         for pos, i in enumerate(idx):
-            frames[i] = raw[pos * size:(pos + 1) * size]
+            frames[i] = raw[pos * size : (pos + 1) * size]
     return b"".join(frames)

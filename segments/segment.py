@@ -16,8 +16,8 @@ import logging
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from qdelay.errors import CorruptRecord
 from qdelay.segments import framing, native
@@ -219,8 +219,7 @@ class Segment:
             head = os.pread(fd, framing.HEADER_SIZE, offset)
             if len(head) == framing.HEADER_SIZE:
                 length = int.from_bytes(head[12:16], "little")
-                data = head + os.pread(fd, length, offset + framing.HEADER_SIZE) \
-                    if length <= framing.MAX_BODY else head
+                data = head + os.pread(fd, length, offset + framing.HEADER_SIZE) if length <= framing.MAX_BODY else head
             else:
                 data = head
         try:
@@ -267,8 +266,11 @@ class Segment:
         if length > framing.MAX_BODY:
             raise CorruptRecord(self.path, pos, f"length {length} exceeds the maximum")
         if pos + framing.HEADER_SIZE + length > stop:  # never serve bytes past the range asked for
-            raise CorruptRecord(self.path, pos, f"record of {framing.HEADER_SIZE + length} bytes "
-                                                f"runs past the end of the range ({stop})")
+            raise CorruptRecord(
+                self.path,
+                pos,
+                f"record of {framing.HEADER_SIZE + length} bytes runs past the end of the range ({stop})",
+            )
         data = head + os.pread(fd, length, pos + framing.HEADER_SIZE)
         try:
             frame = framing.check_at(data, 0)
@@ -285,7 +287,7 @@ def _zeros(n: int) -> memoryview | bytes:
 
 
 class CorruptionPolicy(enum.Enum):
-    FAIL = "fail"          # refuse to open: an operator decides (the default)
+    FAIL = "fail"  # refuse to open: an operator decides (the default)
     TRUNCATE = "truncate"  # cut the file at the bad record, keeping the cut bytes in .broken
 
 
@@ -300,14 +302,13 @@ class Recovery:
     first_timestamp: int | None
     last_timestamp: int | None
     cut_bytes: int = 0
-    torn: bool = False           # a torn or zero-filled tail was truncated
+    torn: bool = False  # a torn or zero-filled tail was truncated
     corrupt_at: int | None = None
     reason: str | None = None
     broken_path: str | None = None
 
 
-def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL,
-            on_frame=None) -> Recovery:
+def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL, on_frame=None) -> Recovery:
     """Check every frame of ``path`` and repair its tail.
 
     - a bad frame with no valid frame after it is a torn tail: truncated (the cut bytes
@@ -387,10 +388,10 @@ def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL,
                 result.corrupt_at = bad_at
                 result.reason = bad.reason
                 if policy is CorruptionPolicy.FAIL:
-                    raise CorruptRecord(path, bad_at, f"{bad.reason} (a valid record follows at "
-                                                      f"offset {bad_at + resync})")
-                log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at,
-                                                               "reason": bad.reason})
+                    raise CorruptRecord(
+                        path, bad_at, f"{bad.reason} (a valid record follows at offset {bad_at + resync})"
+                    )
+                log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at, "reason": bad.reason})
             else:
                 result.torn = True
                 result.reason = bad.reason
@@ -419,12 +420,21 @@ def _cut(result: Recovery, at: int, rest: bytes) -> None:
     result.valid_size = at
     result.cut_bytes = len(rest)
     if result.cut_bytes and result.broken_path is None:
-        log.info("cut the unwritten (zero) tail of a segment", extra={
-            "path": result.path, "offset": at, "cut_bytes": len(rest)})
+        log.info(
+            "cut the unwritten (zero) tail of a segment",
+            extra={"path": result.path, "offset": at, "cut_bytes": len(rest)},
+        )
     elif result.cut_bytes:
-        log.warning("truncated segment tail", extra={
-            "path": result.path, "offset": at, "cut_bytes": len(rest), "reason": result.reason,
-            "kept_in": result.broken_path})
+        log.warning(
+            "truncated segment tail",
+            extra={
+                "path": result.path,
+                "offset": at,
+                "cut_bytes": len(rest),
+                "reason": result.reason,
+                "kept_in": result.broken_path,
+            },
+        )
 
 
 def disk_full(err: OSError) -> bool:

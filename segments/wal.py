@@ -26,11 +26,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
-from qdelay.errors import (CorruptRecord, DiskFull, InvariantViolation, QdelayError, ShuttingDown, StorageError,
-                           WalFailed)
+from qdelay.errors import (
+    CorruptRecord,
+    DiskFull,
+    InvariantViolation,
+    QdelayError,
+    ShuttingDown,
+    StorageError,
+    WalFailed,
+)
 from qdelay.segments import framing, naming
 from qdelay.segments.framing import Frame
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, disk_full, fsync_dir, recover
@@ -50,7 +57,7 @@ class FlushPolicy:
     interval_ms: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "FlushPolicy":
+    def parse(cls, text: str) -> FlushPolicy:
         if text == "sync":
             return cls(0)
         if text.startswith("interval:"):
@@ -105,10 +112,17 @@ class _Waiter:
 
 
 class MessageLog:
-    def __init__(self, directory: str, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 flush: FlushPolicy | str = "sync", pool: HandlePool | None = None,
-                 corruption: CorruptionPolicy = CorruptionPolicy.FAIL,
-                 min_next_sequence: int = 1, prealloc_bytes: int = DEFAULT_PREALLOC_BYTES) -> None:
+    def __init__(
+        self,
+        directory: str,
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        flush: FlushPolicy | str = "sync",
+        pool: HandlePool | None = None,
+        corruption: CorruptionPolicy = CorruptionPolicy.FAIL,
+        min_next_sequence: int = 1,
+        prealloc_bytes: int = DEFAULT_PREALLOC_BYTES,
+    ) -> None:
         self.directory = directory
         self.segment_bytes = segment_bytes
         self.prealloc_bytes = prealloc_bytes
@@ -160,7 +174,7 @@ class MessageLog:
         with_data = [i for i, size in enumerate(sizes) if size]
         sealed = with_data[-1] if with_data else 0  # segments before this index are sealed
         for i, (base, path) in enumerate(listed):
-            later = listed[i + 1:]
+            later = listed[i + 1 :]
             if i < sealed and (expected_base is None or base == expected_base):
                 self._segments.append(Segment(path, base, self.pool, size=sizes[i]))
                 expected_base = base + sizes[i]
@@ -171,14 +185,15 @@ class MessageLog:
                 if self._drop_unwritten(listed[i:]):
                     break
                 raise InvariantViolation(
-                    f"message log gap: {path} starts at offset {base}, previous segment ends at "
-                    f"{expected_base}")
+                    f"message log gap: {path} starts at offset {base}, previous segment ends at {expected_base}"
+                )
             rec = recover(path, self.corruption)
             self.recoveries.append(rec)
             if rec.cut_bytes and later and not self._drop_unwritten(later):
                 raise InvariantViolation(
                     f"message log segment {path} lost its tail at offset {rec.valid_size} but later "
-                    f"segments hold records; run 'qdelay inspect verify' and restore from a replica")
+                    f"segments hold records; run 'qdelay inspect verify' and restore from a replica"
+                )
             seg = Segment(path, base, self.pool, size=rec.valid_size)
             if rec.records:
                 seg.last_sequence = rec.last_sequence
@@ -209,8 +224,7 @@ class MessageLog:
         if any(os.path.getsize(path) for _, path in listed):
             return False
         for _base, path in listed:
-            log.warning("deleting an empty message-log segment left by an interrupted roll",
-                        extra={"path": path})
+            log.warning("deleting an empty message-log segment left by an interrupted roll", extra={"path": path})
             os.unlink(path)
         fsync_dir(self.directory)
         return True
@@ -227,25 +241,33 @@ class MessageLog:
 
     # --- appending ------------------------------------------------------------------------
 
-    def submit(self, entries: Iterable[Entry],
-               callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
+    def submit(
+        self, entries: Iterable[Entry], callback: Callable[[Appended | None, Exception | None], None]
+    ) -> Appended:
         """Queue records; ``callback(appended, error)`` runs on the writer thread once durable."""
+
         def frame(buf: bytearray, seq: int) -> int:
             encode_into = framing.encode_into
             for kind, timestamp, body in entries:
                 encode_into(buf, kind, seq, timestamp, body)
                 seq += 1
             return seq
+
         return self._submit(frame, callback)
 
-    def submit_bodies(self, kind: int, timestamp: int, bodies: list[bytes],
-                      callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
+    def submit_bodies(
+        self,
+        kind: int,
+        timestamp: int,
+        bodies: list[bytes],
+        callback: Callable[[Appended | None, Exception | None], None],
+    ) -> Appended:
         """:meth:`submit` for records of one kind and timestamp (a SendBatch)."""
-        return self._submit(lambda buf, seq: framing.encode_many_into(buf, kind, seq, timestamp, bodies),
-                            callback)
+        return self._submit(lambda buf, seq: framing.encode_many_into(buf, kind, seq, timestamp, bodies), callback)
 
-    def _submit(self, frame: Callable[[bytearray, int], int],
-                callback: Callable[[Appended | None, Exception | None], None]) -> Appended:
+    def _submit(
+        self, frame: Callable[[bytearray, int], int], callback: Callable[[Appended | None, Exception | None], None]
+    ) -> Appended:
         buf = bytearray()
         with self._lock:
             if self._failed is not None:
@@ -262,8 +284,7 @@ class MessageLog:
                     self._plan_segment = self._create_segment(base)
                 except OSError as err:
                     if disk_full(err):
-                        raise DiskFull("no room for a new message-log segment; free space and "
-                                       "retry") from err
+                        raise DiskFull("no room for a new message-log segment; free space and retry") from err
                     raise StorageError(f"cannot create a message-log segment: {err}") from err
                 self._plan_size = 0
             start = self._plan_segment.key + self._plan_size
@@ -489,8 +510,9 @@ class MessageLog:
         segments = self._segments  # one snapshot: delete_before replaces the list, never edits it
         i = bisect.bisect_right(segments, offset, key=_segment_key) - 1
         if i < 0:
-            raise InvariantViolation(f"offset {offset} is before the oldest message-log segment "
-                                     f"({segments[0].key}); it was cleaned")
+            raise InvariantViolation(
+                f"offset {offset} is before the oldest message-log segment ({segments[0].key}); it was cleaned"
+            )
         seg = segments[i]
         end = min(seg.key + seg.size, limit)
         if offset >= end:
@@ -545,8 +567,9 @@ class MessageLog:
                 raise InvariantViolation("append_raw on a log with local appends queued")
             end = self._plan_segment.key + self._plan_size
             if expected_offset != end:
-                raise InvariantViolation(f"replicated bytes start at offset {expected_offset}, "
-                                         f"but this message log ends at {end}")
+                raise InvariantViolation(
+                    f"replicated bytes start at offset {expected_offset}, but this message log ends at {end}"
+                )
             seq = self._next_sequence
             pos = 0
             while pos < n:
@@ -560,11 +583,12 @@ class MessageLog:
                         bad = "bad magic or version"
                     elif stop > n:
                         bad = "partial frame"
-                    elif xxh(mv[pos + checked:stop]) != checksum:
+                    elif xxh(mv[pos + checked : stop]) != checksum:
                         bad = "checksum mismatch"
                     elif fseq != seq:
                         raise InvariantViolation(
-                            f"replicated frame at offset {end + pos} has sequence {fseq}, expected {seq}")
+                            f"replicated frame at offset {end + pos} has sequence {fseq}, expected {seq}"
+                        )
                 if bad is not None:
                     raise CorruptRecord("replicated message-log chunk", end + pos, bad)
                 stamps.append(ts)
@@ -576,8 +600,10 @@ class MessageLog:
             if segment_base == end and self._plan_size > 0:
                 seg = self._create_segment(end)
             elif segment_base != seg.key:
-                raise InvariantViolation(f"replicated bytes at {end} belong to the master's segment "
-                                         f"{segment_base}, this log's tail segment starts at {seg.key}")
+                raise InvariantViolation(
+                    f"replicated bytes at {end} belong to the master's segment "
+                    f"{segment_base}, this log's tail segment starts at {seg.key}"
+                )
             before = seg.size
             try:
                 if before == 0:

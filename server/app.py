@@ -45,8 +45,12 @@ class JsonFormatter(logging.Formatter):
     _SKIP = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         for key, value in record.__dict__.items():
             if key not in self._SKIP and not key.startswith("_"):
                 out[key] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
@@ -133,13 +137,17 @@ class App:
         started = time.monotonic()
         engine_cfg = cfg.engine
         self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
-        self.consumers = ConsumerRegistry(loop, getattr(engine_cfg, "ack_timeout_ms", 30_000),
-                                          notify=engine.notify_credit)
+        self.consumers = ConsumerRegistry(
+            loop, getattr(engine_cfg, "ack_timeout_ms", 30_000), notify=engine.notify_credit
+        )
         engine.set_sink(self.consumers)
-        self.metrics.attach(engine, extra=lambda: {
-            "qdelay_consumers": ("Subscribe streams connected", len(self.consumers.subscriptions())),
-            "qdelay_ingest_queue_messages": ("Messages waiting to become durable", self.service.gate.messages),
-        })
+        self.metrics.attach(
+            engine,
+            extra=lambda: {
+                "qdelay_consumers": ("Subscribe streams connected", len(self.consumers.subscriptions())),
+                "qdelay_ingest_queue_messages": ("Messages waiting to become durable", self.service.gate.messages),
+            },
+        )
         engine.start()
         self.service = DelayService(engine, cfg, self.consumers, self.metrics)
 
@@ -147,11 +155,16 @@ class App:
         if cfg.auth_token_file:
             interceptors.append(auth.BearerTokenInterceptor(auth.load_tokens(cfg.auth_token_file)))
         limit = cfg.limits.grpc_receive_limit()
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                   ("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
-                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
-        self.server = server = grpc.aio.server(interceptors=interceptors, options=options,
-                                               maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None)
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ]
+        self.server = server = grpc.aio.server(
+            interceptors=interceptors, options=options, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None
+        )
         add_delay_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
@@ -175,9 +188,17 @@ class App:
             log.info("metrics on %s", format_address(mhost, self.metrics_port))
         self._watch = asyncio.ensure_future(self._watch_health())
         address = format_address(host, port)
-        log.info("started", extra={"listen": address, "data_dir": cfg.data_dir, "role": cfg.role,
-                                   "tls": bool(cfg.tls_cert), "auth": bool(cfg.auth_token_file),
-                                   "startup_seconds": round(time.monotonic() - started, 3)})
+        log.info(
+            "started",
+            extra={
+                "listen": address,
+                "data_dir": cfg.data_dir,
+                "role": cfg.role,
+                "tls": bool(cfg.tls_cert),
+                "auth": bool(cfg.auth_token_file),
+                "startup_seconds": round(time.monotonic() - started, 3),
+            },
+        )
         return address
 
     async def _watch_health(self) -> None:
@@ -188,12 +209,16 @@ class App:
             healthy = getattr(self.engine, "healthy", lambda: True)()
             if healthy != serving:
                 serving = healthy
-                status = health_pb2.HealthCheckResponse.SERVING if healthy else \
-                    health_pb2.HealthCheckResponse.NOT_SERVING
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, status)
-                log.log(logging.INFO if healthy else logging.ERROR, "health: %s",
-                        "serving" if healthy else "not serving (engine failed; see the errors above)")
+                log.log(
+                    logging.INFO if healthy else logging.ERROR,
+                    "health: %s",
+                    "serving" if healthy else "not serving (engine failed; see the errors above)",
+                )
 
     def _install_hooks(self, server, engine) -> list[str]:
         try:

@@ -36,7 +36,7 @@ class CleanerConfig:
 
 
 class Cleaner:
-    def __init__(self, engine: "Engine", config: CleanerConfig) -> None:
+    def __init__(self, engine: Engine, config: CleanerConfig) -> None:
         self.engine = engine
         self.cfg = config
         self._stop = threading.Event()
@@ -73,8 +73,7 @@ class Cleaner:
 
     def run_once(self, now_ms: int | None = None) -> dict:
         now_ms = self.engine.clock() if now_ms is None else now_ms
-        return {"message_segments": self._clean_message_log(),
-                "buckets": self._clean_buckets(now_ms)}
+        return {"message_segments": self._clean_message_log(), "buckets": self._clean_buckets(now_ms)}
 
     def _clean_message_log(self) -> list[str]:
         wal = self.engine.wal

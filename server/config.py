@@ -115,7 +115,7 @@ class ServerConfig:
         """The :class:`qdelay.server.engine.EngineConfig` this server runs with."""
         return build_engine_config(self)
 
-    def validate(self) -> "ServerConfig":
+    def validate(self) -> ServerConfig:
         parse_hostport(self.listen, "listen")
         if self.metrics_listen:
             parse_hostport(self.metrics_listen, "metrics_listen")
@@ -133,9 +133,19 @@ class ServerConfig:
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
-        for name in ("min_free_bytes", "min_free_bytes_hard", "ingest_queue_messages", "ingest_queue_bytes",
-                     "default_max_in_flight", "max_deliveries_per_response", "max_response_bytes",
-                     "max_concurrent_rpcs", "replication_timeout_ms", "replication_batch_bytes", "slave_hold_ms"):
+        for name in (
+            "min_free_bytes",
+            "min_free_bytes_hard",
+            "ingest_queue_messages",
+            "ingest_queue_bytes",
+            "default_max_in_flight",
+            "max_deliveries_per_response",
+            "max_response_bytes",
+            "max_concurrent_rpcs",
+            "replication_timeout_ms",
+            "replication_batch_bytes",
+            "slave_hold_ms",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
@@ -148,7 +158,6 @@ class ServerConfig:
         if self.limits.max_payload_bytes >= 2**31:
             raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
         return self
-
 
     def peer_list(self) -> list[str]:
         peers = self.peers or []

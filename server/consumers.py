@@ -33,8 +33,20 @@ log = logging.getLogger("qdelay.consumers")
 
 
 class Subscription:
-    __slots__ = ("id", "subject", "group", "peer", "max_in_flight", "outstanding", "inbox", "event", "closed",
-                 "delivered", "acked", "expired")
+    __slots__ = (
+        "id",
+        "subject",
+        "group",
+        "peer",
+        "max_in_flight",
+        "outstanding",
+        "inbox",
+        "event",
+        "closed",
+        "delivered",
+        "acked",
+        "expired",
+    )
 
     def __init__(self, sid: int, subject: str, group: str, max_in_flight: int, peer: str) -> None:
         self.id = sid
@@ -88,8 +100,16 @@ class ConsumerRegistry:
         sub = Subscription(next(self._ids), subject, group, max_in_flight, peer)
         with self._lock:
             self._by_subject.setdefault(subject, []).append(sub)
-        log.info("subscribed", extra={"subject": subject, "group": group, "peer": peer,
-                                      "max_in_flight": max_in_flight, "subscription": sub.id})
+        log.info(
+            "subscribed",
+            extra={
+                "subject": subject,
+                "group": group,
+                "peer": peer,
+                "max_in_flight": max_in_flight,
+                "subscription": sub.id,
+            },
+        )
         self.notify()
         return sub
 
@@ -105,9 +125,18 @@ class ConsumerRegistry:
             sub.outstanding.clear()
             sub.closed = True
         sub.event.set()
-        log.info("unsubscribed", extra={"subject": sub.subject, "group": sub.group, "peer": sub.peer,
-                                        "subscription": sub.id, "delivered": sub.delivered, "acked": sub.acked,
-                                        "unacked": len(left)})
+        log.info(
+            "unsubscribed",
+            extra={
+                "subject": sub.subject,
+                "group": sub.group,
+                "peer": sub.peer,
+                "subscription": sub.id,
+                "delivered": sub.delivered,
+                "acked": sub.acked,
+                "unacked": len(left),
+            },
+        )
         return left
 
     def set_window(self, sub: Subscription, max_in_flight: int) -> None:
@@ -188,7 +217,7 @@ class ConsumerRegistry:
                     k = min(share, free[i], remaining)
                     if k <= 0:
                         continue
-                    plan.append((order[i], deliveries[pos:pos + k]))
+                    plan.append((order[i], deliveries[pos : pos + k]))
                     free[i] -= k
                     pos += k
                     remaining -= k
@@ -253,8 +282,17 @@ def response_bytes(batches: list) -> tuple[bytes, int, list[int]]:
     count = 0
     firsts: list[int] = []
     for b in batches:
-        count += codec.encode_deliveries(out, b.subject, b.ack_ids, b.message_id_bytes, b.payloads, b.headers,
-                                         b.deliver_at_ms, b.dispatched_at_ms, b.attempts)
+        count += codec.encode_deliveries(
+            out,
+            b.subject,
+            b.ack_ids,
+            b.message_id_bytes,
+            b.payloads,
+            b.headers,
+            b.deliver_at_ms,
+            b.dispatched_at_ms,
+            b.attempts,
+        )
         if 1 in b.attempts:
             firsts += [due for due, attempt in zip(b.deliver_at_ms, b.attempts) if attempt == 1]
     return bytes(out), count, firsts
@@ -270,14 +308,30 @@ def fill_response(resp, batches: list) -> tuple[int, list[int]]:
     for b in batches:
         subject = b.subject
         at = b.dispatched_at_ms
-        for ack_id, mid, payload, headers, due, attempt in zip(b.ack_ids, b.message_ids, b.payloads, b.headers,
-                                                               b.deliver_at_ms, b.attempts):
+        for ack_id, mid, payload, headers, due, attempt in zip(
+            b.ack_ids, b.message_ids, b.payloads, b.headers, b.deliver_at_ms, b.attempts
+        ):
             if headers:
-                add(ack_id=ack_id, message_id=mid, subject=subject, payload=payload, headers=headers,
-                    deliver_at_ms=due, dispatched_at_ms=at, attempt=attempt)
+                add(
+                    ack_id=ack_id,
+                    message_id=mid,
+                    subject=subject,
+                    payload=payload,
+                    headers=headers,
+                    deliver_at_ms=due,
+                    dispatched_at_ms=at,
+                    attempt=attempt,
+                )
             else:
-                add(ack_id=ack_id, message_id=mid, subject=subject, payload=payload, deliver_at_ms=due,
-                    dispatched_at_ms=at, attempt=attempt)
+                add(
+                    ack_id=ack_id,
+                    message_id=mid,
+                    subject=subject,
+                    payload=payload,
+                    deliver_at_ms=due,
+                    dispatched_at_ms=at,
+                    attempt=attempt,
+                )
         count += len(b)
         if 1 in b.attempts:
             firsts += [due for due, attempt in zip(b.deliver_at_ms, b.attempts) if attempt == 1]

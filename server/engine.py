@@ -18,13 +18,11 @@ import asyncio
 import enum
 import logging
 import os
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from qdelay.errors import (CorruptRecord, Fenced, InvalidArgument, NotMaster, QdelayError,
-                           ShuttingDown, StorageError)
+from qdelay.errors import CorruptRecord, Fenced, InvalidArgument, NotMaster, ShuttingDown, StorageError
 from qdelay.segments import checkpoint, framing, naming, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
@@ -35,15 +33,23 @@ from qdelay.server.bucket_log import BucketLog
 from qdelay.server.cleaner import Cleaner, CleanerConfig
 from qdelay.server.iterate import IterateService
 from qdelay.server.lookup import DispatchIndex, RecordFinder
-from qdelay.server.scheduler import (DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler,
-                                     SchedulerConfig)
+from qdelay.server.scheduler import DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler, SchedulerConfig
 
 log = logging.getLogger("qdelay.engine")
 
 TWO_YEARS_MS = 2 * 365 * 24 * 3600 * 1000
 
-__all__ = ["Engine", "EngineConfig", "NewMessage", "Receipt", "CancelOutcome", "MessageState",
-           "MessageStatus", "Delivery", "DeliverySink"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "NewMessage",
+    "Receipt",
+    "CancelOutcome",
+    "MessageState",
+    "MessageStatus",
+    "Delivery",
+    "DeliverySink",
+]
 
 
 @dataclass
@@ -127,6 +133,7 @@ def _open_files_allowed(wanted: int) -> int:
     headroom = 256
     try:
         import resource
+
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         need = wanted + headroom
         if soft != resource.RLIM_INFINITY and soft < need:
@@ -171,9 +178,14 @@ class Engine:
             self.role = "joining"
 
         state = self._read_checkpoint()
-        self.wal = MessageLog(os.path.join(root, naming.MESSAGE_DIR), segment_bytes=config.segment_bytes,
-                              flush=config.flush, pool=self.pool, corruption=self.policy,
-                              min_next_sequence=int(state.get("sequence", 0)) + 1)
+        self.wal = MessageLog(
+            os.path.join(root, naming.MESSAGE_DIR),
+            segment_bytes=config.segment_bytes,
+            flush=config.flush,
+            pool=self.pool,
+            corruption=self.policy,
+            min_next_sequence=int(state.get("sequence", 0)) + 1,
+        )
         self.schedule = BucketLog(os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool)
         self.dispatch = BucketLog(os.path.join(root, naming.DISPATCH_DIR), naming.DISPATCH_SUFFIX, self.pool)
         start_offset, start_sequence = self._start_position(state)
@@ -203,27 +215,53 @@ class Engine:
                 reopened_at[b] = seg.size if seg is not None else 0
 
         self.iterate = IterateService(
-            self.wal, self.schedule, self.checkpoint_path, start_offset=start_offset,
-            start_sequence=start_sequence, scale_minutes=config.scale_minutes,
-            checkpoint_interval=config.checkpoint_interval_ms / 1000, extra_state=self._extra_state,
-            read_bytes=1024 * 1024, horizon=self._handover_horizon,
-            counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")})
+            self.wal,
+            self.schedule,
+            self.checkpoint_path,
+            start_offset=start_offset,
+            start_sequence=start_sequence,
+            scale_minutes=config.scale_minutes,
+            checkpoint_interval=config.checkpoint_interval_ms / 1000,
+            extra_state=self._extra_state,
+            read_bytes=1024 * 1024,
+            horizon=self._handover_horizon,
+            counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")},
+        )
         self.scheduler = Scheduler(
-            self.schedule, self.dispatch, SchedulerConfig(
-                scale_minutes=config.scale_minutes, load_ahead_ms=config.load_ahead_ms,
-                tick_ms=config.tick_ms, dispatch_rate=config.dispatch_rate,
-                ack_timeout_ms=config.ack_timeout_ms, max_attempts=config.max_attempts,
-                retry_backoff_ms=config.retry_backoff_ms, dead_letter_prefix=config.dead_letter_prefix,
-                max_loaded=config.max_loaded, corruption=self.policy),
-            clock=self.clock, done_before=done_before, reopened=reopened, dead_letter=self._dead_letter,
-            closed_retired=closed_retired, reopened_at=reopened_at)
+            self.schedule,
+            self.dispatch,
+            SchedulerConfig(
+                scale_minutes=config.scale_minutes,
+                load_ahead_ms=config.load_ahead_ms,
+                tick_ms=config.tick_ms,
+                dispatch_rate=config.dispatch_rate,
+                ack_timeout_ms=config.ack_timeout_ms,
+                max_attempts=config.max_attempts,
+                retry_backoff_ms=config.retry_backoff_ms,
+                dead_letter_prefix=config.dead_letter_prefix,
+                max_loaded=config.max_loaded,
+                corruption=self.policy,
+            ),
+            clock=self.clock,
+            done_before=done_before,
+            reopened=reopened,
+            dead_letter=self._dead_letter,
+            closed_retired=closed_retired,
+            reopened_at=reopened_at,
+        )
         # a slave's scheduler stays idle (no wheel) until promotion; meanwhile the slave only
         # notes records that land in finished buckets (see _slave_on_records)
         self.slave_records: dict[int, int] = {}  # bucket -> highest sequence iterated into it
         self.iterate.on_records = self.scheduler.on_records if self.role == "master" else self._slave_on_records
-        self.cleaner = Cleaner(self, CleanerConfig(
-            enabled=config.cleaner_enabled, interval_ms=config.cleaner_interval_ms,
-            message_retention_ms=config.message_retention_ms, schedule_keep_ms=config.schedule_keep_ms))
+        self.cleaner = Cleaner(
+            self,
+            CleanerConfig(
+                enabled=config.cleaner_enabled,
+                interval_ms=config.cleaner_interval_ms,
+                message_retention_ms=config.message_retention_ms,
+                schedule_keep_ms=config.schedule_keep_ms,
+            ),
+        )
         self.replication_floor: Callable[[], int | None] = lambda: None
         # replication hooks (qdelay.replication): sync mode waits here after the local fsync
         # until a slave has the bytes up to an offset; stats() merges replication_stats()
@@ -247,16 +285,22 @@ class Engine:
             return wal.first_offset, 0
         offset, sequence = int(state["offset"]), int(state["sequence"])
         if offset > wal.committed_offset:
-            msg = (f"iterate checkpoint (offset {offset}, sequence {sequence}) is ahead of the "
-                   f"message log (ends at {wal.committed_offset}): acknowledged records were lost")
+            msg = (
+                f"iterate checkpoint (offset {offset}, sequence {sequence}) is ahead of the "
+                f"message log (ends at {wal.committed_offset}): acknowledged records were lost"
+            )
             if self.policy is CorruptionPolicy.FAIL:
-                raise StorageError(msg + "; restore the message log from a replica, or start with "
-                                   "corruption=truncate to continue from the log's end")
+                raise StorageError(
+                    msg + "; restore the message log from a replica, or start with "
+                    "corruption=truncate to continue from the log's end"
+                )
             self._note(msg + "; continuing from the log's end, sequences stay above " + str(sequence))
             return wal.committed_offset, sequence
         if offset < wal.first_offset:
-            msg = (f"iterate checkpoint (offset {offset}) is behind the oldest message-log segment "
-                   f"({wal.first_offset}): records in between were deleted before being iterated")
+            msg = (
+                f"iterate checkpoint (offset {offset}) is behind the oldest message-log segment "
+                f"({wal.first_offset}): records in between were deleted before being iterated"
+            )
             if self.policy is CorruptionPolicy.FAIL:
                 raise StorageError(msg)
             self._note(msg + "; continuing from the oldest segment")
@@ -266,8 +310,10 @@ class Engine:
                 wal.read(offset, 1)
             except CorruptRecord:
                 seg = wal.segment_at(offset)
-                self._note(f"iterate checkpoint offset {offset} is not a record boundary; "
-                           f"replaying from the start of its segment ({seg.key})")
+                self._note(
+                    f"iterate checkpoint offset {offset} is not a record boundary; "
+                    f"replaying from the start of its segment ({seg.key})"
+                )
                 return seg.key, 0
         return offset, sequence
 
@@ -294,8 +340,10 @@ class Engine:
         for b in sorted(touched):
             rec = self.schedule.recover(b, self.policy)
             if rec is not None and rec.cut_bytes:
-                self._note(f"schedule segment {rec.path}: cut {rec.cut_bytes} bytes at offset "
-                           f"{rec.valid_size} ({rec.reason}); the replay rewrites them")
+                self._note(
+                    f"schedule segment {rec.path}: cut {rec.cut_bytes} bytes at offset "
+                    f"{rec.valid_size} ({rec.reason}); the replay rewrites them"
+                )
         return touched
 
     def _note(self, text: str) -> None:
@@ -392,8 +440,9 @@ class Engine:
     def _bodies(messages: list[NewMessage]) -> list[bytes]:
         enc = records.encode_message
         hdr = records.encode_headers
-        return [enc(m.subject.encode(), m.message_id.encode(), hdr(m.headers), m.payload, m.deliver_at_ms)
-                for m in messages]
+        return [
+            enc(m.subject.encode(), m.message_id.encode(), hdr(m.headers), m.payload, m.deliver_at_ms) for m in messages
+        ]
 
     async def send_bodies(self, bodies: list[bytes]) -> int:
         """Append MESSAGE bodies (already validated and encoded); return the first one's
@@ -421,9 +470,13 @@ class Engine:
         headers = dict(msg.headers)
         headers[DEAD_LETTER_HEADER] = str(seq)
         now = self.clock()
-        body = records.encode_message((self.config.dead_letter_prefix + msg.subject).encode(),
-                                      msg.message_id.encode(), records.encode_headers(headers),
-                                      msg.payload, now)
+        body = records.encode_message(
+            (self.config.dead_letter_prefix + msg.subject).encode(),
+            msg.message_id.encode(),
+            records.encode_headers(headers),
+            msg.payload,
+            now,
+        )
         self.wal.submit([(RecordKind.MESSAGE, now, body)], lambda _a, err: done(err))
 
     # --- cancel and get ---------------------------------------------------------------------------
@@ -432,9 +485,11 @@ class Engine:
         self._check_writable()
         state, frame_offset = await asyncio.to_thread(self._locate, message_id, deliver_at_ms, sequence)
         if state != MessageState.PENDING:
-            return {MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
-                    MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
-                    MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED}[state]
+            return {
+                MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
+                MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+                MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
+            }[state]
         sched = self.scheduler
         with sched.lock:
             if sequence in sched.cancelling:
@@ -454,9 +509,11 @@ class Engine:
         if state != MessageState.PENDING:
             with sched.lock:
                 sched.cancelling.discard(sequence)
-            return {MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
-                    MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
-                    MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED}[state]
+            return {
+                MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
+                MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+                MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
+            }[state]
         body = records.encode_cancel(records.Cancel(message_id, deliver_at_ms, sequence))
         try:
             appended = await self.wal.append_async([(RecordKind.CANCEL, self.clock(), body)])
@@ -484,6 +541,7 @@ class Engine:
 
         DELIVERED includes dead-lettered messages and, for Cancel, deliveries in flight.
         """
+
         def answer(state, offset=0, msg=None, at=0):
             return (state, offset, msg, at) if detail else (state, offset)
 
@@ -584,6 +642,6 @@ class Engine:
         return s
 
     def healthy(self) -> bool:
-        return (self.iterate.error is None and self.scheduler.error is None
-                and self.wal.failed is None and not self._closed)
-
+        return (
+            self.iterate.error is None and self.scheduler.error is None and self.wal.failed is None and not self._closed
+        )

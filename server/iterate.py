@@ -31,14 +31,14 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
+from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments import checkpoint, framing, native, records
 from qdelay.segments.framing import RecordKind
-from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments.naming import MS_PER_MINUTE
 from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
@@ -69,26 +69,37 @@ class Scheduled:
 
     kind: int
     bucket: int
-    offset: int        # in the schedule segment
+    offset: int  # in the schedule segment
     sequence: int
-    due: int           # the message's due time; for a CANCEL, its target's
-    subject: bytes     # b"" for a CANCEL
-    target: int        # for a CANCEL, the cancelled sequence; else 0
-    size: int          # frame size in bytes
+    due: int  # the message's due time; for a CANCEL, its target's
+    subject: bytes  # b"" for a CANCEL
+    target: int  # for a CANCEL, the cancelled sequence; else 0
+    size: int  # frame size in bytes
 
 
 class IterateService:
-    def __init__(self, wal: MessageLog, schedule: BucketLog, checkpoint_path: str, *,
-                 start_offset: int, start_sequence: int, scale_minutes: int = 1,
-                 checkpoint_interval: float = 0.2, read_bytes: int = 4 * 1024 * 1024,
-                 extra_state: Callable[[], dict] | None = None, counts: dict | None = None,
-                 horizon: Callable[[], int] | None = None, write_behind_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        wal: MessageLog,
+        schedule: BucketLog,
+        checkpoint_path: str,
+        *,
+        start_offset: int,
+        start_sequence: int,
+        scale_minutes: int = 1,
+        checkpoint_interval: float = 0.2,
+        read_bytes: int = 4 * 1024 * 1024,
+        extra_state: Callable[[], dict] | None = None,
+        counts: dict | None = None,
+        horizon: Callable[[], int] | None = None,
+        write_behind_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
         self.wal = wal
         self.schedule = schedule
         self.checkpoint_path = checkpoint_path
-        self.offset = start_offset          # next message-log offset to copy
-        self.sequence = start_sequence      # last sequence copied
-        self.saved_offset = start_offset    # what the checkpoint on disk says
+        self.offset = start_offset  # next message-log offset to copy
+        self.sequence = start_sequence  # last sequence copied
+        self.saved_offset = start_offset  # what the checkpoint on disk says
         self.scale = scale_minutes
         self.checkpoint_interval = checkpoint_interval
         self.read_bytes = read_bytes
@@ -158,8 +169,10 @@ class IterateService:
         try:
             while not self._stop.is_set():
                 if not self.step():
-                    if time.monotonic() - self._last_checkpoint >= self.checkpoint_interval and \
-                            self.saved_offset != self.offset:
+                    if (
+                        time.monotonic() - self._last_checkpoint >= self.checkpoint_interval
+                        and self.saved_offset != self.offset
+                    ):
                         self._request_checkpoint()
                         self._trim()
                     self.wal.wait_commit(self.offset, 0.05)
@@ -230,8 +243,9 @@ class IterateService:
                 if not disk_full(err):
                     raise
                 if self.disk_full_waits == 0 or pause >= 1.0:
-                    log.warning("disk full: copying to the schedule log waits for free space",
-                                extra={"error": str(err)})
+                    log.warning(
+                        "disk full: copying to the schedule log waits for free space", extra={"error": str(err)}
+                    )
                 self.disk_full_waits += 1
                 if self._stop.wait(pause):
                     raise DiskFull(f"stopped while waiting for disk space: {err}") from err
@@ -283,15 +297,18 @@ class IterateService:
         codec = native.codec
         route = codec.route if codec is not None else self._route_numpy
         handed, messages, cancels, duplicates, unknown, copied, added = route(
-            data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of)
+            data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of
+        )
         self.counts["messages"] += messages
         self.counts["cancels"] += cancels
         self.duplicates_skipped += duplicates
         self.records_copied += copied
         self._behind_bytes += added
         for i in unknown:
-            log.error("unexpected record kind in message log", extra={
-                "kind": int(kind[i]), "offset": self.offset + int(st[i])})
+            log.error(
+                "unexpected record kind in message log",
+                extra={"kind": int(kind[i]), "offset": self.offset + int(st[i])},
+            )
         last_seq = max(self.sequence, int(seq[-1]))
         if not handed:
             return pos, last_seq, []
@@ -303,11 +320,11 @@ class IterateService:
             k = int(kind[i])
             if k == _MESSAGE:
                 slen = _SUBJECT_LEN.unpack_from(data, start + _SUBJECT_LEN_AT)[0]
-                subject = bytes(data[start + _SUBJECT_AT:start + _SUBJECT_AT + slen])
+                subject = bytes(data[start + _SUBJECT_AT : start + _SUBJECT_AT + slen])
                 target = 0
             else:
                 subject = b""
-                target = records.decode_cancel(bytes(data[start + framing.HEADER_SIZE:end])).target_sequence
+                target = records.decode_cancel(bytes(data[start + framing.HEADER_SIZE : end])).target_sequence
             pending.append((b, Scheduled(k, b, at, int(seq[i]), int(due[i]), subject, target, end - start)))
         base: dict[int, int] = {}
         for b in {b for b, _ in pending}:
@@ -321,9 +338,18 @@ class IterateService:
         return pos, last_seq, written
 
     @staticmethod
-    def _route_numpy(data: bytes, pos: int, st: np.ndarray, kind: np.ndarray, seq: np.ndarray,
-                     due: np.ndarray, scale: int, near: int | None, behind: dict[int, bytearray],
-                     segment_of: Callable[[int], Segment]) -> tuple:
+    def _route_numpy(
+        data: bytes,
+        pos: int,
+        st: np.ndarray,
+        kind: np.ndarray,
+        seq: np.ndarray,
+        due: np.ndarray,
+        scale: int,
+        near: int | None,
+        behind: dict[int, bytearray],
+        segment_of: Callable[[int], Segment],
+    ) -> tuple:
         """The Python twin of ``native.codec.route`` (see segments/_codec.c): the frames'
         bytes into ``behind[bucket]``, replayed records skipped; returns (handed: [(index,
         bucket, offset in its buffer)], messages, cancels, duplicates, unknown indexes,
@@ -375,9 +401,12 @@ class IterateService:
         handed_mask = keep & (is_cancel | (bucket <= near)) if near is not None else keep
         where = np.empty(len(st), dtype=np.int64)
         where[order] = o_at
-        handed = [(i, buckets_l[g], w + at_of[g]) for i, g, w in
-                  zip(np.flatnonzero(handed_mask).tolist(), inverse[handed_mask].tolist(),
-                      where[handed_mask].tolist())]
+        handed = [
+            (i, buckets_l[g], w + at_of[g])
+            for i, g, w in zip(
+                np.flatnonzero(handed_mask).tolist(), inverse[handed_mask].tolist(), where[handed_mask].tolist()
+            )
+        ]
         return handed, *counts, duplicates, unknown, len(order), int(o_end[-1])
 
     def _scan(self, data: bytes) -> tuple[bytes, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -391,18 +420,31 @@ class IterateService:
             if not starts:
                 return data, pos, st, st.astype(np.uint8), st, st
             u8 = np.frombuffer(data, dtype=np.uint8, count=pos)
-            return (data, pos, st, u8[st + _KIND_AT], _gather_i64(u8, st + _SEQ_AT),
-                    _gather_i64(u8, st + framing.HEADER_SIZE))
+            return (
+                data,
+                pos,
+                st,
+                u8[st + _KIND_AT],
+                _gather_i64(u8, st + _SEQ_AT),
+                _gather_i64(u8, st + framing.HEADER_SIZE),
+            )
         pos, count, starts_b, kinds_b, seqs_b, dues_b, bad = codec.scan(data, framing.MAX_BODY)
         if bad >= 0:
-            raise CorruptRecord(self._wal_path(), self.offset + bad,
-                                "message-log record failed its checks while iterating")
+            raise CorruptRecord(
+                self._wal_path(), self.offset + bad, "message-log record failed its checks while iterating"
+            )
         if count == 0 and len(data) >= framing.HEADER_SIZE:  # one frame larger than a read
             length = framing.HEADER.unpack_from(data, 0)[2]
             if framing.HEADER_SIZE + length > len(data):
                 return self._scan(self.wal.read_raw(self.offset, framing.HEADER_SIZE + length))
-        return (data, pos, np.frombuffer(starts_b, dtype=np.int64), np.frombuffer(kinds_b, dtype=np.uint8),
-                np.frombuffer(seqs_b, dtype=np.int64), np.frombuffer(dues_b, dtype=np.int64))
+        return (
+            data,
+            pos,
+            np.frombuffer(starts_b, dtype=np.int64),
+            np.frombuffer(kinds_b, dtype=np.uint8),
+            np.frombuffer(seqs_b, dtype=np.int64),
+            np.frombuffer(dues_b, dtype=np.int64),
+        )
 
     def _frame_starts(self, data: bytes) -> tuple[bytes, list[int], int]:
         """Offsets of the whole, verified frames at the start of ``data``, and where they end
@@ -422,9 +464,10 @@ class IterateService:
                 if pos == 0:  # one frame larger than a read: fetch it whole
                     return self._frame_starts(self.wal.read_raw(self.offset, hs + length))
                 break
-            if magic != magic_ok or version != version_ok or xxh(mv[pos + checked:end]) != checksum:
-                raise CorruptRecord(self._wal_path(), self.offset + pos,
-                                    "message-log record failed its checks while iterating")
+            if magic != magic_ok or version != version_ok or xxh(mv[pos + checked : end]) != checksum:
+                raise CorruptRecord(
+                    self._wal_path(), self.offset + pos, "message-log record failed its checks while iterating"
+                )
             add(pos)
             pos = end
         return data, starts, pos

@@ -126,8 +126,9 @@ class RecordFinder:
         return None
 
     @staticmethod
-    def find_dispatch(seg: Segment | None, sequence: int, start: int = 0,
-                      stop: int | None = None) -> tuple[Frame | None, int]:
+    def find_dispatch(
+        seg: Segment | None, sequence: int, start: int = 0, stop: int | None = None
+    ) -> tuple[Frame | None, int]:
         """The first DISPATCH record for ``sequence`` in [start, stop); (frame, where it stopped)."""
         if seg is None:
             return None, 0

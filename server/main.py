@@ -20,8 +20,11 @@ FLAGS = [
     ("--replication", "replication", "sync or async (default async)"),
     ("--peers", "peers", "comma-separated HOST:PORT of the other cluster members (fencing, failover)"),
     ("--replication-tls-ca", "replication_tls_ca", "slave: CA certificate to verify the master's TLS"),
-    ("--replication-token-file", "replication_token_file",
-     "slave: token file to present to the master (default: the first token of --auth-token-file)"),
+    (
+        "--replication-token-file",
+        "replication_token_file",
+        "slave: token file to present to the master (default: the first token of --auth-token-file)",
+    ),
     ("--auth-token-file", "auth_token_file", "file with bearer token(s), one per line; enables authentication"),
     ("--tls-cert", "tls_cert", "PEM certificate chain; with --tls-key enables TLS"),
     ("--tls-key", "tls_key", "PEM private key"),
@@ -32,24 +35,43 @@ FLAGS = [
 INT_FLAGS = [
     ("--min-free-bytes", "min_free_bytes", "refuse new messages when the data disk has less free space"),
     ("--ingest-queue-messages", "ingest_queue_messages", "messages accepted but not yet durable (bound)"),
-    ("--replication-timeout-ms", "replication_timeout_ms",
-     "sync replication: answer UNAVAILABLE when no slave confirmed a write within this time (default 5000)"),
+    (
+        "--replication-timeout-ms",
+        "replication_timeout_ms",
+        "sync replication: answer UNAVAILABLE when no slave confirmed a write within this time (default 5000)",
+    ),
 ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
     for flag, dest, text in FLAGS:
-        parser.add_argument(flag, dest=dest, default=None, help=text,
-                            choices={"role": ["master", "slave"], "replication": ["sync", "async"],
-                                     "log_format": ["text", "json"]}.get(dest))
+        parser.add_argument(
+            flag,
+            dest=dest,
+            default=None,
+            help=text,
+            choices={"role": ["master", "slave"], "replication": ["sync", "async"], "log_format": ["text", "json"]}.get(
+                dest
+            ),
+        )
     for flag, dest, text in INT_FLAGS:
         parser.add_argument(flag, dest=dest, type=int, default=None, help=text)
-    parser.add_argument("--flush", dest="flush", default=None,
-                        help="message-log flush policy: sync (default: ack after fdatasync) or interval:MS")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="any config key, e.g. limits.max_batch=100 or engine.ack_timeout_ms=5000 "
-                             "(value in TOML syntax; bare words are strings); repeatable")
+    parser.add_argument(
+        "--flush",
+        dest="flush",
+        default=None,
+        help="message-log flush policy: sync (default: ack after fdatasync) or interval:MS",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config key, e.g. limits.max_batch=100 or engine.ack_timeout_ms=5000 "
+        "(value in TOML syntax; bare words are strings); repeatable",
+    )
 
 
 def _parse_value(text: str):

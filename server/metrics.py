@@ -12,7 +12,6 @@ import logging
 import threading
 
 import numpy as np
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -27,27 +26,35 @@ ENGINE_STATS = {
     "wheel_size": ("qdelay_wheel_size", "Message indexes loaded in the in-memory timer wheel", "gauge"),
     "iterate_lag_bytes": ("qdelay_iterate_lag_bytes", "Message-log bytes not yet copied to the schedule log", "gauge"),
     "iterate_lag_records": ("qdelay_iterate_lag_records", "Message-log records not yet in the schedule log", "gauge"),
-    "in_flight": ("qdelay_in_flight_deliveries", "Deliveries handed to consumers and not yet acknowledged",
-                  "gauge"),
+    "in_flight": ("qdelay_in_flight_deliveries", "Deliveries handed to consumers and not yet acknowledged", "gauge"),
     "redeliveries": ("qdelay_redeliveries", "Deliveries repeated after an ack timeout", "counter"),
     "dispatched": ("qdelay_dispatched", "Deliveries handed to consumers", "counter"),
-    "disk_full_waits": ("qdelay_disk_full_waits",
-                        "Schedule-log and dispatch-log writes that found the disk full and were tried "
-                        "again later (nothing is lost; alert on any increase)", "counter"),
+    "disk_full_waits": (
+        "qdelay_disk_full_waits",
+        "Schedule-log and dispatch-log writes that found the disk full and were tried "
+        "again later (nothing is lost; alert on any increase)",
+        "counter",
+    ),
     "epoch": ("qdelay_epoch", "Replication epoch of this server", "gauge"),
-    "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)",
-                              "gauge"),
-    "replication_lag_ms": ("qdelay_replication_lag_ms",
-                           "Replication lag in milliseconds: on a master, how old the oldest record the "
-                           "slowest slave lacks is; on a slave, how far behind its master it applies (-1: none)",
-                           "gauge"),
-    "sync_timeouts": ("qdelay_replication_sync_timeouts",
-                      "Sync-mode writes answered without a slave's confirmation in time", "counter"),
+    "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)", "gauge"),
+    "replication_lag_ms": (
+        "qdelay_replication_lag_ms",
+        "Replication lag in milliseconds: on a master, how old the oldest record the "
+        "slowest slave lacks is; on a slave, how far behind its master it applies (-1: none)",
+        "gauge",
+    ),
+    "sync_timeouts": (
+        "qdelay_replication_sync_timeouts",
+        "Sync-mode writes answered without a slave's confirmation in time",
+        "counter",
+    ),
     "slaves_attached": ("qdelay_replication_slaves_attached", "Slaves connected to this master", "gauge"),
-    "replication_delay_p99_ms": ("qdelay_replication_delay_p99_ms",
-                                 "Slave: p99 of record age when applied, recent window (ms)", "gauge"),
-    "replication_connected": ("qdelay_replication_connected", "Slave: 1 while connected to its master",
-                              "gauge"),
+    "replication_delay_p99_ms": (
+        "qdelay_replication_delay_p99_ms",
+        "Slave: p99 of record age when applied, recent window (ms)",
+        "gauge",
+    ),
+    "replication_connected": ("qdelay_replication_connected", "Slave: 1 while connected to its master", "gauge"),
 }
 
 
@@ -84,8 +91,9 @@ class EngineCollector:
             yield family
         mode = stats.get("replication_mode")
         if mode:
-            family = GaugeMetricFamily("qdelay_replication_mode", "1 for the replication mode (async, sync)",
-                                       labels=["mode"])
+            family = GaugeMetricFamily(
+                "qdelay_replication_mode", "1 for the replication mode (async, sync)", labels=["mode"]
+            )
             family.add_metric([str(mode)], 1)
             yield family
         extra = {}
@@ -143,18 +151,23 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ingested = Counter("qdelay_ingested_messages", "Messages durably accepted (rate = ingest rate)",
-                                registry=r)
+        self.ingested = Counter(
+            "qdelay_ingested_messages", "Messages durably accepted (rate = ingest rate)", registry=r
+        )
         self.ingest_bytes = Counter("qdelay_ingested_payload_bytes", "Payload bytes durably accepted", registry=r)
         self.requests = Counter("qdelay_requests", "RPCs served", ["method", "code"], registry=r)
         self.refused = Counter("qdelay_refused_messages", "Messages refused", ["reason"], registry=r)
-        self.fsync_seconds = Histogram("qdelay_wal_fsync_seconds", "Message-log fdatasync latency",
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.send_seconds = Histogram("qdelay_send_seconds", "Send/SendBatch latency until durable",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.lateness = BulkHistogram("qdelay_dispatch_lateness_seconds",
-                                      "Delivery hand-over to a consumer stream minus the due time (first attempts)",
-                                      LATENESS_BUCKETS)
+        self.fsync_seconds = Histogram(
+            "qdelay_wal_fsync_seconds", "Message-log fdatasync latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.send_seconds = Histogram(
+            "qdelay_send_seconds", "Send/SendBatch latency until durable", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.lateness = BulkHistogram(
+            "qdelay_dispatch_lateness_seconds",
+            "Delivery hand-over to a consumer stream minus the due time (first attempts)",
+            LATENESS_BUCKETS,
+        )
         r.register(self.lateness)
         self.delivered = Counter("qdelay_delivered", "Deliveries written to consumer streams", registry=r)
         self.acks = Counter("qdelay_acks", "Acknowledgements received from consumers", registry=r)

@@ -30,14 +30,15 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
 from qdelay.segments import framing, native, records
-from qdelay.segments.framing import Frame, FrameError, RecordKind
+from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
 from qdelay.segments.segment import CorruptionPolicy, Segment, disk_full
 from qdelay.server.bucket_log import BucketLog
@@ -49,9 +50,23 @@ log = logging.getLogger("qdelay.scheduler")
 
 # frame header + MESSAGE fixed part (docs/formats.md): records read back for delivery are
 # checked and split column-wise, with these 56 bytes of each gathered into one array
-_HEAD_DTYPE = np.dtype([("magic", "<u4"), ("checksum", "<u8"), ("length", "<u4"), ("kind", "u1"),
-                        ("version", "u1"), ("flags", "<u2"), ("seq", "<u8"), ("timestamp", "<i8"),
-                        ("due", "<i8"), ("slen", "<u2"), ("mlen", "<u2"), ("hlen", "<u4"), ("plen", "<u4")])
+_HEAD_DTYPE = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("checksum", "<u8"),
+        ("length", "<u4"),
+        ("kind", "u1"),
+        ("version", "u1"),
+        ("flags", "<u2"),
+        ("seq", "<u8"),
+        ("timestamp", "<i8"),
+        ("due", "<i8"),
+        ("slen", "<u2"),
+        ("mlen", "<u2"),
+        ("hlen", "<u4"),
+        ("plen", "<u4"),
+    ]
+)
 _HEAD_SIZE = _HEAD_DTYPE.itemsize
 _HEAD_RANGE = np.arange(_HEAD_SIZE, dtype=np.int64)
 if _HEAD_SIZE != framing.HEADER_SIZE + records.MESSAGE_FIXED.size:
@@ -84,12 +99,29 @@ class Deliveries:
     first use (a sink that encodes protobuf itself needs only the bytes).
     """
 
-    __slots__ = ("subject", "ack_ids", "message_id_bytes", "_message_ids", "payloads", "headers",
-                 "deliver_at_ms", "dispatched_at_ms", "attempts")
+    __slots__ = (
+        "subject",
+        "ack_ids",
+        "message_id_bytes",
+        "_message_ids",
+        "payloads",
+        "headers",
+        "deliver_at_ms",
+        "dispatched_at_ms",
+        "attempts",
+    )
 
-    def __init__(self, subject: str, ack_ids: list[str], message_id_bytes: list[bytes], payloads: list[bytes],
-                 headers: list[dict[str, str] | None], deliver_at_ms: list[int], dispatched_at_ms: int,
-                 attempts: list[int]) -> None:
+    def __init__(
+        self,
+        subject: str,
+        ack_ids: list[str],
+        message_id_bytes: list[bytes],
+        payloads: list[bytes],
+        headers: list[dict[str, str] | None],
+        deliver_at_ms: list[int],
+        dispatched_at_ms: int,
+        attempts: list[int],
+    ) -> None:
         self.subject = subject
         self.ack_ids = ack_ids
         self.message_id_bytes = message_id_bytes
@@ -110,17 +142,32 @@ class Deliveries:
         return self._message_ids
 
     def _one(self, i: int) -> Delivery:
-        return Delivery(self.ack_ids[i], self.message_ids[i], self.subject, self.payloads[i],
-                        self.headers[i] or {}, self.deliver_at_ms[i], self.dispatched_at_ms, self.attempts[i])
+        return Delivery(
+            self.ack_ids[i],
+            self.message_ids[i],
+            self.subject,
+            self.payloads[i],
+            self.headers[i] or {},
+            self.deliver_at_ms[i],
+            self.dispatched_at_ms,
+            self.attempts[i],
+        )
 
     def __iter__(self):
         return map(self._one, range(len(self.ack_ids)))
 
-    def __getitem__(self, key: int | slice) -> "Delivery | Deliveries":
+    def __getitem__(self, key: int | slice) -> Delivery | Deliveries:
         if isinstance(key, slice):
-            return Deliveries(self.subject, self.ack_ids[key], self.message_id_bytes[key], self.payloads[key],
-                              self.headers[key], self.deliver_at_ms[key], self.dispatched_at_ms,
-                              self.attempts[key])
+            return Deliveries(
+                self.subject,
+                self.ack_ids[key],
+                self.message_id_bytes[key],
+                self.payloads[key],
+                self.headers[key],
+                self.deliver_at_ms[key],
+                self.dispatched_at_ms,
+                self.attempts[key],
+            )
         return self._one(range(len(self.ack_ids))[key])
 
     def __repr__(self) -> str:
@@ -140,15 +187,15 @@ class SchedulerConfig:
     scale_minutes: int = 1
     load_ahead_ms: int = 120_000
     tick_ms: int = 1
-    dispatch_rate: float = 0.0          # messages/s over all subjects; 0 = unlimited
+    dispatch_rate: float = 0.0  # messages/s over all subjects; 0 = unlimited
     ack_timeout_ms: int = 30_000
     max_attempts: int = 16
-    retry_backoff_ms: int = 1_000       # doubled each attempt, at most max_backoff_ms
+    retry_backoff_ms: int = 1_000  # doubled each attempt, at most max_backoff_ms
     max_backoff_ms: int = 300_000
     dead_letter_prefix: str = "DLQ."
-    max_loaded: int = 8_000_000         # index entries in memory (wheel + ready), 32 bytes each
+    max_loaded: int = 8_000_000  # index entries in memory (wheel + ready), 32 bytes each
     load_chunk_bytes: int = 1024 * 1024
-    dispatch_quantum: int = 512         # per subject per round: fairness across subjects
+    dispatch_quantum: int = 512  # per subject per round: fairness across subjects
     dispatch_flush_ms: int = 5
     corruption: CorruptionPolicy = CorruptionPolicy.FAIL
 
@@ -156,19 +203,30 @@ class SchedulerConfig:
 class _Bucket:
     """What the scheduler knows of one loaded bucket."""
 
-    __slots__ = ("bucket", "seg", "cursor", "complete", "outstanding", "cancelled", "closed",
-                 "done", "dispatch_ready", "tombstones_known", "nclosed")
+    __slots__ = (
+        "bucket",
+        "seg",
+        "cursor",
+        "complete",
+        "outstanding",
+        "cancelled",
+        "closed",
+        "done",
+        "dispatch_ready",
+        "tombstones_known",
+        "nclosed",
+    )
 
     def __init__(self, bucket: int, seg: Segment, cursor: int = 0, complete: bool = False) -> None:
         self.bucket = bucket
         self.seg = seg
-        self.cursor = cursor              # schedule-segment bytes already indexed
-        self.complete = complete          # the loader reached the end; new records arrive live
-        self.outstanding = 0              # indexed messages not yet delivered/dead-lettered/cancelled
+        self.cursor = cursor  # schedule-segment bytes already indexed
+        self.complete = complete  # the loader reached the end; new records arrive live
+        self.outstanding = 0  # indexed messages not yet delivered/dead-lettered/cancelled
         self.cancelled: set[int] = set()  # sequences cancelled in this bucket
         self.closed: set[int] | None = None  # delivered sequences, only while loading
         self.done = False
-        self.dispatch_ready = False       # the dispatch log was checked and read
+        self.dispatch_ready = False  # the dispatch log was checked and read
         # every tombstone of the segment is in ``cancelled`` (so a loaded entry may fire)
         self.tombstones_known = complete
         # messages of this bucket closed (DISPATCH record: delivered or dead-lettered) and not
@@ -252,8 +310,17 @@ class _Flight:
 
     __slots__ = ("bucket", "subj", "at", "seqs", "offs", "dues", "attempts", "mids", "_pos")
 
-    def __init__(self, bucket: int, subj: int, at: int, seqs: list[int], offs: list[int], dues: list[int],
-                 attempts: list[int], mids: list[bytes]) -> None:
+    def __init__(
+        self,
+        bucket: int,
+        subj: int,
+        at: int,
+        seqs: list[int],
+        offs: list[int],
+        dues: list[int],
+        attempts: list[int],
+        mids: list[bytes],
+    ) -> None:
         self.bucket = bucket
         self.subj = subj
         self.at = at  # dispatched at (ms)
@@ -286,15 +353,28 @@ class _Flight:
         if self.seqs[i:j] == seqs:  # a stretch of the batch, as a consumer's response held it
             return self.offs[i:j], self.dues[i:j], self.attempts[i:j], self.mids[i:j]
         idx = list(map(self._pos.__getitem__, seqs))
-        return (list(map(self.offs.__getitem__, idx)), list(map(self.dues.__getitem__, idx)),
-                list(map(self.attempts.__getitem__, idx)), list(map(self.mids.__getitem__, idx)))
+        return (
+            list(map(self.offs.__getitem__, idx)),
+            list(map(self.dues.__getitem__, idx)),
+            list(map(self.attempts.__getitem__, idx)),
+            list(map(self.mids.__getitem__, idx)),
+        )
 
 
 class Scheduler:
-    def __init__(self, schedule: BucketLog, dispatch: BucketLog, config: SchedulerConfig, *,
-                 clock: Callable[[], int], done_before: int, reopened: set[int],
-                 dead_letter: Callable[[records.Message, int, Callable[[Exception | None], None]], None]
-                 | None = None, closed_retired: int = 0, reopened_at: dict[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        schedule: BucketLog,
+        dispatch: BucketLog,
+        config: SchedulerConfig,
+        *,
+        clock: Callable[[], int],
+        done_before: int,
+        reopened: set[int],
+        dead_letter: Callable[[records.Message, int, Callable[[Exception | None], None]], None] | None = None,
+        closed_retired: int = 0,
+        reopened_at: dict[int, int] | None = None,
+    ) -> None:
         self.schedule = schedule
         self.dispatch = dispatch
         self.cfg = config
@@ -375,8 +455,10 @@ class Scheduler:
         self._flush_dispatch(force=True)
         self._sync_dispatch()
         if self._dispatch_buf:
-            log.warning("no space for the last DISPATCH records: their messages are delivered again after "
-                        "a restart", extra={"bytes": sum(map(len, self._dispatch_buf.values()))})
+            log.warning(
+                "no space for the last DISPATCH records: their messages are delivered again after a restart",
+                extra={"bytes": sum(map(len, self._dispatch_buf.values()))},
+            )
 
     def wake(self) -> None:
         with self.lock:
@@ -471,8 +553,10 @@ class Scheduler:
                 return False
             if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
                 if not self.load_blocked:
-                    log.warning("loading paused: in-memory index is full", extra={
-                        "entries": len(self.wheel) + self._ready_total, "max": self.cfg.max_loaded})
+                    log.warning(
+                        "loading paused: in-memory index is full",
+                        extra={"entries": len(self.wheel) + self._ready_total, "max": self.cfg.max_loaded},
+                    )
                 self.load_blocked = True
                 return False
             self.load_blocked = False
@@ -483,8 +567,7 @@ class Scheduler:
             closed, nclosed = self._read_closed(st.bucket, self.reopened_at.get(st.bucket, 0))
             # A bucket loaded in several chunks fires its first entries before the loader
             # reaches the tombstones behind them: collect those tombstones first.
-            tombstones = self._read_tombstones(st, start, stop) \
-                if stop - start > self.cfg.load_chunk_bytes else set()
+            tombstones = self._read_tombstones(st, start, stop) if stop - start > self.cfg.load_chunk_bytes else set()
             with self.lock:
                 st.closed = closed
                 st.nclosed = nclosed
@@ -514,8 +597,9 @@ class Scheduler:
         try:
             return read_frames(st.seg, start, stop, self.cfg.load_chunk_bytes)
         except CorruptRecord as err:
-            log.error("corrupt schedule record skipped", extra={
-                "path": err.path, "offset": err.offset, "reason": err.reason})
+            log.error(
+                "corrupt schedule record skipped", extra={"path": err.path, "offset": err.offset, "reason": err.reason}
+            )
             self.corrupt_skipped += 1
             frames: list[Frame] = []
             pos = start
@@ -575,8 +659,10 @@ class Scheduler:
         try:
             self.dispatch.recover(bucket, self.cfg.corruption)
         except CorruptRecord as err:
-            log.error("corrupt dispatch record; messages it covered may be delivered again", extra={
-                "path": err.path, "offset": err.offset, "reason": err.reason})
+            log.error(
+                "corrupt dispatch record; messages it covered may be delivered again",
+                extra={"path": err.path, "offset": err.offset, "reason": err.reason},
+            )
         seg = self.dispatch.get(bucket)
         closed: set[int] = set()
         before: set[int] | None = None
@@ -620,9 +706,13 @@ class Scheduler:
         if not due:
             return None
         n = len(due)
-        return Entries(np.array(due, dtype=np.int64), np.array(seq, dtype=np.int64),
-                       np.array(off, dtype=np.int64), np.full(n, st.bucket, dtype=np.int32),
-                       np.array(subj, dtype=np.int32))
+        return Entries(
+            np.array(due, dtype=np.int64),
+            np.array(seq, dtype=np.int64),
+            np.array(off, dtype=np.int64),
+            np.full(n, st.bucket, dtype=np.int32),
+            np.array(subj, dtype=np.int32),
+        )
 
     def on_records(self, written: list[Scheduled], near: int | None = None) -> None:
         """Called by the iterate service once records are in schedule segments.
@@ -663,8 +753,10 @@ class Scheduler:
                     wake = True
                     continue  # the loader has not reached the end; it will index this record
                 if st.cursor != rec.offset:
-                    log.error("schedule segment out of step with the wheel; reloading", extra={
-                        "bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset})
+                    log.error(
+                        "schedule segment out of step with the wheel; reloading",
+                        extra={"bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset},
+                    )
                     st.complete = False
                     wake = True
                     continue
@@ -794,8 +886,17 @@ class Scheduler:
                 return True
         return False
 
-    def _prepare(self, sid: int, name: str, seqs: list[int], offs: list[int], buckets: list[int],
-                 dues: list[int], attempts: list[int], now: int) -> Deliveries | None:
+    def _prepare(
+        self,
+        sid: int,
+        name: str,
+        seqs: list[int],
+        offs: list[int],
+        buckets: list[int],
+        dues: list[int],
+        attempts: list[int],
+        now: int,
+    ) -> Deliveries | None:
         """Turn ready items (columns, all of subject ``sid``) into deliveries (lock held):
         drop cancelled ones, read the records back, register them as in flight.
 
@@ -809,8 +910,10 @@ class Scheduler:
             where: dict[int, list[int]] = {}
             for i, b in enumerate(buckets):
                 where.setdefault(b, []).append(i)
-            groups = [(b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx],
-                       [attempts[i] for i in idx]) for b, idx in where.items()]
+            groups = [
+                (b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx], [attempts[i] for i in idx])
+                for b, idx in where.items()
+            ]
         o_seqs: list[int] = []
         o_dues: list[int] = []
         o_attempts: list[int] = []
@@ -830,8 +933,9 @@ class Scheduler:
                     skipped = len(g_seqs) - len(keep)
                     st.outstanding -= skipped
                     self.cancel_skipped += skipped
-                    g_seqs, g_offs, g_dues, g_attempts = ([col[i] for i in keep]
-                                                          for col in (g_seqs, g_offs, g_dues, g_attempts))
+                    g_seqs, g_offs, g_dues, g_attempts = (
+                        [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts)
+                    )
                     if not g_seqs:
                         continue
             mids, payloads, headers = self._read_group(st, g_seqs, g_offs)
@@ -841,7 +945,8 @@ class Scheduler:
                 st.outstanding -= bad
                 self.corrupt_skipped += bad
                 g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers = (
-                    [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers))
+                    [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers)
+                )
                 if not g_seqs:
                     continue
             fl = _Flight(bucket, sid, now, g_seqs, g_offs, g_dues, g_attempts, mids)
@@ -861,8 +966,16 @@ class Scheduler:
             lateness = [now - d for d, a in zip(o_dues, o_attempts) if a == 1]
             if lateness:
                 self.on_dispatch(lateness)
-        return Deliveries(name, [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
-                          o_mids, o_payloads, o_headers, o_dues, now, o_attempts)
+        return Deliveries(
+            name,
+            [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
+            o_mids,
+            o_payloads,
+            o_headers,
+            o_dues,
+            now,
+            o_attempts,
+        )
 
     def _read_group(self, st: _Bucket, seqs: list[int], offs: list[int]) -> tuple[list, list, list]:
         """Message ids (bytes), payloads and headers (dict or None) of the records of one
@@ -902,8 +1015,9 @@ class Scheduler:
             mids, payloads, headers = m2, p2, h2
         return mids, payloads, headers
 
-    def _check_run(self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list,
-                   headers: list, base: int) -> list[int]:
+    def _check_run(
+        self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list, headers: list, base: int
+    ) -> list[int]:
         """Check and split the records at offsets ``rel`` of ``data`` (one read): fill
         ``mids``/``payloads``/``headers`` from position ``base`` on, return the positions
         (from ``base``) that failed a check and were left empty. One call of the native
@@ -913,18 +1027,20 @@ class Scheduler:
         if codec is None:
             return self._check_run_numpy(data, rel, seqs, mids, payloads, headers, base)
         got_mids, got_payloads, raw_headers, bad = codec.read_messages(
-            data, np.ascontiguousarray(rel, dtype=np.int64), np.ascontiguousarray(seqs, dtype=np.int64))
+            data, np.ascontiguousarray(rel, dtype=np.int64), np.ascontiguousarray(seqs, dtype=np.int64)
+        )
         n = len(rel)
-        mids[base:base + n] = got_mids
-        payloads[base:base + n] = got_payloads
+        mids[base : base + n] = got_mids
+        payloads[base : base + n] = got_payloads
         if raw_headers.count(None) != n:
             for k, raw in enumerate(raw_headers):
                 if raw is not None:
                     headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
         return [base + k for k in bad]
 
-    def _check_run_numpy(self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list,
-                         headers: list, base: int) -> list[int]:
+    def _check_run_numpy(
+        self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list, headers: list, base: int
+    ) -> list[int]:
         """The Python twin of ``native.codec.read_messages`` (see :meth:`_check_run`).
 
         Every check of a frame is made before any of its bytes is used: magic, kind, the
@@ -945,13 +1061,24 @@ class Scheduler:
         hlen = h["hlen"].astype(np.int64)
         plen = h["plen"].astype(np.int64)
         end = rel + framing.HEADER_SIZE + length
-        ok = room & (h["magic"] == framing.MAGIC) & (h["kind"] == RecordKind.MESSAGE) & \
-            (h["version"] == framing.VERSION) & \
-            (h["seq"].astype(np.int64) == seqs) & (end <= size) & \
-            (records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length)
+        ok = (
+            room
+            & (h["magic"] == framing.MAGIC)
+            & (h["kind"] == RecordKind.MESSAGE)
+            & (h["version"] == framing.VERSION)
+            & (h["seq"].astype(np.int64) == seqs)
+            & (end <= size)
+            & (records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length)
+        )
         cand = np.flatnonzero(ok)
-        sums = np.fromiter(map(framing._xxh, map(data.__getitem__, map(
-            slice, (rel[cand] + framing.CHECKED_FROM).tolist(), end[cand].tolist()))), dtype=np.uint64, count=len(cand))
+        sums = np.fromiter(
+            map(
+                framing._xxh,
+                map(data.__getitem__, map(slice, (rel[cand] + framing.CHECKED_FROM).tolist(), end[cand].tolist())),
+            ),
+            dtype=np.uint64,
+            count=len(cand),
+        )
         good = cand[sums == h["checksum"][cand]]
         a = rel[good] + _HEAD_SIZE + slen[good]
         b = a + mlen[good]
@@ -959,8 +1086,8 @@ class Scheduler:
         got_mids = list(map(data.__getitem__, map(slice, a.tolist(), b.tolist())))
         got_payloads = list(map(data.__getitem__, map(slice, (e - plen[good]).tolist(), e.tolist())))
         if len(good) == n:
-            mids[base:base + n] = got_mids
-            payloads[base:base + n] = got_payloads
+            mids[base : base + n] = got_mids
+            payloads[base : base + n] = got_payloads
             failed: list[int] = []
         else:
             for pos, k in enumerate(good.tolist()):
@@ -972,7 +1099,7 @@ class Scheduler:
         with_headers = np.flatnonzero(hlen[good] > 0)
         for pos in with_headers.tolist():
             k = int(good[pos])
-            raw = data[int(b[pos]):int(b[pos]) + int(hlen[k])]
+            raw = data[int(b[pos]) : int(b[pos]) + int(hlen[k])]
             headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
         return failed
 
@@ -982,8 +1109,10 @@ class Scheduler:
         try:
             return records.decode_headers(raw)
         except ValueError as err:
-            log.error("malformed headers in a schedule record; it cannot be delivered", extra={
-                "offset": off, "sequence": seq, "reason": str(err)})
+            log.error(
+                "malformed headers in a schedule record; it cannot be delivered",
+                extra={"offset": off, "sequence": seq, "reason": str(err)},
+            )
             mids[k] = None
             return None
 
@@ -993,12 +1122,16 @@ class Scheduler:
         try:
             f = st.seg.read_frame(off)
         except CorruptRecord as err:
-            log.error("corrupt schedule record; it cannot be delivered", extra={
-                "path": err.path, "offset": err.offset, "reason": err.reason})
+            log.error(
+                "corrupt schedule record; it cannot be delivered",
+                extra={"path": err.path, "offset": err.offset, "reason": err.reason},
+            )
             return None, None, None
         if f.sequence != seq or f.kind != RecordKind.MESSAGE:
-            log.error("schedule record is not the indexed message; it cannot be delivered", extra={
-                "offset": off, "sequence": seq, "found": f.sequence})
+            log.error(
+                "schedule record is not the indexed message; it cannot be delivered",
+                extra={"offset": off, "sequence": seq, "found": f.sequence},
+            )
             return None, None, None
         body = f.body
         slen = mlen = hlen = plen = -1
@@ -1008,7 +1141,7 @@ class Scheduler:
         if slen < 0 or a + mlen + hlen + plen != len(body):
             log.error("malformed schedule record; it cannot be delivered", extra={"offset": off, "sequence": seq})
             return None, None, None
-        return body[a:a + mlen], body[a + mlen + hlen:], (body[a + mlen:a + mlen + hlen] if hlen else None)
+        return body[a : a + mlen], body[a + mlen + hlen :], (body[a + mlen : a + mlen + hlen] if hlen else None)
 
     # --- acknowledgements and the dispatch log ------------------------------------------------------
 
@@ -1029,13 +1162,14 @@ class Scheduler:
                 for fl, run in itertools.groupby(flights):
                     k = sum(1 for _ in run)
                     if fl is not None:
-                        groups.append((fl, seqs[start:start + k]))
+                        groups.append((fl, seqs[start : start + k]))
                     start += k
             n = 0
             for fl, got in groups:
                 offs, dues, attempts, mids = fl.columns(got)
-                self._record_many(fl.bucket, got, dues, [fl.at] * len(got), offs, attempts, mids,
-                                  records.Outcome.DELIVERED, now)
+                self._record_many(
+                    fl.bucket, got, dues, [fl.at] * len(got), offs, attempts, mids, records.Outcome.DELIVERED, now
+                )
                 n += len(got)
             if n:
                 self.acked += n
@@ -1076,14 +1210,33 @@ class Scheduler:
                 self._wake.notify()
         return n
 
-    def _record(self, bucket: int, seq: int, due: int, dispatched_at: int, off: int, attempt: int,
-                outcome: int, message_id: str, now: int) -> None:
+    def _record(
+        self,
+        bucket: int,
+        seq: int,
+        due: int,
+        dispatched_at: int,
+        off: int,
+        attempt: int,
+        outcome: int,
+        message_id: str,
+        now: int,
+    ) -> None:
         """Buffer a DISPATCH record (lock held); the loop writes and fsyncs it shortly."""
-        self._record_many(bucket, [seq], [due], [dispatched_at], [off], [attempt], [message_id.encode()],
-                          outcome, now)
+        self._record_many(bucket, [seq], [due], [dispatched_at], [off], [attempt], [message_id.encode()], outcome, now)
 
-    def _record_many(self, bucket: int, seqs: list[int], dues: list[int], dispatched_at: list[int],
-                     offs: list[int], attempts: list[int], mids: list[bytes], outcome: int, now: int) -> None:
+    def _record_many(
+        self,
+        bucket: int,
+        seqs: list[int],
+        dues: list[int],
+        dispatched_at: list[int],
+        offs: list[int],
+        attempts: list[int],
+        mids: list[bytes],
+        outcome: int,
+        now: int,
+    ) -> None:
         """Buffer DISPATCH records of messages of ``bucket`` (lock held), given as columns;
         the loop writes and fsyncs them shortly."""
         buf = self._dispatch_buf.get(bucket)
@@ -1197,9 +1350,14 @@ class Scheduler:
 
     def _maybe_done(self, st: _Bucket, now: int) -> None:
         end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE
-        if st.complete and st.outstanding <= 0 and now >= end and st.bucket not in self._dispatch_buf \
-                and st.bucket not in self._writing \
-                and st.bucket not in self._write_gen:  # its dispatch records are on disk
+        if (
+            st.complete
+            and st.outstanding <= 0
+            and now >= end
+            and st.bucket not in self._dispatch_buf
+            and st.bucket not in self._writing
+            and st.bucket not in self._write_gen
+        ):  # its dispatch records are on disk
             st.done = True
 
     def _advance_done(self, now: int) -> None:
@@ -1248,8 +1406,9 @@ class Scheduler:
         try:
             msg = records.decode_message(st.seg.read_frame(off).body)
         except CorruptRecord as err:
-            log.error("corrupt schedule record; it cannot be dead-lettered", extra={
-                "path": err.path, "offset": err.offset})
+            log.error(
+                "corrupt schedule record; it cannot be dead-lettered", extra={"path": err.path, "offset": err.offset}
+            )
             st.outstanding -= 1
             self.corrupt_skipped += 1
             return
@@ -1258,8 +1417,17 @@ class Scheduler:
             with self.lock:
                 self.dead_lettering.discard(seq)
                 if error is None:
-                    self._record(bucket, seq, due, now, off, attempt - 1, records.Outcome.DEAD_LETTERED,
-                                 msg.message_id, self.clock())
+                    self._record(
+                        bucket,
+                        seq,
+                        due,
+                        now,
+                        off,
+                        attempt - 1,
+                        records.Outcome.DEAD_LETTERED,
+                        msg.message_id,
+                        self.clock(),
+                    )
                     self.dead_lettered += 1
                 else:  # try again later; the message stays pending meanwhile
                     heapq.heappush(self._retry_heap, (self.clock() + self.cfg.retry_backoff_ms, seq, item))
@@ -1295,6 +1463,9 @@ class Scheduler:
 
     def persistent_state(self) -> dict:
         with self.lock:
-            return {"done_before": self.done_before, "reopened": sorted(self.reopened),
-                    "closed_retired": self.closed_retired,
-                    "reopened_at": [[b, n] for b, n in sorted(self.reopened_at.items())]}
+            return {
+                "done_before": self.done_before,
+                "reopened": sorted(self.reopened),
+                "closed_retired": self.closed_retired,
+                "reopened_at": [[b, n] for b, n in sorted(self.reopened_at.items())],
+            }

@@ -19,8 +19,14 @@ import numpy as np
 from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
-from qdelay.server.validation import (EncodedBatch, IdGenerator, decode_batch, encode_messages,
-                                      validate_receipt, validate_subscribe)
+from qdelay.server.validation import (
+    EncodedBatch,
+    IdGenerator,
+    decode_batch,
+    encode_messages,
+    validate_receipt,
+    validate_subscribe,
+)
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -61,8 +67,10 @@ class DiskGuard:
         free = self.free()
         if free < need:
             what = "cancels" if cancel else "new messages"
-            raise DiskFull(f"free space on the data disk is {free} bytes, below the {need} bytes needed "
-                           f"for {what}; free some space or raise the limit (min_free_bytes)")
+            raise DiskFull(
+                f"free space on the data disk is {free} bytes, below the {need} bytes needed "
+                f"for {what}; free some space or raise the limit (min_free_bytes)"
+            )
 
 
 class IngestGate:
@@ -76,8 +84,10 @@ class IngestGate:
 
     def enter(self, count: int, size: int) -> None:
         if self.messages and (self.messages + count > self.max_messages or self.bytes + size > self.max_bytes):
-            raise Overloaded(f"ingest queue full: {self.messages} messages / {self.bytes} bytes waiting to be "
-                             f"durable (limits {self.max_messages} / {self.max_bytes}); retry later")
+            raise Overloaded(
+                f"ingest queue full: {self.messages} messages / {self.bytes} bytes waiting to be "
+                f"durable (limits {self.max_messages} / {self.max_bytes}); retry later"
+            )
         self.messages += count
         self.bytes += size
 
@@ -119,8 +129,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         if self.closing:
             raise ShuttingDown("the server is shutting down; retry on another server or later")
         try:
-            return encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single,
-                                   ids_required)
+            return encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single, ids_required)
         except InvalidArgument:
             self.metrics.refused.labels("invalid").inc(len(messages) or 1)
             raise
@@ -170,8 +179,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             raise InvalidArgument("message: required")
         batch = self._validate([request.message], single=True)
         first = await self._write(batch)
-        return pb.SendResponse(receipt=pb.Receipt(message_id=batch.ids[0], deliver_at_ms=batch.dues[0],
-                                                  sequence=first))
+        return pb.SendResponse(receipt=pb.Receipt(message_id=batch.ids[0], deliver_at_ms=batch.dues[0], sequence=first))
 
     @status.unary
     async def SendBatch(self, request, context):
@@ -235,8 +243,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
     async def Get(self, request, context):
         message_id, due, sequence = validate_receipt(request, self.limits)
         st = await self.engine.get(message_id, due, sequence)
-        resp = pb.GetResponse(state=int(st.state), deliver_at_ms=st.deliver_at_ms or 0,
-                              delivered_at_ms=st.delivered_at_ms or 0)
+        resp = pb.GetResponse(
+            state=int(st.state), deliver_at_ms=st.deliver_at_ms or 0, delivered_at_ms=st.delivered_at_ms or 0
+        )
         m = st.message
         if m is not None:
             resp.message.subject = m.subject
@@ -250,10 +259,14 @@ class DelayService(pb_grpc.DelayServiceServicer):
     async def Stats(self, request, context):
         s = self.engine.stats()
         lag = s.get("replication_lag_bytes", -1)
-        return pb.StatsResponse(pending=max(0, int(s.get("pending", 0))), wheel_size=int(s.get("wheel_size", 0)),
-                                iterate_lag_bytes=max(0, int(s.get("iterate_lag_bytes", 0))),
-                                role=str(s.get("role", self.cfg.role)), epoch=int(s.get("epoch", 0)),
-                                replication_lag_bytes=-1 if lag is None else int(lag))
+        return pb.StatsResponse(
+            pending=max(0, int(s.get("pending", 0))),
+            wheel_size=int(s.get("wheel_size", 0)),
+            iterate_lag_bytes=max(0, int(s.get("iterate_lag_bytes", 0))),
+            role=str(s.get("role", self.cfg.role)),
+            epoch=int(s.get("epoch", 0)),
+            replication_lag_bytes=-1 if lag is None else int(lag),
+        )
 
     # --- Subscribe ----------------------------------------------------------------------------------
     @status.streaming

@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
@@ -99,7 +99,8 @@ def resolve_due(msg, limits: Limits, now_ms: int, where_prefix: str) -> int:
             raise InvalidArgument(f"{where_prefix}.deliver_at_ms: {due} is before 1970 (Unix epoch ms expected)")
         if due - now_ms > limits.max_delay_ms:
             raise InvalidArgument(
-                f"{where_prefix}.deliver_at_ms: {due} is {due - now_ms} ms ahead, limit {limits.max_delay_ms} ms")
+                f"{where_prefix}.deliver_at_ms: {due} is {due - now_ms} ms ahead, limit {limits.max_delay_ms} ms"
+            )
     if due > INT64_MAX:  # cannot happen with sane limits; never let an int64 overflow through
         raise InvalidArgument(f"{where_prefix}: due time overflows int64")
     return due
@@ -116,8 +117,14 @@ class EncodedBatch:
     payload_bytes: int
 
 
-def encode_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: Callable[[], str],
-                    single: bool = False, ids_required: bool = False) -> EncodedBatch:
+def encode_messages(
+    messages: Sequence,
+    limits: Limits,
+    now_ms: int,
+    new_id: Callable[[], str],
+    single: bool = False,
+    ids_required: bool = False,
+) -> EncodedBatch:
     """Validate a batch of ``qdelay.v1.Message`` and encode each as a MESSAGE body.
 
     One pass over the batch does both (this is the ingest hot path: every step per message
@@ -130,8 +137,16 @@ def encode_messages(messages: Sequence, limits: Limits, now_ms: int, new_id: Cal
     """
     codec = native.codec
     if codec is not None and 0 < len(messages) <= limits.max_batch:
-        fast = codec.encode_messages(messages, now_ms, limits.max_subject_len, limits.max_payload_bytes,
-                                     limits.max_message_id_bytes, limits.max_delay_ms, new_id, ids_required)
+        fast = codec.encode_messages(
+            messages,
+            now_ms,
+            limits.max_subject_len,
+            limits.max_payload_bytes,
+            limits.max_message_id_bytes,
+            limits.max_delay_ms,
+            new_id,
+            ids_required,
+        )
         if fast is not None:
             return EncodedBatch(*fast)
     return encode_messages_py(messages, limits, now_ms, new_id, single, ids_required)
@@ -146,8 +161,16 @@ def decode_batch(raw: bytes, limits: Limits, now_ms: int, new_id: Callable[[], s
     """
     codec = native.codec
     if codec is not None:
-        fast = codec.decode_batch(raw, now_ms, limits.max_subject_len, limits.max_payload_bytes,
-                                  limits.max_message_id_bytes, limits.max_delay_ms, limits.max_batch, new_id)
+        fast = codec.decode_batch(
+            raw,
+            now_ms,
+            limits.max_subject_len,
+            limits.max_payload_bytes,
+            limits.max_message_id_bytes,
+            limits.max_delay_ms,
+            limits.max_batch,
+            new_id,
+        )
         if fast is not None:
             bodies, ids, dues, total, compact = fast
             return EncodedBatch(bodies, ids, dues, total), compact
@@ -159,8 +182,14 @@ def decode_batch(raw: bytes, limits: Limits, now_ms: int, new_id: Callable[[], s
     return encode_messages(request.messages, limits, now_ms, new_id, ids_required=compact), compact
 
 
-def encode_messages_py(messages: Sequence, limits: Limits, now_ms: int, new_id: Callable[[], str],
-                       single: bool = False, ids_required: bool = False) -> EncodedBatch:
+def encode_messages_py(
+    messages: Sequence,
+    limits: Limits,
+    now_ms: int,
+    new_id: Callable[[], str],
+    single: bool = False,
+    ids_required: bool = False,
+) -> EncodedBatch:
     """The Python twin of ``native.codec.encode_messages`` (and the only path for headers)."""
     count = len(messages)
     if count == 0:
@@ -197,8 +226,10 @@ def encode_messages_py(messages: Sequence, limits: Limits, now_ms: int, new_id: 
             if not (len(message_id) <= max_id and message_id.isascii() and message_id.isprintable()):
                 check_message_id(message_id, limits, _where(None if single else i, "message_id"))
         elif ids_required:
-            raise InvalidArgument(f"{_where(None if single else i, 'message_id')}: required with "
-                                  f"compact_receipts (the answer does not carry generated ids)")
+            raise InvalidArgument(
+                f"{_where(None if single else i, 'message_id')}: required with "
+                f"compact_receipts (the answer does not carry generated ids)"
+            )
         else:
             message_id = new_id()
         if msg.WhichOneof("when") == "deliver_at_ms":
@@ -225,8 +256,9 @@ def _refuse_repeated_id(ids: list[str], single: bool) -> None:
     first: dict[str, int] = {}
     for i, message_id in enumerate(ids):
         if message_id in first:
-            raise InvalidArgument(f"{_where(None if single else i, 'message_id')}: {message_id!r} "
-                                  f"repeats messages[{first[message_id]}]")
+            raise InvalidArgument(
+                f"{_where(None if single else i, 'message_id')}: {message_id!r} repeats messages[{first[message_id]}]"
+            )
         first[message_id] = i
     raise InvariantViolation("a repeated message id was not found again")
 

@@ -41,29 +41,27 @@ class Entries:
         return len(self.due)
 
     @classmethod
-    def empty(cls) -> "Entries":
+    def empty(cls) -> Entries:
         return cls(*(np.empty(0, dtype=t) for t in DTYPES))
 
     @classmethod
-    def concat(cls, parts: list["Entries"]) -> "Entries":
+    def concat(cls, parts: list[Entries]) -> Entries:
         if not parts:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
         return cls(*(np.concatenate([getattr(p, c) for p in parts]) for c in COLUMNS))
 
-    def take(self, index: np.ndarray | slice) -> "Entries":
-        return Entries(self.due[index], self.seq[index], self.off[index], self.bucket[index],
-                       self.subj[index])
+    def take(self, index: np.ndarray | slice) -> Entries:
+        return Entries(self.due[index], self.seq[index], self.off[index], self.bucket[index], self.subj[index])
 
-    def sorted(self) -> "Entries":
+    def sorted(self) -> Entries:
         order = np.argsort(self.due, kind="stable")
         return self.take(order)
 
     def rows(self):
         """Python tuples (due, seq, off, bucket, subj): for the dispatcher's per-message work."""
-        return zip(self.due.tolist(), self.seq.tolist(), self.off.tolist(), self.bucket.tolist(),
-                   self.subj.tolist())
+        return zip(self.due.tolist(), self.seq.tolist(), self.off.tolist(), self.bucket.tolist(), self.subj.tolist())
 
 
 class _Run:
@@ -93,11 +91,13 @@ class _Fresh:
         return len(self.due)
 
     def drain(self) -> Entries:
-        e = Entries(np.frombuffer(self.due, dtype=np.int64).copy(),
-                    np.frombuffer(self.seq, dtype=np.int64).copy(),
-                    np.frombuffer(self.off, dtype=np.int64).copy(),
-                    np.frombuffer(self.bucket, dtype=np.int32).copy(),
-                    np.frombuffer(self.subj, dtype=np.int32).copy())
+        e = Entries(
+            np.frombuffer(self.due, dtype=np.int64).copy(),
+            np.frombuffer(self.seq, dtype=np.int64).copy(),
+            np.frombuffer(self.off, dtype=np.int64).copy(),
+            np.frombuffer(self.bucket, dtype=np.int32).copy(),
+            np.frombuffer(self.subj, dtype=np.int32).copy(),
+        )
         self.__init__()
         return e
 
@@ -175,10 +175,9 @@ class TimerWheel:
         if total == 0:
             return Entries.empty()
         if limit is not None and total > limit:
-            candidates = np.concatenate([r.e.due[r.cursor:k] for r, k in zip(self._runs, ends)])
+            candidates = np.concatenate([r.e.due[r.cursor : k] for r, k in zip(self._runs, ends)])
             threshold = int(np.partition(candidates, limit - 1)[limit - 1])
-            ends = [max(r.cursor, int(np.searchsorted(r.e.due, threshold, side="right")))
-                    for r in self._runs]
+            ends = [max(r.cursor, int(np.searchsorted(r.e.due, threshold, side="right"))) for r in self._runs]
         parts = []
         for r, k in zip(self._runs, ends):
             if k > r.cursor:

@@ -11,8 +11,8 @@ import struct
 
 import xxhash
 
-CHECKSUM_AT = 4      # frame header: the xxh3_64 field
-CHECKED_FROM = 12    # the checksum covers [12, 36 + length)
+CHECKSUM_AT = 4  # frame header: the xxh3_64 field
+CHECKED_FROM = 12  # the checksum covers [12, 36 + length)
 HEADER_SIZE = 36
 
 

@@ -44,19 +44,17 @@ class Written:
     body: bytes
     due_ms: int
     message_id: str
-    offset: int                     # global offset in the message log
+    offset: int  # global offset in the message log
     schedule: tuple[str, int] | None = None  # (relative path, offset) once iterated
     extra: dict = field(default_factory=dict)
 
 
 class DataFolderBuilder:
-    def __init__(self, root: str, *, segment_bytes: int = 64 * 1024 * 1024,
-                 scale_minutes: int = 1) -> None:
+    def __init__(self, root: str, *, segment_bytes: int = 64 * 1024 * 1024, scale_minutes: int = 1) -> None:
         self.root = root
         self.scale = scale_minutes
         os.makedirs(root, exist_ok=True)
-        self.log = MessageLog(os.path.join(root, naming.MESSAGE_DIR), segment_bytes=segment_bytes,
-                              flush="sync")
+        self.log = MessageLog(os.path.join(root, naming.MESSAGE_DIR), segment_bytes=segment_bytes, flush="sync")
         self.pool = HandlePool(32)
         self.written: dict[int, Written] = {}
         self.order: list[int] = []
@@ -72,8 +70,16 @@ class DataFolderBuilder:
         self._ids += 1
         return f"msg-{self._ids:04d}"
 
-    def send(self, subject: str, payload: bytes, *, due_ms: int, created_ms: int,
-             message_id: str | None = None, headers: dict[str, str] | None = None) -> int:
+    def send(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        due_ms: int,
+        created_ms: int,
+        message_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> int:
         return self.send_many([(subject, payload, due_ms, created_ms, message_id, headers)])[0]
 
     def send_many(self, items) -> list[int]:
@@ -127,8 +133,9 @@ class DataFolderBuilder:
             if upto_sequence is not None and seq > upto_sequence:
                 break
             w = self.written[seq]
-            seg, rel = self._segment(naming.SCHEDULE_DIR, naming.bucket_of(w.due_ms, self.scale),
-                                     naming.SCHEDULE_SUFFIX)
+            seg, rel = self._segment(
+                naming.SCHEDULE_DIR, naming.bucket_of(w.due_ms, self.scale), naming.SCHEDULE_SUFFIX
+            )
             frame = framing.encode(w.kind, w.sequence, w.timestamp, w.body)
             w.schedule = (rel, seg.append(frame))
             self._iterated += 1
@@ -147,15 +154,16 @@ class DataFolderBuilder:
 
     # --- dispatch log --------------------------------------------------------------------
 
-    def dispatch(self, sequence: int, *, dispatched_ms: int, acked_ms: int, attempt: int = 1,
-                 outcome: int = Outcome.DELIVERED) -> None:
+    def dispatch(
+        self, sequence: int, *, dispatched_ms: int, acked_ms: int, attempt: int = 1, outcome: int = Outcome.DELIVERED
+    ) -> None:
         w = self.written[sequence]
         if w.schedule is None:
             raise ValueError(f"sequence {sequence} was not iterated into the schedule log yet")
-        seg, _rel = self._segment(naming.DISPATCH_DIR, naming.bucket_of(w.due_ms, self.scale),
-                                  naming.DISPATCH_SUFFIX)
-        body = records.encode_dispatch(Dispatch(w.message_id, w.due_ms, dispatched_ms,
-                                                w.schedule[1], attempt, int(outcome)))
+        seg, _rel = self._segment(naming.DISPATCH_DIR, naming.bucket_of(w.due_ms, self.scale), naming.DISPATCH_SUFFIX)
+        body = records.encode_dispatch(
+            Dispatch(w.message_id, w.due_ms, dispatched_ms, w.schedule[1], attempt, int(outcome))
+        )
         seg.append(framing.encode(RecordKind.DISPATCH, sequence, acked_ms, body))
 
     # --- paths and teardown --------------------------------------------------------------
@@ -190,18 +198,21 @@ def build_golden(root: str) -> DataFolderBuilder:
     b = DataFolderBuilder(root, segment_bytes=400)
     s1 = b.send("order.close", b'{"order":1}', due_ms=T0 + 60_000, created_ms=T0 + 1_000)
     s2 = b.send("order.close", b"\x00\xff\x10binary", due_ms=T0 + 60_500, created_ms=T0 + 1_100)
-    s3 = b.send("price.switch", b"price=42", due_ms=T0 + 120_000, created_ms=T0 + 2_000,
-                headers={"tenant": "acme", "trace": "t-1"})
+    s3 = b.send(
+        "price.switch",
+        b"price=42",
+        due_ms=T0 + 120_000,
+        created_ms=T0 + 2_000,
+        headers={"tenant": "acme", "trace": "t-1"},
+    )
     b.cancel(s3, at_ms=T0 + 3_000)
     s5 = b.send("retry.call", b"call me", due_ms=T0 + 180_000, created_ms=T0 + 4_000)
-    s6 = b.send("retry.call", b"fails", due_ms=T0 + 210_000, created_ms=T0 + 4_500,
-                message_id="client-id-6")
+    s6 = b.send("retry.call", b"fails", due_ms=T0 + 210_000, created_ms=T0 + 4_500, message_id="client-id-6")
     b.iterate(at_ms=T0 + 5_000)
     b.send("order.close", b'{"order":7}', due_ms=T0 + 240_000, created_ms=T0 + 6_000)
     b.dispatch(s1, dispatched_ms=T0 + 60_120, acked_ms=T0 + 60_150)
     b.dispatch(s2, dispatched_ms=T0 + 90_700, acked_ms=T0 + 90_800, attempt=2)
-    b.dispatch(s6, dispatched_ms=T0 + 300_000, acked_ms=T0 + 300_010, attempt=3,
-               outcome=Outcome.DEAD_LETTERED)
+    b.dispatch(s6, dispatched_ms=T0 + 300_000, acked_ms=T0 + 300_010, attempt=3, outcome=Outcome.DEAD_LETTERED)
     assert s5 == 5
     return b
 

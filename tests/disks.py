@@ -6,8 +6,8 @@ import contextlib
 import errno
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -18,8 +18,9 @@ def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
     is not allowed (it needs root / CAP_SYS_ADMIN)."""
     mount_point = parent / "small"
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill up ({done.stderr.strip()})")
     try:

@@ -70,8 +70,15 @@ def main() -> None:
             out.write("".join(lines))
             out.flush()
 
-    engine = Engine(EngineConfig(data_dir=data_dir, cleaner_enabled=False, checkpoint_interval_ms=50,
-                                 ack_timeout_ms=60_000, segment_bytes=1024 * 1024))
+    engine = Engine(
+        EngineConfig(
+            data_dir=data_dir,
+            cleaner_enabled=False,
+            checkpoint_interval_ms=50,
+            ack_timeout_ms=60_000,
+            segment_bytes=1024 * 1024,
+        )
+    )
 
     class PrintingSink:
         def credit(self, subject: str) -> int:
@@ -79,8 +86,9 @@ def main() -> None:
 
         def deliver(self, subject, deliveries) -> None:
             now = engine.clock()
-            emit([f"D {d.ack_id.split('.')[0]} {d.message_id} {d.attempt} {d.deliver_at_ms} {now}\n"
-                  for d in deliveries])
+            emit(
+                [f"D {d.ack_id.split('.')[0]} {d.message_id} {d.attempt} {d.deliver_at_ms} {now}\n" for d in deliveries]
+            )
             engine.ack([d.ack_id for d in deliveries])
 
     engine.set_sink(PrintingSink())

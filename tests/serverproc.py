@@ -24,8 +24,14 @@ LINE = re.compile(rb"^qdelay listening on (\S+):(\d+)\s*$")
 
 
 class ServerProc:
-    def __init__(self, data_dir, args: list[str] | None = None, listen: str = "127.0.0.1:0",
-                 start_timeout: float = 60.0, env: dict | None = None) -> None:
+    def __init__(
+        self,
+        data_dir,
+        args: list[str] | None = None,
+        listen: str = "127.0.0.1:0",
+        start_timeout: float = 60.0,
+        env: dict | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.args = list(args or [])
         self.listen = listen
@@ -37,12 +43,21 @@ class ServerProc:
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
 
     # --- life cycle --------------------------------------------------------------------------------
-    def start(self) -> "ServerProc":
+    def start(self) -> ServerProc:
         listen = self.listen
         if self.port is not None and listen.endswith(":0"):
             listen = f"127.0.0.1:{self.port}"  # a restart keeps its address
-        cmd = [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(self.data_dir),
-               "--listen", listen, *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "qdelay.cli",
+            "server",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen",
+            listen,
+            *self.args,
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
@@ -52,8 +67,9 @@ class ServerProc:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill9()
-                raise TimeoutError(f"server did not print its listening line in {self.start_timeout}s; "
-                                   f"log: {self.tail_log()}")
+                raise TimeoutError(
+                    f"server did not print its listening line in {self.start_timeout}s; log: {self.tail_log()}"
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
             if ready:
                 chunk = os.read(self.proc.stdout.fileno(), 4096)
@@ -105,7 +121,7 @@ class ServerProc:
             self._log = None
         return code
 
-    def restart(self) -> "ServerProc":
+    def restart(self) -> ServerProc:
         self.stop()
         return self.start()
 
@@ -122,7 +138,7 @@ class ServerProc:
 
         return Client(self.address, **kw)
 
-    def __enter__(self) -> "ServerProc":
+    def __enter__(self) -> ServerProc:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -9,11 +9,10 @@ writer thread runs by itself.
 
 from __future__ import annotations
 
-import time
-
 import asyncio
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from qdelay.server.engine import Engine, EngineConfig, NewMessage
@@ -63,8 +62,13 @@ class Seen:
 class CollectingSink:
     """Accepts everything (or ``credit`` per subject) and remembers every delivery."""
 
-    def __init__(self, clock=None, credit: int = 1 << 30, per_subject: dict[str, int] | None = None,
-                 auto_ack: Engine | None = None) -> None:
+    def __init__(
+        self,
+        clock=None,
+        credit: int = 1 << 30,
+        per_subject: dict[str, int] | None = None,
+        auto_ack: Engine | None = None,
+    ) -> None:
         self.clock = clock
         self.default_credit = credit
         self.per_subject = dict(per_subject or {})
@@ -83,8 +87,19 @@ class CollectingSink:
             self.batches.append((subject, len(deliveries)))
             for d in deliveries:
                 assert d.subject == subject, (d.subject, subject)
-                self.seen.append(Seen(subject, d.message_id, d.ack_id, d.attempt, d.deliver_at_ms,
-                                      now, dict(d.headers), bytes(d.payload), n))
+                self.seen.append(
+                    Seen(
+                        subject,
+                        d.message_id,
+                        d.ack_id,
+                        d.attempt,
+                        d.deliver_at_ms,
+                        now,
+                        dict(d.headers),
+                        bytes(d.payload),
+                        n,
+                    )
+                )
         if self.auto_ack is not None:
             self.auto_ack.ack([d.ack_id for d in deliveries])
 

@@ -6,10 +6,10 @@ import shutil
 import subprocess
 
 import pytest
+from serverproc import ServerProc
 
 from qdelay import errors
 from qdelay.server.auth import check_metadata, token_matches
-from serverproc import ServerProc
 
 TOKEN = "s3cret-token-value-9f8e7d"
 
@@ -71,9 +71,28 @@ def test_auth_off_by_default(tmp_path):
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_with_token(tmp_path, token_file):
     cert, key = tmp_path / "server.crt", tmp_path / "server.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     args = ["--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(token_file)]
     with ServerProc(tmp_path / "data", args=args) as srv:
         c = srv.client(token=TOKEN, tls_ca=str(cert))
@@ -92,5 +111,4 @@ def test_tls_with_token(tmp_path, token_file):
 
 def test_unreadable_token_file_refuses_to_start(tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
-        ServerProc(tmp_path / "data", args=["--auth-token-file", str(tmp_path / "missing")],
-                   start_timeout=30).start()
+        ServerProc(tmp_path / "data", args=["--auth-token-file", str(tmp_path / "missing")], start_timeout=30).start()

@@ -18,8 +18,15 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
 
     for quick in (False, True):
         steps = plan(quick)
-        assert [n for n, _a, _o in steps] == ["wal", "scheduler", "compare", "ingest", "grpc_floor", "replication",
-                                              "spark"]
+        assert [n for n, _a, _o in steps] == [
+            "wal",
+            "scheduler",
+            "compare",
+            "ingest",
+            "grpc_floor",
+            "replication",
+            "spark",
+        ]
         for name, extra, out in steps:
             assert out.endswith(os.path.join("bench", "out", f"{name}.json"))
             flags = [a for a in extra if a.startswith("--")]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from byte_surgery import file_bytes, flip_byte, truncate_at
+
 from qdelay.errors import CorruptRecord
 from qdelay.segments import checkpoint, framing, naming
 from qdelay.segments.framing import RecordKind

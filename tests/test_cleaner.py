@@ -13,11 +13,10 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
 
 from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import CancelOutcome, MessageState
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
 
 
 def make(tmp_path, **cfg):
@@ -177,6 +176,7 @@ def test_schedule_segment_deleted_only_when_done_and_kept_long_enough(tmp_path):
 
 def _stamp(bucket):
     from qdelay.segments.naming import minute_stamp
+
     return minute_stamp(bucket)
 
 

@@ -22,8 +22,10 @@ from qdelay.server.validation import encode_messages, encode_messages_py
 from qdelay.v1 import qdelay_pb2 as pb
 
 codec = native.codec
-pytestmark = pytest.mark.skipif(codec is None and os.environ.get("QDELAY_NATIVE") == "0",
-                                reason="QDELAY_NATIVE=0: the native codec is switched off on purpose")
+pytestmark = pytest.mark.skipif(
+    codec is None and os.environ.get("QDELAY_NATIVE") == "0",
+    reason="QDELAY_NATIVE=0: the native codec is switched off on purpose",
+)
 
 NOW = 1_800_000_000_000
 LIMITS = Limits()
@@ -38,12 +40,18 @@ def test_the_native_codec_is_built():
 
 
 @settings(max_examples=100, deadline=None)
-@given(kind=st.sampled_from(list(RecordKind)), first=st.integers(0, 2**63), ts=st.integers(-(2**63), 2**63 - 1),
-       many=bodies, prefix=st.binary(max_size=5))
+@given(
+    kind=st.sampled_from(list(RecordKind)),
+    first=st.integers(0, 2**63),
+    ts=st.integers(-(2**63), 2**63 - 1),
+    many=bodies,
+    prefix=st.binary(max_size=5),
+)
 def test_frame_bodies_matches_python(kind, first, ts, many, prefix):
     a, b = bytearray(prefix), bytearray(prefix)
-    assert codec.frame_bodies(a, kind, first, ts, many, framing.MAX_BODY) == \
-        framing.encode_many_into_py(b, kind, first, ts, many)
+    assert codec.frame_bodies(a, kind, first, ts, many, framing.MAX_BODY) == framing.encode_many_into_py(
+        b, kind, first, ts, many
+    )
     assert a == b
 
 
@@ -62,8 +70,11 @@ def frames(draw_bodies, kinds):
 
 
 @settings(max_examples=150, deadline=None)
-@given(many=st.lists(st.binary(min_size=0, max_size=200), max_size=20), cut=st.integers(0, 5000),
-       flip=st.one_of(st.none(), st.integers(0, 5000)))
+@given(
+    many=st.lists(st.binary(min_size=0, max_size=200), max_size=20),
+    cut=st.integers(0, 5000),
+    flip=st.one_of(st.none(), st.integers(0, 5000)),
+)
 def test_scan_matches_a_python_walk(many, cut, flip):
     data = bytearray(frames(many, itertools.cycle([RecordKind.MESSAGE, RecordKind.CANCEL])))
     if flip is not None and flip < len(data):
@@ -76,31 +87,45 @@ def test_scan_matches_a_python_walk(many, cut, flip):
         try:
             f = framing.check_at(data, pos)
         except framing.FrameError as err:
-            length = int.from_bytes(data[pos + 12:pos + 16], "little")
+            length = int.from_bytes(data[pos + 12 : pos + 16], "little")
             # a length no record can have is damage even where the data is cut short
             cut_short = pos + framing.HEADER_SIZE + length > len(data) and length <= framing.MAX_BODY
-            header_ok = data[pos:pos + 4] == framing._MAGIC_BYTES and data[pos + 17] == framing.VERSION
+            header_ok = data[pos : pos + 4] == framing._MAGIC_BYTES and data[pos + 17] == framing.VERSION
             if not (cut_short and header_ok):
                 want_bad = pos
             assert err.offset == pos
             break
-        want.append((pos, f.kind, f.sequence, int.from_bytes(f.body[:8], "little", signed=True)
-                     if len(f.body) >= 8 else 0))
+        want.append(
+            (pos, f.kind, f.sequence, int.from_bytes(f.body[:8], "little", signed=True) if len(f.body) >= 8 else 0)
+        )
         pos += f.size
     assert bad == want_bad
     assert count == len(want) and end == pos
-    got = list(zip(np.frombuffer(starts, np.int64).tolist(), np.frombuffer(kinds, np.uint8).tolist(),
-                   np.frombuffer(seqs, np.int64).tolist(), np.frombuffer(dues, np.int64).tolist()))
+    got = list(
+        zip(
+            np.frombuffer(starts, np.int64).tolist(),
+            np.frombuffer(kinds, np.uint8).tolist(),
+            np.frombuffer(seqs, np.int64).tolist(),
+            np.frombuffer(dues, np.int64).tolist(),
+        )
+    )
     assert got == want
 
 
-subjects = st.one_of(st.sampled_from(["a.b", "order.close", "x" * 255, "x" * 256, "", "bad subject", "é"]),
-                     st.text(alphabet="abcXYZ019._-", min_size=1, max_size=10))
-ids = st.one_of(st.just(""), st.text(alphabet="abc-123", min_size=1, max_size=8),
-                st.sampled_from(["x" * 128, "x" * 129, "tab\there", "ü"]))
-whens = st.one_of(st.tuples(st.just("deliver_at_ms"), st.integers(-5, NOW + LIMITS.max_delay_ms + 5)),
-                  st.tuples(st.just("delay_ms"), st.integers(-5, LIMITS.max_delay_ms + 5)),
-                  st.just(None))
+subjects = st.one_of(
+    st.sampled_from(["a.b", "order.close", "x" * 255, "x" * 256, "", "bad subject", "é"]),
+    st.text(alphabet="abcXYZ019._-", min_size=1, max_size=10),
+)
+ids = st.one_of(
+    st.just(""),
+    st.text(alphabet="abc-123", min_size=1, max_size=8),
+    st.sampled_from(["x" * 128, "x" * 129, "tab\there", "ü"]),
+)
+whens = st.one_of(
+    st.tuples(st.just("deliver_at_ms"), st.integers(-5, NOW + LIMITS.max_delay_ms + 5)),
+    st.tuples(st.just("delay_ms"), st.integers(-5, LIMITS.max_delay_ms + 5)),
+    st.just(None),
+)
 
 
 @st.composite
@@ -115,8 +140,7 @@ def messages(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=st.lists(messages(), min_size=1, max_size=8), ids_required=st.booleans(),
-       small_payload=st.booleans())
+@given(batch=st.lists(messages(), min_size=1, max_size=8), ids_required=st.booleans(), small_payload=st.booleans())
 def test_encode_messages_takes_only_what_python_accepts_and_encodes_it_alike(batch, ids_required, small_payload):
     limits = Limits(max_payload_bytes=20) if small_payload else LIMITS
 
@@ -124,8 +148,16 @@ def test_encode_messages_takes_only_what_python_accepts_and_encodes_it_alike(bat
         counter = itertools.count()
         return lambda: f"gen-{next(counter)}"
 
-    fast = codec.encode_messages(batch, NOW, limits.max_subject_len, limits.max_payload_bytes,
-                                 limits.max_message_id_bytes, limits.max_delay_ms, gen(), ids_required)
+    fast = codec.encode_messages(
+        batch,
+        NOW,
+        limits.max_subject_len,
+        limits.max_payload_bytes,
+        limits.max_message_id_bytes,
+        limits.max_delay_ms,
+        gen(),
+        ids_required,
+    )
     try:
         slow = encode_messages_py(batch, limits, NOW, gen(), ids_required=ids_required)
     except errors.InvalidArgument:
@@ -148,11 +180,17 @@ class FakeSegment:
 
 
 @settings(max_examples=200, deadline=None)
-@given(recs=st.lists(st.tuples(st.sampled_from([1, 2, 3]), st.integers(0, 6 * 60_000), st.binary(max_size=30)),
-                     min_size=1, max_size=40),
-       held=st.dictionaries(st.integers(0, 6), st.integers(-1, 140), max_size=4),
-       scale=st.sampled_from([1, 2, 5]), near=st.one_of(st.none(), st.integers(0, 6)),
-       preexisting=st.dictionaries(st.integers(0, 6), st.binary(max_size=10), max_size=3))
+@given(
+    recs=st.lists(
+        st.tuples(st.sampled_from([1, 2, 3]), st.integers(0, 6 * 60_000), st.binary(max_size=30)),
+        min_size=1,
+        max_size=40,
+    ),
+    held=st.dictionaries(st.integers(0, 6), st.integers(-1, 140), max_size=4),
+    scale=st.sampled_from([1, 2, 5]),
+    near=st.one_of(st.none(), st.integers(0, 6)),
+    preexisting=st.dictionaries(st.integers(0, 6), st.binary(max_size=10), max_size=3),
+)
 def test_route_matches_python(recs, held, scale, near, preexisting):
     """The iterate service's routing into write-behind buffers: same buffers, same
     handed-over records, same counts, same segments' last sequences."""
@@ -165,29 +203,44 @@ def test_route_matches_python(recs, held, scale, near, preexisting):
     data = bytes(data)
     end, count, starts, kinds, seqs, dues, bad = codec.scan(data, framing.MAX_BODY)
     assert bad == -1 and count == len(recs)
-    arrays = (np.frombuffer(starts, np.int64), np.frombuffer(kinds, np.uint8),
-              np.frombuffer(seqs, np.int64), np.frombuffer(dues, np.int64))
+    arrays = (
+        np.frombuffer(starts, np.int64),
+        np.frombuffer(kinds, np.uint8),
+        np.frombuffer(seqs, np.int64),
+        np.frombuffer(dues, np.int64),
+    )
     outcomes = []
     for route in (codec.route, IterateService._route_numpy):
         segments = {b * scale: FakeSegment(last) for b, last in held.items()}
         asked = []
 
-        def segment_of(bucket):
+        def segment_of(bucket, asked=asked, segments=segments):
             asked.append(bucket)
             return segments.setdefault(bucket, FakeSegment(-1))
 
         behind = {b * scale: bytearray(v) for b, v in preexisting.items()}
         near_bucket = None if near is None else near * scale
         got = route(data, end, *arrays, scale, near_bucket, behind, segment_of)
-        outcomes.append((list(map(tuple, got[0])), tuple(got[1:4]), list(got[4]), tuple(got[5:]),
-                         {b: bytes(v) for b, v in behind.items()},
-                         {b: s.last_sequence for b, s in segments.items()}))
+        outcomes.append(
+            (
+                list(map(tuple, got[0])),
+                tuple(got[1:4]),
+                list(got[4]),
+                tuple(got[5:]),
+                {b: bytes(v) for b, v in behind.items()},
+                {b: s.last_sequence for b, s in segments.items()},
+            )
+        )
     assert outcomes[0] == outcomes[1]
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=st.lists(messages(), min_size=0, max_size=8), compact=st.booleans(), junk=st.binary(max_size=8),
-       mode=st.sampled_from(["plain", "junk-suffix", "truncated"]))
+@given(
+    batch=st.lists(messages(), min_size=0, max_size=8),
+    compact=st.booleans(),
+    junk=st.binary(max_size=8),
+    mode=st.sampled_from(["plain", "junk-suffix", "truncated"]),
+)
 def test_decode_batch_takes_only_what_python_accepts_and_encodes_it_alike(batch, compact, junk, mode):
     """SendBatchRequest wire bytes: the native decoder agrees with protobuf + the Python
     twin, and gives up (None, never an exception) on anything else."""
@@ -195,14 +248,22 @@ def test_decode_batch_takes_only_what_python_accepts_and_encodes_it_alike(batch,
     if mode == "junk-suffix":
         raw += junk
     elif mode == "truncated" and raw:
-        raw = raw[:len(raw) // 2]
+        raw = raw[: len(raw) // 2]
 
     def gen():
         counter = itertools.count()
         return lambda: f"gen-{next(counter)}"
 
-    fast = codec.decode_batch(raw, NOW, LIMITS.max_subject_len, LIMITS.max_payload_bytes,
-                              LIMITS.max_message_id_bytes, LIMITS.max_delay_ms, LIMITS.max_batch, gen())
+    fast = codec.decode_batch(
+        raw,
+        NOW,
+        LIMITS.max_subject_len,
+        LIMITS.max_payload_bytes,
+        LIMITS.max_message_id_bytes,
+        LIMITS.max_delay_ms,
+        LIMITS.max_batch,
+        gen(),
+    )
     try:
         request = pb.SendBatchRequest.FromString(raw)
         slow = encode_messages_py(request.messages, LIMITS, NOW, gen(), ids_required=request.compact_receipts)
@@ -217,10 +278,17 @@ def test_decode_batch_takes_only_what_python_accepts_and_encodes_it_alike(batch,
 
 
 @settings(max_examples=150, deadline=None)
-@given(recs=st.lists(st.tuples(st.binary(min_size=1, max_size=8), st.binary(max_size=12), st.binary(max_size=40),
-                               st.integers(0, 3)), min_size=1, max_size=12),
-       flip=st.one_of(st.none(), st.integers(0, 2000)), cut=st.integers(0, 40), wrong_seq=st.booleans(),
-       pick=st.randoms(use_true_random=False))
+@given(
+    recs=st.lists(
+        st.tuples(st.binary(min_size=1, max_size=8), st.binary(max_size=12), st.binary(max_size=40), st.integers(0, 3)),
+        min_size=1,
+        max_size=12,
+    ),
+    flip=st.one_of(st.none(), st.integers(0, 2000)),
+    cut=st.integers(0, 40),
+    wrong_seq=st.booleans(),
+    pick=st.randoms(use_true_random=False),
+)
 def test_read_messages_matches_python(recs, flip, cut, wrong_seq, pick):
     """The dispatcher's read-back of MESSAGE records: same ids, payloads, raw headers and
     failures as the numpy twin, whatever is damaged."""
@@ -236,7 +304,7 @@ def test_read_messages_matches_python(recs, flip, cut, wrong_seq, pick):
         framing.encode_into(data, kind, 50 + i, 0, body)
     if flip is not None and flip < len(data):
         data[flip] ^= 0x21
-    data = bytes(data[:max(0, len(data) - cut)])
+    data = bytes(data[: max(0, len(data) - cut)])
     if wrong_seq:
         seqs[pick.randrange(len(seqs))] += 1
     order = list(range(len(recs)))
@@ -259,11 +327,18 @@ class _HeadersAsRaw:
         return raw
 
 
-printable_ids = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=6).map(str.encode)
-deliveries_st = st.lists(st.tuples(st.text(max_size=6), printable_ids, st.binary(max_size=20),
-                                   st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.text(max_size=4),
-                                                                        max_size=3)),
-                                   st.integers(-2**40, 2**45), st.integers(0, 2**32 - 1)), max_size=10)
+printable_ids = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=6).map(str.encode)
+deliveries_st = st.lists(
+    st.tuples(
+        st.text(max_size=6),
+        printable_ids,
+        st.binary(max_size=20),
+        st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3)),
+        st.integers(-(2**40), 2**45),
+        st.integers(0, 2**32 - 1),
+    ),
+    max_size=10,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -272,13 +347,36 @@ def test_encode_deliveries_parses_back_to_what_protobuf_builds(batches, subject,
     from qdelay.server.consumers import fill_response
     from qdelay.server.scheduler import Deliveries
 
-    cols = [Deliveries(subject, [d[0] for d in b], [d[1] for d in b], [d[2] for d in b], [d[3] for d in b],
-                       [d[4] for d in b], at, [d[5] for d in b]) for b in batches]
+    cols = [
+        Deliveries(
+            subject,
+            [d[0] for d in b],
+            [d[1] for d in b],
+            [d[2] for d in b],
+            [d[3] for d in b],
+            [d[4] for d in b],
+            at,
+            [d[5] for d in b],
+        )
+        for b in batches
+    ]
     want = pb.SubscribeResponse()
     count, _ = fill_response(want, cols)
     out = bytearray()
-    got = sum(codec.encode_deliveries(out, c.subject, c.ack_ids, c.message_id_bytes, c.payloads, c.headers,
-                                      c.deliver_at_ms, c.dispatched_at_ms, c.attempts) for c in cols)
+    got = sum(
+        codec.encode_deliveries(
+            out,
+            c.subject,
+            c.ack_ids,
+            c.message_id_bytes,
+            c.payloads,
+            c.headers,
+            c.deliver_at_ms,
+            c.dispatched_at_ms,
+            c.attempts,
+        )
+        for c in cols
+    )
     assert got == count
     assert pb.SubscribeResponse.FromString(bytes(out)) == want
     if not any(d[3] for b in batches for d in b):  # without maps the bytes are protobuf's own
@@ -286,22 +384,37 @@ def test_encode_deliveries_parses_back_to_what_protobuf_builds(batches, subject,
 
 
 @settings(max_examples=150, deadline=None)
-@given(rows=st.lists(st.tuples(st.integers(0, 2**63), st.integers(-2**62, 2**62), st.integers(-2**62, 2**62),
-                               st.integers(0, 2**63), st.integers(0, 2**32 - 1), st.binary(max_size=20)),
-                     max_size=20),
-       ts=st.integers(-2**62, 2**62), outcome=st.sampled_from(list(records.Outcome)))
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 2**63),
+            st.integers(-(2**62), 2**62),
+            st.integers(-(2**62), 2**62),
+            st.integers(0, 2**63),
+            st.integers(0, 2**32 - 1),
+            st.binary(max_size=20),
+        ),
+        max_size=20,
+    ),
+    ts=st.integers(-(2**62), 2**62),
+    outcome=st.sampled_from(list(records.Outcome)),
+)
 def test_dispatch_frames_match_python(rows, ts, outcome):
     cols = [list(c) for c in zip(*rows)] if rows else [[] for _ in range(6)]
     assert codec.dispatch_frames(*cols, ts, outcome) == records.encode_dispatch_frames_py(*cols, ts, outcome)
 
 
-outgoing_st = st.lists(st.tuples(st.text(max_size=8), st.binary(max_size=30),
-                                 st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
-                                 st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
-                                 st.just(""),
-                                 st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.text(max_size=4),
-                                                                      max_size=3))),
-                       max_size=12)
+outgoing_st = st.lists(
+    st.tuples(
+        st.text(max_size=8),
+        st.binary(max_size=30),
+        st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+        st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+        st.just(""),
+        st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3)),
+    ),
+    max_size=12,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -310,22 +423,28 @@ def test_encode_send_batch_parses_back_to_what_protobuf_builds(messages, ids):
     from qdelay.client.client import encode_send_batch_py
 
     messages = [m if m[2] is None or m[3] is None else m[:3] + (None,) + m[4:] for m in messages]
-    ids = ids[:len(messages)]
+    ids = ids[: len(messages)]
     want, got = bytearray(), bytearray()
     assert encode_send_batch_py(want, messages, ids) == codec.encode_send_batch(got, messages, ids) == len(messages)
     parsed = pb.SendBatchRequest.FromString(bytes(got))
     assert parsed == pb.SendBatchRequest.FromString(bytes(want))
     # a time given as 0 is still sent: it is a oneof member, and which one was set matters
     for m, (_s, _p, at, delay, _mid, _h) in zip(parsed.messages, messages):
-        assert m.WhichOneof("when") == ("deliver_at_ms" if at is not None else "delay_ms" if delay is not None
-                                         else None)
+        assert m.WhichOneof("when") == (
+            "deliver_at_ms" if at is not None else "delay_ms" if delay is not None else None
+        )
     if not any(m[5] for m in messages):  # without maps the bytes are protobuf's own
         assert bytes(got) == bytes(want)
 
 
 def test_encode_send_batch_refuses_what_it_cannot_encode():
-    for bad in [[("s", "not bytes", 1, None, "", None)], [("s", b"", "1", None, "", None)], [("s", b"")],
-                [("s", b"", 1, None, "", ["not", "a", "dict"])], [("s", b"", 1, 2, "", None)]]:
+    for bad in [
+        [("s", "not bytes", 1, None, "", None)],
+        [("s", b"", "1", None, "", None)],
+        [("s", b"")],
+        [("s", b"", 1, None, "", ["not", "a", "dict"])],
+        [("s", b"", 1, 2, "", None)],
+    ]:
         with pytest.raises((TypeError, ValueError)):
             codec.encode_send_batch(bytearray(), bad, ["id"] * len(bad))
     with pytest.raises(ValueError):

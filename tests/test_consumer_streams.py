@@ -7,7 +7,6 @@ import itertools
 import time
 
 import pytest
-
 from serverproc import ServerProc
 
 ACK_TIMEOUT_MS = 30_000  # long: anything redelivered quickly was released, not expired
@@ -63,7 +62,7 @@ def test_acks_sent_just_before_close_are_all_applied(client, rounds):
         assert {d.message_id for d in got} == ids - seen
         # ack in several requests, the last one right before the close
         for k in range(0, len(got), 50):
-            consumer.ack(got[k:k + 50])
+            consumer.ack(got[k : k + 50])
         started = time.monotonic()
         consumer.close()
         assert time.monotonic() - started < 3.0, "close() waited for its timeout"

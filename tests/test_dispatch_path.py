@@ -23,7 +23,7 @@ class FakeSegment:
         self.data = data
 
     def read(self, offset: int, length: int) -> bytes:
-        return self.data[offset:offset + length]
+        return self.data[offset : offset + length]
 
     def read_frame(self, offset: int) -> framing.Frame:
         try:
@@ -99,7 +99,7 @@ def test_a_record_longer_than_the_read_ahead_takes_the_checked_slow_path():
 
 def test_a_torn_end_is_not_served():
     data, offs, seqs = build(MSGS)
-    cut = data[:offs[-1] + 40]  # the last frame runs past the end of the file
+    cut = data[: offs[-1] + 40]  # the last frame runs past the end of the file
     mids, _p, _h = read_group(cut, seqs, offs)
     assert mids[-1] is None and all(m is not None for m in mids[:-1])
 
@@ -107,8 +107,10 @@ def test_a_torn_end_is_not_served():
 def test_a_batch_of_deliveries_behaves_like_a_list_of_them():
     batch = Deliveries("s", ["1.1", "2.3"], [b"a", b"b"], [b"p", b"q"], [None, {"k": "v"}], [10, 20], 25, [1, 3])
     assert len(batch) == 2
-    assert list(batch) == [Delivery("1.1", "a", "s", b"p", {}, 10, 25, 1),
-                           Delivery("2.3", "b", "s", b"q", {"k": "v"}, 20, 25, 3)]
+    assert list(batch) == [
+        Delivery("1.1", "a", "s", b"p", {}, 10, 25, 1),
+        Delivery("2.3", "b", "s", b"q", {"k": "v"}, 20, 25, 3),
+    ]
     assert batch[-1].ack_id == "2.3" and batch[0].headers == {}
     tail = batch[1:]
     assert isinstance(tail, Deliveries) and tail.ack_ids == ["2.3"] and tail.dispatched_at_ms == 25

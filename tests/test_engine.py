@@ -11,13 +11,13 @@ import random
 import time
 
 import pytest
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message, wait_until
 
 from qdelay.segments import framing, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import CancelOutcome, Engine, MessageState
 from qdelay.server.scheduler import DEAD_LETTER_HEADER
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message, wait_until
 
 
 @pytest.fixture
@@ -29,8 +29,7 @@ def dispatch_records(engine, bucket):
     seg = engine.dispatch.get(bucket)
     if seg is None:
         return []
-    return [(f.sequence, records.decode_dispatch(f.body)) for f in seg.frames()
-            if f.kind == RecordKind.DISPATCH]
+    return [(f.sequence, records.decode_dispatch(f.body)) for f in seg.frames() if f.kind == RecordKind.DISPATCH]
 
 
 # --- lifecycle -------------------------------------------------------------------------------------
@@ -220,8 +219,7 @@ def _load_big_bucket(tmp_path, clock, n, bound, chunk_bytes):
     due0 = (bucket_of(clock.now) + 6) * MINUTE + 1_000  # beyond the load-ahead window
     receipts = []
     for k in range(0, n, 1_000):
-        receipts += d.send(message("big", due0 + i // 10, f"m{i}", payload=b"")
-                           for i in range(k, k + 1_000))
+        receipts += d.send(message("big", due0 + i // 10, f"m{i}", payload=b"") for i in range(k, k + 1_000))
     d.advance(0)
     assert d.engine.scheduler.stats()["wheel_size"] == 0, "a minute beyond the window is only on disk"
     return d, sink, receipts, due0
@@ -289,7 +287,7 @@ def test_chunked_loading_cancel_outcome_is_exact(tmp_path, clock):
     clock.set(due0 - 90_000)
     d.run()
     assert d.engine.scheduler.stats()["load_blocked"]
-    assert d.cancel(mid) == CancelOutcome.CANCELLED    # beyond the loader's cursor
+    assert d.cancel(mid) == CancelOutcome.CANCELLED  # beyond the loader's cursor
     assert d.cancel(last) == CancelOutcome.CANCELLED
     for r in (early, mid, last):
         assert d.get(r).state == MessageState.CANCELLED
@@ -304,7 +302,7 @@ def test_chunked_loading_never_delivers_a_cancelled_message(tmp_path, clock):
     assert d.cancel(early) == CancelOutcome.CANCELLED  # bucket not loaded at all
     clock.set(due0 - 90_000)
     d.run()
-    assert d.cancel(mid) == CancelOutcome.CANCELLED    # beyond the loader's cursor
+    assert d.cancel(mid) == CancelOutcome.CANCELLED  # beyond the loader's cursor
     assert d.cancel(last) == CancelOutcome.CANCELLED
     clock.set(due0)
     seen, _peak, _passes, extra = _drain(d, sink, clock, n - 3)

@@ -15,10 +15,18 @@ import threading
 import time
 
 import pytest
+from serverproc import ServerProc
+from test_replication import (
+    SMALL_SEGMENTS,
+    admin,
+    assert_refuses_writes,
+    assert_same_message_log,
+    status,
+    wait_caught_up,
+    wait_for,
+)
 
 from qdelay import errors
-from test_replication import SMALL_SEGMENTS, admin, assert_refuses_writes, assert_same_message_log, status, wait_caught_up, wait_for
-from serverproc import ServerProc
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +57,8 @@ class Consumers:
                         with self.lock:
                             for d in batch:
                                 self.deliveries.setdefault(d.message_id, []).append(
-                                    (d.deliver_at_ms, d.dispatched_at_ms, now))
+                                    (d.deliver_at_ms, d.dispatched_at_ms, now)
+                                )
                         cons.ack(batch)
             except errors.QdelayError:
                 time.sleep(0.2)
@@ -66,8 +75,15 @@ def _trial(tmp_path, seed: int) -> dict:
     from qdelay.client import ClusterClient
 
     rnd = random.Random(seed)
-    base = [*SMALL_SEGMENTS, "--set", "engine.ack_timeout_ms=3000", "--replication", "sync",
-            "--replication-timeout-ms", "3000"]
+    base = [
+        *SMALL_SEGMENTS,
+        "--set",
+        "engine.ack_timeout_ms=3000",
+        "--replication",
+        "sync",
+        "--replication-timeout-ms",
+        "3000",
+    ]
     a = ServerProc(tmp_path / "a", args=base)
     a.start()
     b = ServerProc(tmp_path / "b", args=[*base, "--role", "slave", "--master", a.address, "--peers", a.address])
@@ -125,6 +141,7 @@ def _trial(tmp_path, seed: int) -> dict:
         def all_delivered():
             with consumers.lock:
                 return all(mid in consumers.deliveries for mid in acked)
+
         wait_for(all_delivered, 40, "every acknowledged message delivered", interval=0.2)
         with consumers.lock:
             for mid, due in acked.items():

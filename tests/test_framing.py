@@ -42,8 +42,13 @@ def test_encode_into_matches_encode_and_scans_back(records, prefix):
 
 
 @settings(max_examples=100, deadline=None)
-@given(kind=kinds, first=st.integers(min_value=0, max_value=2**63), timestamp=i64,
-       many=st.lists(bodies, max_size=20), prefix=st.binary(max_size=8))
+@given(
+    kind=kinds,
+    first=st.integers(min_value=0, max_value=2**63),
+    timestamp=i64,
+    many=st.lists(bodies, max_size=20),
+    prefix=st.binary(max_size=8),
+)
 def test_encode_many_into_matches_encode_into(kind, first, timestamp, many, prefix):
     one, batch = bytearray(prefix), bytearray(prefix)
     for i, body in enumerate(many):

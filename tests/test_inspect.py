@@ -13,11 +13,11 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import byte_surgery
 import datafolder
+import pytest
 from datafolder import T0
+
 from qdelay import cli
 from qdelay.tools.progress import Progress
 
@@ -105,8 +105,7 @@ def test_verify_one_segment(folders, capsys):
 
 
 def test_find_unknown(folders, capsys):
-    assert _run(["find", "--data-dir", folders["clean"], "--id", "nope"], capsys) == \
-        (1, "no message with id nope\n")
+    assert _run(["find", "--data-dir", folders["clean"], "--id", "nope"], capsys) == (1, "no message with id nope\n")
 
 
 def _tree_digest(root: str) -> dict[str, str]:
@@ -137,7 +136,11 @@ def test_dump_survives_a_closed_pipe(tmp_path):
     b.close()
     proc = subprocess.run(
         f"{sys.executable} -m qdelay.cli inspect dump --data-dir {root} | head -n 2",
-        shell=True, capture_output=True, text=True, timeout=60)
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0
     assert len(proc.stdout.splitlines()) == 2
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

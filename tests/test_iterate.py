@@ -24,8 +24,14 @@ T0 = 1_800_000_000_000 - 1_800_000_000_000 % MIN  # a minute boundary
 
 
 class Rig:
-    def __init__(self, root, horizon_minutes: int = 3, read_bytes: int = 64 * 1024, start_offset=None,
-                 write_behind_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        root,
+        horizon_minutes: int = 3,
+        read_bytes: int = 64 * 1024,
+        start_offset=None,
+        write_behind_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
         self.root = str(root)
         self.pool = HandlePool(64)
         self.wal = MessageLog(os.path.join(self.root, "message"), pool=self.pool)
@@ -34,10 +40,16 @@ class Rig:
         self.handed: list = []
         self.calls: list[tuple[int, int | None]] = []
         self.ckpt = os.path.join(self.root, "iterate.ckpt")
-        self.it = IterateService(self.wal, self.schedule, self.ckpt,
-                                 start_offset=self.wal.first_offset if start_offset is None else start_offset,
-                                 start_sequence=0, read_bytes=read_bytes, horizon=lambda: self.horizon,
-                                 write_behind_bytes=write_behind_bytes)
+        self.it = IterateService(
+            self.wal,
+            self.schedule,
+            self.ckpt,
+            start_offset=self.wal.first_offset if start_offset is None else start_offset,
+            start_sequence=0,
+            read_bytes=read_bytes,
+            horizon=lambda: self.horizon,
+            write_behind_bytes=write_behind_bytes,
+        )
         self.it.on_records = self._on_records
 
     def _on_records(self, written, near):
@@ -81,8 +93,7 @@ def expected_bytes(rig) -> dict[int, bytes]:
     out: dict[int, bytearray] = {}
     for f in wal_frames(rig):
         due = records.decode_body(f.kind, f.body).deliver_at_ms
-        framing.encode_into(out.setdefault(naming.bucket_of(due), bytearray()), f.kind, f.sequence,
-                            f.timestamp, f.body)
+        framing.encode_into(out.setdefault(naming.bucket_of(due), bytearray()), f.kind, f.sequence, f.timestamp, f.body)
     return {b: bytes(v) for b, v in out.items()}
 
 
@@ -91,8 +102,8 @@ def test_copies_every_record_byte_for_byte_and_hands_over_only_near_ones(tmp_pat
     rnd = random.Random(7)
     dues = [T0 + rnd.randrange(0, 60 * MIN) for _ in range(2_000)]
     for k in range(0, len(dues), 100):
-        rig.send(dues[k:k + 100])
-    rig.cancel(dues[5], 6)          # a tombstone for a far bucket: handed over at once
+        rig.send(dues[k : k + 100])
+    rig.cancel(dues[5], 6)  # a tombstone for a far bucket: handed over at once
     rig.catch_up()
     rig.it.checkpoint()
     want = expected_bytes(rig)
@@ -100,8 +111,9 @@ def test_copies_every_record_byte_for_byte_and_hands_over_only_near_ones(tmp_pat
         assert sched_bytes(rig, bucket) == data, bucket
     near = rig.horizon + 1
     assert all(r.bucket <= near or r.kind == RecordKind.CANCEL for r in rig.handed)
-    assert sum(1 for d in dues if naming.bucket_of(d) <= near) == \
-        sum(1 for r in rig.handed if r.kind == RecordKind.MESSAGE)
+    assert sum(1 for d in dues if naming.bucket_of(d) <= near) == sum(
+        1 for r in rig.handed if r.kind == RecordKind.MESSAGE
+    )
     for r in rig.handed:  # every handed-over offset is that record's frame
         frame = rig.schedule.get(r.bucket).read_frame(r.offset)
         assert (frame.sequence, frame.kind, frame.size) == (r.sequence, r.kind, r.size)
@@ -146,7 +158,7 @@ def test_a_bucket_reached_by_the_horizon_is_written_and_sent_back_to_its_loader(
     rig.catch_up()
     assert sched_bytes(rig, b) == b""
     rig.horizon = b  # the loader may have read the bucket without the record ...
-    rig.it.step()    # ... so it is written and the loader told to read on from its cursor
+    rig.it.step()  # ... so it is written and the loader told to read on from its cursor
     assert sched_bytes(rig, b) == expected_bytes(rig)[b]
     assert rig.calls[-1] == (0, b - 1)
     rig.send([b * MIN + 2])  # from now on handed over, at its real offset
@@ -164,8 +176,14 @@ def test_replay_from_an_older_checkpoint_never_duplicates(tmp_path):
     rig.it.checkpoint()
     before = {b: sched_bytes(rig, b) for b in rig.schedule.buckets()}
     rig.send([T0 + rnd.randrange(0, 20 * MIN) for _ in range(50)])  # some new ones too
-    replay = IterateService(rig.wal, rig.schedule, rig.ckpt, start_offset=rig.wal.first_offset,
-                            start_sequence=0, horizon=lambda: rig.horizon)
+    replay = IterateService(
+        rig.wal,
+        rig.schedule,
+        rig.ckpt,
+        start_offset=rig.wal.first_offset,
+        start_sequence=0,
+        horizon=lambda: rig.horizon,
+    )
     while replay.step():
         pass
     replay.checkpoint()

@@ -8,9 +8,9 @@ import time
 import urllib.request
 
 import pytest
+from serverproc import ServerProc
 
 from qdelay import errors
-from serverproc import ServerProc
 
 METRICS = ["--metrics-listen", "127.0.0.1:0"]
 
@@ -36,8 +36,7 @@ def wait_for(cond, timeout=20.0):
 
 
 def test_replication_stats_exported(tmp_path):
-    with ServerProc(tmp_path / "a", args=["--replication", "sync", "--replication-timeout-ms", "300",
-                                          *METRICS]) as a:
+    with ServerProc(tmp_path / "a", args=["--replication", "sync", "--replication-timeout-ms", "300", *METRICS]) as a:
         c = a.client(retries=0)
         with pytest.raises(errors.Unavailable):
             c.send("s", b"x", delay_ms=60_000)

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from serverproc import ServerProc
 
 NODE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "node")
@@ -23,8 +22,14 @@ def node_modules():
 
 
 def run_example(address: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["node", "example.js", address], cwd=NODE_DIR, capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, **env))
+    return subprocess.run(
+        ["node", "example.js", address],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, **env),
+    )
 
 
 def test_node_example_sends_receives_cancels(tmp_path, node_modules):

@@ -8,9 +8,9 @@ import os
 import shutil
 
 import pytest
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
 
 from qdelay.server.engine import CancelOutcome, MessageState
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message, wait_until
 
 
 @pytest.fixture

@@ -25,8 +25,15 @@ messages = st.builds(
     headers=st.dictionaries(text, st.text(max_size=100), max_size=8),
 )
 cancels = st.builds(Cancel, message_id=message_ids, deliver_at_ms=i64, target_sequence=u64)
-dispatches = st.builds(Dispatch, message_id=message_ids, deliver_at_ms=i64, dispatched_at_ms=i64,
-                       schedule_offset=u64, attempt=u32, outcome=st.sampled_from(list(Outcome)))
+dispatches = st.builds(
+    Dispatch,
+    message_id=message_ids,
+    deliver_at_ms=i64,
+    dispatched_at_ms=i64,
+    schedule_offset=u64,
+    attempt=u32,
+    outcome=st.sampled_from(list(Outcome)),
+)
 json_values = st.recursive(
     st.none() | st.booleans() | i64 | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -85,14 +92,16 @@ def test_fixed_sizes_match_the_spec():
 
 def test_message_body_layout():
     body = records.encode_message(b"sub", b"id1", b"", b"PAY", -5)
-    assert body == (b"\xfb\xff\xff\xff\xff\xff\xff\xff" b"\x03\x00" b"\x03\x00" b"\x00\x00\x00\x00"
-                    b"\x03\x00\x00\x00" b"sub" b"id1" b"PAY")
+    assert body == (b"\xfb\xff\xff\xff\xff\xff\xff\xff\x03\x00\x03\x00\x00\x00\x00\x00\x03\x00\x00\x00subid1PAY")
 
 
-@pytest.mark.parametrize("body", [
-    records.encode_message(b"s", b"i", b"", b"p", 1)[:-1],
-    records.encode_message(b"s", b"i", b"", b"p", 1) + b"x",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        records.encode_message(b"s", b"i", b"", b"p", 1)[:-1],
+        records.encode_message(b"s", b"i", b"", b"p", 1) + b"x",
+    ],
+)
 def test_message_lengths_must_add_up(body):
     with pytest.raises(ValueError):
         records.decode_message(body)
@@ -131,11 +140,11 @@ def test_the_worked_example_in_docs_formats_md_is_what_the_code_writes():
         dumped += bytes.fromhex(m.group(2))
     due = 1_767_225_600_000
     accepted = due - 30 * 60_000
-    message = records.encode_message(b"orders.close", b"m-1", records.encode_headers({"k": "v"}),
-                                      b"order 42", due)
+    message = records.encode_message(b"orders.close", b"m-1", records.encode_headers({"k": "v"}), b"order 42", due)
     cancel = records.encode_cancel(Cancel("m-1", due, 1))
-    expected = (framing.encode(RecordKind.MESSAGE, 1, accepted, message)
-                + framing.encode(RecordKind.CANCEL, 2, accepted + 5_000, cancel))
+    expected = framing.encode(RecordKind.MESSAGE, 1, accepted, message) + framing.encode(
+        RecordKind.CANCEL, 2, accepted + 5_000, cancel
+    )
     assert bytes(dumped) == expected and len(expected) == 142
     ckpt = records.encode_checkpoint({"offset": 142, "sequence": 2}, due)
     assert len(ckpt) == 63 and ckpt[36:] == b'{"offset":142,"sequence":2}'
@@ -156,17 +165,23 @@ def test_bad_header_blocks_are_value_errors():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(u64, i64, i64, u64, u32, message_ids), min_size=0, max_size=20), i64,
-       st.sampled_from(list(Outcome)))
+@given(
+    st.lists(st.tuples(u64, i64, i64, u64, u32, message_ids), min_size=0, max_size=20),
+    i64,
+    st.sampled_from(list(Outcome)),
+)
 def test_batch_dispatch_encoder_is_byte_identical_to_one_frame_at_a_time(items, timestamp, outcome):
     """The ack path encodes a whole batch column-wise (ids of one length or of several);
     the bytes must be exactly the frames the plain codec writes, in the same order."""
     expected = b"".join(
-        framing.encode(RecordKind.DISPATCH, seq, timestamp, records.encode_dispatch(
-            Dispatch(mid, due, at, off, attempt, outcome)))
-        for seq, due, at, off, attempt, mid in items)
+        framing.encode(
+            RecordKind.DISPATCH, seq, timestamp, records.encode_dispatch(Dispatch(mid, due, at, off, attempt, outcome))
+        )
+        for seq, due, at, off, attempt, mid in items
+    )
     cols = list(zip(*items)) or [()] * 6
     seqs, dues, ats, offs, attempts, mids = cols
-    got = records.encode_dispatch_frames(list(seqs), list(dues), list(ats), list(offs), list(attempts),
-                                         [m.encode() for m in mids], timestamp, outcome)
+    got = records.encode_dispatch_frames(
+        list(seqs), list(dues), list(ats), list(offs), list(attempts), [m.encode() for m in mids], timestamp, outcome
+    )
     assert got == expected

@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-
-import pytest
 
 import byte_surgery as bs
+import pytest
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
+
 from qdelay.errors import CorruptRecord, StorageError
 from qdelay.segments import checkpoint, framing
 from qdelay.segments.framing import RecordKind
-from qdelay.segments.naming import bucket_of
-from qdelay.segments.segment import Segment
 from qdelay.server import iterate as iterate_mod
 from qdelay.server.engine import MessageState
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
-
 
 # --- helpers ------------------------------------------------------------------------------------------
 
@@ -234,8 +230,9 @@ def _delivered_then_reopen(tmp_path, clock, damage):
     d.catch_up()
     assert_no_duplicate_schedule_records(tmp_path)
     got = deliver_all(d, clock.now + 60_000)
-    assert sorted(g.message_id for g in got) == sorted(r.message_id for r in later), \
+    assert sorted(g.message_id for g in got) == sorted(r.message_id for r in later), (
         "acked deliveries are not repeated; every other message comes"
+    )
     for r in acked:
         assert d.get(r).state == MessageState.DELIVERED
     assert d.send([message("s", clock.now, "z")])[0].sequence == 21
@@ -368,8 +365,9 @@ def test_dispatch_log_torn_tail(tmp_path, clock):
     d.open()
     again = deliver_all(d, clock.now + 1)
     lost = recs[-1].sequence
-    assert [g.ack_id.split(".")[0] for g in again] == [str(lost)], \
+    assert [g.ack_id.split(".")[0] for g in again] == [str(lost)], (
         "only the delivery whose ack record was torn comes again"
+    )
     assert [f.sequence for f in frames_of(disp)].count(lost) == 1
     for r in receipts:
         assert d.get(r).state == MessageState.DELIVERED
@@ -412,9 +410,9 @@ def test_crash_between_schedule_flush_and_checkpoint(tmp_path, clock, monkeypatc
 def test_sealed_segment_corruption_found_when_read(tmp_path):
     """Row 3b: opening does not scan sealed message-log segments; a damaged one is found
     by the first reader, which refuses it with its path and offset."""
-    from qdelay.segments.wal import MessageLog
-    from qdelay.segments.framing import RecordKind
     from qdelay.segments import records as rec
+    from qdelay.segments.framing import RecordKind
+    from qdelay.segments.wal import MessageLog
 
     wal_dir = str(tmp_path / "message")
     log_ = MessageLog(wal_dir, segment_bytes=4096)

@@ -3,11 +3,10 @@ offered again at once, as the next attempt; after ``max_attempts`` they are dead
 
 from __future__ import annotations
 
-
 import pytest
+from simclock import T0, CollectingSink, Driver, FakeClock, message, wait_until
 
 from qdelay.server.engine import MessageState
-from simclock import T0, CollectingSink, Driver, FakeClock, message, wait_until
 
 
 @pytest.fixture

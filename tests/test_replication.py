@@ -13,17 +13,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+from serverproc import ServerProc
 
 from qdelay import errors
 from qdelay.segments import framing, naming
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
-from serverproc import ServerProc
 
 SMALL_SEGMENTS = ["--set", "engine.segment_bytes=65536"]
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+
 
 def status(address: str, token: str | None = None, timeout: float = 5.0) -> rpb.ReplicationStatus:
     ch = grpc.insecure_channel(address)
@@ -62,6 +63,7 @@ def assert_refuses_writes(address: str) -> None:
             except errors.Unavailable:
                 return False
         raise AssertionError(f"{address} accepted a write")
+
     wait_for(refused, 15, f"{address} to refuse writes")
 
 
@@ -69,12 +71,14 @@ def wait_caught_up(master: str, slave: str, timeout: float = 30.0) -> None:
     def ok():
         m, s = status(master), status(slave)
         return s.connected and s.end_offset == m.end_offset and m.end_offset > 0 and (m, s)
+
     wait_for(ok, timeout, f"{slave} to catch up with {master}")
 
 
 def admin(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cp = subprocess.run([sys.executable, "-m", "qdelay.cli", "admin", *args], capture_output=True, text=True,
-                        timeout=120)
+    cp = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "admin", *args], capture_output=True, text=True, timeout=120
+    )
     if check and cp.returncode != 0:
         raise AssertionError(f"qdelay admin {' '.join(args)} failed ({cp.returncode}): {cp.stdout}{cp.stderr}")
     return cp
@@ -127,11 +131,14 @@ def send_some(address: str, n: int, delay_ms: int = 600_000, size: int = 200) ->
     from qdelay.client import Client
 
     with Client(address) as c:
-        return c.send_many((c.message("rep.test", os.urandom(size), delay_ms=delay_ms + (i % 7) * 60_000)
-                            for i in range(n)), batch_size=500)
+        return c.send_many(
+            (c.message("rep.test", os.urandom(size), delay_ms=delay_ms + (i % 7) * 60_000) for i in range(n)),
+            batch_size=500,
+        )
 
 
 # --- tests -----------------------------------------------------------------------------------------
+
 
 def test_slave_catches_up_from_empty_and_from_behind(tmp_path):
     with master(tmp_path) as a:
@@ -186,20 +193,24 @@ def test_slave_without_token_is_refused(tmp_path):
     other.write_text("not-it\n")
     with master(tmp_path, args=["--auth-token-file", str(tokens)]) as a:
         c = a.client(token="s3cret-token")
-        c.send_many((c.message("s", b"x", delay_ms=60_000) for _ in range(100)))
+        c.send_many(c.message("s", b"x", delay_ms=60_000) for _ in range(100))
         with pytest.raises(grpc.RpcError) as info:
             status(a.address)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # a slave presenting a wrong token is refused, and says so
-        with slave(tmp_path, a, name="b", args=["--auth-token-file", str(tokens),
-                                                "--replication-token-file", str(other)]) as b:
+        with slave(
+            tmp_path, a, name="b", args=["--auth-token-file", str(tokens), "--replication-token-file", str(other)]
+        ) as b:
             st = wait_for(lambda: (s := status(b.address, "s3cret-token")).error and s, 20, "refusal")
             assert "UNAUTHENTICATED" in st.error or "refused" in st.error
             assert st.end_offset == 0
         # with the cluster's token it replicates
         with slave(tmp_path, a, name="c", args=["--auth-token-file", str(tokens)]) as b2:
-            wait_for(lambda: status(b2.address, "s3cret-token").end_offset == status(a.address, "s3cret-token")
-                     .end_offset, 20, "catch-up with token")
+            wait_for(
+                lambda: status(b2.address, "s3cret-token").end_offset == status(a.address, "s3cret-token").end_offset,
+                20,
+                "catch-up with token",
+            )
         cp = admin("status", "--servers", a.address, check=False)
         assert cp.returncode == 1 and "UNAUTHENTICATED" in cp.stdout
         tf = tmp_path / "tok"
@@ -275,16 +286,30 @@ def test_dispatch_progress_replicated_and_promotion_delivers_the_rest(tmp_path):
 
 
 def test_behind_retention_is_reported_then_full_resync(tmp_path):
-    args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200",
-            "--set", "slave_hold_ms=0", "--set", "engine.checkpoint_interval_ms=50"]
+    args = [
+        "--set",
+        "engine.message_retention_ms=0",
+        "--set",
+        "engine.cleaner_interval_ms=200",
+        "--set",
+        "slave_hold_ms=0",
+        "--set",
+        "engine.checkpoint_interval_ms=50",
+    ]
     with master(tmp_path, args=args) as a:
         with slave(tmp_path, a) as b:  # attached: the master keeps what it has not confirmed
             wait_for(lambda: status(b.address).connected, 20, "slave attached")
             send_some(a.address, 1500, delay_ms=3_600_000)
             wait_caught_up(a.address, b.address)
         send_some(a.address, 3000, delay_ms=3_600_000)
-        wait_for(lambda: status(a.address).first_offset > status(a.address).iterate_offset - 200_000 and
-                 status(a.address).first_offset > 0, 20, "master cleaned its message log")
+        wait_for(
+            lambda: (
+                status(a.address).first_offset > status(a.address).iterate_offset - 200_000
+                and status(a.address).first_offset > 0
+            ),
+            20,
+            "master cleaned its message log",
+        )
         with b:
             b.start() if not b.alive() else None
             st = wait_for(lambda: (s := status(b.address)).error and s, 20, "retention error")

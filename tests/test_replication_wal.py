@@ -24,7 +24,7 @@ def _copy_all(src: MessageLog, dst: MessageLog, chunk: int = 300) -> None:
         # whole frames only (what the master's sender does)
         pos = 0
         while pos + framing.HEADER_SIZE <= len(data):
-            length = int.from_bytes(data[pos + 12:pos + 16], "little")
+            length = int.from_bytes(data[pos + 12 : pos + 16], "little")
             if pos + framing.HEADER_SIZE + length > len(data):
                 break
             pos += framing.HEADER_SIZE + length

@@ -42,14 +42,20 @@ class Run:
         self.self_killed = False
 
 
-def start_child(data_dir: str, base: int, start: int, seed: int, die_k: int = 0) -> tuple[subprocess.Popen, list, threading.Event, threading.Thread]:
+def start_child(
+    data_dir: str, base: int, start: int, seed: int, die_k: int = 0
+) -> tuple[subprocess.Popen, list, threading.Event, threading.Thread]:
     env = dict(os.environ)
     env.pop("QDELAY_TEST_DIE_AFTER_SCHEDULE_SYNC", None)
     if die_k:
         env["QDELAY_TEST_DIE_AFTER_SCHEDULE_SYNC"] = str(die_k)
-    child = subprocess.Popen([sys.executable, CHILD, data_dir, str(base), str(WINDOW_MS), str(COUNT),
-                              str(start), str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=env, text=True)
+    child = subprocess.Popen(
+        [sys.executable, CHILD, data_dir, str(base), str(WINDOW_MS), str(COUNT), str(start), str(seed)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     lines: list[str] = []
     ready = threading.Event()
 
@@ -142,8 +148,8 @@ def test_sigkill_at_random_instants(tmp_path):
 
 
 def _parse(runs):
-    sends: dict[int, tuple[int, int]] = {}               # seq -> (index, due)
-    cancels: dict[int, tuple[str, int]] = {}             # seq -> (outcome, time)
+    sends: dict[int, tuple[int, int]] = {}  # seq -> (index, due)
+    cancels: dict[int, tuple[str, int]] = {}  # seq -> (outcome, time)
     deliveries: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)  # seq -> (run, attempt, due, now)
     for run in runs:
         for line in run.lines:
@@ -176,7 +182,7 @@ def _check(runs, seed, err):
     assert not missing, f"{len(missing)} acknowledged sends never delivered, e.g. {missing[:10]} {ctx}"
     early, bad_dups = [], []
     for seq, ds in deliveries.items():
-        for run, attempt, due, now in ds:
+        for _run, _attempt, due, now in ds:
             if now < due:
                 early.append((seq, due, now))
             if seq in sends:
@@ -200,5 +206,7 @@ def _check(runs, seed, err):
     assert not after_cancel, f"cancelled yet delivered after the cancel: {after_cancel[:5]} {ctx}"
     assert outcomes["CANCELLED"] > 0, outcomes
     total = sum(len(v) for v in deliveries.values())
-    print(f"{len(runs)} runs, {len(sends)} acknowledged sends, {total} deliveries, "
-          f"{total - len(deliveries)} duplicates, cancels {dict(outcomes)} {ctx}")
+    print(
+        f"{len(runs)} runs, {len(sends)} acknowledged sends, {total} deliveries, "
+        f"{total - len(deliveries)} duplicates, cancels {dict(outcomes)} {ctx}"
+    )

@@ -21,9 +21,9 @@ import tempfile
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, message
 
 from qdelay.server.engine import CancelOutcome, MessageState, Receipt
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, message
 
 ACK_TIMEOUT = 5_000
 BACKOFF = 1_000
@@ -41,10 +41,10 @@ class Msg:
     def __init__(self, receipt: Receipt, subject: str) -> None:
         self.receipt = receipt
         self.subject = subject
-        self.cancelled: int | None = None           # simulated time the cancel was acknowledged
-        self.acked_at: int | None = None            # dispatched_at of the acknowledged attempt
+        self.cancelled: int | None = None  # simulated time the cancel was acknowledged
+        self.acked_at: int | None = None  # dispatched_at of the acknowledged attempt
         self.in_flight: tuple[int, int, str] | None = None  # (dispatched_at, attempt, ack_id)
-        self.retry: tuple[int, int] | None = None   # (earliest redelivery, next attempt)
+        self.retry: tuple[int, int] | None = None  # (earliest redelivery, next attempt)
         self.deliveries = 0
 
     @property
@@ -53,13 +53,17 @@ class Msg:
 
 
 due_offsets = st.one_of(
-    st.integers(-5 * MINUTE, -1),           # in the past
-    st.integers(0, 30_000),                 # the same minute, soon
-    st.integers(MINUTE, 5 * MINUTE),        # the next minutes (some beyond load-ahead)
+    st.integers(-5 * MINUTE, -1),  # in the past
+    st.integers(0, 30_000),  # the same minute, soon
+    st.integers(MINUTE, 5 * MINUTE),  # the next minutes (some beyond load-ahead)
     st.integers(3_600_000, 2 * 86_400_000),  # far: only on disk until its time
 )
-steps = st.one_of(st.integers(0, 2_000), st.integers(4_000, 12_000), st.integers(MINUTE, 4 * MINUTE),
-                  st.integers(3_600_000, 26 * 3_600_000))
+steps = st.one_of(
+    st.integers(0, 2_000),
+    st.integers(4_000, 12_000),
+    st.integers(MINUTE, 4 * MINUTE),
+    st.integers(3_600_000, 26 * 3_600_000),
+)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -68,8 +72,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="qdelay-model-")
         self.clock = FakeClock(T0 + start)
         self.sink = CollectingSink(self.clock)
-        self.d = Driver(self.dir, self.clock, self.sink, ack_timeout_ms=ACK_TIMEOUT,
-                        retry_backoff_ms=BACKOFF, max_attempts=1000, load_ahead_ms=2 * MINUTE)
+        self.d = Driver(
+            self.dir,
+            self.clock,
+            self.sink,
+            ack_timeout_ms=ACK_TIMEOUT,
+            retry_backoff_ms=BACKOFF,
+            max_attempts=1000,
+            load_ahead_ms=2 * MINUTE,
+        )
         self.msgs: dict[int, Msg] = {}
         self.by_mid: dict[str, Msg] = {}
         self.n = 0
@@ -212,11 +223,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             if m.cancelled is not None or m.acked_at is not None or m.due > now:
                 continue
             waiting = m.in_flight is not None or (m.retry is not None and m.retry[0] > now)
-            assert waiting, (f"{m.receipt} due {now - m.due} ms ago, neither in flight nor waiting "
-                             f"for a retry (retry={m.retry}, deliveries={m.deliveries})")
+            assert waiting, (
+                f"{m.receipt} due {now - m.due} ms ago, neither in flight nor waiting "
+                f"for a retry (retry={m.retry}, deliveries={m.deliveries})"
+            )
 
 
 TestSchedulerModel = SchedulerMachine.TestCase
-TestSchedulerModel.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                                       suppress_health_check=[HealthCheck.too_slow,
-                                                              HealthCheck.filter_too_much])
+TestSchedulerModel.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

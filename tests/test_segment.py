@@ -13,16 +13,17 @@ import random
 import shutil
 
 import pytest
-
 from byte_surgery import file_bytes, flip_byte, truncate_at, zero_fill_tail
+
 from qdelay.errors import CorruptRecord
 from qdelay.segments import framing, segment
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment, recover
 
 
-def build(path: str, pool: HandlePool, count: int, seed: int = 1, big_at: int | None = None
-          ) -> tuple[Segment, list[int], list[bytes]]:
+def build(
+    path: str, pool: HandlePool, count: int, seed: int = 1, big_at: int | None = None
+) -> tuple[Segment, list[int], list[bytes]]:
     """A segment of ``count`` MESSAGE frames with random bodies; returns (segment, offsets, frames)."""
     rng = random.Random(seed)
     seg = Segment(path, 0, pool, size=0)
@@ -260,7 +261,7 @@ def test_handle_pool_never_holds_more_than_its_capacity(tmp_path):
     pool.close()
     baseline = open_fds()
     peak = 0
-    for round_ in range(2):
+    for _round in range(2):
         for i, path in enumerate(paths):
             seg = Segment(path, i, pool)
             assert seg.read_frame(0).body == b"x" * i

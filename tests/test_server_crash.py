@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
+from serverproc import ServerProc
 
 from qdelay import errors
-from serverproc import ServerProc
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +27,19 @@ class Load:
     """A producer and a consumer thread against one server incarnation."""
 
     def __init__(self, srv: ServerProc, trial: int, acked: dict, delivered: dict, early: list, rng) -> None:
-        self.srv, self.trial, self.acked, self.delivered, self.early, self.rng = srv, trial, acked, delivered, early, rng
+        self.srv, self.trial, self.acked, self.delivered, self.early, self.rng = (
+            srv,
+            trial,
+            acked,
+            delivered,
+            early,
+            rng,
+        )
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self.produce, daemon=True),
-                        threading.Thread(target=self.consume, daemon=True)]
+        self.threads = [
+            threading.Thread(target=self.produce, daemon=True),
+            threading.Thread(target=self.consume, daemon=True),
+        ]
 
     def start(self) -> None:
         for t in self.threads:
@@ -47,8 +56,15 @@ class Load:
         try:
             while not self.stop.is_set():
                 base = now_ms()
-                msgs = [c.message(SUBJECT, b"p", message_id=f"t{self.trial}-{n + i}",
-                                  deliver_at_ms=base + self.rng.randint(-200, 2500)) for i in range(50)]
+                msgs = [
+                    c.message(
+                        SUBJECT,
+                        b"p",
+                        message_id=f"t{self.trial}-{n + i}",
+                        deliver_at_ms=base + self.rng.randint(-200, 2500),
+                    )
+                    for i in range(50)
+                ]
                 n += 50
                 try:
                     receipts = c.send_batch(msgs)
@@ -116,8 +132,10 @@ def test_sigkill_under_load_loses_no_acknowledged_message(tmp_path):
     unknown = [m for m in delivered if not m.startswith("t")]
     assert not unknown
     dups = sum(n - 1 for n in delivered.values())
-    print(f"\n{TRIALS} SIGKILL trials: {len(acked)} acknowledged, all delivered, {dups} duplicates, "
-          f"pending after drain {stats['pending']}")
+    print(
+        f"\n{TRIALS} SIGKILL trials: {len(acked)} acknowledged, all delivered, {dups} duplicates, "
+        f"pending after drain {stats['pending']}"
+    )
 
 
 def test_sigkill_right_after_far_future_sends_keeps_every_message(tmp_path):
@@ -129,8 +147,10 @@ def test_sigkill_right_after_far_future_sends_keeps_every_message(tmp_path):
         base = now_ms() + 3_600_000
         receipts = []
         for k in range(10):  # spread over many minute buckets, all beyond the loading horizon
-            receipts += client.send_many((client.message(SUBJECT, b"far", deliver_at_ms=base + (k * 100 + i) * 7_000)
-                                          for i in range(100)), batch_size=100)
+            receipts += client.send_many(
+                (client.message(SUBJECT, b"far", deliver_at_ms=base + (k * 100 + i) * 7_000) for i in range(100)),
+                batch_size=100,
+            )
         client.close()
         srv.kill9()
         srv.start()

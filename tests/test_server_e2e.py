@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from disks import fill_disk, small_tmpfs
+from serverproc import ServerProc
 
 from qdelay import errors
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
-from disks import fill_disk, small_tmpfs
-from serverproc import ServerProc
 
 ACK_TIMEOUT_MS = 1000
 _subjects = itertools.count(1)
@@ -31,8 +31,17 @@ def now_ms() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("e2e") / "data"
-    with ServerProc(data, args=["--set", f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}",
-                                "--set", "engine.retry_backoff_ms=0", "--metrics-listen", "127.0.0.1:0"]) as srv:
+    with ServerProc(
+        data,
+        args=[
+            "--set",
+            f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}",
+            "--set",
+            "engine.retry_backoff_ms=0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    ) as srv:
         yield srv
 
 
@@ -77,8 +86,12 @@ def test_batch_and_stream_sends(client):
     seqs = [r.sequence for r in receipts]
     assert seqs == sorted(seqs) and len(set(seqs)) == 100
     # SendStream: several batches pipelined on one stream, one response per request, in order
-    batches = [pb.SendBatchRequest(messages=[pb.Message(subject=s, payload=b"s%d-%d" % (k, i), delay_ms=300)
-                                             for i in range(50)]) for k in range(4)]
+    batches = [
+        pb.SendBatchRequest(
+            messages=[pb.Message(subject=s, payload=b"s%d-%d" % (k, i), delay_ms=300) for i in range(50)]
+        )
+        for k in range(4)
+    ]
     stub = pb_grpc.DelayServiceStub(client.channel)
     responses = list(stub.SendStream(iter(batches), timeout=20))
     assert [len(r.receipts) for r in responses] == [50] * 4
@@ -86,8 +99,11 @@ def test_batch_and_stream_sends(client):
     assert stream_seqs == sorted(stream_seqs)
     many = client.send_many((client.message(s, b"m", delay_ms=300) for _ in range(2500)), batch_size=400)
     assert len(many) == 2500
-    expected = {r.message_id for r in receipts} | {rc.message_id for r in responses for rc in r.receipts} | \
-        {r.message_id for r in many}
+    expected = (
+        {r.message_id for r in receipts}
+        | {rc.message_id for r in responses for rc in r.receipts}
+        | {r.message_id for r in many}
+    )
     with client.subscribe(s, max_in_flight=5000) as consumer:
         seen = set()
         deadline = time.monotonic() + 20
@@ -321,8 +337,7 @@ def test_health_reflection_stats_metrics(server, client):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
-    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                          timeout=5))
+    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
     names = {s.name for s in resp.list_services_response.service}
     assert {"qdelay.v1.DelayService", "grpc.health.v1.Health"} <= names
     st = client.stats()
@@ -330,9 +345,15 @@ def test_health_reflection_stats_metrics(server, client):
     log = server.log_path.read_text()
     port = int(log.split("metrics on 127.0.0.1:")[1].split()[0])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for name in ("qdelay_ingested_messages_total", "qdelay_wal_fsync_seconds_bucket", "qdelay_iterate_lag_bytes",
-                 "qdelay_wheel_size", "qdelay_pending_messages", "qdelay_dispatch_lateness_seconds_bucket",
-                 "qdelay_redeliveries_total"):
+    for name in (
+        "qdelay_ingested_messages_total",
+        "qdelay_wal_fsync_seconds_bucket",
+        "qdelay_iterate_lag_bytes",
+        "qdelay_wheel_size",
+        "qdelay_pending_messages",
+        "qdelay_dispatch_lateness_seconds_bucket",
+        "qdelay_redeliveries_total",
+    ):
         assert name in text, name
 
 
@@ -372,8 +393,7 @@ def test_python_example_runs(server):
     import subprocess
     import sys
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python",
-                        "example.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python", "example.py")
     result = subprocess.run([sys.executable, path, server.address], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "received 1001 messages; cancelled one delivered: False" in result.stdout
@@ -444,8 +464,9 @@ def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk
             time.sleep(0.5)  # the dispatch log's writes fail and are kept for later
             assert c.health() == "SERVING"
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            waits = [float(line.split()[1]) for line in text.splitlines()
-                     if line.startswith("qdelay_disk_full_waits_total ")]
+            waits = [
+                float(line.split()[1]) for line in text.splitlines() if line.startswith("qdelay_disk_full_waits_total ")
+            ]
             assert waits and waits[0] > 0, "the retries show in the metrics"
             os.unlink(filler)
             time.sleep(0.5)
@@ -496,9 +517,12 @@ def test_send_many_of_outgoing_tuples(client):
 
     s = subject()
     at = now_ms() + 3_600_000
-    msgs = [Outgoing(s, b"p%d" % i, deliver_at_ms=at + i) if i % 2 else
-            Outgoing(s, b"p%d" % i, delay_ms=3_600_000, message_id=f"given-{i}", headers={"k": str(i)})
-            for i in range(30)]
+    msgs = [
+        Outgoing(s, b"p%d" % i, deliver_at_ms=at + i)
+        if i % 2
+        else Outgoing(s, b"p%d" % i, delay_ms=3_600_000, message_id=f"given-{i}", headers={"k": str(i)})
+        for i in range(30)
+    ]
     receipts = client.send_many(msgs, batch_size=7, max_in_flight=2)
     assert len(receipts) == 30 and [r.message_id for r in receipts][0::2] == [f"given-{i}" for i in range(0, 30, 2)]
     for i in (0, 1, 28, 29):
@@ -551,7 +575,7 @@ def test_compact_receipts(client):
     msgs = [pb.Message(subject=s, payload=b"c", message_id=f"cr-{i}", deliver_at_ms=due + i) for i in range(5)]
     resp = stub.SendBatch(pb.SendBatchRequest(messages=msgs, compact_receipts=True), timeout=10)
     assert len(resp.receipts) == 0 and list(resp.deliver_at_ms) == [due + i for i in range(5)]
-    last = client.get((f"cr-4", due + 4, resp.first_sequence + 4))
+    last = client.get(("cr-4", due + 4, resp.first_sequence + 4))
     assert client.state_name(last) == "PENDING" and last.message.message_id == "cr-4"
     before = client.stats()["pending"]
     bad = msgs[:2] + [pb.Message(subject=s, payload=b"c", delay_ms=10)]

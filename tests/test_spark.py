@@ -41,8 +41,12 @@ def spark():
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("spark")
     out = {}
-    for name, build in (("golden", datafolder.build_golden), ("planted", datafolder.build_audit_planted),
-                        ("clean", datafolder.build_audit_clean), ("damaged", datafolder.build_golden)):
+    for name, build in (
+        ("golden", datafolder.build_golden),
+        ("planted", datafolder.build_audit_planted),
+        ("clean", datafolder.build_audit_clean),
+        ("damaged", datafolder.build_golden),
+    ):
         path = str(root / name)
         build(path).close()
         out[name] = path
@@ -81,24 +85,41 @@ def test_reads_all_three_logs_with_the_documented_schema(spark, folders):
     assert df.rdd.getNumPartitions() == 7
 
     m3 = [r for r in by_log["schedule"] if r.sequence == 3][0]
-    assert (m3.kind, m3.message_id, m3.subject, m3.headers, bytes(m3.payload)) == \
-        ("MESSAGE", "msg-0003", "price.switch", {"tenant": "acme", "trace": "t-1"}, b"price=42")
-    assert (m3.created_ms, m3.due_ms, m3.segment, m3.offset) == \
-        (T0 + 2_000, T0 + 120_000, "schedule/20260101/202601010002.sched", 0)
+    assert (m3.kind, m3.message_id, m3.subject, m3.headers, bytes(m3.payload)) == (
+        "MESSAGE",
+        "msg-0003",
+        "price.switch",
+        {"tenant": "acme", "trace": "t-1"},
+        b"price=42",
+    )
+    assert (m3.created_ms, m3.due_ms, m3.segment, m3.offset) == (
+        T0 + 2_000,
+        T0 + 120_000,
+        "schedule/20260101/202601010002.sched",
+        0,
+    )
     m2 = [r for r in by_log["message"] if r.sequence == 2][0]
     assert bytes(m2.payload) == b"\x00\xff\x10binary"
     c4 = [r for r in by_log["message"] if r.sequence == 4][0]
     assert (c4.kind, c4.target_sequence, c4.created_ms, c4.due_ms) == ("CANCEL", 3, T0 + 3_000, T0 + 120_000)
     # payload=false: same rows, payload and headers left null (what the jobs read)
-    light = spark.read.format("qdelay").option("log", "all").option("payload", "false") \
-        .load(folders["golden"]).collect()
+    light = (
+        spark.read.format("qdelay").option("log", "all").option("payload", "false").load(folders["golden"]).collect()
+    )
     assert all(r.payload is None and r.headers is None for r in light)
     strip = lambda r: r.asDict() | {"payload": None, "headers": None}  # noqa: E731
     assert sorted(map(str, map(strip, light))) == sorted(map(str, map(strip, rows)))
     d6 = [r for r in by_log["dispatch"] if r.sequence == 6][0]
-    assert (d6.kind, d6.message_id, d6.due_ms, d6.dispatched_ms, d6.acked_ms, d6.attempt, d6.outcome,
-            d6.schedule_offset) == ("DISPATCH", "client-id-6", T0 + 210_000, T0 + 300_000, T0 + 300_010,
-                                    3, "DEAD_LETTERED", 81)
+    assert (
+        d6.kind,
+        d6.message_id,
+        d6.due_ms,
+        d6.dispatched_ms,
+        d6.acked_ms,
+        d6.attempt,
+        d6.outcome,
+        d6.schedule_offset,
+    ) == ("DISPATCH", "client-id-6", T0 + 210_000, T0 + 300_000, T0 + 300_010, 3, "DEAD_LETTERED", 81)
 
 
 def test_many_folders_and_split_segments(spark, folders):
@@ -107,8 +128,7 @@ def test_many_folders_and_split_segments(spark, folders):
     two = [folders["golden"], folders["clean"]]
     as_list = spark.read.format("qdelay").option("log", "schedule").load(two)
     as_text = spark.read.format("qdelay").option("log", "schedule").load(",".join(two))
-    assert sorted(as_list.groupBy("server").count().collect()) == \
-        sorted(as_text.groupBy("server").count().collect())
+    assert sorted(as_list.groupBy("server").count().collect()) == sorted(as_text.groupBy("server").count().collect())
     # a segment split on record boundaries reads the same records as a whole one
     whole = spark_source.read(spark, folders["clean"], log="schedule").select("segment", "offset", "sequence")
     split = spark_source.read(spark, folders["clean"], log="schedule", splitBytes=200)
@@ -119,10 +139,20 @@ def test_many_folders_and_split_segments(spark, folders):
 
 def test_corrupt_records_are_rows_or_skipped_never_a_crash(spark, folders):
     d = folders["damaged"]
-    rows = spark.read.format("qdelay").option("log", "all").option("corrupt", "row").load(d) \
-        .where("error is not null").select("segment", "offset", "error").orderBy("segment").collect()
+    rows = (
+        spark.read.format("qdelay")
+        .option("log", "all")
+        .option("corrupt", "row")
+        .load(d)
+        .where("error is not null")
+        .select("segment", "offset", "error")
+        .orderBy("segment")
+        .collect()
+    )
     assert [(r.segment, r.offset) for r in rows] == [
-        ("message/00000000000000000342.wal", 163), ("schedule/20260101/202601010001.sched", 0)]
+        ("message/00000000000000000342.wal", 163),
+        ("schedule/20260101/202601010001.sched", 0),
+    ]
     assert rows[0].error.startswith("torn tail") and rows[1].error.startswith("checksum mismatch")
     skipped = spark.read.format("qdelay").option("log", "all").option("corrupt", "skip").load(d)
     assert skipped.count() == 16 - 2 and skipped.where("error is not null").count() == 0
@@ -137,13 +167,16 @@ def test_audit_finds_every_planted_problem(spark, folders, tmp_path, capsys):
     assert (s["messages"], s["cancelled"], s["dispatch_records"]) == (7, 2, 5)
     ex = s["examples"]
     assert [(r["message_id"], r["sequence"]) for r in ex["lost"]] == [("lost-one", 2)]
-    assert [(r["message_id"], r["dispatches"], r["attempts"]) for r in ex["duplicated"]] == \
-        [("dup-one", 2, [1, 2])]
+    assert [(r["message_id"], r["dispatches"], r["attempts"]) for r in ex["duplicated"]] == [("dup-one", 2, [1, 2])]
     assert [r["message_id"] for r in ex["delivered_after_cancel"]] == ["cancelled-one"]
     assert [(r["message_id"], r["early_by_ms"]) for r in ex["early"]] == [("early-one", 5_000)]
     assert s["corrupt_records"] == [] and s["torn_tails"] == []
-    rows = [json.loads(line) for p in os.listdir(os.path.join(out, "findings")) if p.endswith(".json")
-            for line in open(os.path.join(out, "findings", p))]
+    rows = [
+        json.loads(line)
+        for p in os.listdir(os.path.join(out, "findings"))
+        if p.endswith(".json")
+        for line in open(os.path.join(out, "findings", p))
+    ]
     assert sorted(r["message_id"] for r in rows) == ["cancelled-one", "dup-one", "early-one", "lost-one"]
 
 
@@ -161,8 +194,7 @@ def test_audit_reports_damage_and_goes_on(spark, folders):
     s = spark_jobs.audit(spark, [folders["damaged"]], T0, 60_000)
     assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}
     assert s["messages"] == 5  # seq 7 was torn off; seq 1 survives in the message log
-    assert [(r["segment"], r["offset"]) for r in s["corrupt_records"]] == \
-        [("schedule/20260101/202601010001.sched", 0)]
+    assert [(r["segment"], r["offset"]) for r in s["corrupt_records"]] == [("schedule/20260101/202601010001.sched", 0)]
     assert [(r["segment"], r["offset"]) for r in s["torn_tails"]] == [("message/00000000000000000342.wal", 163)]
 
 
@@ -178,15 +210,31 @@ def test_lateness_forecast_export(spark, folders, tmp_path, capsys):
     assert os.path.getsize(os.path.join(out, "lateness.png")) > 1000
 
     out = str(tmp_path / "fc")
-    assert _job(["forecast", "--data-dir", folders["golden"], "--now", str(T0 + 150_000),
-                 "--hours", "2", "--out", out]) == 0
+    assert (
+        _job(["forecast", "--data-dir", folders["golden"], "--now", str(T0 + 150_000), "--hours", "2", "--out", out])
+        == 0
+    )
     fc = pd.read_csv(os.path.join(out, "forecast_per_minute.csv"))
     assert fc[["minute_ms", "due"]].values.tolist() == [[T0 + 180_000, 1], [T0 + 240_000, 1]]
     assert os.path.getsize(os.path.join(out, "forecast.png")) > 1000
 
     out = str(tmp_path / "ex")
-    assert _job(["export", "--data-dir", folders["golden"], "--data-dir", folders["planted"],
-                 "--log", "schedule,dispatch", "--out", out]) == 0
+    assert (
+        _job(
+            [
+                "export",
+                "--data-dir",
+                folders["golden"],
+                "--data-dir",
+                folders["planted"],
+                "--log",
+                "schedule,dispatch",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
     sched = spark.read.parquet(os.path.join(out, "schedule"))
     assert sched.count() == 6 + 9
     assert os.path.isdir(os.path.join(out, "schedule", "due_day=2026-01-01"))
@@ -210,8 +258,11 @@ def server(tmp_path):
     data = str(tmp_path / "server-data")
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "qdelay.cli", "server", "--data-dir", data,
-                             "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", data, "--listen", f"127.0.0.1:{port}"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -266,15 +317,24 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     half.write_text("\n".join(lines[: 1 + n // 2]) + "\n")
     r1 = spark_jobs.import_dataset(spark, str(half), target, out, "csv", batch_size=16)
     assert (r1["rows"], r1["already_accepted"], r1["accepted"], r1["rejected"]) == (n // 2, 0, n // 2, 0)
-    assert _job(["import", "--input", str(csv), "--format", "csv", "--target", target,
-                 "--out", out, "--batch-size", "16"]) == 1  # one row rejected
-    assert f"{n + 1} rows: {n // 2} accepted by an earlier run, {n} accepted in all, 1 rejected" \
-        in capsys.readouterr().out
-    rejected = [json.loads(line) for p in os.listdir(os.path.join(out, "rejected"))
-                for line in open(os.path.join(out, "rejected", p))]
+    assert (
+        _job(["import", "--input", str(csv), "--format", "csv", "--target", target, "--out", out, "--batch-size", "16"])
+        == 1
+    )  # one row rejected
+    assert (
+        f"{n + 1} rows: {n // 2} accepted by an earlier run, {n} accepted in all, 1 rejected" in capsys.readouterr().out
+    )
+    rejected = [
+        json.loads(line)
+        for p in os.listdir(os.path.join(out, "rejected"))
+        for line in open(os.path.join(out, "rejected", p))
+    ]
     assert [(r["message_id"], r["code"]) for r in rejected] == [("imp-bad", "INVALID_ARGUMENT")]
-    ids = [json.loads(line)["message_id"] for p in os.listdir(os.path.join(out, "accepted"))
-           for line in open(os.path.join(out, "accepted", p))]
+    ids = [
+        json.loads(line)["message_id"]
+        for p in os.listdir(os.path.join(out, "accepted"))
+        for line in open(os.path.join(out, "accepted", p))
+    ]
     assert sorted(ids) == [f"imp-{i:04d}" for i in range(n)]  # each once: the resume skipped the first half
 
     # consume everything, acking, so the server writes its dispatch records
@@ -283,8 +343,14 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     def dispatched() -> int:  # distinct sequences in the dispatch log, read with the inspect walker
         from qdelay.tools.inspect import segment_files, walk_file
 
-        return len({i.frame.sequence for sf in segment_files(data_dir, ("dispatch",))
-                    for i in walk_file(sf) if i.record is not None})
+        return len(
+            {
+                i.frame.sequence
+                for sf in segment_files(data_dir, ("dispatch",))
+                for i in walk_file(sf)
+                if i.record is not None
+            }
+        )
 
     got = set()
     with Client(target) as c, c.subscribe("imp.t") as consumer:

@@ -6,10 +6,10 @@ import grpc
 import pytest
 
 from qdelay import errors
+from qdelay.segments import records
 from qdelay.server import config as config_mod
 from qdelay.server.config import ConfigError, Limits, ServerConfig
 from qdelay.server.status import status_of
-from qdelay.segments import records
 from qdelay.server.validation import IdGenerator, encode_messages, validate_receipt, validate_subscribe
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -61,9 +61,16 @@ def test_past_due_accepted():
     assert out[0][4] == 1
 
 
-@pytest.mark.parametrize("subject,needle", [
-    ("", "required"), ("a" * 256, "256 characters, limit 255"), ("a b", "' '"), ("é", "'é'"), ("a/b", "'/'"),
-])
+@pytest.mark.parametrize(
+    "subject,needle",
+    [
+        ("", "required"),
+        ("a" * 256, "256 characters, limit 255"),
+        ("a b", "' '"),
+        ("é", "'é'"),
+        ("a/b", "'/'"),
+    ],
+)
 def test_subject(subject, needle):
     refused([msg(), msg(subject=subject)], "messages[1].subject", needle)
 
@@ -129,8 +136,11 @@ def test_receipt_and_subscribe():
         validate_receipt(pb.CancelRequest(), LIMITS)
     with pytest.raises(errors.InvalidArgument, match="receipt.message_id: required"):
         validate_receipt(pb.CancelRequest(receipt=pb.Receipt(deliver_at_ms=5)), LIMITS)
-    assert validate_receipt(pb.GetRequest(receipt=pb.Receipt(message_id="a", deliver_at_ms=5, sequence=7)),
-                            LIMITS) == ("a", 5, 7)
+    assert validate_receipt(pb.GetRequest(receipt=pb.Receipt(message_id="a", deliver_at_ms=5, sequence=7)), LIMITS) == (
+        "a",
+        5,
+        7,
+    )
     assert validate_subscribe(pb.SubscribeRequest(subject="s"), LIMITS) == ("s", "default")
     with pytest.raises(errors.InvalidArgument, match="subject"):
         validate_subscribe(pb.SubscribeRequest(), LIMITS)
@@ -139,18 +149,21 @@ def test_receipt_and_subscribe():
 
 
 # ---------------------------------------------------------------- status mapping
-@pytest.mark.parametrize("error,code", [
-    (errors.InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.DiskFull("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.NotMaster("x"), grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.Fenced("x"), grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ShuttingDown("x"), grpc.StatusCode.UNAVAILABLE),
-    (errors.WalFailed("x"), grpc.StatusCode.UNAVAILABLE),
-    (errors.Unauthenticated("x"), grpc.StatusCode.UNAUTHENTICATED),
-    (errors.CorruptRecord("seg", 10, "bad"), grpc.StatusCode.DATA_LOSS),
-    (RuntimeError("secret internals"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (errors.InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (errors.Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (errors.DiskFull("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (errors.NotMaster("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (errors.Fenced("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (errors.ShuttingDown("x"), grpc.StatusCode.UNAVAILABLE),
+        (errors.WalFailed("x"), grpc.StatusCode.UNAVAILABLE),
+        (errors.Unauthenticated("x"), grpc.StatusCode.UNAUTHENTICATED),
+        (errors.CorruptRecord("seg", 10, "bad"), grpc.StatusCode.DATA_LOSS),
+        (RuntimeError("secret internals"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_status_mapping(error, code):
     got, message = status_of(error)
     assert got == code
@@ -160,8 +173,9 @@ def test_status_mapping(error, code):
 # ---------------------------------------------------------------- config
 def test_config_file_and_flags(tmp_path):
     path = tmp_path / "q.toml"
-    path.write_text('listen = "127.0.0.1:9999"\nmin_free_bytes = 5\n[limits]\nmax_batch = 7\n'
-                    '[engine]\nack_timeout_ms = 500\n')
+    path.write_text(
+        'listen = "127.0.0.1:9999"\nmin_free_bytes = 5\n[limits]\nmax_batch = 7\n[engine]\nack_timeout_ms = 500\n'
+    )
     cfg = config_mod.load_file(str(path))
     assert cfg.listen == "127.0.0.1:9999" and cfg.min_free_bytes == 5
     assert cfg.limits.max_batch == 7 and cfg.engine_options == {"ack_timeout_ms": 500}
@@ -173,10 +187,10 @@ def test_config_errors(tmp_path):
     path.write_text('lisen = "x"\n')
     with pytest.raises(ConfigError, match="unknown key 'lisen'"):
         config_mod.load_file(str(path))
-    path.write_text('[limits]\nmax_batc = 1\n')
+    path.write_text("[limits]\nmax_batc = 1\n")
     with pytest.raises(ConfigError, match="limits.max_batc"):
         config_mod.load_file(str(path))
-    path.write_text('listen = \n')
+    path.write_text("listen = \n")
     with pytest.raises(ConfigError, match="q.toml"):
         config_mod.load_file(str(path))
     with pytest.raises(ConfigError, match="HOST:PORT"):
@@ -198,8 +212,18 @@ def test_main_flags_override_file(tmp_path):
 
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
-    args = parser.parse_args(["--config", str(path), "--listen", "127.0.0.1:0",
-                              "--set", "limits.max_batch=9", "--set", "engine.flush=interval:5"])
+    args = parser.parse_args(
+        [
+            "--config",
+            str(path),
+            "--listen",
+            "127.0.0.1:0",
+            "--set",
+            "limits.max_batch=9",
+            "--set",
+            "engine.flush=interval:5",
+        ]
+    )
     cfg = main.config_from_args(args)
     assert cfg.listen == "127.0.0.1:0" and cfg.data_dir == "from-file"
     assert cfg.limits.max_batch == 9 and cfg.engine_options["flush"] == "interval:5"
@@ -209,8 +233,7 @@ def test_main_flags_override_file(tmp_path):
 
 
 def test_compact_receipts_need_every_message_id():
-    batch = encode_messages([msg(message_id="a"), msg(message_id="b")], LIMITS, NOW, IdGenerator(),
-                            ids_required=True)
+    batch = encode_messages([msg(message_id="a"), msg(message_id="b")], LIMITS, NOW, IdGenerator(), ids_required=True)
     assert batch.ids == ["a", "b"]
     with pytest.raises(errors.InvalidArgument, match=r"messages\[1\].message_id: required with compact_receipts"):
         encode_messages([msg(message_id="a"), msg()], LIMITS, NOW, IdGenerator(), ids_required=True)

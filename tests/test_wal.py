@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
-
 from byte_surgery import file_bytes
 from disks import fill_disk, small_tmpfs
+
 from qdelay.errors import DiskFull, InvariantViolation, ShuttingDown, WalFailed
 from qdelay.segments import naming, segment
 from qdelay.segments.framing import RecordKind
@@ -349,7 +349,7 @@ def test_the_segment_being_written_is_zero_filled_ahead_and_trimmed_when_sealed(
     assert os.path.getsize(segs[0].path) == segs[0].size  # sealed: cut to its last record
     assert os.path.getsize(segs[1].path) % 1024 == 0 and os.path.getsize(segs[1].path) > segs[1].size
     assert [f.sequence for f in read_all(log)] == list(range(1, 27))
-    assert log.read_raw(segs[1].key, 1 << 20) == file_bytes(segs[1].path)[:segs[1].size]
+    assert log.read_raw(segs[1].key, 1 << 20) == file_bytes(segs[1].path)[: segs[1].size]
     log.close()
     assert os.path.getsize(segs[1].path) == segs[1].size  # a clean close cuts the zeros too
 

@@ -32,8 +32,11 @@ SEGMENT_BYTES = 64 * 1024
 def run_child_until_killed(directory: str, seed: int) -> tuple[int, list[int]]:
     """Start a child, kill it with SIGKILL after a random time; (its start sequence, its acks)."""
     rng = random.Random(seed)
-    child = subprocess.Popen([sys.executable, CHILD, directory, str(THREADS), str(SEGMENT_BYTES)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, CHILD, directory, str(THREADS), str(SEGMENT_BYTES)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lines: list[bytes] = []
     ready = threading.Event()
 

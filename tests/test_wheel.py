@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from qdelay.server.wheel import Entries, TimerWheel
 
@@ -22,9 +22,13 @@ T0 = 1_700_000_000_000
 def entries(rows) -> Entries:
     """rows: (due, seq, off, bucket, subj)."""
     cols = list(zip(*rows)) if rows else [[], [], [], [], []]
-    return Entries(np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64),
-                   np.array(cols[2], dtype=np.int64), np.array(cols[3], dtype=np.int32),
-                   np.array(cols[4], dtype=np.int32))
+    return Entries(
+        np.array(cols[0], dtype=np.int64),
+        np.array(cols[1], dtype=np.int64),
+        np.array(cols[2], dtype=np.int64),
+        np.array(cols[3], dtype=np.int32),
+        np.array(cols[4], dtype=np.int32),
+    )
 
 
 def rows_of(e: Entries) -> list[tuple]:
@@ -71,14 +75,19 @@ def test_tick_must_be_positive():
 
 
 entry_rows = st.lists(
-    st.tuples(st.integers(0, 5_000),            # due offset from T0
-              st.integers(0, 7)),               # subject
-    min_size=0, max_size=60)
+    st.tuples(
+        st.integers(0, 5_000),  # due offset from T0
+        st.integers(0, 7),
+    ),  # subject
+    min_size=0,
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(rows=entry_rows, tick=st.sampled_from([1, 3, 10, 250]),
-       steps=st.lists(st.integers(0, 700), min_size=1, max_size=40))
+@given(
+    rows=entry_rows, tick=st.sampled_from([1, 3, 10, 250]), steps=st.lists(st.integers(0, 700), min_size=1, max_size=40)
+)
 def test_every_entry_fires_once_never_early(rows, tick, steps):
     w = TimerWheel(tick)
     all_rows = [(T0 + d, i + 1, i * 100, 3, s) for i, (d, s) in enumerate(rows)]
@@ -130,8 +139,7 @@ class WheelModel(RuleBasedStateMachine):
         self.w.add(*r)
         self.pending[r[1]] = r
 
-    @rule(dues=st.lists(st.tuples(st.integers(-200, 3000), st.integers(0, 3), st.integers(0, 3)),
-                        max_size=40))
+    @rule(dues=st.lists(st.tuples(st.integers(-200, 3000), st.integers(0, 3), st.integers(0, 3)), max_size=40))
     def add_many(self, dues):
         rows = [self._row(d, b, s) for d, b, s in dues]
         self.w.add_many(entries(rows))
@@ -141,8 +149,9 @@ class WheelModel(RuleBasedStateMachine):
     @rule(step=st.integers(0, 800), limit=st.none() | st.integers(1, 20))
     def pop(self, step, limit):
         self.now += step
-        fireable = sorted((r for r in self.pending.values() if fire_time(r[0], self.tick) <= self.now),
-                          key=lambda r: r[0])
+        fireable = sorted(
+            (r for r in self.pending.values() if fire_time(r[0], self.tick) <= self.now), key=lambda r: r[0]
+        )
         out = rows_of(self.w.pop_due(self.now, limit))
         dues = [r[0] for r in out]
         assert dues == sorted(dues), "a pop is in due order"
@@ -158,7 +167,7 @@ class WheelModel(RuleBasedStateMachine):
             # the earliest: at least `limit`, and only ties on the last due time beyond it
             assert len(out) >= limit
             assert max(dues) == fireable[limit - 1][0], "only ties on the limit-th due time are added"
-            assert dues == [r[0] for r in fireable[:len(out)]]
+            assert dues == [r[0] for r in fireable[: len(out)]]
             left = [r[0] for r in self.pending.values() if fire_time(r[0], self.tick) <= self.now]
             assert not left or min(left) >= max(dues)
 
@@ -188,8 +197,9 @@ class WheelModel(RuleBasedStateMachine):
 
 
 TestWheelModel = WheelModel.TestCase
-TestWheelModel.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
+TestWheelModel.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -201,8 +211,8 @@ def test_limit_takes_the_earliest_across_runs(n, limit, seed):
     # spread over many runs (and compactions) plus fresh singles
     rows = [(int(d), i + 1, i, 0, int(i % 3)) for i, d in enumerate(dues)]
     for k in range(0, n, 17):
-        w.add_many(entries(rows[k:k + 13]))
-        for r in rows[k + 13:k + 17]:
+        w.add_many(entries(rows[k : k + 13]))
+        for r in rows[k + 13 : k + 17]:
             w.add(*r)
     taken = []
     while len(w):

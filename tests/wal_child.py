@@ -30,8 +30,9 @@ def main() -> None:
     def appender(seed: int) -> None:
         rng = random.Random(seed)
         while True:
-            entries = [(RecordKind.MESSAGE, 0, rng.randbytes(rng.randrange(20, 600)))
-                       for _ in range(rng.randrange(1, 5))]
+            entries = [
+                (RecordKind.MESSAGE, 0, rng.randbytes(rng.randrange(20, 600))) for _ in range(rng.randrange(1, 5))
+            ]
             done = log.append(entries)
             lines = "".join(f"ack {done.first_sequence + i}\n" for i in range(done.count))
             with out_lock:

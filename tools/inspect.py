@@ -19,8 +19,8 @@ import json
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from qdelay.segments import framing, naming, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
@@ -28,13 +28,14 @@ from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
 from qdelay.tools.progress import Progress
 
 LOGS = ("message", "schedule", "dispatch")
-_LOG_DIRS = {"message": naming.MESSAGE_DIR, "schedule": naming.SCHEDULE_DIR,
-             "dispatch": naming.DISPATCH_DIR}
+_LOG_DIRS = {"message": naming.MESSAGE_DIR, "schedule": naming.SCHEDULE_DIR, "dispatch": naming.DISPATCH_DIR}
 _SUFFIX = {"schedule": naming.SCHEDULE_SUFFIX, "dispatch": naming.DISPATCH_SUFFIX}
 # the record kinds each log may hold
-ALLOWED_KINDS = {"message": {RecordKind.MESSAGE, RecordKind.CANCEL},
-                 "schedule": {RecordKind.MESSAGE, RecordKind.CANCEL},
-                 "dispatch": {RecordKind.DISPATCH}}
+ALLOWED_KINDS = {
+    "message": {RecordKind.MESSAGE, RecordKind.CANCEL},
+    "schedule": {RecordKind.MESSAGE, RecordKind.CANCEL},
+    "dispatch": {RecordKind.DISPATCH},
+}
 CHECKPOINT_NAME = "iterate" + naming.CHECKPOINT_SUFFIX
 
 OK, BAD_BODY, CORRUPT, TORN, ZERO = "ok", "bad-body", "corrupt", "torn", "zero"
@@ -45,11 +46,11 @@ OK, BAD_BODY, CORRUPT, TORN, ZERO = "ok", "bad-body", "corrupt", "torn", "zero"
 
 @dataclass(frozen=True, slots=True)
 class SegmentFile:
-    log: str     # message | schedule | dispatch
-    path: str    # absolute path
-    rel: str     # path relative to the data folder, "/"-separated
-    key: int     # base offset (message log) or bucket minute (schedule, dispatch)
-    size: int    # bytes when listed (a live segment may have grown since)
+    log: str  # message | schedule | dispatch
+    path: str  # absolute path
+    rel: str  # path relative to the data folder, "/"-separated
+    key: int  # base offset (message log) or bucket minute (schedule, dispatch)
+    size: int  # bytes when listed (a live segment may have grown since)
 
 
 def segment_files(data_dir: str, logs=LOGS) -> list[SegmentFile]:
@@ -75,11 +76,11 @@ def segment_files(data_dir: str, logs=LOGS) -> list[SegmentFile]:
 class Item:
     """One record, or one stretch of bytes that is not a valid record."""
 
-    status: str                 # ok | bad-body | corrupt | torn | zero
-    offset: int                 # in the file
-    end: int                    # offset just after it
+    status: str  # ok | bad-body | corrupt | torn | zero
+    offset: int  # in the file
+    end: int  # offset just after it
     frame: Frame | None = None
-    record: object = None       # Message | Cancel | Dispatch once decoded
+    record: object = None  # Message | Cancel | Dispatch once decoded
     error: str | None = None
 
     @property
@@ -112,11 +113,19 @@ def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item
                 return
             nxt = framing.find_next_frame(rest, 1)
             if nxt is None:
-                yield Item(TORN, file_offset + pos, file_offset + end,
-                           error=f"torn tail: {err.reason} ({end - pos} bytes to the end)")
+                yield Item(
+                    TORN,
+                    file_offset + pos,
+                    file_offset + end,
+                    error=f"torn tail: {err.reason} ({end - pos} bytes to the end)",
+                )
                 return
-            yield Item(CORRUPT, file_offset + pos, file_offset + pos + nxt,
-                       error=f"{err.reason} ({nxt} bytes skipped to the next valid record)")
+            yield Item(
+                CORRUPT,
+                file_offset + pos,
+                file_offset + pos + nxt,
+                error=f"{err.reason} ({nxt} bytes skipped to the next valid record)",
+            )
             pos += nxt
             continue
         size = frame.size
@@ -156,8 +165,7 @@ def open_buffer(path: str):
                 pass
 
 
-def walk_file(sf: SegmentFile, progress: Progress | None = None,
-              decode_bodies: bool = True) -> Iterator[Item]:
+def walk_file(sf: SegmentFile, progress: Progress | None = None, decode_bodies: bool = True) -> Iterator[Item]:
     with open_buffer(sf.path) as buf:
         done = 0
         for item in walk(buf, 0, decode_bodies):
@@ -189,7 +197,7 @@ def read_checkpoint(data_dir: str) -> tuple[dict | None, str | None]:
 def iso(ms: int | None) -> str:
     if ms is None:
         return "-"
-    t = _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.timezone.utc)
+    t = _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC)
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
 
 
@@ -229,17 +237,33 @@ def record_fields(item: Item) -> dict:
     rec = item.record
     if isinstance(rec, Message):
         text, enc = payload_text(rec.payload)
-        out.update(message_id=rec.message_id, subject=rec.subject, headers=rec.headers,
-                   payload=text, payload_encoding=enc, payload_bytes=len(rec.payload),
-                   created_ms=f.timestamp, due_ms=rec.deliver_at_ms)
+        out.update(
+            message_id=rec.message_id,
+            subject=rec.subject,
+            headers=rec.headers,
+            payload=text,
+            payload_encoding=enc,
+            payload_bytes=len(rec.payload),
+            created_ms=f.timestamp,
+            due_ms=rec.deliver_at_ms,
+        )
     elif isinstance(rec, Cancel):
-        out.update(message_id=rec.message_id, target_sequence=rec.target_sequence,
-                   created_ms=f.timestamp, due_ms=rec.deliver_at_ms)
+        out.update(
+            message_id=rec.message_id,
+            target_sequence=rec.target_sequence,
+            created_ms=f.timestamp,
+            due_ms=rec.deliver_at_ms,
+        )
     elif isinstance(rec, Dispatch):
-        out.update(message_id=rec.message_id, due_ms=rec.deliver_at_ms,
-                   dispatched_ms=rec.dispatched_at_ms, acked_ms=f.timestamp,
-                   schedule_offset=rec.schedule_offset, attempt=rec.attempt,
-                   outcome=outcome_name(rec.outcome))
+        out.update(
+            message_id=rec.message_id,
+            due_ms=rec.deliver_at_ms,
+            dispatched_ms=rec.dispatched_at_ms,
+            acked_ms=f.timestamp,
+            schedule_offset=rec.schedule_offset,
+            attempt=rec.attempt,
+            outcome=outcome_name(rec.outcome),
+        )
     else:
         out.update(timestamp_ms=f.timestamp)
     if item.error:
@@ -256,9 +280,11 @@ def _table(rows: list[list[str]], header: list[str], right: set[int] = frozenset
     for row in rows:
         for i, cell in enumerate(row):
             widths[i] = max(widths[i], len(cell))
+
     def fmt(row):
         cells = [(c.rjust(widths[i]) if i in right else c.ljust(widths[i])) for i, c in enumerate(row)]
         return "  ".join(cells).rstrip()
+
     sys.stdout.write(fmt(header) + "\n")
     for row in rows:
         sys.stdout.write(fmt(row) + "\n")
@@ -295,9 +321,19 @@ def cmd_ls(args) -> int:
     infos = []
     with _progress(files, "ls") as prog:
         for sf in files:
-            info = {"log": sf.log, "segment": sf.rel, "bytes": sf.size, "records": 0, "bad": 0,
-                    "first_sequence": None, "last_sequence": None, "first_ms": None,
-                    "last_ms": None, "min_due_ms": None, "max_due_ms": None}
+            info = {
+                "log": sf.log,
+                "segment": sf.rel,
+                "bytes": sf.size,
+                "records": 0,
+                "bad": 0,
+                "first_sequence": None,
+                "last_sequence": None,
+                "first_ms": None,
+                "last_ms": None,
+                "min_due_ms": None,
+                "max_due_ms": None,
+            }
             for item in walk_file(sf, prog):
                 if item.is_error:
                     info["bad"] += 1
@@ -322,15 +358,32 @@ def cmd_ls(args) -> int:
     rows = []
     for i in infos:
         seqs = "-" if i["first_sequence"] is None else f"{i['first_sequence']}..{i['last_sequence']}"
-        rows.append([i["log"], i["segment"], str(i["records"]), str(i["bad"]), str(i["bytes"]), seqs,
-                     iso(i["first_ms"]), iso(i["last_ms"]), iso(i["min_due_ms"]), iso(i["max_due_ms"])])
-    _table(rows, ["LOG", "SEGMENT", "RECORDS", "BAD", "BYTES", "SEQUENCES", "FIRST_TIME",
-                  "LAST_TIME", "FIRST_DUE", "LAST_DUE"], right={2, 3, 4})
+        rows.append(
+            [
+                i["log"],
+                i["segment"],
+                str(i["records"]),
+                str(i["bad"]),
+                str(i["bytes"]),
+                seqs,
+                iso(i["first_ms"]),
+                iso(i["last_ms"]),
+                iso(i["min_due_ms"]),
+                iso(i["max_due_ms"]),
+            ]
+        )
+    _table(
+        rows,
+        ["LOG", "SEGMENT", "RECORDS", "BAD", "BYTES", "SEQUENCES", "FIRST_TIME", "LAST_TIME", "FIRST_DUE", "LAST_DUE"],
+        right={2, 3, 4},
+    )
     for log in LOGS:
         sel = [i for i in infos if i["log"] == log]
         if sel:
-            sys.stdout.write(f"{log}: {len(sel)} segments, {sum(i['records'] for i in sel)} records, "
-                             f"{sum(i['bad'] for i in sel)} bad, {sum(i['bytes'] for i in sel)} bytes\n")
+            sys.stdout.write(
+                f"{log}: {len(sel)} segments, {sum(i['records'] for i in sel)} records, "
+                f"{sum(i['bad'] for i in sel)} bad, {sum(i['bytes'] for i in sel)} bytes\n"
+            )
     if ckpt_err:
         sys.stdout.write(f"checkpoint: unreadable ({ckpt_err})\n")
     elif ckpt is not None:
@@ -364,8 +417,9 @@ def cmd_dump(args) -> int:
 # --- verify ----------------------------------------------------------------------------------
 
 
-def verify_files(data_dir: str, files: list[SegmentFile], scale_minutes: int = 1,
-                 progress: Progress | None = None) -> tuple[list[dict], dict]:
+def verify_files(
+    data_dir: str, files: list[SegmentFile], scale_minutes: int = 1, progress: Progress | None = None
+) -> tuple[list[dict], dict]:
     """Every problem (file, offset, reason) and totals: checksums, framing, bodies, kinds,
     sequences (message log: contiguous across segments; schedule: increasing within a
     segment), due buckets, message-log base offsets."""
@@ -381,8 +435,12 @@ def verify_files(data_dir: str, files: list[SegmentFile], scale_minutes: int = 1
         totals["segments"] += 1
         totals["bytes"] += sf.size
         if sf.log == "message" and prev_wal is not None and sf.key != prev_wal.key + prev_wal.size:
-            bad(sf, 0, f"message log gap: segment starts at offset {sf.key}, the previous one "
-                       f"ends at {prev_wal.key + prev_wal.size}")
+            bad(
+                sf,
+                0,
+                f"message log gap: segment starts at offset {sf.key}, the previous one "
+                f"ends at {prev_wal.key + prev_wal.size}",
+            )
         last_seq = None
         for item in walk_file(sf, progress):
             if item.status == ZERO:
@@ -398,28 +456,34 @@ def verify_files(data_dir: str, files: list[SegmentFile], scale_minutes: int = 1
                 bad(sf, f.offset, f"record kind {_kind_name(f.kind)} does not belong in the {sf.log} log")
             if sf.log == "message":
                 if last_wal_seq is not None and f.sequence != last_wal_seq + 1:
-                    bad(sf, f.offset, f"sequence {f.sequence} after {last_wal_seq}: the message log "
-                                      f"must be contiguous")
+                    bad(sf, f.offset, f"sequence {f.sequence} after {last_wal_seq}: the message log must be contiguous")
                 last_wal_seq = f.sequence
             elif sf.log == "schedule":
                 if last_seq is not None and f.sequence <= last_seq:
-                    bad(sf, f.offset, f"sequence {f.sequence} after {last_seq}: schedule segments "
-                                      f"must be increasing")
+                    bad(sf, f.offset, f"sequence {f.sequence} after {last_seq}: schedule segments must be increasing")
                 last_seq = f.sequence
             due = getattr(item.record, "deliver_at_ms", None)
-            if sf.log != "message" and due is not None and \
-                    naming.bucket_of(due, scale_minutes) != sf.key:
-                bad(sf, f.offset, f"due {iso(due)} belongs to bucket "
-                                  f"{naming.minute_stamp(naming.bucket_of(due, scale_minutes))}, "
-                                  f"not to this segment")
+            if sf.log != "message" and due is not None and naming.bucket_of(due, scale_minutes) != sf.key:
+                bad(
+                    sf,
+                    f.offset,
+                    f"due {iso(due)} belongs to bucket "
+                    f"{naming.minute_stamp(naming.bucket_of(due, scale_minutes))}, "
+                    f"not to this segment",
+                )
         if sf.log == "message":
             prev_wal = sf
     ckpt_path = os.path.join(data_dir, naming.CHECKPOINT_DIR, CHECKPOINT_NAME)
     _state, err = read_checkpoint(data_dir)
     if err:
         totals["bad"] += 1
-        problems.append({"segment": os.path.relpath(ckpt_path, data_dir).replace(os.sep, "/"),
-                         "offset": int(err.split(":", 1)[0]), "reason": err.split(": ", 1)[1]})
+        problems.append(
+            {
+                "segment": os.path.relpath(ckpt_path, data_dir).replace(os.sep, "/"),
+                "offset": int(err.split(":", 1)[0]),
+                "reason": err.split(": ", 1)[1],
+            }
+        )
     return problems, totals
 
 
@@ -432,9 +496,11 @@ def cmd_verify(args) -> int:
     else:
         for p in problems:
             sys.stdout.write(f"BAD {p['segment']} offset {p['offset']}: {p['reason']}\n")
-        sys.stdout.write(f"{'OK' if not problems else 'FAILED'}: {totals['segments']} segments, "
-                         f"{totals['records']} records, {totals['bytes']} bytes, "
-                         f"{len(problems)} problems\n")
+        sys.stdout.write(
+            f"{'OK' if not problems else 'FAILED'}: {totals['segments']} segments, "
+            f"{totals['records']} records, {totals['bytes']} bytes, "
+            f"{len(problems)} problems\n"
+        )
     return 0 if not problems else 1
 
 
@@ -452,15 +518,21 @@ def _matches(item: Item, message_id: str | None, sequence: int | None) -> bool:
     return item.frame.sequence == sequence
 
 
-def find_life(data_dir: str, message_id: str | None = None, sequence: int | None = None,
-              scale_minutes: int = 1, progress_label: str = "find") -> list[dict]:
+def find_life(
+    data_dir: str,
+    message_id: str | None = None,
+    sequence: int | None = None,
+    scale_minutes: int = 1,
+    progress_label: str = "find",
+) -> list[dict]:
     """Every message matching the id (or sequence), each with its events in order."""
     files = segment_files(data_dir)
     found: dict[int, dict] = {}  # sequence -> life
 
     def life(seq: int) -> dict:
-        return found.setdefault(seq, {"sequence": seq, "message_id": None, "message": None,
-                                      "events": [], "cancel_sequences": []})
+        return found.setdefault(
+            seq, {"sequence": seq, "message_id": None, "message": None, "events": [], "cancel_sequences": []}
+        )
 
     wal = [f for f in files if f.log == "message"]
     # 1. the message log (it may have been cleaned: fall back to the schedule log)
@@ -474,19 +546,32 @@ def find_life(data_dir: str, message_id: str | None = None, sequence: int | None
                     lf = life(f.sequence)
                     lf["message_id"] = rec.message_id
                     lf["message"] = record_fields(item)
-                    lf["events"].append({"event": "received", "at_ms": f.timestamp, "log": "message",
-                                         "segment": sf.rel, "offset": item.offset,
-                                         "global_offset": sf.key + item.offset})
+                    lf["events"].append(
+                        {
+                            "event": "received",
+                            "at_ms": f.timestamp,
+                            "log": "message",
+                            "segment": sf.rel,
+                            "offset": item.offset,
+                            "global_offset": sf.key + item.offset,
+                        }
+                    )
                 elif isinstance(rec, Cancel):
                     lf = life(rec.target_sequence)
                     lf["message_id"] = lf["message_id"] or rec.message_id
                     lf["cancel_sequences"].append(f.sequence)
-                    lf["events"].append({"event": "cancel received", "at_ms": f.timestamp,
-                                         "log": "message", "segment": sf.rel, "offset": item.offset,
-                                         "cancel_sequence": f.sequence})
+                    lf["events"].append(
+                        {
+                            "event": "cancel received",
+                            "at_ms": f.timestamp,
+                            "log": "message",
+                            "segment": sf.rel,
+                            "offset": item.offset,
+                            "cancel_sequence": f.sequence,
+                        }
+                    )
     # 2. schedule segments: the due bucket when known, else all of them
-    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes)
-               for lf in found.values() if lf["message"]}
+    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes) for lf in found.values() if lf["message"]}
     sched = [f for f in files if f.log == "schedule" and (not found or f.key in buckets)]
     if found and any(lf["message"] is None for lf in found.values()):
         sched = [f for f in files if f.log == "schedule"]
@@ -497,9 +582,11 @@ def find_life(data_dir: str, message_id: str | None = None, sequence: int | None
                 rec, f = item.record, item.frame
                 if rec is None:
                     continue
-                hit = _matches(item, message_id, sequence) or \
-                    (f.sequence in seqs and isinstance(rec, Message)) or \
-                    (isinstance(rec, Cancel) and rec.target_sequence in seqs)
+                hit = (
+                    _matches(item, message_id, sequence)
+                    or (f.sequence in seqs and isinstance(rec, Message))
+                    or (isinstance(rec, Cancel) and rec.target_sequence in seqs)
+                )
                 if not hit:
                     continue
                 if isinstance(rec, Message):
@@ -507,36 +594,55 @@ def find_life(data_dir: str, message_id: str | None = None, sequence: int | None
                     lf["message_id"] = rec.message_id
                     if lf["message"] is None:
                         lf["message"] = record_fields(item)
-                        lf["events"].append({"event": "received", "at_ms": f.timestamp,
-                                             "log": "schedule (message log cleaned)"})
-                    lf["events"].append({"event": "scheduled", "log": "schedule", "segment": sf.rel,
-                                         "offset": item.offset})
+                        lf["events"].append(
+                            {"event": "received", "at_ms": f.timestamp, "log": "schedule (message log cleaned)"}
+                        )
+                    lf["events"].append(
+                        {"event": "scheduled", "log": "schedule", "segment": sf.rel, "offset": item.offset}
+                    )
                 else:
                     lf = life(rec.target_sequence)
                     if f.sequence not in lf["cancel_sequences"]:
                         lf["cancel_sequences"].append(f.sequence)
-                        lf["events"].append({"event": "cancel received", "at_ms": f.timestamp,
-                                             "log": "schedule (message log cleaned)",
-                                             "cancel_sequence": f.sequence})
-                    lf["events"].append({"event": "cancel scheduled", "log": "schedule",
-                                         "segment": sf.rel, "offset": item.offset,
-                                         "cancel_sequence": f.sequence})
+                        lf["events"].append(
+                            {
+                                "event": "cancel received",
+                                "at_ms": f.timestamp,
+                                "log": "schedule (message log cleaned)",
+                                "cancel_sequence": f.sequence,
+                            }
+                        )
+                    lf["events"].append(
+                        {
+                            "event": "cancel scheduled",
+                            "log": "schedule",
+                            "segment": sf.rel,
+                            "offset": item.offset,
+                            "cancel_sequence": f.sequence,
+                        }
+                    )
     # 3. dispatch records: the same bucket as the schedule segment
     seqs = set(found)
-    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes)
-               for lf in found.values() if lf["message"]}
+    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes) for lf in found.values() if lf["message"]}
     disp = [f for f in files if f.log == "dispatch" and f.key in buckets]
     with _progress(disp, progress_label) as prog:
         for sf in disp:
             for item in walk_file(sf, prog):
                 rec, f = item.record, item.frame
                 if isinstance(rec, Dispatch) and f.sequence in seqs:
-                    found[f.sequence]["events"].append({
-                        "event": "delivered" if rec.outcome == Outcome.DELIVERED else "dead-lettered",
-                        "at_ms": f.timestamp, "dispatched_ms": rec.dispatched_at_ms,
-                        "attempt": rec.attempt, "outcome": outcome_name(rec.outcome),
-                        "log": "dispatch", "segment": sf.rel, "offset": item.offset,
-                        "schedule_offset": rec.schedule_offset})
+                    found[f.sequence]["events"].append(
+                        {
+                            "event": "delivered" if rec.outcome == Outcome.DELIVERED else "dead-lettered",
+                            "at_ms": f.timestamp,
+                            "dispatched_ms": rec.dispatched_at_ms,
+                            "attempt": rec.attempt,
+                            "outcome": outcome_name(rec.outcome),
+                            "log": "dispatch",
+                            "segment": sf.rel,
+                            "offset": item.offset,
+                            "schedule_offset": rec.schedule_offset,
+                        }
+                    )
     ckpt, _err = read_checkpoint(data_dir)
     for lf in found.values():
         kinds = [e["event"] for e in lf["events"]]
@@ -550,8 +656,11 @@ def find_life(data_dir: str, message_id: str | None = None, sequence: int | None
             state = "UNKNOWN (only a cancel was found)"
         elif "scheduled" not in kinds:
             it = ckpt.get("sequence") if ckpt else None
-            state = "PENDING (not yet iterated into the schedule log)" \
-                if it is None or lf["sequence"] > it else "MISSING from the schedule log"
+            state = (
+                "PENDING (not yet iterated into the schedule log)"
+                if it is None or lf["sequence"] > it
+                else "MISSING from the schedule log"
+            )
         else:
             state = "PENDING"
         lf["state"] = state
@@ -573,8 +682,10 @@ def cmd_find(args) -> int:
         m = lf["message"] or {}
         sys.stdout.write(f"message {lf['message_id']} (sequence {lf['sequence']}): {lf['state']}\n")
         if m:
-            sys.stdout.write(f"  subject {m['subject']}  due {iso(m['due_ms'])}  payload "
-                             f"{m['payload_bytes']} bytes ({m['payload_encoding']}: {m['payload']})\n")
+            sys.stdout.write(
+                f"  subject {m['subject']}  due {iso(m['due_ms'])}  payload "
+                f"{m['payload_bytes']} bytes ({m['payload_encoding']}: {m['payload']})\n"
+            )
             if m["headers"]:
                 sys.stdout.write("  headers " + json.dumps(m["headers"], sort_keys=True) + "\n")
         for e in lf["events"]:
@@ -600,12 +711,13 @@ def parse_time(text: str | None) -> int | None:
         return int(text)
     t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     if t.tzinfo is None:
-        t = t.replace(tzinfo=_dt.timezone.utc)
+        t = t.replace(tzinfo=_dt.UTC)
     return int(t.timestamp() * 1000)
 
 
-def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = None,
-                 progress_label: str = "stats") -> tuple[dict[int, dict], int]:
+def minute_stats(
+    data_dir: str, from_ms: int | None = None, to_ms: int | None = None, progress_label: str = "stats"
+) -> tuple[dict[int, dict], int]:
     """Per due minute: due, cancelled, delivered, dead_lettered and pending message counts.
 
     Messages come from the schedule log and from the message log past the iterate
@@ -624,9 +736,9 @@ def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = 
                 chosen.append(sf)
         elif (lo is None or sf.key >= lo - 1440) and (hi is None or sf.key <= hi):
             chosen.append(sf)
-    due: dict[int, int] = {}          # sequence -> due minute
+    due: dict[int, int] = {}  # sequence -> due minute
     cancelled: set[int] = set()
-    closed: dict[int, int] = {}       # sequence -> outcome (delivered wins)
+    closed: dict[int, int] = {}  # sequence -> outcome (delivered wins)
     skipped = 0
     with _progress(chosen, progress_label) as prog:
         for sf in chosen:
@@ -648,8 +760,7 @@ def minute_stats(data_dir: str, from_ms: int | None = None, to_ms: int | None = 
     for seq, minute in due.items():
         if (lo is not None and minute < lo) or (hi is not None and minute > hi):
             continue
-        row = out.setdefault(minute, {"due": 0, "cancelled": 0, "delivered": 0, "dead_lettered": 0,
-                                      "pending": 0})
+        row = out.setdefault(minute, {"due": 0, "cancelled": 0, "delivered": 0, "dead_lettered": 0, "pending": 0})
         row["due"] += 1
         outcome = closed.get(seq)
         if outcome == Outcome.DELIVERED:
@@ -668,15 +779,19 @@ def cmd_stats(args) -> int:
     names = ["due", "pending", "delivered", "cancelled", "dead_lettered"]
     totals = {n: sum(r[n] for r in rows.values()) for n in names}
     if args.json:
-        _emit_json({"minutes": [{"minute": iso(m * naming.MS_PER_MINUTE), "minute_ms": m * 60_000, **r}
-                                for m, r in rows.items()], "totals": totals,
-                    "unreadable_records": skipped})
+        _emit_json(
+            {
+                "minutes": [
+                    {"minute": iso(m * naming.MS_PER_MINUTE), "minute_ms": m * 60_000, **r} for m, r in rows.items()
+                ],
+                "totals": totals,
+                "unreadable_records": skipped,
+            }
+        )
         return 0
-    table = [[iso(m * naming.MS_PER_MINUTE)[:16] + "Z"] + [str(r[n]) for n in names]
-             for m, r in rows.items()]
+    table = [[iso(m * naming.MS_PER_MINUTE)[:16] + "Z"] + [str(r[n]) for n in names] for m, r in rows.items()]
     table.append(["TOTAL"] + [str(totals[n]) for n in names])
-    _table(table, ["MINUTE", "DUE", "PENDING", "DELIVERED", "CANCELLED", "DEAD_LETTERED"],
-           right={1, 2, 3, 4, 5})
+    _table(table, ["MINUTE", "DUE", "PENDING", "DELIVERED", "CANCELLED", "DEAD_LETTERED"], right={1, 2, 3, 4, 5})
     if skipped:
         sys.stdout.write(f"{skipped} unreadable records skipped: run 'qdelay inspect verify'\n")
     return 0
@@ -713,8 +828,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--to", dest="to_time", help="end of the due range, exclusive")
 
 
-COMMANDS = {"ls": cmd_ls, "dump": cmd_dump, "verify": cmd_verify, "find": cmd_find,
-            "stats": cmd_stats}
+COMMANDS = {"ls": cmd_ls, "dump": cmd_dump, "verify": cmd_verify, "find": cmd_find, "stats": cmd_stats}
 
 
 def run(args) -> int:

@@ -12,8 +12,9 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int, label: str = "scanning", stream=None,
-                 enabled: bool | None = None, delay: float = 0.5) -> None:
+    def __init__(
+        self, total: int, label: str = "scanning", stream=None, enabled: bool | None = None, delay: float = 0.5
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         if enabled is None:
             isatty = getattr(self.stream, "isatty", None)
@@ -42,8 +43,10 @@ class Progress:
         width = 30
         filled = int(frac * width)
         rate = self.done / max(now - self.started, 1e-9) / 1e6
-        line = (f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}% "
-                f"{self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB {rate:,.1f} MB/s")
+        line = (
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}% "
+            f"{self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB {rate:,.1f} MB/s"
+        )
         try:
             self.stream.write(line)
             self.stream.flush()
@@ -61,7 +64,7 @@ class Progress:
                 pass
             self._drawn = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

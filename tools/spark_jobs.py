@@ -33,32 +33,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     def common(p, data=True):
         if data:
-            p.add_argument("--data-dir", action="append", required=True, metavar="DIR",
-                           help="a server's data folder (repeat for several servers)")
-        p.add_argument("--master", default=None,
-                       help="Spark master URL (default local[*]; left to spark-submit when under it)")
+            p.add_argument(
+                "--data-dir",
+                action="append",
+                required=True,
+                metavar="DIR",
+                help="a server's data folder (repeat for several servers)",
+            )
+        p.add_argument(
+            "--master", default=None, help="Spark master URL (default local[*]; left to spark-submit when under it)"
+        )
         p.add_argument("--out", default=None, help="output folder (default ./qdelay-spark/JOB)")
-        p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
-                       help="extra Spark configuration (repeatable)")
+        p.add_argument(
+            "--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark configuration (repeatable)"
+        )
         return p
 
     p = common(sub.add_parser("audit", help="lost, duplicated, delivered-after-cancel, early messages"))
     p.add_argument("--now", default=None, help="judge 'past due' at this time (epoch ms or ISO; default now)")
-    p.add_argument("--grace-ms", type=int, default=60_000,
-                   help="a message is lost only when due more than this long before --now (default 60000)")
+    p.add_argument(
+        "--grace-ms",
+        type=int,
+        default=60_000,
+        help="a message is lost only when due more than this long before --now (default 60000)",
+    )
     p = common(sub.add_parser("lateness", help="p50/p99/max of dispatched - due, per minute and per subject"))
     p = common(sub.add_parser("forecast", help="messages due per future minute (table + heat map)"))
     p.add_argument("--now", default=None, help="start of the future (epoch ms or ISO; default now)")
     p.add_argument("--hours", type=int, default=24, help="hours shown in the heat map (default 24)")
     p = common(sub.add_parser("export", help="a log to Parquet, partitioned by due day"))
     p.add_argument("--log", default="all", help="message, schedule, dispatch or all (default all)")
-    p.add_argument("--corrupt", default="row", choices=("row", "skip"),
-                   help="unreadable records: rows with an error (default) or skipped")
-    p = common(sub.add_parser("import", help="schedule a Parquet/CSV dataset through the gRPC API"),
-               data=False)
+    p.add_argument(
+        "--corrupt",
+        default="row",
+        choices=("row", "skip"),
+        help="unreadable records: rows with an error (default) or skipped",
+    )
+    p = common(sub.add_parser("import", help="schedule a Parquet/CSV dataset through the gRPC API"), data=False)
     p.add_argument("--input", required=True, help="a Parquet or CSV file or folder")
-    p.add_argument("--format", choices=("parquet", "csv"), default=None,
-                   help="default: from the file extension (csv when it ends in .csv)")
+    p.add_argument(
+        "--format",
+        choices=("parquet", "csv"),
+        default=None,
+        help="default: from the file extension (csv when it ends in .csv)",
+    )
     p.add_argument("--target", default="127.0.0.1:7600", help="qdelay server HOST:PORT")
     p.add_argument("--token-file", default=None, help="file holding the bearer token")
     p.add_argument("--batch-size", type=int, default=500, help="messages per SendBatch (default 500)")
@@ -104,18 +122,36 @@ def tables(df):
     from pyspark.sql import functions as F
 
     ok = df.where(F.col("error").isNull())
-    messages = ok.where(F.col("kind") == "MESSAGE").groupBy("server", "sequence").agg(
-        F.first("message_id").alias("message_id"), F.first("subject").alias("subject"),
-        F.min("due_ms").alias("due_ms"), F.min("created_ms").alias("created_ms"))
-    cancels = ok.where(F.col("kind") == "CANCEL").groupBy(
-        "server", F.col("target_sequence").alias("sequence")).agg(
-        F.min("created_ms").alias("cancelled_ms"))
+    messages = (
+        ok.where(F.col("kind") == "MESSAGE")
+        .groupBy("server", "sequence")
+        .agg(
+            F.first("message_id").alias("message_id"),
+            F.first("subject").alias("subject"),
+            F.min("due_ms").alias("due_ms"),
+            F.min("created_ms").alias("created_ms"),
+        )
+    )
+    cancels = (
+        ok.where(F.col("kind") == "CANCEL")
+        .groupBy("server", F.col("target_sequence").alias("sequence"))
+        .agg(F.min("created_ms").alias("cancelled_ms"))
+    )
     dispatches = ok.where(F.col("kind") == "DISPATCH").select(
-        "server", "sequence", "message_id", F.col("due_ms").alias("dispatch_due_ms"),
-        "dispatched_ms", "acked_ms", "attempt", "outcome", "segment", "offset")
+        "server",
+        "sequence",
+        "message_id",
+        F.col("due_ms").alias("dispatch_due_ms"),
+        "dispatched_ms",
+        "acked_ms",
+        "attempt",
+        "outcome",
+        "segment",
+        "offset",
+    )
     errors = df.where(F.col("error").isNotNull()).select(
-        "server", "log", "segment", "offset", "size", "error",
-        F.col("error").startswith("torn tail").alias("torn"))
+        "server", "log", "segment", "offset", "size", "error", F.col("error").startswith("torn tail").alias("torn")
+    )
     return messages, cancels, dispatches, errors
 
 
@@ -152,9 +188,11 @@ def life_table(spark, data_dirs):
     kind = F.col("kind")
     is_msg, is_cxl, is_disp = ok & (kind == "MESSAGE"), ok & (kind == "CANCEL"), ok & (kind == "DISPATCH")
     when = F.when
-    return df.withColumn("key", when(is_cxl, F.col("target_sequence")).when(ok, F.col("sequence"))) \
-        .withColumn("errkey", when(~ok, F.concat_ws(":", "log", "segment", F.col("offset").cast("string")))) \
-        .groupBy("server", "key", "errkey").agg(
+    return (
+        df.withColumn("key", when(is_cxl, F.col("target_sequence")).when(ok, F.col("sequence")))
+        .withColumn("errkey", when(~ok, F.concat_ws(":", "log", "segment", F.col("offset").cast("string"))))
+        .groupBy("server", "key", "errkey")
+        .agg(
             F.count(when(is_msg, 1)).alias("copies"),
             F.first(when(is_msg, F.col("message_id")), ignorenulls=True).alias("m_id"),
             F.first(when(is_msg, F.col("subject")), ignorenulls=True).alias("subject"),
@@ -163,17 +201,20 @@ def life_table(spark, data_dirs):
             F.count(when(is_disp, 1)).alias("dispatches"),
             F.sort_array(F.collect_list(when(is_disp, F.col("attempt")))).alias("attempts"),
             F.min(when(is_disp, F.col("dispatched_ms"))).alias("first_dispatched_ms"),
-            F.max(when(is_disp & (F.col("outcome") == "DELIVERED"), F.col("dispatched_ms")))
-            .alias("last_delivered_ms"),
+            F.max(when(is_disp & (F.col("outcome") == "DELIVERED"), F.col("dispatched_ms"))).alias("last_delivered_ms"),
             F.first(when(is_disp, F.col("message_id")), ignorenulls=True).alias("d_id"),
             F.first(when(is_disp, F.col("due_ms")), ignorenulls=True).alias("d_due"),
-            F.first("log").alias("log"), F.first("segment").alias("segment"),
-            F.first("offset").alias("offset"), F.first("size").alias("size"),
-            F.first("error").alias("error")) \
-        .withColumnRenamed("key", "sequence") \
-        .withColumn("has_message", F.col("copies") > 0) \
-        .withColumn("message_id", F.coalesce("m_id", "d_id")) \
+            F.first("log").alias("log"),
+            F.first("segment").alias("segment"),
+            F.first("offset").alias("offset"),
+            F.first("size").alias("size"),
+            F.first("error").alias("error"),
+        )
+        .withColumnRenamed("key", "sequence")
+        .withColumn("has_message", F.col("copies") > 0)
+        .withColumn("message_id", F.coalesce("m_id", "d_id"))
         .withColumn("due_ms", F.coalesce("m_due", "d_due"))
+    )
 
 
 def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None = None) -> dict:
@@ -185,30 +226,56 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
     from pyspark.sql import functions as F
 
     table = life_table(spark, data_dirs).cache()
-    flags = table.where(F.col("errkey").isNull()) \
-        .withColumn("lost", F.col("has_message") & (F.col("dispatches") == 0)
-                    & F.col("cancelled_ms").isNull() & (F.col("due_ms") < now_ms - grace_ms)) \
-        .withColumn("duplicated", F.col("dispatches") > 1) \
-        .withColumn("delivered_after_cancel", F.coalesce(
-            F.col("last_delivered_ms") >= F.col("cancelled_ms"), F.lit(False))) \
-        .withColumn("early", F.coalesce(F.col("first_dispatched_ms") < F.col("due_ms"), F.lit(False))) \
-        .withColumn("overdue_ms", F.lit(now_ms) - F.col("due_ms")) \
+    flags = (
+        table.where(F.col("errkey").isNull())
+        .withColumn(
+            "lost",
+            F.col("has_message")
+            & (F.col("dispatches") == 0)
+            & F.col("cancelled_ms").isNull()
+            & (F.col("due_ms") < now_ms - grace_ms),
+        )
+        .withColumn("duplicated", F.col("dispatches") > 1)
+        .withColumn(
+            "delivered_after_cancel", F.coalesce(F.col("last_delivered_ms") >= F.col("cancelled_ms"), F.lit(False))
+        )
+        .withColumn("early", F.coalesce(F.col("first_dispatched_ms") < F.col("due_ms"), F.lit(False)))
+        .withColumn("overdue_ms", F.lit(now_ms) - F.col("due_ms"))
         .withColumn("early_by_ms", F.col("due_ms") - F.col("first_dispatched_ms"))
+    )
     errors = table.where(F.col("errkey").isNotNull()).select(
-        "server", "log", "segment", "offset", "size", "error",
-        F.col("error").startswith("torn tail").alias("torn"))
+        "server", "log", "segment", "offset", "size", "error", F.col("error").startswith("torn tail").alias("torn")
+    )
     totals = flags.agg(
         F.count(F.when(F.col("has_message"), 1)).alias("messages"),
         F.count(F.col("cancelled_ms")).alias("cancelled"),
         F.sum("dispatches").alias("dispatch_records"),
-        *[F.count(F.when(F.col(n), 1)).alias(n) for n in FINDINGS]).collect()[0]
+        *[F.count(F.when(F.col(n), 1)).alias(n) for n in FINDINGS],
+    ).collect()[0]
     findings = flags.where(" or ".join(FINDINGS)).select(
-        "server", "sequence", "message_id", "subject", "due_ms", "cancelled_ms", "dispatches",
-        "attempts", "first_dispatched_ms", "last_delivered_ms", "overdue_ms", "early_by_ms", *FINDINGS)
-    summary: dict = {"now_ms": now_ms, "grace_ms": grace_ms, "messages": totals["messages"],
-                     "cancelled": totals["cancelled"],
-                     "dispatch_records": int(totals["dispatch_records"] or 0),
-                     "findings": {n: totals[n] for n in FINDINGS}, "examples": {n: [] for n in FINDINGS}}
+        "server",
+        "sequence",
+        "message_id",
+        "subject",
+        "due_ms",
+        "cancelled_ms",
+        "dispatches",
+        "attempts",
+        "first_dispatched_ms",
+        "last_delivered_ms",
+        "overdue_ms",
+        "early_by_ms",
+        *FINDINGS,
+    )
+    summary: dict = {
+        "now_ms": now_ms,
+        "grace_ms": grace_ms,
+        "messages": totals["messages"],
+        "cancelled": totals["cancelled"],
+        "dispatch_records": int(totals["dispatch_records"] or 0),
+        "findings": {n: totals[n] for n in FINDINGS},
+        "examples": {n: [] for n in FINDINGS},
+    }
     if any(summary["findings"].values()):
         for r in findings.orderBy("server", "sequence").limit(100 * EXAMPLES).collect():
             for n in FINDINGS:
@@ -229,15 +296,19 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
 def _audit_cmd(spark, args) -> int:
     out = _out_dir(args)
     s = audit(spark, args.data_dir, _now_ms(args.now), args.grace_ms, out)
-    print(f"audit of {len(args.data_dir)} data folder(s) at now={s['now_ms']} (grace {s['grace_ms']} ms): "
-          f"{s['messages']} messages, {s['cancelled']} cancelled, {s['dispatch_records']} dispatch records")
+    print(
+        f"audit of {len(args.data_dir)} data folder(s) at now={s['now_ms']} (grace {s['grace_ms']} ms): "
+        f"{s['messages']} messages, {s['cancelled']} cancelled, {s['dispatch_records']} dispatch records"
+    )
     for name, n in s["findings"].items():
         print(f"{name:<24} {n}")
         if n:
             rows = s["examples"][name]
             _print_rows(f"first {len(rows)}", rows, list(rows[0]))
-    for key, label in (("corrupt_records", "corrupt records (run 'qdelay inspect verify')"),
-                       ("torn_tails", "torn tails (a live or crashed writer; recovery cuts them)")):
+    for key, label in (
+        ("corrupt_records", "corrupt records (run 'qdelay inspect verify')"),
+        ("torn_tails", "torn tails (a live or crashed writer; recovery cuts them)"),
+    ):
         if s[key]:
             print(f"{label}: {len(s[key])}")
             _print_rows("where", s[key][:EXAMPLES], ["server", "segment", "offset", "error"])
@@ -255,18 +326,26 @@ def lateness(spark, data_dirs):
 
     df = frames(spark, data_dirs)
     messages, _c, dispatches, _e = tables(df)
-    d = dispatches.where(F.col("outcome") == "DELIVERED") \
-        .join(messages.select("server", "sequence", "subject", "due_ms"), ["server", "sequence"], "left") \
-        .withColumn("due_ms", F.coalesce("due_ms", "dispatch_due_ms")) \
-        .withColumn("lateness_ms", F.col("dispatched_ms") - F.col("due_ms")) \
+    d = (
+        dispatches.where(F.col("outcome") == "DELIVERED")
+        .join(messages.select("server", "sequence", "subject", "due_ms"), ["server", "sequence"], "left")
+        .withColumn("due_ms", F.coalesce("due_ms", "dispatch_due_ms"))
+        .withColumn("lateness_ms", F.col("dispatched_ms") - F.col("due_ms"))
         .withColumn("subject", F.coalesce("subject", F.lit("(unknown)")))
+    )
 
     def stats(frame, key):
-        return frame.groupBy(key).agg(
-            F.count("*").alias("delivered"),
-            F.percentile_approx("lateness_ms", 0.5, 10000).alias("p50_ms"),
-            F.percentile_approx("lateness_ms", 0.99, 10000).alias("p99_ms"),
-            F.max("lateness_ms").alias("max_ms"), F.min("lateness_ms").alias("min_ms")).orderBy(key)
+        return (
+            frame.groupBy(key)
+            .agg(
+                F.count("*").alias("delivered"),
+                F.percentile_approx("lateness_ms", 0.5, 10000).alias("p50_ms"),
+                F.percentile_approx("lateness_ms", 0.99, 10000).alias("p99_ms"),
+                F.max("lateness_ms").alias("max_ms"),
+                F.min("lateness_ms").alias("min_ms"),
+            )
+            .orderBy(key)
+        )
 
     per_minute = stats(d.withColumn("minute_ms", F.floor(F.col("due_ms") / 60000) * 60000), "minute_ms").toPandas()
     per_subject = stats(d, "subject").toPandas()
@@ -329,12 +408,15 @@ def forecast(spark, data_dirs, now_ms: int):
     df = frames(spark, data_dirs)
     messages, cancels, dispatches, _e = tables(df)
     keys = ["server", "sequence"]
-    pending = messages.join(dispatches.select(*keys).distinct(), keys, "left_anti") \
-        .join(cancels, keys, "left_anti")
+    pending = messages.join(dispatches.select(*keys).distinct(), keys, "left_anti").join(cancels, keys, "left_anti")
     overdue = pending.where(F.col("due_ms") < now_ms).count()
-    per_minute = pending.where(F.col("due_ms") >= now_ms - now_ms % 60000) \
-        .groupBy((F.floor(F.col("due_ms") / 60000) * 60000).alias("minute_ms")) \
-        .agg(F.count("*").alias("due")).orderBy("minute_ms").toPandas()
+    per_minute = (
+        pending.where(F.col("due_ms") >= now_ms - now_ms % 60000)
+        .groupBy((F.floor(F.col("due_ms") / 60000) * 60000).alias("minute_ms"))
+        .agg(F.count("*").alias("due"))
+        .orderBy("minute_ms")
+        .toPandas()
+    )
     df.unpersist()
     if len(per_minute):
         import pandas as pd
@@ -354,8 +436,7 @@ def _plot_heatmap(per_minute, now_ms: int, hours: int, path: str) -> int:
     start = now_ms - now_ms % 3_600_000
     grid = np.zeros((hours, 60))
     beyond = 0
-    for m, n in zip(per_minute["minute_ms"] if len(per_minute) else [],
-                    per_minute["due"] if len(per_minute) else []):
+    for m, n in zip(per_minute["minute_ms"] if len(per_minute) else [], per_minute["due"] if len(per_minute) else []):
         row = (int(m) - start) // 3_600_000
         if 0 <= row < hours:
             grid[row, (int(m) // 60000) % 60] += n
@@ -383,12 +464,12 @@ def _forecast_cmd(spark, args) -> int:
     per_minute.to_csv(os.path.join(out, "forecast_per_minute.csv"), index=False)
     beyond = _plot_heatmap(per_minute, now_ms, args.hours, os.path.join(out, "forecast.png"))
     total = int(per_minute["due"].sum()) if len(per_minute) else 0
-    print(f"pending at now={now_ms}: {total} due from now on ({beyond} beyond {args.hours} h), "
-          f"{overdue} already overdue")
+    print(
+        f"pending at now={now_ms}: {total} due from now on ({beyond} beyond {args.hours} h), {overdue} already overdue"
+    )
     if len(per_minute):
         print("hottest minutes:")
-        print(per_minute.sort_values("due", ascending=False).head(EXAMPLES)[["minute", "due"]]
-              .to_string(index=False))
+        print(per_minute.sort_values("due", ascending=False).head(EXAMPLES)[["minute", "due"]].to_string(index=False))
         print("next minutes:")
         print(per_minute.head(EXAMPLES)[["minute", "due"]].to_string(index=False))
     print(f"forecast_per_minute.csv and forecast.png in {out}")
@@ -404,8 +485,9 @@ def export(spark, data_dirs, out: str, log: str = "all", corrupt: str = "row") -
 
     counts = {}
     for name in spark_source.parse_logs(log):
-        df = spark_source.read(spark, data_dirs, log=name, corrupt=corrupt) \
-            .withColumn("due_day", F.date_format(F.timestamp_millis("due_ms"), "yyyy-MM-dd"))
+        df = spark_source.read(spark, data_dirs, log=name, corrupt=corrupt).withColumn(
+            "due_day", F.date_format(F.timestamp_millis("due_ms"), "yyyy-MM-dd")
+        )
         df.write.mode("overwrite").partitionBy("due_day").parquet(os.path.join(out, name))
         counts[name] = spark.read.parquet(os.path.join(out, name)).count()
     return counts
@@ -420,8 +502,8 @@ def _export_cmd(spark, args) -> int:
 
 # --- import ---------------------------------------------------------------------------------
 
-REPORT_DIR = "accepted"     # JSON lines of every accepted message (the resumable report)
-REJECT_DIR = "rejected"     # JSON lines of every message the server refused, with why
+REPORT_DIR = "accepted"  # JSON lines of every accepted message (the resumable report)
+REJECT_DIR = "rejected"  # JSON lines of every message the server refused, with why
 
 
 def with_ids(df):
@@ -432,11 +514,19 @@ def with_ids(df):
     payload = F.col("payload")
     if dict(df.dtypes)["payload"] == "binary":
         payload = F.base64(payload)
-    digest = F.sha2(F.concat_ws("\x1f", F.col("subject"), payload,
-                                F.coalesce(F.col("deliver_at_ms").cast("string"), F.lit("")),
-                                F.coalesce(F.col("delay_ms").cast("string"), F.lit(""))), 256)
-    return df.withColumn("message_id", F.coalesce(F.col("message_id"),
-                                                  F.concat(F.lit("imp-"), F.substring(digest, 1, 32))))
+    digest = F.sha2(
+        F.concat_ws(
+            "\x1f",
+            F.col("subject"),
+            payload,
+            F.coalesce(F.col("deliver_at_ms").cast("string"), F.lit("")),
+            F.coalesce(F.col("delay_ms").cast("string"), F.lit("")),
+        ),
+        256,
+    )
+    return df.withColumn(
+        "message_id", F.coalesce(F.col("message_id"), F.concat(F.lit("imp-"), F.substring(digest, 1, 32)))
+    )
 
 
 def _read_report(out: str) -> set[str]:
@@ -472,8 +562,9 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
         ctx = TaskContext.get()
         tag = f"p{ctx.partitionId() if ctx else 0:05d}-a{ctx.attemptNumber() if ctx else 0}-{uuid.uuid4().hex[:8]}"
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20),
-                                                         ("grpc.max_receive_message_length", 64 << 20)])
+        channel = grpc.insecure_channel(
+            target, options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        )
         stub = pb_grpc.DelayServiceStub(channel)
         os.makedirs(os.path.join(out, REPORT_DIR), exist_ok=True)
         os.makedirs(os.path.join(out, REJECT_DIR), exist_ok=True)
@@ -492,8 +583,9 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
                 kw["delay_ms"] = int(row["delay_ms"])
             mid = row["message_id"]
             headers = row["headers"] or {}
-            return pb.Message(subject=row["subject"] or "", payload=payload, message_id=mid,
-                              headers=dict(headers), **kw)
+            return pb.Message(
+                subject=row["subject"] or "", payload=payload, message_id=mid, headers=dict(headers), **kw
+            )
 
         def call(method, request):
             delay = 0.2
@@ -501,17 +593,27 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
                 try:
                     return method(request, metadata=metadata, timeout=60)
                 except grpc.RpcError as err:
-                    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED) \
-                            or attempt == 7:
+                    if (
+                        err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                        or attempt == 7
+                    ):
                         raise
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
 
         def record(msgs, receipts):
             for m, r in zip(msgs, receipts):
-                accepted_f.write(json.dumps({"message_id": r.message_id or m.message_id,
-                                             "sequence": r.sequence, "deliver_at_ms": r.deliver_at_ms,
-                                             "subject": m.subject}) + "\n")
+                accepted_f.write(
+                    json.dumps(
+                        {
+                            "message_id": r.message_id or m.message_id,
+                            "sequence": r.sequence,
+                            "deliver_at_ms": r.deliver_at_ms,
+                            "subject": m.subject,
+                        }
+                    )
+                    + "\n"
+                )
             accepted_f.flush()
             os.fsync(accepted_f.fileno())
 
@@ -519,8 +621,12 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
             nonlocal rejected_f
             if rejected_f is None:
                 rejected_f = open(os.path.join(out, REJECT_DIR, f"{tag}.jsonl"), "a")
-            rejected_f.write(json.dumps({"message_id": m.message_id, "subject": m.subject,
-                                         "code": err.code().name, "error": err.details()}) + "\n")
+            rejected_f.write(
+                json.dumps(
+                    {"message_id": m.message_id, "subject": m.subject, "code": err.code().name, "error": err.details()}
+                )
+                + "\n"
+            )
             rejected_f.flush()
 
         def flush(batch):
@@ -558,8 +664,9 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
     return run
 
 
-def import_dataset(spark, path: str, target: str, out: str, fmt: str | None = None,
-                   token: str | None = None, batch_size: int = 500) -> dict:
+def import_dataset(
+    spark, path: str, target: str, out: str, fmt: str | None = None, token: str | None = None, batch_size: int = 500
+) -> dict:
     """Schedule every row of a dataset not yet in the report; returns the counts."""
     from pyspark.sql import functions as F
 
@@ -571,8 +678,10 @@ def import_dataset(spark, path: str, target: str, out: str, fmt: str | None = No
     cols = set(df.columns)
     missing = {"subject", "payload"} - cols
     if missing or not ({"deliver_at_ms", "delay_ms"} & cols):
-        raise SystemExit(f"qdelay spark import: the dataset needs subject, payload and deliver_at_ms "
-                         f"or delay_ms (missing {sorted(missing) or 'deliver_at_ms/delay_ms'})")
+        raise SystemExit(
+            f"qdelay spark import: the dataset needs subject, payload and deliver_at_ms "
+            f"or delay_ms (missing {sorted(missing) or 'deliver_at_ms/delay_ms'})"
+        )
     for c in ("deliver_at_ms", "delay_ms"):
         df = df.withColumn(c, F.col(c).cast("long") if c in cols else F.lit(None).cast("long"))
     if "message_id" not in cols:
@@ -587,13 +696,17 @@ def import_dataset(spark, path: str, target: str, out: str, fmt: str | None = No
         df = df.withColumn("done", F.lit(None).cast("boolean"))
     df = df.cache()
     counts = df.agg(F.count("*").alias("rows"), F.count("done").alias("done")).collect()[0]
-    df.where(F.col("done").isNull()).drop("done").foreachPartition(
-        _send_partition(target, token, batch_size, out))
+    df.where(F.col("done").isNull()).drop("done").foreachPartition(_send_partition(target, token, batch_size, out))
     df.unpersist()
     rej_files = glob.glob(os.path.join(out, REJECT_DIR, "*.jsonl"))
     rejected = sum(1 for f in rej_files for line in open(f) if line.strip())
-    return {"rows": counts["rows"], "already_accepted": counts["done"], "accepted": len(_read_report(out)),
-            "rejected": rejected, "report": os.path.join(out, REPORT_DIR)}
+    return {
+        "rows": counts["rows"],
+        "already_accepted": counts["done"],
+        "accepted": len(_read_report(out)),
+        "rejected": rejected,
+        "report": os.path.join(out, REPORT_DIR),
+    }
 
 
 def _import_cmd(spark, args) -> int:
@@ -603,13 +716,20 @@ def _import_cmd(spark, args) -> int:
         with open(args.token_file) as f:
             token = f.readline().strip()
     r = import_dataset(spark, args.input, args.target, out, args.format, token, args.batch_size)
-    print(f"{r['rows']} rows: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
-          f"in all, {r['rejected']} rejected; report in {r['report']}")
+    print(
+        f"{r['rows']} rows: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
+        f"in all, {r['rejected']} rejected; report in {r['report']}"
+    )
     return 0 if r["accepted"] + r["rejected"] >= r["rows"] and not r["rejected"] else 1
 
 
-COMMANDS = {"audit": _audit_cmd, "lateness": _lateness_cmd, "forecast": _forecast_cmd,
-            "export": _export_cmd, "import": _import_cmd}
+COMMANDS = {
+    "audit": _audit_cmd,
+    "lateness": _lateness_cmd,
+    "forecast": _forecast_cmd,
+    "export": _export_cmd,
+    "import": _import_cmd,
+}
 
 
 def run(args) -> int:

@@ -51,10 +51,28 @@ def _arrow_schema():
     import pyarrow as pa
 
     s, i64, i32, b = pa.string(), pa.int64(), pa.int32(), pa.binary()
-    types = {"server": s, "log": s, "segment": s, "offset": i64, "size": i32, "sequence": i64,
-             "kind": s, "message_id": s, "subject": s, "headers": pa.map_(s, s), "payload": b,
-             "created_ms": i64, "due_ms": i64, "target_sequence": i64, "dispatched_ms": i64,
-             "acked_ms": i64, "schedule_offset": i64, "attempt": i32, "outcome": s, "error": s}
+    types = {
+        "server": s,
+        "log": s,
+        "segment": s,
+        "offset": i64,
+        "size": i32,
+        "sequence": i64,
+        "kind": s,
+        "message_id": s,
+        "subject": s,
+        "headers": pa.map_(s, s),
+        "payload": b,
+        "created_ms": i64,
+        "due_ms": i64,
+        "target_sequence": i64,
+        "dispatched_ms": i64,
+        "acked_ms": i64,
+        "schedule_offset": i64,
+        "attempt": i32,
+        "outcome": s,
+        "error": s,
+    }
     return pa.schema([pa.field(c, types[c]) for c in COLUMNS])
 
 
@@ -80,8 +98,9 @@ def parse_logs(text: str | None) -> tuple[str, ...]:
     logs = tuple(t.strip() for t in text.split(",") if t.strip())
     bad = [t for t in logs if t not in LOGS]
     if bad or not logs:
-        raise ValueError(f"qdelay source: option log={text!r}: use message, schedule, dispatch, "
-                         f"a comma list of them, or all")
+        raise ValueError(
+            f"qdelay source: option log={text!r}: use message, schedule, dispatch, a comma list of them, or all"
+        )
     return logs
 
 
@@ -91,8 +110,7 @@ class Piece:
     __slots__ = ("server", "log", "path", "rel", "start", "stop")
 
     def __init__(self, server, log, path, rel, start, stop):
-        self.server, self.log, self.path, self.rel, self.start, self.stop = \
-            server, log, path, rel, start, stop
+        self.server, self.log, self.path, self.rel, self.start, self.stop = server, log, path, rel, start, stop
 
     def __getstate__(self):
         return (self.server, self.log, self.path, self.rel, self.start, self.stop)
@@ -167,11 +185,20 @@ def plan(servers: list[str], logs, split_bytes: int, pack_bytes: int) -> list[Qd
 
 # the columns each kind of row fills (besides server, log, segment, which are the piece's)
 _FILLED = {
-    "MESSAGE": ("offset", "size", "sequence", "message_id", "subject", "headers", "payload",
-                "created_ms", "due_ms"),
+    "MESSAGE": ("offset", "size", "sequence", "message_id", "subject", "headers", "payload", "created_ms", "due_ms"),
     "CANCEL": ("offset", "size", "sequence", "message_id", "created_ms", "due_ms", "target_sequence"),
-    "DISPATCH": ("offset", "size", "sequence", "message_id", "due_ms", "dispatched_ms", "acked_ms",
-                 "schedule_offset", "attempt", "outcome"),
+    "DISPATCH": (
+        "offset",
+        "size",
+        "sequence",
+        "message_id",
+        "due_ms",
+        "dispatched_ms",
+        "acked_ms",
+        "schedule_offset",
+        "attempt",
+        "outcome",
+    ),
     "ERROR": ("offset", "size", "sequence", "kind", "error"),
 }
 
@@ -225,48 +252,80 @@ def read_piece(piece: Piece, corrupt: str, batch_rows: int, payload: bool = True
             try:
                 if f.kind == RecordKind.MESSAGE:
                     due, subject, mid = index_fields(f.body)
-                    m_off.append(item.offset); m_size.append(item.end - item.offset)
-                    m_seq.append(f.sequence); m_mid.append(mid.decode()); m_subj.append(subject.decode())
-                    m_head.append(None); m_pay.append(None); m_created.append(f.timestamp)
+                    m_off.append(item.offset)
+                    m_size.append(item.end - item.offset)
+                    m_seq.append(f.sequence)
+                    m_mid.append(mid.decode())
+                    m_subj.append(subject.decode())
+                    m_head.append(None)
+                    m_pay.append(None)
+                    m_created.append(f.timestamp)
                     m_due.append(due)
                     if len(m_off) >= batch_rows:
                         yield batch("MESSAGE")
                         m = acc["MESSAGE"]
-                        m_off, m_size, m_seq, m_mid, m_subj, m_head, m_pay, m_created, m_due = \
-                            (m[k] for k in _FILLED["MESSAGE"])
+                        m_off, m_size, m_seq, m_mid, m_subj, m_head, m_pay, m_created, m_due = (
+                            m[k] for k in _FILLED["MESSAGE"]
+                        )
                     continue
                 rec = records.decode_body(f.kind, f.body)
             except Exception as err:
                 item.status, item.error = "bad-body", f"undecodable body: {err}"
         if isinstance(rec, Message):
             f = item.frame
-            m_off.append(item.offset); m_size.append(item.end - item.offset); m_seq.append(f.sequence)
-            m_mid.append(rec.message_id); m_subj.append(rec.subject)
+            m_off.append(item.offset)
+            m_size.append(item.end - item.offset)
+            m_seq.append(f.sequence)
+            m_mid.append(rec.message_id)
+            m_subj.append(rec.subject)
             m_head.append(list(rec.headers.items()) if rec.headers else [])
-            m_pay.append(rec.payload); m_created.append(f.timestamp); m_due.append(rec.deliver_at_ms)
+            m_pay.append(rec.payload)
+            m_created.append(f.timestamp)
+            m_due.append(rec.deliver_at_ms)
             if len(m_off) >= batch_rows:
                 yield batch("MESSAGE")
                 m = acc["MESSAGE"]
-                m_off, m_size, m_seq, m_mid, m_subj, m_head, m_pay, m_created, m_due = \
-                    (m[k] for k in _FILLED["MESSAGE"])
+                m_off, m_size, m_seq, m_mid, m_subj, m_head, m_pay, m_created, m_due = (
+                    m[k] for k in _FILLED["MESSAGE"]
+                )
             continue
         if item.status == "zero":
             continue
         if isinstance(rec, Dispatch):
             f = item.frame
-            for k, v in zip(_FILLED["DISPATCH"], (
-                    item.offset, item.end - item.offset, f.sequence, rec.message_id, rec.deliver_at_ms,
-                    rec.dispatched_at_ms, f.timestamp, rec.schedule_offset, rec.attempt,
-                    _OUTCOMES.get(rec.outcome, f"OUTCOME_{rec.outcome}"))):
+            for k, v in zip(
+                _FILLED["DISPATCH"],
+                (
+                    item.offset,
+                    item.end - item.offset,
+                    f.sequence,
+                    rec.message_id,
+                    rec.deliver_at_ms,
+                    rec.dispatched_at_ms,
+                    f.timestamp,
+                    rec.schedule_offset,
+                    rec.attempt,
+                    _OUTCOMES.get(rec.outcome, f"OUTCOME_{rec.outcome}"),
+                ),
+            ):
                 d[k].append(v)
             if len(d["offset"]) >= batch_rows:
                 yield batch("DISPATCH")
                 d = acc["DISPATCH"]
         elif isinstance(rec, Cancel):
             f = item.frame
-            for k, v in zip(_FILLED["CANCEL"], (
-                    item.offset, item.end - item.offset, f.sequence, rec.message_id, f.timestamp,
-                    rec.deliver_at_ms, rec.target_sequence)):
+            for k, v in zip(
+                _FILLED["CANCEL"],
+                (
+                    item.offset,
+                    item.end - item.offset,
+                    f.sequence,
+                    rec.message_id,
+                    f.timestamp,
+                    rec.deliver_at_ms,
+                    rec.target_sequence,
+                ),
+            ):
                 c[k].append(v)
             if len(c["offset"]) >= batch_rows:
                 yield batch("CANCEL")
@@ -275,22 +334,38 @@ def read_piece(piece: Piece, corrupt: str, batch_rows: int, payload: bool = True
             skipped += 1
         else:  # an error row: only where and why
             f = item.frame
-            for k, v in zip(_FILLED["ERROR"], (
-                    item.offset, item.end - item.offset, f.sequence if f is not None else None,
+            for k, v in zip(
+                _FILLED["ERROR"],
+                (
+                    item.offset,
+                    item.end - item.offset,
+                    f.sequence if f is not None else None,
                     _KINDS.get(f.kind, f"KIND_{f.kind}") if f is not None else None,
-                    item.error or "record of an unexpected kind")):
+                    item.error or "record of an unexpected kind",
+                ),
+            ):
                 e[k].append(v)
     for kind in ("MESSAGE", "CANCEL", "DISPATCH", "ERROR"):
         if acc[kind]["offset"]:
             yield batch(kind)  # ERROR rows fill "kind" themselves: the frame's kind, or null
     if skipped:
-        sys.stderr.write(f"qdelay source: skipped {skipped} unreadable stretches in {piece.rel} "
-                         f"[{piece.start}:{piece.stop}] of {piece.server}\n")
+        sys.stderr.write(
+            f"qdelay source: skipped {skipped} unreadable stretches in {piece.rel} "
+            f"[{piece.start}:{piece.stop}] of {piece.server}\n"
+        )
 
 
 class QdelayReader(DataSourceReader):
-    def __init__(self, servers: list[str], logs, corrupt: str, split_bytes: int, pack_bytes: int,
-                 batch_rows: int, payload: bool = True):
+    def __init__(
+        self,
+        servers: list[str],
+        logs,
+        corrupt: str,
+        split_bytes: int,
+        pack_bytes: int,
+        batch_rows: int,
+        payload: bool = True,
+    ):
         self.payload = payload
         self.servers = servers
         self.logs = logs
@@ -322,11 +397,15 @@ class QdelayDataSource(DataSource):
         corrupt = (opts.get("corrupt") or "row").lower()
         if corrupt not in ("row", "skip"):
             raise ValueError(f"qdelay source: option corrupt={corrupt!r}: use row or skip")
-        return QdelayReader(parse_paths(opts), parse_logs(opts.get("log")), corrupt,
-                            int(opts.get("splitbytes") or 64 * 1024 * 1024),
-                            int(opts.get("packbytes") or 0),
-                            int(opts.get("batchrows") or 8192),
-                            (opts.get("payload") or "true").lower() not in ("false", "0", "no"))
+        return QdelayReader(
+            parse_paths(opts),
+            parse_logs(opts.get("log")),
+            corrupt,
+            int(opts.get("splitbytes") or 64 * 1024 * 1024),
+            int(opts.get("packbytes") or 0),
+            int(opts.get("batchrows") or 8192),
+            (opts.get("payload") or "true").lower() not in ("false", "0", "no"),
+        )
 
 
 def register(spark) -> None:
@@ -347,10 +426,12 @@ def session(master: str | None = "local[*]", app_name: str = "qdelay", conf: dic
     prepare_environment()
     from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.appName(app_name) \
-        .config("spark.ui.enabled", "false") \
-        .config("spark.ui.showConsoleProgress", "false") \
+    builder = (
+        SparkSession.builder.appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
+    )
     if master:
         builder = builder.master(master)
     for k, v in (conf or {}).items():

@@ -1,7 +1,7 @@
 """qdelay from Python: send delayed messages, receive them at their due time, ack, cancel.
 
-    qdelay server --data-dir ./data &            # listens on 127.0.0.1:7600
-    python examples/python/example.py [HOST:PORT] [--token TOKEN] [--tls-ca FILE]
+qdelay server --data-dir ./data &            # listens on 127.0.0.1:7600
+python examples/python/example.py [HOST:PORT] [--token TOKEN] [--tls-ca FILE]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def main() -> int:
 
         # many at once: pipelined batches, each acknowledged once durable (Outgoing tuples
         # are the cheapest form; Message objects from client.message work too)
-        receipts = client.send_many((Outgoing(subject, b"bulk %d" % i, delay_ms=800) for i in range(1000)),
-                                    batch_size=500)
+        receipts = client.send_many(
+            (Outgoing(subject, b"bulk %d" % i, delay_ms=800) for i in range(1000)), batch_size=500
+        )
         print(f"sent {len(receipts)} more in batches")
 
         # cancel one before it is due
