@@ -1,5 +1,6 @@
 """Python client of qdelay: ``from qdelay.client import Client``."""
 
+from qdelay.client.batching import Batching
 from qdelay.client.client import (
     CANCEL_OUTCOMES,
     STATES,
@@ -9,15 +10,18 @@ from qdelay.client.client import (
     Delivery,
     Message,
     Outgoing,
-    Receipt,
     SentReceipt,
     SentReceipts,
     translate,
 )
 from qdelay.client.cluster import ClusterClient
+from qdelay.client.types import GroupStatus, Receipt, Status
 
 __all__ = [
+    "Batching",
     "Client",
+    "GroupStatus",
+    "Status",
     "ClusterClient",
     "Consumer",
     "DeadlineExceeded",

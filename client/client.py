@@ -30,24 +30,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timedelta
 from typing import NamedTuple
 
 import grpc
 
 from qdelay import errors
+from qdelay.client.batching import Batching, SendBatcher
+from qdelay.client.types import STATES, Receipt, Status, ref, stats_dict
 from qdelay.segments import native
+from qdelay.units import to_ms
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 Message = pb.Message
-Receipt = pb.Receipt
 Delivery = pb.Delivery
 
 DEFAULT_TARGET = "127.0.0.1:7600"
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
 
 CANCEL_OUTCOMES = {v.number: v.name for v in pb.CancelResponse.Outcome.DESCRIPTOR.values}
-STATES = {v.number: v.name for v in pb.GetResponse.State.DESCRIPTOR.values}
 
 _ERRORS = {
     "INVALID_ARGUMENT": errors.InvalidArgument,
@@ -93,6 +95,50 @@ class Outgoing(NamedTuple):
     delay_ms: int | None = None
     message_id: str = ""
     headers: dict[str, str] | None = None
+
+
+def outgoing(
+    subject: str,
+    payload: bytes,
+    delay: int | timedelta | None,
+    delay_ms: int | timedelta | None,
+    deliver_at: datetime | None,
+    deliver_at_ms: int | None,
+    headers: dict[str, str] | None,
+    message_id: str,
+) -> Outgoing:
+    """One message's fields, checked for their types (so that a batch never fails to encode
+    for one caller's mistake) and with the due time as ms: ``delay`` / ``delay_ms`` take ms
+    or a :class:`datetime.timedelta`, ``deliver_at`` an aware :class:`datetime.datetime`,
+    ``deliver_at_ms`` Unix epoch ms. At most one of them; none means "now" (delay 0)."""
+    given = [x is not None for x in (delay, delay_ms, deliver_at, deliver_at_ms)]
+    if sum(given) > 1:
+        raise errors.InvalidArgument("give one of delay, delay_ms, deliver_at or deliver_at_ms, not several")
+    try:
+        if deliver_at is not None:
+            if not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None:
+                raise TypeError("deliver_at: an aware datetime.datetime (with a tzinfo), e.g. datetime.now(UTC)")
+            at, rel = int(deliver_at.timestamp() * 1000), None
+        elif deliver_at_ms is not None:
+            at, rel = to_ms(deliver_at_ms, "deliver_at_ms"), None
+        else:
+            d = delay if delay is not None else delay_ms
+            at, rel = None, (0 if d is None else to_ms(d, "delay"))
+        if not isinstance(subject, str):
+            raise TypeError(f"subject: a str, not {type(subject).__name__}")
+        if not isinstance(payload, bytes):
+            if not isinstance(payload, bytearray | memoryview):
+                raise TypeError(f"payload: bytes, not {type(payload).__name__}")
+            payload = bytes(payload)
+        if headers is not None and not (
+            isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            raise TypeError("headers: a dict of str to str")
+        if not isinstance(message_id, str):
+            raise TypeError(f"message_id: a str, not {type(message_id).__name__}")
+    except TypeError as err:
+        raise errors.InvalidArgument(str(err)) from None
+    return Outgoing(subject, payload, at, rel, message_id, headers or None)
 
 
 def encode_send_batch_py(out: bytearray, messages: list[tuple], ids: list[str]) -> int:
@@ -182,29 +228,23 @@ class _Ids:
         return f"{self._prefix}{next(self._count):x}"
 
 
-class SentReceipt(NamedTuple):
-    """A receipt as ``send_many`` returns it: the fields of ``qdelay.v1.Receipt`` in a tuple
-    (accepted wherever a receipt is, e.g. ``cancel``/``get``), built from a compact answer
-    at a fraction of the cost of a protobuf object per message."""
-
-    message_id: str
-    deliver_at_ms: int
-    sequence: int
+# send_many's receipts are the same Receipt as send's (the old name stays for callers)
+SentReceipt = Receipt
 
 
 class SentReceipts(Sequence):
     """What ``send_many`` returns: every message's receipt, in input order, as
-    :class:`SentReceipt`, made when read. A receipt object per message would cost the
+    :class:`~qdelay.client.types.Receipt`, made when read. A receipt object per message would cost the
     producer more CPU than sending it (they are built from the compact answers)."""
 
     def __init__(self) -> None:
-        self._chunks: list[tuple] = []  # (ids, first sequence, due times) or (None, 0, [pb.Receipt])
+        self._chunks: list[tuple] = []  # (ids, first sequence, due times) or (None, 0, [Receipt])
         self._ends: list[int] = []
         self._len = 0
 
     def _add(self, ids: list[str], response: pb.SendBatchResponse) -> None:
         if response.receipts or not ids:  # a full answer (a server without compact receipts)
-            chunk = (None, 0, list(response.receipts))
+            chunk = (None, 0, [Receipt.from_pb(r) for r in response.receipts])
         else:
             if len(response.deliver_at_ms) != len(ids):
                 raise errors.InvariantViolation(
@@ -228,26 +268,17 @@ class SentReceipts(Sequence):
         k = bisect.bisect_right(self._ends, index)
         ids, first, dues = self._chunks[k]
         j = index - (self._ends[k] - len(dues))
-        return dues[j] if ids is None else SentReceipt(ids[j], dues[j], first + j)
+        return dues[j] if ids is None else Receipt(ids[j], dues[j], first + j)
 
     def __iter__(self) -> Iterator:
         for ids, first, dues in self._chunks:
             if ids is None:
                 yield from dues
             else:
-                yield from map(SentReceipt, ids, dues, itertools.count(first))
+                yield from map(Receipt, ids, dues, itertools.count(first))
 
     def __repr__(self) -> str:
         return f"<SentReceipts of {self._len} messages>"
-
-
-def _receipt(r) -> pb.Receipt:
-    if isinstance(r, pb.Receipt):
-        return r
-    if isinstance(r, dict):
-        return pb.Receipt(**r)
-    message_id, deliver_at_ms, sequence = r
-    return pb.Receipt(message_id=message_id, deliver_at_ms=deliver_at_ms, sequence=sequence)
 
 
 class Client:
@@ -264,7 +295,11 @@ class Client:
         retry_backoff: float = 0.1,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         options: Sequence[tuple] = (),
+        batching: Batching | bool = True,
     ) -> None:
+        """``batching``: how concurrent ``send()`` calls are gathered into SendStream batches
+        (a :class:`~qdelay.client.batching.Batching`; True: its defaults); False sends one
+        unary Send per call."""
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -289,6 +324,8 @@ class Client:
         self.retries = retries
         self.retry_backoff = retry_backoff
         self._ids = _Ids()
+        self.batching = Batching() if batching is True else (batching or None)
+        self._batcher: SendBatcher | None = None  # lives on the bulk loop, made by the first send
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method, request, timeout: float | None):
@@ -303,6 +340,13 @@ class Client:
                 time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
 
     def close(self) -> None:
+        """Waits for the answers of sends still queued in the batching path, then closes."""
+        if self._batcher is not None:
+            batcher, self._batcher = self._batcher, None
+            try:
+                self._bulk.run(lambda _channel: batcher.close())
+            except errors.QdelayError:
+                pass  # each waiting caller got its own error
         self._bulk.close()
         self.channel.close()
 
@@ -321,24 +365,26 @@ class Client:
         subject: str,
         payload: bytes = b"",
         *,
-        delay_ms: int | None = None,
+        delay: int | timedelta | None = None,
+        delay_ms: int | timedelta | None = None,
+        deliver_at: datetime | None = None,
         deliver_at_ms: int | None = None,
         headers: dict[str, str] | None = None,
         message_id: str | None = None,
     ) -> pb.Message:
-        """Build a Message; exactly one of ``delay_ms`` / ``deliver_at_ms`` (default: delay 0)."""
-        if delay_ms is not None and deliver_at_ms is not None:
-            raise errors.InvalidArgument("give delay_ms or deliver_at_ms, not both")
+        """Build a Message; at most one of ``delay``/``delay_ms`` (ms or a timedelta),
+        ``deliver_at`` (an aware datetime) and ``deliver_at_ms`` (default: delay 0)."""
+        o = outgoing(subject, payload, delay, delay_ms, deliver_at, deliver_at_ms, headers, message_id or "")
         msg = pb.Message(
-            subject=subject,
-            payload=payload,
-            headers=headers or {},
-            message_id=message_id or (self._ids() if self.retries else ""),
+            subject=o.subject,
+            payload=o.payload,
+            headers=o.headers or {},
+            message_id=o.message_id or (self._ids() if self.retries else ""),
         )
-        if deliver_at_ms is not None:
-            msg.deliver_at_ms = deliver_at_ms
+        if o.deliver_at_ms is not None:
+            msg.deliver_at_ms = o.deliver_at_ms
         else:
-            msg.delay_ms = delay_ms or 0
+            msg.delay_ms = o.delay_ms
         return msg
 
     def _with_ids(self, messages: Iterable[pb.Message], always: bool = False) -> list[pb.Message]:
@@ -358,14 +404,56 @@ class Client:
                     ids[i] = m.message_id = self._ids()
         return ids
 
-    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw) -> pb.Receipt:
-        msg = self.message(subject, payload, **kw)
-        return self._call(self.stub.Send, pb.SendRequest(message=msg), timeout).receipt
+    def send(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        delay: int | timedelta | None = None,
+        delay_ms: int | timedelta | None = None,
+        deliver_at: datetime | None = None,
+        deliver_at_ms: int | None = None,
+        headers: dict[str, str] | None = None,
+        message_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Receipt:
+        """Schedule one message; its :class:`Receipt` once it is durable.
 
-    def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[pb.Receipt]:
+        With batching (the default) concurrent calls from many threads share SendStream
+        batches; each caller gets its own receipt or its own error. ``timeout``: how long
+        to wait for the receipt (DeadlineExceeded after it: whether it was written is
+        unknown; its id is the message's, so sending it again with the same
+        ``message_id`` is safe)."""
+        o = outgoing(subject, payload, delay, delay_ms, deliver_at, deliver_at_ms, headers, message_id or self._ids())
+        if self.batching is None:
+            msg = pb.Message(subject=o.subject, payload=o.payload, headers=o.headers or {}, message_id=o.message_id)
+            if o.deliver_at_ms is not None:
+                msg.deliver_at_ms = o.deliver_at_ms
+            else:
+                msg.delay_ms = o.delay_ms
+            return Receipt.from_pb(self._call(self.stub.Send, pb.SendRequest(message=msg), timeout).receipt)
+        return self._bulk.run(lambda channel: self._send_batched(channel, o, timeout or self.timeout))
+
+    async def _send_batched(self, channel, message: Outgoing, timeout: float) -> Receipt:
+        if self._batcher is None:
+            self._batcher = SendBatcher(
+                lambda: channel,
+                lambda batch: self._encode_outgoing(batch)[0],
+                translate,
+                self.metadata,
+                self.batching,
+                self.retries,
+                self.retry_backoff,
+            )
+        try:
+            return await asyncio.wait_for(self._batcher.send(message), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s") from None
+
+    def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
         """One SendBatch: all-or-nothing validation, one durable group commit."""
         request = pb.SendBatchRequest(messages=self._with_ids(messages))
-        return list(self._call(self.stub.SendBatch, request, timeout).receipts)
+        return [Receipt.from_pb(r) for r in self._call(self.stub.SendBatch, request, timeout).receipts]
 
     def send_many(
         self,
@@ -494,22 +582,27 @@ class Client:
             raise errors.InvariantViolation(f"SendStream ended with {len(unanswered)} batches unanswered")
         return state["exhausted"]
 
-    def cancel(self, receipt, timeout: float | None = None) -> str:
-        """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND' or 'ALREADY_CANCELLED'."""
-        resp = self._call(self.stub.Cancel, pb.CancelRequest(receipt=_receipt(receipt)), timeout)
-        return CANCEL_OUTCOMES[resp.outcome]
+    def cancel(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> str:
+        """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND', 'ALREADY_CANCELLED' or 'DEAD_LETTERED'.
 
-    def get(self, receipt, timeout: float | None = None) -> pb.GetResponse:
-        """GetResponse; ``client.state_name(resp)`` gives 'PENDING', 'DELIVERED', ..."""
-        return self._call(self.stub.Get, pb.GetRequest(receipt=_receipt(receipt)), timeout)
+        ``receipt``: a :class:`Receipt`, its string form, the message id alone, or a
+        ``qdelay.v1.Receipt``; or ``message_id=`` (by id)."""
+        r, mid = ref(receipt if message_id is None else message_id)
+        resp = self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
+        return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+
+    def get(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> Status:
+        """The message's :class:`Status` (``.state``: 'PENDING', 'DELIVERED', ...); takes what
+        :meth:`cancel` takes."""
+        r, mid = ref(receipt if message_id is None else message_id)
+        return Status.from_pb(self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
 
     @staticmethod
-    def state_name(resp: pb.GetResponse) -> str:
-        return STATES[resp.state]
+    def state_name(resp: Status | pb.GetResponse) -> str:
+        return resp.state if isinstance(resp, Status) else STATES[resp.state]
 
     def stats(self, timeout: float | None = None) -> dict:
-        resp = self._call(self.stub.Stats, pb.StatsRequest(), timeout)
-        return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+        return stats_dict(self._call(self.stub.Stats, pb.StatsRequest(), timeout))
 
     def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

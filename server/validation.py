@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from qdelay.errors import InvalidArgument, InvariantViolation
 from qdelay.segments import native, records
 from qdelay.server.config import Limits
+from qdelay.units import limit_in_words, ms_in_words
 from qdelay.v1 import qdelay_pb2 as pb
 
 INT64_MAX = 2**63 - 1
@@ -91,7 +92,10 @@ def resolve_due(msg, limits: Limits, now_ms: int, where_prefix: str) -> int:
         if delay < 0:
             raise InvalidArgument(f"{where_prefix}.delay_ms: {delay} is negative; use 0 for 'now'")
         if delay > limits.max_delay_ms:
-            raise InvalidArgument(f"{where_prefix}.delay_ms: {delay} ms, limit {limits.max_delay_ms} ms")
+            raise InvalidArgument(
+                f"{where_prefix}.delay_ms: {delay} ms ({ms_in_words(delay)}) is beyond the limit of "
+                f"{limit_in_words(limits.max_delay_ms)}"
+            )
         due = now_ms + delay
     else:
         due = msg.deliver_at_ms
@@ -99,7 +103,8 @@ def resolve_due(msg, limits: Limits, now_ms: int, where_prefix: str) -> int:
             raise InvalidArgument(f"{where_prefix}.deliver_at_ms: {due} is before 1970 (Unix epoch ms expected)")
         if due - now_ms > limits.max_delay_ms:
             raise InvalidArgument(
-                f"{where_prefix}.deliver_at_ms: {due} is {due - now_ms} ms ahead, limit {limits.max_delay_ms} ms"
+                f"{where_prefix}.deliver_at_ms: {due} is {due - now_ms} ms ({ms_in_words(due - now_ms)}) ahead, "
+                f"beyond the limit of {limit_in_words(limits.max_delay_ms)}"
             )
     if due > INT64_MAX:  # cannot happen with sane limits; never let an int64 overflow through
         raise InvalidArgument(f"{where_prefix}: due time overflows int64")

@@ -154,7 +154,7 @@ def test_get_states(client):
     r = client.send(s, b"payload", delay_ms=300, headers={"a": "b"})
     st = client.get(r)
     assert client.state_name(st) == "PENDING"
-    assert st.message.payload == b"payload" and st.message.subject == s and dict(st.message.headers) == {"a": "b"}
+    assert st.payload == b"payload" and st.subject == s and st.headers == {"a": "b"}
     assert st.deliver_at_ms == r.deliver_at_ms
     with client.subscribe(s) as consumer:
         got = consumer.receive(1, timeout=5)
@@ -527,8 +527,8 @@ def test_send_many_of_outgoing_tuples(client):
     assert len(receipts) == 30 and [r.message_id for r in receipts][0::2] == [f"given-{i}" for i in range(0, 30, 2)]
     for i in (0, 1, 28, 29):
         got = client.get(receipts[i])
-        assert client.state_name(got) == "PENDING" and got.message.payload == b"p%d" % i
-        assert dict(got.message.headers) == ({} if i % 2 else {"k": str(i)})
+        assert client.state_name(got) == "PENDING" and got.payload == b"p%d" % i
+        assert got.headers == ({} if i % 2 else {"k": str(i)})
         if i % 2:
             assert got.deliver_at_ms == at + i == receipts[i].deliver_at_ms
     bad = msgs[:14] + [Outgoing(s, "not bytes", delay_ms=0)] + msgs[:5]
@@ -576,7 +576,7 @@ def test_compact_receipts(client):
     resp = stub.SendBatch(pb.SendBatchRequest(messages=msgs, compact_receipts=True), timeout=10)
     assert len(resp.receipts) == 0 and list(resp.deliver_at_ms) == [due + i for i in range(5)]
     last = client.get(("cr-4", due + 4, resp.first_sequence + 4))
-    assert client.state_name(last) == "PENDING" and last.message.message_id == "cr-4"
+    assert client.state_name(last) == "PENDING" and last.message_id == "cr-4"
     before = client.stats()["pending"]
     bad = msgs[:2] + [pb.Message(subject=s, payload=b"c", delay_ms=10)]
     with pytest.raises(grpc.RpcError) as info:

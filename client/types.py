@@ -1,0 +1,152 @@
+"""The typed results of the Python clients (blocking and asyncio): receipts and statuses.
+
+A :class:`Receipt` is what a send returns and what cancel/get/reschedule take. Its string
+form is short and stable, meant to be kept in a database row next to the order it belongs
+to, and read back with :meth:`Receipt.parse`::
+
+    r = client.send("order.close", b"42", delay=timedelta(minutes=30))
+    row.receipt = str(r)                       # 'qd1:1234:1764000000000::c3f...-1'
+    client.cancel(Receipt.parse(row.receipt))  # or client.cancel(row.receipt)
+
+``ref(x)`` turns anything a user may hold (a Receipt, its string, a bare message id, the
+protobuf ``qdelay.v1.Receipt``, a ``(message_id, deliver_at_ms, sequence)`` tuple) into
+the (receipt, message_id) pair a CancelRequest/GetRequest/RescheduleRequest carries.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import quote, unquote
+
+from qdelay import errors
+from qdelay.v1 import qdelay_pb2 as pb
+
+# qd1:<sequence>:<deliver_at_ms>:<shard, percent-quoted>:<message_id, as it is>
+# The message id goes last and unquoted: it is printable ASCII that may hold ':'.
+_PREFIX = "qd1:"
+_TEXT = re.compile(r"qd1:(\d+):(-?\d+):([^:]*):(.+)", re.S)
+
+STATES = {v.number: v.name for v in pb.GetResponse.State.DESCRIPTOR.values}
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Where a sent message is: its id, the due time the server will honour and its
+    position (``sequence``) in the message log; ``shard`` in a cluster. ``duplicate`` says
+    the server already had this id (nothing new was written; this is the original
+    receipt); it is not part of the receipt's identity or of its string form."""
+
+    message_id: str
+    deliver_at_ms: int
+    sequence: int
+    shard: str = ""
+    duplicate: bool = field(default=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"{_PREFIX}{self.sequence}:{self.deliver_at_ms}:{quote(self.shard, safe='')}:{self.message_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> Receipt:
+        """The receipt whose ``str()`` is ``text``; InvalidArgument if it is not one."""
+        m = _TEXT.fullmatch(text) if isinstance(text, str) else None
+        if m is None:
+            raise errors.InvalidArgument(
+                f"not a qdelay receipt string: {text!r} (expected "
+                "'qd1:<sequence>:<deliver_at_ms>:<shard>:<message_id>', as str(receipt) writes it)"
+            )
+        return cls(m.group(4), int(m.group(2)), int(m.group(1)), unquote(m.group(3)))
+
+    @classmethod
+    def from_pb(cls, r: pb.Receipt) -> Receipt:
+        return cls(r.message_id, r.deliver_at_ms, r.sequence, r.shard, r.duplicate)
+
+    def to_pb(self) -> pb.Receipt:
+        return pb.Receipt(
+            message_id=self.message_id, deliver_at_ms=self.deliver_at_ms, sequence=self.sequence, shard=self.shard
+        )
+
+
+def is_receipt_text(text: str) -> bool:
+    return text.startswith(_PREFIX) and _TEXT.fullmatch(text) is not None
+
+
+def ref(target) -> tuple[pb.Receipt | None, str]:
+    """(receipt, message_id) for a request that names a message: exactly one is set.
+
+    A string is a receipt's string form when it parses as one, else a bare message id (a
+    message id that itself looks like 'qd1:…' must be given as ``message_id=``)."""
+    if isinstance(target, Receipt):
+        return target.to_pb(), ""
+    if isinstance(target, str):
+        if not target:
+            raise errors.InvalidArgument("an empty message id names no message")
+        if is_receipt_text(target):
+            return Receipt.parse(target).to_pb(), ""
+        return None, target
+    if isinstance(target, pb.Receipt):
+        return target, ""
+    if isinstance(target, dict):
+        return pb.Receipt(**target), ""
+    if isinstance(target, tuple) and len(target) == 3:
+        message_id, deliver_at_ms, sequence = target
+        return pb.Receipt(message_id=message_id, deliver_at_ms=deliver_at_ms, sequence=sequence), ""
+    raise errors.InvalidArgument(
+        f"cannot name a message with a {type(target).__name__}: give a Receipt, its string form, "
+        "the message id, or a qdelay.v1.Receipt"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStatus:
+    """One consumer group's view of a message (``Status.groups``)."""
+
+    name: str
+    state: str
+    delivered_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What ``get`` answers: ``state`` is 'PENDING', 'DELIVERED', 'CANCELLED', 'NOT_FOUND'
+    or 'DEAD_LETTERED'; the message's fields when the server still has them."""
+
+    state: str
+    message_id: str = ""
+    subject: str = ""
+    payload: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    deliver_at_ms: int = 0
+    delivered_at_ms: int = 0
+    groups: tuple[GroupStatus, ...] = ()
+
+    @property
+    def found(self) -> bool:
+        return self.state != "NOT_FOUND"
+
+    @classmethod
+    def from_pb(cls, resp: pb.GetResponse) -> Status:
+        m = resp.message
+        return cls(
+            state=STATES.get(resp.state, str(resp.state)),
+            message_id=m.message_id,
+            subject=m.subject,
+            payload=m.payload,
+            headers=dict(m.headers),
+            deliver_at_ms=resp.deliver_at_ms,
+            delivered_at_ms=resp.delivered_at_ms,
+            groups=tuple(
+                GroupStatus(g.name, STATES.get(g.state, str(g.state)), g.delivered_at_ms) for g in resp.groups
+            ),
+        )
+
+
+def stats_dict(resp: pb.StatsResponse) -> dict:
+    """StatsResponse as plain values (groups as a list of dicts)."""
+    out: dict = {}
+    for f in resp.DESCRIPTOR.fields:
+        value = getattr(resp, f.name)
+        if f.name == "groups":
+            value = [{g.name: getattr(x, g.name) for g in x.DESCRIPTOR.fields} for x in value]
+        out[f.name] = value
+    return out
