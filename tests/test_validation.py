@@ -104,11 +104,20 @@ def test_message_id():
 def test_due_time():
     refused([msg(no_time=True)], "exactly one of deliver_at_ms or delay_ms")
     run([msg(delay_ms=LIMITS.max_delay_ms)])
-    refused([msg(delay_ms=LIMITS.max_delay_ms + 1)], "delay_ms", "2 years 1 ms)", "limit of 2 years (max_delay_ms=63072000000)")
+    refused(
+        [msg(delay_ms=LIMITS.max_delay_ms + 1)],
+        "delay_ms",
+        "2 years 1 ms)",
+        "limit of 2 years (max_delay_ms=63072000000)",
+    )
     refused([msg(delay_ms=2**63 - 1)], "delay_ms")  # no overflow
     refused([msg(delay_ms=-5)], "negative")
     run([msg(deliver_at_ms=NOW + LIMITS.max_delay_ms)])
-    refused([msg(deliver_at_ms=NOW + LIMITS.max_delay_ms + 1)], "deliver_at_ms", "limit of 2 years (max_delay_ms=63072000000)")
+    refused(
+        [msg(deliver_at_ms=NOW + LIMITS.max_delay_ms + 1)],
+        "deliver_at_ms",
+        "limit of 2 years (max_delay_ms=63072000000)",
+    )
     refused([msg(deliver_at_ms=2**63 - 1)], "deliver_at_ms")
     refused([msg(deliver_at_ms=-1)], "before 1970")
 
