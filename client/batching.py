@@ -44,6 +44,7 @@ from qdelay.client.types import Receipt
 from qdelay.v1 import qdelay_pb2 as pb
 
 _SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
+MAX_BACKOFF = 2.0  # seconds between two tries at most: a restarted server is found soon after
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class SendBatcher:
         self._closing = False
         self.streams = 0  # SendStream calls opened (a figure for tests and benchmarks)
         self.batches = 0  # batches sent, re-sent ones included
+        self.peak_queued = 0  # most messages waiting at once (bounded by max_queued)
 
     # ------------------------------------------------------------------ callers
     async def send(self, message: tuple) -> Receipt:
@@ -124,6 +126,8 @@ class SendBatcher:
         await self._space.acquire()
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Entry(message, future))
+        if len(self._waiting) > self.peak_queued:
+            self.peak_queued = len(self._waiting)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
@@ -171,7 +175,7 @@ class SendBatcher:
                         self._fail(self._take_resend(), errors.Unavailable("SendStream ended with batches unanswered"))
                         attempt = 0
                     else:
-                        await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
+                        await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
                 continue
             code = error.code()
             if code == grpc.StatusCode.UNAVAILABLE or code == grpc.StatusCode.CANCELLED and not self._closing:
@@ -181,7 +185,7 @@ class SendBatcher:
                     self._fail(self._take_resend(), self._translate(error, attempt))
                     attempt = 0
                 else:
-                    await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
+                    await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
                 continue
             if not unanswered:  # refused before any batch (e.g. UNAUTHENTICATED): the next ones
                 unanswered.append(self._cut(self._resend.popleft() if self._resend else None))
@@ -227,11 +231,16 @@ class SendBatcher:
         """One SendStream until it ends; returns how many batches it answered."""
         config = self.config
         credit = asyncio.Semaphore(config.max_in_flight)
-        done = asyncio.Event()
+
+        finished = False  # set when the call ended: its generator must take nothing more
 
         async def requests():
+            # grpc.aio may resume this generator after the call ended: every await is followed
+            # by a check, and a batch moves from the queue to ``unanswered`` with no await between
             while True:
                 await credit.acquire()
+                if finished:
+                    return
                 if self._resend:
                     batch = self._resend.popleft()
                     unanswered.append(batch)
@@ -240,15 +249,18 @@ class SendBatcher:
                     continue
                 while not self._has_work():
                     if self._closing:
-                        done.set()
                         return
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                    if finished:
+                        return
                 if self._resend:
                     credit.release()
                     continue
                 if unanswered and config.linger and len(self._waiting) < config.max_batch:
                     await asyncio.sleep(config.linger)  # gather while the stream is busy anyway
+                    if finished:
+                        return
                 entries = self._take(config.max_batch)
                 if not entries:
                     credit.release()
@@ -273,6 +285,7 @@ class SendBatcher:
                 answered += 1
                 self._answer(batch, response)
         finally:
+            finished = True
             call.cancel()  # a no-op once the call ended; stops the request generator otherwise
         return answered
 
