@@ -1,0 +1,427 @@
+"""The asyncio client of qdelay (grpc.aio): the blocking client's surface, awaited.
+
+    from qdelay.aio import Client
+
+    async with Client("127.0.0.1:7600") as c:
+        r = await c.send("order.close", b"order 42", delay=timedelta(minutes=30))
+        await c.cancel(r)                      # or str(r), or r.message_id
+        receipts = await c.send_many(Outgoing("s", b"x", delay_ms=1000) for _ in range(10_000))
+        async with c.subscribe("order.close") as consumer:
+            async for batch in consumer.batches():
+                await handle(batch)
+                consumer.ack(batch)
+
+Concurrent ``send()`` calls (tasks) share SendStream batches (:mod:`qdelay.client.batching`),
+each task getting its own :class:`~qdelay.client.types.Receipt` or error; ``batching=False``
+makes one unary Send per call. Results are the same types as the blocking client's:
+Receipt, Status, SentReceipts, outcome names. Errors are the classes of
+:mod:`qdelay.errors`; UNAVAILABLE is retried with backoff (sends keep their ids). A
+consumer resubscribes by itself when the server goes away (see :class:`Consumer`).
+All of it must be used from one event loop (the one the client was first used on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import datetime, timedelta
+
+import grpc
+
+from qdelay import errors
+from qdelay.client import client as blocking
+from qdelay.client.batching import MAX_BACKOFF, Batching, SendBatcher
+from qdelay.client.client import (
+    CANCEL_OUTCOMES,
+    DEFAULT_TARGET,
+    MAX_MESSAGE_BYTES,
+    DeadlineExceeded,
+    Outgoing,
+    SentReceipts,
+    outgoing,
+    translate,
+)
+from qdelay.client.types import Receipt, Status, ref, stats_dict
+from qdelay.v1 import qdelay_pb2 as pb
+from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+log = logging.getLogger("qdelay.client")
+
+__all__ = ["Client", "Consumer", "Outgoing", "Receipt", "Status", "Batching"]
+
+
+class Client:
+    # the request building and send_many's streaming are the blocking client's own code:
+    # it already runs them as coroutines on a grpc.aio channel (its bulk loop)
+    message = blocking.Client.message
+    state_name = staticmethod(blocking.Client.state_name)
+    _with_ids = blocking.Client._with_ids
+    _ids_of = blocking.Client._ids_of
+    _encode_outgoing = blocking.Client._encode_outgoing
+    _send_many = blocking.Client._send_many
+    _stream_batches = blocking.Client._stream_batches
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        retry_backoff: float = 0.1,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        options: Sequence[tuple] = (),
+        batching: Batching | bool = True,
+    ) -> None:
+        opts = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            *options,
+        ]
+        if tls or tls_ca is not None:
+            root = tls_ca
+            if isinstance(tls_ca, str):
+                with open(tls_ca, "rb") as f:
+                    root = f.read()
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
+            self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root), opts)
+        else:
+            self.channel = grpc.aio.insecure_channel(target, opts)
+        self.stub = pb_grpc.DelayServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+        self.retries = retries
+        self.retry_backoff = retry_backoff
+        self._ids = blocking._Ids()
+        self.batching = Batching() if batching is True else (batching or None)
+        self._batcher: SendBatcher | None = None
+        self._consumers: set[Consumer] = set()
+
+    # ------------------------------------------------------------------ plumbing
+    async def _call(self, method, request, timeout: float | None):
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
+                    raise translate(e, attempt) from None
+                await asyncio.sleep(min(self.retry_backoff * (2 ** (attempt - 1)), MAX_BACKOFF))
+
+    async def close(self) -> None:
+        """Closes the consumers, waits for the answers of queued sends, closes the channel."""
+        for consumer in list(self._consumers):
+            await consumer.close()
+        if self._batcher is not None:
+            batcher, self._batcher = self._batcher, None
+            await batcher.close()
+        await self.channel.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+
+    # ------------------------------------------------------------------ producer
+    async def send(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        delay: int | timedelta | None = None,
+        delay_ms: int | timedelta | None = None,
+        deliver_at: datetime | None = None,
+        deliver_at_ms: int | None = None,
+        headers: dict[str, str] | None = None,
+        message_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Receipt:
+        """Schedule one message; its Receipt once durable (see the blocking ``Client.send``).
+        Cancelling the task before its message was sent leaves it out of the batch."""
+        o = outgoing(subject, payload, delay, delay_ms, deliver_at, deliver_at_ms, headers, message_id or self._ids())
+        if self.batching is None:
+            msg = pb.Message(subject=o.subject, payload=o.payload, headers=o.headers or {}, message_id=o.message_id)
+            if o.deliver_at_ms is not None:
+                msg.deliver_at_ms = o.deliver_at_ms
+            else:
+                msg.delay_ms = o.delay_ms
+            resp = await self._call(self.stub.Send, pb.SendRequest(message=msg), timeout)
+            return Receipt.from_pb(resp.receipt)
+        if self._batcher is None:
+            self._batcher = SendBatcher(
+                lambda: self.channel,
+                lambda batch: self._encode_outgoing(batch)[0],
+                translate,
+                self.metadata,
+                self.batching,
+                self.retries,
+                self.retry_backoff,
+            )
+        timeout = timeout or self.timeout
+        try:
+            return await asyncio.wait_for(self._batcher.send(o), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s") from None
+
+    async def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
+        """One SendBatch: all-or-nothing validation, one durable group commit."""
+        request = pb.SendBatchRequest(messages=self._with_ids(messages))
+        resp = await self._call(self.stub.SendBatch, request, timeout)
+        return [Receipt.from_pb(r) for r in resp.receipts]
+
+    async def send_many(
+        self,
+        messages: Iterable[pb.Message | Outgoing],
+        batch_size: int = 1000,
+        max_in_flight: int = 4,
+        timeout: float | None = None,
+    ) -> SentReceipts:
+        """Pipelined batches on SendStream; receipts in input order (as the blocking
+        ``Client.send_many``, whose docstring says how failures are reported)."""
+        if batch_size < 1 or max_in_flight < 1:
+            raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
+        source = iter(messages)
+
+        def next_request():
+            batch = []
+            for m in source:
+                batch.append(m)
+                if len(batch) == batch_size:
+                    break
+            if not batch:
+                return None
+            if isinstance(batch[0], tuple):
+                return self._encode_outgoing(batch)
+            ids = self._ids_of(batch)
+            return pb.SendBatchRequest(messages=batch, compact_receipts=True).SerializeToString(), ids
+
+        return await self._send_many(self.channel, next_request, max_in_flight, timeout or self.timeout)
+
+    async def cancel(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> str:
+        """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND', 'ALREADY_CANCELLED' or 'DEAD_LETTERED';
+        ``receipt`` is a Receipt, its string form, the message id alone or a qdelay.v1.Receipt."""
+        r, mid = ref(receipt if message_id is None else message_id)
+        resp = await self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
+        return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+
+    async def get(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> Status:
+        """The message's :class:`Status`; takes what :meth:`cancel` takes."""
+        r, mid = ref(receipt if message_id is None else message_id)
+        return Status.from_pb(await self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
+
+    async def stats(self, timeout: float | None = None) -> dict:
+        return stats_dict(await self._call(self.stub.Stats, pb.StatsRequest(), timeout))
+
+    async def health(self, timeout: float = 5.0) -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise translate(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    # ------------------------------------------------------------------ consumer
+    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> Consumer:
+        """A :class:`Consumer` (the stream opens on first read)."""
+        return Consumer(self, subject, group, max_in_flight)
+
+
+_END = object()
+
+
+class Consumer:
+    """One subscription as an async iterator (of deliveries, or of batches with
+    :meth:`batches`), surviving the server.
+
+    A reader task owns the Subscribe stream and hands each response's deliveries to the
+    iterators (bounded: the server never has more than the credit unacknowledged). When the
+    stream breaks with UNAVAILABLE or the server ends it (a shutdown ends every stream),
+    the reader subscribes again by itself with backoff (up to 2 s between tries), with the
+    same subject, group and credit; acks not yet sent go on the new stream. Deliveries that
+    were in flight are delivered again by the server, as for any ended stream
+    (at-least-once). Iteration ends only after :meth:`close`; other errors
+    (UNAUTHENTICATED, INVALID_ARGUMENT, ...) are raised to the reader of the iterator.
+    """
+
+    def __init__(self, client: Client, subject: str, group: str, max_in_flight: int) -> None:
+        self._client = client
+        self.subject = subject
+        self.group = group
+        self.max_in_flight = max_in_flight
+        self._pending_acks: list[str] = []
+        self._requests: asyncio.Queue | None = None
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._call = None
+        self._reader: asyncio.Task | None = None
+        self._closed = asyncio.Event()
+        self.reconnects = 0  # how many times it subscribed again
+        client._consumers.add(self)
+
+    def _open(self):
+        requests: asyncio.Queue = asyncio.Queue()
+        first = pb.SubscribeRequest(subject=self.subject, group=self.group, max_in_flight=self.max_in_flight)
+        if self._pending_acks:
+            first.ack_ids.extend(self._pending_acks)
+            self._pending_acks = []
+        requests.put_nowait(first)
+
+        async def stream():
+            while True:
+                item = await requests.get()
+                if item is _END:
+                    return
+                yield item
+
+        self._requests = requests
+        self._call = self._client.stub.Subscribe(stream(), metadata=self._client.metadata)
+        return self._call
+
+    def _carry_over(self) -> None:
+        """Acks queued for a stream that ended go on the next one."""
+        requests, self._requests = self._requests, None
+        while requests is not None and not requests.empty():
+            item = requests.get_nowait()
+            if isinstance(item, pb.SubscribeRequest):
+                self._pending_acks.extend(item.ack_ids)
+
+    async def _read(self) -> None:
+        """The reader task: one stream after another until the consumer is closed."""
+        attempt = 0
+        try:
+            while not self._closed.is_set():
+                call = self._open()
+                try:
+                    async for resp in call:
+                        attempt = 0
+                        if resp.deliveries:
+                            self._inbox.put_nowait(list(resp.deliveries))
+                except grpc.RpcError as e:
+                    if not self._closed.is_set() and e.code() not in (
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.CANCELLED,
+                    ):
+                        self._inbox.put_nowait(translate(e))
+                        return
+                if self._closed.is_set():
+                    return
+                # the server went away or ended the stream: subscribe again
+                self._carry_over()
+                attempt += 1
+                self.reconnects += 1
+                delay = min(self._client.retry_backoff * 2 ** (attempt - 1), MAX_BACKOFF)
+                log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
+                try:
+                    await asyncio.wait_for(self._closed.wait(), delay)
+                except TimeoutError:
+                    pass
+        finally:
+            self._inbox.put_nowait(_END)
+
+    def _start(self) -> None:
+        if self._reader is None and not self._closed.is_set():
+            self._reader = asyncio.get_running_loop().create_task(self._read(), name="qdelay-consumer")
+
+    async def _next(self, timeout: float | None = None):
+        """The next batch, None at the end (after close) or on timeout."""
+        self._start()
+        try:
+            item = (
+                await asyncio.wait_for(self._inbox.get(), timeout) if timeout is not None else await self._inbox.get()
+            )
+        except TimeoutError:
+            return None
+        if item is _END:
+            self._inbox.put_nowait(_END)  # for every other reader
+            return None
+        if isinstance(item, Exception):
+            self._inbox.put_nowait(_END)
+            raise item
+        return item
+
+    async def batches(self) -> AsyncIterator[list[pb.Delivery]]:
+        """Each SubscribeResponse's deliveries as one list (the efficient way)."""
+        while True:
+            batch = await self._next()
+            if batch is None:
+                return
+            yield batch
+
+    async def __aiter__(self) -> AsyncIterator[pb.Delivery]:
+        async for batch in self.batches():
+            for d in batch:
+                yield d
+
+    async def receive(self, count: int, timeout: float) -> list[pb.Delivery]:
+        """Deliveries until ``count`` arrived or ``timeout`` seconds passed (whole batches, so
+        possibly more than ``count``)."""
+        got: list[pb.Delivery] = []
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(got) < count:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            batch = await self._next(left)
+            if batch is None:
+                break
+            got.extend(batch)
+        return got
+
+    def ack(self, deliveries: Iterable) -> None:
+        """Acknowledge deliveries (Delivery objects or ack ids); one request for all."""
+        ids = [d if isinstance(d, str) else d.ack_id for d in deliveries]
+        if not ids:
+            return
+        if self._requests is None:
+            self._pending_acks.extend(ids)
+        else:
+            self._requests.put_nowait(pb.SubscribeRequest(ack_ids=ids))
+
+    def add_credit(self, max_in_flight: int) -> None:
+        """Change how many unacknowledged deliveries this consumer accepts (kept across
+        resubscriptions)."""
+        self.max_in_flight = max_in_flight
+        if self._requests is not None:
+            self._requests.put_nowait(pb.SubscribeRequest(max_in_flight=max_in_flight))
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Send the queued acks, end the stream (the server gives what is unacknowledged to
+        others at once) and end the iterators; cancels the call after ``timeout`` s."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._client._consumers.discard(self)
+        if self._requests is not None:
+            self._requests.put_nowait(_END)  # half-close: the server applies the acks, then ends
+        reader = self._reader
+        if reader is None:
+            self._inbox.put_nowait(_END)
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(reader), timeout)
+        except TimeoutError:
+            if self._call is not None:
+                self._call.cancel()
+            reader.cancel()
+            try:
+                await reader
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: nothing left to report
+                pass
+
+    async def __aenter__(self) -> Consumer:
+        self._start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,156 @@
+"""qdelay.aio.Client end to end against a real server process: every method, typed
+results, subscribe/ack, concurrent sends through the batching path, a task cancelled
+mid-send."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from datetime import timedelta
+
+import pytest
+from serverproc import ServerProc
+
+from qdelay import errors
+from qdelay.aio import Batching, Client, Outgoing, Receipt, Status
+
+_subjects = itertools.count(1)
+HOUR_MS = 3_600_000
+
+
+def subject() -> str:
+    return f"aio{next(_subjects)}.{int(time.time() * 1000) % 100000}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProc(tmp_path_factory.mktemp("aio") / "data") as srv:
+        yield srv
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_send_get_cancel_stats_with_typed_results(server):
+    async def main():
+        async with Client(server.address) as c:
+            s = subject()
+            r = await c.send(s, b"order 42", delay=timedelta(hours=1), headers={"order": "42"})
+            assert isinstance(r, Receipt) and r.deliver_at_ms > time.time() * 1000 + HOUR_MS - 60_000
+            st = await c.get(str(r))  # the string form, as kept in a database row
+            assert isinstance(st, Status) and st.state == "PENDING" and st.payload == b"order 42"
+            assert st.headers == {"order": "42"} and c.state_name(st) == "PENDING"
+            assert await c.cancel(Receipt.parse(str(r))) == "CANCELLED"
+            assert await c.cancel(r.to_pb()) == "ALREADY_CANCELLED"
+            assert (await c.get(r)).state == "CANCELLED"
+            batch = await c.send_batch([c.message(s, b"b%d" % i, delay_ms=HOUR_MS) for i in range(3)])
+            assert [type(x) for x in batch] == [Receipt] * 3
+            many = await c.send_many((Outgoing(s, b"m%d" % i, delay_ms=HOUR_MS) for i in range(250)), batch_size=60)
+            assert len(many) == 250 and len({x.sequence for x in many}) == 250
+            assert (await c.get(many[249])).payload == b"m249"
+            stats = await c.stats()
+            assert stats["role"] == "master" and stats["pending"] >= 253
+            assert await c.health() == "SERVING"
+            with pytest.raises(errors.InvalidArgument, match=r"2 years \(max_delay_ms=63072000000\)"):
+                await c.send(s, b"", delay=timedelta(days=3 * 365))
+
+    run(main())
+
+
+def test_subscribe_receive_and_ack(server):
+    async def main():
+        async with Client(server.address) as c:
+            s = subject()
+            sent = [await c.send(s, b"d%d" % i) for i in range(5)]
+            async with c.subscribe(s, max_in_flight=100) as consumer:
+                got = []
+                async for batch in consumer.batches():
+                    got.extend(batch)
+                    consumer.ack(batch)
+                    if len(got) >= 5:
+                        break
+            assert sorted(d.message_id for d in got) == sorted(r.message_id for r in sent)
+            for r in sent:
+                assert (await c.get(r)).state == "DELIVERED" or await _delivered(c, r)
+
+    run(main())
+
+
+async def _delivered(c, r, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (await c.get(r)).state == "DELIVERED":
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def test_concurrent_tasks_share_batches_each_gets_its_own_receipt(server):
+    async def main():
+        async with Client(server.address) as c:
+            s = subject()
+
+            valid = await asyncio.gather(*(c.send(s, b"v", delay_ms=HOUR_MS, message_id=f"v-{i}") for i in range(64)))
+            assert [r.message_id for r in valid] == [f"v-{i}" for i in range(64)]
+            assert c._batcher.batches < 64  # gathered
+
+            async def one(i):
+                bad = i == 33
+                try:
+                    return await c.send("bad subject" if bad else s, b"%d" % i, delay_ms=HOUR_MS, message_id=f"t-{i}")
+                except errors.InvalidArgument as err:
+                    return err
+
+            results = await asyncio.gather(*(one(i) for i in range(64)))
+            assert isinstance(results[33], errors.InvalidArgument)
+            for i, r in enumerate(results):
+                if i != 33:
+                    assert r.message_id == f"t-{i}"
+
+    run(main())
+
+
+def test_a_task_cancelled_mid_send_leaves_the_client_working(server):
+    async def main():
+        async with Client(server.address, batching=Batching(max_in_flight=1, max_batch=8, linger=0.01)) as c:
+            s = subject()
+            tasks = [asyncio.create_task(c.send(s, b"%d" % i, delay_ms=HOUR_MS)) for i in range(40)]
+            await asyncio.sleep(0)
+            for t in tasks[10:30]:
+                t.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            cancelled = [r for r in results if isinstance(r, asyncio.CancelledError)]
+            receipts = [r for r in results if isinstance(r, Receipt)]
+            assert len(cancelled) + len(receipts) == 40 and len(receipts) >= 20
+            after = await c.send(s, b"after", delay_ms=HOUR_MS)
+            assert (await c.get(after)).payload == b"after"
+            assert c._batcher.peak_queued <= c.batching.max_queued
+
+    run(main())
+
+
+def test_batching_off_is_one_unary_call_per_send(server):
+    async def main():
+        async with Client(server.address, batching=False) as c:
+            r = await c.send(subject(), b"x", delay_ms=HOUR_MS)
+            assert isinstance(r, Receipt) and c._batcher is None
+
+    run(main())
+
+
+def test_cancel_and_get_by_id_alone(server):
+    async def main():
+        async with Client(server.address) as c:
+            r = await c.send(subject(), b"x", delay_ms=HOUR_MS, message_id="by-id-aio-1")
+            try:
+                st = await c.get("by-id-aio-1")
+            except errors.InvalidArgument as err:
+                if "receipt: required" in str(err):
+                    pytest.xfail("the server does not look messages up by id yet (issue 13)")
+                raise
+            assert st.state == "PENDING" and st.message_id == r.message_id
+            assert await c.cancel(message_id="by-id-aio-1") == "CANCELLED"
+
+    run(main())
