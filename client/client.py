@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -36,6 +37,7 @@ from typing import NamedTuple
 import grpc
 
 from qdelay import errors
+from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, SendBatcher
 from qdelay.client.types import STATES, Receipt, Status, ref, stats_dict
 from qdelay.segments import native
@@ -620,46 +622,103 @@ class Client:
 
 
 _END = object()
+log = logging.getLogger("qdelay.client")
 
 
 class Consumer:
-    """One Subscribe stream: iterate deliveries (or batches of them) and ack them.
+    """One subscription: iterate deliveries (or batches of them) and ack them; it survives
+    the server.
 
     Deliveries not acknowledged within the server's ack timeout are delivered again
     (``attempt`` + 1), to this or another consumer of the subject. At most
     ``max_in_flight`` unacknowledged deliveries are outstanding at once.
+
+    When the stream breaks with UNAVAILABLE or the server ends it (a shutdown ends every
+    stream), the consumer subscribes again by itself with backoff (up to 2 s between
+    tries), with the same subject, group and credit; acks not yet sent go on the new
+    stream; what was in flight is delivered again by the server (at-least-once).
+    Iteration ends only after :meth:`close`; other errors (UNAUTHENTICATED, ...) are raised.
     """
 
     def __init__(self, client: Client, subject: str, group: str, max_in_flight: int) -> None:
-        self._requests: queue.Queue = queue.Queue()
-        self._requests.put(pb.SubscribeRequest(subject=subject, group=group, max_in_flight=max_in_flight))
-        self._closed = threading.Event()
-        self._read_lock = threading.Lock()  # one reader of the response stream at a time
-        self._call = client.stub.Subscribe(self._request_iter(), metadata=client.metadata)
+        self._client = client
         self.subject = subject
         self.group = group
+        self.max_in_flight = max_in_flight
+        self._closed = threading.Event()
+        self._read_lock = threading.Lock()  # one reader of the response stream at a time
+        self._lock = threading.Lock()  # guards _requests/_call swaps against ack() and close()
+        self._pending_acks: list[str] = []
+        self.reconnects = 0  # how many times it subscribed again
+        self._open()
 
-    def _request_iter(self) -> Iterator[pb.SubscribeRequest]:
+    def _open(self) -> None:
+        """A new Subscribe stream with its own request queue (the old one's generator may
+        still be parked in grpc's thread: it ends on its own _END)."""
+        requests: queue.Queue = queue.Queue()
+        with self._lock:
+            first = pb.SubscribeRequest(subject=self.subject, group=self.group, max_in_flight=self.max_in_flight)
+            if self._pending_acks:
+                first.ack_ids.extend(self._pending_acks)
+                self._pending_acks = []
+            requests.put(first)
+            self._requests = requests
+            self._call = self._client.stub.Subscribe(self._request_iter(requests), metadata=self._client.metadata)
+
+    @staticmethod
+    def _request_iter(requests: queue.Queue) -> Iterator[pb.SubscribeRequest]:
         while True:
-            item = self._requests.get()
+            item = requests.get()
             if item is _END:
                 return
             yield item
 
+    def _reopen(self, attempt: int) -> bool:
+        """After the stream ended or broke: wait (backoff) and subscribe again; False once closed."""
+        with self._lock:
+            old = self._requests
+            while True:  # acks queued for the old stream go on the new one
+                try:
+                    item = old.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, pb.SubscribeRequest):
+                    self._pending_acks.extend(item.ack_ids)
+            old.put(_END)
+        self.reconnects += 1
+        delay = min(self._client.retry_backoff * 2 ** (attempt - 1), _MAX_BACKOFF)
+        log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
+        if self._closed.wait(delay):
+            return False
+        self._open()
+        if self._closed.is_set():
+            self._call.cancel()
+            return False
+        return True
+
     def batches(self) -> Iterator[list[pb.Delivery]]:
         """Each SubscribeResponse's deliveries as one list (the efficient way)."""
-        try:
-            while True:
+        attempt = 0
+        while True:
+            try:
                 with self._read_lock:
                     resp = next(self._call, None)
-                if resp is None:
+            except grpc.RpcError as e:
+                if self._closed.is_set():
                     return
-                if resp.deliveries:
-                    yield list(resp.deliveries)
-        except grpc.RpcError as e:
-            if self._closed.is_set() and e.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise translate(e) from None
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise translate(e) from None
+                resp = None
+            if resp is None:
+                if self._closed.is_set():
+                    return
+                attempt += 1
+                if not self._reopen(attempt):
+                    return
+                continue
+            attempt = 0
+            if resp.deliveries:
+                yield list(resp.deliveries)
 
     def __iter__(self) -> Iterator[pb.Delivery]:
         for batch in self.batches():
@@ -704,11 +763,15 @@ class Consumer:
         """Acknowledge deliveries (Delivery objects or ack ids); one request for all of them."""
         ids = [d if isinstance(d, str) else d.ack_id for d in deliveries]
         if ids:
-            self._requests.put(pb.SubscribeRequest(ack_ids=ids))
+            with self._lock:
+                self._requests.put(pb.SubscribeRequest(ack_ids=ids))
 
     def add_credit(self, max_in_flight: int) -> None:
-        """Change how many unacknowledged deliveries this consumer accepts."""
-        self._requests.put(pb.SubscribeRequest(max_in_flight=max_in_flight))
+        """Change how many unacknowledged deliveries this consumer accepts (kept across
+        resubscriptions)."""
+        with self._lock:
+            self.max_in_flight = max_in_flight
+            self._requests.put(pb.SubscribeRequest(max_in_flight=max_in_flight))
 
     def close(self, timeout: float = 5.0) -> None:
         """End the stream: acks queued by :meth:`ack` are sent first, then the request side
@@ -719,9 +782,11 @@ class Consumer:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._requests.put(_END)
+        with self._lock:
+            self._requests.put(_END)
+            call = self._call
         ended = threading.Event()
-        self._call.add_done_callback(lambda _call: ended.set())
+        call.add_done_callback(lambda _call: ended.set())
 
         def drain() -> None:
             # the call's status arrives only after every response was read: read (and drop:
@@ -731,14 +796,14 @@ class Consumer:
                     if ended.is_set():
                         return
                     try:
-                        if next(self._call, None) is None:
+                        if next(call, None) is None:
                             return
                     except grpc.RpcError:
                         return
 
         threading.Thread(target=drain, name="qdelay-consumer-close", daemon=True).start()
         if not ended.wait(timeout):
-            self._call.cancel()
+            call.cancel()
 
     def __enter__(self) -> Consumer:
         return self

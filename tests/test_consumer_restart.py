@@ -1,0 +1,96 @@
+"""Consumers that survive the server (real process): after a SIGTERM restart and after a
+SIGKILL restart, the same consumer object keeps receiving — a message sent after the
+restart is consumed — for the blocking and the asyncio client; it ends only when closed."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+
+import pytest
+from serverproc import ServerProc
+
+from qdelay import aio
+from qdelay.client import Client
+
+_subjects = itertools.count(1)
+
+
+def subject() -> str:
+    return f"cr{next(_subjects)}.{int(time.time() * 1000) % 100000}"
+
+
+def restart(srv: ServerProc, how: str) -> None:
+    if how == "sigterm":
+        assert srv.stop() == 0
+    else:
+        srv.kill9()
+    srv.start()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_blocking_consumer_keeps_receiving_across_a_restart(tmp_path, how):
+    srv = ServerProc(tmp_path / "data").start()
+    try:
+        with Client(srv.address, retries=20, retry_backoff=0.05, timeout=30) as c:
+            s = subject()
+            consumer = c.subscribe(s, group="g1", max_in_flight=50)
+            before = c.send(s, b"before")
+            got = consumer.receive(1, timeout=10)
+            assert [d.message_id for d in got] == [before.message_id]
+            consumer.ack(got)
+            restart(srv, how)
+            after = c.send(s, b"after")
+            deadline = time.monotonic() + 30
+            seen: list = []
+            while after.message_id not in {d.message_id for d in seen} and time.monotonic() < deadline:
+                batch = consumer.receive(1, timeout=1)
+                consumer.ack(batch)
+                seen.extend(batch)
+            assert after.message_id in {d.message_id for d in seen}
+            assert consumer.reconnects >= 1
+            assert (consumer.subject, consumer.group, consumer.max_in_flight) == (s, "g1", 50)
+            # it ends only when the user closes it
+            ended = threading.Event()
+            t = threading.Thread(target=lambda: (list(consumer.batches()), ended.set()), daemon=True)
+            t.start()
+            assert not ended.wait(0.3)
+            consumer.close()
+            assert ended.wait(10)
+    finally:
+        srv.kill9()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_asyncio_consumer_keeps_receiving_across_a_restart(tmp_path, how):
+    srv = ServerProc(tmp_path / "data").start()
+
+    async def main():
+        async with aio.Client(srv.address, retries=20, retry_backoff=0.05, timeout=30) as c:
+            s = subject()
+            async with c.subscribe(s, group="g2", max_in_flight=40) as consumer:
+                before = await c.send(s, b"before")
+                got = await consumer.receive(1, timeout=10)
+                assert [d.message_id for d in got] == [before.message_id]
+                consumer.ack(got)
+                await asyncio.to_thread(restart, srv, how)
+                after = await c.send(s, b"after")
+                seen: list = []
+                deadline = time.monotonic() + 30
+                while after.message_id not in {d.message_id for d in seen} and time.monotonic() < deadline:
+                    batch = await consumer.receive(1, timeout=1)
+                    consumer.ack(batch)
+                    seen.extend(batch)
+                assert after.message_id in {d.message_id for d in seen}
+                assert consumer.reconnects >= 1 and consumer.max_in_flight == 40
+                reader = asyncio.create_task(consumer.receive(10**6, timeout=60))
+                await asyncio.sleep(0.3)
+                assert not reader.done()  # still reading: it ends only on close
+            assert await asyncio.wait_for(reader, 10) == []
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 90))
+    finally:
+        srv.kill9()
