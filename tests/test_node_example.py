@@ -1,10 +1,13 @@
-"""The Node example (grpc-js loading the .proto at run time) against a real server."""
+"""The Node module (examples/node/qdelay.js: grpc-js loading the .proto at run time) and its example
+against a real server: batching send, a consumer across server restarts."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import threading
+import time
 
 import pytest
 from serverproc import ServerProc
@@ -48,3 +51,75 @@ def test_node_example_with_token(tmp_path, node_modules):
         ok = run_example(srv.address, QDELAY_TOKEN="node-token")
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stdout + refused.stderr
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_node_module_batching_send_each_caller_its_receipt_invalid_fails_only_its_caller(tmp_path, node_modules):
+    with ServerProc(tmp_path / "data") as srv:
+        result = subprocess.run(
+            ["node", "check_client.js", srv.address, "batching"],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "batching: OK" in result.stdout
+
+
+class NodeConsumer:
+    """check_client.js in consume mode: its stdout lines read as they come."""
+
+    def __init__(self, address: str, subject: str) -> None:
+        self.proc = subprocess.Popen(
+            ["node", "check_client.js", address, "consume", subject],
+            cwd=NODE_DIR,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def wait_for(self, line: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while line not in self.lines:
+            assert time.monotonic() < deadline, f"no {line!r} in {self.lines}"
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            time.sleep(0.02)
+
+    def close(self) -> str:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+        self._reader.join(10)
+        return "\n".join(self.lines)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_node_consumer_keeps_receiving_across_a_restart(tmp_path, node_modules, how):
+    subject = f"node.restart.{how}"
+    srv = ServerProc(tmp_path / "data").start()
+    try:
+        consumer = NodeConsumer(srv.address, subject)
+        consumer.wait_for("ready")
+        with srv.client(batching=False) as c:
+            before = c.send(subject, b"before")
+            consumer.wait_for(f"got {before.message_id}")
+            if how == "sigterm":
+                assert srv.stop() == 0
+            else:
+                srv.kill9()
+            srv.start()
+            with srv.client(batching=False) as c:
+                after = c.send(subject, b"after")
+            consumer.wait_for(f"got {after.message_id}")
+        out = consumer.close()
+        assert consumer.proc.returncode == 0, out + consumer.proc.stderr.read()
+        assert "reconnect 1" in out and "closed after" in out
+    finally:
+        srv.kill9()

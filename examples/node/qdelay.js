@@ -1,0 +1,394 @@
+// qdelay for Node.js: a small reusable client module (grpc-js, the .proto loaded at run time).
+//
+//   const { Client } = require('./qdelay');
+//   const client = new Client('127.0.0.1:7600', { token: process.env.QDELAY_TOKEN });
+//   const receipt = await client.send('order.close', Buffer.from('42'), { delayMs: 30 * 60 * 1000 });
+//   await client.cancel(receipt);                 // or receipt.message_id alone
+//   const consumer = client.subscribe('order.close', { group: 'billing', maxInFlight: 100 });
+//   consumer.on('batch', (deliveries) => { handle(deliveries); consumer.ack(deliveries); });
+//   ...
+//   await consumer.close(); client.close();
+//
+// What it shows a client author (docs/api.md, "Writing a client"):
+// - send() gathers concurrent calls into SendStream batches (compact receipts, every
+//   message with its own client-made id), sends a batch at once when the stream is idle
+//   and lets one wait at most lingerMs while another is unanswered; a bounded queue
+//   (maxQueued) makes send() wait instead of growing without end;
+// - a refused batch (INVALID_ARGUMENT) is sent again one message per batch, so a bad
+//   message fails only its own caller; a stream broken with UNAVAILABLE is reopened with
+//   backoff and its unanswered batches sent again with the same ids;
+// - a consumer acks in batches, keeps its credit, and subscribes again with backoff when the
+//   server goes away (SIGTERM drain or crash); it ends only on close().
+'use strict';
+
+const crypto = require('crypto');
+const fs = require('fs');
+const path = require('path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+const { EventEmitter } = require('events');
+
+const PROTO_ROOT = path.join(__dirname, '..', '..', 'proto');
+const MAX_BACKOFF_MS = 2000;
+
+let service = null;
+function loadService() {
+  if (service === null) {
+    const definition = protoLoader.loadSync(path.join(PROTO_ROOT, 'qdelay', 'v1', 'qdelay.proto'), {
+      includeDirs: [PROTO_ROOT],
+      keepCase: true, // field names as in the .proto: deliver_at_ms, message_id ...
+      longs: String, // int64 / uint64 arrive as decimal strings
+      enums: String, // outcome: 'CANCELLED', state: 'PENDING' ...
+      defaults: true,
+      oneofs: true,
+    });
+    service = grpc.loadPackageDefinition(definition).qdelay.v1.DelayService;
+  }
+  return service;
+}
+
+class QdelayError extends Error {
+  constructor(method, err) {
+    super(`${method}: ${grpc.status[err.code] || err.code}: ${err.details || err.message}`);
+    this.code = grpc.status[err.code] || String(err.code);
+    this.details = err.details || err.message;
+  }
+}
+
+const backoff = (attempt, baseMs) => Math.min(baseMs * 2 ** (attempt - 1), MAX_BACKOFF_MS);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+class Client {
+  constructor(target = '127.0.0.1:7600', options = {}) {
+    const Service = loadService();
+    const credentials = options.tlsCa
+      ? grpc.credentials.createSsl(fs.readFileSync(options.tlsCa))
+      : grpc.credentials.createInsecure();
+    this.stub = new Service(target, credentials, {
+      'grpc.max_receive_message_length': 80 * 1024 * 1024,
+      'grpc.max_send_message_length': 80 * 1024 * 1024,
+      'grpc.keepalive_time_ms': 30000, // find a dead connection on an idle stream
+      'grpc.keepalive_permit_without_calls': 0,
+    });
+    this.token = options.token || null;
+    this.timeoutMs = options.timeoutMs || 30000;
+    this.retries = options.retries === undefined ? 5 : options.retries;
+    this.backoffMs = options.backoffMs || 50;
+    this.batching = options.batching === false ? null : {
+      maxBatch: 1000, lingerMs: 1, maxInFlight: 4, maxQueued: 10000, ...(options.batching || {}),
+    };
+    this.idPrefix = `n${crypto.randomBytes(8).toString('hex')}-`;
+    this.idCount = 0;
+    this.sender = null;
+    this.consumers = new Set();
+  }
+
+  metadata() {
+    const md = new grpc.Metadata();
+    if (this.token) md.set('authorization', `Bearer ${this.token}`);
+    return md;
+  }
+
+  newId() {
+    this.idCount += 1;
+    return this.idPrefix + this.idCount.toString(16);
+  }
+
+  async unary(method, request, timeoutMs = this.timeoutMs) {
+    for (let attempt = 1; ; attempt += 1) {
+      try {
+        return await new Promise((resolve, reject) => {
+          this.stub[method](request, this.metadata(), { deadline: Date.now() + timeoutMs },
+            (err, response) => (err ? reject(err) : resolve(response)));
+        });
+      } catch (err) {
+        if (err.code !== grpc.status.UNAVAILABLE || attempt > this.retries) throw new QdelayError(method, err);
+        await sleep(backoff(attempt, this.backoffMs));
+      }
+    }
+  }
+
+  // A message as the wire wants it: exactly one of deliverAtMs / delayMs (default delay 0).
+  message(subject, payload, opts = {}) {
+    const m = {
+      subject,
+      payload: Buffer.isBuffer(payload) ? payload : Buffer.from(payload || ''),
+      headers: opts.headers || {},
+      message_id: opts.messageId || this.newId(),
+    };
+    if (opts.deliverAtMs !== undefined) m.deliver_at_ms = String(opts.deliverAtMs);
+    else m.delay_ms = String(opts.delayMs || 0);
+    return m;
+  }
+
+  // Schedule one message; resolves to its receipt {message_id, deliver_at_ms, sequence}.
+  send(subject, payload, opts = {}) {
+    const message = this.message(subject, payload, opts);
+    if (this.batching === null) {
+      return this.unary('Send', { message }).then((r) => r.receipt);
+    }
+    if (this.sender === null) this.sender = new SendBatcher(this);
+    return this.sender.send(message);
+  }
+
+  // Receipt object or message id alone (by id needs a server with lookup by id).
+  static ref(receipt) {
+    return typeof receipt === 'string' ? { message_id: receipt } : { receipt };
+  }
+
+  async cancel(receipt) {
+    return (await this.unary('Cancel', Client.ref(receipt))).outcome;
+  }
+
+  async get(receipt) {
+    return this.unary('Get', Client.ref(receipt));
+  }
+
+  async stats() {
+    return this.unary('Stats', {});
+  }
+
+  subscribe(subject, opts = {}) {
+    const consumer = new Consumer(this, subject, opts.group || 'default', opts.maxInFlight || 1000);
+    this.consumers.add(consumer);
+    return consumer;
+  }
+
+  // Waits for queued sends to be answered, then closes the channel.
+  async close() {
+    for (const c of this.consumers) await c.close();
+    if (this.sender !== null) await this.sender.close();
+    this.stub.close();
+  }
+}
+
+// send()'s batching: one SendStream, batches of whatever is queued (see the header).
+class SendBatcher {
+  constructor(client) {
+    this.client = client;
+    this.config = client.batching;
+    this.waiting = []; // {message, resolve, reject}
+    this.resend = []; // batches of a broken stream, in order
+    this.spaceWaiters = [];
+    this.call = null;
+    this.unanswered = [];
+    this.attempt = 0;
+    this.timer = null;
+    this.closing = null;
+    this.batches = 0;
+    this.streams = 0;
+  }
+
+  async send(message) {
+    while (this.waiting.length >= this.config.maxQueued) {
+      await new Promise((resolve) => this.spaceWaiters.push(resolve)); // backpressure
+    }
+    return new Promise((resolve, reject) => {
+      this.waiting.push({ message, resolve, reject });
+      this.pump();
+    });
+  }
+
+  freeSpace() {
+    while (this.spaceWaiters.length && this.waiting.length < this.config.maxQueued) this.spaceWaiters.shift()();
+  }
+
+  open() {
+    this.streams += 1;
+    const call = this.client.stub.SendStream(this.client.metadata());
+    this.call = call;
+    this.unanswered = [];
+    call.on('data', (response) => {
+      if (call !== this.call) return;
+      const batch = this.unanswered.shift();
+      this.attempt = 0;
+      this.answer(batch, response);
+      this.pump();
+    });
+    call.on('error', (err) => this.broken(call, err));
+    call.on('end', () => this.broken(call, null));
+  }
+
+  // The stream ended or failed: decide what each unanswered batch becomes.
+  broken(call, err) {
+    if (call !== this.call) return;
+    this.call = null;
+    const unanswered = this.unanswered;
+    this.unanswered = [];
+    const code = err ? err.code : null;
+    if (err === null || code === grpc.status.UNAVAILABLE || code === grpc.status.CANCELLED) {
+      // the server went away or ended the stream: send the unanswered again, same ids
+      this.resend = unanswered.concat(this.resend);
+      if (unanswered.length) {
+        this.attempt += 1;
+        if (this.attempt > this.client.retries) {
+          const error = new QdelayError('SendStream', err || { code: grpc.status.UNAVAILABLE, details: 'stream ended' });
+          for (const b of this.resend) for (const e of b) e.reject(error);
+          this.resend = [];
+          this.attempt = 0;
+        } else {
+          setTimeout(() => this.pump(), backoff(this.attempt, this.client.backoffMs));
+          return;
+        }
+      }
+      this.pump();
+      return;
+    }
+    const refused = unanswered.shift();
+    this.resend = unanswered.concat(this.resend); // not written: they were behind it
+    if (refused && code === grpc.status.INVALID_ARGUMENT && refused.length > 1) {
+      this.resend = refused.map((e) => [e]).concat(this.resend); // so it refuses only its caller
+    } else if (refused) {
+      const error = new QdelayError('SendStream', err);
+      for (const e of refused) e.reject(error);
+    }
+    this.pump();
+  }
+
+  answer(batch, response) {
+    if (response.receipts.length) {
+      batch.forEach((e, i) => e.resolve(response.receipts[i]));
+      return;
+    }
+    const first = BigInt(response.first_sequence);
+    batch.forEach((e, i) => e.resolve({
+      message_id: e.message.message_id,
+      deliver_at_ms: response.deliver_at_ms[i],
+      sequence: String(first + BigInt(i)),
+    }));
+  }
+
+  // Send what can be sent now: re-sent batches first, then a batch of the queue.
+  pump() {
+    if (this.timer !== null) return;
+    while (this.unanswered.length < this.config.maxInFlight && (this.resend.length || this.waiting.length)) {
+      if (this.call === null) this.open();
+      let batch;
+      if (this.resend.length) {
+        batch = this.resend.shift();
+      } else {
+        if (this.unanswered.length && this.config.lingerMs > 0 && this.waiting.length < this.config.maxBatch) {
+          // a batch is unanswered anyway: let this one gather for up to lingerMs
+          this.timer = setTimeout(() => { this.timer = null; this.cut(); }, this.config.lingerMs);
+          return;
+        }
+        batch = this.waiting.splice(0, this.config.maxBatch);
+        this.freeSpace();
+      }
+      this.write(batch);
+    }
+    if (this.closing && !this.unanswered.length && !this.resend.length && !this.waiting.length) {
+      if (this.call !== null) {
+        const call = this.call;
+        this.call = null;
+        call.end();
+      }
+      this.closing();
+    }
+  }
+
+  cut() {
+    if (this.waiting.length && this.unanswered.length < this.config.maxInFlight) {
+      if (this.call === null) this.open();
+      const batch = this.waiting.splice(0, this.config.maxBatch);
+      this.freeSpace();
+      this.write(batch);
+    }
+    this.pump();
+  }
+
+  write(batch) {
+    this.unanswered.push(batch);
+    this.batches += 1;
+    this.call.write({ messages: batch.map((e) => e.message), compact_receipts: true });
+  }
+
+  close() {
+    return new Promise((resolve) => {
+      this.closing = resolve;
+      this.pump();
+    });
+  }
+}
+
+// One subscription that survives the server: emits 'batch' (an array of deliveries) and
+// 'error' (a refusal other than the server going away); resubscribes with backoff.
+class Consumer extends EventEmitter {
+  constructor(client, subject, group, maxInFlight) {
+    super();
+    this.client = client;
+    this.subject = subject;
+    this.group = group;
+    this.maxInFlight = maxInFlight;
+    this.pendingAcks = [];
+    this.reconnects = 0;
+    this.closed = false;
+    this.attempt = 0;
+    this.call = null;
+    this.ended = null;
+    setImmediate(() => this.open());
+  }
+
+  open() {
+    if (this.closed) return;
+    const call = this.client.stub.Subscribe(this.client.metadata());
+    this.call = call;
+    call.on('data', (response) => {
+      if (call !== this.call || this.closed) return; // after close: the server gives them to others
+      this.attempt = 0;
+      if (response.deliveries.length) this.emit('batch', response.deliveries);
+    });
+    const over = (err) => {
+      if (call !== this.call) return;
+      this.call = null;
+      if (this.closed) {
+        if (this.ended) this.ended();
+        return;
+      }
+      if (err && ![grpc.status.UNAVAILABLE, grpc.status.CANCELLED].includes(err.code)) {
+        this.emit('error', new QdelayError('Subscribe', err));
+        return;
+      }
+      // the server went away or ended the stream: subscribe again, same subject/group/credit
+      this.attempt += 1;
+      this.reconnects += 1;
+      this.emit('reconnect', this.attempt);
+      setTimeout(() => this.open(), backoff(this.attempt, this.client.backoffMs));
+    };
+    call.on('error', over);
+    call.on('end', () => over(null));
+    call.on('status', () => {});
+    const first = { subject: this.subject, group: this.group, max_in_flight: this.maxInFlight };
+    if (this.pendingAcks.length) first.ack_ids = this.pendingAcks.splice(0);
+    call.write(first);
+  }
+
+  // Acknowledge deliveries (objects or ack ids) in one request.
+  ack(deliveries) {
+    const ids = deliveries.map((d) => (typeof d === 'string' ? d : d.ack_id));
+    if (!ids.length) return;
+    if (this.call) this.call.write({ ack_ids: ids });
+    else this.pendingAcks.push(...ids); // sent first on the next stream
+  }
+
+  addCredit(maxInFlight) {
+    this.maxInFlight = maxInFlight;
+    if (this.call) this.call.write({ max_in_flight: maxInFlight });
+  }
+
+  // Half-close: the server applies the acks written before, then ends the stream.
+  close(timeoutMs = 5000) {
+    if (this.closed) return Promise.resolve();
+    this.closed = true;
+    this.client.consumers.delete(this);
+    const call = this.call;
+    if (call === null) return Promise.resolve();
+    return new Promise((resolve) => {
+      const fallback = setTimeout(() => { call.cancel(); resolve(); }, timeoutMs);
+      this.ended = () => { clearTimeout(fallback); resolve(); };
+      call.end();
+    });
+  }
+}
+
+module.exports = { Client, Consumer, QdelayError };
