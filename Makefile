@@ -15,7 +15,7 @@ setup: $(STAMP) proto
 $(STAMP): pyproject.toml segments/_codec.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test,spark,bench]'
+	$(BIN)/pip install -q -e '.[server,dev,test,spark,bench]'
 	touch $@
 
 # Generated gRPC code is built from proto/, never edited or committed.

@@ -25,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     if argv and argv[0] in SUBCOMMANDS:
         name = argv[0]
-        module = importlib.import_module(SUBCOMMANDS[name][0])
+        try:
+            module = importlib.import_module(SUBCOMMANDS[name][0])
+        except ModuleNotFoundError as err:
+            # `pip install qdelay` is the client alone; the commands need the server's dependencies
+            print(f"qdelay {name}: {err.name} is not installed; pip install 'qdelay[server]'", file=sys.stderr)
+            return 2
         module.add_arguments(sub.add_parser(name, help=SUBCOMMANDS[name][1]))
     else:
         for name, (_module, help_text) in SUBCOMMANDS.items():
