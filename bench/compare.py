@@ -32,7 +32,7 @@ import threading
 import time
 from array import array
 
-from bench.common import cpu_counters, machine, print_table, steal_percent, write_json
+from bench.common import cpu_counters, cpu_seconds, machine, print_table, steal_percent, write_json
 from bench.peers import DRIVERS, make_client, make_payload
 
 CTX = mp.get_context("spawn")
@@ -446,7 +446,68 @@ def crash(name, tmp, scale=1.0, seed=4, lo_s=1.0, hi_s=6.0, kill_after_s=2.0):
     )
 
 
-SCENARIOS = {"ingest": ingest, "lateness": lateness, "burst": burst, "memory": memory, "crash": crash}
+def shapes(name, tmp, scale=1.0):
+    """Issue 15's producer shapes (bench.shapes), each against a fresh server: qdelay's
+    batching clients, a plain generated stub and unary Send (with the bare grpc.aio floor);
+    Redis one ZADD per call from 8 processes and a pipeline of 100. Keys pair each qdelay
+    shape with the Redis shape it is compared with."""
+    from bench import shapes as sh
+    from bench.grpc_floor import start_bare
+    from bench.peers import free_port
+
+    payload = 100
+    out = dict(load0=load1())
+    if name.startswith("qdelay"):
+        plan = [
+            ("concurrent_aio", "aio64", int(60_000 * scale), 1),
+            ("threads16", "threads16", int(30_000 * scale), 1),
+            ("stub_batch100", "stub100", int(100_000 * scale), 1),
+            ("unary8", "unary", int(8_000 * scale), 8),
+        ]
+    else:
+        n1 = int(24_000 * scale)
+        plan = [("one_per_call8", "redis1", n1, 8), ("stub_batch100", "redis100", int(100_000 * scale), 1)]
+    first = 0
+    for key, kind, n, procs in plan:
+        with Server(name, tmp) as d:
+            target = f"127.0.0.1:{d.port}" if name.startswith("qdelay") else d.port
+            idle = idle_cpu_rate(d, 0.5)
+            t0 = time.monotonic()
+            res = sh.run(kind, target, n, procs, payload, first, d.cpu_seconds)
+            if name.startswith("qdelay"):  # the work left after the last answer counts too
+                cpu0 = d.cpu_seconds() - res["srv_cpu_us_per_msg"] * res["n"] / 1e6
+                res["srv_cpu_us_per_msg"] = round(settled_cpu(d, cpu0, t0, idle) * 1e6 / res["n"], 1)
+        first += n
+        for k, v in res.items():
+            if k != "n":
+                out[f"{key}_{k}"] = v
+    if name.startswith("qdelay"):  # unary Send's floor: a bare grpc.aio server, same 8 processes
+        address = f"127.0.0.1:{free_port()}"
+        bare = start_bare(address)
+        try:
+            res = sh.run("unary", address, int(8_000 * scale), 8, payload, 0, lambda: cpu_seconds(bare.pid))
+        finally:
+            bare.kill()
+            bare.wait()
+        for k, v in res.items():
+            if k != "n":
+                out[f"unary8_floor_{k}"] = v
+    else:  # Redis's one-per-call figure is what each single-message qdelay shape is held to
+        for key in ("concurrent_aio", "threads16", "unary8"):
+            out[f"{key}_msgs_per_s"] = out["one_per_call8_msgs_per_s"]
+            out[f"{key}_srv_cpu_us_per_msg"] = out["one_per_call8_srv_cpu_us_per_msg"]
+    out["load1"] = load1()
+    return out
+
+
+SCENARIOS = {
+    "ingest": ingest,
+    "lateness": lateness,
+    "burst": burst,
+    "memory": memory,
+    "crash": crash,
+    "shapes": shapes,
+}
 
 # what the issue asks, as ratios of the same run (scenario, metric, how qdelay must compare to redis)
 GOALS = [
@@ -462,6 +523,49 @@ GOALS = [
         lambda q, r: q / r,
     ),
     ("crash", "lost", "zero loss after SIGKILL", lambda q, r: q == 0, lambda q, r: None),
+    # issue 15: producer shapes (Redis: 8 processes, one ZADD per call; pipeline of 100)
+    (
+        "shapes",
+        "concurrent_aio_msgs_per_s",
+        "64 concurrent asyncio send() >= 3x Redis one-ZADD-per-call (8 procs)",
+        lambda q, r: q >= 3 * r,
+        lambda q, r: q / r,
+    ),
+    (
+        "shapes",
+        "concurrent_aio_srv_cpu_us_per_msg",
+        "  its server CPU per message <= Redis's",
+        lambda q, r: q <= r,
+        lambda q, r: q / r,
+    ),
+    (
+        "shapes",
+        "threads16_msgs_per_s",
+        "blocking send() from 16 threads >= 2x Redis one-ZADD-per-call",
+        lambda q, r: q >= 2 * r,
+        lambda q, r: q / r,
+    ),
+    (
+        "shapes",
+        "stub_batch100_msgs_per_s",
+        "generated stub SendBatch 100, full receipts >= 2x Redis pipeline 100",
+        lambda q, r: q >= 2 * r,
+        lambda q, r: q / r,
+    ),
+    (
+        "shapes",
+        "stub_batch100_srv_cpu_us_per_msg",
+        "  its server CPU per message <= 1.5x Redis's",
+        lambda q, r: q <= 1.5 * r,
+        lambda q, r: q / r,
+    ),
+    (
+        "shapes",
+        "unary8_msgs_per_s",
+        "unary Send, 8 processes (report; floor in the shapes table)",
+        lambda q, r: None,
+        lambda q, r: q / r,
+    ),
 ]
 
 COLUMNS = {
@@ -471,6 +575,9 @@ COLUMNS = {
     "memory": ["bytes_per_msg", "rss_empty_mb", "rss_mb", "load_s", "load0", "steal_pct"],
     "crash": ["lost", "duplicates", "received_before_kill", "recovery_s", "load0", "steal_pct"],
 }
+# the shapes scenario is printed one row per (server, shape)
+SHAPE_ROWS = ("concurrent_aio", "threads16", "stub_batch100", "unary8", "unary8_floor", "one_per_call8")
+SHAPE_COLS = ("msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "secs")
 
 
 def median_of(runs, key):
@@ -487,6 +594,16 @@ def report(results: dict) -> str:
             continue
         rows = [[drv] + [median_of(runs, c) for c in cols] for drv, runs in results[scen].items()]
         texts.append(print_table(["server", *cols], rows, title=f"### {scen}"))
+        print()
+    if "shapes" in results:
+        rows = []
+        for drv, runs in results["shapes"].items():
+            for shape in SHAPE_ROWS:
+                vals = [median_of(runs, f"{shape}_{c}") for c in SHAPE_COLS]
+                redis_shape = shape in ("one_per_call8", "stub_batch100")
+                if any(v is not None for v in vals) and (drv == "qdelay" or redis_shape):
+                    rows.append([drv, shape, *vals])
+        texts.append(print_table(["server", "shape", *SHAPE_COLS], rows, title="### producer shapes (issue 15)"))
         print()
     rows = []
     for scen, key, text, ok, ratio in GOALS:

@@ -31,8 +31,20 @@ from bench.common import cpu_seconds, machine, print_table, write_json
 ANSWERS = ("receipts", "compact", "empty")
 
 
+def start_bare(address: str):
+    """The bare server in its own process, once it serves (the caller kills it)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.grpc_floor", "--serve", address], stdout=subprocess.PIPE, text=True
+    )
+    if server.stdout.readline().strip() != "ready":
+        server.kill()
+        raise RuntimeError("the bare server did not start")
+    return server
+
+
 def serve(address: str) -> None:
-    """The bare server: answers as the request's first message's subject says."""
+    """The bare server: answers as the request's first message's subject says (a unary Send:
+    with its receipt)."""
     import grpc
 
     from qdelay.v1 import qdelay_pb2 as pb
@@ -53,7 +65,16 @@ def serve(address: str) -> None:
             resp.deliver_at_ms.extend([m.deliver_at_ms for m in request.messages])
         return resp
 
+    sequence = iter(range(1, 1 << 62))
+
     class Bare(pb_grpc.DelayServiceServicer):
+        async def Send(self, request, context):
+            # what a unary Send must answer at least: a receipt (bench.shapes "unary" floor)
+            m = request.message
+            return pb.SendResponse(
+                receipt=pb.Receipt(message_id=m.message_id, deliver_at_ms=m.deliver_at_ms, sequence=next(sequence))
+            )
+
         async def SendBatch(self, request, context):
             return answer(request)
 

@@ -12,7 +12,11 @@ the server's CPU per message (all its threads) and the producers' CPU per messag
   ``Outgoing`` tuples (encoded straight into wire bytes; the side-by-side benchmark's
   producer), batches of 100 with 8 and 16 unanswered, batches of 1000 with 4, and
   100 x 16 from 2 processes
+- issue 15's shapes (bench.shapes): 64 concurrent asyncio ``send()``, the blocking
+  ``send()`` from 16 threads, a generated stub's SendBatch of 100 with full receipts, and
+  unary Send from 8 processes (each a single message per call, batched or not by the client)
 
+``--only`` runs the shapes whose name contains one of its comma-separated words.
 Writes bench/out/ingest.json.
 """
 
@@ -39,6 +43,15 @@ SHAPES = [
     ("send_many (SendStream) of Outgoing tuples, 100 x 16 in flight", "many", 100, 16, 1),
     ("send_many (SendStream) of Outgoing tuples, 1000 x 4 in flight", "many", 1000, 4, 1),
     ("send_many of Outgoing tuples, 100 x 16, 2 producers", "many", 100, 16, 2),
+]
+
+
+# issue 15's shapes: name, bench.shapes kind, messages (fraction of --messages), processes
+CLIENT_SHAPES = [
+    ("64 concurrent asyncio send(), one process", "aio64", 0.3, 1),
+    ("blocking send() from 16 threads, one process", "threads16", 0.15, 1),
+    ("generated stub SendBatch 100, full receipts, 1 in flight", "stub100", 0.5, 1),
+    ("generated stub unary Send, 8 processes, 1 in flight each", "unary", 0.04, 8),
 ]
 
 
@@ -132,7 +145,13 @@ def main(argv=None) -> int:
     parser.add_argument("--payload", type=int, default=100)
     parser.add_argument("--flush", default="sync")
     parser.add_argument("--tmp", default=None)
+    parser.add_argument("--only", default="", help="comma-separated words: run the shapes whose name has one")
     args = parser.parse_args(argv)
+    words = [w for w in args.only.split(",") if w]
+
+    def chosen(name: str) -> bool:
+        return not words or any(w in name for w in words)
+
     info = machine()
     rows, results = [], {}
     workdir = tempfile.mkdtemp(prefix="qdbench-ingest-", dir=args.tmp)
@@ -140,7 +159,23 @@ def main(argv=None) -> int:
     try:
         driver.start(workdir)
         offset = 0
+        from bench import shapes
+
+        for name, kind, fraction, procs in CLIENT_SHAPES:
+            if not chosen(name):
+                continue
+            print(f"{name} ...", flush=True)
+            n = int(args.messages * fraction)
+            res = shapes.run(kind, f"127.0.0.1:{driver.port}", n, procs, args.payload, offset, driver.cpu_seconds)
+            res["server_cpu_us_per_msg"] = res.pop("srv_cpu_us_per_msg")
+            offset += n
+            res["load1"] = round(__import__("os").getloadavg()[0], 2)
+            results[name] = res
+            rows.append([name, *(res[k] for k in ("msgs_per_s", "server_cpu_us_per_msg", "client_cpu_us_per_msg"))])
+            rows[-1] += [res["n"], res["load1"]]
         for name, kind, batch, inflight, procs in SHAPES:
+            if not chosen(name):
+                continue
             n = args.unary_messages if kind == "unary" else args.messages
             print(f"{name} ...", flush=True)
             res = run_shape(driver, kind, n, batch, inflight, procs, args.payload, offset)

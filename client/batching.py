@@ -33,6 +33,8 @@ State has one owner: the sender task; ``send`` only appends to the queue and wak
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,11 +72,27 @@ class Batching:
 
 
 class _Entry:
-    __slots__ = ("message", "future")
+    __slots__ = ("message", "future", "threaded")
 
-    def __init__(self, message: tuple, future: asyncio.Future) -> None:
+    def __init__(self, message: tuple, future, threaded: bool = False) -> None:
         self.message = message  # an Outgoing tuple with its message id set
+        # an asyncio.Future (a task's send) or a concurrent.futures.Future (a thread's)
         self.future = future
+        self.threaded = threaded
+
+
+def _resolve(future, result) -> None:
+    try:
+        future.set_result(result)
+    except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
+        pass  # its caller gave up (cancelled, timed out) in between
+
+
+def _reject(future, error: BaseException) -> None:
+    try:
+        future.set_exception(error)
+    except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
+        pass
 
 
 class _Batch:
@@ -111,6 +129,11 @@ class SendBatcher:
         self._waiting: deque[_Entry] = deque()
         self._resend: deque[_Batch] = deque()  # unanswered batches of a broken stream, in order
         self._space = asyncio.Semaphore(config.max_queued)
+        # threads (the blocking client) hand messages over through _inbox, with a threading
+        # semaphore for their backpressure; one call_soon_threadsafe wakes the loop per burst
+        self._tspace = threading.Semaphore(config.max_queued)
+        self._inbox: deque[_Entry] = deque()
+        self._inbox_scheduled = False
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -132,6 +155,31 @@ class SendBatcher:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
         return await future
+
+    def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, message: tuple) -> concurrent.futures.Future:
+        """From any thread: queue one message on ``loop`` (the batcher's); a future of its
+        Receipt. Blocks while ``max_queued`` messages wait (backpressure)."""
+        if self._closing:
+            raise errors.FailedPrecondition("the client is closed")
+        self._tspace.acquire()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(_Entry(message, future, True))
+        if not self._inbox_scheduled:
+            self._inbox_scheduled = True
+            loop.call_soon_threadsafe(self._pull_inbox)
+        return future
+
+    def _pull_inbox(self) -> None:
+        """On the loop: move what threads handed over into the queue."""
+        self._inbox_scheduled = False  # first: a message appended from now on schedules again
+        inbox, waiting = self._inbox, self._waiting
+        while inbox:
+            waiting.append(inbox.popleft())
+        if len(waiting) > self.peak_queued:
+            self.peak_queued = len(waiting)
+        self._wakeup.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
 
     async def close(self) -> None:
         """Send what is queued, wait for its answers, then end the stream."""
@@ -211,7 +259,7 @@ class SendBatcher:
         waiting = self._waiting
         while waiting and len(out) < count:
             e = waiting.popleft()
-            self._space.release()
+            (self._tspace if e.threaded else self._space).release()
             if not e.future.done():
                 out.append(e)
         return out
@@ -219,8 +267,8 @@ class SendBatcher:
     def _release_done(self) -> None:
         waiting = self._waiting
         while waiting and waiting[0].future.done():
-            waiting.popleft()
-            self._space.release()
+            e = waiting.popleft()
+            (self._tspace if e.threaded else self._space).release()
 
     def _take_resend(self) -> list[_Batch]:
         out = list(self._resend)
@@ -294,7 +342,7 @@ class SendBatcher:
         if response.receipts:  # full receipts (a duplicate id, or a server without compact ones)
             for e, r in zip(entries, response.receipts):
                 if not e.future.done():
-                    e.future.set_result(Receipt.from_pb(r))
+                    _resolve(e.future, Receipt.from_pb(r))
             return
         dues = response.deliver_at_ms
         if len(dues) != len(entries):
@@ -304,11 +352,11 @@ class SendBatcher:
         first = response.first_sequence
         for i, e in enumerate(entries):
             if not e.future.done():
-                e.future.set_result(Receipt(e.message[4], dues[i], first + i))
+                _resolve(e.future, Receipt(e.message[4], dues[i], first + i))
 
     @staticmethod
     def _fail(batches: list[_Batch], error: BaseException) -> None:
         for batch in batches:
             for e in batch.entries:
                 if not e.future.done():
-                    e.future.set_exception(error)
+                    _reject(e.future, error)

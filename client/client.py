@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -187,18 +188,22 @@ class _BulkSender:
     def run(self, work):
         """``await work(channel)`` on the loop; its result or its exception. Interrupting the
         caller (KeyboardInterrupt) cancels the work."""
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="qdelay-client-bulk", daemon=True)
-                self._thread.start()
-            loop = self._loop
-        future = asyncio.run_coroutine_threadsafe(self._on_channel(work), loop)
+        future = asyncio.run_coroutine_threadsafe(self._on_channel(work), self.loop)
         try:
             return future.result()
         except BaseException:
             future.cancel()
             raise
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The private loop (started on first use)."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="qdelay-client-bulk", daemon=True)
+                self._thread.start()
+            return self._loop
 
     async def _on_channel(self, work):
         if self._channel is None:
@@ -434,9 +439,20 @@ class Client:
             else:
                 msg.delay_ms = o.delay_ms
             return Receipt.from_pb(self._call(self.stub.Send, pb.SendRequest(message=msg), timeout).receipt)
-        return self._bulk.run(lambda channel: self._send_batched(channel, o, timeout or self.timeout))
+        batcher = self._batcher or self._bulk.run(self._make_batcher)
+        future = batcher.submit_threadsafe(self._bulk.loop, o)
+        timeout = timeout or self.timeout
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # left out of its batch if it was not sent yet
+            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s") from None
+        except BaseException:
+            future.cancel()
+            raise
 
-    async def _send_batched(self, channel, message: Outgoing, timeout: float) -> Receipt:
+    async def _make_batcher(self, channel) -> SendBatcher:
+        """The batcher of ``send()``, made once on the bulk loop (its owner)."""
         if self._batcher is None:
             self._batcher = SendBatcher(
                 lambda: channel,
@@ -447,10 +463,7 @@ class Client:
                 self.retries,
                 self.retry_backoff,
             )
-        try:
-            return await asyncio.wait_for(self._batcher.send(message), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s") from None
+        return self._batcher
 
     def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
         """One SendBatch: all-or-nothing validation, one durable group commit."""

@@ -1,0 +1,225 @@
+"""Producer shapes other users have (issue 15), as producer processes for bench.ingest and
+bench.compare: each shape sends ``n`` messages of ``payload`` bytes due 10-11 min ahead and
+reports its wall time and CPU.
+
+qdelay:
+- ``aio64``: one asyncio process, 64 tasks each awaiting ``client.send(...)`` one message
+  at a time (the batching path gathers them into SendStream batches);
+- ``threads16``: the blocking client's ``send()`` from 16 threads of one process;
+- ``stub100``: a generated stub and nothing of the project's client: ``SendBatch`` of 100
+  with full receipts, one call in flight;
+- ``unary``: a generated stub's unary ``Send``, one call at a time per process (run with
+  8 processes; also against the bare grpc.aio server of bench.grpc_floor, the floor).
+Redis (AOF appendfsync always):
+- ``redis1``: one ZADD per call (run with 8 processes);
+- ``redis100``: a pipeline of 100 ZADDs, one in flight.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+CTX = mp.get_context("spawn")
+DUE_AHEAD_MS = 600_000
+
+
+def _qdelay_aio(address: str, n: int, first: int, body: bytes, concurrency: int = 64):
+    import asyncio
+
+    from qdelay.aio import Client
+
+    async def main():
+        async with Client(address, retries=0, timeout=120) as c:
+            await c.wait_ready()
+            await c.send("bench.warm", b"w", delay_ms=DUE_AHEAD_MS)
+            yield_ready()
+            await asyncio.get_running_loop().run_in_executor(None, wait_go)
+            due = int(time.time() * 1000) + DUE_AHEAD_MS
+            counter = iter(range(first, first + n))
+            start, cpu0 = time.time(), time.process_time()
+
+            async def task():
+                for i in counter:  # the tasks share one counter: n in all
+                    await c.send("bench", body, deliver_at_ms=due + i % 60_000, message_id=str(i))
+
+            await asyncio.gather(*(task() for _ in range(concurrency)))
+            return start, time.time(), time.process_time() - cpu0
+
+    return asyncio.run(main())
+
+
+def _qdelay_threads(address: str, n: int, first: int, body: bytes, threads: int = 16):
+    import threading
+
+    from qdelay.client import Client
+
+    with Client(address, retries=0, timeout=120) as c:
+        c.wait_ready()
+        c.send("bench.warm", b"w", delay_ms=DUE_AHEAD_MS)
+        yield_ready()
+        wait_go()
+        due = int(time.time() * 1000) + DUE_AHEAD_MS
+        counter = iter(range(first, first + n))
+        lock = threading.Lock()
+
+        def run():
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                c.send("bench", body, deliver_at_ms=due + i % 60_000, message_id=str(i))
+
+        start, cpu0 = time.time(), time.process_time()
+        ts = [threading.Thread(target=run) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return start, time.time(), time.process_time() - cpu0
+
+
+def _stub(address: str):
+    import grpc
+
+    from qdelay.v1 import qdelay_pb2 as pb
+    from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    return channel, pb_grpc.DelayServiceStub(channel), pb
+
+
+def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100):
+    channel, stub, pb = _stub(address)
+    due = int(time.time() * 1000) + DUE_AHEAD_MS
+    requests = [
+        pb.SendBatchRequest(
+            messages=[
+                pb.Message(subject="bench", payload=body, message_id=str(i), deliver_at_ms=due + i % 60_000)
+                for i in range(k, min(k + batch, first + n))
+            ]
+        )
+        for k in range(first, first + n, batch)
+    ]
+    stub.SendBatch(pb.SendBatchRequest(messages=[pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)]))
+    yield_ready()
+    wait_go()
+    start, cpu0 = time.time(), time.process_time()
+    for request in requests:
+        resp = stub.SendBatch(request, timeout=60)
+        assert len(resp.receipts) == len(request.messages)  # full receipts
+    out = start, time.time(), time.process_time() - cpu0
+    channel.close()
+    return out
+
+
+def _unary(address: str, n: int, first: int, body: bytes):
+    channel, stub, pb = _stub(address)
+    due = int(time.time() * 1000) + DUE_AHEAD_MS
+    requests = [
+        pb.SendRequest(message=pb.Message(subject="bench", payload=body, message_id=str(i), deliver_at_ms=due + i))
+        for i in range(first, first + n)
+    ]
+    stub.Send(pb.SendRequest(message=pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)))
+    yield_ready()
+    wait_go()
+    start, cpu0 = time.time(), time.process_time()
+    for request in requests:
+        stub.Send(request, timeout=60)
+    out = start, time.time(), time.process_time() - cpu0
+    channel.close()
+    return out
+
+
+def _redis(port: int, n: int, first: int, body: bytes, batch: int = 1):
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+    r.ping()
+    due = int(time.time() * 1000) + DUE_AHEAD_MS
+    members = [b"%d:" % i + body for i in range(first, first + n)]
+    yield_ready()
+    wait_go()
+    start, cpu0 = time.time(), time.process_time()
+    if batch == 1:
+        for i, m in enumerate(members):
+            r.zadd("dq", {m: due + i % 60_000})
+    else:
+        for k in range(0, n, batch):
+            p = r.pipeline(transaction=False)
+            for i, m in enumerate(members[k : k + batch]):
+                p.zadd("dq", {m: due + (k + i) % 60_000})
+            p.execute()
+    out = start, time.time(), time.process_time() - cpu0
+    r.close()
+    return out
+
+
+KINDS = {
+    "aio64": _qdelay_aio,
+    "threads16": _qdelay_threads,
+    "stub100": _stub_batch,
+    "unary": _unary,
+    "redis1": lambda port, n, first, body: _redis(port, n, first, body, 1),
+    "redis100": lambda port, n, first, body: _redis(port, n, first, body, 100),
+}
+
+_q = None
+_go = None
+
+
+def yield_ready() -> None:
+    _q.put("ready")
+
+
+def wait_go() -> None:
+    if not _go.wait(120):
+        raise TimeoutError("no go signal")
+
+
+def _worker(kind, target, n, first, payload, q, go):
+    global _q, _go
+    _q, _go = q, go
+    try:
+        start, end, cpu = KINDS[kind](target, n, first, b"p" * payload)
+        q.put(dict(start=start, end=end, cpu=cpu, n=n))
+    except BaseException as e:  # noqa: BLE001 - report to the parent
+        q.put(dict(error=repr(e)))
+
+
+def run(kind: str, target, n: int, procs: int, payload: int, first: int, server_cpu) -> dict:
+    """``procs`` processes of ``kind`` sending ``n`` messages in all to ``target`` (an address,
+    or Redis's port); ``server_cpu()`` gives the server's CPU seconds so far. Returns msgs/s,
+    server and producer CPU per message."""
+    q, go = CTX.Queue(), CTX.Event()
+    per = n // procs
+    ps = [
+        CTX.Process(target=_worker, daemon=True, args=(kind, target, per, first + p * per, payload, q, go))
+        for p in range(procs)
+    ]
+    for p in ps:
+        p.start()
+    for _ in ps:
+        got = q.get(timeout=120)
+        if got != "ready":
+            raise RuntimeError(got.get("error", got))
+    cpu0 = server_cpu()
+    go.set()
+    results = [q.get(timeout=600) for _ in ps]
+    srv = server_cpu() - cpu0
+    for p in ps:
+        p.join(30)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(errors[0])
+    total = sum(r["n"] for r in results)
+    secs = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return dict(
+        n=total,
+        secs=round(secs, 2),
+        msgs_per_s=round(total / secs),
+        srv_cpu_us_per_msg=round(srv * 1e6 / total, 1),
+        client_cpu_us_per_msg=round(sum(r["cpu"] for r in results) * 1e6 / total, 1),
+    )
