@@ -48,6 +48,11 @@ from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 log = logging.getLogger("qdelay.client")
 
+
+def _deadline_exceeded(timeout: float) -> DeadlineExceeded:
+    return DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s")
+
+
 __all__ = ["Client", "Consumer", "Outgoing", "Receipt", "Status", "Batching"]
 
 
@@ -166,12 +171,9 @@ class Client:
                 self.batching,
                 self.retries,
                 self.retry_backoff,
+                _deadline_exceeded,
             )
-        timeout = timeout or self.timeout
-        try:
-            return await asyncio.wait_for(self._batcher.send(o), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s") from None
+        return await self._batcher.send(o, timeout or self.timeout)
 
     async def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
         """One SendBatch: all-or-nothing validation, one durable group commit."""

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -118,8 +120,15 @@ class SendBatcher:
         config: Batching,
         retries: int,
         backoff: float,
+        timeout_error: Callable[[float], BaseException] = lambda t: TimeoutError(f"no receipt within {t} s"),
     ) -> None:
         self._channel = channel
+        self._timeout_error = timeout_error
+        # callers' deadlines: one timer for the earliest instead of a wait_for task per send
+        self._deadlines: list[tuple[float, int, asyncio.Future, float]] = []
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._encode = encode
         self._translate = translate
         self._metadata = metadata
@@ -142,12 +151,27 @@ class SendBatcher:
         self.peak_queued = 0  # most messages waiting at once (bounded by max_queued)
 
     # ------------------------------------------------------------------ callers
-    async def send(self, message: tuple) -> Receipt:
-        """Queue one message (an Outgoing tuple with its id set) and wait for its receipt."""
+    async def send(self, message: tuple, timeout: float | None = None) -> Receipt:
+        """Queue one message (an Outgoing tuple with its id set) and wait for its receipt;
+        after ``timeout`` seconds the ``timeout_error`` (it is left out of its batch if it
+        was not sent yet; if it was, whether it was written is unknown)."""
         if self._closing:
             raise errors.FailedPrecondition("the client is closed")
-        await self._space.acquire()
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if timeout is not None:
+            deadline = loop.time() + timeout
+            if self._space.locked():
+                try:
+                    await asyncio.wait_for(self._space.acquire(), timeout)
+                except TimeoutError:
+                    raise self._timeout_error(timeout) from None
+            else:
+                await self._space.acquire()
+        else:
+            await self._space.acquire()
+        future = loop.create_future()
+        if timeout is not None:
+            self._arm(loop, future, deadline, timeout)
         self._waiting.append(_Entry(message, future))
         if len(self._waiting) > self.peak_queued:
             self.peak_queued = len(self._waiting)
@@ -155,6 +179,29 @@ class SendBatcher:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
         return await future
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, deadline: float, timeout: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][2].done():  # answered ones leave from the head (FIFO-ish)
+            heapq.heappop(heap)
+        heapq.heappush(heap, (deadline, next(self._order), future, timeout))
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        loop = asyncio.get_running_loop()
+        heap, now = self._deadlines, loop.time()
+        self._timer = None
+        while heap and (heap[0][0] <= now or heap[0][2].done()):
+            _deadline, _n, future, timeout = heapq.heappop(heap)
+            if not future.done():
+                future.set_exception(self._timeout_error(timeout))
+        if heap:
+            self._timer_at = heap[0][0]
+            self._timer = loop.call_at(self._timer_at, self._expire)
 
     def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, message: tuple) -> concurrent.futures.Future:
         """From any thread: queue one message on ``loop`` (the batcher's); a future of its

@@ -154,3 +154,26 @@ def test_cancel_and_get_by_id_alone(server):
             assert await c.cancel(message_id="by-id-aio-1") == "CANCELLED"
 
     run(main())
+
+
+def test_a_send_that_times_out_raises_deadline_exceeded_and_the_client_goes_on(tmp_path):
+    from qdelay.client import DeadlineExceeded
+
+    srv = ServerProc(tmp_path / "data").start()
+
+    async def main():
+        async with Client(srv.address, retries=50, retry_backoff=0.05) as c:
+            s = subject()
+            assert (await c.send(s, b"warm", delay_ms=HOUR_MS)).message_id
+            await asyncio.to_thread(srv.stop)
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await c.send(s, b"lost?", delay_ms=HOUR_MS, timeout=0.3)
+            assert time.monotonic() - started < 5
+            await asyncio.to_thread(srv.start)
+            assert (await c.send(s, b"after", delay_ms=HOUR_MS, timeout=20)).message_id
+
+    try:
+        run(main())
+    finally:
+        srv.kill9()
