@@ -273,7 +273,16 @@ class SendBatcher:
                         await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
                 continue
             code = error.code()
-            if code == grpc.StatusCode.UNAVAILABLE or code == grpc.StatusCode.CANCELLED and not self._closing:
+            # "Internal error from Core": grpc.aio failed to write a batch on a call the server
+            # had just ended (a refusal racing our next write); the server's status is lost, and
+            # nothing from the refused batch on was written: sent again, as for a broken stream
+            lost_status = code == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core"
+            if (
+                code == grpc.StatusCode.UNAVAILABLE
+                or lost_status
+                or code == grpc.StatusCode.CANCELLED
+                and not self._closing
+            ):
                 self._resend.extendleft(reversed(unanswered))
                 attempt += 1
                 if attempt > self._retries:
@@ -382,6 +391,10 @@ class SendBatcher:
         finally:
             finished = True
             call.cancel()  # a no-op once the call ended; stops the request generator otherwise
+            # wake the generator wherever it waits, so that it sees ``finished`` and ends (else
+            # grpc.aio's task that reads it stays pending until the loop closes)
+            credit.release()
+            self._wakeup.set()
         return answered
 
     def _answer(self, batch: _Batch, response: pb.SendBatchResponse) -> None:
