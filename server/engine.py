@@ -581,7 +581,7 @@ class Engine:
         if st is not None and st.tombstones_known:
             cancelled = sequence in st.cancelled  # every tombstone of a loaded bucket is here
         else:
-            cancelled = self.finder.find_cancel(seg, sequence, frame.offset + frame.size) is not None
+            cancelled = self.finder.cancelled(seg, sequence)
         if cancelled:
             return answer(MessageState.CANCELLED, frame.offset, msg)
         return answer(MessageState.PENDING, frame.offset, msg)

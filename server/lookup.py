@@ -16,12 +16,15 @@ import threading
 import numpy as np
 
 from qdelay.errors import CorruptRecord
-from qdelay.segments import framing, records
+from qdelay.segments import framing
 from qdelay.segments.framing import Frame, FrameError, RecordKind
+from qdelay.segments.reader import read_columns
 from qdelay.segments.segment import Segment
 
 SPARSE_EVERY = 64
 SCAN_BYTES = 1024 * 1024
+_CANCEL_TARGET_AT = 8  # CANCEL body: target due i64, then the target sequence u64
+_DISPATCHED_AT = 8  # DISPATCH body: due i64, then dispatched_at_ms i64
 
 
 def read_frames(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES) -> tuple[list[Frame], int]:
@@ -55,16 +58,25 @@ def read_frames(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES
 
 
 class SparseIndex:
-    __slots__ = ("seqs", "offsets", "upto", "count")
+    """Every SPARSE_EVERY-th record's sequence and offset, and the targets of every CANCEL
+    seen, of one schedule segment up to ``upto``."""
+
+    __slots__ = ("seqs", "offsets", "upto", "count", "cancelled")
 
     def __init__(self) -> None:
         self.seqs: list[int] = []
         self.offsets: list[int] = []
         self.upto = 0
         self.count = 0
+        self.cancelled: set[int] = set()
 
 
 class RecordFinder:
+    """Finds a record and its tombstone in a schedule segment without walking the segment:
+    each segment's index is extended by the bytes appended since the last look (read as
+    columns, no object per record), so a Cancel or Get in a minute of N records costs the
+    same whatever N is."""
+
     def __init__(self, capacity: int = 128) -> None:
         self.capacity = capacity
         self._lock = threading.Lock()
@@ -79,16 +91,19 @@ class RecordFinder:
                     self._indexes.popitem(last=False)
             else:
                 self._indexes.move_to_end(seg.path)
-        stop = seg.size
-        while idx.upto < stop:
-            frames, nxt = read_frames(seg, idx.upto, stop)
-            for f in frames:
-                if idx.count % SPARSE_EVERY == 0:
-                    idx.seqs.append(f.sequence)
-                    idx.offsets.append(f.offset)
-                idx.count += 1
-            idx.upto = nxt
-        return idx
+            stop = seg.size
+            while idx.upto < stop:
+                cols = read_columns(seg, idx.upto, stop)
+                n = len(cols)
+                first = (-idx.count) % SPARSE_EVERY  # the next row whose count is a multiple
+                idx.seqs.extend(cols.seqs[first::SPARSE_EVERY].tolist())
+                idx.offsets.extend((cols.starts[first::SPARSE_EVERY] + cols.base).tolist())
+                cancels = cols.kinds == RecordKind.CANCEL
+                if cancels.any():
+                    idx.cancelled.update(cols.u64_at(cancels, _CANCEL_TARGET_AT).tolist())
+                idx.count += n
+                idx.upto = cols.base + cols.end
+            return idx
 
     def forget(self, path: str) -> None:
         with self._lock:
@@ -101,29 +116,21 @@ class RecordFinder:
         if i < 0:
             return None
         pos = idx.offsets[i]
-        stop = idx.upto
+        # the record is before the next sparse entry: read at most SPARSE_EVERY records
+        stop = idx.offsets[i + 1] if i + 1 < len(idx.offsets) else idx.upto
         while pos < stop:
-            frames, nxt = read_frames(seg, pos, stop, 64 * 1024)
-            for f in frames:
-                if f.sequence == sequence:
-                    return f
-                if f.sequence > sequence:
-                    return None
-            pos = nxt
+            cols = read_columns(seg, pos, stop, 64 * 1024)
+            hits = np.flatnonzero(cols.seqs == sequence)
+            if len(hits):
+                return seg.read_frame(cols.base + int(cols.starts[hits[0]]))
+            if len(cols.seqs) and cols.seqs[-1] > sequence:
+                return None
+            pos = cols.base + cols.end
         return None
 
-    @staticmethod
-    def find_cancel(seg: Segment, target: int, start: int, stop: int | None = None) -> Frame | None:
-        """A CANCEL for ``target`` at or after ``start`` (tombstones follow their target)."""
-        stop = seg.size if stop is None else stop
-        pos = start
-        while pos < stop:
-            frames, nxt = read_frames(seg, pos, stop)
-            for f in frames:
-                if f.kind == RecordKind.CANCEL and records.decode_cancel(f.body).target_sequence == target:
-                    return f
-            pos = nxt
-        return None
+    def cancelled(self, seg: Segment, target: int) -> bool:
+        """Whether ``seg`` holds a CANCEL for ``target`` (as far as the segment is written)."""
+        return target in self._index(seg).cancelled
 
     @staticmethod
     def find_dispatch(
@@ -171,11 +178,11 @@ class DispatchIndex:
             seqs, ats, upto = entry
             stop = seg.size
             while upto < stop:
-                frames, upto = read_frames(seg, upto, stop)
-                for f in frames:
-                    if f.kind == RecordKind.DISPATCH:
-                        seqs.append(f.sequence)
-                        ats.append(records.DISPATCH_FIXED.unpack_from(f.body, 0)[1])
+                cols = read_columns(seg, upto, stop)
+                rows = cols.kinds == RecordKind.DISPATCH
+                seqs.frombytes(cols.seqs[rows].tobytes())
+                ats.frombytes(cols.u64_at(rows, _DISPATCHED_AT).tobytes())
+                upto = cols.base + cols.end
             entry[2] = upto
             if not seqs:
                 return None

@@ -449,3 +449,28 @@ def test_encode_send_batch_refuses_what_it_cannot_encode():
             codec.encode_send_batch(bytearray(), bad, ["id"] * len(bad))
     with pytest.raises(ValueError):
         codec.encode_send_batch(bytearray(), [("s", b"", 1, None, "", None)], [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    many=st.lists(st.binary(min_size=0, max_size=200), max_size=20),
+    cut=st.integers(0, 5000),
+    flip=st.one_of(st.none(), st.integers(0, 5000)),
+)
+def test_reader_columns_native_and_twin_agree(many, cut, flip):
+    """segments/reader.py: the columns of the native walk and of its Python twin, on clean,
+    cut and damaged data, and the CANCEL targets gathered from them."""
+    from qdelay.segments import reader
+
+    data = bytearray(frames(many, itertools.cycle([RecordKind.MESSAGE, RecordKind.CANCEL])))
+    if flip is not None and flip < len(data):
+        data[flip] ^= 0x5A
+    data = bytes(data[:cut])
+    a, b = reader.scan_columns(data), reader.scan_columns_py(data)
+    assert (a.end, a.bad) == (b.end, b.bad)
+    for name in ("starts", "kinds", "seqs", "dues"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    lengths = np.array([int.from_bytes(data[s + 12 : s + 16], "little") for s in a.starts.tolist()], dtype=np.int64)
+    rows = (a.kinds == RecordKind.CANCEL) & (lengths >= 16)  # bodies that hold the field
+    want = [int.from_bytes(data[s + 44 : s + 52], "little", signed=True) for s in a.starts[rows].tolist()]
+    assert a.u64_at(rows, 8).tolist() == want

@@ -1,0 +1,187 @@
+"""Cancel and Get against N: what a user pays to cancel or look up one message, by the size
+of the message's minute bucket (issue 13).
+
+Run: ``python -m bench.cancel [--sizes 1000,10000,100000] [--cancels N] [--gets N]
+[--pending N] [--json FILE]``. A real server (``qdelay server``, sync flush) on a temporary
+folder; for each bucket size N, N messages due in one minute an hour ahead (plus
+``--pending`` spread over other minutes, far-future, once), then:
+
+- Get p50/p99 of random receipts, one call at a time (an idle server);
+- unary Cancel of random receipts from 16 threads: cancels/s and server CPU per cancel;
+- CancelBatch of 1,000 receipts per call, one call in flight: cancels/s and server CPU;
+- unary Send from 16 threads, same run, as the yardstick of a unary call.
+
+Goals (issue 13): cost per operation flat across N; batched cancel >= 100,000/s with server
+CPU per cancel <= 2x a batched send's; unary cancel within 1.2x of unary Send's rate; Get
+p99 <= 2 ms at any bucket size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import threading
+import time
+
+from bench.common import Meter, machine, median, print_table, write_json
+from bench.peers import QdelayDriver
+from qdelay.client import Client, Outgoing
+
+BUCKET_MS = 60_000
+
+
+def _percentile(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def _fill(client: Client, n: int, minute_start: int, tag: str) -> list:
+    """N messages due inside one minute bucket; their receipts."""
+    msgs = (
+        Outgoing(
+            "bench.cancel", b"x" * 100, deliver_at_ms=minute_start + (i * 7919) % BUCKET_MS, message_id=f"{tag}-{i}"
+        )
+        for i in range(n)
+    )
+    return list(client.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=300))
+
+
+def _threads(count: int, work, items: list) -> float:
+    """Run ``work(item)`` over ``items`` from ``count`` threads; wall seconds."""
+    it = iter(items)
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                item = next(it, None)
+            if item is None:
+                return
+            work(item)
+
+    ts = [threading.Thread(target=run) for _ in range(count)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="qdelay-bench-cancel-") as tmp:
+        server = QdelayDriver()
+        server.start(tmp)
+        try:
+            address = f"127.0.0.1:{server.port}"
+            with Client(address, timeout=120) as c:
+                c.wait_ready()
+                hour = (int(time.time() * 1000) // BUCKET_MS + 60) * BUCKET_MS
+                if pending:
+                    far = (
+                        Outgoing(
+                            "bench.far", b"x" * 100, deliver_at_ms=hour + 86_400_000 + i * 1000, message_id=f"f{i}"
+                        )
+                        for i in range(pending)
+                    )
+                    c.send_many(far, batch_size=1000, max_in_flight=8, timeout=600)
+                for k, n in enumerate(sizes):
+                    minute = hour + (k + 1) * 10 * BUCKET_MS
+                    receipts = _fill(c, n, minute, f"n{n}")
+                    random.seed(n)
+                    picks = random.sample(receipts, min(n, gets + cancels + batch * 4))
+                    get_set, rest = picks[:gets], picks[gets:]
+                    unary_set = rest[: min(cancels, len(rest) // 2)]
+                    batch_set = rest[len(unary_set) :]
+
+                    lat = []
+                    for r in get_set:
+                        t0 = time.perf_counter()
+                        c.get(r)
+                        lat.append((time.perf_counter() - t0) * 1000)
+
+                    outcomes: list[str] = []
+                    with Meter(server.pid) as mu:
+                        wall_u = _threads(16, lambda r, out=outcomes: out.append(c.cancel(r)), unary_set)
+                    bad = [o for o in outcomes if o != "CANCELLED"]
+                    if bad:
+                        raise SystemExit(f"unary cancel answered {bad[:3]} ({len(bad)} not CANCELLED)")
+
+                    row = {
+                        "bucket_size": n,
+                        "get_p50_ms": _percentile(lat, 50),
+                        "get_p99_ms": _percentile(lat, 99),
+                        "unary_cancels_per_s": len(unary_set) / wall_u,
+                        "unary_cpu_us": mu.cpu / len(unary_set) * 1e6,
+                    }
+                    if hasattr(c, "cancel_many") and batch_set:
+                        with Meter(server.pid) as mb:
+                            res = []
+                            for i in range(0, len(batch_set), batch):
+                                res.extend(c.cancel_many(batch_set[i : i + batch]))
+                        bad = [o for o in res if o != "CANCELLED"]
+                        if bad:
+                            raise SystemExit(f"cancel_many answered {bad[:3]} ({len(bad)} not CANCELLED)")
+                        row["batch_cancels_per_s"] = len(batch_set) / mb.wall
+                        row["batch_cpu_us"] = mb.cpu / len(batch_set) * 1e6
+                    rows.append(row)
+
+                # yardsticks, same run: unary Send from 16 threads, batched send's CPU
+                sends = [hour + 3 * 86_400_000 + i for i in range(max(cancels, 500))]
+                with Meter(server.pid) as ms:
+                    wall_s = _threads(16, lambda at: c.send("bench.yard", b"x" * 100, deliver_at_ms=at), sends)
+                with Meter(server.pid) as mbs:
+                    _fill(c, 50_000, hour + 4 * 86_400_000, "yard")
+                yard = {
+                    "unary_sends_per_s": len(sends) / wall_s,
+                    "unary_send_cpu_us": ms.cpu / len(sends) * 1e6,
+                    "batched_send_cpu_us": mbs.cpu / 50_000 * 1e6,
+                }
+                for row in rows:
+                    row.update(yard)
+        finally:
+            server.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1000,10000,100000", help="bucket sizes N, comma-separated")
+    ap.add_argument("--cancels", type=int, default=2000, help="unary cancels per size (16 threads)")
+    ap.add_argument("--gets", type=int, default=500, help="Get calls per size (one at a time)")
+    ap.add_argument("--batch", type=int, default=1000, help="targets per CancelBatch call")
+    ap.add_argument("--pending", type=int, default=0, help="far-future messages sent first (e.g. 1000000)")
+    ap.add_argument("--json", help="write the figures to this file (default: bench/out/cancel-*.json)")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    rows = run(sizes, args.cancels, args.gets, args.pending, args.batch)
+    headers = ["N in bucket", "Get p50 ms", "Get p99 ms", "unary cancel/s", "µs CPU", "batch cancel/s", "µs CPU"]
+    table = [
+        [
+            r["bucket_size"],
+            r["get_p50_ms"],
+            r["get_p99_ms"],
+            r["unary_cancels_per_s"],
+            r["unary_cpu_us"],
+            r.get("batch_cancels_per_s", "-"),
+            r.get("batch_cpu_us", "-"),
+        ]
+        for r in rows
+    ]
+    print_table(headers, table, title=f"cancel and get against bucket size ({args.pending} other pending)")
+    y = rows[0] if rows else {}
+    if y:
+        print(
+            f"yardsticks, same run: unary Send {y['unary_sends_per_s']:.0f}/s at {y['unary_send_cpu_us']:.0f} µs CPU;"
+            f" batched send {y['batched_send_cpu_us']:.1f} µs CPU/msg;"
+            f" unary cancel/send rate (median over sizes): "
+            f"{median([r['unary_cancels_per_s'] for r in rows]) / y['unary_sends_per_s']:.2f}"
+        )
+    write_json(args.json or "cancel", {"machine": machine(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
