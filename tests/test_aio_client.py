@@ -177,3 +177,49 @@ def test_a_send_that_times_out_raises_deadline_exceeded_and_the_client_goes_on(t
         run(main())
     finally:
         srv.kill9()
+
+
+def test_restart_mid_stream_every_send_answered_or_raised_none_lost(tmp_path):
+    """64 tasks keep sending while the server is SIGKILLed and restarted: each send returns its
+    own receipt or raises; every receipt is found afterwards."""
+    srv = ServerProc(tmp_path / "data").start()
+    s = subject()
+
+    async def main():
+        results: dict[int, object] = {}
+        counter = itertools.count()
+        stop = asyncio.Event()
+        async with Client(srv.address, retries=30, retry_backoff=0.05, timeout=60) as c:
+
+            async def sender():
+                while not stop.is_set():
+                    i = next(counter)
+                    try:
+                        results[i] = await c.send(s, b"%d" % i, delay_ms=HOUR_MS, message_id=f"a-{i}")
+                    except errors.QdelayError as err:
+                        results[i] = err
+
+            tasks = [asyncio.create_task(sender()) for _ in range(64)]
+            while len(results) < 2000:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(srv.kill9)
+            await asyncio.to_thread(srv.start)
+            seen = len(results)
+            while len(results) < seen + 2000:
+                await asyncio.sleep(0.01)
+            stop.set()
+            await asyncio.gather(*tasks)
+            sent = next(counter)
+            assert sorted(results) == list(range(sent))  # every send answered or raised
+            receipts = {i: r for i, r in results.items() if isinstance(r, Receipt)}
+            assert len(receipts) >= sent - 64
+            assert all(r.message_id == f"a-{i}" for i, r in receipts.items())
+            rs = list(receipts.values())
+            for k in range(0, len(rs), 256):  # none lost: every answered send is there
+                states = await asyncio.gather(*(c.get(r) for r in rs[k : k + 256]))
+                assert {st.state for st in states} == {"PENDING"}
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        srv.kill9()
