@@ -42,7 +42,7 @@ from qdelay.client.client import (
     outgoing,
     translate,
 )
-from qdelay.client.types import Receipt, Status, ref, stats_dict
+from qdelay.client.types import Receipt, Status, cancel_batches, ref, stats_dict
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -215,6 +215,16 @@ class Client:
         r, mid = ref(receipt if message_id is None else message_id)
         resp = await self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
         return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+
+    async def cancel_many(self, targets, timeout: float | None = None, batch_size: int = 1000) -> list[str]:
+        """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
+        server's ``limits.max_batch``) targets each; one outcome per target, in order (as
+        :meth:`cancel` answers). Each target is anything :meth:`cancel` takes."""
+        out: list[str] = []
+        for req in cancel_batches(targets, batch_size):
+            resp = await self._call(self.stub.CancelBatch, req, timeout)
+            out.extend(CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in resp.responses)
+        return out
 
     async def get(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> Status:
         """The message's :class:`Status`; takes what :meth:`cancel` takes."""

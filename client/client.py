@@ -40,7 +40,7 @@ import grpc
 from qdelay import errors
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, SendBatcher
-from qdelay.client.types import STATES, Receipt, Status, ref, stats_dict
+from qdelay.client.types import STATES, Receipt, Status, cancel_batches, ref, stats_dict
 from qdelay.segments import native
 from qdelay.units import to_ms
 from qdelay.v1 import qdelay_pb2 as pb
@@ -605,6 +605,16 @@ class Client:
         r, mid = ref(receipt if message_id is None else message_id)
         resp = self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
         return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+
+    def cancel_many(self, targets, timeout: float | None = None, batch_size: int = 1000) -> list[str]:
+        """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
+        server's ``limits.max_batch``) targets each; one outcome per target, in order (as
+        :meth:`cancel` answers). Each target is anything :meth:`cancel` takes."""
+        out: list[str] = []
+        for req in cancel_batches(targets, batch_size):
+            resp = self._call(self.stub.CancelBatch, req, timeout)
+            out.extend(CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in resp.responses)
+        return out
 
     def get(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> Status:
         """The message's :class:`Status` (``.state``: 'PENDING', 'DELIVERED', ...); takes what

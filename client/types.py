@@ -150,3 +150,14 @@ def stats_dict(resp: pb.StatsResponse) -> dict:
             value = [{g.name: getattr(x, g.name) for g in x.DESCRIPTOR.fields} for x in value]
         out[f.name] = value
     return out
+
+
+def cancel_batches(targets, batch_size: int) -> list[pb.CancelBatchRequest]:
+    """CancelBatch requests of at most ``batch_size`` targets each (what ``cancel`` takes)."""
+    if batch_size < 1:
+        raise errors.InvalidArgument("batch_size must be at least 1")
+    reqs = []
+    for target in targets:
+        r, mid = ref(target)
+        reqs.append(pb.CancelRequest(receipt=r, message_id=mid))
+    return [pb.CancelBatchRequest(requests=reqs[i : i + batch_size]) for i in range(0, len(reqs), batch_size)]

@@ -26,7 +26,7 @@ from qdelay.errors import CorruptRecord, Fenced, InvalidArgument, NotMaster, Shu
 from qdelay.segments import checkpoint, framing, naming, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
-from qdelay.segments.segment import CorruptionPolicy, HandlePool
+from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment
 from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
 from qdelay.server import allocator
 from qdelay.server.bucket_log import BucketLog
@@ -482,48 +482,82 @@ class Engine:
     # --- cancel and get ---------------------------------------------------------------------------
 
     async def cancel(self, message_id: str, deliver_at_ms: int, sequence: int) -> CancelOutcome:
+        return (await self.cancel_many([(message_id, deliver_at_ms, sequence)]))[0]
+
+    async def cancel_many(self, targets: list[tuple[str, int, int]]) -> list[CancelOutcome]:
+        """Cancel each (message_id, deliver_at_ms, sequence); one outcome each, in order.
+
+        Every target is looked up and claimed on one worker thread (a claimed message is
+        skipped by the dispatcher from then on), then the tombstones of all claimed ones
+        go to the message log in one append: one group commit for the whole batch. A target
+        named twice is CANCELLED once and ALREADY_CANCELLED after.
+        """
         self._check_writable()
-        state, frame_offset = await asyncio.to_thread(self._locate, message_id, deliver_at_ms, sequence)
-        if state != MessageState.PENDING:
-            return {
-                MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
-                MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
-                MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
-            }[state]
-        sched = self.scheduler
-        with sched.lock:
-            if sequence in sched.cancelling:
-                return CancelOutcome.ALREADY_CANCELLED
-            if sequence in sched.in_flight or sequence in sched.dead_lettering:
-                return CancelOutcome.ALREADY_DELIVERED
-            sched.cancelling.add(sequence)
-        # Claimed: the dispatcher skips it from now on. Look again, as between the first look
-        # and the claim it may have been delivered and acknowledged, or another Cancel's
-        # tombstone may have gone through (either would make this tombstone a second close).
+        outcomes, claimed = await asyncio.to_thread(self._claim_cancels, targets)
+        if not claimed:
+            return outcomes
+        now = self.clock()
+        entries = [
+            (RecordKind.CANCEL, now, records.encode_cancel(records.Cancel(mid, due, seq))) for mid, due, seq in claimed
+        ]
         try:
-            state, _off = await asyncio.to_thread(self._locate, message_id, deliver_at_ms, sequence)
+            appended = await self.wal.append_async(entries)
         except BaseException:
-            with sched.lock:
-                sched.cancelling.discard(sequence)
-            raise
-        if state != MessageState.PENDING:
-            with sched.lock:
-                sched.cancelling.discard(sequence)
-            return {
-                MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
-                MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
-                MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
-            }[state]
-        body = records.encode_cancel(records.Cancel(message_id, deliver_at_ms, sequence))
-        try:
-            appended = await self.wal.append_async([(RecordKind.CANCEL, self.clock(), body)])
-        except BaseException:
-            with sched.lock:
-                sched.cancelling.discard(sequence)
+            self._release_claims([seq for _mid, _due, seq in claimed])
             raise
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
-        return CancelOutcome.CANCELLED
+        return outcomes
+
+    _NOT_PENDING = {
+        MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
+        MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+        MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
+    }
+
+    def _claim_cancels(self, targets: list[tuple[str, int, int]]) -> tuple[list[CancelOutcome], list]:
+        """Look each target up and claim the pending ones; (outcomes, claimed targets).
+
+        A claimed target's outcome is CANCELLED, which the caller makes true by writing its
+        tombstone (or releases the claims if that write fails)."""
+        sched = self.scheduler
+        outcomes: list[CancelOutcome] = []
+        claimed: list[tuple[str, int, int]] = []
+        try:
+            for message_id, due, sequence in targets:
+                state, _off = self._locate(message_id, due, sequence)
+                if state != MessageState.PENDING:
+                    outcomes.append(self._NOT_PENDING[state])
+                    continue
+                with sched.lock:
+                    if sequence in sched.cancelling:
+                        outcomes.append(CancelOutcome.ALREADY_CANCELLED)
+                        continue
+                    if sequence in sched.in_flight or sequence in sched.dead_lettering:
+                        outcomes.append(CancelOutcome.ALREADY_DELIVERED)
+                        continue
+                    sched.cancelling.add(sequence)
+                # Claimed: the dispatcher skips it from now on. Look again at what can have
+                # changed between the first look and the claim (a delivery acknowledged, or
+                # another Cancel's tombstone gone through: either would make this tombstone a
+                # second close); the record itself was found already.
+                state, _at = self._closed_state(bucket_of(due, self.config.scale_minutes), sequence)
+                if state != MessageState.PENDING:
+                    with sched.lock:
+                        sched.cancelling.discard(sequence)
+                    outcomes.append(self._NOT_PENDING[state])
+                    continue
+                claimed.append((message_id, due, sequence))
+                outcomes.append(CancelOutcome.CANCELLED)
+        except BaseException:
+            self._release_claims([seq for _mid, _due, seq in claimed])
+            raise
+        return outcomes, claimed
+
+    def _release_claims(self, sequences: list[int]) -> None:
+        with self.scheduler.lock:
+            for seq in sequences:
+                self.scheduler.cancelling.discard(seq)
 
     async def get(self, message_id: str, deliver_at_ms: int, sequence: int) -> MessageStatus:
         return await asyncio.to_thread(self.get_sync, message_id, deliver_at_ms, sequence)
@@ -560,6 +594,17 @@ class Engine:
         msg = records.decode_message(frame.body)
         if msg.message_id != message_id or msg.deliver_at_ms != deliver_at_ms:
             return answer(MessageState.NOT_FOUND)
+        state, delivered_at = self._closed_state(bucket, sequence, seg, detail)
+        return answer(state, frame.offset, msg, delivered_at or 0)
+
+    def _closed_state(
+        self, bucket: int, sequence: int, seg: Segment | None = None, detail: bool = False
+    ) -> tuple[MessageState, int | None]:
+        """(state, delivered_at) of a record known to be in ``bucket``: DELIVERED, CANCELLED
+        or PENDING, found in the dispatch log and the index of tombstones (no segment walk)."""
+        if seg is None:
+            self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
+            seg = self.schedule.get(bucket)
         # delivered? the dispatch file as far as it goes, then (under the lock, so that no
         # ack slips between the two looks) what was appended since and the unflushed buffer
         dseg = self.dispatch.get(bucket)
@@ -574,17 +619,15 @@ class Engine:
                             break
                 in_flight = sequence in self.scheduler.in_flight
             if delivered_at is None and in_flight and not detail:
-                return answer(MessageState.DELIVERED, frame.offset, msg)
+                return MessageState.DELIVERED, None
         if delivered_at is not None:
-            return answer(MessageState.DELIVERED, frame.offset, msg, delivered_at)
+            return MessageState.DELIVERED, delivered_at
         st = self.scheduler.buckets.get(bucket)
         if st is not None and st.tombstones_known:
             cancelled = sequence in st.cancelled  # every tombstone of a loaded bucket is here
         else:
-            cancelled = self.finder.cancelled(seg, sequence)
-        if cancelled:
-            return answer(MessageState.CANCELLED, frame.offset, msg)
-        return answer(MessageState.PENDING, frame.offset, msg)
+            cancelled = seg is not None and self.finder.cancelled(seg, sequence)
+        return (MessageState.CANCELLED if cancelled else MessageState.PENDING), None
 
     # --- delivery ---------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from qdelay.server.validation import (
     IdGenerator,
     decode_batch,
     encode_messages,
+    validate_cancel_batch,
     validate_receipt,
     validate_subscribe,
 )
@@ -238,6 +239,15 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.guard.check(cancel=True)
         outcome = await self.engine.cancel(message_id, due, sequence)
         return pb.CancelResponse(outcome=int(outcome))
+
+    @status.unary
+    async def CancelBatch(self, request, context):
+        targets = validate_cancel_batch(request, self.limits)
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry later")
+        self.guard.check(cancel=True)
+        outcomes = await self.engine.cancel_many(targets)
+        return pb.CancelBatchResponse(responses=[pb.CancelResponse(outcome=int(o)) for o in outcomes])
 
     @status.unary
     async def Get(self, request, context):

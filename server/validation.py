@@ -279,6 +279,22 @@ def validate_receipt(request, limits: Limits) -> tuple[str, int, int]:
     return r.message_id, r.deliver_at_ms, r.sequence
 
 
+def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int, int]]:
+    """The targets of a CancelBatch request: 1..max_batch receipts, each as for Cancel."""
+    count = len(request.requests)
+    if count == 0:
+        raise InvalidArgument("requests: empty; give 1 to max_batch CancelRequests")
+    if count > limits.max_batch:
+        raise InvalidArgument(f"requests: {count} in one batch, limit {limits.max_batch} (limits.max_batch)")
+    targets = []
+    for i, r in enumerate(request.requests):
+        try:
+            targets.append(validate_receipt(r, limits))
+        except InvalidArgument as err:
+            raise InvalidArgument(f"requests[{i}].{err}") from None
+    return targets
+
+
 def validate_subscribe(request, limits: Limits) -> tuple[str, str]:
     subject = request.subject
     check_subject(subject, limits, "subject")
