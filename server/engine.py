@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from qdelay.errors import CorruptRecord, Fenced, InvalidArgument, NotMaster, ShuttingDown, StorageError
 from qdelay.segments import checkpoint, framing, naming, records
 from qdelay.segments.framing import RecordKind
+from qdelay.segments.idindex import IdIndex
 from qdelay.segments.naming import bucket_of
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment
 from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
@@ -214,6 +215,13 @@ class Engine:
                 seg = self.dispatch.get(b)
                 reopened_at[b] = seg.size if seg is not None else 0
 
+        # message id -> (due, sequence): derived from the schedule log, rebuilt when missing
+        self.ids = IdIndex(os.path.join(root, "index", "ids"))
+        if not self.ids.built:
+            t0 = time.monotonic()
+            n = self.ids.rebuild(self.schedule)
+            if n:
+                self._note(f"id index rebuilt from the schedule log: {n} messages in {time.monotonic() - t0:.2f}s")
         self.iterate = IterateService(
             self.wal,
             self.schedule,
@@ -226,6 +234,7 @@ class Engine:
             read_bytes=1024 * 1024,
             horizon=self._handover_horizon,
             counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")},
+            ids=self.ids,
         )
         self.scheduler = Scheduler(
             self.schedule,
@@ -381,6 +390,7 @@ class Engine:
             self.iterate.wait_for(self.wal.committed_sequence, timeout=10)
         self.wal.close()
         self.iterate.stop()
+        self.ids.close()
         self.pool.close()
 
     def set_role(self, role: str, epoch: int) -> None:
@@ -481,11 +491,14 @@ class Engine:
 
     # --- cancel and get ---------------------------------------------------------------------------
 
-    async def cancel(self, message_id: str, deliver_at_ms: int, sequence: int) -> CancelOutcome:
+    async def cancel(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> CancelOutcome:
+        """Cancel by receipt, or by id alone (``deliver_at_ms`` and ``sequence`` None)."""
         return (await self.cancel_many([(message_id, deliver_at_ms, sequence)]))[0]
 
-    async def cancel_many(self, targets: list[tuple[str, int, int]]) -> list[CancelOutcome]:
+    async def cancel_many(self, targets: list[tuple[str, int | None, int | None]]) -> list[CancelOutcome]:
         """Cancel each (message_id, deliver_at_ms, sequence); one outcome each, in order.
+        A target with no due time and sequence is found by its id (the newest message
+        that has it).
 
         Every target is looked up and claimed on one worker thread (a claimed message is
         skipped by the dispatcher from then on), then the tombstones of all claimed ones
@@ -515,6 +528,15 @@ class Engine:
         MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
     }
 
+    def resolve_id(self, message_id: str) -> tuple[int, int] | None:
+        """(deliver_at_ms, sequence) of the newest message with ``message_id``, or None.
+
+        Waits until the iterate service has copied (and so indexed) every message committed
+        before this call, so that an id just sent is found."""
+        if not self.iterate.wait_for(self.wal.committed_sequence, timeout=5.0):
+            raise StorageError("the iterate service is behind; retry shortly")
+        return self.ids.get(message_id)
+
     def _claim_cancels(self, targets: list[tuple[str, int, int]]) -> tuple[list[CancelOutcome], list]:
         """Look each target up and claim the pending ones; (outcomes, claimed targets).
 
@@ -525,6 +547,12 @@ class Engine:
         claimed: list[tuple[str, int, int]] = []
         try:
             for message_id, due, sequence in targets:
+                if sequence is None:  # by id: the newest message with it
+                    found = self.resolve_id(message_id)
+                    if found is None:
+                        outcomes.append(CancelOutcome.NOT_FOUND)
+                        continue
+                    due, sequence = found
                 state, _off = self._locate(message_id, due, sequence)
                 if state != MessageState.PENDING:
                     outcomes.append(self._NOT_PENDING[state])
@@ -559,10 +587,15 @@ class Engine:
             for seq in sequences:
                 self.scheduler.cancelling.discard(seq)
 
-    async def get(self, message_id: str, deliver_at_ms: int, sequence: int) -> MessageStatus:
+    async def get(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus:
         return await asyncio.to_thread(self.get_sync, message_id, deliver_at_ms, sequence)
 
-    def get_sync(self, message_id: str, deliver_at_ms: int, sequence: int) -> MessageStatus:
+    def get_sync(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus:
+        if sequence is None:  # by id
+            found = self.resolve_id(message_id)
+            if found is None:
+                return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
+            deliver_at_ms, sequence = found
         state, _off, msg, delivered_at = self._locate(message_id, deliver_at_ms, sequence, detail=True)
         if state == MessageState.PENDING:
             with self.scheduler.lock:

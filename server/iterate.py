@@ -39,6 +39,7 @@ import numpy as np
 from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments import checkpoint, framing, native, records
 from qdelay.segments.framing import RecordKind
+from qdelay.segments.idindex import IdIndex
 from qdelay.segments.naming import MS_PER_MINUTE
 from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
@@ -93,8 +94,10 @@ class IterateService:
         counts: dict | None = None,
         horizon: Callable[[], int] | None = None,
         write_behind_bytes: int = 8 * 1024 * 1024,
+        ids: IdIndex | None = None,
     ) -> None:
         self.wal = wal
+        self.ids = ids  # message id -> (due, sequence) of each MESSAGE copied
         self.schedule = schedule
         self.checkpoint_path = checkpoint_path
         self.offset = start_offset  # next message-log offset to copy
@@ -294,6 +297,10 @@ class IterateService:
         data, pos, st, kind, seq, due = self._scan(data)
         if len(st) == 0:
             return pos, self.sequence, []
+        if self.ids is not None:
+            is_msg = kind == _MESSAGE
+            if is_msg.any():
+                self.ids.put_frames(bytes(data), st[is_msg], due[is_msg], seq[is_msg])
         codec = native.codec
         route = codec.route if codec is not None else self._route_numpy
         handed, messages, cancels, duplicates, unknown, copied, added = route(
@@ -500,6 +507,8 @@ class IterateService:
         segments, dirs = dirty
         sync_all(segments)
         sync_dirs(dirs)
+        if self.ids is not None:
+            self.ids.sync()  # the ids of the records before this offset, durable with them
         try:
             checkpoint.write(self.checkpoint_path, state)
         except OSError as err:

@@ -268,14 +268,24 @@ def _refuse_repeated_id(ids: list[str], single: bool) -> None:
     raise InvariantViolation("a repeated message id was not found again")
 
 
-def validate_receipt(request, limits: Limits) -> tuple[str, int, int]:
-    """(message_id, deliver_at_ms, sequence) of a Cancel/Get request's receipt."""
+def validate_receipt(request, limits: Limits) -> tuple[str, int | None, int | None]:
+    """(message_id, deliver_at_ms, sequence) named by a Cancel/Get request: its receipt,
+    or, without one, its ``message_id`` alone (then due time and sequence are None)."""
     if not request.HasField("receipt"):
-        raise InvalidArgument("receipt: required (the Receipt that Send returned)")
+        if not request.message_id:
+            raise InvalidArgument(
+                "receipt or message_id: required (the Receipt that Send returned, or the message id alone)"
+            )
+        check_message_id(request.message_id, limits, "message_id", required=True)
+        return request.message_id, None, None
     r = request.receipt
     check_message_id(r.message_id, limits, "receipt.message_id", required=True)
     if r.deliver_at_ms < 0:
         raise InvalidArgument(f"receipt.deliver_at_ms: {r.deliver_at_ms} is negative")
+    if request.message_id and request.message_id != r.message_id:
+        raise InvalidArgument(
+            f"message_id: {request.message_id!r} disagrees with receipt.message_id {r.message_id!r}; give one of them"
+        )
     return r.message_id, r.deliver_at_ms, r.sequence
 
 

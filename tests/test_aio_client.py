@@ -144,12 +144,7 @@ def test_cancel_and_get_by_id_alone(server):
     async def main():
         async with Client(server.address) as c:
             r = await c.send(subject(), b"x", delay_ms=HOUR_MS, message_id="by-id-aio-1")
-            try:
-                st = await c.get("by-id-aio-1")
-            except errors.InvalidArgument as err:
-                if "receipt: required" in str(err):
-                    pytest.xfail("the server does not look messages up by id yet (issue 13)")
-                raise
+            st = await c.get("by-id-aio-1")
             assert st.state == "PENDING" and st.message_id == r.message_id
             assert await c.cancel(message_id="by-id-aio-1") == "CANCELLED"
 

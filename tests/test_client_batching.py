@@ -186,11 +186,6 @@ def test_cancel_and_get_take_the_receipt_its_string_or_the_protobuf(server):
 def test_cancel_and_get_by_the_id_alone(server):
     with Client(server.address) as c:
         c.send(subject(), b"keep me", delay=timedelta(hours=1), message_id="by-id-blocking-1")
-        try:
-            st = c.get("by-id-blocking-1")
-        except errors.InvalidArgument as err:
-            if "receipt: required" in str(err):
-                pytest.xfail("the server does not look messages up by id yet (issue 13)")
-            raise
+        st = c.get("by-id-blocking-1")
         assert st.state == "PENDING" and st.payload == b"keep me"
         assert c.cancel(message_id="by-id-blocking-1") == "CANCELLED"

@@ -141,8 +141,15 @@ def test_custom_limits():
 
 
 def test_receipt_and_subscribe():
-    with pytest.raises(errors.InvalidArgument, match="receipt: required"):
+    with pytest.raises(errors.InvalidArgument, match="receipt or message_id: required"):
         validate_receipt(pb.CancelRequest(), LIMITS)
+    assert validate_receipt(pb.CancelRequest(message_id="order-7"), LIMITS) == ("order-7", None, None)
+    with pytest.raises(errors.InvalidArgument, match="message_id: 'b' disagrees with receipt.message_id 'a'"):
+        validate_receipt(
+            pb.GetRequest(receipt=pb.Receipt(message_id="a", deliver_at_ms=5, sequence=7), message_id="b"), LIMITS
+        )
+    with pytest.raises(errors.InvalidArgument, match="message_id: 200 bytes"):
+        validate_receipt(pb.CancelRequest(message_id="x" * 200), LIMITS)
     with pytest.raises(errors.InvalidArgument, match="receipt.message_id: required"):
         validate_receipt(pb.CancelRequest(receipt=pb.Receipt(deliver_at_ms=5)), LIMITS)
     assert validate_receipt(pb.GetRequest(receipt=pb.Receipt(message_id="a", deliver_at_ms=5, sequence=7)), LIMITS) == (

@@ -1,0 +1,211 @@
+"""The message-id index: message id -> (deliver_at_ms, sequence) of the newest message
+that carried it, for Cancel / Get by id and for idempotent send (issue 13).
+
+It lives on disk (a far-future message must cost disk, not RAM) in RocksDB, through
+``rocksdict``: an LSM tree gives batched inserts at about a microsecond a key, point
+lookups that read a block or two (bloom filters skip the SST files without the key), and
+crash safety, with memory bounded by the memtable and block cache rather than by the
+number of keys. Hand-writing sorted runs, compaction and filters would be that library
+again. Reads use pread, not mmap, so the index does not show up in the server's RSS.
+
+It is derived state, never a second source of truth: the iterate service puts the id of
+every MESSAGE it copies to the schedule log, and flushes the index to disk before each
+iterate checkpoint, so after a crash the replay from the checkpoint puts what was lost. A
+write error (a full disk) disables the index instead of stopping the iterate service; by-id
+calls then answer UNAVAILABLE until a restart rebuilds it.
+If the folder is missing, or was left half-built, the engine rebuilds it from the
+schedule segments (``rebuild``); see docs/recovery.md.
+
+An id reused after delivery maps to the newest message (puts happen in sequence order).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from rocksdict import BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
+
+from qdelay.errors import CorruptRecord, Unavailable
+from qdelay.segments import framing
+from qdelay.segments.framing import RecordKind
+from qdelay.segments.reader import read_columns
+
+if TYPE_CHECKING:
+    from qdelay.server.bucket_log import BucketLog
+
+log = logging.getLogger("qdelay.segments.idindex")
+
+_VALUE = np.dtype([("due", "<i8"), ("seq", "<i8")])
+# MESSAGE body (segments/records.py): due i64, subject_len u16 @8, message_id_len u16 @10,
+# headers_len u32, payload_len u32, then subject @20, message_id
+_SUBJECT_LEN_AT = framing.HEADER_SIZE + 8
+_ID_LEN_AT = framing.HEADER_SIZE + 10
+_SUBJECT_AT = framing.HEADER_SIZE + 20
+BUILT_MARK = "BUILT"  # written once the index covers every schedule segment
+
+
+def _u16(raw: np.ndarray, at: np.ndarray) -> np.ndarray:
+    return raw[at].astype(np.int64) | (raw[at + 1].astype(np.int64) << 8)
+
+
+class IdIndex:
+    def __init__(self, path: str, cache_bytes: int = 8 * 1024 * 1024) -> None:
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        opt = Options(raw_mode=True)
+        opt.create_if_missing(True)
+        opt.set_write_buffer_size(16 * 1024 * 1024)
+        opt.set_max_write_buffer_number(2)
+        table = BlockBasedOptions()
+        table.set_bloom_filter(10, False)
+        opt.set_block_based_table_factory(table)
+        self._db = Rdict(path, opt)
+        # No WAL of its own: puts stay in the memtable (no disk write, so a full disk cannot
+        # fail them) and sync() flushes them to a table file before each iterate checkpoint.
+        self._wo = WriteOptions()
+        self._wo.disable_wal = True
+        self.puts = 0
+        self._unsynced = 0
+        self.failed: str | None = None  # why the index stopped (a write error); restart rebuilds
+
+    @property
+    def built(self) -> bool:
+        return os.path.exists(os.path.join(self.path, BUILT_MARK))
+
+    def mark_built(self) -> None:
+        with open(os.path.join(self.path, BUILT_MARK), "w") as f:
+            f.write("1\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _fail(self, err: BaseException) -> None:
+        """A write failed (e.g. a full disk): stop indexing rather than stop the iterate
+        service; drop the built mark so that the next start rebuilds the index."""
+        if self.failed is None:
+            self.failed = str(err)
+            log.error("id index disabled after a write error; a restart rebuilds it", extra={"error": str(err)})
+            try:
+                os.unlink(os.path.join(self.path, BUILT_MARK))
+            except OSError:
+                pass
+
+    def put_frames(
+        self, cols_data: bytes, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray, keep_newer: bool = False
+    ) -> None:
+        """Index the MESSAGE frames starting at ``starts`` of ``cols_data``, given in
+        sequence order; ``keep_newer``: an id already indexed with a later sequence keeps
+        it (a rebuild reads buckets out of sequence order)."""
+        n = len(starts)
+        if n == 0 or self.failed is not None:
+            return
+        try:
+            self._put_frames(cols_data, starts, dues, seqs, keep_newer)
+        except Exception as err:  # noqa: BLE001 - any storage error of the library
+            self._fail(err)
+
+    def _put_frames(
+        self, cols_data: bytes, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray, keep_newer: bool
+    ) -> None:
+        n = len(starts)
+        raw = np.frombuffer(cols_data, dtype=np.uint8)
+        slen = raw[starts + _SUBJECT_LEN_AT].astype(np.int64) | (
+            raw[starts + _SUBJECT_LEN_AT + 1].astype(np.int64) << 8
+        )
+        ilen = raw[starts + _ID_LEN_AT].astype(np.int64) | (raw[starts + _ID_LEN_AT + 1].astype(np.int64) << 8)
+        at = starts + _SUBJECT_AT + slen
+        values = np.empty(n, dtype=_VALUE)
+        values["due"] = dues
+        values["seq"] = seqs
+        vb = values.tobytes()
+        keys = [cols_data[a : a + ln] for a, ln in zip(at.tolist(), ilen.tolist())]
+        skip: set[int] = set()
+        if keep_newer:
+            seq_l = seqs.tolist()
+            for i, v in enumerate(self._db.get(keys)):
+                if v is not None and int(np.frombuffer(v, dtype=_VALUE)[0]["seq"]) > seq_l[i]:
+                    skip.add(i)
+        wb = WriteBatch(raw_mode=True)
+        put = wb.put
+        for i, k in enumerate(keys):
+            if k and i not in skip:
+                put(k, vb[16 * i : 16 * i + 16])
+        self._db.write(wb, self._wo)
+        self.puts += n
+        self._unsynced += n
+
+    def rebuild(self, schedule: BucketLog) -> int:
+        """Index every MESSAGE of the schedule segments (after a loss of the index, or on
+        a data folder older than it); returns how many. A damaged segment is indexed up
+        to its damage (recovery decides about the rest)."""
+        count = 0
+        for bucket in schedule.buckets():
+            seg = schedule.get(bucket)
+            if seg is None:
+                continue
+            pos, stop = 0, seg.size
+            while pos < stop:
+                try:
+                    cols = read_columns(seg, pos, stop, 4 * 1024 * 1024)
+                except CorruptRecord as err:
+                    log.warning("id index rebuild stops at damage", extra={"path": seg.path, "error": str(err)})
+                    break
+                rows = cols.kinds == RecordKind.MESSAGE
+                self.put_frames(cols.data, cols.starts[rows], cols.dues[rows], cols.seqs[rows], keep_newer=True)
+                count += int(rows.sum())
+                pos = cols.base + cols.end
+        self.sync()
+        self.mark_built()
+        return count
+
+    def _usable(self) -> None:
+        if self.failed is not None:
+            raise Unavailable(f"the message-id index is disabled after a write error ({self.failed}); restart")
+
+    def get(self, message_id: str) -> tuple[int, int] | None:
+        """(deliver_at_ms, sequence) of the newest message with this id, or None."""
+        self._usable()
+        v = self._db.get(message_id.encode())
+        if v is None:
+            return None
+        due, seq = np.frombuffer(v, dtype=_VALUE)[0]
+        return int(due), int(seq)
+
+    def get_many(self, message_ids: Iterable[str]) -> list[tuple[int, int] | None]:
+        self._usable()
+        keys = [m.encode() for m in message_ids]
+        if not keys:
+            return []
+        out: list[tuple[int, int] | None] = []
+        for v in self._db.get(keys):
+            if v is None:
+                out.append(None)
+            else:
+                due, seq = np.frombuffer(v, dtype=_VALUE)[0]
+                out.append((int(due), int(seq)))
+        return out
+
+    def sync(self) -> None:
+        """Make every put so far durable (called before the iterate checkpoint moves)."""
+        if self._unsynced == 0 or self.failed is not None:
+            return
+        try:
+            self._db.flush(True)
+        except Exception as err:  # noqa: BLE001 - any storage error of the library
+            self._fail(err)
+            return
+        self._unsynced = 0
+
+    def close(self) -> None:
+        try:
+            self._db.close()  # flushes the memtable, if it can
+        except Exception as err:  # noqa: BLE001 - e.g. a full disk: the replay puts it again
+            log.warning("id index closed without its last flush", extra={"error": str(err)})
+
+    @staticmethod
+    def destroy(path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,73 @@
+"""Cancel and Get by message id alone, through the on-disk id index (issue 13, item 3),
+against a real server: right after a send, after an id is reused, after SIGKILL, and after
+the index folder is lost (rebuilt from the schedule log; docs/recovery.md)."""
+
+from __future__ import annotations
+
+import shutil
+
+from qdelay.client import Outgoing
+from tests.serverproc import ServerProc
+from tests.simclock import wait_until
+
+HOUR = 3_600_000
+
+
+def test_cancel_and_get_by_id_right_after_send(tmp_path):
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        r = c.send("t.id", b"p", delay_ms=HOUR, message_id="order-1")
+        st = c.get(message_id="order-1")
+        assert (st.state, st.deliver_at_ms) == ("PENDING", r.deliver_at_ms)
+        assert c.cancel(message_id="order-1") == "CANCELLED"  # no wait between send and cancel
+        assert c.cancel(message_id="order-1") == "ALREADY_CANCELLED"
+        assert c.get(message_id="order-1").state == "CANCELLED"
+        assert c.get(message_id="nobody").state == "NOT_FOUND"
+        assert c.cancel(message_id="nobody") == "NOT_FOUND"
+        c.send_many([Outgoing("t.id", b"p", delay_ms=HOUR, message_id=f"o{i}") for i in range(5)])
+        mixed = ["o0", r, "o1", "nobody", "o0"]
+        assert c.cancel_many(mixed) == ["CANCELLED", "ALREADY_CANCELLED", "CANCELLED", "NOT_FOUND", "ALREADY_CANCELLED"]
+        c.close()
+
+
+def test_a_reused_id_names_the_newest_message(tmp_path):
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        c.send("t.reuse", b"first", delay_ms=0, message_id="job-7")
+        with c.subscribe("t.reuse") as consumer:
+            got = consumer.receive(1, timeout=10)
+            consumer.ack(got)
+        assert wait_until(lambda: c.get(message_id="job-7").state == "DELIVERED", timeout=10)
+        second = c.send("t.reuse", b"second", delay_ms=HOUR, message_id="job-7")
+        st = c.get(message_id="job-7")
+        assert (st.state, st.deliver_at_ms) == ("PENDING", second.deliver_at_ms)
+        assert c.cancel(message_id="job-7") == "CANCELLED"
+        c.close()
+
+
+def test_by_id_survives_sigkill_and_a_lost_index(tmp_path):
+    data = tmp_path / "data"
+    with ServerProc(data) as srv:
+        c = srv.client()
+        sent = list(c.send_many([Outgoing("t.k", b"p", delay_ms=HOUR + i, message_id=f"k{i}") for i in range(300)]))
+        assert c.cancel(message_id="k3") == "CANCELLED"
+        c.close()
+        srv.kill9()
+        srv.start()
+        c = srv.client()
+        assert c.get(message_id="k299").deliver_at_ms == sent[299].deliver_at_ms
+        assert c.get(message_id="k3").state == "CANCELLED"
+        c.close()
+        srv.stop()
+        shutil.rmtree(data / "index")  # derived state: the next start rebuilds it
+        srv.start()
+        c = srv.client()
+        assert [c.get(message_id=f"k{i}").state for i in (0, 3, 150, 299)] == [
+            "PENDING",
+            "CANCELLED",
+            "PENDING",
+            "PENDING",
+        ]
+        assert c.cancel(message_id="k150") == "CANCELLED"
+        c.close()
+    assert "id index rebuilt from the schedule log: 300 messages" in srv.log_path.read_text()
