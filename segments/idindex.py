@@ -9,7 +9,7 @@ number of keys. Hand-writing sorted runs, compaction and filters would be that l
 again. Reads use pread, not mmap, so the index does not show up in the server's RSS.
 
 It is derived state, never a second source of truth: the iterate service puts the id of
-every MESSAGE it copies to the schedule log, and flushes the index to disk before each
+every MESSAGE it copies to the schedule log, and syncs the index's WAL before each
 iterate checkpoint, so after a crash the replay from the checkpoint puts what was lost. A
 write error (a full disk) disables the index instead of stopping the iterate service; by-id
 calls then answer UNAVAILABLE until a restart rebuilds it.
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
-from rocksdict import BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import BlockBasedOptions, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from qdelay.errors import CorruptRecord, Unavailable
 from qdelay.segments import framing
@@ -64,11 +64,12 @@ class IdIndex:
         table = BlockBasedOptions()
         table.set_bloom_filter(10, False)
         opt.set_block_based_table_factory(table)
+        opt.set_compression_type(DBCompressionType.none())  # ids are short and random: not worth the CPU
         self._db = Rdict(path, opt)
-        # No WAL of its own: puts stay in the memtable (no disk write, so a full disk cannot
-        # fail them) and sync() flushes them to a table file before each iterate checkpoint.
+        # Its own WAL on but not synced per write (the page cache survives a process kill);
+        # sync() makes it durable before each iterate checkpoint. A failed write (a full
+        # disk) disables the index rather than the iterate service (see _fail).
         self._wo = WriteOptions()
-        self._wo.disable_wal = True
         self.puts = 0
         self._unsynced = 0
         self.failed: str | None = None  # why the index stopped (a write error); restart rebuilds
@@ -194,7 +195,7 @@ class IdIndex:
         if self._unsynced == 0 or self.failed is not None:
             return
         try:
-            self._db.flush(True)
+            self._db.flush_wal(True)
         except Exception as err:  # noqa: BLE001 - any storage error of the library
             self._fail(err)
             return

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
+from qdelay import errors
 from qdelay.client import Outgoing
 from tests.serverproc import ServerProc
 from tests.simclock import wait_until
@@ -71,3 +74,14 @@ def test_by_id_survives_sigkill_and_a_lost_index(tmp_path):
         assert c.cancel(message_id="k150") == "CANCELLED"
         c.close()
     assert "id index rebuilt from the schedule log: 300 messages" in srv.log_path.read_text()
+
+
+def test_with_the_index_off_by_id_is_refused_and_receipts_still_work(tmp_path):
+    with ServerProc(tmp_path / "data", args=["--set", "engine.id_index=false"]) as srv:
+        c = srv.client()
+        r = c.send("t.off", b"p", delay_ms=HOUR, message_id="off-1")
+        with pytest.raises(errors.FailedPrecondition, match=r"engine.id_index = false"):
+            c.cancel(message_id="off-1")
+        assert c.cancel(r) == "CANCELLED"
+        c.close()
+    assert not (tmp_path / "data" / "index").exists()

@@ -32,7 +32,8 @@ def crash(engine) -> None:
     and dispatch writes are in the page cache, as after a process kill."""
     engine.wal.close()
     engine.pool.close()
-    engine.ids.close()  # its WAL is in the page cache, as after a process kill
+    if engine.ids is not None:
+        engine.ids.close()  # its WAL is in the page cache, as after a process kill
 
 
 def frames_of(path: str) -> list[framing.Frame]:
