@@ -9,6 +9,7 @@ folder; for each bucket size N, N messages due in one minute an hour ahead (plus
 - Get p50/p99 of random receipts, one call at a time (an idle server);
 - unary Cancel of random receipts from 16 threads: cancels/s and server CPU per cancel;
 - CancelBatch of 1,000 receipts per call, one call in flight: cancels/s and server CPU;
+- Reschedule of random receipts from 16 threads (an hour later): reschedules/s and CPU;
 - unary Send from 16 threads, same run, as the yardstick of a unary call.
 
 Goals (issue 13): cost per operation flat across N; batched cancel >= 100,000/s with server
@@ -69,7 +70,7 @@ def _threads(count: int, work, items: list) -> float:
     return time.perf_counter() - t0
 
 
-def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int) -> list[dict]:
+def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, resched: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="qdelay-bench-cancel-") as tmp:
         server = QdelayDriver()
@@ -91,8 +92,8 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int) -> 
                     minute = hour + (k + 1) * 10 * BUCKET_MS
                     receipts = _fill(c, n, minute, f"n{n}")
                     random.seed(n)
-                    picks = random.sample(receipts, min(n, gets + cancels + batch * 4))
-                    get_set, rest = picks[:gets], picks[gets:]
+                    picks = random.sample(receipts, min(n, gets + cancels + batch * 4 + resched))
+                    get_set, resched_set, rest = picks[:gets], picks[gets : gets + resched], picks[gets + resched :]
                     unary_set = rest[: min(cancels, len(rest) // 2)]
                     batch_set = rest[len(unary_set) :]
 
@@ -101,6 +102,14 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int) -> 
                         t0 = time.perf_counter()
                         c.get(r)
                         lat.append((time.perf_counter() - t0) * 1000)
+
+                    moved: list[str] = []
+                    with Meter(server.pid) as mr:
+                        wall_r = _threads(
+                            16, lambda r, out=moved: out.append(c.reschedule(r, delay_ms=7_200_000)[0]), resched_set
+                        )
+                    if any(o != "RESCHEDULED" for o in moved):
+                        raise SystemExit(f"reschedule answered {sorted(set(moved))}")
 
                     outcomes: list[str] = []
                     with Meter(server.pid) as mu:
@@ -115,6 +124,8 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int) -> 
                         "get_p99_ms": _percentile(lat, 99),
                         "unary_cancels_per_s": len(unary_set) / wall_u,
                         "unary_cpu_us": mu.cpu / len(unary_set) * 1e6,
+                        "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
+                        "reschedule_cpu_us": mr.cpu / len(resched_set) * 1e6 if resched_set else 0,
                     }
                     if hasattr(c, "cancel_many") and batch_set:
                         with Meter(server.pid) as mb:
@@ -151,13 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1000,10000,100000", help="bucket sizes N, comma-separated")
     ap.add_argument("--cancels", type=int, default=2000, help="unary cancels per size (16 threads)")
     ap.add_argument("--gets", type=int, default=500, help="Get calls per size (one at a time)")
+    ap.add_argument("--reschedules", type=int, default=1000, help="Reschedule calls per size (16 threads)")
     ap.add_argument("--batch", type=int, default=1000, help="targets per CancelBatch call")
     ap.add_argument("--pending", type=int, default=0, help="far-future messages sent first (e.g. 1000000)")
     ap.add_argument("--json", help="write the figures to this file (default: bench/out/cancel-*.json)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
-    rows = run(sizes, args.cancels, args.gets, args.pending, args.batch)
-    headers = ["N in bucket", "Get p50 ms", "Get p99 ms", "unary cancel/s", "µs CPU", "batch cancel/s", "µs CPU"]
+    rows = run(sizes, args.cancels, args.gets, args.pending, args.batch, args.reschedules)
+    headers = [
+        "N in bucket",
+        "Get p50 ms",
+        "Get p99 ms",
+        "unary cancel/s",
+        "µs CPU",
+        "batch cancel/s",
+        "µs CPU",
+        "reschedule/s",
+        "µs CPU",
+    ]
     table = [
         [
             r["bucket_size"],
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             r["unary_cpu_us"],
             r.get("batch_cancels_per_s", "-"),
             r.get("batch_cpu_us", "-"),
+            r["reschedules_per_s"],
+            r["reschedule_cpu_us"],
         ]
         for r in rows
     ]

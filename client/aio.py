@@ -42,7 +42,7 @@ from qdelay.client.client import (
     outgoing,
     translate,
 )
-from qdelay.client.types import Receipt, Status, cancel_batches, ref, stats_dict
+from qdelay.client.types import Receipt, Status, cancel_batches, ref, reschedule_request, reschedule_result, stats_dict
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -225,6 +225,26 @@ class Client:
             resp = await self._call(self.stub.CancelBatch, req, timeout)
             out.extend(CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in resp.responses)
         return out
+
+    async def reschedule(
+        self,
+        target,
+        *,
+        delay: int | timedelta | None = None,
+        delay_ms: int | timedelta | None = None,
+        deliver_at: datetime | None = None,
+        deliver_at_ms: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[str, Receipt | None]:
+        """Move a pending message to a new due time: ('RESCHEDULED', its new receipt), or
+        ('ALREADY_DELIVERED' | 'CANCELLED' | 'NOT_FOUND', None). ``target`` is anything
+        :meth:`cancel` takes; the time as for :meth:`send` (one of them). The message keeps
+        its id; it is never delivered at the old time once this returns RESCHEDULED."""
+        if delay is None and delay_ms is None and deliver_at is None and deliver_at_ms is None:
+            raise errors.InvalidArgument("reschedule: give the new time (delay, delay_ms, deliver_at or deliver_at_ms)")
+        o = outgoing("x", b"", delay, delay_ms, deliver_at, deliver_at_ms, None, "")
+        req = reschedule_request(target, (o.deliver_at_ms, o.delay_ms))
+        return reschedule_result(await self._call(self.stub.Reschedule, req, timeout))
 
     async def get(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> Status:
         """The message's :class:`Status`; takes what :meth:`cancel` takes."""

@@ -161,3 +161,27 @@ def cancel_batches(targets, batch_size: int) -> list[pb.CancelBatchRequest]:
         r, mid = ref(target)
         reqs.append(pb.CancelRequest(receipt=r, message_id=mid))
     return [pb.CancelBatchRequest(requests=reqs[i : i + batch_size]) for i in range(0, len(reqs), batch_size)]
+
+
+RESCHEDULE_OUTCOMES = {v.number: v.name for v in pb.RescheduleResponse.Outcome.DESCRIPTOR.values}
+
+
+def reschedule_request(target, when_ms: tuple[int | None, int | None]) -> pb.RescheduleRequest:
+    """A RescheduleRequest for ``target`` (what ``cancel`` takes) and (deliver_at_ms,
+    delay_ms), exactly one of them set."""
+    r, mid = ref(target)
+    at, rel = when_ms
+    if (at is None) == (rel is None):
+        raise errors.InvalidArgument("give one of delay, delay_ms, deliver_at or deliver_at_ms")
+    req = pb.RescheduleRequest(receipt=r, message_id=mid)
+    if at is not None:
+        req.deliver_at_ms = at
+    else:
+        req.delay_ms = rel
+    return req
+
+
+def reschedule_result(resp: pb.RescheduleResponse) -> tuple[str, Receipt | None]:
+    """('RESCHEDULED', the new receipt) or (the outcome, None)."""
+    outcome = RESCHEDULE_OUTCOMES.get(resp.outcome, str(resp.outcome))
+    return outcome, (Receipt.from_pb(resp.receipt) if outcome == "RESCHEDULED" else None)

@@ -87,6 +87,9 @@ class EngineConfig:
     # the on-disk message-id index behind Cancel/Get by id (segments/idindex.py); off saves
     # its ingest cost (about 1.3 us of server CPU per message) and turns by-id calls away
     id_index: bool = True
+    # idempotent send (server/dedupe.py): an id of a pending message, or of one sent less
+    # than this long ago, is answered with the original receipt; 0 turns it off
+    dedupe_window_ms: int = 600_000
 
     def validate(self) -> None:
         if self.scale_minutes < 1 or 1440 % self.scale_minutes:
@@ -122,6 +125,13 @@ class CancelOutcome(enum.IntEnum):
     ALREADY_DELIVERED = 2
     NOT_FOUND = 3
     ALREADY_CANCELLED = 4
+
+
+class RescheduleOutcome(enum.IntEnum):  # values of RescheduleResponse.Outcome
+    RESCHEDULED = 1
+    ALREADY_DELIVERED = 2
+    NOT_FOUND = 3
+    CANCELLED = 4
 
 
 class MessageState(enum.IntEnum):
@@ -534,6 +544,44 @@ class Engine:
             await self.replication_wait(appended.end_offset)
         return outcomes
 
+    async def reschedule(
+        self, message_id: str, deliver_at_ms: int | None, sequence: int | None, new_due_ms: int
+    ) -> tuple[RescheduleOutcome, Receipt | None]:
+        """Move a pending message to ``new_due_ms``: (outcome, its new receipt).
+
+        The message is claimed as a Cancel claims it (the dispatcher skips it from then on,
+        so it is never delivered at the old time after this answer), then one message-log
+        append writes the message again, same id, subject, headers and payload, at the new
+        time, followed by the tombstone of the old one: one group commit, one fsync. The
+        new MESSAGE comes first so that a write torn by a power loss can leave both (a
+        duplicate, as at-least-once allows) but never neither.
+        """
+        self._check_writable()
+        outcomes, claimed = await asyncio.to_thread(self._claim_cancels, [(message_id, deliver_at_ms, sequence)])
+        if not claimed:
+            return {
+                CancelOutcome.NOT_FOUND: RescheduleOutcome.NOT_FOUND,
+                CancelOutcome.ALREADY_DELIVERED: RescheduleOutcome.ALREADY_DELIVERED,
+                CancelOutcome.ALREADY_CANCELLED: RescheduleOutcome.CANCELLED,
+            }[outcomes[0]], None
+        mid, due, seq = claimed[0]
+        try:
+            _state, _off, msg, _at = await asyncio.to_thread(self._locate, mid, due, seq, True)
+            if msg is None:  # the record was there a moment ago: a cleaner race, say so
+                raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
+            now = self.clock()
+            body = records.encode_message(
+                msg.subject.encode(), mid.encode(), records.encode_headers(msg.headers), msg.payload, new_due_ms
+            )
+            tomb = records.encode_cancel(records.Cancel(mid, due, seq))
+            appended = await self.wal.append_async([(RecordKind.MESSAGE, now, body), (RecordKind.CANCEL, now, tomb)])
+        except BaseException:
+            self._release_claims([seq])
+            raise
+        if self.replication_wait is not None:
+            await self.replication_wait(appended.end_offset)
+        return RescheduleOutcome.RESCHEDULED, Receipt(mid, new_due_ms, appended.first_sequence)
+
     _NOT_PENDING = {
         MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
         MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
@@ -550,6 +598,29 @@ class Engine:
         if not self.iterate.wait_for(self.wal.committed_sequence, timeout=5.0):
             raise StorageError("the iterate service is behind; retry shortly")
         return self.ids.get(message_id)
+
+    def duplicates_among(
+        self, ids: list[str], hits: list[tuple[int, int] | None], window_ms: int
+    ) -> dict[int, Receipt]:
+        """Of ``ids`` and what the id index maps them to (``hits``), the ones that make a new
+        message a duplicate: still pending, or sent less than ``window_ms`` ago (delivered
+        and cancelled ones too); batch index -> that message's receipt."""
+        out: dict[int, Receipt] = {}
+        now = self.clock()
+        for k, hit in enumerate(hits):
+            if hit is None:
+                continue
+            due, seq = hit
+            state, offset = self._locate(ids[k], due, seq)
+            if state == MessageState.NOT_FOUND:
+                continue  # cleaned away long ago
+            if state != MessageState.PENDING:
+                seg = self.schedule.get(bucket_of(due, self.config.scale_minutes))
+                sent_at = seg.read_frame(offset).timestamp if seg is not None else 0
+                if now - sent_at > window_ms:
+                    continue  # closed, and sent before the window: the id may be used again
+            out[k] = Receipt(ids[k], due, seq)
+        return out
 
     def _claim_cancels(self, targets: list[tuple[str, int, int]]) -> tuple[list[CancelOutcome], list]:
         """Look each target up and claim the pending ones; (outcomes, claimed targets).

@@ -19,6 +19,8 @@ import numpy as np
 from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
+from qdelay.server.dedupe import Deduper
+from qdelay.server.engine import Receipt
 from qdelay.server.validation import (
     EncodedBatch,
     IdGenerator,
@@ -26,6 +28,7 @@ from qdelay.server.validation import (
     encode_messages,
     validate_cancel_batch,
     validate_receipt,
+    validate_reschedule,
     validate_subscribe,
 )
 from qdelay.v1 import qdelay_pb2 as pb
@@ -97,13 +100,26 @@ class IngestGate:
         self.bytes -= size
 
 
-def _batch_response(batch: EncodedBatch, first: int, compact: bool) -> pb.SendBatchResponse:
+def _batch_response(
+    batch: EncodedBatch, first: int, compact: bool, dups: dict[int, Receipt] | None = None
+) -> pb.SendBatchResponse:
     resp = pb.SendBatchResponse()
-    if compact:  # two C calls instead of three field sets per message
+    if compact and not dups:  # two C calls instead of three field sets per message
         resp.first_sequence = first
         resp.deliver_at_ms.extend(batch.dues)
         return resp
     add = resp.receipts.add
+    if dups:  # full receipts: the duplicates answer their original one
+        sequence = first
+        for k, (message_id, due) in enumerate(zip(batch.ids, batch.dues)):
+            r = add()
+            d = dups.get(k)
+            if d is not None:
+                r.message_id, r.deliver_at_ms, r.sequence, r.duplicate = d.message_id, d.deliver_at_ms, d.sequence, True
+            else:
+                r.message_id, r.deliver_at_ms, r.sequence = message_id, due, sequence
+                sequence += 1
+        return resp
     for sequence, (message_id, due) in enumerate(zip(batch.ids, batch.dues), first):
         r = add()  # setting fields beats add(**kwargs) by ~20 % (measured, protobuf upb)
         r.message_id = message_id
@@ -122,6 +138,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.guard = DiskGuard(cfg.data_dir, cfg.min_free_bytes, cfg.min_free_bytes_hard)
         self.gate = IngestGate(cfg.ingest_queue_messages, cfg.ingest_queue_bytes)
         self.new_id = IdGenerator()
+        self.dedupe = Deduper(engine, engine.config.dedupe_window_ms)
         self.closing = False
         self.active_writes = 0
 
@@ -149,8 +166,25 @@ class DelayService(pb_grpc.DelayServiceServicer):
             self.metrics.refused.labels("invalid").inc()
             raise
 
-    async def _write(self, batch: EncodedBatch) -> int:
-        """Append a validated batch; return its first sequence once durable."""
+    async def _write(self, batch: EncodedBatch) -> tuple[int, dict[int, Receipt]]:
+        """Append a validated batch, leaving out the messages whose id is a duplicate
+        (server/dedupe.py); (first sequence written, batch index -> original receipt)."""
+        dedupe = self.dedupe
+        if not dedupe.enabled:
+            return await self._append(batch, batch.bodies), {}
+        dups, claim = await dedupe.check(batch.ids)
+        keep = [k for k in range(len(batch.ids)) if k not in dups] if dups else None
+        try:
+            bodies = batch.bodies if keep is None else [batch.bodies[k] for k in keep]
+            first = await self._append(batch, bodies) if bodies else 0
+        except BaseException:
+            dedupe.failed(claim)
+            raise
+        dedupe.written(claim, first, batch.dues if keep is None else [batch.dues[k] for k in keep])
+        return first, dups
+
+    async def _append(self, batch: EncodedBatch, bodies: list[bytes]) -> int:
+        """Append bodies of a validated batch; return the first sequence once durable."""
         count, size = len(batch.bodies), batch.payload_bytes
         try:
             self.guard.check()
@@ -165,7 +199,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.active_writes += 1
         started = time.perf_counter()
         try:
-            first = await self.engine.send_bodies(batch.bodies)
+            first = await self.engine.send_bodies(bodies)
         finally:
             self.gate.leave(count, size)
             self.active_writes -= 1
@@ -179,13 +213,21 @@ class DelayService(pb_grpc.DelayServiceServicer):
         if not request.HasField("message"):
             raise InvalidArgument("message: required")
         batch = self._validate([request.message], single=True)
-        first = await self._write(batch)
+        first, dups = await self._write(batch)
+        if dups:
+            d = dups[0]
+            return pb.SendResponse(
+                receipt=pb.Receipt(
+                    message_id=d.message_id, deliver_at_ms=d.deliver_at_ms, sequence=d.sequence, duplicate=True
+                )
+            )
         return pb.SendResponse(receipt=pb.Receipt(message_id=batch.ids[0], deliver_at_ms=batch.dues[0], sequence=first))
 
     @status.unary
     async def SendBatch(self, request, context):
         batch, compact = self._validate_request(request)
-        return _batch_response(batch, await self._write(batch), compact)
+        first, dups = await self._write(batch)
+        return _batch_response(batch, first, compact, dups)
 
     @status.streaming
     async def SendStream(self, request_iterator, context):
@@ -218,7 +260,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
                 if isinstance(item, Exception):
                     raise item
                 batch, task, compact = item
-                yield _batch_response(batch, await task, compact)
+                first, dups = await task
+                yield _batch_response(batch, first, compact, dups)
         finally:
             if not reader.done():
                 reader.cancel()
@@ -248,6 +291,21 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.guard.check(cancel=True)
         outcomes = await self.engine.cancel_many(targets)
         return pb.CancelBatchResponse(responses=[pb.CancelResponse(outcome=int(o)) for o in outcomes])
+
+    @status.unary
+    async def Reschedule(self, request, context):
+        message_id, due, sequence, new_due = validate_reschedule(request, self.limits, self.engine.now_ms())
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry later")
+        self.guard.check()
+        outcome, receipt = await self.engine.reschedule(message_id, due, sequence, new_due)
+        resp = pb.RescheduleResponse(outcome=int(outcome))
+        if receipt is not None:
+            resp.receipt.message_id = receipt.message_id
+            resp.receipt.deliver_at_ms = receipt.deliver_at_ms
+            resp.receipt.sequence = receipt.sequence
+            self.dedupe.rescheduled(receipt)
+        return resp
 
     @status.unary
     async def Get(self, request, context):

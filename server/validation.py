@@ -289,6 +289,13 @@ def validate_receipt(request, limits: Limits) -> tuple[str, int | None, int | No
     return r.message_id, r.deliver_at_ms, r.sequence
 
 
+def validate_reschedule(request, limits: Limits, now_ms: int) -> tuple[str, int | None, int | None, int]:
+    """(message_id, deliver_at_ms, sequence, new due time) of a Reschedule request: the
+    message as for Cancel (receipt or id), the new time as for Send (limits, 2 years)."""
+    message_id, due, sequence = validate_receipt(request, limits)
+    return message_id, due, sequence, resolve_due(request, limits, now_ms, "RescheduleRequest")
+
+
 def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int, int]]:
     """The targets of a CancelBatch request: 1..max_batch receipts, each as for Cancel."""
     count = len(request.requests)

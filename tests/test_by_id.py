@@ -34,7 +34,8 @@ def test_cancel_and_get_by_id_right_after_send(tmp_path):
 
 
 def test_a_reused_id_names_the_newest_message(tmp_path):
-    with ServerProc(tmp_path / "data") as srv:
+    # a window of 1 ms: once delivered, the id may be sent again as a new message
+    with ServerProc(tmp_path / "data", args=["--set", "engine.dedupe_window_ms=1"]) as srv:
         c = srv.client()
         c.send("t.reuse", b"first", delay_ms=0, message_id="job-7")
         with c.subscribe("t.reuse") as consumer:
@@ -42,6 +43,7 @@ def test_a_reused_id_names_the_newest_message(tmp_path):
             consumer.ack(got)
         assert wait_until(lambda: c.get(message_id="job-7").state == "DELIVERED", timeout=10)
         second = c.send("t.reuse", b"second", delay_ms=HOUR, message_id="job-7")
+        assert not second.duplicate
         st = c.get(message_id="job-7")
         assert (st.state, st.deliver_at_ms) == ("PENDING", second.deliver_at_ms)
         assert c.cancel(message_id="job-7") == "CANCELLED"

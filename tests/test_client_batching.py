@@ -155,11 +155,6 @@ def test_restart_mid_stream_every_send_answered_or_raised_none_lost(tmp_path, ho
         srv.kill9()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="idempotent send (issue 13) is not on main yet: a batch re-sent after a broken stream "
-    "that did land is written twice",
-)
 def test_a_re_sent_id_is_not_doubled(server):
     """What the batcher's retry relies on: the same message id sent again (as a re-sent batch
     does) is answered with the original receipt and delivered once."""

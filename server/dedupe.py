@@ -1,0 +1,139 @@
+"""Idempotent send: a message whose id belongs to a message already written is not written
+again; its sender gets the original receipt with ``duplicate = true`` (issue 13, item 4).
+
+Where an id can be found, in the order it is looked in:
+
+1. the message-id index (segments/idindex.py), for everything the iterate service has
+   copied; a hit is a duplicate if that message is still pending, or if it was sent (its
+   record's timestamp) less than ``window_ms`` ago — delivered or cancelled ones included;
+2. ``_recent``: ids this server appended and the index may not have yet (the iterate
+   service lags the message log by milliseconds); an entry leaves once the index holds it
+   and no lookup that started before that is still running;
+3. ``_writing``: ids of batches being written right now; a second batch with one of them
+   waits for the first and then answers its receipt (or writes, if the first failed).
+
+All of it runs on the event loop (one owner, no lock) except the state of an index hit,
+read on a worker thread. If the index stopped after a write error (a full disk), sends go
+on and only ``_recent`` (ids not yet iterated) is consulted until a restart rebuilds the
+index (docs/recovery.md row 14): a retry of an older message is then not recognised.
+
+After a restart or a promotion the index may lag the message log by what was committed
+before: the first lookups wait until the iterate service has indexed up to that point, so
+a retry that arrives right after a restart is still recognised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+
+from qdelay.server.engine import Engine, Receipt
+
+
+@dataclass(slots=True)
+class Claim:
+    """The ids a batch is about to write (settled by ``written`` or ``failed``); one future
+    for the whole batch, which other batches with one of the ids wait on."""
+
+    ids: list[str]
+    future: asyncio.Future | None
+
+
+class Deduper:
+    def __init__(self, engine: Engine, window_ms: int) -> None:
+        self.engine = engine
+        self.window_ms = window_ms
+        self._recent: dict[str, tuple[int, int]] = {}  # id -> (due, sequence), not yet indexed
+        self._order: collections.deque[tuple[int, str]] = collections.deque()  # (sequence, id)
+        self._writing: dict[str, asyncio.Future] = {}
+        self._active: dict[int, int] = {}  # lookup token -> indexed sequence when it began
+        self._token = 0
+        self._epoch: int | None = None
+        self._floor = 0
+        self.duplicates = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.window_ms > 0 and self.engine.ids is not None
+
+    async def check(self, ids: list[str]) -> tuple[dict[int, Receipt], Claim]:
+        """(duplicates: batch index -> original receipt, claim on the other ids)."""
+        engine = self.engine
+        if self._epoch != engine.epoch:  # first use, or a new role: the index must catch up
+            self._epoch, self._floor = engine.epoch, engine.wal.committed_sequence
+        if engine.iterate.sequence < self._floor:
+            await asyncio.to_thread(engine.iterate.wait_for, self._floor, 5.0)
+        self._prune()
+        self._token += 1
+        token = self._token
+        self._active[token] = engine.iterate.sequence
+        try:
+            # on the loop: a miss is answered from the memtable and bloom filters (~1 us a
+            # key); only hits need the message's state, read on a worker thread
+            if engine.ids.failed is None:
+                hits = engine.ids.get_many(ids)
+            else:  # the index stopped after a write error (a full disk): only ids written in
+                hits = [None] * len(ids)  # the last moments (not yet iterated) are recognised
+            found: dict[int, Receipt] = {}
+            if any(h is not None for h in hits):
+                found = await asyncio.to_thread(engine.duplicates_among, ids, hits, self.window_ms)
+            writing = self._writing
+            while writing:  # a batch with one of these ids may be being written
+                busy = {writing[i] for i in ids if i in writing}
+                if not busy:
+                    break
+                await asyncio.gather(*busy)
+        finally:
+            del self._active[token]
+        recent = self._recent
+        dups: dict[int, Receipt] = {}
+        for k, message_id in enumerate(ids):
+            hit = found.get(k)
+            if hit is None:
+                r = recent.get(message_id)
+                if r is not None:
+                    hit = Receipt(message_id, r[0], r[1])
+            if hit is not None:
+                dups[k] = hit
+        claimed = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
+        fut = asyncio.get_running_loop().create_future() if claimed else None
+        for message_id in claimed:
+            self._writing[message_id] = fut
+        self.duplicates += len(dups)
+        return dups, Claim(claimed, fut)
+
+    def written(self, claim: Claim, first: int, dues: list[int]) -> None:
+        """The claimed ids were written with sequences from ``first``, due at ``dues``."""
+        recent, order, writing = self._recent, self._order, self._writing
+        for seq, (message_id, due) in enumerate(zip(claim.ids, dues), first):
+            recent[message_id] = (due, seq)
+            order.append((seq, message_id))
+            del writing[message_id]
+        if claim.future is not None:
+            claim.future.set_result(True)
+
+    def failed(self, claim: Claim) -> None:
+        for message_id in claim.ids:
+            if self._writing.get(message_id) is claim.future:
+                del self._writing[message_id]
+        if claim.future is not None and not claim.future.done():
+            claim.future.set_result(False)
+
+    def rescheduled(self, receipt: Receipt) -> None:
+        """A Reschedule wrote the id's message again: its new receipt is the one a retried
+        send of that id is answered with (until the index holds it)."""
+        self._recent[receipt.message_id] = (receipt.deliver_at_ms, receipt.sequence)
+        self._order.append((receipt.sequence, receipt.message_id))
+
+    def _prune(self) -> None:
+        """Forget recent ids the index holds, unless a lookup begun before it got them runs."""
+        floor = self.engine.iterate.sequence
+        if self._active:
+            floor = min(floor, *self._active.values())
+        order, recent = self._order, self._recent
+        while order and order[0][0] <= floor:
+            seq, message_id = order.popleft()
+            entry = recent.get(message_id)
+            if entry is not None and entry[1] == seq:
+                del recent[message_id]
