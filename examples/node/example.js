@@ -52,6 +52,14 @@ async function main() {
   check(state.state === 'CANCELLED', `state after cancel ${state.state}`);
   console.log(`cancelled ${drop.message_id}`);
 
+  // 2b. cancel by your own key, without keeping the receipt (e.g. an order number)
+  const orderId = `order-${process.pid}-42`;
+  await client.send(subject, 'order timeout', { messageId: orderId, delayMs: 3600000 });
+  const byId = await client.cancel(orderId);
+  check(byId === 'CANCELLED', `cancel by id outcome ${byId}`);
+  check((await client.get(orderId)).state === 'CANCELLED', 'state by id after cancel');
+  console.log(`cancelled ${orderId} by its id`);
+
   // 3. receive at the due time, not before
   const [delivery] = await receive(subject, 1, 10000);
   check(delivery.message_id === keep.message_id, 'received the kept message');

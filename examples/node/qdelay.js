@@ -131,7 +131,7 @@ class Client {
     return this.sender.send(message);
   }
 
-  // Receipt object or message id alone (by id needs a server with lookup by id).
+  // Receipt object, or the message id alone (the newest message with that id).
   static ref(receipt) {
     return typeof receipt === 'string' ? { message_id: receipt } : { receipt };
   }
