@@ -1,0 +1,136 @@
+"""A model-based test of what a user does with message ids (issue 13): send, re-send,
+cancel (by receipt, old receipt or id), reschedule, get, delivery, and restarts (SIGTERM or
+SIGKILL), run by hypothesis against a real server and checked after every step against a
+dict that says what the answer must be.
+
+A small id space makes the operations collide on the same messages. Every message is
+due hours ahead except the ones of ``deliver_now``, on their own subject, so nothing is
+delivered behind the model's back. The dedupe window (10 minutes) outlasts an example, so
+a re-sent id is always a duplicate answered with the id's newest receipt.
+``QDELAY_MODEL_EXAMPLES=25`` runs more examples (6 by default: ~20 s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from tests.serverproc import ServerProc
+from tests.simclock import wait_until
+
+HOUR = 3_600_000
+ids = st.integers(0, 5).map(lambda i: f"k{i}")
+
+pytestmark = pytest.mark.slow  # a real server per example, restarts included
+
+
+@dataclass
+class Entry:
+    receipt: object  # the id's newest receipt
+    state: str = "PENDING"  # PENDING, CANCELLED or DELIVERED
+    old: list = field(default_factory=list)  # receipts it was rescheduled away from
+
+
+class MessageOps(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.mkdtemp(prefix="qdelay-model-")
+        self.srv = ServerProc(Path(self.tmp) / "data").start()
+        self.c = self.srv.client()
+        self.model: dict[str, Entry] = {}
+
+    def teardown(self) -> None:
+        self.c.close()
+        self.srv.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @rule(k=ids, hours=st.integers(1, 48))
+    def send(self, k, hours):
+        r = self.c.send("model.later", b"p", delay_ms=hours * HOUR, message_id=k)
+        e = self.model.get(k)
+        if e is None:
+            assert not r.duplicate
+            self.model[k] = Entry(r)
+        else:  # pending, or sent within the window: the newest message answers
+            assert r.duplicate and (r.deliver_at_ms, r.sequence) == (e.receipt.deliver_at_ms, e.receipt.sequence)
+
+    @rule(k=ids, by_id=st.booleans())
+    def cancel(self, k, by_id):
+        e = self.model.get(k)
+        if e is None:
+            assert self.c.cancel(message_id=k) == "NOT_FOUND"
+            return
+        out = self.c.cancel(message_id=k) if by_id else self.c.cancel(e.receipt)
+        assert (
+            out == {"PENDING": "CANCELLED", "CANCELLED": "ALREADY_CANCELLED", "DELIVERED": "ALREADY_DELIVERED"}[e.state]
+        )
+        if e.state == "PENDING":
+            e.state = "CANCELLED"
+
+    @rule(k=ids)
+    def cancel_an_old_receipt(self, k):
+        e = self.model.get(k)
+        if e is not None and e.old:
+            assert self.c.cancel(e.old[-1]) == "ALREADY_CANCELLED"  # moved away: its old record is closed
+
+    @rule(k=ids, by_id=st.booleans(), hours=st.integers(1, 48))
+    def reschedule(self, k, by_id, hours):
+        e = self.model.get(k)
+        if e is None:
+            assert self.c.reschedule(k, delay_ms=hours * HOUR) == ("NOT_FOUND", None)
+            return
+        outcome, r = self.c.reschedule(k if by_id else e.receipt, delay_ms=hours * HOUR)
+        want = {"PENDING": "RESCHEDULED", "CANCELLED": "CANCELLED", "DELIVERED": "ALREADY_DELIVERED"}[e.state]
+        assert outcome == want
+        if outcome == "RESCHEDULED":
+            assert r.message_id == k and r.sequence > e.receipt.sequence
+            e.old.append(e.receipt)
+            e.receipt = r
+
+    @rule(k=ids, by_id=st.booleans())
+    def get(self, k, by_id):
+        e = self.model.get(k)
+        if e is None:
+            assert self.c.get(message_id=k).state == "NOT_FOUND"
+            return
+        got = self.c.get(message_id=k) if by_id else self.c.get(e.receipt)
+        assert (got.state, got.deliver_at_ms) == (e.state, e.receipt.deliver_at_ms)
+
+    @rule(k=ids)
+    def deliver_now(self, k):
+        if k in self.model:
+            return
+        r = self.c.send("model.now", b"p", delay_ms=0, message_id=k)
+        self.model[k] = Entry(r, "DELIVERED")
+        with self.c.subscribe("model.now") as consumer:
+            got = consumer.receive(1, timeout=10)
+            assert [d.message_id for d in got] == [k]
+            consumer.ack(got)
+        assert wait_until(lambda: self.c.get(r).state == "DELIVERED", timeout=10)
+
+    @rule(kill=st.booleans())
+    def restart(self, kill):
+        self.c.close()
+        if kill:
+            self.srv.kill9()
+            self.srv.start()
+        else:
+            self.srv.restart()
+        self.c = self.srv.client()
+
+
+TestMessageOps = MessageOps.TestCase
+TestMessageOps.settings = settings(
+    max_examples=int(os.environ.get("QDELAY_MODEL_EXAMPLES", "6")),
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
