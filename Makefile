@@ -7,12 +7,20 @@ PROTOS := $(wildcard proto/qdelay/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 export SPARK_LOCAL_IP := 127.0.0.1
 
-.PHONY: setup proto run lint test test-fast bench bench-deps node-deps clean
+.PHONY: setup proto run lint test test-fast bench bench-deps native-deps node-deps clean
 
 setup: $(STAMP) proto
 
+# The native codec compiles XXH3 from the system's xxhash.h (Debian libxxhash-dev). Where
+# it is missing and cannot be installed the set-up goes on: the extension is optional and
+# the Python twins run.
+native-deps:
+	@test -f /usr/include/xxhash.h || \
+		(apt-get update -q && apt-get install -y -q libxxhash-dev) || \
+		echo "libxxhash-dev not installed: the native codec will not be built (Python twins run)"
+
 # the install also builds the native codec (segments/_codec.c) next to its source
-$(STAMP): pyproject.toml segments/_codec.c
+$(STAMP): pyproject.toml segments/_codec.c | native-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[server,dev,test,spark,bench]'
