@@ -7,9 +7,15 @@ PROTOS := $(wildcard proto/qdelay/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 export SPARK_LOCAL_IP := 127.0.0.1
 
-.PHONY: setup proto run lint test test-fast bench bench-deps native-deps node-deps clean
+.PHONY: setup proto run lint test test-fast bench bench-deps native-deps node-deps etcd-deps clean
 
-setup: $(STAMP) proto
+setup: $(STAMP) proto etcd-deps
+
+# cluster mode (--etcd) and its tests need an etcd binary: Debian's etcd-server (3.4.x);
+# where it cannot be installed the cluster tests skip and say so
+etcd-deps:
+	@command -v etcd >/dev/null || (apt-get update -q && apt-get install -y -q etcd-server) >/dev/null 2>&1 || \
+		echo "etcd-server could not be installed: the cluster tests will be skipped"
 
 # The native codec compiles XXH3 from the system's xxhash.h (Debian libxxhash-dev). Where
 # it is missing and cannot be installed the set-up goes on: the extension is optional and

@@ -410,9 +410,10 @@ class SendBatcher:
             self._fail([batch], err)
             return
         first = response.first_sequence
+        shard = response.shard
         for i, e in enumerate(entries):
             if not e.future.done():
-                _resolve(e.future, Receipt(e.message[4], dues[i], first + i))
+                _resolve(e.future, Receipt(e.message[4], dues[i], first + i, shard))
 
     @staticmethod
     def _fail(batches: list[_Batch], error: BaseException) -> None:

@@ -254,19 +254,19 @@ class SentReceipts(Sequence):
     producer more CPU than sending it (they are built from the compact answers)."""
 
     def __init__(self) -> None:
-        self._chunks: list[tuple] = []  # (ids, first sequence, due times) or (None, 0, [Receipt])
+        self._chunks: list[tuple] = []  # (ids, first sequence, due times, shard) or (None, 0, [Receipt], "")
         self._ends: list[int] = []
         self._len = 0
 
     def _add(self, ids: list[str], response: pb.SendBatchResponse) -> None:
         if response.receipts or not ids:  # a full answer (a server without compact receipts)
-            chunk = (None, 0, [Receipt.from_pb(r) for r in response.receipts])
+            chunk = (None, 0, [Receipt.from_pb(r) for r in response.receipts], "")
         else:
             if len(response.deliver_at_ms) != len(ids):
                 raise errors.InvariantViolation(
                     f"compact answer has {len(response.deliver_at_ms)} due times for {len(ids)} messages"
                 )
-            chunk = (ids, response.first_sequence, response.deliver_at_ms)
+            chunk = (ids, response.first_sequence, response.deliver_at_ms, response.shard)
         self._chunks.append(chunk)
         self._len += len(chunk[2])
         self._ends.append(self._len)
@@ -282,16 +282,16 @@ class SentReceipts(Sequence):
         if not 0 <= index < self._len:
             raise IndexError("receipt index out of range")
         k = bisect.bisect_right(self._ends, index)
-        ids, first, dues = self._chunks[k]
+        ids, first, dues, shard = self._chunks[k]
         j = index - (self._ends[k] - len(dues))
-        return dues[j] if ids is None else Receipt(ids[j], dues[j], first + j)
+        return dues[j] if ids is None else Receipt(ids[j], dues[j], first + j, shard)
 
     def __iter__(self) -> Iterator:
-        for ids, first, dues in self._chunks:
+        for ids, first, dues, shard in self._chunks:
             if ids is None:
                 yield from dues
             else:
-                yield from map(Receipt, ids, dues, itertools.count(first))
+                yield from map(Receipt, ids, dues, itertools.count(first), itertools.repeat(shard))
 
     def __repr__(self) -> str:
         return f"<SentReceipts of {self._len} messages>"

@@ -73,6 +73,11 @@ class ShuttingDown(Unavailable):
     pass
 
 
+class LeaseLost(Unavailable):
+    """Cluster mode: the master cannot prove it still holds its etcd lease; it does not
+    acknowledge writes (a newer master may be elected once the lease expires)."""
+
+
 class ReplicationTimeout(Unavailable):
     """Sync replication: the slave did not confirm in time; the write is not acknowledged."""
 

@@ -42,6 +42,11 @@ class Node:
         self.token, self.ca, self.tls = common.slave_credentials(cfg)
         self._tasks: list[asyncio.Task] = []
         self.promoted_note = ""
+        self.agent = None  # cluster mode (--etcd): replication/cluster.py
+        if cfg.etcd:
+            from qdelay.replication.cluster import ClusterAgent
+
+            self.agent = ClusterAgent(self, cfg)
 
     # --- life cycle ----------------------------------------------------------------------------------
     def install(self) -> None:
@@ -60,7 +65,14 @@ class Node:
         if self.peers:
             self._tasks.append(asyncio.ensure_future(self._watch_peers()))
 
+    def on_listening(self, address: str) -> None:
+        """The server accepts calls at ``address``: join the cluster (cluster mode)."""
+        if self.agent is not None:
+            self.agent.start(address)
+
     async def stop(self) -> None:
+        if self.agent is not None:
+            await self.agent.stop()
         for t in self._tasks:
             t.cancel()
         if self.puller is not None:
@@ -229,6 +241,8 @@ class Node:
             )
         else:
             out.update(replication_lag_bytes=-1, replication_lag_ms=-1)
+        if self.agent is not None:
+            out.update(self.agent.stats())
         return out
 
     def status(self) -> rpb.ReplicationStatus:
@@ -325,4 +339,4 @@ def install(server, engine, cfg):
     rpb_grpc.add_ReplicationServicer_to_server(ReplicationService(node), server)
     node.install()
     name = rpb.DESCRIPTOR.services_by_name["Replication"].full_name
-    return node.stop, [name]
+    return node.stop, [name], node

@@ -128,6 +128,7 @@ class App:
         self.metrics_port = 0
         self.stopping = asyncio.Event()
         self._hook_stops = []
+        self.node = None  # the replication node (qdelay.replication.node.Node), when installed
 
     async def start(self) -> str:
         from qdelay.server.engine import Engine
@@ -188,6 +189,10 @@ class App:
             log.info("metrics on %s", format_address(mhost, self.metrics_port))
         self._watch = asyncio.ensure_future(self._watch_health())
         address = format_address(host, port)
+        self.service.address = address
+        if self.node is not None:
+            self.service.agent = self.node.agent
+            self.node.on_listening(address)
         log.info(
             "started",
             extra={
@@ -230,7 +235,8 @@ class App:
         result = hooks.install(server, engine, self.cfg)
         names: list[str] = []
         if isinstance(result, tuple):
-            stop, names = result
+            stop, names, *rest = result
+            self.node = rest[0] if rest else None
         else:
             stop = result
         if stop is not None:

@@ -14,6 +14,15 @@ silently)::
     replication_token_file = "/etc/qdelay/tokens"  # slave/admin: token to present (default:
                                     # the first line of auth_token_file)
     auth_token_file = "/etc/qdelay/tokens"
+    etcd = "10.0.0.9:2379,10.0.0.10:2379"  # cluster mode: membership, leadership, failover
+    cluster = "orders"              # cluster mode: the cluster's name (its etcd prefix)
+    shard = "s1"                    # cluster mode: this server's shard (master + slaves)
+    advertise = "10.0.0.1:7600"     # cluster mode: the address others reach this server at
+    lease_ttl_ms = 5000             # etcd lease TTL (whole seconds): failover starts after it
+    lease_renew_ms = 1000           # how often the lease is renewed
+    lease_deadline_ms = 3500        # a master stops acknowledging this long after its last
+                                    # renewal was sent (< TTL: before another can be elected)
+    sync_bound_ms = 2000            # a slave is in sync if it has what the master had then
     tls_cert = "/etc/qdelay/server.crt"
     tls_key = "/etc/qdelay/server.key"
     metrics_listen = "127.0.0.1:9600"
@@ -39,6 +48,7 @@ silently)::
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +99,15 @@ class ServerConfig:
     replication_batch_bytes: int = 1024 * 1024
     # how long the master keeps message-log segments for a slave that disconnected
     slave_hold_ms: int = 3_600_000
+    # cluster mode (replication/cluster.py): etcd endpoints, names, lease timing
+    etcd: str | None = None
+    cluster: str | None = None
+    shard: str | None = None
+    advertise: str | None = None
+    lease_ttl_ms: int = 5000
+    lease_renew_ms: int = 1000
+    lease_deadline_ms: int = 3500
+    sync_bound_ms: int = 2000
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -129,6 +148,10 @@ class ServerConfig:
             parse_hostport(self.master, "master")
         for peer in self.peer_list():
             parse_hostport(peer, "peers")
+        if self.etcd:
+            self._validate_cluster()
+        elif self.cluster or self.shard:
+            raise ConfigError("--cluster and --shard need --etcd HOST:PORT[,...]")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.log_format not in ("text", "json"):
@@ -145,6 +168,10 @@ class ServerConfig:
             "replication_timeout_ms",
             "replication_batch_bytes",
             "slave_hold_ms",
+            "lease_ttl_ms",
+            "lease_renew_ms",
+            "lease_deadline_ms",
+            "sync_bound_ms",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -158,6 +185,27 @@ class ServerConfig:
         if self.limits.max_payload_bytes >= 2**31:
             raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
         return self
+
+    def _validate_cluster(self) -> None:
+        for e in self.etcd.split(","):
+            parse_hostport(e.strip().removeprefix("http://"), "etcd")
+        name = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+        for what in ("cluster", "shard"):
+            value = getattr(self, what)
+            if not value or not name.match(value):
+                raise ConfigError(f"cluster mode needs --{what} NAME ([A-Za-z0-9._-]{{1,64}}), not {value!r}")
+        if self.advertise:
+            parse_hostport(self.advertise, "advertise")
+        if self.role != "master" or self.master or self.peers:
+            raise ConfigError("cluster mode (--etcd) elects masters by itself: leave out --role, --master and --peers")
+        ttl, renew, deadline = self.lease_ttl_ms, self.lease_renew_ms, self.lease_deadline_ms
+        if ttl % 1000 or ttl < 1000:
+            raise ConfigError(f"lease_ttl_ms must be whole seconds (etcd's unit), not {ttl}")
+        if not 0 < renew < deadline < ttl:
+            raise ConfigError(
+                f"need 0 < lease_renew_ms ({renew}) < lease_deadline_ms ({deadline}) < lease_ttl_ms ({ttl}): "
+                f"a master must stop acknowledging before its lease can expire"
+            )
 
     def peer_list(self) -> list[str]:
         peers = self.peers or []
@@ -225,7 +273,9 @@ def build_engine_config(cfg: ServerConfig):
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"unknown [engine] option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    derived = {"data_dir": cfg.data_dir, "role": cfg.role, "max_delay_ms": cfg.limits.max_delay_ms}
+    # cluster mode: a server starts as a slave (no writes, no dispatch) until etcd makes it master
+    role = "slave" if cfg.etcd else cfg.role
+    derived = {"data_dir": cfg.data_dir, "role": role, "max_delay_ms": cfg.limits.max_delay_ms}
     for key, value in derived.items():
         if key in known and key not in options:
             options[key] = value

@@ -297,6 +297,9 @@ class Engine:
         # until a slave has the bytes up to an offset; stats() merges replication_stats()
         self.replication_wait: Callable[[int], object] | None = None
         self.replication_stats: Callable[[], dict] = lambda: {"replication_lag_bytes": -1}
+        # cluster mode (replication/cluster.py): raises unless this master can still prove its
+        # etcd lease; checked before a write and again right before it is acknowledged
+        self.write_guard: Callable[[], None] | None = None
 
     # --- recovery (docs/recovery.md) -------------------------------------------------------------
 
@@ -464,6 +467,8 @@ class Engine:
             raise Fenced(f"this server was fenced at epoch {self.epoch}: a newer master exists")
         if self.role != "master":
             raise NotMaster("this server is a slave; send writes to the master")
+        if self.write_guard is not None:
+            self.write_guard()
 
     def now_ms(self) -> int:
         return self.clock()
@@ -483,6 +488,8 @@ class Engine:
         appended = await self.wal.append_bodies_async(RecordKind.MESSAGE, self.clock(), bodies)
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
+        if self.write_guard is not None:
+            self.write_guard()
         return appended.first_sequence
 
     async def send(self, messages: list[NewMessage]) -> list[Receipt]:
@@ -542,6 +549,8 @@ class Engine:
             raise
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
+        if self.write_guard is not None:
+            self.write_guard()
         return outcomes
 
     async def reschedule(
@@ -580,6 +589,8 @@ class Engine:
             raise
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
+        if self.write_guard is not None:
+            self.write_guard()
         return RescheduleOutcome.RESCHEDULED, Receipt(mid, new_due_ms, appended.first_sequence)
 
     _NOT_PENDING = {

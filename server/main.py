@@ -29,10 +29,23 @@ FLAGS = [
     ("--tls-cert", "tls_cert", "PEM certificate chain; with --tls-key enables TLS"),
     ("--tls-key", "tls_key", "PEM private key"),
     ("--metrics-listen", "metrics_listen", "HOST:PORT for the Prometheus /metrics endpoint (off by default)"),
+    ("--etcd", "etcd", "cluster mode: etcd endpoints HOST:PORT[,...] (membership, leadership, failover)"),
+    ("--cluster", "cluster", "cluster mode: the cluster's name"),
+    ("--shard", "shard", "cluster mode: this server's shard (one master and its slaves)"),
+    ("--advertise", "advertise", "cluster mode: HOST:PORT others reach this server at (default: the listen address)"),
     ("--log-level", "log_level", "debug, info (default), warning, error"),
     ("--log-format", "log_format", "text (default) or json"),
 ]
 INT_FLAGS = [
+    ("--lease-ttl-ms", "lease_ttl_ms", "cluster mode: etcd lease TTL, whole seconds (default 5000)"),
+    ("--lease-renew-ms", "lease_renew_ms", "cluster mode: lease renewal interval (default 1000)"),
+    (
+        "--lease-deadline-ms",
+        "lease_deadline_ms",
+        "cluster mode: a master stops acknowledging writes this long after its last lease renewal "
+        "was sent (default 3500; must be below the TTL)",
+    ),
+    ("--sync-bound-ms", "sync_bound_ms", "cluster mode: how far behind a slave may be and stay in sync (default 2000)"),
     ("--min-free-bytes", "min_free_bytes", "refuse new messages when the data disk has less free space"),
     ("--ingest-queue-messages", "ingest_queue_messages", "messages accepted but not yet durable (bound)"),
     (

@@ -55,6 +55,24 @@ ENGINE_STATS = {
         "gauge",
     ),
     "replication_connected": ("qdelay_replication_connected", "Slave: 1 while connected to its master", "gauge"),
+    # cluster mode (replication/cluster.py)
+    "cluster_lease_renewals": ("qdelay_cluster_lease_renewals", "etcd lease renewals that succeeded", "counter"),
+    "cluster_lease_renew_failures": (
+        "qdelay_cluster_lease_renew_failures",
+        "etcd lease renewals that failed (timeout, etcd unreachable)",
+        "counter",
+    ),
+    "cluster_leader_changes": (
+        "qdelay_cluster_leader_changes",
+        "Times this server took its shard's leadership",
+        "counter",
+    ),
+    "cluster_self_fences": (
+        "qdelay_cluster_self_fences",
+        "Times this master stopped acknowledging because it could not renew its lease in time",
+        "counter",
+    ),
+    "cluster_lease_ok": ("qdelay_cluster_lease_ok", "1 while this master can prove its leadership lease", "gauge"),
 }
 
 

@@ -101,13 +101,19 @@ class IngestGate:
 
 
 def _batch_response(
-    batch: EncodedBatch, first: int, compact: bool, dups: dict[int, Receipt] | None = None
+    batch: EncodedBatch, first: int, compact: bool, dups: dict[int, Receipt] | None = None, shard: str = ""
 ) -> pb.SendBatchResponse:
     resp = pb.SendBatchResponse()
     if compact and not dups:  # two C calls instead of three field sets per message
         resp.first_sequence = first
         resp.deliver_at_ms.extend(batch.dues)
+        resp.shard = shard
         return resp
+    if shard:  # cluster mode: every receipt names its shard
+        full = _batch_response(batch, first, False, dups)
+        for r in full.receipts:
+            r.shard = shard
+        return full
     add = resp.receipts.add
     if dups:  # full receipts: the duplicates answer their original one
         sequence = first
@@ -141,6 +147,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.dedupe = Deduper(engine, engine.config.dedupe_window_ms)
         self.closing = False
         self.active_writes = 0
+        self.shard = (cfg.shard or "") if cfg.etcd else ""
+        self.address = cfg.listen  # the real one is set by the app once it listens
+        self.agent = None  # cluster mode: the etcd agent (replication/cluster.py), for Topology
 
     # --- writes -----------------------------------------------------------------------------------
     def _validate(self, messages, single: bool = False, ids_required: bool = False) -> EncodedBatch:
@@ -218,16 +227,22 @@ class DelayService(pb_grpc.DelayServiceServicer):
             d = dups[0]
             return pb.SendResponse(
                 receipt=pb.Receipt(
-                    message_id=d.message_id, deliver_at_ms=d.deliver_at_ms, sequence=d.sequence, duplicate=True
+                    message_id=d.message_id,
+                    deliver_at_ms=d.deliver_at_ms,
+                    sequence=d.sequence,
+                    duplicate=True,
+                    shard=self.shard,
                 )
             )
-        return pb.SendResponse(receipt=pb.Receipt(message_id=batch.ids[0], deliver_at_ms=batch.dues[0], sequence=first))
+        return pb.SendResponse(
+            receipt=pb.Receipt(message_id=batch.ids[0], deliver_at_ms=batch.dues[0], sequence=first, shard=self.shard)
+        )
 
     @status.unary
     async def SendBatch(self, request, context):
         batch, compact = self._validate_request(request)
         first, dups = await self._write(batch)
-        return _batch_response(batch, first, compact, dups)
+        return _batch_response(batch, first, compact, dups, self.shard)
 
     @status.streaming
     async def SendStream(self, request_iterator, context):
@@ -261,7 +276,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     raise item
                 batch, task, compact = item
                 first, dups = await task
-                yield _batch_response(batch, first, compact, dups)
+                yield _batch_response(batch, first, compact, dups, self.shard)
         finally:
             if not reader.done():
                 reader.cancel()
@@ -304,6 +319,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             resp.receipt.message_id = receipt.message_id
             resp.receipt.deliver_at_ms = receipt.deliver_at_ms
             resp.receipt.sequence = receipt.sequence
+            resp.receipt.shard = self.shard
             self.dedupe.rescheduled(receipt)
         return resp
 
@@ -335,6 +351,26 @@ class DelayService(pb_grpc.DelayServiceServicer):
             epoch=int(s.get("epoch", 0)),
             replication_lag_bytes=-1 if lag is None else int(lag),
         )
+
+    @status.unary
+    async def Topology(self, request, context):
+        """The shards, their masters, slaves and epochs, as this server last read them from
+        etcd (cluster mode); a standalone server is one shard named "" (itself)."""
+        agent = self.agent
+        if agent is None:
+            engine = self.engine
+            shard = pb.Shard(name="", epoch=engine.epoch)
+            if engine.role == "master" or not self.cfg.master:
+                shard.master = self.address
+            else:
+                shard.master = self.cfg.master
+                shard.slaves.append(self.address)
+            return pb.TopologyResponse(cluster="", shards=[shard])
+        cluster, shards = agent.topology()
+        resp = pb.TopologyResponse(cluster=cluster)
+        for s in shards:
+            resp.shards.add(name=s.name, master=s.master, slaves=s.slaves(), epoch=s.epoch)
+        return resp
 
     # --- Subscribe ----------------------------------------------------------------------------------
     @status.streaming

@@ -1,0 +1,383 @@
+"""A cluster on etcd: membership, leadership, automatic failover, the topology.
+
+Words: a *shard* is one master with its slaves (one replication set); a *cluster* is any
+number of shards sharing one etcd prefix. Keys, under ``/qdelay/<cluster>/shards/<shard>/``:
+
+- ``members/<address>`` -- under the node's lease: JSON {address, name, role, epoch,
+  end_offset}. Gone when the node is (its lease expires) -- membership.
+- ``leader`` -- under the master's lease, created only where absent (a transaction whose
+  guard is "create revision == 0"). Its *create revision* is the master's fencing epoch:
+  etcd revisions only grow, so every election yields a higher epoch, and that epoch is what
+  replication already compares (a slave follows only a master whose epoch is not older).
+- ``insync`` -- no lease (it must outlive a dead master): JSON {members: [...]}, written
+  only by the current master (guarded by its leader key's create revision): itself and the
+  slaves whose acknowledged offset reached what the master had committed ``sync_bound_ms``
+  ago. Only a member of it may take the leader key; among those alive, the one whose log is
+  longest (asked live over Replication.Status) goes first.
+
+Fencing by time: every lease renewal records when it was *sent*; etcd keeps the lease at
+least ``TTL`` from the moment it received it, so from the send. The master acknowledges a
+write only while ``now < last send + lease_deadline_ms`` (< TTL): cut off from etcd, it
+stops acknowledging (the write guard raises UNAVAILABLE) and stops dispatching (fenced)
+``TTL - deadline`` before its lease can expire, hence before any slave can be elected.
+If it reaches etcd again while its key still stands, it resumes at the same epoch; if
+another master was elected, it re-attaches as that master's slave (a divergent tail, written
+but never acknowledged, is cut and kept by the ordinary rejoin path, replication/slave.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from qdelay.errors import LeaseLost
+from qdelay.replication.etcd import Etcd, EtcdError, absent, created_at, delete, put
+
+log = logging.getLogger("qdelay.cluster")
+
+MEMBER_PUBLISH_S = 1.0
+
+
+@dataclass
+class ShardView:
+    name: str
+    master: str = ""
+    epoch: int = 0
+    leader_lease: int = 0
+    members: dict[str, dict] = field(default_factory=dict)  # address -> member JSON
+    insync: list[str] | None = None  # None: never written (a new shard)
+
+    def slaves(self) -> list[str]:
+        return sorted(a for a in self.members if a != self.master)
+
+
+def parse_view(prefix: bytes, kvs) -> dict[str, ShardView]:
+    """Shards from a Range over ``/qdelay/<cluster>/shards/``."""
+    shards: dict[str, ShardView] = {}
+    for kv in kvs:
+        rest = kv.key[len(prefix) :].decode()
+        name, _, tail = rest.partition("/")
+        s = shards.setdefault(name, ShardView(name))
+        try:
+            value = json.loads(kv.value) if kv.value else {}
+        except ValueError:
+            continue
+        if tail == "leader":
+            s.master = value.get("address", "")
+            s.epoch = kv.create_revision
+            s.leader_lease = kv.lease
+        elif tail == "insync":
+            s.insync = list(value.get("members", []))
+        elif tail.startswith("members/"):
+            s.members[tail[len("members/") :]] = value
+    return shards
+
+
+class ClusterAgent:
+    """One server's part in the cluster: lease, member key, leadership, following."""
+
+    def __init__(self, node, cfg) -> None:
+        self.node = node
+        self.engine = node.engine
+        self.cfg = cfg
+        self.cluster = cfg.cluster
+        self.shard = cfg.shard
+        self.address = ""
+        # how this server names itself to a master it pulls from (replication/slave.py)
+        self.name = f"{os.uname().nodename}:{os.path.abspath(cfg.data_dir)}"
+        self.root = f"/qdelay/{cfg.cluster}/shards/".encode()
+        self.shard_prefix = self.root + f"{cfg.shard}/".encode()
+        self.leader_key = self.shard_prefix + b"leader"
+        self.insync_key = self.shard_prefix + b"insync"
+        self.ttl_s = max(1, cfg.lease_ttl_ms // 1000)
+        self.renew_s = cfg.lease_renew_ms / 1000
+        self.deadline_s = cfg.lease_deadline_ms / 1000
+        self.poll_s = min(self.renew_s, 0.5)
+        self.sync_bound_s = cfg.sync_bound_ms / 1000
+        # two connections: a slow KV call never delays a lease renewal
+        self.kv = Etcd(cfg.etcd)
+        self.leases = Etcd(cfg.etcd, timeout=self.renew_s)
+        self.lease_id: int | None = None
+        self.valid_until = 0.0  # monotonic: the last renewal's send time + deadline
+        self.leading_lease: int | None = None  # the lease our leader key is under
+        self.self_fenced = False  # fenced by the deadline watchdog (not by a newer master)
+        self.view: dict[str, ShardView] = {}
+        self.insync: list[str] = []
+        self._samples: collections.deque = collections.deque()  # (monotonic, committed offset)
+        self._published = (None, 0.0)
+        self._tasks: list[asyncio.Task] = []
+        self.error = ""
+        self.renewals = 0
+        self.renew_failures = 0
+        self.leader_changes = 0  # times this server became master
+        self.self_fences = 0
+        self.became_master_at = 0.0
+
+    # --- life cycle ------------------------------------------------------------------------------------
+    def start(self, address: str) -> None:
+        self.address = self.cfg.advertise or address
+        self.engine.write_guard = self.check_writable
+        for fn in (self._renew_loop, self._logic_loop, self._watchdog):
+            self._tasks.append(asyncio.ensure_future(fn()))
+        log.info(
+            "joining cluster %s as %s in shard %s (etcd %s)", self.cluster, self.address, self.shard, self.cfg.etcd
+        )
+
+    async def stop(self) -> None:
+        """Stop acknowledging, then give the leadership up at once (revoke the lease: the
+        leader and member keys go with it) so that a slave need not wait for the TTL."""
+        self.valid_until = 0.0
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self.lease_id is not None:
+            try:
+                await self.leases.revoke(self.lease_id)
+            except EtcdError:
+                pass  # it expires by itself
+        await self.kv.close()
+        await self.leases.close()
+
+    # --- the write guard --------------------------------------------------------------------------------
+    def lease_ok(self) -> bool:
+        return (
+            self.leading_lease is not None
+            and self.leading_lease == self.lease_id
+            and time.monotonic() < self.valid_until
+        )
+
+    def check_writable(self) -> None:
+        """Engine hook: called before a write and again right before it is acknowledged."""
+        if not self.lease_ok():
+            raise LeaseLost(
+                f"this server cannot prove it still holds the leadership of shard {self.shard!r} "
+                f"(no etcd lease renewal for {self.deadline_s:g}s); the write is not acknowledged: "
+                f"retry with the same message_id on the shard's current master"
+            )
+
+    # --- loops --------------------------------------------------------------------------------------------
+    async def _renew_loop(self) -> None:
+        while True:
+            try:
+                if self.lease_id is None:
+                    lease, sent = await self.leases.grant(self.ttl_s)
+                    self.lease_id, self.valid_until = lease, sent + self.deadline_s
+                    self._published = (None, 0.0)
+                    log.info("etcd lease granted", extra={"lease": lease, "ttl_s": self.ttl_s})
+                else:
+                    ttl, sent = await self.leases.keepalive(self.lease_id, timeout=self.renew_s)
+                    if ttl <= 0:
+                        log.error("etcd lease expired", extra={"lease": self.lease_id})
+                        self.lease_id, self.valid_until = None, 0.0
+                        continue
+                    self.valid_until = sent + self.deadline_s
+                    self.renewals += 1
+            except asyncio.CancelledError:
+                raise
+            except EtcdError as e:
+                self.renew_failures += 1
+                self.error = str(e)
+            except Exception:  # noqa: BLE001 - the loop must go on
+                log.exception("lease renewal failed")
+            await asyncio.sleep(self.renew_s)
+
+    async def _watchdog(self) -> None:
+        """Stop dispatching (fence) as soon as the lease can no longer be proven."""
+        while True:
+            await asyncio.sleep(0.05)
+            if self.engine.role == "master" and not self.lease_ok():
+                self.self_fenced = True
+                self.self_fences += 1
+                log.error(
+                    "lost the leadership lease: no longer acknowledging writes nor dispatching",
+                    extra={"shard": self.shard, "epoch": self.engine.epoch},
+                )
+                await asyncio.to_thread(self.engine.set_role, "fenced", self.engine.epoch)
+
+    async def _logic_loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+                self.error = ""
+            except asyncio.CancelledError:
+                raise
+            except EtcdError as e:
+                if str(e) != self.error:
+                    log.warning("etcd: %s", e)
+                self.error = str(e)
+            except Exception:  # noqa: BLE001
+                log.exception("cluster step failed")
+            await asyncio.sleep(self.poll_s)
+
+    # --- one step ------------------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        r = await self.kv.range_prefix(self.root)
+        self.view = parse_view(self.root, r.kvs)
+        await self._publish_member()
+        me = self.view.get(self.shard) or ShardView(self.shard)
+        engine = self.engine
+        if me.master == self.address and me.leader_lease and me.leader_lease == self.lease_id:
+            self.leading_lease = self.lease_id
+            if engine.role != "master" and self.self_fenced and engine.epoch == me.epoch and self.lease_ok():
+                log.warning("leadership lease proven again: master again", extra={"epoch": me.epoch})
+                self.self_fenced = False
+                await asyncio.to_thread(engine.set_role, "master", me.epoch)
+            if engine.role == "master":
+                await self._maintain_insync(me)
+        elif me.master == self.address:
+            # the key of this server's previous life (a restart within the TTL): the old
+            # process is gone (this one listens on its address), so free the shard now
+            await self.kv.txn([created_at(self.leader_key, me.epoch)], [delete(self.leader_key)])
+        elif me.master:
+            self.leading_lease = None
+            await self._follow(me.master, me.epoch)
+        else:
+            self.leading_lease = None
+            if engine.role == "master":
+                await asyncio.to_thread(engine.set_role, "fenced", engine.epoch)
+            if self.lease_id is not None and await self._eligible(me):
+                await self._campaign()
+
+    async def _publish_member(self) -> None:
+        if self.lease_id is None:
+            return
+        engine = self.engine
+        value = {
+            "address": self.address,
+            "name": self.name,
+            "role": engine.role,
+            "epoch": engine.epoch,
+            "end_offset": engine.wal.committed_offset,
+        }
+        text = json.dumps(value, sort_keys=True).encode()
+        last, at = self._published
+        now = time.monotonic()
+        if last is not None:
+            # the offset moves with every write: republish it at most once a second, a role at once
+            if text == last or (now - at < MEMBER_PUBLISH_S and json.loads(last).get("role") == engine.role):
+                return
+        await self.kv.put(self.shard_prefix + f"members/{self.address}".encode(), text, lease=self.lease_id)
+        self._published = (text, now)
+
+    async def _follow(self, master: str, epoch: int) -> None:
+        engine = self.engine
+        node = self.node
+        if engine.role == "master":
+            log.error("another master holds shard %s (%s, epoch %d): fenced", self.shard, master, epoch)
+            await asyncio.to_thread(engine.set_role, "fenced", engine.epoch)
+        puller = node.puller
+        if puller is not None and puller.master == master:
+            return
+        from qdelay.replication.slave import Puller
+
+        if puller is not None:
+            await puller.stop()
+        log.warning("following master %s of shard %s (epoch %d)", master, self.shard, epoch)
+        node.puller = Puller(node, master)
+        node.puller.start()
+
+    async def _eligible(self, me: ShardView) -> bool:
+        """May this server take the shard's leader key now? Only an in-sync member (anyone
+        while the shard has no in-sync set yet), and only if no other eligible live member
+        holds a longer log (ties: the lowest address)."""
+        if me.insync is not None and self.address not in me.insync:
+            return False
+        mine = (self.engine.wal.committed_offset, self.address)
+        for addr, m in me.members.items():
+            if addr == self.address or (me.insync is not None and addr not in me.insync):
+                continue
+            st = await self.node.peer_status(addr, timeout=0.5)
+            offset = st.end_offset if st is not None else int(m.get("end_offset", 0))
+            if offset > mine[0] or (offset == mine[0] and addr < mine[1]):
+                return False
+        return True
+
+    async def _campaign(self) -> None:
+        lease = self.lease_id
+        value = json.dumps({"address": self.address}).encode()
+        r = await self.kv.txn(
+            [absent(self.leader_key)],
+            [
+                put(self.leader_key, value, lease=lease),
+                put(self.insync_key, json.dumps({"members": [self.address]}).encode()),
+            ],
+        )
+        if not r.succeeded:
+            return
+        epoch = r.header.revision
+        engine = self.engine
+        if epoch <= engine.epoch:
+            # etcd's revisions are behind this data folder (etcd was wiped): an epoch that does
+            # not grow would not fence anything; give the key back and say so
+            log.error(
+                "etcd revision %d is not above this server's epoch %d: refusing the leadership "
+                "(was etcd's data lost? restore it, or start the nodes on a new --cluster name)",
+                epoch,
+                engine.epoch,
+            )
+            await self.kv.txn([created_at(self.leader_key, epoch)], [delete(self.leader_key)])
+            return
+        if self.node.puller is not None:
+            await self.node.puller.stop()
+            self.node.puller = None
+        self.leading_lease = lease
+        self.self_fenced = False
+        view = self.view.setdefault(self.shard, ShardView(self.shard))
+        view.master, view.epoch, view.leader_lease, view.insync = self.address, epoch, lease, [self.address]
+        self._samples.clear()
+        self.insync = [self.address]
+        await asyncio.to_thread(engine.set_role, "master", epoch)
+        self.leader_changes += 1
+        self.became_master_at = time.time()
+        log.warning(
+            "took the leadership of shard %s at epoch %d (message log ends at %d)",
+            self.shard,
+            epoch,
+            engine.wal.committed_offset,
+        )
+
+    async def _maintain_insync(self, me: ShardView) -> None:
+        now = time.monotonic()
+        committed = self.engine.wal.committed_offset
+        samples = self._samples
+        samples.append((now, committed))
+        while len(samples) > 1 and samples[1][0] <= now - self.sync_bound_s:
+            samples.popleft()
+        target = samples[0][1]  # what was committed sync_bound ago (or at the takeover)
+        by_name = {m.get("name"): addr for addr, m in me.members.items() if m.get("name")}
+        members = [self.address]
+        for sess in self.node.hub.live():
+            addr = by_name.get(sess.name)
+            if addr is not None and sess.acked >= target:
+                members.append(addr)
+        members = [members[0], *sorted(set(members[1:]))]
+        if members != me.insync:
+            r = await self.kv.txn(
+                [created_at(self.leader_key, me.epoch)],
+                [put(self.insync_key, json.dumps({"members": members}).encode())],
+            )
+            if r.succeeded:
+                log.info("in-sync set", extra={"shard": self.shard, "members": ",".join(members)})
+        self.insync = members
+
+    # --- what others ask -------------------------------------------------------------------------------
+    def topology(self) -> tuple[str, list[ShardView]]:
+        return self.cluster, [self.view[k] for k in sorted(self.view)]
+
+    def stats(self) -> dict:
+        return {
+            "cluster_lease_renewals": self.renewals,
+            "cluster_lease_renew_failures": self.renew_failures,
+            "cluster_leader_changes": self.leader_changes,
+            "cluster_self_fences": self.self_fences,
+            "cluster_lease_ok": self.lease_ok(),
+        }
