@@ -150,7 +150,7 @@ class Etcd:
             call = self._ka_call
             await asyncio.wait_for(call.write(epb.LeaseKeepAliveRequest(ID=lease_id)), timeout)
             resp = await asyncio.wait_for(call.read(), max(0.01, timeout - (time.monotonic() - sent)))
-        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+        except Exception as e:  # noqa: BLE001 - timeout, RPC error, or a stream that already ended
             call, self._ka_call = self._ka_call, None
             if call is not None:
                 call.cancel()

@@ -7,9 +7,13 @@ Leases are short (TTL 2 s) so that a failover takes about 2.5 s.
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+
 import grpc
 import pytest
-from etcdproc import EtcdProc
+from etcdproc import EtcdProc, TcpProxy
 from serverproc import ServerProc
 from test_replication import status, wait_for
 
@@ -29,7 +33,7 @@ LEASES = [
     "--sync-bound-ms",
     "1000",
 ]
-SUBJECT = "cluster"
+SUBJECT = "failover"  # what test_failover.Consumers subscribe to
 
 
 @pytest.fixture
@@ -97,3 +101,199 @@ def test_membership_leadership_topology(tmp_path, etcd):
     finally:
         for p in (a, b, c):
             p.kill9()
+
+
+class Producer:
+    """Sends batches through the cluster-following client; keeps every acknowledged id with
+    its due time, and when and by which server each batch was acknowledged."""
+
+    def __init__(self, addresses: list[str], rnd: random.Random, due_ms: int = 2000) -> None:
+        from qdelay.client import ClusterClient
+
+        self.cc = ClusterClient(addresses, failover_timeout=30, backoff=0.02, max_backoff=0.2)
+        self.rnd = rnd
+        self.due_ms = due_ms
+        self.acked: dict[str, int] = {}
+        self.acks: list[tuple[float, str]] = []  # (monotonic, server) per acknowledged batch
+        self.errors: list[Exception] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        cc = self.cc
+        while not self.stop.is_set():
+            now = int(time.time() * 1000)
+            msgs = [cc.message(SUBJECT, b"p", deliver_at_ms=now + self.rnd.randint(0, self.due_ms)) for _ in range(20)]
+            try:
+                rs = cc.send_batch(msgs)
+            except errors.QdelayError as e:
+                self.errors.append(e)
+                continue
+            self.acks.append((time.monotonic(), cc.current))
+            for m, r in zip(msgs, rs):
+                assert r.message_id == m.message_id
+                self.acked[m.message_id] = m.deliver_at_ms
+
+    def first_ack_after(self, t: float, not_by: str) -> tuple[float, str] | None:
+        return next(((at, who) for at, who in list(self.acks) if at > t and who != not_by), None)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        self.cc.close()
+
+
+def assert_all_delivered(addresses: list[str], acked: dict[str, int], timeout: float = 40) -> int:
+    """Every acknowledged message is delivered (by whichever server is master), none early;
+    returns the number of duplicate deliveries."""
+    from test_failover import SUBJECT as FSUBJECT
+    from test_failover import Consumers
+
+    assert FSUBJECT == SUBJECT
+    consumers = Consumers(addresses)
+    try:
+
+        def all_delivered():
+            with consumers.lock:
+                return all(mid in consumers.deliveries for mid in acked)
+
+        wait_for(all_delivered, timeout, "every acknowledged message delivered", interval=0.2)
+        with consumers.lock:
+            for mid, due in acked.items():
+                for d_due, dispatched_at, received in consumers.deliveries[mid]:
+                    assert d_due == due
+                    assert dispatched_at >= due and received >= due, (mid, due, dispatched_at)
+            return sum(len(v) - 1 for v in consumers.deliveries.values())
+    finally:
+        consumers.close()
+
+
+def new_master(address: str, old: str, shard: str = "s1") -> pb.Shard | None:
+    """Shard ``shard`` as ``address`` sees it, once its master is not ``old``."""
+    s = shard_of(address, shard)
+    return s if s is not None and s.master and s.master != old else None
+
+
+def master_of(nodes: list[ServerProc], shard: str = "s1") -> ServerProc:
+    for n in nodes:
+        if n.alive():
+            try:
+                s = shard_of(n.address, shard)
+            except grpc.RpcError:
+                continue
+            if s is not None and s.master:
+                return next(p for p in nodes if p.address == s.master)
+    raise AssertionError("no master")
+
+
+@pytest.mark.slow
+def test_sigkill_master_under_sync_load(tmp_path, etcd):
+    """10 randomized trials on one 3-node shard (sync replication): SIGKILL the master at a
+    random instant under load; an in-sync slave takes over within TTL + 3 s; the killed
+    node restarts, rejoins as a slave (tail cut) and the next trial kills the next master.
+    At the end every acknowledged message is delivered, none early."""
+    rnd = random.Random(16)
+    sync = ["--replication", "sync", "--replication-timeout-ms", "3000", "--set", "engine.ack_timeout_ms=3000"]
+    nodes = [node(tmp_path, n, etcd.endpoint, extra=sync).start() for n in "abc"]
+    producer = None
+    failovers, epochs = [], []
+    try:
+        first = wait_shard(nodes[0].address, "s1", 2)
+        epochs.append(first.epoch)
+        producer = Producer([n.address for n in nodes], rnd)
+        for _trial in range(10):
+            wait_for(lambda: len(producer.acks) > 3, 20, "writes acknowledged")
+            time.sleep(rnd.uniform(0.1, 0.6))  # a random instant under load
+            victim = master_of(nodes)
+            victim.kill9()
+            killed = time.monotonic()
+            ack = wait_for(
+                lambda k=killed, v=victim: producer.first_ack_after(k, v.address),
+                15,
+                "a write acknowledged by another server after the kill",
+            )
+            failovers.append(ack[0] - killed)
+            survivor = next(n for n in nodes if n is not victim)
+            s = wait_for(lambda v=victim, w=survivor: new_master(w.address, v.address), 15, "a new master")
+            assert s.epoch > epochs[-1]
+            epochs.append(s.epoch)
+            victim.start()  # rejoins as a slave of the new master, its divergent tail cut
+            wait_shard(survivor.address, "s1", 2)
+            wait_for(lambda v=victim: status(v.address).connected, 20, "old master re-attached as a slave")
+        producer.close()
+        dup = assert_all_delivered([n.address for n in nodes], producer.acked)
+        failovers.sort()
+        print(
+            f"failover (kill -> first ack on the new master) s: p50={failovers[len(failovers) // 2]:.2f} "
+            f"max={failovers[-1]:.2f}; acked={len(producer.acked)} duplicates={dup} epochs={epochs}"
+        )
+        assert failovers[-1] < TTL_MS / 1000 + 3
+    finally:
+        if producer is not None:
+            producer.stop.set()
+        for n in nodes:
+            n.kill9()
+
+
+@pytest.mark.slow
+def test_master_cut_off_from_etcd_stops_acking_first(tmp_path, etcd):
+    """The master reaches etcd through a proxy the test cuts: it stops acknowledging writes
+    before the slave is elected (no two masters acknowledge at once), nothing acknowledged
+    is lost, and once healed it rejoins as the new master's slave."""
+    sync = ["--replication", "sync", "--replication-timeout-ms", "3000"]
+    with TcpProxy(etcd.endpoint) as proxy:
+        a = node(tmp_path, "a", proxy.endpoint, extra=sync).start()
+        wait_shard(a.address, "s1", 0)
+        # two slaves: after the cut one is elected and the other is its slave (sync mode
+        # acknowledges only what a slave has)
+        b = node(tmp_path, "b", etcd.endpoint, extra=sync).start()
+        c = node(tmp_path, "c", etcd.endpoint, extra=sync).start()
+        servers = (a, b, c)
+        try:
+            wait_shard(b.address, "s1", 2)
+            for s in (b, c):
+                wait_for(lambda s=s: status(s.address).connected, 20, "slave attached")
+            acks: dict[str, list[float]] = {s.address: [] for s in servers}
+            acked: dict[str, int] = {}
+            stop = threading.Event()
+
+            def send_to(server: ServerProc) -> None:
+                with server.client(retries=0, timeout=5) as cl:
+                    while not stop.is_set():
+                        due = int(time.time() * 1000) + 500
+                        try:
+                            r = cl.send(SUBJECT, b"x", deliver_at_ms=due)
+                        except errors.QdelayError:
+                            continue
+                        acks[server.address].append(time.monotonic())
+                        acked[r.message_id] = due
+
+            threads = [threading.Thread(target=send_to, args=(s,), daemon=True) for s in servers]
+            for t in threads:
+                t.start()
+            wait_for(lambda: len(acks[a.address]) > 20, 20, "the master acknowledges")
+            cut = time.monotonic()
+            proxy.cut()
+            wait_for(lambda: len(acks[b.address]) + len(acks[c.address]) > 5, 15, "a slave elected and acknowledging")
+            stop.set()
+            for t in threads:
+                t.join(10)
+            new = b if acks[b.address] else c
+            assert not acks[(c if new is b else b).address], "two new masters acknowledged"
+            last_a, first_new = max(acks[a.address]), min(acks[new.address])
+            assert last_a < first_new, (last_a - cut, first_new - cut)
+            assert last_a - cut < DEADLINE_MS / 1000 + 0.3, last_a - cut
+            st = a.client(retries=0).stats()
+            assert st["role"] == "fenced", st
+            proxy.heal()
+            wait_for(lambda: status(a.address).role == "slave" and status(a.address).connected, 20, "rejoined")
+            assert shard_of(b.address, "s1").master == new.address
+            dup = assert_all_delivered([s.address for s in servers], acked)
+            print(
+                f"cut at 0: last ack by the old master {last_a - cut:.2f}s, first by the new one "
+                f"{first_new - cut:.2f}s, acked={len(acked)} dup={dup}"
+            )
+        finally:
+            for s in servers:
+                s.kill9()
