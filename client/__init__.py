@@ -15,6 +15,7 @@ from qdelay.client.client import (
     translate,
 )
 from qdelay.client.cluster import ClusterClient
+from qdelay.client.sharded import AioShardedClient, ShardedClient, ShardedConsumer
 from qdelay.client.types import GroupStatus, Receipt, Status
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "GroupStatus",
     "Status",
     "ClusterClient",
+    "ShardedClient",
+    "ShardedConsumer",
+    "AioShardedClient",
     "Consumer",
     "DeadlineExceeded",
     "Delivery",

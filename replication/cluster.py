@@ -41,6 +41,7 @@ from qdelay.replication.etcd import Etcd, EtcdError, absent, created_at, delete,
 log = logging.getLogger("qdelay.cluster")
 
 MEMBER_PUBLISH_S = 1.0
+HANDOVER_S = 3.0  # graceful stop: how long a master waits for a slave to have its whole log
 
 
 @dataclass
@@ -129,9 +130,17 @@ class ClusterAgent:
         )
 
     async def stop(self) -> None:
-        """Stop acknowledging, then give the leadership up at once (revoke the lease: the
-        leader and member keys go with it) so that a slave need not wait for the TTL."""
+        """Stop acknowledging, let an attached slave confirm everything (async mode too), then
+        give the leadership up at once (revoke the lease: the leader and member keys go with
+        it) so that the slave takes over without waiting for the TTL."""
         self.valid_until = 0.0
+        if self.engine.role == "master":
+            end = self.engine.wal.committed_offset
+            deadline = time.monotonic() + HANDOVER_S
+            while time.monotonic() < deadline and self.node.hub.live():
+                if max(s.acked for s in self.node.hub.live()) >= end:
+                    break
+                await asyncio.sleep(0.01)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

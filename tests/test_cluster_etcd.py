@@ -297,3 +297,88 @@ def test_master_cut_off_from_etcd_stops_acking_first(tmp_path, etcd):
         finally:
             for s in servers:
                 s.kill9()
+
+
+@pytest.mark.slow
+def test_two_shards_clients_follow_rolling_restart(tmp_path, etcd):
+    """Two shards of two nodes: sends spread over both (by id hash), cancels and gets are
+    routed by the receipt, a subscriber receives from both shards (blocking and asyncio
+    clients); then every node is restarted in turn (SIGTERM: the master hands over at once)
+    while the following client keeps sending: not one send fails."""
+    import asyncio
+
+    from qdelay.client import AioShardedClient, ShardedClient
+
+    nodes = {
+        "a": node(tmp_path, "a", etcd.endpoint, shard="s1").start(),
+        "b": node(tmp_path, "b", etcd.endpoint, shard="s1").start(),
+        "c": node(tmp_path, "c", etcd.endpoint, shard="s2").start(),
+        "d": node(tmp_path, "d", etcd.endpoint, shard="s2").start(),
+    }
+    try:
+        for shard in ("s1", "s2"):
+            wait_shard(nodes["a"].address, shard, 1)
+        with ShardedClient(nodes["c"].address, failover_timeout=20) as sc:
+            assert sc.topology.names == ["s1", "s2"] and sc.topology.cluster == "c"
+            now = int(time.time() * 1000)
+            receipts = sc.send_batch([Outgoing(SUBJECT, b"%d" % i, deliver_at_ms=now + 500) for i in range(200)])
+            single = [sc.send(SUBJECT, b"one", deliver_at_ms=now + 500) for _ in range(20)]
+            counts = {s: sum(r.shard == s for r in receipts + single) for s in ("s1", "s2")}
+            assert min(counts.values()) > 40, counts
+            # cancel and get go to the receipt's shard; by id alone to the id's shard
+            victims = receipts[:10]
+            assert [sc.cancel(r) for r in victims] == ["CANCELLED"] * 10
+            assert sc.get(str(victims[0])).state == "CANCELLED"
+            assert sc.get(receipts[10].message_id).state == "PENDING"
+            # a re-sent id lands on the same shard and is deduplicated there
+            again = sc.send(SUBJECT, b"dup", deliver_at_ms=now + 500, message_id=receipts[20].message_id)
+            assert again.duplicate and again.shard == receipts[20].shard
+            want = {r.message_id for r in receipts[10:] + single}
+            seen: set[str] = set()
+            with sc.subscribe(SUBJECT) as consumer:
+                while not want <= seen:
+                    batch = consumer.receive(1000, 10.0)
+                    assert batch, f"{len(want - seen)} messages not delivered"
+                    seen |= {d.message_id for d in batch}
+                    consumer.ack(batch)
+            assert not seen & {r.message_id for r in victims}
+
+            async def aio_round() -> None:
+                async with AioShardedClient(nodes["a"].address) as ac:
+                    rs = [await ac.send(SUBJECT, b"aio", delay_ms=60_000) for _ in range(20)]
+                    assert {r.shard for r in rs} == {"s1", "s2"}
+                    assert (await ac.get(rs[0])).state == "PENDING"
+                    assert await ac.cancel(rs[1]) == "CANCELLED"
+
+            asyncio.run(aio_round())
+
+            # rolling restart under a following producer: zero failed sends
+            sent, failed = [], []
+            stop = threading.Event()
+
+            def produce() -> None:
+                while not stop.is_set():
+                    try:
+                        sent.append(sc.send(SUBJECT, b"r", delay_ms=60_000))
+                    except errors.QdelayError as e:
+                        failed.append(e)
+
+            t = threading.Thread(target=produce, daemon=True)
+            t.start()
+            for name, p in nodes.items():
+                before = len(sent)
+                shard = "s1" if name in "ab" else "s2"
+                assert p.stop() == 0
+                p.start()
+                other = next(q for q in nodes.values() if q is not p)
+                wait_shard(other.address, shard, 1)
+                wait_for(lambda b=before: len(sent) > b + 20, 20, "sends go on")
+            stop.set()
+            t.join(30)
+            assert not failed, failed[:3]
+            assert len({r.message_id for r in sent}) == len(sent)
+            assert all(sc.get(r).state == "PENDING" for r in sent[-50:])
+            print(f"rolling restart of 4 nodes: {len(sent)} sends, 0 failed, {sc.retries} retries")
+    finally:
+        for p in nodes.values():
+            p.kill9()

@@ -1,0 +1,446 @@
+"""Clients for a sharded qdelay cluster (``qdelay server --etcd … --cluster … --shard …``).
+
+    from qdelay.client import ShardedClient
+    with ShardedClient("10.0.0.1:7600") as c:            # any server of the cluster
+        r = c.send("order.close", b"42", delay_ms=60_000)  # r.shard names where it went
+        c.cancel(r)                                         # routed by the receipt
+        with c.subscribe("order.close") as consumer:        # fans in from every shard
+            batch = consumer.receive(100, 1.0)
+            consumer.ack(batch)
+
+    async with AioShardedClient("10.0.0.1:7600") as c:    # the same, awaited
+        ...
+
+Routing, the same in every language (docs/api.md): the client asks any server for the
+``Topology`` (cluster, shards, each shard's master, slaves and epoch) and never talks to
+etcd. A message goes to shard ``names[crc32(message_id) % len(names)]`` (CRC-32/IEEE of the
+UTF-8 id, shard names sorted), so a retried id always lands on the same shard, where the
+server deduplicates it. Ids are made by the client before the first try. A write refused
+with FAILED_PRECONDITION (a slave, a fenced master) or UNAVAILABLE (a master that lost its
+lease, a dead server) is retried with the same id on the shard's master after the topology
+is read again, with backoff, for up to ``failover_timeout`` seconds. Cancel, Get and
+Reschedule go to the shard the receipt names (by id alone: the id's shard).
+
+Subscribe opens one stream per server of every shard: only masters dispatch, so after a
+failover deliveries simply come from the new master's stream; servers that join later are
+subscribed to when the topology is read again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+
+from qdelay import errors
+from qdelay.client.client import Client, Consumer, Outgoing, _Ids
+from qdelay.client.types import Receipt, Status
+from qdelay.v1 import qdelay_pb2 as pb
+
+# DeadlineExceeded (an Unavailable) too: whether it was written is unknown, and the same id
+# sent again is deduplicated by the shard
+RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
+
+
+class Topology:
+    """One reading of the cluster's shards (merged: per shard the highest epoch seen wins)."""
+
+    def __init__(self, cluster: str = "", shards: dict[str, pb.Shard] | None = None) -> None:
+        self.cluster = cluster
+        self.shards: dict[str, pb.Shard] = dict(shards or {})
+        self.names = sorted(self.shards)
+
+    @classmethod
+    def merge(cls, old: Topology | None, resp: pb.TopologyResponse) -> Topology:
+        shards = dict(old.shards) if old is not None else {}
+        for s in resp.shards:
+            have = shards.get(s.name)
+            if have is None or s.epoch > have.epoch or (s.epoch == have.epoch and s.master and not have.master):
+                shards[s.name] = s
+        return cls(resp.cluster, shards)
+
+    def shard_for(self, message_id: str) -> str:
+        if not self.names:
+            raise errors.Unavailable("the cluster has no shard yet")
+        return self.names[zlib.crc32(message_id.encode()) % len(self.names)]
+
+    def master(self, shard: str) -> str:
+        s = self.shards.get(shard)
+        return s.master if s is not None else ""
+
+    def addresses(self) -> list[str]:
+        out: dict[str, None] = {}
+        for name in self.names:
+            s = self.shards[name]
+            if s.master:
+                out[s.master] = None
+            for a in s.slaves:
+                out[a] = None
+        return list(out)
+
+
+def shard_of_target(target, topology: Topology) -> str:
+    """The shard a receipt (object, string form, protobuf) names, else the id's shard."""
+    if isinstance(target, str) and target.startswith("qd1:"):
+        target = Receipt.parse(target)
+    if isinstance(target, (Receipt, pb.Receipt)):
+        return target.shard if target.shard in topology.shards else topology.shard_for(target.message_id)
+    return topology.shard_for(str(target))
+
+
+def _seeds(seeds: Sequence[str] | str) -> list[str]:
+    if isinstance(seeds, str):
+        seeds = [t.strip() for t in seeds.split(",") if t.strip()]
+    if not seeds:
+        raise errors.InvalidArgument("a sharded client needs at least one seed address")
+    return list(seeds)
+
+
+class ShardedClient:
+    """Blocking client of a sharded cluster; see the module's docstring."""
+
+    def __init__(
+        self,
+        seeds: Sequence[str] | str,
+        *,
+        failover_timeout: float = 30.0,
+        backoff: float = 0.05,
+        max_backoff: float = 1.0,
+        timeout: float = 10.0,
+        **client_kw,
+    ) -> None:
+        self.seeds = _seeds(seeds)
+        self.failover_timeout = failover_timeout
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.timeout = timeout
+        self.client_kw = client_kw
+        self._clients: dict[str, Client] = {}
+        self._lock = threading.Lock()
+        self._ids = _Ids()
+        self.topology: Topology | None = None
+        self.retries = 0  # writes repeated (same ids) after a refusal or a failure
+        self.refresh()
+
+    # --- plumbing -----------------------------------------------------------------------------------
+    def client(self, address: str) -> Client:
+        with self._lock:
+            c = self._clients.get(address)
+            if c is None:
+                c = self._clients[address] = Client(address, retries=0, timeout=self.timeout, **self.client_kw)
+            return c
+
+    def refresh(self) -> Topology:
+        """Read the topology again (known servers first, then the seeds)."""
+        known = self.topology.addresses() if self.topology is not None else []
+        last: Exception | None = None
+        for address in dict.fromkeys([*known, *self.seeds]):
+            c = self.client(address)
+            try:
+                resp = c._call(c.stub.Topology, pb.TopologyRequest(), 2.0)
+            except errors.QdelayError as e:
+                last = e
+                continue
+            with self._lock:
+                self.topology = Topology.merge(self.topology, resp)
+            return self.topology
+        if self.topology is None:
+            raise errors.Unavailable(f"no server of {self.seeds} answered Topology: {last}")
+        return self.topology
+
+    def _retry(self, shard_of, call):
+        """``call(client of the shard's master)``; refused or failed: read the topology
+        again and retry (same request, same ids) until ``failover_timeout``."""
+        deadline = time.monotonic() + self.failover_timeout
+        delay = self.backoff
+        while True:
+            topo = self.topology
+            shard = shard_of(topo)
+            master = topo.master(shard)
+            err: Exception | None = None
+            if master:
+                try:
+                    return call(self.client(master))
+                except RETRYABLE as e:
+                    err = e
+            else:
+                err = errors.Unavailable(f"shard {shard!r} has no master (electing)")
+            if time.monotonic() >= deadline:
+                raise err
+            self.retries += 1
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self.max_backoff)
+            try:
+                self.refresh()
+            except errors.QdelayError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+    def __enter__(self) -> ShardedClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- API -----------------------------------------------------------------------------------------
+    def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw) -> Receipt:
+        """As ``Client.send``; the receipt names its shard."""
+        mid = message_id or self._ids()
+        return self._retry(lambda t: t.shard_for(mid), lambda c: c.send(subject, payload, message_id=mid, **kw))
+
+    def send_batch(self, messages: Iterable[pb.Message | Outgoing], timeout: float | None = None) -> list[Receipt]:
+        """Many messages, grouped by shard (one SendBatch per shard); receipts in input order."""
+        msgs = []
+        for m in messages:
+            if isinstance(m, tuple):
+                m = self.client(self.seeds[0]).message(
+                    m.subject,
+                    m.payload,
+                    delay_ms=m.delay_ms,
+                    deliver_at_ms=m.deliver_at_ms,
+                    headers=m.headers,
+                    message_id=m.message_id,
+                )
+            if not m.message_id:
+                m.message_id = self._ids()
+            msgs.append(m)
+        by_shard: dict[str, list[int]] = {}
+        topo = self.topology
+        for i, m in enumerate(msgs):
+            by_shard.setdefault(topo.shard_for(m.message_id), []).append(i)
+        out: list[Receipt | None] = [None] * len(msgs)
+        for shard, idx in by_shard.items():
+            request = pb.SendBatchRequest(messages=[msgs[i] for i in idx])
+            rs = self._retry(
+                lambda _t, s=shard: s,
+                lambda c, r=request: c._call(c.stub.SendBatch, r, timeout).receipts,
+            )
+            for i, r in zip(idx, rs):
+                out[i] = Receipt.from_pb(r)
+        return out
+
+    def cancel(self, target, timeout: float | None = None) -> str:
+        return self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
+
+    def get(self, target, timeout: float | None = None) -> Status:
+        return self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
+
+    def reschedule(self, target, **kw) -> tuple[str, Receipt | None]:
+        return self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
+
+    def stats(self) -> dict[str, dict | str]:
+        """Per server (every shard's master and slaves): its Stats, or the error."""
+        out: dict[str, dict | str] = {}
+        for address in self.refresh().addresses():
+            try:
+                out[address] = self.client(address).stats(timeout=2.0)
+            except errors.QdelayError as e:
+                out[address] = str(e)
+        return out
+
+    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:
+        return ShardedConsumer(self, subject, group, max_in_flight)
+
+
+class ShardedConsumer:
+    """Deliveries of a subject/group from every shard: one resubscribing Consumer per
+    server (only masters dispatch), fanned into one inbox; ``ack`` sends each ack to the
+    stream its delivery came from."""
+
+    REFRESH_S = 2.0
+
+    def __init__(self, sc: ShardedClient, subject: str, group: str, max_in_flight: int) -> None:
+        self.sc = sc
+        self.subject, self.group, self.max_in_flight = subject, group, max_in_flight
+        self._inbox: queue.Queue = queue.Queue()
+        self._consumers: dict[str, Consumer] = {}
+        self._owner: dict[str, Consumer] = {}  # ack id -> the consumer it came from
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._add(sc.topology.addresses())
+        self._watch = threading.Thread(target=self._watch_topology, daemon=True)
+        self._watch.start()
+
+    def _add(self, addresses: list[str]) -> None:
+        for address in addresses:
+            with self._lock:
+                if address in self._consumers or self._closed.is_set():
+                    continue
+                cons = self._consumers[address] = self.sc.client(address).subscribe(
+                    self.subject, self.group, self.max_in_flight
+                )
+            threading.Thread(target=self._pump, args=(cons,), daemon=True).start()
+
+    def _pump(self, cons: Consumer) -> None:
+        while not self._closed.is_set():
+            try:
+                batch = cons.receive(self.max_in_flight, 0.2)
+            except errors.QdelayError:
+                time.sleep(0.2)
+                continue
+            if batch:
+                self._inbox.put((cons, batch))
+
+    def _watch_topology(self) -> None:
+        while not self._closed.wait(self.REFRESH_S):
+            try:
+                self._add(self.sc.refresh().addresses())
+            except errors.QdelayError:
+                pass
+
+    def receive(self, count: int, timeout: float) -> list[pb.Delivery]:
+        """Deliveries from any shard until ``count`` arrived or ``timeout`` seconds passed."""
+        got: list[pb.Delivery] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                cons, batch = self._inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            with self._lock:
+                for d in batch:
+                    self._owner[d.ack_id] = cons
+            got.extend(batch)
+        return got
+
+    def ack(self, deliveries: Iterable) -> None:
+        by: dict[int, tuple[Consumer, list[str]]] = {}
+        with self._lock:
+            for d in deliveries:
+                ack_id = d if isinstance(d, str) else d.ack_id
+                cons = self._owner.pop(ack_id, None)
+                if cons is not None:
+                    by.setdefault(id(cons), (cons, []))[1].append(ack_id)
+        for cons, ids in by.values():
+            cons.ack(ids)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            consumers = list(self._consumers.values())
+        for c in consumers:
+            c.close()
+
+    def __enter__(self) -> ShardedConsumer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AioShardedClient:
+    """The asyncio twin of :class:`ShardedClient` (``qdelay.aio.Client`` per server)."""
+
+    def __init__(
+        self,
+        seeds: Sequence[str] | str,
+        *,
+        failover_timeout: float = 30.0,
+        backoff: float = 0.05,
+        max_backoff: float = 1.0,
+        timeout: float = 10.0,
+        **client_kw,
+    ) -> None:
+        self.seeds = _seeds(seeds)
+        self.failover_timeout = failover_timeout
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.timeout = timeout
+        self.client_kw = client_kw
+        self._clients: dict = {}
+        self._ids = _Ids()
+        self.topology: Topology | None = None
+        self.retries = 0
+
+    def client(self, address: str):
+        from qdelay.client.aio import Client as AioClient
+
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = AioClient(address, retries=0, timeout=self.timeout, **self.client_kw)
+        return c
+
+    async def refresh(self) -> Topology:
+        known = self.topology.addresses() if self.topology is not None else []
+        last: Exception | None = None
+        for address in dict.fromkeys([*known, *self.seeds]):
+            c = self.client(address)
+            try:
+                resp = await c._call(c.stub.Topology, pb.TopologyRequest(), 2.0)
+            except errors.QdelayError as e:
+                last = e
+                continue
+            self.topology = Topology.merge(self.topology, resp)
+            return self.topology
+        if self.topology is None:
+            raise errors.Unavailable(f"no server of {self.seeds} answered Topology: {last}")
+        return self.topology
+
+    async def _retry(self, shard_of, call):
+        if self.topology is None:
+            await self.refresh()
+        deadline = time.monotonic() + self.failover_timeout
+        delay = self.backoff
+        while True:
+            topo = self.topology
+            shard = shard_of(topo)
+            master = topo.master(shard)
+            err: Exception | None = None
+            if master:
+                try:
+                    return await call(self.client(master))
+                except RETRYABLE as e:
+                    err = e
+            else:
+                err = errors.Unavailable(f"shard {shard!r} has no master (electing)")
+            if time.monotonic() >= deadline:
+                raise err
+            self.retries += 1
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self.max_backoff)
+            try:
+                await self.refresh()
+            except errors.QdelayError:
+                pass
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.close()
+
+    async def __aenter__(self) -> AioShardedClient:
+        await self.refresh()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw) -> Receipt:
+        mid = message_id or self._ids()
+        return await self._retry(lambda t: t.shard_for(mid), lambda c: c.send(subject, payload, message_id=mid, **kw))
+
+    async def cancel(self, target, timeout: float | None = None) -> str:
+        return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
+
+    async def get(self, target, timeout: float | None = None) -> Status:
+        return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
+
+    async def reschedule(self, target, **kw) -> tuple[str, Receipt | None]:
+        return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
+
+    async def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list:
+        """One resubscribing consumer per server of every shard (only masters dispatch):
+        read them concurrently (e.g. a task per consumer)."""
+        topo = self.topology or await self.refresh()
+        return [self.client(a).subscribe(subject, group, max_in_flight) for a in topo.addresses()]
