@@ -7,7 +7,7 @@ PROTOS := $(wildcard proto/qdelay/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 export SPARK_LOCAL_IP := 127.0.0.1
 
-.PHONY: setup proto run lint test test-fast bench bench-deps native-deps node-deps etcd-deps clean
+.PHONY: setup proto run run-cluster lint test test-fast bench bench-deps native-deps node-deps etcd-deps clean
 
 setup: $(STAMP) proto etcd-deps
 
@@ -46,6 +46,10 @@ examples/node/node_modules/.package-lock.json: examples/node/package.json exampl
 
 run: setup
 	$(BIN)/qdelay server --data-dir ./data --listen 127.0.0.1:7600
+
+# etcd + 2 shards x 2 nodes on loopback (data in ./data-cluster), until Ctrl-C
+run-cluster: setup
+	$(BIN)/qdelay cluster up --data-dir ./data-cluster --shards 2 --nodes 2
 
 # the gate: lint and format check (configuration in pyproject.toml)
 lint: setup

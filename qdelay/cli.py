@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "inspect": ("qdelay.tools.inspect", "read-only inspection of a data folder"),
     "spark": ("qdelay.tools.spark_jobs", "offline jobs on Spark (audit, lateness, forecast, export, import)"),
     "admin": ("qdelay.replication.admin", "cluster administration (promote, status)"),
+    "cluster": ("qdelay.replication.cluster_up", "run etcd + a sharded cluster on loopback (cluster up)"),
 }
 
 

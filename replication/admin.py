@@ -1,6 +1,7 @@
 """``qdelay admin``: cluster administration.
 
     qdelay admin status  --servers A,B,C            role, epoch, offsets, lag of each server
+                                                    (cluster mode: every shard and server, from any one)
     qdelay admin promote --target B [--force]       make slave B the master (epoch + 1)
     qdelay admin fence   --target A --epoch N       tell A a master with epoch N exists
     qdelay admin resync  --data-dir DIR --master M  rebuild a slave's data folder from M
@@ -82,6 +83,23 @@ def _fmt_status(target: str, st) -> str:
     return line
 
 
+def _cluster_shards(targets: list[str], args) -> list:
+    """The shards of the cluster the first answering server belongs to ([] standalone)."""
+    from qdelay.v1 import qdelay_pb2 as pb
+    from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+    for target in targets:
+        ch = _channel(target, args)
+        try:
+            t = pb_grpc.DelayServiceStub(ch).Topology(pb.TopologyRequest(), timeout=args.timeout, metadata=_md(args))
+        except grpc.RpcError:
+            continue
+        finally:
+            ch.close()
+        return list(t.shards) if t.cluster else []
+    return []
+
+
 def _to_dict(msg) -> dict:
     from google.protobuf.json_format import MessageToDict
 
@@ -94,7 +112,23 @@ def run(args: argparse.Namespace) -> int:
         if cmd == "status":
             code = 0
             out = {}
-            for target in [s.strip() for s in args.servers.split(",") if s.strip()]:
+            targets = [s.strip() for s in args.servers.split(",") if s.strip()]
+            shards = _cluster_shards(targets, args)
+            if shards:
+                # cluster mode: every server of every shard, as the cluster's Topology names them
+                targets = list(
+                    dict.fromkeys(a for s in shards for a in ([s.master] if s.master else []) + list(s.slaves))
+                )
+                out["shards"] = {
+                    s.name: {"master": s.master, "slaves": list(s.slaves), "epoch": s.epoch} for s in shards
+                }
+                if not args.json:
+                    for s in shards:
+                        print(
+                            f"shard {s.name}: master={s.master or '(electing)'} epoch={s.epoch} "
+                            f"slaves={','.join(s.slaves) or '-'}"
+                        )
+            for target in targets:
                 ch = _channel(target, args)
                 try:
                     st = rpb_grpc.ReplicationStub(ch).Status(

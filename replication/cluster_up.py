@@ -1,0 +1,135 @@
+"""``qdelay cluster up``: etcd plus shards x nodes on loopback, for trying cluster mode.
+
+    qdelay cluster up [--data-dir ./data-cluster] [--shards 2] [--nodes 2] [--base-port 7601]
+
+Starts one etcd (Debian's ``etcd-server``, data in DATA/etcd) and SHARDS x NODES servers
+(``--etcd … --cluster local --shard sN``, data in DATA/sN-K, logs beside), prints the seed
+address, and stops everything on Ctrl-C (SIGTERM to every server, then etcd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cluster_command", required=True)
+    p = sub.add_parser("up", help="etcd + shards x nodes on loopback until Ctrl-C")
+    p.add_argument("--data-dir", default="./data-cluster")
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=2, help="servers per shard (one master, the rest slaves)")
+    p.add_argument("--base-port", type=int, default=7601)
+    p.add_argument("--etcd-port", type=int, default=2379)
+    p.add_argument("--replication", choices=["sync", "async"], default="async")
+
+
+def _wait_listening(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{what} exited before listening (see its log)")
+        text = line.decode(errors="replace").strip()
+        if text.startswith("qdelay listening on "):
+            return text.rsplit(" ", 1)[1]
+    raise RuntimeError(f"{what} did not start in {timeout}s")
+
+
+def run(args: argparse.Namespace) -> int:
+    etcd_bin = shutil.which("etcd")
+    if etcd_bin is None:
+        print("qdelay cluster up: etcd is not installed (apt-get install etcd-server, or make setup)", file=sys.stderr)
+        return 2
+    root = os.path.abspath(args.data_dir)
+    os.makedirs(root, exist_ok=True)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    endpoint = f"127.0.0.1:{args.etcd_port}"
+    peer = f"http://127.0.0.1:{args.etcd_port + 1}"
+    stop = {"now": False}
+
+    def on_signal(_sig, _frame) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with open(os.path.join(root, "etcd.log"), "ab") as log:
+            etcd = subprocess.Popen(
+                [
+                    etcd_bin,
+                    "--name",
+                    "local",
+                    "--data-dir",
+                    os.path.join(root, "etcd"),
+                    "--listen-client-urls",
+                    f"http://{endpoint}",
+                    "--advertise-client-urls",
+                    f"http://{endpoint}",
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"local={peer}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        procs.append(("etcd", etcd))
+        port = args.base_port
+        seeds = []
+        for s in range(1, args.shards + 1):
+            for k in range(1, args.nodes + 1):
+                name = f"s{s}-{k}"
+                with open(os.path.join(root, f"{name}.log"), "ab") as log:
+                    p = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "qdelay.cli",
+                            "server",
+                            "--data-dir",
+                            os.path.join(root, name),
+                            "--listen",
+                            f"127.0.0.1:{port}",
+                            "--etcd",
+                            endpoint,
+                            "--cluster",
+                            "local",
+                            "--shard",
+                            f"s{s}",
+                            "--replication",
+                            args.replication,
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                    )
+                procs.append((name, p))
+                seeds.append(_wait_listening(p, name))
+                port += 1
+        print(f"qdelay cluster 'local' ({args.shards} shards x {args.nodes} nodes, etcd {endpoint}, data {root})")
+        print(f"seed address: {seeds[0]}   (any of {', '.join(seeds)})")
+        print(f"status: qdelay admin status --servers {seeds[0]}    stop: Ctrl-C", flush=True)
+        while not stop["now"]:
+            for name, p in procs:
+                if p.poll() is not None:
+                    print(f"{name} exited with {p.returncode}; see {root}/{name}.log", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.2)
+    finally:
+        for _name, p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for _name, p in reversed(procs):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        print("stopped")
+    return 0
