@@ -1080,9 +1080,63 @@ static PyObject *encode_send_batch(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(n);
 }
 
+/* gather(data, starts, offset, width, signed) -> int64 array (bytes)
+ *
+ * The little-endian field of ``width`` bytes (1, 2, 4 or 8) at ``starts[i] + offset`` of
+ * ``data``, for each int64 start, widened to int64 (sign-extended when ``signed``; a width
+ * of 8 is always read as int64). Every field must lie inside ``data`` (ValueError if not).
+ * The Spark reader gathers a kind's fixed fields this way, one column per call; the
+ * Python twin is segments/reader.py ``gather_py`` (numpy fancy indexing).
+ */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    Py_buffer buf, sb;
+    Py_ssize_t offset;
+    int width, is_signed;
+    if (!PyArg_ParseTuple(args, "y*y*nip", &buf, &sb, &offset, &width, &is_signed))
+        return NULL;
+    PyObject *out = NULL;
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_Format(PyExc_ValueError, "width %d is not 1, 2, 4 or 8", width);
+        goto done;
+    }
+    if (sb.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "starts is not an int64 array");
+        goto done;
+    }
+    Py_ssize_t n = sb.len / 8;
+    const int64_t *st = sb.buf;
+    const unsigned char *data = buf.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (st[i] < 0 || st[i] + offset < 0 || st[i] + offset + width > buf.len) {
+            PyErr_Format(PyExc_ValueError, "field at %lld + %zd runs past the data (%zd bytes)", (long long)st[i],
+                         offset, buf.len);
+            goto done;
+        }
+    out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!out)
+        goto done;
+    int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *p = data + st[i] + offset;
+        switch (width) {
+        case 1: o[i] = is_signed ? (int64_t)(int8_t)p[0] : (int64_t)p[0]; break;
+        case 2: { uint16_t v; memcpy(&v, p, 2); o[i] = is_signed ? (int64_t)(int16_t)v : (int64_t)v; break; }
+        case 4: { uint32_t v; memcpy(&v, p, 4); o[i] = is_signed ? (int64_t)(int32_t)v : (int64_t)v; break; }
+        default: { int64_t v; memcpy(&v, p, 8); o[i] = v; }
+        }
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&sb);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
+    {"gather", gather, METH_VARARGS, "A fixed-width field at an offset of each frame, as an int64 array."},
     {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
     {"dispatch_frames", dispatch_frames, METH_VARARGS, "Whole DISPATCH frames from columns."},
     {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},

@@ -474,3 +474,32 @@ def test_reader_columns_native_and_twin_agree(many, cut, flip):
     rows = (a.kinds == RecordKind.CANCEL) & (lengths >= 16)  # bodies that hold the field
     want = [int.from_bytes(data[s + 44 : s + 52], "little", signed=True) for s in a.starts[rows].tolist()]
     assert a.u64_at(rows, 8).tolist() == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=64),
+    starts=st.lists(st.integers(-2, 70), max_size=12),
+    offset=st.integers(-3, 12),
+    width=st.sampled_from([1, 2, 4, 8, 3]),
+    signed=st.booleans(),
+)
+def test_reader_gather_native_and_twin_agree(data, starts, offset, width, signed):
+    """segments/reader.py ``gather``: the same int64 column from the native codec and from
+    numpy, and the same refusal of a field outside the data or of an odd width."""
+    from qdelay.segments import reader
+
+    s = np.array(starts, dtype=np.int64)
+    results = []
+    for fn in (lambda *a: np.frombuffer(codec.gather(*a), np.int64), reader.gather_py):
+        try:
+            results.append(fn(data, s, offset, width, signed).tolist())
+        except ValueError:
+            results.append("refused")
+    assert results[0] == results[1]
+    if results[0] != "refused":
+        fmt = {1: "b", 2: "h", 4: "i", 8: "q"}[width]
+        fmt = fmt if signed or width == 8 else fmt.upper()
+        import struct
+
+        assert results[0] == [struct.unpack_from("<" + fmt, data, x + offset)[0] for x in starts]

@@ -107,26 +107,11 @@ def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item
         try:
             frame = check_at(buf, pos)
         except FrameError as err:
-            rest = bytes(buf[pos:])
-            if not any(rest):
-                yield Item(ZERO, file_offset + pos, file_offset + end)
+            item = bad_stretch(buf, pos, file_offset, err)
+            yield item
+            if item.status != CORRUPT:
                 return
-            nxt = framing.find_next_frame(rest, 1)
-            if nxt is None:
-                yield Item(
-                    TORN,
-                    file_offset + pos,
-                    file_offset + end,
-                    error=f"torn tail: {err.reason} ({end - pos} bytes to the end)",
-                )
-                return
-            yield Item(
-                CORRUPT,
-                file_offset + pos,
-                file_offset + pos + nxt,
-                error=f"{err.reason} ({nxt} bytes skipped to the next valid record)",
-            )
-            pos += nxt
+            pos += item.end - item.offset
             continue
         size = frame.size
         if file_offset:
@@ -140,6 +125,34 @@ def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item
         else:
             yield Item(OK, frame.offset, frame.offset + size, frame)
         pos += size
+
+
+def bad_stretch(buf, pos: int, file_offset: int = 0, err: FrameError | None = None) -> Item:
+    """The stretch of ``buf`` from ``pos``, where no valid frame starts: ZERO (unwritten
+    space up to the end), TORN (bad bytes up to the end) or CORRUPT (a valid frame follows;
+    the item ends there). Shared by :func:`walk` and the Spark source's columnar reader, so
+    both name the same stretches with the same words."""
+    end = len(buf)
+    if err is None:
+        try:
+            framing.check_at(buf, pos)
+            raise ValueError(f"a valid frame starts at {pos}")
+        except FrameError as e:
+            err = e
+    rest = bytes(buf[pos:])
+    if not rest.strip(b"\0"):  # all zero (C speed; any() walks byte by byte)
+        return Item(ZERO, file_offset + pos, file_offset + end)
+    nxt = framing.find_next_frame(rest, 1)
+    if nxt is None:
+        return Item(
+            TORN, file_offset + pos, file_offset + end, error=f"torn tail: {err.reason} ({end - pos} bytes to the end)"
+        )
+    return Item(
+        CORRUPT,
+        file_offset + pos,
+        file_offset + pos + nxt,
+        error=f"{err.reason} ({nxt} bytes skipped to the next valid record)",
+    )
 
 
 @contextlib.contextmanager

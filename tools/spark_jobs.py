@@ -108,10 +108,31 @@ def _now_ms(text: str | None) -> int:
     return parse_time(text) if text else int(time.time() * 1000)
 
 
+# the columns the jobs read: payload and headers are never built (column pruning)
+JOB_COLUMNS = [
+    "server",
+    "log",
+    "segment",
+    "offset",
+    "size",
+    "sequence",
+    "kind",
+    "message_id",
+    "subject",
+    "created_ms",
+    "due_ms",
+    "target_sequence",
+    "dispatched_ms",
+    "acked_ms",
+    "attempt",
+    "outcome",
+    "error",
+]
+
+
 def frames(spark, data_dirs, log="all"):
     """The records of every log without payloads and headers (what the jobs need), cached."""
-    df = spark_source.read(spark, data_dirs, log=log, corrupt="row", payload="false")
-    return df.drop("payload", "headers").cache()
+    return spark_source.read(spark, data_dirs, log=log, corrupt="row", columns=JOB_COLUMNS).cache()
 
 
 def tables(df):
@@ -183,7 +204,7 @@ def life_table(spark, data_dirs):
     and DISPATCH rows. Each unreadable stretch is a row of its own (``error`` set)."""
     from pyspark.sql import functions as F
 
-    df = spark_source.read(spark, data_dirs, log="all", corrupt="row", payload="false")
+    df = spark_source.read(spark, data_dirs, log="all", corrupt="row", columns=JOB_COLUMNS)
     ok = F.col("error").isNull()
     kind = F.col("kind")
     is_msg, is_cxl, is_disp = ok & (kind == "MESSAGE"), ok & (kind == "CANCEL"), ok & (kind == "DISPATCH")
