@@ -62,7 +62,7 @@ CASES = {
     "find_seq3": ["find", "--sequence", "3"],
     "find_id6_json": ["find", "--id", "client-id-6", "--json"],
     "find_seq7": ["find", "--sequence", "7"],
-    "stats": ["stats"],
+    "stats": ["stats", "--now", "2026-01-01T00:03:30Z"],
     "stats_range_json": ["stats", "--json", "--from", "2026-01-01T00:02:00Z", "--to", str(T0 + 240_000)],
 }
 

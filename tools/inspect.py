@@ -342,6 +342,8 @@ def cmd_ls(args) -> int:
                 "bad": 0,
                 "first_sequence": None,
                 "last_sequence": None,
+                "min_sequence": None,
+                "max_sequence": None,
                 "first_ms": None,
                 "last_ms": None,
                 "min_due_ms": None,
@@ -359,6 +361,10 @@ def cmd_ls(args) -> int:
                     info["first_ms"] = f.timestamp
                 info["last_sequence"] = f.sequence
                 info["last_ms"] = f.timestamp
+                # a dispatch log is in ack order, not sequence order: the range is min..max
+                lo, hi = info["min_sequence"], info["max_sequence"]
+                info["min_sequence"] = f.sequence if lo is None else min(lo, f.sequence)
+                info["max_sequence"] = f.sequence if hi is None else max(hi, f.sequence)
                 due = getattr(item.record, "deliver_at_ms", None)
                 if due is not None:
                     info["min_due_ms"] = due if info["min_due_ms"] is None else min(info["min_due_ms"], due)
@@ -370,7 +376,7 @@ def cmd_ls(args) -> int:
         return 0
     rows = []
     for i in infos:
-        seqs = "-" if i["first_sequence"] is None else f"{i['first_sequence']}..{i['last_sequence']}"
+        seqs = "-" if i["min_sequence"] is None else f"{i['min_sequence']}..{i['max_sequence']}"
         rows.append(
             [
                 i["log"],
@@ -400,10 +406,27 @@ def cmd_ls(args) -> int:
     if ckpt_err:
         sys.stdout.write(f"checkpoint: unreadable ({ckpt_err})\n")
     elif ckpt is not None:
-        sys.stdout.write("checkpoint: " + " ".join(f"{k}={v}" for k, v in sorted(ckpt.items())) + "\n")
+        sys.stdout.write(f"checkpoint: {checkpoint_summary(ckpt)}\n")
     else:
         sys.stdout.write("checkpoint: none\n")
     return 0
+
+
+def checkpoint_summary(ckpt: dict) -> str:
+    """What the iterate checkpoint means, in words (its raw fields are the server's
+    bookkeeping: ``ls --json`` shows them all)."""
+    parts = []
+    if "offset" in ckpt:
+        parts.append(
+            f"message log copied into the schedule log up to offset {ckpt['offset']}"
+            + (f" (sequence {ckpt['sequence']})" if "sequence" in ckpt else "")
+        )
+    if ckpt.get("done_before") is not None:
+        parts.append(f"every due minute before {iso(int(ckpt['done_before']) * naming.MS_PER_MINUTE)[:16]}Z done")
+    reopened = ckpt.get("reopened") or ()
+    if reopened:
+        parts.append(f"{len(reopened)} earlier minute(s) reopened by late messages")
+    return "; ".join(parts) or "(empty)"
 
 
 # --- dump ------------------------------------------------------------------------------------
@@ -729,14 +752,24 @@ def parse_time(text: str | None) -> int | None:
 
 
 def minute_stats(
-    data_dir: str, from_ms: int | None = None, to_ms: int | None = None, progress_label: str = "stats"
+    data_dir: str,
+    from_ms: int | None = None,
+    to_ms: int | None = None,
+    progress_label: str = "stats",
+    now_ms: int | None = None,
 ) -> tuple[dict[int, dict], int]:
-    """Per due minute: due, cancelled, delivered, dead_lettered and pending message counts.
+    """Per due minute: due, cancelled, delivered, dead_lettered, pending and overdue counts.
 
     Messages come from the schedule log and from the message log past the iterate
     checkpoint (not yet in the schedule log); a message is closed by a dispatch record
-    (delivered or dead-lettered) or a cancel; the rest is pending. Also returns how many
-    unreadable records were skipped."""
+    (delivered or dead-lettered) or a cancel; of the rest, those due before ``now_ms``
+    (default: now) are overdue (not delivered yet although due: a consumer missing, or a
+    server behind), the others pending. Also returns how many unreadable records were
+    skipped."""
+    if now_ms is None:
+        import time
+
+        now_ms = int(time.time() * 1000)
     lo = None if from_ms is None else from_ms // naming.MS_PER_MINUTE
     hi = None if to_ms is None else (to_ms - 1) // naming.MS_PER_MINUTE
     files = segment_files(data_dir)
@@ -762,7 +795,7 @@ def minute_stats(
                 if rec is None or (sf.log == "message" and sf.key + item.offset < start):
                     continue
                 if isinstance(rec, Message):
-                    due[item.frame.sequence] = rec.deliver_at_ms // naming.MS_PER_MINUTE
+                    due[item.frame.sequence] = rec.deliver_at_ms
                 elif isinstance(rec, Cancel):
                     cancelled.add(rec.target_sequence)
                 elif isinstance(rec, Dispatch):
@@ -770,10 +803,13 @@ def minute_stats(
                     if closed.get(seq) != Outcome.DELIVERED:
                         closed[seq] = rec.outcome
     out: dict[int, dict] = {}
-    for seq, minute in due.items():
+    for seq, due_ms in due.items():
+        minute = due_ms // naming.MS_PER_MINUTE
         if (lo is not None and minute < lo) or (hi is not None and minute > hi):
             continue
-        row = out.setdefault(minute, {"due": 0, "cancelled": 0, "delivered": 0, "dead_lettered": 0, "pending": 0})
+        row = out.setdefault(
+            minute, {"due": 0, "cancelled": 0, "delivered": 0, "dead_lettered": 0, "pending": 0, "overdue": 0}
+        )
         row["due"] += 1
         outcome = closed.get(seq)
         if outcome == Outcome.DELIVERED:
@@ -782,14 +818,17 @@ def minute_stats(
             row["dead_lettered"] += 1
         elif seq in cancelled:
             row["cancelled"] += 1
+        elif due_ms < now_ms:
+            row["overdue"] += 1
         else:
             row["pending"] += 1
     return dict(sorted(out.items())), skipped
 
 
 def cmd_stats(args) -> int:
-    rows, skipped = minute_stats(args.data_dir, parse_time(args.from_time), parse_time(args.to_time))
-    names = ["due", "pending", "delivered", "cancelled", "dead_lettered"]
+    now_ms = parse_time(args.now)
+    rows, skipped = minute_stats(args.data_dir, parse_time(args.from_time), parse_time(args.to_time), now_ms=now_ms)
+    names = ["due", "pending", "overdue", "delivered", "cancelled", "dead_lettered"]
     totals = {n: sum(r[n] for r in rows.values()) for n in names}
     if args.json:
         _emit_json(
@@ -804,7 +843,16 @@ def cmd_stats(args) -> int:
         return 0
     table = [[iso(m * naming.MS_PER_MINUTE)[:16] + "Z"] + [str(r[n]) for n in names] for m, r in rows.items()]
     table.append(["TOTAL"] + [str(totals[n]) for n in names])
-    _table(table, ["MINUTE", "DUE", "PENDING", "DELIVERED", "CANCELLED", "DEAD_LETTERED"], right={1, 2, 3, 4, 5})
+    _table(
+        table,
+        ["MINUTE", "DUE", "PENDING", "OVERDUE", "DELIVERED", "CANCELLED", "DEAD_LETTERED"],
+        right={1, 2, 3, 4, 5, 6},
+    )
+    if totals["overdue"]:
+        sys.stdout.write(
+            f"{totals['overdue']} overdue: due but neither delivered nor cancelled "
+            "(no consumer acknowledged them yet, or the server is behind)\n"
+        )
     if skipped:
         sys.stdout.write(f"{skipped} unreadable records skipped: run 'qdelay inspect verify'\n")
     return 0
@@ -839,6 +887,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = common(sub.add_parser("stats", help="per-minute pending / delivered / cancelled counts"))
     p.add_argument("--from", dest="from_time", help="first due time (epoch ms or ISO 8601, UTC)")
     p.add_argument("--to", dest="to_time", help="end of the due range, exclusive")
+    p.add_argument("--now", default=None, help="judge overdue at this time (epoch ms or ISO 8601; default now)")
 
 
 COMMANDS = {"ls": cmd_ls, "dump": cmd_dump, "verify": cmd_verify, "find": cmd_find, "stats": cmd_stats}
