@@ -46,10 +46,10 @@ class AckingSink:
         self._acks: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._ack_loop, name="bench-acker", daemon=True).start()
 
-    def credit(self, subject: str) -> int:
+    def credit(self, subject: str, group: str = "default") -> int:
         return 1_000_000
 
-    def deliver(self, subject: str, deliveries) -> None:
+    def deliver(self, subject: str, group: str, deliveries) -> None:
         # the batch's columns, as the gRPC sink (server/consumers.py) reads them
         now = time.time() * 1000
         self.lateness.extend(now - due for due in deliveries.deliver_at_ms)
@@ -92,7 +92,7 @@ def wait_iterated(engine: Engine, timeout: float = 120) -> None:
 
 def started_engine(root: str, name: str, expect: int) -> tuple[Engine, AckingSink]:
     """A started engine on ``root/name`` whose sink expects ``expect`` deliveries."""
-    engine = Engine(EngineConfig(data_dir=os.path.join(root, name), cleaner_enabled=False))
+    engine = Engine(EngineConfig(data_dir=os.path.join(root, name), cleaner_enabled=False, implicit_group="default"))
     sink = AckingSink(engine)
     sink.expect = expect
     engine.set_sink(sink)

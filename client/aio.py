@@ -254,6 +254,19 @@ class Client:
     async def stats(self, timeout: float | None = None) -> dict:
         return stats_dict(await self._call(self.stub.Stats, pb.StatsRequest(), timeout))
 
+    async def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """See :meth:`qdelay.client.Client.create_group`."""
+        req = pb.ChangeGroupRequest(op=pb.ChangeGroupRequest.CREATE, subject=subject, group=group)
+        return (await self._call(self.stub.ChangeGroup, req, timeout)).changed
+
+    async def delete_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """See :meth:`qdelay.client.Client.delete_group`."""
+        req = pb.ChangeGroupRequest(op=pb.ChangeGroupRequest.DELETE, subject=subject, group=group)
+        return (await self._call(self.stub.ChangeGroup, req, timeout)).changed
+
+    async def groups(self, timeout: float | None = None) -> list[dict]:
+        return (await self.stats(timeout))["groups"]
+
     async def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -658,6 +658,22 @@ class Client:
     def stats(self, timeout: float | None = None) -> dict:
         return stats_dict(self._call(self.stub.Stats, pb.StatsRequest(), timeout))
 
+    def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """Create a consumer group of ``subject`` (as its first subscribe would): from now on
+        it receives every message of the subject that becomes due. False if it existed."""
+        req = pb.ChangeGroupRequest(op=pb.ChangeGroupRequest.CREATE, subject=subject, group=group)
+        return self._call(self.stub.ChangeGroup, req, timeout).changed
+
+    def delete_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """Delete a consumer group; what it had due and in flight is dropped. False if it
+        did not exist."""
+        req = pb.ChangeGroupRequest(op=pb.ChangeGroupRequest.DELETE, subject=subject, group=group)
+        return self._call(self.stub.ChangeGroup, req, timeout).changed
+
+    def groups(self, timeout: float | None = None) -> list[dict]:
+        """Every consumer group: subject, group, consumers, backlog, in_flight, backlog_on_disk."""
+        return self.stats(timeout)["groups"]
+
     def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

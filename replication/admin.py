@@ -5,6 +5,8 @@
     qdelay admin promote --target B [--force]       make slave B the master (epoch + 1)
     qdelay admin fence   --target A --epoch N       tell A a master with epoch N exists
     qdelay admin resync  --data-dir DIR --master M  rebuild a slave's data folder from M
+    qdelay admin group {create,delete} --server M --subject S --group G
+    qdelay admin group list --server M              consumer groups, backlog, in flight
 
 Every command takes ``--token-file`` / ``--tls-ca`` / ``--tls-server-name`` like a client.
 """
@@ -44,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--epoch", type=int, required=True)
     p.add_argument("--master", default="", help="HOST:PORT of the current master (slaves follow it)")
+    common_args(p)
+    p = sub.add_parser("group", help="create, delete or list consumer groups")
+    p.add_argument("group_command", choices=["create", "delete", "list"])
+    p.add_argument("--server", required=True, help="HOST:PORT of the master")
+    p.add_argument("--subject", help="the subject (create, delete)")
+    p.add_argument("--group", help="the group's name (create, delete)")
     common_args(p)
     p = sub.add_parser("resync", help="rebuild a (stopped) slave's data folder from the master (full resync)")
     p.add_argument("--data-dir", required=True)
@@ -104,6 +112,41 @@ def _to_dict(msg) -> dict:
     from google.protobuf.json_format import MessageToDict
 
     return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _group(args: argparse.Namespace) -> int:
+    from qdelay import errors
+    from qdelay.client import Client
+
+    token = common.read_token(args.token_file) if args.token_file else None
+    with Client(
+        args.server, token=token, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, timeout=args.timeout
+    ) as c:
+        try:
+            if args.group_command == "list":
+                groups = c.groups()
+                if args.json:
+                    print(json.dumps(groups, indent=1))
+                for g in [] if args.json else groups:
+                    more = " (more waiting on disk)" if g["backlog_on_disk"] else ""
+                    print(
+                        f"{g['subject']:<24} {g['group']:<16} consumers={g['consumers']} "
+                        f"backlog={g['backlog']}{more} in_flight={g['in_flight']}"
+                    )
+                return 0
+            if not args.subject or not args.group:
+                print(f"qdelay admin group {args.group_command}: --subject and --group are required", file=sys.stderr)
+                return 2
+            if args.group_command == "create":
+                changed = c.create_group(args.subject, args.group)
+                print(f"group {args.group} of {args.subject}: {'created' if changed else 'exists already'}")
+            else:
+                changed = c.delete_group(args.subject, args.group)
+                print(f"group {args.group} of {args.subject}: {'deleted' if changed else 'did not exist'}")
+            return 0
+        except errors.QdelayError as e:
+            print(f"qdelay admin group {args.group_command}: {e}", file=sys.stderr)
+            return 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
                 ch.close()
             print(f"{args.target}: {r.role} at epoch {r.epoch}")
             return 0
+        if cmd == "group":
+            return _group(args)
         if cmd == "resync":
             from qdelay.replication.snapshot import write_snapshot
 

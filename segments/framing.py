@@ -55,6 +55,7 @@ class RecordKind(enum.IntEnum):
     CANCEL = 2  # a tombstone for a scheduled message (message log and schedule log)
     DISPATCH = 3  # a delivered (acknowledged) or dead-lettered message (dispatch log)
     CHECKPOINT = 4  # a checkpoint file's single record
+    GROUP = 5  # a consumer group created or deleted (message log only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,14 +24,19 @@ MESSAGE_FIXED = struct.Struct("<qHHII")
 # CANCEL body: target deliver_at_ms i64, target sequence u64, message_id_len u16, message_id.
 CANCEL_FIXED = struct.Struct("<qQH")
 # DISPATCH body: deliver_at_ms i64, dispatched_at_ms i64, schedule_offset u64, attempt u32,
-# outcome u8, reserved u8, message_id_len u16, message_id.
+# outcome u8, group_len u8, message_id_len u16, message_id, group (none: the default group).
 DISPATCH_FIXED = struct.Struct("<qqQIBBH")
+# GROUP body: op u8, reserved u8, subject_len u16, group_len u16, subject, group.
+GROUP_FIXED = struct.Struct("<BBHH")
+# the group whose DISPATCH records carry no name (and that inherits data folders of before groups)
+DEFAULT_GROUP = "default"
 HEADER_ENTRY = struct.Struct("<H")
 
 _SIZES = {
     "MESSAGE_FIXED": (MESSAGE_FIXED, 20),
     "CANCEL_FIXED": (CANCEL_FIXED, 18),
     "DISPATCH_FIXED": (DISPATCH_FIXED, 32),
+    "GROUP_FIXED": (GROUP_FIXED, 6),
 }
 for _name, (_struct, _size) in _SIZES.items():
     if _struct.size != _size:
@@ -69,6 +74,21 @@ class Dispatch:
     schedule_offset: int
     attempt: int
     outcome: int
+    group: str = DEFAULT_GROUP
+
+
+class GroupOp(enum.IntEnum):
+    CREATE = 1
+    DELETE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A consumer group created or deleted; the frame's timestamp says when."""
+
+    op: int
+    subject: str
+    group: str
 
 
 def encode_headers(headers: dict[str, str]) -> bytes:
@@ -166,19 +186,49 @@ def decode_cancel(body: bytes) -> Cancel:
     return Cancel(body[CANCEL_FIXED.size :].decode(), due, seq)
 
 
+def group_bytes(group: str) -> bytes:
+    """A group's name as DISPATCH records store it: empty for the default group."""
+    return b"" if group == DEFAULT_GROUP else group.encode()
+
+
 def encode_dispatch(d: Dispatch) -> bytes:
     mid = d.message_id.encode()
+    g = group_bytes(d.group)
     return (
-        DISPATCH_FIXED.pack(d.deliver_at_ms, d.dispatched_at_ms, d.schedule_offset, d.attempt, d.outcome, 0, len(mid))
+        DISPATCH_FIXED.pack(
+            d.deliver_at_ms, d.dispatched_at_ms, d.schedule_offset, d.attempt, d.outcome, len(g), len(mid)
+        )
         + mid
+        + g
     )
 
 
 def decode_dispatch(body: bytes) -> Dispatch:
-    due, dispatched, offset, attempt, outcome, _r, mlen = _fixed(DISPATCH_FIXED, body, "dispatch")
-    if DISPATCH_FIXED.size + mlen != len(body):
+    due, dispatched, offset, attempt, outcome, glen, mlen = _fixed(DISPATCH_FIXED, body, "dispatch")
+    if DISPATCH_FIXED.size + mlen + glen != len(body):
         raise ValueError("dispatch body length does not add up")
-    return Dispatch(body[DISPATCH_FIXED.size :].decode(), due, dispatched, offset, attempt, outcome)
+    a = DISPATCH_FIXED.size + mlen
+    group = body[a:].decode() if glen else DEFAULT_GROUP
+    return Dispatch(body[DISPATCH_FIXED.size : a].decode(), due, dispatched, offset, attempt, outcome, group)
+
+
+def dispatch_group(body: bytes) -> str:
+    """The group a DISPATCH body closes its message for (no full decode)."""
+    glen = body[29] if len(body) > 29 else 0
+    return body[len(body) - glen :].decode() if glen else DEFAULT_GROUP
+
+
+def encode_group(g: Group) -> bytes:
+    s, n = g.subject.encode(), g.group.encode()
+    return GROUP_FIXED.pack(g.op, 0, len(s), len(n)) + s + n
+
+
+def decode_group(body: bytes) -> Group:
+    op, _r, slen, glen = _fixed(GROUP_FIXED, body, "group")
+    if GROUP_FIXED.size + slen + glen != len(body) or op not in (GroupOp.CREATE, GroupOp.DELETE):
+        raise ValueError("group body does not add up")
+    a = GROUP_FIXED.size + slen
+    return Group(op, body[GROUP_FIXED.size : a].decode(), body[a:].decode())
 
 
 def encode_checkpoint(state: dict, timestamp: int) -> bytes:
@@ -199,7 +249,7 @@ def decode_checkpoint(data: bytes) -> dict:
     return state
 
 
-def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | dict:
+def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | Group | dict:
     """Decode any body by its frame kind (for the inspection tool and readers)."""
     if kind == RecordKind.MESSAGE:
         return decode_message(body)
@@ -209,6 +259,8 @@ def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | dict:
         return decode_dispatch(body)
     if kind == RecordKind.CHECKPOINT:
         return json.loads(body)
+    if kind == RecordKind.GROUP:
+        return decode_group(body)
     raise ValueError(f"unknown record kind {kind}")
 
 
@@ -230,7 +282,7 @@ _DISPATCH_HEAD_FIELDS = [
     ("schedule_offset", "<u8"),
     ("attempt", "<u4"),
     ("outcome", "u1"),
-    ("reserved", "u1"),
+    ("group_len", "u1"),
     ("message_id_len", "<u2"),
 ]
 if np.dtype(_DISPATCH_HEAD_FIELDS).itemsize != framing.HEADER_SIZE + DISPATCH_FIXED.size:
@@ -247,14 +299,18 @@ def _dispatch_frames_of_one_length(
     message_ids,
     timestamp: int,
     outcome: int,
+    group: bytes = b"",
 ) -> tuple[bytes, int]:
     """DISPATCH frames whose message ids all have ``id_len`` bytes, and the frame size:
     every field of every frame is filled column-wise, then each frame is hashed."""
-    dt = np.dtype(_DISPATCH_HEAD_FIELDS + [("message_id", f"S{id_len}")])
+    fields = _DISPATCH_HEAD_FIELDS + [("message_id", f"S{id_len}")]
+    if group:
+        fields.append(("group", f"S{len(group)}"))
+    dt = np.dtype(fields)
     n = len(sequences)
     arr = np.empty(n, dtype=dt)
     arr["magic"] = framing.MAGIC
-    arr["length"] = DISPATCH_FIXED.size + id_len
+    arr["length"] = DISPATCH_FIXED.size + id_len + len(group)
     arr["kind"] = RecordKind.DISPATCH
     arr["version"] = framing.VERSION
     arr["flags"] = 0
@@ -265,9 +321,11 @@ def _dispatch_frames_of_one_length(
     arr["schedule_offset"] = schedule_offsets
     arr["attempt"] = attempts
     arr["outcome"] = outcome
-    arr["reserved"] = 0
+    arr["group_len"] = len(group)
     arr["message_id_len"] = id_len
     arr["message_id"] = np.frombuffer(b"".join(message_ids), dtype=f"S{id_len}")
+    if group:
+        arr["group"] = group
     size = dt.itemsize
     raw = arr.tobytes()
     # the checksum covers bytes [12, size) of each frame
@@ -286,12 +344,33 @@ def _dispatch_frames_of_one_length(
 
 
 def encode_dispatch_frames(
-    sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp: int, outcome: int
+    sequences,
+    deliver_at_ms,
+    dispatched_at_ms,
+    schedule_offsets,
+    attempts,
+    message_ids,
+    timestamp: int,
+    outcome: int,
+    group: bytes = b"",
 ) -> bytes:
     """Whole DISPATCH frames, back to back, one per position of the (equally long) columns;
-    ``message_ids`` are bytes. Every frame gets the frame ``timestamp`` and ``outcome``.
-    The native codec's ``dispatch_frames``, or :func:`encode_dispatch_frames_py`."""
+    ``message_ids`` are bytes. Every frame gets the frame ``timestamp``, ``outcome`` and
+    ``group`` (as :func:`group_bytes` gives it). The native codec's ``dispatch_frames``
+    (default group), or :func:`encode_dispatch_frames_py`."""
     codec = native.codec
+    if group:  # the native encoder writes the default group's records only
+        return encode_dispatch_frames_py(
+            sequences,
+            deliver_at_ms,
+            dispatched_at_ms,
+            schedule_offsets,
+            attempts,
+            message_ids,
+            timestamp,
+            outcome,
+            group,
+        )
     if codec is not None:
         return codec.dispatch_frames(
             sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp, outcome
@@ -302,7 +381,15 @@ def encode_dispatch_frames(
 
 
 def encode_dispatch_frames_py(
-    sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp: int, outcome: int
+    sequences,
+    deliver_at_ms,
+    dispatched_at_ms,
+    schedule_offsets,
+    attempts,
+    message_ids,
+    timestamp: int,
+    outcome: int,
+    group: bytes = b"",
 ) -> bytes:
     """The Python twin of ``native.codec.dispatch_frames``.
 
@@ -328,6 +415,7 @@ def encode_dispatch_frames_py(
                 message_ids,
                 timestamp,
                 outcome,
+                group,
             )[0]
     # ids of several lengths: one array per length, then the frames back in input order
     frames: list = [None] * n
@@ -340,8 +428,9 @@ def encode_dispatch_frames_py(
                     sequences[i],
                     timestamp,
                     DISPATCH_FIXED.pack(
-                        deliver_at_ms[i], dispatched_at_ms[i], schedule_offsets[i], attempts[i], outcome, 0, 0
-                    ),
+                        deliver_at_ms[i], dispatched_at_ms[i], schedule_offsets[i], attempts[i], outcome, len(group), 0
+                    )
+                    + group,
                 )
             continue
         raw, size = _dispatch_frames_of_one_length(
@@ -354,6 +443,7 @@ def encode_dispatch_frames_py(
             [message_ids[i] for i in idx],
             timestamp,
             outcome,
+            group,
         )
         for pos, i in enumerate(idx):
             frames[i] = raw[pos * size : (pos + 1) * size]

@@ -7,8 +7,8 @@ the subscribers accept, and hands them to :meth:`ConsumerRegistry.deliver`, whic
 them over the subject's subscribers by free credit (competing consumers) and passes them
 to the asyncio loop; the stream packs many deliveries into each SubscribeResponse.
 
-v1 group semantics: every subscriber of a subject competes for one delivery stream,
-whatever its group (the group is accepted and reported, not used for fan-out).
+Groups: the engine hands each (subject, group) its own deliveries (every group gets every
+message: fan-out); the subscribers of one group compete for them.
 
 An unacknowledged delivery stops counting against its subscriber's window once the
 engine's ack timeout has passed (the engine offers it again, possibly elsewhere).
@@ -89,7 +89,7 @@ class ConsumerRegistry:
         self.ack_timeout_s = ack_timeout_ms / 1000.0
         self.notify = notify or (lambda: None)  # engine.notify_credit
         self._lock = threading.Lock()
-        self._by_subject: dict[str, list[Subscription]] = {}
+        self._by_subject: dict[tuple[str, str], list[Subscription]] = {}  # (subject, group)
         self._ids = itertools.count(1)
         self._rr = 0
         self.paused = False
@@ -99,7 +99,7 @@ class ConsumerRegistry:
     def register(self, subject: str, group: str, max_in_flight: int, peer: str = "") -> Subscription:
         sub = Subscription(next(self._ids), subject, group, max_in_flight, peer)
         with self._lock:
-            self._by_subject.setdefault(subject, []).append(sub)
+            self._by_subject.setdefault((subject, group), []).append(sub)
         log.info(
             "subscribed",
             extra={
@@ -116,11 +116,11 @@ class ConsumerRegistry:
     def unregister(self, sub: Subscription) -> list[str]:
         """Remove a stream; returns the ack ids it left unacknowledged."""
         with self._lock:
-            subs = self._by_subject.get(sub.subject, [])
+            subs = self._by_subject.get((sub.subject, sub.group), [])
             if sub in subs:
                 subs.remove(sub)
             if not subs:
-                self._by_subject.pop(sub.subject, None)
+                self._by_subject.pop((sub.subject, sub.group), None)
             left = list(sub.outstanding)
             sub.outstanding.clear()
             sub.closed = True
@@ -174,11 +174,15 @@ class ConsumerRegistry:
             self.loop.call_soon_threadsafe(sub.event.set)
 
     # --- DeliverySink (dispatcher thread) -----------------------------------------------------------
-    def credit(self, subject: str) -> int:
+    def consumers(self, subject: str, group: str) -> int:
+        with self._lock:
+            return len(self._by_subject.get((subject, group), ()))
+
+    def credit(self, subject: str, group: str) -> int:
         if self.paused:
             return 0
         with self._lock:
-            subs = self._by_subject.get(subject)
+            subs = self._by_subject.get((subject, group))
             if not subs:
                 return 0
             now = time.monotonic()
@@ -189,12 +193,12 @@ class ConsumerRegistry:
                     total += free
             return total
 
-    def deliver(self, subject: str, deliveries) -> None:
-        """Spread a ``scheduler.Deliveries`` batch over the subject's subscribers (a slice
+    def deliver(self, subject: str, group: str, deliveries) -> None:
+        """Spread a ``scheduler.Deliveries`` batch over the group's subscribers (a slice
         of it each, by free credit) and pass each slice to the loop thread."""
         plan: list[tuple[Subscription, list]] = []
         with self._lock:
-            subs = self._by_subject.get(subject)
+            subs = self._by_subject.get((subject, group))
             if not subs:
                 self.dropped += len(deliveries)
                 return

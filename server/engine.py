@@ -40,6 +40,7 @@ from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
 from qdelay.server import allocator
 from qdelay.server.bucket_log import BucketLog
 from qdelay.server.cleaner import Cleaner, CleanerConfig
+from qdelay.server.groups import GroupTable
 from qdelay.server.iterate import IterateService
 from qdelay.server.lookup import DispatchIndex, RecordFinder
 from qdelay.server.scheduler import DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler, SchedulerConfig
@@ -76,6 +77,10 @@ class EngineConfig:
     retry_backoff_ms: int = 1_000
     dead_letter_prefix: str = "DLQ."
     max_loaded: int = 8_000_000
+    group_max_ready: int = 100_000  # due entries one group of one subject holds in memory
+    # "": a subject's due messages wait for its first consumer group (the first Subscribe);
+    # a name: a subject with no group gets this one when its first message is due
+    implicit_group: str = ""
     corruption: str = "fail"
     open_files: int = 4096
     cleaner_enabled: bool = True
@@ -270,6 +275,8 @@ class Engine:
                 retry_backoff_ms=config.retry_backoff_ms,
                 dead_letter_prefix=config.dead_letter_prefix,
                 max_loaded=config.max_loaded,
+                group_max_ready=config.group_max_ready,
+                implicit_group=config.implicit_group,
                 corruption=self.policy,
             ),
             clock=self.clock,
@@ -278,11 +285,18 @@ class Engine:
             dead_letter=self._dead_letter,
             closed_retired=closed_retired,
             reopened_at=reopened_at,
+            groups=GroupTable.from_state(state),
+            # a checkpoint of a version before groups: its subjects' messages belong to the
+            # group "default", which inherits their DISPATCH records
+            legacy_upto=int(state.get("sequence", 0)) if state and "groups" not in state else 0,
         )
         # a slave's scheduler stays idle (no wheel) until promotion; meanwhile the slave only
         # notes records that land in finished buckets (see _slave_on_records)
         self.slave_records: dict[int, int] = {}  # bucket -> highest sequence iterated into it
         self.iterate.on_records = self.scheduler.on_records if self.role == "master" else self._slave_on_records
+        # group changes apply on every role: a slave's table is ready when it is promoted
+        self.iterate.on_group = self.scheduler.apply_group
+        self._group_lock = asyncio.Lock()
         self.cleaner = Cleaner(
             self,
             CleanerConfig(
@@ -504,10 +518,15 @@ class Engine:
         first = appended.first_sequence
         return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
 
-    def _dead_letter(self, msg: records.Message, seq: int, done: Callable[[Exception | None], None]) -> None:
+    def _dead_letter(
+        self, msg: records.Message, seq: int, group: str, attempts: int, done: Callable[[Exception | None], None]
+    ) -> None:
         self._check_writable()
         headers = dict(msg.headers)
         headers[DEAD_LETTER_HEADER] = str(seq)
+        headers[DEAD_LETTER_HEADER + "-group"] = group
+        headers[DEAD_LETTER_HEADER + "-attempts"] = str(attempts)
+        headers[DEAD_LETTER_HEADER + "-reason"] = "max_attempts"
         now = self.clock()
         body = records.encode_message(
             (self.config.dead_letter_prefix + msg.subject).encode(),
@@ -657,7 +676,7 @@ class Engine:
                     if sequence in sched.cancelling:
                         outcomes.append(CancelOutcome.ALREADY_CANCELLED)
                         continue
-                    if sequence in sched.in_flight or sequence in sched.dead_lettering:
+                    if sched.is_in_flight(sequence) or sequence in sched.dead_lettering:
                         outcomes.append(CancelOutcome.ALREADY_DELIVERED)
                         continue
                     sched.cancelling.add(sequence)
@@ -746,7 +765,7 @@ class Engine:
                         if f.sequence == sequence:
                             delivered_at = records.decode_dispatch(f.body).dispatched_at_ms
                             break
-                in_flight = sequence in self.scheduler.in_flight
+                in_flight = self.scheduler.is_in_flight(sequence)
             if delivered_at is None and in_flight and not detail:
                 return MessageState.DELIVERED, None
         if delivered_at is not None:
@@ -763,13 +782,56 @@ class Engine:
     def set_sink(self, sink: DeliverySink | None) -> None:
         self.scheduler.set_sink(sink)
 
-    def ack(self, ack_ids: list[str]) -> int:
-        return self.scheduler.ack(ack_ids)
+    def ack(self, ack_ids: list[str], subject: str | None = None, group: str | None = None) -> int:
+        """Acknowledge deliveries to ``group`` of ``subject`` (both None: whichever group
+        has them in flight, for tools and tests)."""
+        return self.scheduler.ack(ack_ids, self._gid(subject, group))
 
-    def release(self, ack_ids: list[str]) -> int:
+    def release(self, ack_ids: list[str], subject: str | None = None, group: str | None = None) -> int:
         """A consumer's stream ended with these deliveries unacknowledged: offer them again
         now (attempt + 1), not after the ack timeout; see Scheduler.release."""
-        return self.scheduler.release(ack_ids)
+        return self.scheduler.release(ack_ids, self._gid(subject, group))
+
+    def _gid(self, subject: str | None, group: str | None) -> int | None:
+        if subject is None:
+            return None
+        gid = self.scheduler.gid_of(subject, group or records.DEFAULT_GROUP)
+        return -1 if gid is None else gid  # a deleted group: nothing of it is in flight
+
+    # --- consumer groups --------------------------------------------------------------------------
+
+    async def ensure_group(self, subject: str, group: str) -> bool:
+        """Create ``group`` of ``subject`` unless it exists (True if created): a GROUP record
+        in the message log (durable and replicated like a send), then the scheduler."""
+        if self.scheduler.gid_of(subject, group) is not None:
+            return False
+        return await self._group_change(records.GroupOp.CREATE, subject, group)
+
+    async def delete_group(self, subject: str, group: str) -> bool:
+        """Delete a group: what it had due and in flight is dropped (True if it existed)."""
+        if self.scheduler.gid_of(subject, group) is None:
+            return False
+        return await self._group_change(records.GroupOp.DELETE, subject, group)
+
+    async def _group_change(self, op: int, subject: str, group: str) -> bool:
+        self._check_writable()
+        async with self._group_lock:  # group records apply in sequence order
+            exists = self.scheduler.gid_of(subject, group) is not None
+            if exists == (op == records.GroupOp.CREATE):
+                return False  # another call did it meanwhile
+            now = self.clock()
+            rec = records.Group(op, subject, group)
+            appended = await self.wal.append_async([(RecordKind.GROUP, now, records.encode_group(rec))])
+            if self.replication_wait is not None:
+                await self.replication_wait(appended.end_offset)
+            # the iterate service may have applied the record already (it passes it right
+            # after the commit): either way the change is made once
+            self.scheduler.apply_group(rec, now, appended.first_sequence)
+            return (self.scheduler.gid_of(subject, group) is not None) == (op == records.GroupOp.CREATE)
+
+    def groups(self) -> list[dict]:
+        """Every group, with its ready entries, spill state and deliveries in flight."""
+        return self.scheduler.group_stats()
 
     def notify_credit(self) -> None:
         self.scheduler.wake()

@@ -53,6 +53,7 @@ _CANCEL = int(RecordKind.CANCEL)
 _KIND_AT = 16  # frame header field offsets (docs/formats.md, "Record frame")
 _SEQ_AT = 20
 _SUBJECT_LEN = struct.Struct("<H")
+_TIMESTAMP = struct.Struct("<q")
 _SUBJECT_LEN_AT = framing.HEADER_SIZE + 8  # MESSAGE body: due i64, then subject_len u16
 _SUBJECT_AT = framing.HEADER_SIZE + records.MESSAGE_FIXED.size
 _BYTE_OFFSETS = np.arange(8, dtype=np.int64)
@@ -111,6 +112,8 @@ class IterateService:
         self.horizon = horizon
         # on_records(records, near): records copied for buckets <= near (None: all of them)
         self.on_records: Callable[[list[Scheduled], int | None], None] | None = None
+        # on_group(record, at_ms, sequence): a GROUP record passed (see Scheduler.apply_group)
+        self.on_group: Callable[[records.Group, int, int], None] | None = None
         self.records_copied = 0
         # records passed, duplicates included, so the totals saved with a checkpoint are
         # exactly those of the records before its offset
@@ -312,6 +315,16 @@ class IterateService:
         self.records_copied += copied
         self._behind_bytes += added
         for i in unknown:
+            if int(kind[i]) == RecordKind.GROUP:
+                # a consumer group created or deleted: nothing to schedule; the scheduler
+                # applies it (again, after a restart or on a slave: applying twice is harmless)
+                start = int(st[i])
+                end = int(st[i + 1]) if i + 1 < len(st) else pos
+                if self.on_group is not None:
+                    at = _TIMESTAMP.unpack_from(data, start + 28)[0]
+                    body = bytes(data[start + framing.HEADER_SIZE : end])
+                    self.on_group(records.decode_group(body), at, int(seq[i]))
+                continue
             log.error(
                 "unexpected record kind in message log",
                 extra={"kind": int(kind[i]), "offset": self.offset + int(st[i])},

@@ -40,8 +40,10 @@ from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
 from qdelay.segments import framing, native, records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
+from qdelay.segments.reader import read_columns
 from qdelay.segments.segment import CorruptionPolicy, Segment, disk_full
 from qdelay.server.bucket_log import BucketLog
+from qdelay.server.groups import Group, GroupTable
 from qdelay.server.iterate import Scheduled
 from qdelay.server.lookup import read_frames
 from qdelay.server.wheel import Entries, TimerWheel
@@ -101,6 +103,7 @@ class Deliveries:
 
     __slots__ = (
         "subject",
+        "group",
         "ack_ids",
         "message_id_bytes",
         "_message_ids",
@@ -121,8 +124,10 @@ class Deliveries:
         deliver_at_ms: list[int],
         dispatched_at_ms: int,
         attempts: list[int],
+        group: str = records.DEFAULT_GROUP,
     ) -> None:
         self.subject = subject
+        self.group = group  # the consumer group these deliveries are for
         self.ack_ids = ack_ids
         self.message_id_bytes = message_id_bytes
         self._message_ids: list[str] | None = None
@@ -167,6 +172,7 @@ class Deliveries:
                 self.deliver_at_ms[key],
                 self.dispatched_at_ms,
                 self.attempts[key],
+                self.group,
             )
         return self._one(range(len(self.ack_ids))[key])
 
@@ -175,10 +181,11 @@ class Deliveries:
 
 
 class DeliverySink(Protocol):
-    def credit(self, subject: str) -> int:
-        """How many more deliveries of ``subject`` the consumers accept now (cheap, thread-safe)."""
+    def credit(self, subject: str, group: str) -> int:
+        """How many more deliveries of ``subject`` the consumers of ``group`` accept now
+        (cheap, thread-safe)."""
 
-    def deliver(self, subject: str, deliveries: Deliveries) -> None:
+    def deliver(self, subject: str, group: str, deliveries: Deliveries) -> None:
         """Take a batch; called on the scheduler thread, so it must not block."""
 
 
@@ -194,6 +201,9 @@ class SchedulerConfig:
     max_backoff_ms: int = 300_000
     dead_letter_prefix: str = "DLQ."
     max_loaded: int = 8_000_000  # index entries in memory (wheel + ready), 32 bytes each
+    # entries one group of one subject holds ready in memory; beyond it the rest wait on disk
+    group_max_ready: int = 100_000
+    implicit_group: str = ""  # a subject with no group gets this one when a message is due ("" none)
     load_chunk_bytes: int = 1024 * 1024
     dispatch_quantum: int = 512  # per subject per round: fairness across subjects
     dispatch_flush_ms: int = 5
@@ -208,9 +218,12 @@ class _Bucket:
         "seg",
         "cursor",
         "complete",
-        "outstanding",
+        "unfired",
+        "owed",
         "cancelled",
         "closed",
+        "counted",
+        "partial",
         "done",
         "dispatch_ready",
         "tombstones_known",
@@ -222,17 +235,32 @@ class _Bucket:
         self.seg = seg
         self.cursor = cursor  # schedule-segment bytes already indexed
         self.complete = complete  # the loader reached the end; new records arrive live
-        self.outstanding = 0  # indexed messages not yet delivered/dead-lettered/cancelled
+        self.unfired = 0  # indexed messages still in the timer wheel
+        # group id -> this bucket's entries held in memory for that group (ready, retrying
+        # or in flight); what a group holds on disk only is covered by its lane's spill
+        self.owed: dict[int, int] = {}
         self.cancelled: set[int] = set()  # sequences cancelled in this bucket
-        self.closed: set[int] | None = None  # delivered sequences, only while loading
+        # group name -> sequences its DISPATCH records close, and those closed by records
+        # already counted in Scheduler.closed_retired (only while loading)
+        self.closed: dict[str, set[int]] | None = None
+        self.counted: dict[str, set[int]] | None = None
+        # group name -> sequences it closed before they were loaded, while some other group
+        # had not (fan-out across a restart): the timer skips them for that group
+        self.partial: dict[str, set[int]] = {}
         self.done = False
         self.dispatch_ready = False  # the dispatch log was checked and read
         # every tombstone of the segment is in ``cancelled`` (so a loaded entry may fire)
         self.tombstones_known = complete
-        # messages of this bucket closed (DISPATCH record: delivered or dead-lettered) and not
-        # yet counted in Scheduler.closed_retired: read back from the dispatch log when the
-        # bucket is loaded, then one more per record written
+        # messages of this bucket closed for their subject's first group (DISPATCH record)
+        # and not yet counted in Scheduler.closed_retired: read back from the dispatch log
+        # when the bucket is loaded, then one more per record written
         self.nclosed = 0
+
+    def owe(self, gid: int, n: int) -> None:
+        self.owed[gid] = self.owed.get(gid, 0) + n
+
+    def outstanding(self) -> int:
+        return self.unfired + sum(self.owed.values())
 
 
 class _Ready:
@@ -277,6 +305,66 @@ class _Ready:
         self.count -= len(seqs)
         return seqs, offs, buckets, dues, attempts
 
+    def in_memory(self) -> set[int]:
+        """Sequences of every entry queued here (chunks from their position, and retries)."""
+        out: set[int] = {item[0] for item in self.retries}
+        for e, pos in self.chunks:
+            out.update(e.seq[pos:].tolist())
+        return out
+
+    def drop_chunks(self) -> list[np.ndarray]:
+        """Forget the queued entries (not the retries); returns their bucket columns."""
+        dropped = [e.bucket[pos:] for e, pos in self.chunks]
+        self.count -= sum(map(len, dropped))
+        self.chunks.clear()
+        return dropped
+
+
+class _Pass:
+    """A spilled lane's walk over the schedule segments, reading back its entries due at or
+    before ``hi`` that are not in memory, not closed for the group and not cancelled."""
+
+    __slots__ = ("bucket", "offset", "hi", "closed_bucket", "closed_size", "closed")
+
+    def __init__(self, bucket: int, hi: int) -> None:
+        self.bucket = bucket  # the bucket being read (every loaded bucket below it is read)
+        self.offset = 0
+        self.hi = hi
+        self.closed_bucket = -1  # the group's closes in ``closed_bucket``'s dispatch log
+        self.closed_size = 0  # ... as far as the file was read
+        self.closed: set[int] = set()
+
+
+class _Lane:
+    """What one group of one subject has due: entries ready in memory, up to
+    ``group_max_ready``. A lane over its bound *spills*: its queued entries are forgotten
+    (they stay in the schedule segments) and so is whatever becomes due for it meanwhile;
+    ``drop_from`` is the lowest bucket forgotten since the last pass began. When the lane
+    has room again, passes read its entries back from disk (``_Pass``) until one ends with
+    nothing forgotten during it; then the lane takes entries from the timer again.
+
+    This is what keeps one group without consumers (or with a slow one) from filling the
+    scheduler's memory and stopping everyone else: it holds at most its bound.
+    """
+
+    __slots__ = ("sid", "gid", "ready", "spilled", "drop_from", "walk", "recent")
+
+    def __init__(self, sid: int, gid: int) -> None:
+        self.sid = sid
+        self.gid = gid
+        self.ready = _Ready()
+        self.spilled = False
+        self.drop_from: int | None = None
+        self.walk: _Pass | None = None
+        # sequences read back by the last pass step: entries still in the wheel with the
+        # same sequences fire once more at most, and are skipped then
+        self.recent: set[int] | None = None
+
+    def dropped(self, buckets: np.ndarray) -> None:
+        if len(buckets):
+            low = int(buckets.min())
+            self.drop_from = low if self.drop_from is None else min(self.drop_from, low)
+
 
 _ACK_IDS = re.compile(r"(?:[0-9]{1,18}\.[0-9]{1,9} )*")  # "seq.attempt" ids, each followed by a space
 
@@ -301,19 +389,20 @@ def _ack_sequences(ack_ids: list[str]) -> list[int]:
 class _Flight:
     """Deliveries of one bucket handed out together, still awaiting their acks.
 
-    ``Scheduler.in_flight`` maps each sequence to its flight: one object per batch
+    ``Scheduler.in_flight[gid]`` maps each sequence to its flight: one object per batch
     rather than a tuple per delivery, and an ack request that returns a whole batch in
     order (the usual case) reads the columns as they are. A sequence belongs to the
     flight ``in_flight`` maps it to; a redelivery is a new flight, so an older flight
     still listing the sequence no longer owns it.
     """
 
-    __slots__ = ("bucket", "subj", "at", "seqs", "offs", "dues", "attempts", "mids", "_pos")
+    __slots__ = ("bucket", "subj", "gid", "at", "seqs", "offs", "dues", "attempts", "mids", "_pos")
 
     def __init__(
         self,
         bucket: int,
         subj: int,
+        gid: int,
         at: int,
         seqs: list[int],
         offs: list[int],
@@ -323,6 +412,7 @@ class _Flight:
     ) -> None:
         self.bucket = bucket
         self.subj = subj
+        self.gid = gid
         self.at = at  # dispatched at (ms)
         self.seqs = seqs
         self.offs = offs
@@ -340,9 +430,9 @@ class _Flight:
         return self.attempts[self.index(seq)]
 
     def item(self, seq: int) -> tuple:
-        """(seq, off, bucket, due, attempt + 1, subj): the entry for its next attempt."""
+        """(seq, off, bucket, due, attempt + 1, subj, gid): the entry for its next attempt."""
         i = self.index(seq)
-        return (seq, self.offs[i], self.bucket, self.dues[i], self.attempts[i] + 1, self.subj)
+        return (seq, self.offs[i], self.bucket, self.dues[i], self.attempts[i] + 1, self.subj, self.gid)
 
     def columns(self, seqs: list[int]) -> tuple[list, list, list, list]:
         """(offs, dues, attempts, mids) of ``seqs``, all of this flight."""
@@ -371,16 +461,18 @@ class Scheduler:
         clock: Callable[[], int],
         done_before: int,
         reopened: set[int],
-        dead_letter: Callable[[records.Message, int, Callable[[Exception | None], None]], None] | None = None,
+        dead_letter: Callable[[records.Message, int, str, int, Callable[[Exception | None], None]], None] | None = None,
         closed_retired: int = 0,
         reopened_at: dict[int, int] | None = None,
+        groups: GroupTable | None = None,
+        legacy_upto: int = 0,
     ) -> None:
         self.schedule = schedule
         self.dispatch = dispatch
         self.cfg = config
         self.clock = clock
         self.dead_letter = dead_letter
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # apply_group -> add_group re-enter it
         self._wake = threading.Condition(self.lock)
         self.wheel = TimerWheel(config.tick_ms)
         self.buckets: dict[int, _Bucket] = {}
@@ -397,10 +489,23 @@ class Scheduler:
         self._horizon = done_before - config.scale_minutes  # highest bucket considered for loading
         self._subjects: list[str] = []
         self._subject_ids: dict[bytes, int] = {}
-        self._ready: dict[int, _Ready] = {}
+        self.groups = groups if groups is not None else GroupTable()
+        # messages up to this sequence were written before groups existed: a subject of
+        # theirs without a group gets the group "default", which inherits their DISPATCH
+        # records (docs/formats.md, upgrade)
+        self.legacy_upto = legacy_upto
+        self._targets_cache: dict[int, list[Group]] = {}
+        self._targets_version = -1
+        self._lanes: dict[tuple[int, int], _Lane] = {}  # (subject id, group id) -> lane
+        # subject id -> lowest bucket with entries that became due while it had no group
+        self._kept: dict[int, int] = {}
         self._ready_total = 0
-        self._rr: collections.deque[int] = collections.deque()  # subjects with ready work
-        self.in_flight: dict[int, _Flight] = {}  # seq -> the batch it was handed out in
+        self._rr: collections.deque[_Lane] = collections.deque()  # lanes with ready work
+        self._spilled: set[_Lane] = set()
+        self._partial_any = False  # some loaded bucket has entries closed for some groups only
+        self._fired_to = 0  # every wheel entry due at or before this has fired
+        # group id -> seq -> the batch it was handed out in
+        self.in_flight: dict[int, dict[int, _Flight]] = {}
         # (ack deadline, flights) per dispatched batch, in deadline order
         self._deadlines: collections.deque[tuple[int, list[_Flight]]] = collections.deque()
         self._retry_heap: list[tuple[int, int, tuple]] = []
@@ -480,6 +585,8 @@ class Scheduler:
             self._fire(now)
             self._expire(now)
         self._dispatch(now)
+        while self._reread():
+            self._dispatch(now)
         self._flush_dispatch(force=True)
         self._sync_dispatch()
         self._last_done_check = 0
@@ -497,6 +604,7 @@ class Scheduler:
                     self._fire(now)
                     self._expire(now)
                 more = self._dispatch(now)
+                more = self._reread() or more
                 self._flush_dispatch()
                 self._check_done(now)
                 with self.lock:
@@ -552,6 +660,8 @@ class Scheduler:
                 self.load_blocked = False
                 return False
             if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
+                self._relieve()
+            if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
                 if not self.load_blocked:
                     log.warning(
                         "loading paused: in-memory index is full",
@@ -564,13 +674,13 @@ class Scheduler:
             need_closed = not st.dispatch_ready
             start, stop = st.cursor, st.seg.size
         if need_closed:
-            closed, nclosed = self._read_closed(st.bucket, self.reopened_at.get(st.bucket, 0))
+            closed, counted = self._read_closed(st.bucket, self.reopened_at.get(st.bucket, 0))
             # A bucket loaded in several chunks fires its first entries before the loader
             # reaches the tombstones behind them: collect those tombstones first.
             tombstones = self._read_tombstones(st, start, stop) if stop - start > self.cfg.load_chunk_bytes else set()
             with self.lock:
                 st.closed = closed
-                st.nclosed = nclosed
+                st.counted = counted
                 st.cancelled |= tombstones
                 st.dispatch_ready = True
                 st.tombstones_known = True
@@ -584,7 +694,7 @@ class Scheduler:
             st.cursor = nxt
             if st.cursor >= st.seg.size:
                 st.complete = True
-                st.closed = None
+                st.closed = st.counted = None
                 self._maybe_done(st, now)
         return True
 
@@ -645,17 +755,19 @@ class Scheduler:
         with self.lock:
             self._open_buckets(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
 
-    def _read_closed(self, bucket: int, counted_below: int = 0) -> tuple[set[int], int]:
-        """Sequences the dispatch log of ``bucket`` says were delivered or dead-lettered, and
-        how many of them are closed only by records at or after offset ``counted_below``
-        (the closes not yet counted in ``closed_retired``).
+    def _read_closed(self, bucket: int, counted_below: int = 0) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+        """Per group name, the sequences the dispatch log of ``bucket`` says were delivered
+        or dead-lettered; and per group, those closed by records before offset
+        ``counted_below`` (closes already counted in ``closed_retired``).
 
         A torn tail is cut (only the last flush before a crash can be torn); a corrupt
         record in the middle is reported and stepped over: at worst its message is
         delivered again, which at-least-once allows, rather than the scheduler stopping.
         """
+        closed: dict[str, set[int]] = {}
+        counted: dict[str, set[int]] = {}
         if self.dispatch.get(bucket) is None:
-            return set(), 0
+            return closed, counted
         try:
             self.dispatch.recover(bucket, self.cfg.corruption)
         except CorruptRecord as err:
@@ -664,13 +776,9 @@ class Scheduler:
                 extra={"path": err.path, "offset": err.offset, "reason": err.reason},
             )
         seg = self.dispatch.get(bucket)
-        closed: set[int] = set()
-        before: set[int] | None = None
         pos = 0
         stop = seg.size
         while pos < stop:
-            if before is None and pos >= counted_below:
-                before = set(closed)
             try:
                 frames, pos = read_frames(seg, pos, stop)
             except CorruptRecord as err:
@@ -680,29 +788,136 @@ class Scheduler:
                 continue
             for f in frames:
                 if f.kind == RecordKind.DISPATCH:
-                    if before is None and f.offset >= counted_below:
-                        before = set(closed)
-                    closed.add(f.sequence)
-        if before is None:
-            before = set(closed)
-        return closed, len(closed) - len(before)
+                    name = records.dispatch_group(f.body)
+                    closed.setdefault(name, set()).add(f.sequence)
+                    if f.offset < counted_below:
+                        counted.setdefault(name, set()).add(f.sequence)
+        return closed, counted
+
+    # --- groups -----------------------------------------------------------------------------------
+
+    def _targets(self, sid: int, seq: int = 0) -> list[Group]:
+        """The groups of subject ``sid``, oldest ``since`` first (lock held). A subject of
+        data written before groups existed gets the group "default" (see legacy_upto)."""
+        if self._targets_version != self.groups.version:
+            self._targets_cache.clear()
+            self._targets_version = self.groups.version
+        got = self._targets_cache.get(sid)
+        if got is None:
+            got = sorted(self.groups.of_subject(self._subjects[sid]), key=lambda g: (g.since, g.gid))
+            if not got and (self.cfg.implicit_group or (seq and seq <= self.legacy_upto)):
+                self.groups.create(self._subjects[sid], self.cfg.implicit_group or records.DEFAULT_GROUP, self.clock())
+                return self._targets(sid)
+            self._targets_cache[sid] = got
+        return got
+
+    def _lane(self, sid: int, gid: int) -> _Lane:
+        lane = self._lanes.get((sid, gid))
+        if lane is None:
+            lane = self._lanes[(sid, gid)] = _Lane(sid, gid)
+            self.in_flight.setdefault(gid, {})
+        return lane
+
+    def apply_group(self, rec: records.Group, at_ms: int, seq: int) -> bool:
+        """Apply a GROUP record of sequence ``seq`` unless the table already reflects it
+        (a replay after a restart, or the master's own record passing the iterate
+        service); True if it changed something."""
+        with self.lock:
+            if seq <= self.groups.applied_seq:
+                return False
+            self.groups.applied_seq = seq
+            if rec.op == records.GroupOp.CREATE:
+                return self.add_group(rec.subject, rec.group, at_ms)
+            return self.remove_group(rec.subject, rec.group, at_ms)
+
+    def add_group(self, subject: str, name: str, at_ms: int) -> bool:
+        """Create a group (idempotent; True if it is new). A subject's first group takes
+        over what the subject kept with no group: its lane starts spilled, so the loaded
+        buckets are read back for it."""
+        with self.lock:
+            g, created = self.groups.create(subject, name, at_ms)
+            if not created:
+                return False
+            sid = self.subject_id(subject.encode())
+            kept = self._kept.pop(sid, None)
+            if kept is not None:
+                lane = self._lane(sid, g.gid)
+                lane.spilled = True
+                lane.drop_from = kept
+                self._spilled.add(lane)
+            self._wake.notify()
+            return True
+
+    def remove_group(self, subject: str, name: str, at_ms: int) -> bool:
+        """Delete a group: its ready entries, spill and deliveries in flight are dropped
+        (acks for them find nothing), and the buckets stop waiting for it."""
+        with self.lock:
+            g = self.groups.delete(subject, name, at_ms)
+            if g is None:
+                return False
+            for key in [k for k in self._lanes if k[1] == g.gid]:
+                lane = self._lanes.pop(key)
+                self._ready_total -= lane.ready.count
+                self._spilled.discard(lane)
+                if lane in self._rr:
+                    self._rr.remove(lane)
+            self.in_flight.pop(g.gid, None)
+            for st in self.buckets.values():
+                st.owed.pop(g.gid, None)
+                st.partial.pop(name, None)
+            self._wake.notify()
+            return True
+
+    def group_stats(self) -> list[dict]:
+        """Per group: ready (due, in memory), whether it spilled to disk, in flight."""
+        with self.lock:
+            out = []
+            for g in self.groups.all():
+                lanes = [ln for (sid, gid), ln in self._lanes.items() if gid == g.gid]
+                out.append(
+                    {
+                        "subject": g.subject,
+                        "group": g.name,
+                        "ready": sum(ln.ready.count for ln in lanes),
+                        "spilled": any(ln.spilled for ln in lanes),
+                        "in_flight": len(self.in_flight.get(g.gid, ())),
+                        "since": g.since,
+                        "created_ms": g.created_ms,
+                    }
+                )
+            return out
 
     def _index(self, st: _Bucket, frames: list[Frame]) -> Entries | None:
         due, seq, off, subj = [], [], [], []
-        closed = st.closed or ()
+        closed = st.closed or {}
+        counted = st.counted or {}
         with self.lock:
             for f in frames:
                 if f.kind == RecordKind.MESSAGE:
-                    if f.sequence in closed or f.sequence in st.cancelled:
+                    q = f.sequence
+                    if q in st.cancelled:
                         continue
                     d, subject, _mid = records.message_index_fields(f.body)
+                    sid = self.subject_id(subject)
+                    if closed:
+                        hit = [name for name, seqs in closed.items() if q in seqs]
+                        if hit:
+                            targets = [g for g in self._targets(sid, q) if g.since <= d]
+                            first = targets[0].name if targets else hit[0]
+                            if first in hit and q not in counted.get(first, ()):
+                                st.nclosed += 1
+                            if targets and all(g.name in hit for g in targets):
+                                continue  # closed for every group it is for
+                            for name in hit:
+                                st.partial.setdefault(name, set()).add(q)
+                            self._partial_any = True
                     due.append(d)
-                    seq.append(f.sequence)
+                    seq.append(q)
                     off.append(f.offset)
-                    subj.append(self.subject_id(subject))
+                    subj.append(sid)
                 elif f.kind == RecordKind.CANCEL:
                     st.cancelled.add(records.decode_cancel(f.body).target_sequence)
-            st.outstanding += len(due)
+            st.unfired += len(due)
         if not due:
             return None
         n = len(due)
@@ -768,7 +983,7 @@ class Scheduler:
                     self.wheel.add(rec.due, rec.sequence, rec.offset, rec.bucket, self.subject_id(rec.subject))
                     if sleeping_until is None or rec.due < sleeping_until:
                         wake = True
-                    st.outstanding += 1
+                    st.unfired += 1
                     st.done = False
                 st.cursor = rec.offset + rec.size
             for rec in written:
@@ -780,31 +995,120 @@ class Scheduler:
     # --- timer ------------------------------------------------------------------------------------
 
     def _fire(self, now: int) -> None:
+        """Move due entries from the wheel to the lanes of their subjects' groups (lock
+        held): every group the message is for gets it (fan-out)."""
+        self._fired_to = max(self._fired_to, now)
         due = self.wheel.pop_due(now)
         if len(due) == 0:
             return
+        buckets, counts = np.unique(due.bucket, return_counts=True)
+        for b, c in zip(buckets.tolist(), counts.tolist()):
+            st = self.buckets.get(b)
+            if st is not None:
+                st.unfired -= c
         # split by subject, keeping due order inside each subject
         order = np.argsort(due.subj, kind="stable")
         sorted_e = due.take(order)
         subjects, starts = np.unique(sorted_e.subj, return_index=True)
         bounds = list(starts[1:]) + [len(sorted_e)]
         for sid, lo, hi in zip(subjects.tolist(), starts.tolist(), bounds):
-            q = self._ready.get(sid)
-            if q is None:
-                q = self._ready[sid] = _Ready()
-            if q.count == 0:
-                self._rr.append(sid)
             part = sorted_e.take(slice(lo, hi))
-            q.chunks.append([part, 0])
-            q.count += hi - lo
-        self._ready_total += len(due)
+            targets = self._targets(sid, int(part.seq.min()))
+            if not targets:
+                # nobody to deliver to: the entries wait on disk for the subject's first group
+                low = int(part.bucket.min())
+                self._kept[sid] = min(low, self._kept.get(sid, low))
+                continue
+            for g in targets:
+                self._to_lane(self._lane(sid, g.gid), g, part)
+
+    def _to_lane(self, lane: _Lane, g: Group, part: Entries) -> None:
+        """Queue fired entries for one group (lock held): those it is for, not closed for
+        it already and not just read back; a spilled lane forgets them (they are on disk)."""
+        if g.since > int(part.due.min()):
+            part = part.take(part.due >= g.since)
+        if self._partial_any and len(part):
+            keep = np.ones(len(part), dtype=bool)
+            for b in np.unique(part.bucket).tolist():
+                st = self.buckets.get(b)
+                done_for_g = st.partial.get(g.name) if st is not None else None
+                if done_for_g:
+                    keep &= ~((part.bucket == b) & np.isin(part.seq, list(done_for_g)))
+            part = part.take(keep)
+        if lane.recent is not None:
+            if len(part):
+                part = part.take(~np.isin(part.seq, list(lane.recent)))
+            lane.recent = None
+        if not len(part):
+            return
+        if lane.spilled:
+            lane.dropped(part.bucket)
+            return
+        self._owe(g.gid, part.bucket, 1)
+        q = lane.ready
+        if q.count == 0:
+            self._rr.append(lane)
+        q.chunks.append([part, 0])
+        q.count += len(part)
+        self._ready_total += len(part)
+        if q.count > self._lane_bound():
+            self._spill(lane)
+
+    def _owe(self, gid: int, buckets: np.ndarray, sign: int) -> None:
+        """Count entries of ``gid`` held in memory per bucket, up (1) or down (-1)."""
+        if not len(buckets):
+            return
+        first = int(buckets[0])
+        if int(buckets[-1]) == first and (len(buckets) < 3 or bool((buckets == first).all())):
+            st = self.buckets.get(first)
+            if st is not None:
+                st.owe(gid, sign * len(buckets))
+            return
+        bs, cs = np.unique(buckets, return_counts=True)
+        for b, c in zip(bs.tolist(), cs.tolist()):
+            st = self.buckets.get(b)
+            if st is not None:
+                st.owe(gid, sign * c)
+
+    def _lane_bound(self) -> int:
+        """Entries one lane may hold ready: its own bound, and at most a quarter of the
+        whole in-memory budget, so that a few idle groups cannot fill it."""
+        return max(1, min(self.cfg.group_max_ready, self.cfg.max_loaded // 4))
+
+    def _relieve(self) -> None:
+        """The in-memory budget is full (lock held): the lanes holding the most ready entries
+        spill to disk until a quarter of it is free again, so that entries nobody takes
+        never stop the loader (and with it every other subject's deliveries)."""
+        target = self.cfg.max_loaded * 3 // 4
+        for lane in sorted(self._lanes.values(), key=lambda ln: ln.ready.count, reverse=True):
+            if len(self.wheel) + self._ready_total <= target or not lane.ready.chunks:
+                return
+            self._spill(lane)
+
+    def _spill(self, lane: _Lane) -> None:
+        """A lane over its bound forgets its queued entries (lock held); retries stay."""
+        dropped = lane.ready.drop_chunks()
+        n = sum(map(len, dropped))
+        self._ready_total -= n
+        for buckets in dropped:
+            self._owe(lane.gid, buckets, -1)
+            lane.dropped(buckets)
+        if not lane.spilled:
+            log.info(
+                "group over its in-memory bound: its due entries wait on disk",
+                extra={"subject": self._subjects[lane.sid], "gid": lane.gid, "dropped": n},
+            )
+        lane.spilled = True
+        self._spilled.add(lane)
 
     def _expire(self, now: int) -> None:
         """Deliveries not acknowledged in time go back for another attempt (or dead letters)."""
         while self._deadlines and self._deadlines[0][0] <= now:
             _deadline, flights = self._deadlines.popleft()
-            in_flight = self.in_flight
             for fl in flights:
+                in_flight = self.in_flight.get(fl.gid)
+                if in_flight is None:
+                    continue  # the group was deleted
                 for seq in fl.seqs:
                     if in_flight.get(seq) is not fl:
                         continue  # acknowledged, or handed out again since
@@ -825,16 +1129,182 @@ class Scheduler:
         heapq.heappush(self._retry_heap, (now + backoff, seq, item))
 
     def _requeue(self, item: tuple) -> None:
-        """Put a retry at the front of its subject's ready queue (lock held)."""
-        seq, off, bucket, due, attempt, subj = item
-        q = self._ready.get(subj)
-        if q is None:
-            q = self._ready[subj] = _Ready()
+        """Put a retry at the front of its lane (lock held); a deleted group's is dropped."""
+        seq, off, bucket, due, attempt, subj, gid = item
+        lane = self._lanes.get((subj, gid))
+        if lane is None:
+            return
+        q = lane.ready
         if q.count == 0:
-            self._rr.append(subj)
+            self._rr.append(lane)
         q.retries.append((seq, off, bucket, due, attempt))
         q.count += 1
         self._ready_total += 1
+
+    # --- reading back what spilled lanes keep on disk ----------------------------------------------
+
+    def _reread(self) -> bool:
+        """One chunk of a spilled lane's pass over the loaded buckets; True if it did work.
+
+        A pass reads back the lane's entries due at or before the time the pass began with
+        (everything due then had fired) that are neither in memory, nor closed for the
+        group (dispatch log and the records still buffered), nor cancelled. It stops while
+        the lane is at half its bound and goes on when the consumers have taken them.
+        """
+        limit = self._lane_bound()
+        sink = self.sink
+        if sink is None:
+            return False
+        with self.lock:
+            # only lanes whose consumers take deliveries now: an idle group's backlog stays
+            # on disk until credit returns
+            lane = next(
+                (
+                    ln
+                    for ln in self._spilled
+                    if ln.ready.count < limit // 2
+                    and (
+                        (g := self.groups.by_gid(ln.gid)) is None
+                        or sink.credit(self._subjects[ln.sid], g.name) > 0
+                        or (ln.walk is None and ln.drop_from is None)
+                    )
+                ),
+                None,
+            )
+            if lane is None:
+                return False
+            g = self.groups.by_gid(lane.gid)
+            if g is None or self._lanes.get((lane.sid, lane.gid)) is not lane:
+                self._spilled.discard(lane)
+                return True
+            if lane.walk is None:
+                if lane.drop_from is None:
+                    # nothing forgotten since the last pass began: the lane is whole again
+                    lane.spilled = False
+                    self._spilled.discard(lane)
+                    return True
+                lane.walk = _Pass(lane.drop_from, self._fired_to)
+                lane.drop_from = None
+            w = lane.walk
+            last = bucket_of(w.hi, self.cfg.scale_minutes)
+            nxt = min((b for b in self.buckets if w.bucket <= b <= last), default=None)
+            if nxt is None:
+                lane.walk = None  # the pass is over
+                return True
+            if nxt != w.bucket:
+                w.bucket, w.offset = nxt, 0
+            st = self.buckets[nxt]
+            start, stop = w.offset, st.cursor
+            closed_known = w.closed_bucket == nxt
+        if start >= stop:
+            with self.lock:
+                if lane.walk is w:
+                    w.bucket += self.cfg.scale_minutes
+                    w.offset = 0
+            return True
+        try:
+            cols = read_columns(st.seg, start, stop, self.cfg.load_chunk_bytes)
+            after = cols.base + cols.end
+        except CorruptRecord as err:  # reported by the loader; step over it here
+            cols = read_columns(st.seg, start, err.offset) if err.offset > start else None
+            rest = st.seg.read(err.offset, stop - err.offset)
+            found = framing.find_next_frame(rest, 1)
+            after = err.offset + found if found is not None else stop
+        picked = self._lane_rows(cols, self._subjects[lane.sid].encode(), g.since, w.hi) if cols else None
+        if not closed_known:
+            size, closes = self._group_closes(nxt, g.stored, 0)
+        with self.lock:
+            if lane.walk is not w:
+                return True
+            if not closed_known:
+                w.closed_bucket, w.closed_size, w.closed = nxt, size, closes
+            if picked is not None and len(picked[0]):
+                self._take_back(lane, g, st, w, *picked)
+            w.offset = after
+        return True
+
+    @staticmethod
+    def _lane_rows(cols, subject: bytes, since: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seqs, file offsets, due times) of the MESSAGE frames of ``cols`` of ``subject``
+        due in [since, hi]: checked column-wise on the frames' bytes."""
+        rows = (cols.kinds == RecordKind.MESSAGE) & (cols.dues <= hi) & (cols.dues >= since)
+        idx = np.flatnonzero(rows)
+        if len(idx):
+            raw = np.frombuffer(cols.data, dtype=np.uint8)
+            body = cols.starts[idx] + framing.HEADER_SIZE
+            slen = raw[body + 8].astype(np.int64) | (raw[body + 9].astype(np.int64) << 8)
+            idx = idx[slen == len(subject)]
+            if len(idx) and subject:
+                at = (cols.starts[idx] + framing.HEADER_SIZE + records.MESSAGE_FIXED.size)[:, None] + np.arange(
+                    len(subject)
+                )
+                want = np.frombuffer(subject, dtype=np.uint8)
+                idx = idx[(raw[at] == want).all(axis=1)]
+        return cols.seqs[idx], cols.starts[idx] + cols.base, cols.dues[idx]
+
+    def _group_closes(self, bucket: int, stored: bytes, start: int) -> tuple[int, set[int]]:
+        """(size read, sequences closed for the group stored as ``stored``) of the dispatch
+        log of ``bucket`` from ``start``."""
+        seg = self.dispatch.get(bucket)
+        if seg is None:
+            return 0, set()
+        size = seg.size
+        name = stored.decode() or records.DEFAULT_GROUP
+        closes: set[int] = set()
+        pos = start
+        while pos < size:
+            try:
+                frames, pos = read_frames(seg, pos, size)
+            except CorruptRecord as err:
+                rest = seg.read(err.offset, size - err.offset)
+                found = framing.find_next_frame(rest, 1)
+                pos = err.offset + found if found is not None else size
+                continue
+            closes.update(f.sequence for f in frames if records.dispatch_group(f.body) == name)
+        return size, closes
+
+    def _take_back(
+        self, lane: _Lane, g: Group, st: _Bucket, w: _Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
+    ) -> None:
+        """Queue entries read back for a spilled lane (lock held), minus those in memory,
+        closed or cancelled by now."""
+        size, more = self._group_closes(st.bucket, g.stored, w.closed_size)  # appended since
+        w.closed_size = max(w.closed_size, size)
+        w.closed |= more
+        pending = self.pending_dispatch(st.bucket)
+        if pending:
+            name = g.name
+            w_pending = {f.sequence for f in framing.iter_frames(pending) if records.dispatch_group(f.body) == name}
+        else:
+            w_pending = set()
+        held = lane.ready.in_memory()
+        held.update(self.in_flight.get(lane.gid, ()))
+        held.update(it[1] for it in self._retry_heap if it[2][6] == lane.gid)
+        held |= self.dead_lettering
+        skip = held | w.closed | w_pending | st.cancelled | self.cancelling | st.partial.get(g.name, set())
+        keep = ~np.isin(seqs, np.fromiter(skip, dtype=np.int64, count=len(skip))) if skip else None
+        if keep is not None:
+            seqs, offs, dues = seqs[keep], offs[keep], dues[keep]
+        if not len(seqs):
+            return
+        n = len(seqs)
+        e = Entries(
+            dues.astype(np.int64),
+            seqs.astype(np.int64),
+            offs.astype(np.int64),
+            np.full(n, st.bucket, dtype=np.int32),
+            np.full(n, lane.sid, dtype=np.int32),
+        )
+        q = lane.ready
+        if q.count == 0:
+            self._rr.append(lane)
+        q.chunks.append([e, 0])
+        q.count += n
+        self._ready_total += n
+        st.owe(lane.gid, n)
+        recent = set(seqs.tolist())
+        lane.recent = recent if lane.recent is None else lane.recent | recent
+        self._wake.notify()
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -863,22 +1333,25 @@ class Scheduler:
                 if not self._rr or self._stop:
                     break
                 for _ in range(len(self._rr)):
-                    sid = self._rr.popleft()
-                    q = self._ready[sid]
-                    name = self._subjects[sid]
-                    credit = sink.credit(name)
+                    lane = self._rr.popleft()
+                    g = self.groups.by_gid(lane.gid)
+                    if g is None or self._lanes.get((lane.sid, lane.gid)) is not lane:
+                        continue  # the group was deleted
+                    q = lane.ready
+                    name = self._subjects[lane.sid]
+                    credit = sink.credit(name, g.name)
                     n = min(credit, self.cfg.dispatch_quantum, q.count)
                     n = self._take_tokens(n) if n > 0 else 0
                     if n > 0:
                         seqs, offs, buckets, dues, attempts = q.take(n)
                         self._ready_total -= len(seqs)
-                        out = self._prepare(sid, name, seqs, offs, buckets, dues, attempts, now)
+                        out = self._prepare(lane, g, name, seqs, offs, buckets, dues, attempts, now)
                         if out is not None:
                             batches.append(out)
                     if q.count > 0:
-                        self._rr.append(sid)
+                        self._rr.append(lane)
             for out in batches:
-                sink.deliver(out.subject, out)
+                sink.deliver(out.subject, out.group, out)
             rounds += 1
             if not batches:
                 return False
@@ -888,7 +1361,8 @@ class Scheduler:
 
     def _prepare(
         self,
-        sid: int,
+        lane: _Lane,
+        g: Group,
         name: str,
         seqs: list[int],
         offs: list[int],
@@ -897,20 +1371,20 @@ class Scheduler:
         attempts: list[int],
         now: int,
     ) -> Deliveries | None:
-        """Turn ready items (columns, all of subject ``sid``) into deliveries (lock held):
-        drop cancelled ones, read the records back, register them as in flight.
+        """Turn ready items (columns, all of one lane) into deliveries (lock held): drop
+        cancelled ones, read the records back, register them as in flight for the group.
 
         This is the per-message hot path of a burst, so it works on columns: no object or
         tuple per delivery except the in-flight entry an ack needs.
         """
         first = buckets[0]
         if buckets.count(first) == len(buckets):
-            groups = [(first, seqs, offs, dues, attempts)]
+            by_bucket = [(first, seqs, offs, dues, attempts)]
         else:
             where: dict[int, list[int]] = {}
             for i, b in enumerate(buckets):
                 where.setdefault(b, []).append(i)
-            groups = [
+            by_bucket = [
                 (b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx], [attempts[i] for i in idx])
                 for b, idx in where.items()
             ]
@@ -920,9 +1394,10 @@ class Scheduler:
         o_mids: list[bytes] = []
         o_payloads: list[bytes] = []
         o_headers: list[dict[str, str] | None] = []
-        in_flight = self.in_flight
+        gid = lane.gid
+        in_flight = self.in_flight[gid]
         flights: list[_Flight] = []
-        for bucket, g_seqs, g_offs, g_dues, g_attempts in groups:
+        for bucket, g_seqs, g_offs, g_dues, g_attempts in by_bucket:
             st = self.buckets.get(bucket)
             if st is None:
                 continue  # cannot happen for indexed entries; guards against a dropped bucket
@@ -931,7 +1406,7 @@ class Scheduler:
                 keep = [i for i, q in enumerate(g_seqs) if q not in cancelled and q not in cancelling]
                 if len(keep) < len(g_seqs):
                     skipped = len(g_seqs) - len(keep)
-                    st.outstanding -= skipped
+                    st.owe(gid, -skipped)
                     self.cancel_skipped += skipped
                     g_seqs, g_offs, g_dues, g_attempts = (
                         [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts)
@@ -942,14 +1417,14 @@ class Scheduler:
             if None in mids:  # unreadable records: reported by _read_group, never served
                 keep = [i for i, m in enumerate(mids) if m is not None]
                 bad = len(mids) - len(keep)
-                st.outstanding -= bad
+                st.owe(gid, -bad)
                 self.corrupt_skipped += bad
                 g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers = (
                     [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers)
                 )
                 if not g_seqs:
                     continue
-            fl = _Flight(bucket, sid, now, g_seqs, g_offs, g_dues, g_attempts, mids)
+            fl = _Flight(bucket, lane.sid, gid, now, g_seqs, g_offs, g_dues, g_attempts, mids)
             in_flight.update(zip(g_seqs, itertools.repeat(fl)))
             flights.append(fl)
             o_seqs += g_seqs
@@ -966,7 +1441,7 @@ class Scheduler:
             lateness = [now - d for d, a in zip(o_dues, o_attempts) if a == 1]
             if lateness:
                 self.on_dispatch(lateness)
-        return Deliveries(
+        out = Deliveries(
             name,
             [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
             o_mids,
@@ -975,7 +1450,9 @@ class Scheduler:
             o_dues,
             now,
             o_attempts,
+            g.name,
         )
+        return out
 
     def _read_group(self, st: _Bucket, seqs: list[int], offs: list[int]) -> tuple[list, list, list]:
         """Message ids (bytes), payloads and headers (dict or None) of the records of one
@@ -1145,14 +1622,26 @@ class Scheduler:
 
     # --- acknowledgements and the dispatch log ------------------------------------------------------
 
-    def ack(self, ack_ids: list[str]) -> int:
-        """Close acknowledged deliveries: one lock hold and one encode per bucket for the
-        whole request, the DISPATCH frames buffered for the loop to write and fsync."""
+    def gid_of(self, subject: str, group: str) -> int | None:
+        with self.lock:
+            g = self.groups.get(subject, group)
+            return None if g is None else g.gid
+
+    def ack(self, ack_ids: list[str], gid: int | None = None) -> int:
+        """Close acknowledged deliveries of group ``gid`` (None: the group of the subject
+        that has only one, for tests and tools): one lock hold and one encode per bucket
+        for the whole request, the DISPATCH frames buffered for the loop to write and fsync."""
         now = self.clock()
         seqs = _ack_sequences(ack_ids)
         with self.lock:
             # an id already acknowledged, expired or from another server finds nothing
-            flights = list(map(self.in_flight.pop, seqs, itertools.repeat(None)))
+            if gid is None:
+                flights = [self._pop_flight(q) for q in seqs]
+            else:
+                in_flight = self.in_flight.get(gid)
+                if in_flight is None:
+                    return 0
+                flights = list(map(in_flight.pop, seqs, itertools.repeat(None)))
             first = flights[0] if flights else None
             if first is not None and flights.count(first) == len(flights):
                 groups = [(first, seqs)]  # the usual case: one batch acknowledged as handed out
@@ -1168,7 +1657,16 @@ class Scheduler:
             for fl, got in groups:
                 offs, dues, attempts, mids = fl.columns(got)
                 self._record_many(
-                    fl.bucket, got, dues, [fl.at] * len(got), offs, attempts, mids, records.Outcome.DELIVERED, now
+                    fl.bucket,
+                    got,
+                    dues,
+                    [fl.at] * len(got),
+                    offs,
+                    attempts,
+                    mids,
+                    records.Outcome.DELIVERED,
+                    now,
+                    fl.gid,
                 )
                 n += len(got)
             if n:
@@ -1176,10 +1674,25 @@ class Scheduler:
                 self._wake.notify()
         return n
 
-    def release(self, ack_ids: list[str]) -> int:
+    def _pop_flight(self, seq: int) -> _Flight | None:
+        """The flight of ``seq`` in whichever group has it (removed), or None."""
+        for flights in self.in_flight.values():
+            fl = flights.pop(seq, None)
+            if fl is not None:
+                return fl
+        return None
+
+    def in_flight_count(self) -> int:
+        return sum(map(len, self.in_flight.values()))
+
+    def is_in_flight(self, seq: int) -> bool:
+        """Handed out to some group and not yet acknowledged (lock held)."""
+        return any(seq in flights for flights in self.in_flight.values())
+
+    def release(self, ack_ids: list[str], gid: int | None = None) -> int:
         """Give back deliveries a consumer will not acknowledge (its stream ended).
 
-        Each one still in flight *with that attempt* goes back to its subject's ready queue
+        Each one still in flight *with that attempt* goes back to its lane's ready queue
         at once, as attempt + 1 (a redelivery, without the ack timeout or backoff); one that
         used its ``max_attempts`` goes to the dead-letter path, like an expiry. Ids of an
         older attempt, or of deliveries already acknowledged or expired, are ignored.
@@ -1188,13 +1701,18 @@ class Scheduler:
         now = self.clock()
         n = 0
         with self.lock:
-            in_flight = self.in_flight
+            parsed = []
             for ack_id in ack_ids:
                 seq_text, _, attempt_text = ack_id.partition(".")
                 try:
-                    seq, attempt = int(seq_text), int(attempt_text)
+                    parsed.append((int(seq_text), int(attempt_text)))
                 except ValueError:
                     continue
+            for seq, attempt in parsed:
+                if gid is None:
+                    in_flight = next((m for m in self.in_flight.values() if seq in m), {})
+                else:
+                    in_flight = self.in_flight.get(gid, {})
                 fl = in_flight.get(seq)
                 if fl is None or fl.attempt_of(seq) != attempt:
                     continue
@@ -1210,21 +1728,6 @@ class Scheduler:
                 self._wake.notify()
         return n
 
-    def _record(
-        self,
-        bucket: int,
-        seq: int,
-        due: int,
-        dispatched_at: int,
-        off: int,
-        attempt: int,
-        outcome: int,
-        message_id: str,
-        now: int,
-    ) -> None:
-        """Buffer a DISPATCH record (lock held); the loop writes and fsyncs it shortly."""
-        self._record_many(bucket, [seq], [due], [dispatched_at], [off], [attempt], [message_id.encode()], outcome, now)
-
     def _record_many(
         self,
         bucket: int,
@@ -1236,20 +1739,30 @@ class Scheduler:
         mids: list[bytes],
         outcome: int,
         now: int,
+        gid: int,
     ) -> None:
-        """Buffer DISPATCH records of messages of ``bucket`` (lock held), given as columns;
-        the loop writes and fsyncs them shortly."""
+        """Buffer DISPATCH records of messages of ``bucket`` closed for group ``gid`` (lock
+        held), given as columns; the loop writes and fsyncs them shortly."""
+        g = self.groups.by_gid(gid)
+        if g is None:
+            return  # deleted meanwhile: nothing to record for it
         buf = self._dispatch_buf.get(bucket)
         if buf is None:
             buf = self._dispatch_buf[bucket] = bytearray()
             if len(self._dispatch_buf) == 1:
                 self._dispatch_first = time.monotonic()
-        buf += records.encode_dispatch_frames(seqs, dues, dispatched_at, offs, attempts, mids, now, outcome)
+        buf += records.encode_dispatch_frames(seqs, dues, dispatched_at, offs, attempts, mids, now, outcome, g.stored)
+        # a close counts for ``pending`` when it is by the subject's first group, the one
+        # every message of the subject that has a group at all is for
+        sid = self.subject_id(g.subject.encode())
+        targets = self._targets(sid)
+        counts = bool(targets) and targets[0].gid == gid
         st = self.buckets.get(bucket)
         if st is not None:
-            st.outstanding -= len(seqs)
-            st.nclosed += len(seqs)
-        else:
+            st.owe(gid, -len(seqs))
+            if counts:
+                st.nclosed += len(seqs)
+        elif counts:
             self.closed_retired += len(seqs)
 
     def closed_total(self) -> int:
@@ -1348,12 +1861,25 @@ class Scheduler:
                     self._maybe_done(st, now)
             self._advance_done(now)
 
+    def _spill_floor(self) -> int:
+        """The lowest bucket that may hold entries some group keeps on disk only (lock held):
+        no bucket at or above it is done."""
+        floor = min(self._kept.values(), default=2**62)
+        for lane in self._spilled:
+            if lane.drop_from is not None:
+                floor = min(floor, lane.drop_from)
+            if lane.walk is not None:
+                floor = min(floor, lane.walk.bucket)
+        return floor
+
     def _maybe_done(self, st: _Bucket, now: int) -> None:
         end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE
         if (
             st.complete
-            and st.outstanding <= 0
+            and st.unfired <= 0
+            and not any(st.owed.values())
             and now >= end
+            and st.bucket < self._spill_floor()
             and st.bucket not in self._dispatch_buf
             and st.bucket not in self._writing
             and st.bucket not in self._write_gen
@@ -1393,15 +1919,17 @@ class Scheduler:
     # --- dead letters -------------------------------------------------------------------------------
 
     def _dead_letter(self, seq: int, item: tuple, now: int) -> None:
-        """Move a message that failed ``max_attempts`` times to the dead-letter subject (lock held).
+        """Move a message that failed ``max_attempts`` times for a group to the dead-letter
+        subject (lock held).
 
         The copy goes through the message log like any send; only once it is durable is the
-        original closed with a DEAD_LETTERED dispatch record, so a crash in between delivers
-        the original again rather than losing it.
+        original closed for that group with a DEAD_LETTERED dispatch record, so a crash in
+        between delivers the original again rather than losing it.
         """
-        _seq, off, bucket, due, attempt, subj = item
+        _seq, off, bucket, due, attempt, subj, gid = item
         st = self.buckets.get(bucket)
-        if st is None or self.dead_letter is None:
+        g = self.groups.by_gid(gid)
+        if st is None or self.dead_letter is None or g is None:
             return
         try:
             msg = records.decode_message(st.seg.read_frame(off).body)
@@ -1409,7 +1937,7 @@ class Scheduler:
             log.error(
                 "corrupt schedule record; it cannot be dead-lettered", extra={"path": err.path, "offset": err.offset}
             )
-            st.outstanding -= 1
+            st.owe(gid, -1)
             self.corrupt_skipped += 1
             return
 
@@ -1417,16 +1945,17 @@ class Scheduler:
             with self.lock:
                 self.dead_lettering.discard(seq)
                 if error is None:
-                    self._record(
+                    self._record_many(
                         bucket,
-                        seq,
-                        due,
-                        now,
-                        off,
-                        attempt - 1,
+                        [seq],
+                        [due],
+                        [now],
+                        [off],
+                        [attempt - 1],
+                        [msg.message_id.encode()],
                         records.Outcome.DEAD_LETTERED,
-                        msg.message_id,
                         self.clock(),
+                        gid,
                     )
                     self.dead_lettered += 1
                 else:  # try again later; the message stays pending meanwhile
@@ -1435,7 +1964,7 @@ class Scheduler:
 
         self.dead_lettering.add(seq)
         try:
-            self.dead_letter(msg, seq, done)
+            self.dead_letter(msg, seq, g.name, attempt - 1, done)
         except QdelayError as err:
             self.dead_lettering.discard(seq)
             log.warning("dead-letter write refused; will retry", extra={"error": str(err)})
@@ -1448,7 +1977,7 @@ class Scheduler:
             return {
                 "wheel_size": len(self.wheel),
                 "ready": self._ready_total,
-                "in_flight": len(self.in_flight),
+                "in_flight": self.in_flight_count(),
                 "loaded_buckets": len(self.buckets),
                 "done_before": self.done_before,
                 "reopened": len(self.reopened),
@@ -1468,4 +1997,5 @@ class Scheduler:
                 "reopened": sorted(self.reopened),
                 "closed_retired": self.closed_retired,
                 "reopened_at": [[b, n] for b, n in sorted(self.reopened_at.items())],
+                **self.groups.state(),
             }

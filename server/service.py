@@ -27,6 +27,7 @@ from qdelay.server.validation import (
     decode_batch,
     encode_messages,
     validate_cancel_batch,
+    validate_change_group,
     validate_receipt,
     validate_reschedule,
     validate_subscribe,
@@ -340,6 +341,15 @@ class DelayService(pb_grpc.DelayServiceServicer):
         return resp
 
     @status.unary
+    async def ChangeGroup(self, request, context):
+        op, subject, group = validate_change_group(request, self.limits)
+        if op == pb.ChangeGroupRequest.CREATE:
+            changed = await self.engine.ensure_group(subject, group)
+        else:
+            changed = await self.engine.delete_group(subject, group)
+        return pb.ChangeGroupResponse(changed=changed)
+
+    @status.unary
     async def Stats(self, request, context):
         s = self.engine.stats()
         lag = s.get("replication_lag_bytes", -1)
@@ -350,6 +360,17 @@ class DelayService(pb_grpc.DelayServiceServicer):
             role=str(s.get("role", self.cfg.role)),
             epoch=int(s.get("epoch", 0)),
             replication_lag_bytes=-1 if lag is None else int(lag),
+            groups=[
+                pb.GroupStats(
+                    subject=g["subject"],
+                    group=g["group"],
+                    consumers=self.consumers.consumers(g["subject"], g["group"]) if self.consumers else 0,
+                    backlog=g["ready"],
+                    in_flight=g["in_flight"],
+                    backlog_on_disk=g["spilled"],
+                )
+                for g in self.engine.groups()
+            ],
         )
 
     @status.unary
@@ -385,9 +406,12 @@ class DelayService(pb_grpc.DelayServiceServicer):
         if self.closing:
             raise ShuttingDown("the server is shutting down; subscribe again elsewhere or later")
         window = min(first.max_in_flight or self.cfg.default_max_in_flight, MAX_IN_FLIGHT_CAP)
+        engine = self.engine
+        # the first Subscribe of a group creates it (durably): from now on every message of
+        # the subject that becomes due is delivered to it too
+        await engine.ensure_group(subject, group)
         registry = self.consumers
         sub = registry.register(subject, group, window, context.peer())
-        engine = self.engine
         metrics = self.metrics
         if first.ack_ids:
             self._ack(sub, list(first.ack_ids))
@@ -432,13 +456,13 @@ class DelayService(pb_grpc.DelayServiceServicer):
         finally:
             reader.cancel()
             left = registry.unregister(sub)
-            release = getattr(engine, "release", None)
-            if left and release is not None:
-                release(left)  # hand the unacknowledged deliveries out again now, not after the timeout
+            if left:
+                # hand the unacknowledged deliveries out again now, not after the timeout
+                engine.release(left, sub.subject, sub.group)
             engine.notify_credit()
 
     def _ack(self, sub, ack_ids: list[str]) -> None:
         self.consumers.acked(sub, ack_ids)
         self.metrics.acks.inc(len(ack_ids))
-        if self.engine.ack(ack_ids) < len(ack_ids):
+        if self.engine.ack(ack_ids, sub.subject, sub.group) < len(ack_ids):
             self.engine.notify_credit()  # engine.ack wakes the dispatcher only for acks it recorded

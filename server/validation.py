@@ -312,10 +312,30 @@ def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int, int]]
     return targets
 
 
+# DISPATCH records store a group's name with a one-byte length (docs/formats.md)
+MAX_GROUP_LEN = 255
+
+
+def check_group(group: str, limits: Limits) -> None:
+    most = min(limits.max_subject_len, MAX_GROUP_LEN)
+    if len(group) > most or not _SUBJECT_CHARS.fullmatch(group):
+        raise InvalidArgument(f"group: 1-{most} characters of [A-Za-z0-9._-]")
+
+
 def validate_subscribe(request, limits: Limits) -> tuple[str, str]:
     subject = request.subject
     check_subject(subject, limits, "subject")
     group = request.group or "default"
-    if len(group) > limits.max_subject_len or not _SUBJECT_CHARS.fullmatch(group):
-        raise InvalidArgument(f"group: 1-{limits.max_subject_len} characters of [A-Za-z0-9._-]")
+    check_group(group, limits)
     return subject, group
+
+
+def validate_change_group(request, limits: Limits) -> tuple[int, str, str]:
+    """(op, subject, group) of a ChangeGroupRequest."""
+    if request.op not in (1, 2):
+        raise InvalidArgument("ChangeGroupRequest.op: CREATE or DELETE")
+    check_subject(request.subject, limits, "subject")
+    if not request.group:
+        raise InvalidArgument("ChangeGroupRequest.group: required")
+    check_group(request.group, limits)
+    return request.op, request.subject, request.group

@@ -77,14 +77,15 @@ def main() -> None:
             checkpoint_interval_ms=50,
             ack_timeout_ms=60_000,
             segment_bytes=1024 * 1024,
+            implicit_group="default",
         )
     )
 
     class PrintingSink:
-        def credit(self, subject: str) -> int:
+        def credit(self, subject: str, group: str = "default") -> int:
             return 1 << 30
 
-        def deliver(self, subject, deliveries) -> None:
+        def deliver(self, subject, group, deliveries) -> None:
             now = engine.clock()
             emit(
                 [f"D {d.ack_id.split('.')[0]} {d.message_id} {d.attempt} {d.deliver_at_ms} {now}\n" for d in deliveries]

@@ -77,10 +77,10 @@ class CollectingSink:
         self.batches: list[tuple[str, int]] = []  # (subject, size) in call order
         self.lock = threading.Lock()
 
-    def credit(self, subject: str) -> int:
+    def credit(self, subject: str, group: str = "default") -> int:
         return self.per_subject.get(subject, self.default_credit)
 
-    def deliver(self, subject: str, deliveries) -> None:
+    def deliver(self, subject: str, group: str, deliveries) -> None:
         now = self.clock() if self.clock is not None else deliveries[0].dispatched_at_ms
         with self.lock:
             n = len(self.batches)
@@ -120,6 +120,7 @@ def message(subject: str, due: int, mid: str, payload: bytes = b"p", headers: di
 def config(data_dir: str, **kw) -> EngineConfig:
     kw.setdefault("cleaner_enabled", False)
     kw.setdefault("flush", "sync")
+    kw.setdefault("implicit_group", "default")  # in-process sinks take every subject's messages
     return EngineConfig(data_dir=str(data_dir), **kw)
 
 

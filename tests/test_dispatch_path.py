@@ -129,8 +129,8 @@ def test_ack_ids_parse_like_int_of_the_part_before_the_dot():
 def test_a_flight_gives_the_columns_of_any_of_its_sequences():
     from qdelay.server.scheduler import _Flight
 
-    fl = _Flight(7, 0, 99, [10, 11, 12, 13], [0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
+    fl = _Flight(7, 0, 1, 99, [10, 11, 12, 13], [0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
     assert fl.columns([10, 11, 12, 13]) == ([0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
     assert fl.columns([11, 12]) == ([5, 9], [2, 3], [1, 2], [b"b", b"c"])
     assert fl.columns([13, 10]) == ([14, 0], [4, 1], [1, 1], [b"d", b"a"])
-    assert fl.item(12) == (12, 9, 7, 3, 3, 0) and fl.attempt_of(12) == 2
+    assert fl.item(12) == (12, 9, 7, 3, 3, 0, 1) and fl.attempt_of(12) == 2

@@ -32,7 +32,7 @@ _LOG_DIRS = {"message": naming.MESSAGE_DIR, "schedule": naming.SCHEDULE_DIR, "di
 _SUFFIX = {"schedule": naming.SCHEDULE_SUFFIX, "dispatch": naming.DISPATCH_SUFFIX}
 # the record kinds each log may hold
 ALLOWED_KINDS = {
-    "message": {RecordKind.MESSAGE, RecordKind.CANCEL},
+    "message": {RecordKind.MESSAGE, RecordKind.CANCEL, RecordKind.GROUP},
     "schedule": {RecordKind.MESSAGE, RecordKind.CANCEL},
     "dispatch": {RecordKind.DISPATCH},
 }
@@ -276,7 +276,10 @@ def record_fields(item: Item) -> dict:
             schedule_offset=rec.schedule_offset,
             attempt=rec.attempt,
             outcome=outcome_name(rec.outcome),
+            group=rec.group,
         )
+    elif isinstance(rec, records.Group):
+        out.update(op=records.GroupOp(rec.op).name, subject=rec.subject, group=rec.group, created_ms=f.timestamp)
     else:
         out.update(timestamp_ms=f.timestamp)
     if item.error:

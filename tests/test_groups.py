@@ -1,0 +1,245 @@
+"""Consumer groups against a real server: every group gets every message (fan-out), the
+consumers of one group compete, a group created later receives from its creation on, a
+subject with no group keeps its messages for the first one, deletion drops a group's
+backlog, redelivery and dead letters are per group, and groups survive restarts."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+from serverproc import ServerProc
+
+_subjects = itertools.count(1)
+
+
+def subject() -> str:
+    return f"grp{next(_subjects)}.{int(time.time() * 1000) % 100000}"
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("groups") / "data"
+    with ServerProc(data, args=["--set", "engine.ack_timeout_ms=1000", "--set", "engine.retry_backoff_ms=0"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = server.client(timeout=20)
+    yield c
+    c.close()
+
+
+class Collector:
+    """Consumers of one group on background threads, acking what they get."""
+
+    def __init__(self, client, subj: str, group: str, consumers: int = 1, ack: bool = True) -> None:
+        self.got: list[tuple[str, int, dict]] = []  # (message id, attempt, headers)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.subs = [client.subscribe(subj, group=group, max_in_flight=500) for _ in range(consumers)]
+        self.threads = [threading.Thread(target=self._run, args=(s, ack), daemon=True) for s in self.subs]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, sub, ack: bool) -> None:
+        while not self.stop.is_set():
+            batch = sub.receive(500, timeout=0.2)
+            with self.lock:
+                self.got += [(d.message_id, d.attempt, dict(d.headers)) for d in batch]
+            if batch and ack:
+                sub.ack(batch)
+
+    def ids(self) -> list[str]:
+        with self.lock:
+            return [m for m, _a, _h in self.got]
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+        for s in self.subs:
+            s.close()
+
+
+def test_every_group_gets_every_message_and_consumers_compete_inside_one(client):
+    s = subject()
+    groups = {name: Collector(client, s, name, consumers=2) for name in ("billing", "notify", "audit")}
+    try:
+        assert wait_for(lambda: len([g for g in client.groups() if g["subject"] == s]) == 3)
+        receipts = client.send_batch([client.message(s, b"%d" % i, delay_ms=200) for i in range(300)])
+        ids = sorted(r.message_id for r in receipts)
+        for name, col in groups.items():
+            assert wait_for(lambda col=col: len(set(col.ids())) == 300), (name, len(col.ids()))
+        time.sleep(0.5)  # anything delivered twice would show up by now (the acks were sent)
+        for name, col in groups.items():
+            got = col.ids()
+            assert sorted(got) == ids, f"group {name}: {len(got)} deliveries for 300 messages"
+    finally:
+        for col in groups.values():
+            col.close()
+    stats = {g["group"]: g for g in client.groups() if g["subject"] == s}
+    assert set(stats) == {"billing", "notify", "audit"}
+    assert all(g["backlog"] == 0 and g["in_flight"] == 0 for g in stats.values())
+
+
+def test_a_group_created_later_receives_what_becomes_due_from_then_on(client):
+    s = subject()
+    first = Collector(client, s, "first")
+    try:
+        early = [r.message_id for r in client.send_batch([client.message(s, b"e", delay_ms=0) for _ in range(20)])]
+        assert wait_for(lambda: sorted(first.ids()) == sorted(early))
+        assert client.create_group(s, "second") is True
+        assert client.create_group(s, "second") is False  # exists already
+        second = Collector(client, s, "second")
+        try:
+            late = [r.message_id for r in client.send_batch([client.message(s, b"l", delay_ms=0) for _ in range(20)])]
+            assert wait_for(lambda: sorted(second.ids()) == sorted(late))
+            assert wait_for(lambda: sorted(first.ids()) == sorted(early + late))
+            time.sleep(0.3)
+            assert sorted(second.ids()) == sorted(late), "the second group got messages due before it existed"
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_subject_without_groups_keeps_its_due_messages_for_the_first_one(client):
+    s = subject()
+    ids = [r.message_id for r in client.send_batch([client.message(s, b"k", delay_ms=0) for _ in range(50)])]
+    time.sleep(0.3)  # due and fired with nobody to take them
+    col = Collector(client, s, "late-comer")
+    try:
+        assert wait_for(lambda: sorted(col.ids()) == sorted(ids))
+    finally:
+        col.close()
+
+
+def test_deleting_a_group_drops_its_backlog_and_spares_the_others(client):
+    s = subject()
+    client.create_group(s, "keep")
+    client.create_group(s, "drop")
+    ids = [r.message_id for r in client.send_batch([client.message(s, b"d", delay_ms=0) for _ in range(30)])]
+    assert wait_for(
+        lambda: (
+            {g["group"]: g["backlog"] for g in client.groups() if g["subject"] == s}
+            == {
+                "keep": 30,
+                "drop": 30,
+            }
+        )
+    )
+    assert client.delete_group(s, "drop") is True
+    assert client.delete_group(s, "drop") is False
+    assert [g["group"] for g in client.groups() if g["subject"] == s] == ["keep"]
+    col = Collector(client, s, "keep")
+    try:
+        assert wait_for(lambda: sorted(col.ids()) == sorted(ids))
+    finally:
+        col.close()
+    assert client.get(message_id=ids[0]).state == "DELIVERED"
+
+
+def test_redelivery_and_dead_letters_are_per_group(tmp_path):
+    args = [
+        "--set",
+        "engine.ack_timeout_ms=300",
+        "--set",
+        "engine.retry_backoff_ms=0",
+        "--set",
+        "engine.max_attempts=2",
+    ]
+    with ServerProc(tmp_path / "data", args=args) as srv:
+        c = srv.client(timeout=20)
+        s = subject()
+        good = Collector(c, s, "acks")
+        bad = Collector(c, s, "never-acks", ack=False)
+        dlq = Collector(c, "DLQ." + s, "ops")
+        try:
+            assert wait_for(lambda: len([g for g in c.groups() if g["subject"] == s]) == 2)
+            ids = [r.message_id for r in c.send_batch([c.message(s, b"x", delay_ms=0) for _ in range(10)])]
+            assert wait_for(lambda: sorted(dlq.ids()) == sorted(ids), timeout=30), dlq.ids()
+            assert sorted(good.ids()) == sorted(ids), "the acking group got each message once"
+            attempts = sorted(a for _m, a, _h in bad.got)
+            assert attempts == [1] * 10 + [2] * 10, "the other group had two attempts of each"
+            headers = dlq.got[0][2]
+            assert headers["qdelay-dead-letter-of-group"] == "never-acks"
+            assert headers["qdelay-dead-letter-of-attempts"] == "2"
+        finally:
+            for col in (good, bad, dlq):
+                col.close()
+        c.close()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_groups_and_their_progress_survive_a_restart(tmp_path, how):
+    with ServerProc(tmp_path / "data", args=["--set", "engine.ack_timeout_ms=1000"]) as srv:
+        c = srv.client(timeout=20)
+        s = subject()
+        c.create_group(s, "fast")
+        c.create_group(s, "slow")
+        ids = [r.message_id for r in c.send_batch([c.message(s, b"r", delay_ms=0) for _ in range(40)])]
+        fast = Collector(c, s, "fast")
+        try:
+            assert wait_for(lambda: sorted(fast.ids()) == sorted(ids))
+            time.sleep(0.3)  # the acks' DISPATCH records reach the disk (fsynced within ms)
+        finally:
+            fast.close()
+        c.close()
+        if how == "sigkill":
+            srv.kill9()
+        else:
+            assert srv.stop() == 0
+        srv.start()
+        c = srv.client(timeout=20)
+        assert sorted(g["group"] for g in c.groups() if g["subject"] == s) == ["fast", "slow"]
+        slow = Collector(c, s, "slow")
+        fast = Collector(c, s, "fast")
+        try:
+            assert wait_for(lambda: sorted(slow.ids()) == sorted(ids))
+            time.sleep(0.5)
+            assert fast.ids() == [], "the group that had acknowledged everything got messages again"
+        finally:
+            slow.close()
+            fast.close()
+        c.close()
+
+
+@pytest.mark.parametrize("idle", ["no-group", "idle-group"])
+def test_a_backlog_nobody_takes_does_not_stop_other_subjects(tmp_path, idle):
+    """Issue 14's report: with the in-memory index bounded at 20,000 entries, 60,000 due
+    messages of a subject nobody consumes stopped every other subject's deliveries."""
+    with ServerProc(tmp_path / "data", args=["--set", "engine.max_loaded=20000"]) as srv:
+        c = srv.client(timeout=30)
+        stuck = subject()
+        if idle == "idle-group":
+            c.create_group(stuck, "nobody-home")
+        for _k in range(12):
+            c.send_batch([c.message(stuck, b"s", delay_ms=0) for _ in range(5000)])
+        live = subject()
+        col = Collector(c, live, "live")
+        try:
+            ids = [r.message_id for r in c.send_batch([c.message(live, b"l", delay_ms=2000) for _ in range(100)])]
+            assert wait_for(lambda: sorted(col.ids()) == sorted(ids), timeout=15), len(col.ids())
+        finally:
+            col.close()
+        # and when a consumer of the stuck subject comes, it gets the whole backlog from disk
+        late = Collector(c, stuck, "nobody-home")
+        try:
+            assert wait_for(lambda: len(set(late.ids())) == 60_000, timeout=60), len(set(late.ids()))
+        finally:
+            late.close()
+        assert len(late.ids()) == 60_000, "some of the backlog came twice"
+        c.close()
