@@ -248,7 +248,7 @@ class App:
         log.info("shutting down")
         self._watch.cancel()
         await self.health.enter_graceful_shutdown()
-        self.service.closing = True
+        self.service.begin_shutdown()
         # no new deliveries; give consumers a moment to ack what they hold
         self.consumers.pause()
         deadline = time.monotonic() + min(ACK_GRACE_SECONDS, cfg.grace_seconds)

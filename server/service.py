@@ -37,6 +37,7 @@ from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 log = logging.getLogger("qdelay.service")
 
+_CLOSING = object()  # put in a SendStream's pipeline at shutdown
 STREAM_PIPELINE = 16  # SendStream: batches submitted ahead of their responses, per stream
 MAX_IN_FLIGHT_CAP = 100_000  # Subscribe credit is clamped here: it bounds the server's memory per stream
 
@@ -151,6 +152,19 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.shard = (cfg.shard or "") if cfg.etcd else ""
         self.address = cfg.listen  # the real one is set by the app once it listens
         self.agent = None  # cluster mode: the etcd agent (replication/cluster.py), for Topology
+        self._send_streams: set[asyncio.Queue] = set()  # the pipelines of the open SendStreams
+
+    def begin_shutdown(self) -> None:
+        """Refuse new work, and end every SendStream once the batches it has read are
+        answered: a batching client keeps one open while idle, and the server's stop would
+        otherwise wait its whole grace period for it (the client opens a new one when it has
+        something to send)."""
+        self.closing = True
+        for pending in self._send_streams:
+            try:
+                pending.put_nowait(_CLOSING)
+            except asyncio.QueueFull:  # busy: its writer checks ``closing`` after each batch
+                pass
 
     # --- writes -----------------------------------------------------------------------------------
     def _validate(self, messages, single: bool = False, ids_required: bool = False) -> EncodedBatch:
@@ -268,17 +282,25 @@ class DelayService(pb_grpc.DelayServiceServicer):
                 await pending.put(None)
 
         reader = asyncio.ensure_future(read())
+        self._send_streams.add(pending)
         try:
             while True:
                 item = await pending.get()
                 if item is None:
                     break
+                if item is _CLOSING:
+                    if pending.empty():
+                        break
+                    continue
                 if isinstance(item, Exception):
                     raise item
                 batch, task, compact = item
                 first, dups = await task
                 yield _batch_response(batch, first, compact, dups, self.shard)
+                if self.closing and pending.empty():
+                    break  # shutting down: every batch read is answered
         finally:
+            self._send_streams.discard(pending)
             if not reader.done():
                 reader.cancel()
             # let batches already handed to the engine settle (they may still become durable)

@@ -1,15 +1,48 @@
-"""Shared pytest fixtures (keep small: helpers for one area live in their own module)."""
+"""Shared pytest fixtures and the one wait helper (keep small: helpers for one area live in
+their own module)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:  # lets tests import helper modules such as byte_surgery
     sys.path.insert(0, TESTS_DIR)
+
+from serverproc import ServerProc  # noqa: E402  (needs TESTS_DIR on sys.path)
+
+T = TypeVar("T")
+
+
+def wait_until(
+    cond: Callable[[], T],
+    timeout: float = 10.0,
+    what: str | None = None,
+    interval: float = 0.01,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Poll ``cond`` until it returns something true and return that; on timeout fail the
+    test (AssertionError naming ``what`` and the last value or exception). Exceptions of the
+    ``ignore`` types count as "not yet" (e.g. a server still starting). Tests wait on
+    conditions through this, never on sleeps: a short poll interval keeps fast cases fast."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            last = cond()
+            if last:
+                return last  # type: ignore[return-value]
+        except ignore as err:
+            last = err
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or cond} (last: {last!r})")
+        time.sleep(interval)
 
 
 @pytest.fixture
@@ -20,3 +53,25 @@ def pool():
     p = HandlePool(16)
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def server_args() -> list[str]:
+    """The flags of the module's ``server``: a test module overrides this fixture to set them."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, server_args: list[str]) -> Iterator[ServerProc]:
+    """One real ``qdelay server`` process per test module (free 127.0.0.1 port), stopped
+    with SIGTERM after the module's last test."""
+    with ServerProc(tmp_path_factory.mktemp("server") / "data", args=server_args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProc):
+    """A blocking client of the module's ``server``."""
+    c = server.client(timeout=20)
+    yield c
+    c.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 
 from qdelay.server.engine import Engine, EngineConfig, NewMessage
@@ -186,13 +185,3 @@ def files(root: str, sub: str, suffix: str) -> list[str]:
     for dirpath, _dirs, names in os.walk(os.path.join(str(root), sub)):
         out.extend(os.path.join(dirpath, n) for n in names if n.endswith(suffix))
     return sorted(out)
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    """Poll ``cond`` in real time (for the threads a test starts) until it holds or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()

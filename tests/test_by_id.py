@@ -7,11 +7,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from conftest import wait_until
 
 from qdelay import errors
 from qdelay.client import Outgoing
 from tests.serverproc import ServerProc
-from tests.simclock import wait_until
 
 HOUR = 3_600_000
 

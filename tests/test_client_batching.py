@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+from conftest import wait_until
 from serverproc import ServerProc
 
 from qdelay import errors
@@ -22,12 +23,6 @@ HOUR_MS = 3_600_000
 
 def subject() -> str:
     return f"cb{next(_subjects)}.{int(time.time() * 1000) % 100000}"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with ServerProc(tmp_path_factory.mktemp("batching") / "data") as srv:
-        yield srv
 
 
 def test_concurrent_sends_share_batches_and_each_caller_gets_its_own_receipt(server):
@@ -127,17 +122,14 @@ def test_restart_mid_stream_every_send_answered_or_raised_none_lost(tmp_path, ho
             threads = [threading.Thread(target=sender) for _ in range(8)]
             for t in threads:
                 t.start()
-            deadline = time.monotonic() + 30
-            while len(results) < 300 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: len(results) >= 300, timeout=30, what="300 answers before the restart")
             if how == "sigterm":
                 srv.stop()
             else:
                 srv.kill9()
             srv.start()
             seen = len(results)
-            while len(results) < seen + 300 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: len(results) >= seen + 300, timeout=30, what="300 answers after the restart")
             stop.set()
             for t in threads:
                 t.join(60)

@@ -7,7 +7,7 @@ import itertools
 import time
 
 import pytest
-from serverproc import ServerProc
+from conftest import wait_until
 
 ACK_TIMEOUT_MS = 30_000  # long: anything redelivered quickly was released, not expired
 _subjects = itertools.count(1)
@@ -18,17 +18,13 @@ def subject() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = tmp_path_factory.mktemp("streams") / "data"
-    with ServerProc(data, args=["--set", f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}"]) as srv:
-        yield srv
+def server_args() -> list[str]:
+    return ["--set", f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}"]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    c = server.client(timeout=20)
-    yield c
-    c.close()
+def in_flight(client, subject: str) -> int:
+    """Deliveries of ``subject`` awaiting their ack (the server's Stats)."""
+    return sum(g["in_flight"] for g in client.stats()["groups"] if g["subject"] == subject)
 
 
 def test_unacked_deliveries_go_to_another_consumer_when_one_disconnects(client):
@@ -69,9 +65,12 @@ def test_acks_sent_just_before_close_are_all_applied(client, rounds):
         seen |= {d.message_id for d in got}
         if seen == ids:
             break
-    time.sleep(0.3)
-    states = {r.message_id: client.state_name(client.get(r)) for r in receipts}
-    assert {k: v for k, v in states.items() if v != "DELIVERED"} == {}
+
+    def undelivered() -> dict:
+        states = {r.message_id: client.state_name(client.get(r)) for r in receipts}
+        return {k: v for k, v in states.items() if v != "DELIVERED"}
+
+    wait_until(lambda: undelivered() == {}, what="every ack applied")
     assert client.stats()["pending"] >= 0
     with client.subscribe(s) as again:
         assert again.receive(1, timeout=1.5) == [], "an acknowledged message was delivered again"
@@ -84,7 +83,7 @@ def test_close_with_deliveries_not_yet_read(client):
     receipts = client.send_batch([client.message(s, b"x" * 1000, delay_ms=0) for i in range(2000)])
     ids = {r.message_id for r in receipts}
     a = client.subscribe(s, max_in_flight=5000)
-    time.sleep(1.0)  # the server hands everything to a, which reads nothing
+    wait_until(lambda: in_flight(client, s) == 2000, what="everything handed to a, which reads nothing")
     started = time.monotonic()
     a.close()
     assert time.monotonic() - started < 3.0, "close() waited for its timeout"

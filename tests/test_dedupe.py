@@ -9,12 +9,12 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 
 from qdelay import errors
 from qdelay.client import Outgoing
 from qdelay.v1 import qdelay_pb2 as pb
 from tests.serverproc import ServerProc
-from tests.simclock import wait_until
 
 HOUR = 3_600_000
 

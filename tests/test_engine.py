@@ -11,7 +11,8 @@ import random
 import time
 
 import pytest
-from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message, wait_until
+from conftest import wait_until
+from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message
 
 from qdelay.segments import framing, records
 from qdelay.segments.framing import RecordKind

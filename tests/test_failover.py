@@ -15,15 +15,16 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 from serverproc import ServerProc
 from test_replication import (
+    RPC_ERRORS,
     SMALL_SEGMENTS,
     admin,
     assert_refuses_writes,
     assert_same_message_log,
     status,
     wait_caught_up,
-    wait_for,
 )
 
 from qdelay import errors
@@ -90,7 +91,7 @@ def _trial(tmp_path, seed: int) -> dict:
     b.start()
     a.args += ["--peers", b.address]
     a.restart()
-    wait_for(lambda: status(b.address).connected, 20, "slave attached")
+    wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
     acked: dict[str, int] = {}
     stop_sending = threading.Event()
     send_errors: list[Exception] = []
@@ -116,7 +117,12 @@ def _trial(tmp_path, seed: int) -> dict:
         time.sleep(rnd.uniform(0.3, 2.5))
         a.kill9()
         killed_at = len(acked)
-        wait_for(lambda: admin("promote", "--target", b.address, check=False).returncode == 0, 20, "promotion")
+        wait_until(
+            lambda: admin("promote", "--target", b.address, check=False).returncode == 0,
+            20,
+            "promotion",
+            ignore=RPC_ERRORS,
+        )
         assert status(b.address).role == "master"
         # sync mode: B acknowledges nothing until a slave confirms, so writes wait (the client
         # retries them with the same ids) until the runbook's next steps give B a slave.
@@ -129,7 +135,7 @@ def _trial(tmp_path, seed: int) -> dict:
         # re-attach it as a slave of the new master (a divergent tail is truncated, reported)
         a.args = [*base, "--role", "slave", "--master", b.address]
         a.start()
-        wait_for(lambda: status(a.address).connected, 20, "old master re-attached")
+        wait_until(lambda: status(a.address).connected, 20, "old master re-attached", ignore=RPC_ERRORS)
         note = status(a.address).note
         time.sleep(rnd.uniform(0.5, 1.5))
         stop_sending.set()
@@ -142,7 +148,7 @@ def _trial(tmp_path, seed: int) -> dict:
             with consumers.lock:
                 return all(mid in consumers.deliveries for mid in acked)
 
-        wait_for(all_delivered, 40, "every acknowledged message delivered", interval=0.2)
+        wait_until(all_delivered, 40, "every acknowledged message delivered", interval=0.2, ignore=RPC_ERRORS)
         with consumers.lock:
             for mid, due in acked.items():
                 for d_due, dispatched_at, received in consumers.deliveries[mid]:

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from tests.serverproc import ServerProc
-from tests.simclock import wait_until
 
 HOUR = 3_600_000
 ids = st.integers(0, 5).map(lambda i: f"k{i}")

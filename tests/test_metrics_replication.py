@@ -4,10 +4,10 @@ master and slave processes, scraped over HTTP)."""
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 
 import pytest
+from conftest import wait_until
 from serverproc import ServerProc
 
 from qdelay import errors
@@ -26,15 +26,6 @@ def scrape(srv: ServerProc) -> dict[str, float]:
     return out
 
 
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_replication_stats_exported(tmp_path):
     with ServerProc(tmp_path / "a", args=["--replication", "sync", "--replication-timeout-ms", "300", *METRICS]) as a:
         c = a.client(retries=0)
@@ -46,7 +37,7 @@ def test_replication_stats_exported(tmp_path):
         assert m["qdelay_replication_slaves_attached"] == 0
         assert m['qdelay_replication_mode{mode="sync"}'] == 1
         with ServerProc(tmp_path / "b", args=["--role", "slave", "--master", a.address, *METRICS]) as b:
-            assert wait_for(lambda: scrape(a).get("qdelay_replication_slaves_attached") == 1)
+            wait_until(lambda: scrape(a).get("qdelay_replication_slaves_attached") == 1, 20, "the slave attached")
             c.send("s", b"y", delay_ms=60_000)
             m = scrape(a)
             assert m["qdelay_replication_lag_ms"] >= 0 and m["qdelay_replication_lag_bytes"] >= 0

@@ -7,9 +7,9 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 
 import pytest
+from conftest import wait_until
 from serverproc import ServerProc
 
 NODE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "node")
@@ -87,11 +87,11 @@ class NodeConsumer:
             self.lines.append(line.strip())
 
     def wait_for(self, line: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while line not in self.lines:
-            assert time.monotonic() < deadline, f"no {line!r} in {self.lines}"
+        def printed() -> bool:
             assert self.proc.poll() is None, self.proc.stderr.read()
-            time.sleep(0.02)
+            return line in self.lines
+
+        wait_until(printed, timeout, f"{line!r} in {self.lines}")
 
     def close(self) -> str:
         self.proc.stdin.close()

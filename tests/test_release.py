@@ -4,7 +4,8 @@ offered again at once, as the next attempt; after ``max_attempts`` they are dead
 from __future__ import annotations
 
 import pytest
-from simclock import T0, CollectingSink, Driver, FakeClock, message, wait_until
+from conftest import wait_until
+from simclock import T0, CollectingSink, Driver, FakeClock, message
 
 from qdelay.server.engine import MessageState
 

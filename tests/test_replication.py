@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import wait_until
 from serverproc import ServerProc
 
 from qdelay import errors
@@ -35,18 +36,7 @@ def status(address: str, token: str | None = None, timeout: float = 5.0) -> rpb.
         ch.close()
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except (grpc.RpcError, errors.QdelayError) as e:  # server starting or gone
-            last = e
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what} (last: {last})")
+RPC_ERRORS = (grpc.RpcError, errors.QdelayError)  # a server starting or gone: not yet
 
 
 def assert_refuses_writes(address: str) -> None:
@@ -64,7 +54,7 @@ def assert_refuses_writes(address: str) -> None:
                 return False
         raise AssertionError(f"{address} accepted a write")
 
-    wait_for(refused, 15, f"{address} to refuse writes")
+    wait_until(refused, 15, f"{address} to refuse writes", ignore=RPC_ERRORS)
 
 
 def wait_caught_up(master: str, slave: str, timeout: float = 30.0) -> None:
@@ -72,7 +62,7 @@ def wait_caught_up(master: str, slave: str, timeout: float = 30.0) -> None:
         m, s = status(master), status(slave)
         return s.connected and s.end_offset == m.end_offset and m.end_offset > 0 and (m, s)
 
-    wait_for(ok, timeout, f"{slave} to catch up with {master}")
+    wait_until(ok, timeout, f"{slave} to catch up with {master}", ignore=RPC_ERRORS)
 
 
 def admin(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -160,8 +150,18 @@ def test_slave_catches_up_from_empty_and_from_behind(tmp_path):
             wait_caught_up(a.address, b.address)
             send_some(a.address, 500)  # and follows live appends
             wait_caught_up(a.address, b.address)
-            wait_for(lambda: status(b.address).iterate_offset == status(b.address).end_offset, 20, "slave iterate")
-            wait_for(lambda: status(a.address).iterate_offset == status(a.address).end_offset, 20, "master iterate")
+            wait_until(
+                lambda: status(b.address).iterate_offset == status(b.address).end_offset,
+                20,
+                "slave iterate",
+                ignore=RPC_ERRORS,
+            )
+            wait_until(
+                lambda: status(a.address).iterate_offset == status(a.address).end_offset,
+                20,
+                "master iterate",
+                ignore=RPC_ERRORS,
+            )
     assert len(wal_files(tmp_path / "a")) > 5
     assert_same_message_log(tmp_path / "a", tmp_path / "b")
     # the slave built its own schedule log: the same records, hence the same pending set
@@ -177,7 +177,7 @@ def test_sync_mode_acks_after_slave_and_times_out_without_one(tmp_path):
         assert "sync replication" in str(info.value) and time.monotonic() - t0 >= 0.25
         assert status(a.address).sync_timeouts == 1
         with slave(tmp_path, a) as b:
-            wait_for(lambda: status(b.address).connected, 20, "slave attached")
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             r = c.send("s", b"y", delay_ms=1000)
             # acknowledged only once the slave had it durable
             assert status(b.address).last_sequence >= r.sequence
@@ -201,15 +201,18 @@ def test_slave_without_token_is_refused(tmp_path):
         with slave(
             tmp_path, a, name="b", args=["--auth-token-file", str(tokens), "--replication-token-file", str(other)]
         ) as b:
-            st = wait_for(lambda: (s := status(b.address, "s3cret-token")).error and s, 20, "refusal")
+            st = wait_until(
+                lambda: (s := status(b.address, "s3cret-token")).error and s, 20, "refusal", ignore=RPC_ERRORS
+            )
             assert "UNAUTHENTICATED" in st.error or "refused" in st.error
             assert st.end_offset == 0
         # with the cluster's token it replicates
         with slave(tmp_path, a, name="c", args=["--auth-token-file", str(tokens)]) as b2:
-            wait_for(
+            wait_until(
                 lambda: status(b2.address, "s3cret-token").end_offset == status(a.address, "s3cret-token").end_offset,
                 20,
                 "catch-up with token",
+                ignore=RPC_ERRORS,
             )
         cp = admin("status", "--servers", a.address, check=False)
         assert cp.returncode == 1 and "UNAUTHENTICATED" in cp.stdout
@@ -239,10 +242,11 @@ def test_dispatch_progress_replicated_and_promotion_delivers_the_rest(tmp_path):
                     for d in batch:
                         got[d.message_id] = d
                     cons.ack(batch)
-                time.sleep(0.5)  # acks written to the dispatch log
         assert set(got) == {r.message_id for r in first}
         delivered_seqs = {r.sequence for r in first}
-        wait_for(lambda: delivered_seqs <= dispatched(tmp_path / "b"), 20, "dispatch records on the slave")
+        wait_until(
+            lambda: delivered_seqs <= dispatched(tmp_path / "b"), 20, "dispatch records on the slave", ignore=RPC_ERRORS
+        )
         assert dispatched(tmp_path / "b") == dispatched(tmp_path / "a")
         a.kill9()
         cp = admin("promote", "--target", b.address)
@@ -298,21 +302,22 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
     ]
     with master(tmp_path, args=args) as a:
         with slave(tmp_path, a) as b:  # attached: the master keeps what it has not confirmed
-            wait_for(lambda: status(b.address).connected, 20, "slave attached")
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             send_some(a.address, 1500, delay_ms=3_600_000)
             wait_caught_up(a.address, b.address)
         send_some(a.address, 3000, delay_ms=3_600_000)
-        wait_for(
+        wait_until(
             lambda: (
                 status(a.address).first_offset > status(a.address).iterate_offset - 200_000
                 and status(a.address).first_offset > 0
             ),
             20,
             "master cleaned its message log",
+            ignore=RPC_ERRORS,
         )
         with b:
             b.start() if not b.alive() else None
-            st = wait_for(lambda: (s := status(b.address)).error and s, 20, "retention error")
+            st = wait_until(lambda: (s := status(b.address)).error and s, 20, "retention error", ignore=RPC_ERRORS)
             assert "behind retention" in st.error and "resync" in st.error
             assert not st.connected
         cp = admin("resync", "--data-dir", str(tmp_path / "b"), "--master", a.address)
@@ -321,8 +326,18 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
             b.start() if not b.alive() else None
             send_some(a.address, 200, delay_ms=3_600_000)
             wait_caught_up(a.address, b.address)
-            wait_for(lambda: status(b.address).iterate_offset == status(b.address).end_offset, 20, "slave iterate")
-            wait_for(lambda: status(a.address).iterate_offset == status(a.address).end_offset, 20, "master iterate")
+            wait_until(
+                lambda: status(b.address).iterate_offset == status(b.address).end_offset,
+                20,
+                "slave iterate",
+                ignore=RPC_ERRORS,
+            )
+            wait_until(
+                lambda: status(a.address).iterate_offset == status(a.address).end_offset,
+                20,
+                "master iterate",
+                ignore=RPC_ERRORS,
+            )
     assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
     # every pending message is in the resynced slave's schedule log
     assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")

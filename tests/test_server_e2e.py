@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from conftest import wait_until
 from disks import fill_disk, small_tmpfs
 from serverproc import ServerProc
 
@@ -29,27 +30,21 @@ def now_ms() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = tmp_path_factory.mktemp("e2e") / "data"
-    with ServerProc(
-        data,
-        args=[
-            "--set",
-            f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}",
-            "--set",
-            "engine.retry_backoff_ms=0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ],
-    ) as srv:
-        yield srv
+def server_args() -> list[str]:
+    return [
+        "--set",
+        f"engine.ack_timeout_ms={ACK_TIMEOUT_MS}",
+        "--set",
+        "engine.retry_backoff_ms=0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    c = server.client(timeout=20)
-    yield c
-    c.close()
+def group(client, subject: str, name: str = "default") -> dict:
+    """The Stats row of a consumer group ({} while it has no open stream)."""
+    rows = [g for g in client.stats()["groups"] if g["subject"] == subject and g["group"] == name]
+    return rows[0] if rows else {}
 
 
 def test_send_then_receive_at_due_time_not_before(client):
@@ -145,7 +140,7 @@ def test_cancel_before_due_never_delivered_and_after_delivery(client):
         got += consumer.receive(1, timeout=1.5)
         consumer.ack(got)
         assert {d.message_id for d in got} == {keep.message_id}
-    time.sleep(0.5)
+    wait_until(lambda: client.state_name(client.get(keep)) == "DELIVERED", what="the ack applied")
     assert client.cancel(keep) == "ALREADY_DELIVERED"
 
 
@@ -159,9 +154,7 @@ def test_get_states(client):
     with client.subscribe(s) as consumer:
         got = consumer.receive(1, timeout=5)
         consumer.ack(got)
-        deadline = time.monotonic() + 5
-        while client.state_name(client.get(r)) != "DELIVERED" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: client.state_name(client.get(r)) == "DELIVERED", what="the ack applied")
     st = client.get(r)
     assert client.state_name(st) == "DELIVERED"
     assert st.delivered_at_ms >= r.deliver_at_ms
@@ -202,7 +195,7 @@ def test_two_consumers_share_the_load(client):
     a = client.subscribe(s, group="workers", max_in_flight=200)
     b = client.subscribe(s, group="workers", max_in_flight=200)
     try:
-        time.sleep(0.3)
+        wait_until(lambda: group(client, s, "workers").get("consumers") == 2, what="both streams open")
         client.send_many((client.message(s, b"w", delay_ms=200) for _ in range(3000)), batch_size=500)
         counts = {"a": set(), "b": set()}
         deadline = time.monotonic() + 20
@@ -221,7 +214,8 @@ def test_two_consumers_share_the_load(client):
 def test_late_subscriber_gets_what_became_due(client):
     s = subject()
     receipts = client.send_batch([client.message(s, b"%d" % i, delay_ms=100) for i in range(50)])
-    time.sleep(1.0)  # due meanwhile, nobody subscribed
+    last_due = max(r.deliver_at_ms for r in receipts)
+    wait_until(lambda: now_ms() > last_due + 100, what="the messages due")  # nobody subscribed meanwhile
     with client.subscribe(s) as consumer:
         got = consumer.receive(50, timeout=5)
         assert {d.message_id for d in got} == {r.message_id for r in receipts}
@@ -461,7 +455,8 @@ def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk
                 seen += got
                 consumer.ack(got)
             assert sorted(d.message_id for d in seen) == sorted(r.message_id for r in sent)
-            time.sleep(0.5)  # the dispatch log's writes fail and are kept for later
+            # the dispatch log's writes fail and are kept for later
+            wait_until(lambda: "DISPATCH records wait for free space" in srv.tail_log(100_000), what="a full disk")
             assert c.health() == "SERVING"
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             waits = [
@@ -469,7 +464,7 @@ def test_acks_while_the_disk_is_full_are_recorded_once_space_is_freed(small_disk
             ]
             assert waits and waits[0] > 0, "the retries show in the metrics"
             os.unlink(filler)
-            time.sleep(0.5)
+            wait_until(lambda: "DISPATCH records written again" in srv.tail_log(100_000), what="the kept records")
         c.close()
     assert srv.proc.returncode == 0
     with ServerProc(small_disk / "data", args=args) as again:

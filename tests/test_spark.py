@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +18,9 @@ pytest.importorskip("pyarrow")
 
 import byte_surgery  # noqa: E402
 import datafolder  # noqa: E402
+from conftest import wait_until  # noqa: E402
 from datafolder import T0  # noqa: E402
+from serverproc import ServerProc  # noqa: E402
 
 pytestmark = pytest.mark.spark
 
@@ -302,52 +301,11 @@ def test_lateness_forecast_export(spark, folders, tmp_path, capsys):
 # --- import then audit, through a real server -----------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path):
-    if not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "server", "main.py")):
-        pytest.skip("qdelay server not written yet")
-    data = str(tmp_path / "server-data")
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", data, "--listen", f"127.0.0.1:{port}"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}: {open(tmp_path / 'server.log').read()}")
-        if "listening on" in open(tmp_path / "server.log").read():
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("server did not start")
-    yield f"127.0.0.1:{port}", data, proc
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    log.close()
-
-
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
+    """A real server of its own (this module's tests read its data folder)."""
+    with ServerProc(tmp_path / "server-data") as srv:
+        yield srv.address, str(srv.data_dir), srv.proc
 
 
 def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
@@ -419,7 +377,7 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
                 got.update(d.message_id for d in batch)
         assert len(got) == n
         # keep the stream open until the server has recorded every ack
-        assert _wait_until(lambda: dispatched() >= n, 30)
+        wait_until(lambda: dispatched() >= n, 30, "every message dispatched", interval=0.2)
     s = spark_jobs.audit(spark, [data_dir], int(time.time() * 1000), 0)
     assert s["messages"] == n
     assert s["findings"] == {"lost": 0, "duplicated": 0, "delivered_after_cancel": 0, "early": 0}, s

@@ -6,10 +6,10 @@ import asyncio
 import errno
 import os
 import threading
-import time
 
 import pytest
 from byte_surgery import file_bytes
+from conftest import wait_until
 from disks import fill_disk, small_tmpfs
 
 from qdelay.errors import DiskFull, InvariantViolation, ShuttingDown, WalFailed
@@ -123,10 +123,8 @@ def test_interval_policy_acks_before_fsync_and_syncs_later(wal_dir):
         log.append(entries(1))
     tail = log.segments()[-1]
     assert log.fsyncs == 0 and tail.synced_size < tail.size  # acknowledged, not yet synced
-    deadline = time.monotonic() + 5
-    while tail.synced_size < tail.size and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert tail.synced_size == tail.size and log.fsyncs >= 1  # the writer synced on its own
+    wait_until(lambda: tail.synced_size == tail.size, timeout=5, what="the writer's own sync")
+    assert log.fsyncs >= 1  # the writer synced on its own
     log.close()
 
 
