@@ -13,9 +13,10 @@ import time
 
 import grpc
 import pytest
+from conftest import wait_until
 from etcdproc import EtcdProc, TcpProxy
 from serverproc import ServerProc
-from test_replication import status, wait_for
+from test_replication import RPC_ERRORS, status
 
 from qdelay import errors
 from qdelay.client import Outgoing
@@ -66,7 +67,7 @@ def wait_shard(address: str, name: str, slaves: int, timeout: float = 20.0) -> p
         s = shard_of(address, name)
         return s if s is not None and s.master and len(s.slaves) == slaves else None
 
-    return wait_for(ready, timeout, f"shard {name} with a master and {slaves} slave(s)")
+    return wait_until(ready, timeout, f"shard {name} with a master and {slaves} slave(s)", ignore=RPC_ERRORS)
 
 
 def test_membership_leadership_topology(tmp_path, etcd):
@@ -85,7 +86,7 @@ def test_membership_leadership_topology(tmp_path, etcd):
         assert t.cluster == "c" and [s.name for s in t.shards] == ["s1", "s2"]
         # the master's epoch is its leader key's revision, and replication carries it
         assert status(master.address).role == "master" and status(master.address).epoch == s1.epoch
-        wait_for(lambda: status(slave.address).connected, 20, "slave attached")
+        wait_until(lambda: status(slave.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
         assert status(slave.address).epoch == s1.epoch
         # receipts name their shard; the slave refuses writes
         with master.client(retries=0) as cl:
@@ -158,7 +159,7 @@ def assert_all_delivered(addresses: list[str], acked: dict[str, int], timeout: f
             with consumers.lock:
                 return all(mid in consumers.deliveries for mid in acked)
 
-        wait_for(all_delivered, timeout, "every acknowledged message delivered", interval=0.2)
+        wait_until(all_delivered, timeout, "every acknowledged message delivered", interval=0.2, ignore=RPC_ERRORS)
         with consumers.lock:
             for mid, due in acked.items():
                 for d_due, dispatched_at, received in consumers.deliveries[mid]:
@@ -203,24 +204,29 @@ def test_sigkill_master_under_sync_load(tmp_path, etcd):
         epochs.append(first.epoch)
         producer = Producer([n.address for n in nodes], rnd)
         for _trial in range(10):
-            wait_for(lambda: len(producer.acks) > 3, 20, "writes acknowledged")
+            wait_until(lambda: len(producer.acks) > 3, 20, "writes acknowledged", ignore=RPC_ERRORS)
             time.sleep(rnd.uniform(0.1, 0.6))  # a random instant under load
             victim = master_of(nodes)
             victim.kill9()
             killed = time.monotonic()
-            ack = wait_for(
+            ack = wait_until(
                 lambda k=killed, v=victim: producer.first_ack_after(k, v.address),
                 15,
                 "a write acknowledged by another server after the kill",
+                ignore=RPC_ERRORS,
             )
             failovers.append(ack[0] - killed)
             survivor = next(n for n in nodes if n is not victim)
-            s = wait_for(lambda v=victim, w=survivor: new_master(w.address, v.address), 15, "a new master")
+            s = wait_until(
+                lambda v=victim, w=survivor: new_master(w.address, v.address), 15, "a new master", ignore=RPC_ERRORS
+            )
             assert s.epoch > epochs[-1]
             epochs.append(s.epoch)
             victim.start()  # rejoins as a slave of the new master, its divergent tail cut
             wait_shard(survivor.address, "s1", 2)
-            wait_for(lambda v=victim: status(v.address).connected, 20, "old master re-attached as a slave")
+            wait_until(
+                lambda v=victim: status(v.address).connected, 20, "old master re-attached as a slave", ignore=RPC_ERRORS
+            )
         producer.close()
         dup = assert_all_delivered([n.address for n in nodes], producer.acked)
         failovers.sort()
@@ -253,7 +259,7 @@ def test_master_cut_off_from_etcd_stops_acking_first(tmp_path, etcd):
         try:
             wait_shard(b.address, "s1", 2)
             for s in (b, c):
-                wait_for(lambda s=s: status(s.address).connected, 20, "slave attached")
+                wait_until(lambda s=s: status(s.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             acks: dict[str, list[float]] = {s.address: [] for s in servers}
             acked: dict[str, int] = {}
             stop = threading.Event()
@@ -272,10 +278,15 @@ def test_master_cut_off_from_etcd_stops_acking_first(tmp_path, etcd):
             threads = [threading.Thread(target=send_to, args=(s,), daemon=True) for s in servers]
             for t in threads:
                 t.start()
-            wait_for(lambda: len(acks[a.address]) > 20, 20, "the master acknowledges")
+            wait_until(lambda: len(acks[a.address]) > 20, 20, "the master acknowledges", ignore=RPC_ERRORS)
             cut = time.monotonic()
             proxy.cut()
-            wait_for(lambda: len(acks[b.address]) + len(acks[c.address]) > 5, 15, "a slave elected and acknowledging")
+            wait_until(
+                lambda: len(acks[b.address]) + len(acks[c.address]) > 5,
+                15,
+                "a slave elected and acknowledging",
+                ignore=RPC_ERRORS,
+            )
             stop.set()
             for t in threads:
                 t.join(10)
@@ -287,7 +298,12 @@ def test_master_cut_off_from_etcd_stops_acking_first(tmp_path, etcd):
             st = a.client(retries=0).stats()
             assert st["role"] == "fenced", st
             proxy.heal()
-            wait_for(lambda: status(a.address).role == "slave" and status(a.address).connected, 20, "rejoined")
+            wait_until(
+                lambda: status(a.address).role == "slave" and status(a.address).connected,
+                20,
+                "rejoined",
+                ignore=RPC_ERRORS,
+            )
             assert shard_of(b.address, "s1").master == new.address
             dup = assert_all_delivered([s.address for s in servers], acked)
             print(
@@ -372,7 +388,7 @@ def test_two_shards_clients_follow_rolling_restart(tmp_path, etcd):
                 p.start()
                 other = next(q for q in nodes.values() if q is not p)
                 wait_shard(other.address, shard, 1)
-                wait_for(lambda b=before: len(sent) > b + 20, 20, "sends go on")
+                wait_until(lambda b=before: len(sent) > b + 20, 20, "sends go on", ignore=RPC_ERRORS)
             stop.set()
             t.join(30)
             assert not failed, failed[:3]
