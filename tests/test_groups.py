@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 from serverproc import ServerProc
 
 _subjects = itertools.count(1)
@@ -19,27 +20,9 @@ def subject() -> str:
     return f"grp{next(_subjects)}.{int(time.time() * 1000) % 100000}"
 
 
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data = tmp_path_factory.mktemp("groups") / "data"
-    with ServerProc(data, args=["--set", "engine.ack_timeout_ms=1000", "--set", "engine.retry_backoff_ms=0"]) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = server.client(timeout=20)
-    yield c
-    c.close()
+def server_args() -> list[str]:
+    return ["--set", "engine.ack_timeout_ms=1000", "--set", "engine.retry_backoff_ms=0"]
 
 
 class Collector:
@@ -78,11 +61,11 @@ def test_every_group_gets_every_message_and_consumers_compete_inside_one(client)
     s = subject()
     groups = {name: Collector(client, s, name, consumers=2) for name in ("billing", "notify", "audit")}
     try:
-        assert wait_for(lambda: len([g for g in client.groups() if g["subject"] == s]) == 3)
+        assert wait_until(lambda: len([g for g in client.groups() if g["subject"] == s]) == 3, timeout=20)
         receipts = client.send_batch([client.message(s, b"%d" % i, delay_ms=200) for i in range(300)])
         ids = sorted(r.message_id for r in receipts)
         for name, col in groups.items():
-            assert wait_for(lambda col=col: len(set(col.ids())) == 300), (name, len(col.ids()))
+            assert wait_until(lambda col=col: len(set(col.ids())) == 300, timeout=20), (name, len(col.ids()))
         time.sleep(0.5)  # anything delivered twice would show up by now (the acks were sent)
         for name, col in groups.items():
             got = col.ids()
@@ -100,14 +83,14 @@ def test_a_group_created_later_receives_what_becomes_due_from_then_on(client):
     first = Collector(client, s, "first")
     try:
         early = [r.message_id for r in client.send_batch([client.message(s, b"e", delay_ms=0) for _ in range(20)])]
-        assert wait_for(lambda: sorted(first.ids()) == sorted(early))
+        assert wait_until(lambda: sorted(first.ids()) == sorted(early), timeout=20)
         assert client.create_group(s, "second") is True
         assert client.create_group(s, "second") is False  # exists already
         second = Collector(client, s, "second")
         try:
             late = [r.message_id for r in client.send_batch([client.message(s, b"l", delay_ms=0) for _ in range(20)])]
-            assert wait_for(lambda: sorted(second.ids()) == sorted(late))
-            assert wait_for(lambda: sorted(first.ids()) == sorted(early + late))
+            assert wait_until(lambda: sorted(second.ids()) == sorted(late), timeout=20)
+            assert wait_until(lambda: sorted(first.ids()) == sorted(early + late), timeout=20)
             time.sleep(0.3)
             assert sorted(second.ids()) == sorted(late), "the second group got messages due before it existed"
         finally:
@@ -122,7 +105,7 @@ def test_a_subject_without_groups_keeps_its_due_messages_for_the_first_one(clien
     time.sleep(0.3)  # due and fired with nobody to take them
     col = Collector(client, s, "late-comer")
     try:
-        assert wait_for(lambda: sorted(col.ids()) == sorted(ids))
+        assert wait_until(lambda: sorted(col.ids()) == sorted(ids), timeout=20)
     finally:
         col.close()
 
@@ -132,21 +115,22 @@ def test_deleting_a_group_drops_its_backlog_and_spares_the_others(client):
     client.create_group(s, "keep")
     client.create_group(s, "drop")
     ids = [r.message_id for r in client.send_batch([client.message(s, b"d", delay_ms=0) for _ in range(30)])]
-    assert wait_for(
+    assert wait_until(
         lambda: (
             {g["group"]: g["backlog"] for g in client.groups() if g["subject"] == s}
             == {
                 "keep": 30,
                 "drop": 30,
             }
-        )
+        ),
+        timeout=20,
     )
     assert client.delete_group(s, "drop") is True
     assert client.delete_group(s, "drop") is False
     assert [g["group"] for g in client.groups() if g["subject"] == s] == ["keep"]
     col = Collector(client, s, "keep")
     try:
-        assert wait_for(lambda: sorted(col.ids()) == sorted(ids))
+        assert wait_until(lambda: sorted(col.ids()) == sorted(ids), timeout=20)
     finally:
         col.close()
     assert client.get(message_id=ids[0]).state == "DELIVERED"
@@ -168,9 +152,9 @@ def test_redelivery_and_dead_letters_are_per_group(tmp_path):
         bad = Collector(c, s, "never-acks", ack=False)
         dlq = Collector(c, "DLQ." + s, "ops")
         try:
-            assert wait_for(lambda: len([g for g in c.groups() if g["subject"] == s]) == 2)
+            assert wait_until(lambda: len([g for g in c.groups() if g["subject"] == s]) == 2, timeout=20)
             ids = [r.message_id for r in c.send_batch([c.message(s, b"x", delay_ms=0) for _ in range(10)])]
-            assert wait_for(lambda: sorted(dlq.ids()) == sorted(ids), timeout=30), dlq.ids()
+            assert wait_until(lambda: sorted(dlq.ids()) == sorted(ids), timeout=30), dlq.ids()
             assert sorted(good.ids()) == sorted(ids), "the acking group got each message once"
             attempts = sorted(a for _m, a, _h in bad.got)
             assert attempts == [1] * 10 + [2] * 10, "the other group had two attempts of each"
@@ -193,7 +177,7 @@ def test_groups_and_their_progress_survive_a_restart(tmp_path, how):
         ids = [r.message_id for r in c.send_batch([c.message(s, b"r", delay_ms=0) for _ in range(40)])]
         fast = Collector(c, s, "fast")
         try:
-            assert wait_for(lambda: sorted(fast.ids()) == sorted(ids))
+            assert wait_until(lambda: sorted(fast.ids()) == sorted(ids), timeout=20)
             time.sleep(0.3)  # the acks' DISPATCH records reach the disk (fsynced within ms)
         finally:
             fast.close()
@@ -208,7 +192,7 @@ def test_groups_and_their_progress_survive_a_restart(tmp_path, how):
         slow = Collector(c, s, "slow")
         fast = Collector(c, s, "fast")
         try:
-            assert wait_for(lambda: sorted(slow.ids()) == sorted(ids))
+            assert wait_until(lambda: sorted(slow.ids()) == sorted(ids), timeout=20)
             time.sleep(0.5)
             assert fast.ids() == [], "the group that had acknowledged everything got messages again"
         finally:
@@ -232,13 +216,13 @@ def test_a_backlog_nobody_takes_does_not_stop_other_subjects(tmp_path, idle):
         col = Collector(c, live, "live")
         try:
             ids = [r.message_id for r in c.send_batch([c.message(live, b"l", delay_ms=2000) for _ in range(100)])]
-            assert wait_for(lambda: sorted(col.ids()) == sorted(ids), timeout=15), len(col.ids())
+            assert wait_until(lambda: sorted(col.ids()) == sorted(ids), timeout=15), len(col.ids())
         finally:
             col.close()
         # and when a consumer of the stuck subject comes, it gets the whole backlog from disk
         late = Collector(c, stuck, "nobody-home")
         try:
-            assert wait_for(lambda: len(set(late.ids())) == 60_000, timeout=60), len(set(late.ids()))
+            assert wait_until(lambda: len(set(late.ids())) == 60_000, timeout=60), len(set(late.ids()))
         finally:
             late.close()
         assert len(late.ids()) == 60_000, "some of the backlog came twice"
