@@ -34,6 +34,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
@@ -58,7 +59,7 @@ class Topology:
         shards = dict(old.shards) if old is not None else {}
         for s in resp.shards:
             have = shards.get(s.name)
-            if have is None or s.epoch > have.epoch or (s.epoch == have.epoch and s.master and not have.master):
+            if have is None or s.epoch >= have.epoch:  # an older epoch is a stale reading
                 shards[s.name] = s
         return cls(resp.cluster, shards)
 
@@ -123,6 +124,7 @@ class ShardedClient:
         self._ids = _Ids()
         self.topology: Topology | None = None
         self.retries = 0  # writes repeated (same ids) after a refusal or a failure
+        self._executor: ThreadPoolExecutor | None = None
         self.refresh()
 
     # --- plumbing -----------------------------------------------------------------------------------
@@ -181,6 +183,9 @@ class ShardedClient:
     def close(self) -> None:
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
+            pool, self._executor = self._executor, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for c in clients:
             c.close()
 
@@ -217,15 +222,26 @@ class ShardedClient:
         for i, m in enumerate(msgs):
             by_shard.setdefault(topo.shard_for(m.message_id), []).append(i)
         out: list[Receipt | None] = [None] * len(msgs)
-        for shard, idx in by_shard.items():
+
+        def send(shard: str, idx: list[int]) -> None:
             request = pb.SendBatchRequest(messages=[msgs[i] for i in idx])
-            rs = self._retry(
-                lambda _t, s=shard: s,
-                lambda c, r=request: c._call(c.stub.SendBatch, r, timeout).receipts,
-            )
+            rs = self._retry(lambda _t: shard, lambda c: c._call(c.stub.SendBatch, request, timeout).receipts)
             for i, r in zip(idx, rs):
                 out[i] = Receipt.from_pb(r)
+
+        groups = list(by_shard.items())
+        if len(groups) == 1:
+            send(*groups[0])
+        else:  # the shards' batches at the same time
+            for f in [self._pool().submit(send, shard, idx) for shard, idx in groups]:
+                f.result()
         return out
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="qdelay-shards")
+            return self._executor
 
     def cancel(self, target, timeout: float | None = None) -> str:
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))

@@ -443,10 +443,17 @@ class Engine:
         was = self.role
         self.role, self.epoch = role, epoch
         if was != "master" and role == "master" and self._started:
+            sched = self.scheduler
+            # master -> fenced -> master in one process (cluster mode: a lease proven again,
+            # or elected again later): Scheduler.start() does not clear the flags an earlier
+            # stop() left set, and its threads would exit at once without dispatching
+            for flag in ("_stop", "_sync_stop"):
+                if getattr(sched, flag, False):
+                    setattr(sched, flag, False)
             with self.iterate.append_lock:
-                self.scheduler.prime(self.clock())
-                self.iterate.on_records = self.scheduler.on_records
-            self.scheduler.start()
+                sched.prime(self.clock())
+                self.iterate.on_records = sched.on_records
+            sched.start()
         elif was == "master" and role != "master":
             self.scheduler.stop()
             with self.iterate.append_lock:
