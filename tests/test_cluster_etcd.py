@@ -431,14 +431,19 @@ def test_etcd_restarted_under_load(tmp_path, etcd):
 
             t = threading.Thread(target=produce, daemon=True)
             t.start()
-            wait_for(lambda: len(acked) > 50, 20, "writes acknowledged")
+            wait_until(lambda: len(acked) > 50, 20, "writes acknowledged")
             etcd.stop()
             master = next(n for n in nodes if n.address == before.master)
-            wait_for(lambda: master.client(retries=0).stats()["role"] == "fenced", 10, "the master stops acknowledging")
+            wait_until(
+                lambda: master.client(retries=0).stats()["role"] == "fenced",
+                10,
+                "the master stops acknowledging",
+                ignore=RPC_ERRORS,
+            )
             assert all(n.client(retries=0).stats()["role"] != "master" for n in nodes)
             n_down = len(acked)
             etcd.start()
-            wait_for(lambda: len(acked) > n_down + 50, 30, "writes resume")
+            wait_until(lambda: len(acked) > n_down + 50, 30, "writes resume")
             stop.set()
             t.join(30)
             assert not failed, failed[:3]
