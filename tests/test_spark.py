@@ -70,7 +70,7 @@ def test_reads_all_three_logs_with_the_documented_schema(spark, folders):
     from qdelay.tools.spark_source import COLUMNS, SCHEMA
 
     expected = _parse_datatype_string(SCHEMA)
-    df = spark.read.format("qdelay").option("log", "all").load(folders["golden"])
+    df = spark.read.format("qdelay").option("log", "all").option("packBytes", 0).load(folders["golden"])
     assert [f.name for f in df.schema.fields] == COLUMNS
     assert [f.dataType for f in df.schema.fields] == [f.dataType for f in expected.fields]
     rows = df.collect()
@@ -129,8 +129,10 @@ def test_many_folders_and_split_segments(spark, folders):
     as_text = spark.read.format("qdelay").option("log", "schedule").load(",".join(two))
     assert sorted(as_list.groupBy("server").count().collect()) == sorted(as_text.groupBy("server").count().collect())
     # a segment split on record boundaries reads the same records as a whole one
-    whole = spark_source.read(spark, folders["clean"], log="schedule").select("segment", "offset", "sequence")
-    split = spark_source.read(spark, folders["clean"], log="schedule", splitBytes=200)
+    whole = spark_source.read(spark, folders["clean"], log="schedule", packBytes=0).select(
+        "segment", "offset", "sequence"
+    )
+    split = spark_source.read(spark, folders["clean"], log="schedule", splitBytes=200, packBytes=0)
     assert split.rdd.getNumPartitions() > whole.rdd.getNumPartitions()
     assert sorted(split.select("segment", "offset", "sequence").collect()) == sorted(whole.collect())
     assert split.where("error is not null").count() == 0
@@ -191,9 +193,9 @@ def test_pruned_columns_and_pushed_filters(spark, folders):
         return sorted(map(str, df.collect()))
 
     def narrow():
-        return spark_source.read(spark, path, columns=cols, pushdown=True)
+        return spark_source.read(spark, path, columns=cols, pushdown=True, packBytes=0)
 
-    full = spark_source.read(spark, path)
+    full = spark_source.read(spark, path, packBytes=0)
     assert narrow().columns == cols
     assert rows(narrow()) == rows(full.select(*cols))
     lo, hi = T0 + 60_000, T0 + 119_999
@@ -209,7 +211,7 @@ def test_pruned_columns_and_pushed_filters(spark, folders):
     n_disp = sum(len(files) for _d, _s, files in os.walk(os.path.join(path, "dispatch")))
     assert narrow().where("kind = 'DISPATCH'").rdd.getNumPartitions() == n_disp
     # without the option the same query reads every segment and Spark filters
-    plain = spark_source.read(spark, path, columns=cols).where(where)
+    plain = spark_source.read(spark, path, columns=cols, packBytes=0).where(where)
     assert plain.rdd.getNumPartitions() == full.rdd.getNumPartitions()
     assert rows(plain) == rows(narrow().where(where))
 
@@ -244,6 +246,27 @@ def test_audit_is_quiet_on_a_clean_folder(spark, folders, tmp_path):
     assert (s["messages"], s["cancelled"], s["dispatch_records"]) == (21, 1, 19)
 
 
+def test_audit_allow_duplicates_reports_them_without_failing(spark, tmp_path, capsys):
+    """An at-least-once redelivery (the same message acked twice after a restart) is a
+    finding the audit lists either way; with --allow-duplicates it does not fail the run."""
+    root = str(tmp_path / "dups")
+    b = datafolder.DataFolderBuilder(root)
+    s = b.send("d.x", b"p", due_ms=T0 + 60_000, created_ms=T0)
+    b.iterate(at_ms=T0 + 1_000)
+    b.dispatch(s, dispatched_ms=T0 + 60_010, acked_ms=T0 + 60_020)
+    b.dispatch(s, dispatched_ms=T0 + 90_010, acked_ms=T0 + 90_020, attempt=2)
+    b.close()
+    out = str(tmp_path / "audit")
+    assert _job(["audit", "--data-dir", root, "--now", str(NOW), "--out", out]) == 1
+    assert _job(["audit", "--data-dir", root, "--now", str(NOW), "--out", out, "--allow-duplicates"]) == 0
+    text = capsys.readouterr().out
+    assert "duplicated               1 (allowed: at-least-once redeliveries)" in text
+    assert os.path.abspath(os.path.join(out, "summary.json")) in text  # where the outputs went
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["findings"]["duplicated"] == 1 and not summary["failed"] and summary["allow_duplicates"]
+    assert [(r["message_id"], r["attempts"]) for r in summary["examples"]["duplicated"]] == [("msg-0001", [1, 2])]
+
+
 def test_audit_reports_damage_and_goes_on(spark, folders):
     from qdelay.tools import spark_jobs
 
@@ -260,7 +283,10 @@ def test_lateness_forecast_export(spark, folders, tmp_path, capsys):
     out = str(tmp_path / "lat")
     assert _job(["lateness", "--data-dir", folders["golden"], "--out", out]) == 0
     per_minute = pd.read_csv(os.path.join(out, "lateness_per_minute.csv"))
-    assert per_minute[["minute_ms", "delivered", "max_ms"]].values.tolist() == [[T0 + 60_000, 2, 30_200]]
+    # seq 1: dispatched 120 ms after due, acked 30 ms later; seq 2 was delivered by its
+    # second attempt 30.2 s after due: a redelivery, not server lateness (acked 100 ms later)
+    cols = ["minute_ms", "delivered", "server_max_ms", "ack_max_ms", "redelivered_share"]
+    assert per_minute[cols].values.tolist() == [[T0 + 60_000, 2, 120, 100, 0.5]]
     per_subject = pd.read_csv(os.path.join(out, "lateness_per_subject.csv"))
     assert per_subject["subject"].tolist() == ["order.close"]
     assert os.path.getsize(os.path.join(out, "lateness.png")) > 1000

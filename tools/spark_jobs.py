@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = common(sub.add_parser("audit", help="lost, duplicated, delivered-after-cancel, early messages"))
     p.add_argument("--now", default=None, help="judge 'past due' at this time (epoch ms or ISO; default now)")
     p.add_argument(
+        "--allow-duplicates",
+        action="store_true",
+        help="report duplicated deliveries (at-least-once redeliveries) without failing",
+    )
+    p.add_argument(
         "--grace-ms",
         type=int,
         default=60_000,
@@ -199,48 +204,82 @@ FINDING_COLUMNS = {
 
 
 def life_table(spark, data_dirs):
-    """One row per (server, sequence) with everything the audit needs, in ONE scan of the
-    logs and one shuffle: a conditional aggregate over MESSAGE, CANCEL (keyed by its target)
-    and DISPATCH rows. Each unreadable stretch is a row of its own (``error`` set)."""
+    """One row per (server, sequence) with the numbers the audit judges by, in one scan of
+    the logs and one shuffle: a conditional aggregate over MESSAGE, CANCEL (keyed by its
+    target) and DISPATCH rows. Only fixed-width aggregates (counts, min, max): Spark's
+    hash aggregation takes them, where a string (a first message id) or a list would make
+    it sort every record (five times slower). Names come later, for the findings only."""
     from pyspark.sql import functions as F
 
-    df = spark_source.read(spark, data_dirs, log="all", corrupt="row", columns=JOB_COLUMNS)
-    ok = F.col("error").isNull()
+    cols = ["server", "kind", "sequence", "due_ms", "created_ms", "target_sequence", "dispatched_ms", "attempt"]
+    df = spark_source.read(spark, data_dirs, log="all", corrupt="skip", columns=cols + ["outcome"])
     kind = F.col("kind")
-    is_msg, is_cxl, is_disp = ok & (kind == "MESSAGE"), ok & (kind == "CANCEL"), ok & (kind == "DISPATCH")
+    is_msg, is_cxl, is_disp = kind == "MESSAGE", kind == "CANCEL", kind == "DISPATCH"
     when = F.when
     return (
-        df.withColumn("key", when(is_cxl, F.col("target_sequence")).when(ok, F.col("sequence")))
-        .withColumn("errkey", when(~ok, F.concat_ws(":", "log", "segment", F.col("offset").cast("string"))))
-        .groupBy("server", "key", "errkey")
+        df.where(kind.isin("MESSAGE", "CANCEL", "DISPATCH"))
+        .withColumn("sequence", when(is_cxl, F.col("target_sequence")).otherwise(F.col("sequence")))
+        .groupBy("server", "sequence")
         .agg(
             F.count(when(is_msg, 1)).alias("copies"),
-            F.first(when(is_msg, F.col("message_id")), ignorenulls=True).alias("m_id"),
-            F.first(when(is_msg, F.col("subject")), ignorenulls=True).alias("subject"),
             F.min(when(is_msg, F.col("due_ms"))).alias("m_due"),
             F.min(when(is_cxl, F.col("created_ms"))).alias("cancelled_ms"),
             F.count(when(is_disp, 1)).alias("dispatches"),
-            F.sort_array(F.collect_list(when(is_disp, F.col("attempt")))).alias("attempts"),
             F.min(when(is_disp, F.col("dispatched_ms"))).alias("first_dispatched_ms"),
             F.max(when(is_disp & (F.col("outcome") == "DELIVERED"), F.col("dispatched_ms"))).alias("last_delivered_ms"),
-            F.first(when(is_disp, F.col("message_id")), ignorenulls=True).alias("d_id"),
-            F.first(when(is_disp, F.col("due_ms")), ignorenulls=True).alias("d_due"),
-            F.first("log").alias("log"),
-            F.first("segment").alias("segment"),
-            F.first("offset").alias("offset"),
-            F.first("size").alias("size"),
-            F.first("error").alias("error"),
+            F.min(when(is_disp, F.col("due_ms"))).alias("d_due"),
         )
-        .withColumnRenamed("key", "sequence")
         .withColumn("has_message", F.col("copies") > 0)
-        .withColumn("message_id", F.coalesce("m_id", "d_id"))
         .withColumn("due_ms", F.coalesce("m_due", "d_due"))
     )
 
 
-def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None = None) -> dict:
+def _damage(spark, data_dirs):
+    """Every unreadable stretch of every log (the reader keeps only error rows)."""
+    from pyspark.sql import functions as F
+
+    cols = ["server", "log", "segment", "offset", "size", "error"]
+    return (
+        spark_source.read(spark, data_dirs, log="all", corrupt="row", columns=cols, pushdown=True)
+        .where(F.col("error").isNotNull())
+        .withColumn("torn", F.col("error").startswith("torn tail"))
+    )
+
+
+def _names(spark, data_dirs, keys):
+    """message_id, subject and the sorted attempts of the (server, sequence) rows of
+    ``keys`` (a small DataFrame, broadcast): a second scan of MESSAGE and DISPATCH rows,
+    joined to the findings instead of carrying strings through the big aggregate."""
+    from pyspark.sql import functions as F
+
+    cols = ["server", "sequence", "kind", "message_id", "subject", "attempt"]
+    rows = spark_source.read(spark, data_dirs, log="all", corrupt="skip", columns=cols, pushdown=True).where(
+        F.col("kind").isin("MESSAGE", "DISPATCH")
+    )
+    is_msg, is_disp = F.col("kind") == "MESSAGE", F.col("kind") == "DISPATCH"
+    return (
+        rows.join(F.broadcast(keys), ["server", "sequence"])
+        .groupBy("server", "sequence")
+        .agg(
+            F.first(F.when(is_msg, F.col("message_id")), ignorenulls=True).alias("m_id"),
+            F.first(F.when(is_disp, F.col("message_id")), ignorenulls=True).alias("d_id"),
+            F.first(F.when(is_msg, F.col("subject")), ignorenulls=True).alias("subject"),
+            F.sort_array(F.collect_list(F.when(is_disp, F.col("attempt")))).alias("attempts"),
+        )
+        .withColumn("message_id", F.coalesce("m_id", "d_id"))
+        .drop("m_id", "d_id")
+    )
+
+
+def audit(
+    spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None = None, allow_duplicates: bool = False
+) -> dict:
     """Find lost (past due, never dispatched nor cancelled), duplicated (more than one
     dispatch record), delivered-after-cancel and early (dispatched before due) messages.
+
+    ``allow_duplicates``: duplicates are what at-least-once delivery promises for a message
+    in flight when a consumer or the server restarted; they are still counted and listed,
+    but do not make the audit fail (``failed`` in the summary).
 
     Returns the summary (exact counts, the first examples of each finding); with ``out``,
     writes every finding as JSON lines (``out/findings``) and ``out/summary.json``."""
@@ -248,8 +287,7 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
 
     table = life_table(spark, data_dirs).cache()
     flags = (
-        table.where(F.col("errkey").isNull())
-        .withColumn(
+        table.withColumn(
             "lost",
             F.col("has_message")
             & (F.col("dispatches") == 0)
@@ -264,30 +302,12 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
         .withColumn("overdue_ms", F.lit(now_ms) - F.col("due_ms"))
         .withColumn("early_by_ms", F.col("due_ms") - F.col("first_dispatched_ms"))
     )
-    errors = table.where(F.col("errkey").isNotNull()).select(
-        "server", "log", "segment", "offset", "size", "error", F.col("error").startswith("torn tail").alias("torn")
-    )
     totals = flags.agg(
         F.count(F.when(F.col("has_message"), 1)).alias("messages"),
         F.count(F.col("cancelled_ms")).alias("cancelled"),
         F.sum("dispatches").alias("dispatch_records"),
         *[F.count(F.when(F.col(n), 1)).alias(n) for n in FINDINGS],
     ).collect()[0]
-    findings = flags.where(" or ".join(FINDINGS)).select(
-        "server",
-        "sequence",
-        "message_id",
-        "subject",
-        "due_ms",
-        "cancelled_ms",
-        "dispatches",
-        "attempts",
-        "first_dispatched_ms",
-        "last_delivered_ms",
-        "overdue_ms",
-        "early_by_ms",
-        *FINDINGS,
-    )
     summary: dict = {
         "now_ms": now_ms,
         "grace_ms": grace_ms,
@@ -296,17 +316,43 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
         "dispatch_records": int(totals["dispatch_records"] or 0),
         "findings": {n: totals[n] for n in FINDINGS},
         "examples": {n: [] for n in FINDINGS},
+        "allow_duplicates": allow_duplicates,
     }
     if any(summary["findings"].values()):
+        found = flags.where(" or ".join(FINDINGS)).cache()
+        # names for every finding when they are all written, else for the examples only
+        picked = found if out else found.orderBy("server", "sequence").limit(100 * EXAMPLES)
+        named = picked.join(
+            _names(spark, data_dirs, picked.select("server", "sequence")), ["server", "sequence"], "left"
+        )
+        findings = named.select(
+            "server",
+            "sequence",
+            "message_id",
+            "subject",
+            "due_ms",
+            "cancelled_ms",
+            "dispatches",
+            "attempts",
+            "first_dispatched_ms",
+            "last_delivered_ms",
+            "overdue_ms",
+            "early_by_ms",
+            *FINDINGS,
+        ).cache()
         for r in findings.orderBy("server", "sequence").limit(100 * EXAMPLES).collect():
             for n in FINDINGS:
                 if r[n] and len(summary["examples"][n]) < EXAMPLES:
                     summary["examples"][n].append({c: r[c] for c in FINDING_COLUMNS[n]})
         if out:
             _write_json(findings, os.path.join(out, "findings"))
-    err_rows = errors.collect()
+        findings.unpersist()
+        found.unpersist()
+    err_rows = _damage(spark, data_dirs).collect()
     summary["corrupt_records"] = [r.asDict() for r in err_rows if not r["torn"]]
     summary["torn_tails"] = [r.asDict() for r in err_rows if r["torn"]]
+    failing = [n for n in FINDINGS if not (allow_duplicates and n == "duplicated")]
+    summary["failed"] = bool(sum(summary["findings"][n] for n in failing) + len(summary["corrupt_records"]))
     table.unpersist()
     if out:
         with open(os.path.join(out, "summary.json"), "w") as f:
@@ -316,13 +362,14 @@ def audit(spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None
 
 def _audit_cmd(spark, args) -> int:
     out = _out_dir(args)
-    s = audit(spark, args.data_dir, _now_ms(args.now), args.grace_ms, out)
+    s = audit(spark, args.data_dir, _now_ms(args.now), args.grace_ms, out, args.allow_duplicates)
     print(
         f"audit of {len(args.data_dir)} data folder(s) at now={s['now_ms']} (grace {s['grace_ms']} ms): "
         f"{s['messages']} messages, {s['cancelled']} cancelled, {s['dispatch_records']} dispatch records"
     )
     for name, n in s["findings"].items():
-        print(f"{name:<24} {n}")
+        allowed = " (allowed: at-least-once redeliveries)" if name == "duplicated" and args.allow_duplicates else ""
+        print(f"{name:<24} {n}{allowed if n else ''}")
         if n:
             rows = s["examples"][name]
             _print_rows(f"first {len(rows)}", rows, list(rows[0]))
@@ -333,44 +380,70 @@ def _audit_cmd(spark, args) -> int:
         if s[key]:
             print(f"{label}: {len(s[key])}")
             _print_rows("where", s[key][:EXAMPLES], ["server", "segment", "offset", "error"])
-    print(f"details: {out}")
-    bad = sum(s["findings"].values()) + len(s["corrupt_records"])
-    return 1 if bad else 0
+    _print_outputs(
+        [os.path.join(out, "summary.json")] + ([os.path.join(out, "findings")] if any(s["findings"].values()) else [])
+    )
+    return 1 if s["failed"] else 0
 
 
 # --- lateness -------------------------------------------------------------------------------
 
 
 def lateness(spark, data_dirs):
-    """(per minute, per subject) pandas tables of dispatched - due for delivered messages."""
+    """(per minute, per subject) pandas tables of what happened to delivered messages, in
+    three separate measures (mixing them made a subject whose consumer came late look like
+    a late server):
+
+    - server lateness, ``dispatched - due`` of first deliveries: how late the server handed
+      a message to a consumer (a redelivery's dispatch time is its retry's, left out);
+    - time to ack, ``acked - dispatched``: the consumer's work and the ack's trip;
+    - redelivered share: deliveries that needed more than one attempt.
+
+    Reads only the schedule and dispatch logs (a delivered message was copied there), with
+    only the columns used, the filters pushed to the reader."""
     from pyspark.sql import functions as F
 
-    df = frames(spark, data_dirs)
-    messages, _c, dispatches, _e = tables(df)
+    cols = ["server", "sequence", "kind", "subject", "due_ms", "dispatched_ms", "acked_ms", "attempt", "outcome"]
+
+    def logs(kind):
+        return spark_source.read(spark, data_dirs, log="schedule,dispatch", columns=cols, pushdown=True).where(
+            F.col("kind") == kind
+        )
+
+    messages = logs("MESSAGE").groupBy("server", "sequence").agg(F.first("subject").alias("subject"))
     d = (
-        dispatches.where(F.col("outcome") == "DELIVERED")
-        .join(messages.select("server", "sequence", "subject", "due_ms"), ["server", "sequence"], "left")
-        .withColumn("due_ms", F.coalesce("due_ms", "dispatch_due_ms"))
-        .withColumn("lateness_ms", F.col("dispatched_ms") - F.col("due_ms"))
+        logs("DISPATCH")
+        .where(F.col("outcome") == "DELIVERED")
+        .drop("subject")
+        .join(messages, ["server", "sequence"], "left")
         .withColumn("subject", F.coalesce("subject", F.lit("(unknown)")))
+        .withColumn("first", F.col("attempt") <= 1)
+        .withColumn("server_ms", F.when(F.col("first"), F.col("dispatched_ms") - F.col("due_ms")))
+        .withColumn("ack_ms", F.col("acked_ms") - F.col("dispatched_ms"))
     )
+
+    def pct(col, q):
+        return F.percentile_approx(col, q, 10000)
 
     def stats(frame, key):
         return (
             frame.groupBy(key)
             .agg(
                 F.count("*").alias("delivered"),
-                F.percentile_approx("lateness_ms", 0.5, 10000).alias("p50_ms"),
-                F.percentile_approx("lateness_ms", 0.99, 10000).alias("p99_ms"),
-                F.max("lateness_ms").alias("max_ms"),
-                F.min("lateness_ms").alias("min_ms"),
+                F.count(F.when(~F.col("first"), 1)).alias("redelivered"),
+                pct("server_ms", 0.5).alias("server_p50_ms"),
+                pct("server_ms", 0.99).alias("server_p99_ms"),
+                F.max("server_ms").alias("server_max_ms"),
+                pct("ack_ms", 0.5).alias("ack_p50_ms"),
+                pct("ack_ms", 0.99).alias("ack_p99_ms"),
+                F.max("ack_ms").alias("ack_max_ms"),
             )
+            .withColumn("redelivered_share", F.round(F.col("redelivered") / F.col("delivered"), 4))
             .orderBy(key)
         )
 
     per_minute = stats(d.withColumn("minute_ms", F.floor(F.col("due_ms") / 60000) * 60000), "minute_ms").toPandas()
     per_subject = stats(d, "subject").toPandas()
-    df.unpersist()
     if len(per_minute):
         import pandas as pd
 
@@ -379,25 +452,35 @@ def lateness(spark, data_dirs):
 
 
 def _plot_lateness(per_minute, per_subject, path: str) -> None:
+    """Three panels: server lateness and time to ack per due minute (log scale: spreads
+    run from milliseconds to hours), with the deliveries per minute behind them, and the
+    20 subjects with the worst server p99, each bar labelled with its count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(2, 1, figsize=(11, 8))
-    if len(per_minute):
-        for col, style in (("p50_ms", "-"), ("p99_ms", "--"), ("max_ms", ":")):
-            a.plot(per_minute["minute"], per_minute[col], style, label=col.replace("_ms", ""))
-        a.set_yscale("symlog")
-        a.legend()
-    a.set_title("lateness (dispatched - due) per due minute, ms")
-    a.set_xlabel("due minute (UTC)")
-    top = per_subject.sort_values("p99_ms", ascending=False).head(20) if len(per_subject) else per_subject
+    fig, (a, c, b) = plt.subplots(3, 1, figsize=(11, 12))
+    for ax, prefix, title in ((a, "server", "server lateness (dispatched - due)"), (c, "ack", "time to ack")):
+        if len(per_minute):
+            counts = ax.twinx()
+            counts.bar(per_minute["minute"], per_minute["delivered"], width=1 / 1440, alpha=0.2, color="grey")
+            counts.set_ylabel("deliveries per minute")
+            for col, style in ((f"{prefix}_p50_ms", "-"), (f"{prefix}_p99_ms", "--"), (f"{prefix}_max_ms", ":")):
+                ax.plot(per_minute["minute"], per_minute[col].clip(lower=1), style, label=col[len(prefix) + 1 : -3])
+            ax.set_yscale("log")
+            ax.legend(loc="upper left")
+        ax.set_title(f"{title} per due minute, ms (log scale)")
+        ax.set_xlabel("due minute (UTC)")
+    top = per_subject.sort_values("server_p99_ms", ascending=False).head(20) if len(per_subject) else per_subject
     if len(top):
-        b.barh(top["subject"], top["p99_ms"], label="p99")
-        b.barh(top["subject"], top["p50_ms"], label="p50")
+        b.barh(top["subject"], top["server_p99_ms"].clip(lower=1), label="server p99")
+        b.barh(top["subject"], top["server_p50_ms"].clip(lower=1), label="server p50")
+        b.set_xscale("log")
+        for y, (n, share) in enumerate(zip(top["delivered"], top["redelivered_share"])):
+            b.annotate(f" n={n}, redelivered {share:.1%}", (1, y), va="center", fontsize=8)
         b.legend()
-    b.set_title("lateness per subject (20 worst p99), ms")
+    b.set_title("server lateness per subject (20 worst p99), ms, log scale")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -406,16 +489,25 @@ def _plot_lateness(per_minute, per_subject, path: str) -> None:
 def _lateness_cmd(spark, args) -> int:
     out = _out_dir(args)
     per_minute, per_subject = lateness(spark, args.data_dir)
-    per_minute.to_csv(os.path.join(out, "lateness_per_minute.csv"), index=False)
-    per_subject.to_csv(os.path.join(out, "lateness_per_subject.csv"), index=False)
-    _plot_lateness(per_minute, per_subject, os.path.join(out, "lateness.png"))
-    cols = ["delivered", "p50_ms", "p99_ms", "max_ms"]
+    paths = [os.path.join(out, n) for n in ("lateness_per_minute.csv", "lateness_per_subject.csv", "lateness.png")]
+    per_minute.to_csv(paths[0], index=False)
+    per_subject.to_csv(paths[1], index=False)
+    _plot_lateness(per_minute, per_subject, paths[2])
+    cols = ["delivered", "server_p50_ms", "server_p99_ms", "ack_p50_ms", "ack_p99_ms", "redelivered_share"]
+    print("server lateness = dispatched - due (first deliveries); ack = acked - dispatched")
     print("per due minute:")
     print(per_minute[["minute"] + cols].to_string(index=False) if len(per_minute) else "  (no deliveries)")
     print("per subject:")
     print(per_subject[["subject"] + cols].to_string(index=False) if len(per_subject) else "  (no deliveries)")
-    print(f"tables and lateness.png in {out}")
+    _print_outputs(paths)
     return 0
+
+
+def _print_outputs(paths) -> None:
+    """Where a job's outputs went (absolute paths: the job may run far from its caller)."""
+    print("written:")
+    for p in paths:
+        print(f"  {os.path.abspath(p)}")
 
 
 # --- forecast -------------------------------------------------------------------------------
