@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from qdelay.errors import LeaseLost
+from qdelay.errors import Fenced, LeaseLost
 from qdelay.replication.etcd import Etcd, EtcdError, absent, created_at, delete, put
 
 log = logging.getLogger("qdelay.cluster")
@@ -166,6 +166,8 @@ class ClusterAgent:
 
     def check_writable(self) -> None:
         """Engine hook: called before a write and again right before it is acknowledged."""
+        if self.engine.role != "master":  # fenced while the write waited (a manual promotion)
+            raise Fenced(f"this server was fenced at epoch {self.engine.epoch}: a newer master exists")
         if not self.lease_ok():
             raise LeaseLost(
                 f"this server cannot prove it still holds the leadership of shard {self.shard!r} "
@@ -322,7 +324,9 @@ class ClusterAgent:
         )
         if not r.succeeded:
             return
-        epoch = r.header.revision
+        await self._become_master(r.header.revision, lease)
+
+    async def _become_master(self, epoch: int, lease: int) -> None:
         engine = self.engine
         if epoch <= engine.epoch:
             # etcd's revisions are behind this data folder (etcd was wiped): an epoch that does
@@ -377,6 +381,88 @@ class ClusterAgent:
             if r.succeeded:
                 log.info("in-sync set", extra={"shard": self.shard, "members": ",".join(members)})
         self.insync = members
+
+    # --- manual override ----------------------------------------------------------------------------------
+    async def promote(self, force: bool) -> str:
+        """``qdelay admin promote`` in cluster mode, through the same keys: fence the current
+        master (only with ``force`` while it still answers), catch up with its log, then
+        replace its leader key in one transaction guarded by that key's revision."""
+        from qdelay.replication.master import _Refuse
+
+        engine = self.engine
+        if engine.role == "master":
+            return f"already master of shard {self.shard} at epoch {engine.epoch}"
+        r = await self.kv.range_prefix(self.root)
+        me = parse_view(self.root, r.kvs).get(self.shard) or ShardView(self.shard)
+        if me.insync is not None and self.address not in me.insync:
+            raise _Refuse(
+                "FAILED_PRECONDITION",
+                f"{self.address} is not in the in-sync set of shard {self.shard} ({', '.join(me.insync)}): "
+                f"promoting it could lose acknowledged writes",
+            )
+        if self.lease_id is None:
+            raise _Refuse("UNAVAILABLE", "this server holds no etcd lease yet")
+        notes = []
+        if me.master:
+            st = await self.node.peer_status(me.master, timeout=2.0)
+            if st is None:
+                raise _Refuse(
+                    "FAILED_PRECONDITION",
+                    f"the master {me.master} does not answer but its lease still holds: it may still be "
+                    f"acknowledging writes; it fails over by itself once its lease expires",
+                )
+            if st.role == "master" and not force:
+                raise _Refuse(
+                    "FAILED_PRECONDITION",
+                    f"the master {me.master} is running; stop it, or promote with --force (it will be fenced)",
+                )
+            from qdelay.v1 import replication_pb2 as rpb
+            from qdelay.v1 import replication_pb2_grpc as rpb_grpc
+
+            # catch up first: a fenced master serves no Pull stream any more
+            end = st.end_offset
+            deadline = time.monotonic() + 10
+            while engine.wal.committed_offset < end and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if engine.wal.committed_offset < end:
+                notes.append(f"this server has its log up to {engine.wal.committed_offset} of {end}")
+            ch = self.node._channel(me.master)
+            try:
+                f = await rpb_grpc.ReplicationStub(ch).Fence(
+                    rpb.FenceRequest(epoch=me.epoch + 1, master=self.address),
+                    timeout=2.0,
+                    metadata=self.node_metadata(),
+                )
+            finally:
+                await ch.close()
+            notes.append(f"{me.master}: {f.role} at epoch {f.epoch}")
+            # etcd refuses a transaction that deletes and puts one key, and a put keeps the
+            # key's create revision (the epoch): so first remove the old key and leave this
+            # server alone in the in-sync set (no other may win the gap), then campaign
+            gone = await self.kv.txn(
+                [created_at(self.leader_key, me.epoch)],
+                [delete(self.leader_key), put(self.insync_key, json.dumps({"members": [self.address]}).encode())],
+            )
+            if not gone.succeeded:
+                raise _Refuse("ABORTED", "the shard's leader key changed meanwhile (an election ran); look again")
+        value = json.dumps({"address": self.address}).encode()
+        txn = await self.kv.txn(
+            [absent(self.leader_key)],
+            [
+                put(self.leader_key, value, lease=self.lease_id),
+                put(self.insync_key, json.dumps({"members": [self.address]}).encode()),
+            ],
+        )
+        if not txn.succeeded:
+            raise _Refuse("ABORTED", "another server took the shard's leader key meanwhile; look again")
+        await self._become_master(txn.header.revision, self.lease_id)
+        notes.insert(0, f"{self.address} is master of shard {self.shard} at epoch {engine.epoch} (manual)")
+        return "; ".join(notes)
+
+    def node_metadata(self):
+        from qdelay.replication import common
+
+        return common.metadata(self.node.token)
 
     # --- what others ask -------------------------------------------------------------------------------
     def topology(self) -> tuple[str, list[ShardView]]:

@@ -165,6 +165,12 @@ class Node:
     async def promote(self, req) -> rpb.PromoteResponse:
         engine = self.engine
         wal = engine.wal
+        if self.agent is not None:  # cluster mode: through etcd's keys, not epoch + 1
+            note = await self.agent.promote(req.force)
+            self.promoted_note = note
+            return rpb.PromoteResponse(
+                epoch=engine.epoch, end_offset=wal.committed_offset, last_sequence=wal.committed_sequence, note=note
+            )
         if engine.role == "master":
             return rpb.PromoteResponse(
                 epoch=engine.epoch,

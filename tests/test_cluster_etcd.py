@@ -454,3 +454,32 @@ def test_etcd_restarted_under_load(tmp_path, etcd):
     finally:
         for n in nodes:
             n.kill9()
+
+
+def test_admin_promote_through_etcd(tmp_path, etcd):
+    """``qdelay admin promote`` stays the manual override in cluster mode: refused while the
+    master runs (without --force) and for a server outside the in-sync set; with --force the
+    master is fenced and the slave takes the leader key at a higher epoch; the old master
+    follows it."""
+    from test_replication import admin
+
+    a = node(tmp_path, "a", etcd.endpoint).start()
+    wait_shard(a.address, "s1", 0)
+    b = node(tmp_path, "b", etcd.endpoint).start()
+    try:
+        before = wait_shard(a.address, "s1", 1)
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        with a.client(retries=0) as cl:
+            cl.send(SUBJECT, b"x", delay_ms=60_000)
+        wait_until(lambda: b.address in (shard_of(a.address, "s1").slaves), 10, "b in the topology")
+        cp = admin("promote", "--target", b.address, check=False)
+        assert cp.returncode != 0 and "--force" in cp.stderr, cp.stderr
+        cp = admin("promote", "--target", b.address, "--force")
+        s = wait_until(lambda: new_master(a.address, a.address), 10, "b is master", ignore=RPC_ERRORS)
+        assert s.master == b.address and s.epoch > before.epoch
+        wait_until(lambda: status(a.address).role == "slave", 10, "the old master follows", ignore=RPC_ERRORS)
+        with b.client(retries=0) as cl:
+            assert cl.send(SUBJECT, b"y", delay_ms=60_000).shard == "s1"
+    finally:
+        a.kill9()
+        b.kill9()
