@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import datetime, timedelta
+from typing import Any, cast
 
 import grpc
 
@@ -39,10 +40,20 @@ from qdelay.client.client import (
     DeadlineExceeded,
     Outgoing,
     SentReceipts,
+    _set_due,
     outgoing,
     translate,
 )
-from qdelay.client.types import Receipt, Status, cancel_batches, ref, reschedule_request, reschedule_result, stats_dict
+from qdelay.client.types import (
+    Receipt,
+    Status,
+    Target,
+    cancel_batches,
+    ref,
+    reschedule_request,
+    reschedule_result,
+    stats_dict,
+)
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -108,7 +119,7 @@ class Client:
         self._consumers: set[Consumer] = set()
 
     # ------------------------------------------------------------------ plumbing
-    async def _call(self, method, request, timeout: float | None):
+    async def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
         attempt = 0
         while True:
             attempt += 1
@@ -131,7 +142,7 @@ class Client:
     async def __aenter__(self) -> Client:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
@@ -156,16 +167,13 @@ class Client:
         o = outgoing(subject, payload, delay, delay_ms, deliver_at, deliver_at_ms, headers, message_id or self._ids())
         if self.batching is None:
             msg = pb.Message(subject=o.subject, payload=o.payload, headers=o.headers or {}, message_id=o.message_id)
-            if o.deliver_at_ms is not None:
-                msg.deliver_at_ms = o.deliver_at_ms
-            else:
-                msg.delay_ms = o.delay_ms
+            _set_due(msg, o)
             resp = await self._call(self.stub.Send, pb.SendRequest(message=msg), timeout)
             return Receipt.from_pb(resp.receipt)
         if self._batcher is None:
             self._batcher = SendBatcher(
                 lambda: self.channel,
-                lambda batch: self._encode_outgoing(batch)[0],
+                lambda batch: self._encode_outgoing(batch)[0],  # type: ignore[misc]  # borrowed from the blocking Client
                 translate,
                 self.metadata,
                 self.batching,
@@ -177,7 +185,7 @@ class Client:
 
     async def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
         """One SendBatch: all-or-nothing validation, one durable group commit."""
-        request = pb.SendBatchRequest(messages=self._with_ids(messages))
+        request = pb.SendBatchRequest(messages=self._with_ids(messages))  # type: ignore[misc]  # borrowed from the blocking Client
         resp = await self._call(self.stub.SendBatch, request, timeout)
         return [Receipt.from_pb(r) for r in resp.receipts]
 
@@ -194,7 +202,7 @@ class Client:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
         source = iter(messages)
 
-        def next_request():
+        def next_request() -> tuple[bytes, list[str]] | None:
             batch = []
             for m in source:
                 batch.append(m)
@@ -203,20 +211,25 @@ class Client:
             if not batch:
                 return None
             if isinstance(batch[0], tuple):
-                return self._encode_outgoing(batch)
-            ids = self._ids_of(batch)
-            return pb.SendBatchRequest(messages=batch, compact_receipts=True).SerializeToString(), ids
+                return self._encode_outgoing(batch)  # type: ignore[misc]  # borrowed from the blocking Client
+            messages = cast("list[pb.Message]", batch)
+            ids = self._ids_of(messages)  # type: ignore[misc]  # borrowed from the blocking Client
+            return pb.SendBatchRequest(messages=messages, compact_receipts=True).SerializeToString(), ids
 
-        return await self._send_many(self.channel, next_request, max_in_flight, timeout or self.timeout)
+        return await self._send_many(self.channel, next_request, max_in_flight, timeout or self.timeout)  # type: ignore[misc]  # borrowed from the blocking Client
 
-    async def cancel(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> str:
+    async def cancel(
+        self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> str:
         """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND', 'ALREADY_CANCELLED' or 'DEAD_LETTERED';
         ``receipt`` is a Receipt, its string form, the message id alone or a qdelay.v1.Receipt."""
         r, mid = ref(receipt if message_id is None else message_id)
         resp = await self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
         return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
 
-    async def cancel_many(self, targets, timeout: float | None = None, batch_size: int = 1000) -> list[str]:
+    async def cancel_many(
+        self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000
+    ) -> list[str]:
         """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
         server's ``limits.max_batch``) targets each; one outcome per target, in order (as
         :meth:`cancel` answers). Each target is anything :meth:`cancel` takes."""
@@ -228,7 +241,7 @@ class Client:
 
     async def reschedule(
         self,
-        target,
+        target: Target,
         *,
         delay: int | timedelta | None = None,
         delay_ms: int | timedelta | None = None,
@@ -246,7 +259,9 @@ class Client:
         req = reschedule_request(target, (o.deliver_at_ms, o.delay_ms))
         return reschedule_result(await self._call(self.stub.Reschedule, req, timeout))
 
-    async def get(self, receipt=None, timeout: float | None = None, *, message_id: str | None = None) -> Status:
+    async def get(
+        self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> Status:
         """The message's :class:`Status`; takes what :meth:`cancel` takes."""
         r, mid = ref(receipt if message_id is None else message_id)
         return Status.from_pb(await self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
@@ -378,7 +393,7 @@ class Consumer:
         if self._reader is None and not self._closed.is_set():
             self._reader = asyncio.get_running_loop().create_task(self._read(), name="qdelay-consumer")
 
-    async def _next(self, timeout: float | None = None):
+    async def _next(self, timeout: float | None = None) -> list[pb.Delivery] | None:
         """The next batch, None at the end (after close) or on timeout."""
         self._start()
         try:
@@ -468,5 +483,5 @@ class Consumer:
         self._start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -73,24 +73,28 @@ class Batching:
             )
 
 
+# a task's send waits on an asyncio.Future, a thread's on a concurrent.futures.Future
+AnyFuture = asyncio.Future | concurrent.futures.Future
+
+
 class _Entry:
     __slots__ = ("message", "future", "threaded")
 
-    def __init__(self, message: tuple, future, threaded: bool = False) -> None:
+    def __init__(self, message: tuple, future: AnyFuture, threaded: bool = False) -> None:
         self.message = message  # an Outgoing tuple with its message id set
         # an asyncio.Future (a task's send) or a concurrent.futures.Future (a thread's)
         self.future = future
         self.threaded = threaded
 
 
-def _resolve(future, result) -> None:
+def _resolve(future: AnyFuture, result: Receipt) -> None:
     try:
         future.set_result(result)
     except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
         pass  # its caller gave up (cancelled, timed out) in between
 
 
-def _reject(future, error: BaseException) -> None:
+def _reject(future: AnyFuture, error: BaseException) -> None:
     try:
         future.set_exception(error)
     except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):

@@ -21,9 +21,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, _Ids
+from qdelay.client.types import Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
 
 RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
@@ -38,7 +40,7 @@ class ClusterClient:
         backoff: float = 0.05,
         max_backoff: float = 1.0,
         timeout: float = 10.0,
-        **client_kw,
+        **client_kw: Any,
     ) -> None:
         if isinstance(targets, str):
             targets = [t.strip() for t in targets.split(",") if t.strip()]
@@ -64,7 +66,7 @@ class ClusterClient:
     def __enter__(self) -> ClusterClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -111,13 +113,13 @@ class ClusterClient:
                 delay = min(delay * 2, self.max_backoff)
 
     # --- API ----------------------------------------------------------------------------------------
-    def message(self, subject: str, payload: bytes = b"", **kw) -> pb.Message:
+    def message(self, subject: str, payload: bytes = b"", **kw: Any) -> pb.Message:
         msg = self.clients[0].message(subject, payload, **kw)
         if not msg.message_id:
             msg.message_id = self._ids()
         return msg
 
-    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw) -> pb.Receipt:
+    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw: Any) -> pb.Receipt:
         msg = self.message(subject, payload, **kw)
         request = pb.SendRequest(message=msg)
         return self._retry(lambda c: c._call(c.stub.Send, request, timeout).receipt)
@@ -130,10 +132,10 @@ class ClusterClient:
         request = pb.SendBatchRequest(messages=msgs)
         return self._retry(lambda c: list(c._call(c.stub.SendBatch, request, timeout).receipts))
 
-    def cancel(self, receipt, timeout: float | None = None) -> str:
+    def cancel(self, receipt: Target, timeout: float | None = None) -> str:
         return self._retry(lambda c: c.cancel(receipt, timeout))
 
-    def get(self, receipt, timeout: float | None = None) -> pb.GetResponse:
+    def get(self, receipt: Target, timeout: float | None = None) -> Status:
         return self._retry(lambda c: c.get(receipt, timeout))
 
     def stats(self) -> dict[str, dict | str]:

@@ -35,11 +35,15 @@ import time
 import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
-from qdelay.client.types import Receipt, Status
+from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
+
+if TYPE_CHECKING:
+    from qdelay.client.aio import Client as AioClient
 
 # DeadlineExceeded (an Unavailable) too: whether it was written is unknown, and the same id
 # sent again is deduplicated by the shard
@@ -83,7 +87,7 @@ class Topology:
         return list(out)
 
 
-def shard_of_target(target, topology: Topology) -> str:
+def shard_of_target(target: Target, topology: Topology) -> str:
     """The shard a receipt (object, string form, protobuf) names, else the id's shard."""
     if isinstance(target, str) and target.startswith("qd1:"):
         target = Receipt.parse(target)
@@ -111,7 +115,7 @@ class ShardedClient:
         backoff: float = 0.05,
         max_backoff: float = 1.0,
         timeout: float = 10.0,
-        **client_kw,
+        **client_kw: Any,
     ) -> None:
         self.seeds = _seeds(seeds)
         self.failover_timeout = failover_timeout
@@ -159,7 +163,7 @@ class ShardedClient:
         deadline = time.monotonic() + self.failover_timeout
         delay = self.backoff
         while True:
-            topo = self.topology
+            topo = self.topology or self.refresh()
             shard = shard_of(topo)
             master = topo.master(shard)
             err: Exception | None = None
@@ -192,11 +196,11 @@ class ShardedClient:
     def __enter__(self) -> ShardedClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- API -----------------------------------------------------------------------------------------
-    def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw) -> Receipt:
+    def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw: Any) -> Receipt:
         """As ``Client.send``; the receipt names its shard."""
         mid = message_id or self._ids()
         return self._retry(lambda t: t.shard_for(mid), lambda c: c.send(subject, payload, message_id=mid, **kw))
@@ -218,7 +222,7 @@ class ShardedClient:
                 m.message_id = self._ids()
             msgs.append(m)
         by_shard: dict[str, list[int]] = {}
-        topo = self.topology
+        topo = self.topology or self.refresh()
         for i, m in enumerate(msgs):
             by_shard.setdefault(topo.shard_for(m.message_id), []).append(i)
         out: list[Receipt | None] = [None] * len(msgs)
@@ -235,7 +239,7 @@ class ShardedClient:
         else:  # the shards' batches at the same time
             for f in [self._pool().submit(send, shard, idx) for shard, idx in groups]:
                 f.result()
-        return out
+        return cast("list[Receipt]", out)  # every index was filled above
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -243,13 +247,13 @@ class ShardedClient:
                 self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="qdelay-shards")
             return self._executor
 
-    def cancel(self, target, timeout: float | None = None) -> str:
+    def cancel(self, target: Target, timeout: float | None = None) -> str:
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
 
-    def get(self, target, timeout: float | None = None) -> Status:
+    def get(self, target: Target, timeout: float | None = None) -> Status:
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
 
-    def reschedule(self, target, **kw) -> tuple[str, Receipt | None]:
+    def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
 
     def stats(self) -> dict[str, dict | str]:
@@ -281,7 +285,7 @@ class ShardedConsumer:
         self._owner: dict[str, Consumer] = {}  # ack id -> the consumer it came from
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._add(sc.topology.addresses())
+        self._add((sc.topology or sc.refresh()).addresses())
         self._watch = threading.Thread(target=self._watch_topology, daemon=True)
         self._watch.start()
 
@@ -351,7 +355,7 @@ class ShardedConsumer:
     def __enter__(self) -> ShardedConsumer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -366,7 +370,7 @@ class AioShardedClient:
         backoff: float = 0.05,
         max_backoff: float = 1.0,
         timeout: float = 10.0,
-        **client_kw,
+        **client_kw: Any,
     ) -> None:
         self.seeds = _seeds(seeds)
         self.failover_timeout = failover_timeout
@@ -379,7 +383,7 @@ class AioShardedClient:
         self.topology: Topology | None = None
         self.retries = 0
 
-    def client(self, address: str):
+    def client(self, address: str) -> AioClient:
         from qdelay.client.aio import Client as AioClient
 
         c = self._clients.get(address)
@@ -409,7 +413,7 @@ class AioShardedClient:
         deadline = time.monotonic() + self.failover_timeout
         delay = self.backoff
         while True:
-            topo = self.topology
+            topo = self.topology or await self.refresh()
             shard = shard_of(topo)
             master = topo.master(shard)
             err: Exception | None = None
@@ -439,20 +443,20 @@ class AioShardedClient:
         await self.refresh()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw) -> Receipt:
+    async def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw: Any) -> Receipt:
         mid = message_id or self._ids()
         return await self._retry(lambda t: t.shard_for(mid), lambda c: c.send(subject, payload, message_id=mid, **kw))
 
-    async def cancel(self, target, timeout: float | None = None) -> str:
+    async def cancel(self, target: Target, timeout: float | None = None) -> str:
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
 
-    async def get(self, target, timeout: float | None = None) -> Status:
+    async def get(self, target: Target, timeout: float | None = None) -> Status:
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
 
-    async def reschedule(self, target, **kw) -> tuple[str, Receipt | None]:
+    async def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
 
     async def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list:

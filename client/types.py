@@ -16,7 +16,9 @@ the (receipt, message_id) pair a CancelRequest/GetRequest/RescheduleRequest carr
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import quote, unquote
 
 from qdelay import errors
@@ -27,7 +29,7 @@ from qdelay.v1 import qdelay_pb2 as pb
 _PREFIX = "qd1:"
 _TEXT = re.compile(r"qd1:(\d+):(-?\d+):([^:]*):(.+)", re.S)
 
-STATES = {v.number: v.name for v in pb.GetResponse.State.DESCRIPTOR.values}
+STATES: dict[int, str] = {v.number: v.name for v in pb.GetResponse.State.DESCRIPTOR.values}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +69,23 @@ class Receipt:
         )
 
 
+# What names a message (what cancel, get and reschedule take): a Receipt, its string form
+# or the message id alone, the protobuf Receipt, a dict of its fields, or a
+# (message_id, deliver_at_ms, sequence) tuple.
+Target = Receipt | str | pb.Receipt | dict[str, Any] | tuple[str, int, int]
+
+
 def is_receipt_text(text: str) -> bool:
     return text.startswith(_PREFIX) and _TEXT.fullmatch(text) is not None
 
 
-def ref(target) -> tuple[pb.Receipt | None, str]:
+def ref(target: Target | None) -> tuple[pb.Receipt | None, str]:
     """(receipt, message_id) for a request that names a message: exactly one is set.
 
     A string is a receipt's string form when it parses as one, else a bare message id (a
     message id that itself looks like 'qd1:…' must be given as ``message_id=``)."""
+    if target is None:
+        raise errors.InvalidArgument("no message named: give a receipt or message_id=")
     if isinstance(target, Receipt):
         return target.to_pb(), ""
     if isinstance(target, str):
@@ -152,7 +162,7 @@ def stats_dict(resp: pb.StatsResponse) -> dict:
     return out
 
 
-def cancel_batches(targets, batch_size: int) -> list[pb.CancelBatchRequest]:
+def cancel_batches(targets: Iterable[Target], batch_size: int) -> list[pb.CancelBatchRequest]:
     """CancelBatch requests of at most ``batch_size`` targets each (what ``cancel`` takes)."""
     if batch_size < 1:
         raise errors.InvalidArgument("batch_size must be at least 1")
@@ -166,7 +176,7 @@ def cancel_batches(targets, batch_size: int) -> list[pb.CancelBatchRequest]:
 RESCHEDULE_OUTCOMES = {v.number: v.name for v in pb.RescheduleResponse.Outcome.DESCRIPTOR.values}
 
 
-def reschedule_request(target, when_ms: tuple[int | None, int | None]) -> pb.RescheduleRequest:
+def reschedule_request(target: Target, when_ms: tuple[int | None, int | None]) -> pb.RescheduleRequest:
     """A RescheduleRequest for ``target`` (what ``cancel`` takes) and (deliver_at_ms,
     delay_ms), exactly one of them set."""
     r, mid = ref(target)
@@ -176,7 +186,7 @@ def reschedule_request(target, when_ms: tuple[int | None, int | None]) -> pb.Res
     req = pb.RescheduleRequest(receipt=r, message_id=mid)
     if at is not None:
         req.deliver_at_ms = at
-    else:
+    elif rel is not None:
         req.delay_ms = rel
     return req
 

@@ -8,11 +8,18 @@ to real ``grpc.StatusCode`` values lives in one place, ``qdelay.server.status``.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class QdelayError(Exception):
     """Base of every qdelay error. ``grpc_code`` is the gRPC status name."""
 
     grpc_code = "INTERNAL"
+    # set on the errors the clients raise for a failed call (qdelay.client.client.translate)
+    code: Any  # the grpc.StatusCode (this module never imports gRPC)
+    details: str
+    attempts: int
+    receipts: Any  # send_many: the receipts of every batch acknowledged before the failure
 
 
 # --- Request errors: the caller can fix them -------------------------------------------------

@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from rocksdict import BlockBasedOptions, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
@@ -47,6 +47,11 @@ _SUBJECT_LEN_AT = framing.HEADER_SIZE + 8
 _ID_LEN_AT = framing.HEADER_SIZE + 10
 _SUBJECT_AT = framing.HEADER_SIZE + 20
 BUILT_MARK = "BUILT"  # written once the index covers every schedule segment
+
+
+def _get_many(db: Rdict, keys: list[bytes]) -> list[bytes | None]:
+    """The value of each key, or None (rocksdict's multi-get; its stubs type it as one value)."""
+    return cast("list[bytes | None]", db.get(cast(Any, keys)))
 
 
 def _u16(raw: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -127,7 +132,7 @@ class IdIndex:
         skip: set[int] = set()
         if keep_newer:
             seq_l = seqs.tolist()
-            for i, v in enumerate(self._db.get(keys)):
+            for i, v in enumerate(_get_many(self._db, keys)):
                 if v is not None and int(np.frombuffer(v, dtype=_VALUE)[0]["seq"]) > seq_l[i]:
                     skip.add(i)
         wb = WriteBatch(raw_mode=True)
@@ -182,7 +187,7 @@ class IdIndex:
         if not keys:
             return []
         out: list[tuple[int, int] | None] = []
-        for v in self._db.get(keys):
+        for v in _get_many(self._db, keys):
             if v is None:
                 out.append(None)
             else:

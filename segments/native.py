@@ -9,11 +9,13 @@ that both give the same bytes.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
-codec = None
+codec: ModuleType | None = None
 if os.environ.get("QDELAY_NATIVE", "1") != "0":
     try:
-        from qdelay.segments import _codec as codec
+        codec = importlib.import_module("qdelay.segments._codec")
     except ImportError:  # not built: the Python twins run
         codec = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,8 @@ import numpy as np
 from qdelay.errors import InvariantViolation
 from qdelay.segments import framing, native
 from qdelay.segments.framing import RecordKind
+
+IntColumn = Sequence[int] | np.ndarray  # a column of integers: a list or a numpy array
 
 # MESSAGE body: deliver_at_ms i64, subject_len u16, message_id_len u16, headers_len u32,
 # payload_len u32, then subject, message_id, headers, payload.
@@ -291,12 +294,12 @@ if np.dtype(_DISPATCH_HEAD_FIELDS).itemsize != framing.HEADER_SIZE + DISPATCH_FI
 
 def _dispatch_frames_of_one_length(
     id_len: int,
-    sequences,
-    deliver_at_ms,
-    dispatched_at_ms,
-    schedule_offsets,
-    attempts,
-    message_ids,
+    sequences: IntColumn,
+    deliver_at_ms: IntColumn,
+    dispatched_at_ms: IntColumn,
+    schedule_offsets: IntColumn,
+    attempts: IntColumn,
+    message_ids: Sequence[bytes],
     timestamp: int,
     outcome: int,
     group: bytes = b"",
@@ -344,12 +347,12 @@ def _dispatch_frames_of_one_length(
 
 
 def encode_dispatch_frames(
-    sequences,
-    deliver_at_ms,
-    dispatched_at_ms,
-    schedule_offsets,
-    attempts,
-    message_ids,
+    sequences: IntColumn,
+    deliver_at_ms: IntColumn,
+    dispatched_at_ms: IntColumn,
+    schedule_offsets: IntColumn,
+    attempts: IntColumn,
+    message_ids: Sequence[bytes],
     timestamp: int,
     outcome: int,
     group: bytes = b"",
@@ -381,12 +384,12 @@ def encode_dispatch_frames(
 
 
 def encode_dispatch_frames_py(
-    sequences,
-    deliver_at_ms,
-    dispatched_at_ms,
-    schedule_offsets,
-    attempts,
-    message_ids,
+    sequences: IntColumn,
+    deliver_at_ms: IntColumn,
+    dispatched_at_ms: IntColumn,
+    schedule_offsets: IntColumn,
+    attempts: IntColumn,
+    message_ids: Sequence[bytes],
     timestamp: int,
     outcome: int,
     group: bytes = b"",

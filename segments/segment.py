@@ -16,7 +16,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from qdelay.errors import CorruptRecord
@@ -308,7 +308,9 @@ class Recovery:
     broken_path: str | None = None
 
 
-def recover(path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL, on_frame=None) -> Recovery:
+def recover(
+    path: str, policy: CorruptionPolicy = CorruptionPolicy.FAIL, on_frame: Callable[[Frame], object] | None = None
+) -> Recovery:
     """Check every frame of ``path`` and repair its tail.
 
     - a bad frame with no valid frame after it is a torn tail: truncated (the cut bytes

@@ -307,6 +307,8 @@ class MessageLog:
             raise TimeoutError("message log append timed out")
         if waiter.error is not None:
             raise waiter.error
+        if waiter.appended is None:  # done with neither a result nor an error: a bug
+            raise InvariantViolation("message log append finished without a result")
         return waiter.appended
 
     async def append_async(self, entries: Iterable[Entry]) -> Appended:
@@ -437,11 +439,11 @@ class MessageLog:
             for seg, before in reversed(written):
                 seg.truncate(before)
         except OSError as cut_err:
-            failure = WalFailed(f"message log write failed ({err}) and could not be undone ({cut_err})")
+            failure: Exception = WalFailed(f"message log write failed ({err}) and could not be undone ({cut_err})")
             self._poison(failure)
             return failure
         if disk_full(err):
-            failure: Exception = DiskFull("the disk holding the message log is full; free space and retry")
+            failure = DiskFull("the disk holding the message log is full; free space and retry")
         else:
             failure = WalFailed(f"message log write failed: {err}")
         # everything queued behind the failed write holds sequences after it: reject it too,

@@ -23,6 +23,8 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +37,9 @@ from qdelay.server.metrics import Metrics
 from qdelay.server.service import DelayService
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from qdelay.server.engine import Engine
 
 log = logging.getLogger("qdelay.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DelayService"].full_name
@@ -120,14 +125,14 @@ def add_delay_service(service: DelayService, server) -> None:
 class App:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.engine = None
+        self.engine: Engine | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
         self.port = 0
         self.metrics_port = 0
         self.stopping = asyncio.Event()
-        self._hook_stops = []
+        self._hook_stops: list[Callable[[], Awaitable[object]]] = []
         self.node = None  # the replication node (qdelay.replication.node.Node), when installed
 
     async def start(self) -> str:
@@ -138,19 +143,20 @@ class App:
         started = time.monotonic()
         engine_cfg = cfg.engine
         self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
-        self.consumers = ConsumerRegistry(
+        self.consumers = consumers = ConsumerRegistry(
             loop, getattr(engine_cfg, "ack_timeout_ms", 30_000), notify=engine.notify_credit
         )
-        engine.set_sink(self.consumers)
+        engine.set_sink(consumers)
+        service: DelayService  # made below, once the engine runs; read by the metrics at a scrape
         self.metrics.attach(
             engine,
             extra=lambda: {
-                "qdelay_consumers": ("Subscribe streams connected", len(self.consumers.subscriptions())),
-                "qdelay_ingest_queue_messages": ("Messages waiting to become durable", self.service.gate.messages),
+                "qdelay_consumers": ("Subscribe streams connected", len(consumers.subscriptions())),
+                "qdelay_ingest_queue_messages": ("Messages waiting to become durable", service.gate.messages),
             },
         )
         engine.start()
-        self.service = DelayService(engine, cfg, self.consumers, self.metrics)
+        self.service = service = DelayService(engine, cfg, consumers, self.metrics)
 
         interceptors = []
         if cfg.auth_token_file:
@@ -173,7 +179,7 @@ class App:
         reflection.enable_server_reflection(names, server)
 
         host, want_port = parse_hostport(cfg.listen, "listen")
-        if cfg.tls_cert:
+        if cfg.tls_cert and cfg.tls_key:  # the config has both or neither
             port = server.add_secure_port(cfg.listen, auth.server_credentials(cfg.tls_cert, cfg.tls_key))
         else:
             port = server.add_insecure_port(cfg.listen)
@@ -260,8 +266,10 @@ class App:
                 await stop()
             except Exception:  # noqa: BLE001
                 log.exception("replication hook stop failed")
-        await self.server.stop(cfg.grace_seconds)
-        await asyncio.to_thread(self.engine.close)
+        if self.server is not None:
+            await self.server.stop(cfg.grace_seconds)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
         self.metrics.close()
         log.info("stopped")
 

@@ -149,7 +149,7 @@ class ServerConfig:
         for peer in self.peer_list():
             parse_hostport(peer, "peers")
         if self.etcd:
-            self._validate_cluster()
+            self._validate_cluster(self.etcd)
         elif self.cluster or self.shard:
             raise ConfigError("--cluster and --shard need --etcd HOST:PORT[,...]")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -186,8 +186,8 @@ class ServerConfig:
             raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
         return self
 
-    def _validate_cluster(self) -> None:
-        for e in self.etcd.split(","):
+    def _validate_cluster(self, etcd: str) -> None:
+        for e in etcd.split(","):
             parse_hostport(e.strip().removeprefix("http://"), "etcd")
         name = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
         for what in ("cluster", "shard"):
@@ -208,7 +208,7 @@ class ServerConfig:
             )
 
     def peer_list(self) -> list[str]:
-        peers = self.peers or []
+        peers: str | list[str] = self.peers or []  # a list when built in code
         if isinstance(peers, str):
             peers = peers.split(",")
         return [p.strip() for p in peers if p and p.strip()]

@@ -25,9 +25,13 @@ import itertools
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from qdelay.segments import native
 from qdelay.v1 import qdelay_pb2 as pb
+
+if TYPE_CHECKING:
+    from qdelay.server.scheduler import Deliveries
 
 log = logging.getLogger("qdelay.consumers")
 
@@ -196,7 +200,7 @@ class ConsumerRegistry:
     def deliver(self, subject: str, group: str, deliveries) -> None:
         """Spread a ``scheduler.Deliveries`` batch over the group's subscribers (a slice
         of it each, by free credit) and pass each slice to the loop thread."""
-        plan: list[tuple[Subscription, list]] = []
+        plan: list[tuple[Subscription, Deliveries]] = []
         with self._lock:
             subs = self._by_subject.get((subject, group))
             if not subs:
@@ -280,8 +284,8 @@ def response_bytes(batches: list) -> tuple[bytes, int, list[int]]:
     codec = native.codec
     if codec is None:
         resp = pb.SubscribeResponse()
-        count, firsts = fill_response(resp, batches)
-        return resp.SerializeToString(), count, firsts
+        count, first_dues = fill_response(resp, batches)
+        return resp.SerializeToString(), count, first_dues
     out = bytearray()
     count = 0
     firsts: list[int] = []

@@ -71,8 +71,9 @@ class Deduper:
         try:
             # on the loop: a miss is answered from the memtable and bloom filters (~1 us a
             # key); only hits need the message's state, read on a worker thread
-            if engine.ids.failed is None:
-                hits = engine.ids.get_many(ids)
+            index = engine.ids  # there is one: dedupe is enabled
+            if index is not None and index.failed is None:
+                hits = index.get_many(ids)
             else:  # the index stopped after a write error (a full disk): only ids written in
                 hits = [None] * len(ids)  # the last moments (not yet iterated) are recognised
             found: dict[int, Receipt] = {}
@@ -98,8 +99,9 @@ class Deduper:
                 dups[k] = hit
         claimed = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
         fut = asyncio.get_running_loop().create_future() if claimed else None
-        for message_id in claimed:
-            self._writing[message_id] = fut
+        if fut is not None:
+            for message_id in claimed:
+                self._writing[message_id] = fut
         self.duplicates += len(dups)
         return dups, Claim(claimed, fut)
 

@@ -19,7 +19,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from qdelay.errors import (
@@ -27,6 +27,7 @@ from qdelay.errors import (
     FailedPrecondition,
     Fenced,
     InvalidArgument,
+    InvariantViolation,
     NotMaster,
     ShuttingDown,
     StorageError,
@@ -232,7 +233,8 @@ class Engine:
             closed_retired = int(state.get("closed", 0))
             for b in self.dispatch.buckets():
                 if b >= done_before or b in reopened:
-                    reopened_at[b] = self.dispatch.get(b).size
+                    seg = self.dispatch.get(b)
+                    reopened_at[b] = seg.size if seg is not None else 0
         for b in self._recover_touched(start_offset):
             if b < done_before and b not in reopened:
                 # reopened after the checkpoint: its closes so far are taken as counted in
@@ -295,7 +297,7 @@ class Engine:
         self.slave_records: dict[int, int] = {}  # bucket -> highest sequence iterated into it
         self.iterate.on_records = self.scheduler.on_records if self.role == "master" else self._slave_on_records
         # group changes apply on every role: a slave's table is ready when it is promoted
-        self.iterate.on_group = self.scheduler.apply_group
+        self.iterate.on_group = self.scheduler.apply_group  # type: ignore[assignment]  # its bool is unused
         self._group_lock = asyncio.Lock()
         self.cleaner = Cleaner(
             self,
@@ -309,7 +311,7 @@ class Engine:
         self.replication_floor: Callable[[], int | None] = lambda: None
         # replication hooks (qdelay.replication): sync mode waits here after the local fsync
         # until a slave has the bytes up to an offset; stats() merges replication_stats()
-        self.replication_wait: Callable[[int], object] | None = None
+        self.replication_wait: Callable[[int], Awaitable[object]] | None = None
         self.replication_stats: Callable[[], dict] = lambda: {"replication_lag_bytes": -1}
         # cluster mode (replication/cluster.py): raises unless this master can still prove its
         # etcd lease; checked before a write and again right before it is acknowledged
@@ -357,6 +359,8 @@ class Engine:
                 wal.read(offset, 1)
             except CorruptRecord:
                 seg = wal.segment_at(offset)
+                if seg is None:  # below the committed offset there is always a segment
+                    raise InvariantViolation(f"no message-log segment holds offset {offset}") from None
                 self._note(
                     f"iterate checkpoint offset {offset} is not a record boundary; "
                     f"replaying from the start of its segment ({seg.key})"
@@ -659,7 +663,7 @@ class Engine:
             out[k] = Receipt(ids[k], due, seq)
         return out
 
-    def _claim_cancels(self, targets: list[tuple[str, int, int]]) -> tuple[list[CancelOutcome], list]:
+    def _claim_cancels(self, targets: list[tuple[str, int | None, int | None]]) -> tuple[list[CancelOutcome], list]:
         """Look each target up and claim the pending ones; (outcomes, claimed targets).
 
         A claimed target's outcome is CANCELLED, which the caller makes true by writing its
@@ -669,7 +673,7 @@ class Engine:
         claimed: list[tuple[str, int, int]] = []
         try:
             for message_id, due, sequence in targets:
-                if sequence is None:  # by id: the newest message with it
+                if sequence is None or due is None:  # by id: the newest message with it
                     found = self.resolve_id(message_id)
                     if found is None:
                         outcomes.append(CancelOutcome.NOT_FOUND)
@@ -713,7 +717,7 @@ class Engine:
         return await asyncio.to_thread(self.get_sync, message_id, deliver_at_ms, sequence)
 
     def get_sync(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus:
-        if sequence is None:  # by id
+        if sequence is None or deliver_at_ms is None:  # by id
             found = self.resolve_id(message_id)
             if found is None:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)

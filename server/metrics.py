@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from wsgiref.simple_server import WSGIServer
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -96,6 +97,7 @@ class EngineCollector:
                 value = int(value)
             if not isinstance(value, (int, float)):
                 continue
+            family: CounterMetricFamily | GaugeMetricFamily
             if kind == "counter":
                 family = CounterMetricFamily(name, text)
             else:
@@ -190,7 +192,7 @@ class Metrics:
         self.delivered = Counter("qdelay_delivered", "Deliveries written to consumer streams", registry=r)
         self.acks = Counter("qdelay_acks", "Acknowledgements received from consumers", registry=r)
         self.consumers = None  # set by the app: a gauge callback
-        self._http = None
+        self._http: WSGIServer | None = None
 
     def attach(self, engine, extra=None) -> None:
         self.registry.register(EngineCollector(engine, extra))

@@ -53,18 +53,19 @@ class DiskGuard:
         self.min_free = min_free
         self.hard = hard
         self.ttl = ttl
-        self._free = None
+        self._free: int | None = None
         self._at = 0.0
 
     def free(self) -> int:
         now = time.monotonic()
-        if self._free is None or now - self._at > self.ttl:
+        free = self._free
+        if free is None or now - self._at > self.ttl:
             try:
-                self._free = shutil.disk_usage(self.path).free
+                free = shutil.disk_usage(self.path).free
             except OSError:
-                self._free = 1 << 62  # cannot tell: let the write itself fail if the disk is full
-            self._at = now
-        return self._free
+                free = 1 << 62  # cannot tell: let the write itself fail if the disk is full
+            self._free, self._at = free, now
+        return free
 
     def check(self, cancel: bool = False) -> None:
         need = self.hard if cancel else self.min_free
@@ -319,7 +320,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             raise ShuttingDown("the server is shutting down; retry later")
         self.guard.check(cancel=True)
         outcome = await self.engine.cancel(message_id, due, sequence)
-        return pb.CancelResponse(outcome=int(outcome))
+        return pb.CancelResponse(outcome=int(outcome))  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
 
     @status.unary
     async def CancelBatch(self, request, context):
@@ -328,7 +329,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
             raise ShuttingDown("the server is shutting down; retry later")
         self.guard.check(cancel=True)
         outcomes = await self.engine.cancel_many(targets)
-        return pb.CancelBatchResponse(responses=[pb.CancelResponse(outcome=int(o)) for o in outcomes])
+        return pb.CancelBatchResponse(
+            responses=[pb.CancelResponse(outcome=int(o)) for o in outcomes]  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
+        )
 
     @status.unary
     async def Reschedule(self, request, context):
@@ -337,7 +340,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             raise ShuttingDown("the server is shutting down; retry later")
         self.guard.check()
         outcome, receipt = await self.engine.reschedule(message_id, due, sequence, new_due)
-        resp = pb.RescheduleResponse(outcome=int(outcome))
+        resp = pb.RescheduleResponse(outcome=int(outcome))  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
         if receipt is not None:
             resp.receipt.message_id = receipt.message_id
             resp.receipt.deliver_at_ms = receipt.deliver_at_ms
@@ -351,7 +354,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
         message_id, due, sequence = validate_receipt(request, self.limits)
         st = await self.engine.get(message_id, due, sequence)
         resp = pb.GetResponse(
-            state=int(st.state), deliver_at_ms=st.deliver_at_ms or 0, delivered_at_ms=st.delivered_at_ms or 0
+            state=int(st.state),  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
+            deliver_at_ms=st.deliver_at_ms or 0,
+            delivered_at_ms=st.delivered_at_ms or 0,
         )
         m = st.message
         if m is not None:

@@ -296,7 +296,7 @@ def validate_reschedule(request, limits: Limits, now_ms: int) -> tuple[str, int 
     return message_id, due, sequence, resolve_due(request, limits, now_ms, "RescheduleRequest")
 
 
-def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int, int]]:
+def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int | None, int | None]]:
     """The targets of a CancelBatch request: 1..max_batch receipts, each as for Cancel."""
     count = len(request.requests)
     if count == 0:

@@ -81,6 +81,9 @@ class _Fresh:
     __slots__ = ("due", "seq", "off", "bucket", "subj")
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.due = array.array("q")
         self.seq = array.array("q")
         self.off = array.array("q")
@@ -98,7 +101,7 @@ class _Fresh:
             np.frombuffer(self.bucket, dtype=np.int32).copy(),
             np.frombuffer(self.subj, dtype=np.int32).copy(),
         )
-        self.__init__()
+        self._reset()
         return e
 
 
