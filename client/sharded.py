@@ -50,6 +50,14 @@ if TYPE_CHECKING:
 RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
 
 
+def _retryable(err: Exception) -> bool:
+    """A refusal to retry elsewhere, or a stream grpc-core failed as the server ended it at
+    shutdown ('Internal error from Core': the status is lost; same ids, so a retry is safe)."""
+    return isinstance(err, RETRYABLE) or (
+        isinstance(err, errors.QdelayError) and "Internal error from Core" in str(err)
+    )
+
+
 class Topology:
     """One reading of the cluster's shards (merged: per shard the highest epoch seen wins)."""
 
@@ -170,7 +178,9 @@ class ShardedClient:
             if master:
                 try:
                     return call(self.client(master))
-                except RETRYABLE as e:
+                except errors.QdelayError as e:
+                    if not _retryable(e):
+                        raise
                     err = e
             else:
                 err = errors.Unavailable(f"shard {shard!r} has no master (electing)")
@@ -276,6 +286,7 @@ class ShardedConsumer:
     stream its delivery came from."""
 
     REFRESH_S = 2.0
+    RETRY_S = 1.0
 
     def __init__(self, sc: ShardedClient, subject: str, group: str, max_in_flight: int) -> None:
         self.sc = sc
@@ -294,20 +305,27 @@ class ShardedConsumer:
             with self._lock:
                 if address in self._consumers or self._closed.is_set():
                     continue
-                cons = self._consumers[address] = self.sc.client(address).subscribe(
-                    self.subject, self.group, self.max_in_flight
-                )
-            threading.Thread(target=self._pump, args=(cons,), daemon=True).start()
+                self._consumers[address] = None
+            threading.Thread(target=self._pump, args=(address,), daemon=True).start()
 
-    def _pump(self, cons: Consumer) -> None:
+    def _pump(self, address: str) -> None:
+        """Keep a subscription on ``address``. A slave refuses one (FAILED_PRECONDITION) while
+        the group does not exist there yet: try again, it may be master after a failover."""
         while not self._closed.is_set():
+            cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
+            with self._lock:
+                self._consumers[address] = cons
             try:
-                batch = cons.receive(self.max_in_flight, 0.2)
+                while not self._closed.is_set():
+                    batch = cons.receive(self.max_in_flight, 0.2)
+                    if batch:
+                        self._inbox.put((cons, batch))
+                    elif not getattr(cons, "_pump", None) or not cons._pump.is_alive():
+                        break  # its stream ended for good
             except errors.QdelayError:
-                time.sleep(0.2)
-                continue
-            if batch:
-                self._inbox.put((cons, batch))
+                pass
+            cons.close(timeout=0.5)
+            self._closed.wait(self.RETRY_S)
 
     def _watch_topology(self) -> None:
         while not self._closed.wait(self.REFRESH_S):
@@ -348,7 +366,7 @@ class ShardedConsumer:
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            consumers = list(self._consumers.values())
+            consumers = [c for c in self._consumers.values() if c is not None]
         for c in consumers:
             c.close()
 
@@ -420,7 +438,9 @@ class AioShardedClient:
             if master:
                 try:
                     return await call(self.client(master))
-                except RETRYABLE as e:
+                except errors.QdelayError as e:
+                    if not _retryable(e):
+                        raise
                     err = e
             else:
                 err = errors.Unavailable(f"shard {shard!r} has no master (electing)")

@@ -7,7 +7,9 @@ Leases are short (TTL 2 s) so that a failover takes about 2.5 s.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import threading
 import time
 
@@ -483,3 +485,64 @@ def test_admin_promote_through_etcd(tmp_path, etcd):
     finally:
         a.kill9()
         b.kill9()
+
+
+@pytest.mark.slow
+def test_node_sharded_client(tmp_path, etcd):
+    """The Node module's ShardedClient (examples/node/qdelay.js): sends spread over two
+    shards, cancel/get by receipt, a consumer on every shard; then it keeps sending while
+    the master of its shard is stopped (SIGTERM: handed over) and restarted: 0 failed."""
+    import subprocess
+
+    from test_node_example import NODE_DIR, node_modules  # noqa: F401 - the fixture
+
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    if not os.path.isdir(os.path.join(NODE_DIR, "node_modules", "@grpc", "grpc-js")):
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--silent"], cwd=NODE_DIR, check=True, timeout=300)
+    nodes = [
+        node(tmp_path, "a", etcd.endpoint, shard="s1").start(),
+        node(tmp_path, "b", etcd.endpoint, shard="s1").start(),
+        node(tmp_path, "c", etcd.endpoint, shard="s2").start(),
+    ]
+    try:
+        wait_shard(nodes[0].address, "s1", 1)
+        wait_shard(nodes[0].address, "s2", 0)
+        spread = subprocess.run(
+            ["node", "check_sharded.js", nodes[2].address, "spread"],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert spread.returncode == 0 and "sharded: OK (s1,s2)" in spread.stdout, spread.stdout + spread.stderr
+        follow = subprocess.Popen(
+            ["node", "check_sharded.js", nodes[2].address, "follow"],
+            cwd=NODE_DIR,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(follow.stdout), daemon=True).start()
+        wait_until(lambda: len(lines) > 30, 20, "node sends")
+        master = next(n for n in nodes if n.address == shard_of(nodes[2].address, "s1").master)
+        assert master.stop() == 0
+        s = wait_until(lambda: new_master(nodes[2].address, master.address), 15, "new master", ignore=RPC_ERRORS)
+        n = len(lines)
+        wait_until(lambda: sum(f" {'s1'}" in x for x in lines[n:]) > 10, 20, "node sends go on to s1")
+        master.start()
+        follow.stdin.close()
+        assert follow.wait(30) == 0, follow.stderr.read()
+        wait_until(lambda: lines and lines[-1].startswith("sent "), 5, "the summary")
+        assert " failed 0 " in lines[-1], lines[-1]
+        acked = [x.split()[1:] for x in lines if x.startswith("acked ")]
+        from qdelay.client import ShardedClient
+
+        with ShardedClient(nodes[2].address) as sc:
+            assert all(sc.get(mid).state == "PENDING" for mid, _shard in acked[-40:])
+        print(f"node follow: {lines[-1].strip()}, new master {s.master} at epoch {s.epoch}")
+    finally:
+        for p in nodes:
+            p.kill9()

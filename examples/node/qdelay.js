@@ -24,6 +24,7 @@
 const crypto = require('crypto');
 const fs = require('fs');
 const path = require('path');
+const zlib = require('zlib');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const { EventEmitter } = require('events');
@@ -255,6 +256,7 @@ class SendBatcher {
       message_id: e.message.message_id,
       deliver_at_ms: response.deliver_at_ms[i],
       sequence: String(first + BigInt(i)),
+      shard: response.shard || '',
     }));
   }
 
@@ -391,4 +393,161 @@ class Consumer extends EventEmitter {
   }
 }
 
-module.exports = { Client, Consumer, QdelayError };
+// A sharded cluster (servers started with --etcd/--cluster/--shard; docs/api.md, "Topology
+// and shards"): the Topology read from any seed (never etcd), a message sent to shard
+// names[crc32(message_id) % names.length] (names sorted, CRC-32/IEEE of the UTF-8 id: the
+// same shard as every other client, and a retried id lands where it is deduplicated),
+// FAILED_PRECONDITION / UNAVAILABLE retried with the same id on the shard's current master
+// after reading the Topology again, cancel/get sent to the receipt's shard, and a consumer
+// on every server of every shard (only masters dispatch).
+const RETRYABLE = ['UNAVAILABLE', 'FAILED_PRECONDITION', 'DEADLINE_EXCEEDED'];
+
+class ShardedClient {
+  constructor(seeds, options = {}) {
+    this.seeds = typeof seeds === 'string' ? seeds.split(',').map((s) => s.trim()).filter(Boolean) : seeds;
+    this.options = options;
+    this.failoverMs = options.failoverMs || 30000;
+    this.clients = new Map();
+    this.shards = new Map(); // name -> {name, master, slaves, epoch}
+    this.cluster = null;
+    this.retries = 0;
+    this.idPrefix = `n${crypto.randomBytes(8).toString('hex')}-`;
+    this.idCount = 0;
+  }
+
+  newId() {
+    this.idCount += 1;
+    return this.idPrefix + this.idCount.toString(16);
+  }
+
+  client(address) {
+    if (!this.clients.has(address)) this.clients.set(address, new Client(address, { ...this.options, retries: 0 }));
+    return this.clients.get(address);
+  }
+
+  addresses() {
+    const out = new Set();
+    for (const s of this.shards.values()) {
+      if (s.master) out.add(s.master);
+      for (const a of s.slaves) out.add(a);
+    }
+    return [...out];
+  }
+
+  // Read the Topology again (known servers first, then the seeds); per shard the highest
+  // epoch seen wins (a stale server's older reading is ignored).
+  async refresh() {
+    let last = null;
+    for (const address of new Set([...this.addresses(), ...this.seeds])) {
+      try {
+        const t = await this.client(address).unary('Topology', {}, 2000);
+        this.cluster = t.cluster;
+        for (const s of t.shards) {
+          const have = this.shards.get(s.name);
+          if (!have || BigInt(s.epoch) >= BigInt(have.epoch)) this.shards.set(s.name, s);
+        }
+        return this;
+      } catch (err) {
+        last = err;
+      }
+    }
+    if (this.cluster === null) throw last;
+    return this;
+  }
+
+  shardFor(messageId) {
+    const names = [...this.shards.keys()].sort();
+    if (!names.length) throw new Error('the cluster has no shard yet');
+    return names[zlib.crc32(Buffer.from(messageId, 'utf8')) % names.length];
+  }
+
+  shardOf(target) {
+    if (typeof target === 'object' && target.shard && this.shards.has(target.shard)) return target.shard;
+    return this.shardFor(typeof target === 'string' ? target : target.message_id);
+  }
+
+  async retry(shardOf, call) {
+    if (this.cluster === null) await this.refresh();
+    const deadline = Date.now() + this.failoverMs;
+    for (let attempt = 1; ; attempt += 1) {
+      const shard = this.shards.get(shardOf());
+      let error = null;
+      if (shard && shard.master) {
+        try {
+          return await call(this.client(shard.master));
+        } catch (err) {
+          if (!RETRYABLE.includes(err.code)) throw err;
+          error = err;
+        }
+      } else {
+        error = new Error(`shard ${shardOf()} has no master (electing)`);
+      }
+      if (Date.now() >= deadline) throw error;
+      this.retries += 1;
+      await sleep(backoff(attempt, 20));
+      await this.refresh().catch(() => {});
+    }
+  }
+
+  // Resolves to the receipt, which names its shard.
+  send(subject, payload, opts = {}) {
+    const messageId = opts.messageId || this.newId();
+    return this.retry(() => this.shardFor(messageId), (c) => c.send(subject, payload, { ...opts, messageId }));
+  }
+
+  cancel(receipt) {
+    return this.retry(() => this.shardOf(receipt), (c) => c.cancel(receipt));
+  }
+
+  get(receipt) {
+    return this.retry(() => this.shardOf(receipt), (c) => c.get(receipt));
+  }
+
+  // One resubscribing Consumer per server; 'batch' events from all of them, each delivery
+  // acked on the stream it came from.
+  subscribe(subject, opts = {}) {
+    const fan = new EventEmitter();
+    const owners = new Map(); // ack id -> consumer
+    const consumers = new Map();
+    const add = () => {
+      for (const address of this.addresses()) {
+        if (consumers.has(address)) continue;
+        const c = this.client(address).subscribe(subject, opts);
+        consumers.set(address, c);
+        c.on('batch', (deliveries) => {
+          for (const d of deliveries) owners.set(d.ack_id, c);
+          fan.emit('batch', deliveries);
+        });
+        c.on('error', (err) => {
+          // a slave refuses a subscription while the group does not exist there yet: try
+          // again at the next Topology read (it may be master after a failover)
+          consumers.delete(address);
+          if (err.code !== 'FAILED_PRECONDITION') fan.emit('error', err);
+        });
+      }
+    };
+    add();
+    const timer = setInterval(() => this.refresh().then(add, () => {}), 2000);
+    fan.ack = (deliveries) => {
+      const by = new Map();
+      for (const d of deliveries) {
+        const id = typeof d === 'string' ? d : d.ack_id;
+        const c = owners.get(id);
+        owners.delete(id);
+        if (c) by.set(c, [...(by.get(c) || []), id]);
+      }
+      for (const [c, ids] of by) c.ack(ids);
+    };
+    fan.close = async () => {
+      clearInterval(timer);
+      for (const c of consumers.values()) await c.close();
+    };
+    return fan;
+  }
+
+  async close() {
+    for (const c of this.clients.values()) await c.close();
+  }
+}
+
+module.exports = { Client, Consumer, QdelayError, ShardedClient };
