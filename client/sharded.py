@@ -266,15 +266,34 @@ class ShardedClient:
     def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
 
-    def stats(self) -> dict[str, dict | str]:
-        """Per server (every shard's master and slaves): its Stats, or the error."""
-        out: dict[str, dict | str] = {}
-        for address in self.refresh().addresses():
-            try:
-                out[address] = self.client(address).stats(timeout=2.0)
-            except errors.QdelayError as e:
-                out[address] = str(e)
-        return out
+    def stats(self) -> dict:
+        """Stats per shard (its master's, with ``master``, ``epoch`` and each slave's stats or
+        error under ``slaves``) and for the whole cluster (``cluster``: pending, wheel_size and
+        iterate_lag_bytes summed over the masters; shards without a master counted)."""
+        topo = self.refresh()
+        shards: dict[str, dict] = {}
+        total = {"pending": 0, "wheel_size": 0, "iterate_lag_bytes": 0, "shards": 0, "shards_without_master": 0}
+        for name in topo.names:
+            s = topo.shards[name]
+            entry: dict = {"master": s.master, "epoch": s.epoch, "slaves": {}}
+            total["shards"] += 1
+            if s.master:
+                try:
+                    st = self.client(s.master).stats(timeout=2.0)
+                    entry.update(st)
+                    for key in ("pending", "wheel_size", "iterate_lag_bytes"):
+                        total[key] += int(st.get(key, 0))
+                except errors.QdelayError as e:
+                    entry["error"] = str(e)
+            else:
+                total["shards_without_master"] += 1
+            for a in s.slaves:
+                try:
+                    entry["slaves"][a] = self.client(a).stats(timeout=2.0)
+                except errors.QdelayError as e:
+                    entry["slaves"][a] = str(e)
+            shards[name] = entry
+        return {"cluster": total, "shards": shards}
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:
         return ShardedConsumer(self, subject, group, max_in_flight)

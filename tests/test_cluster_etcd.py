@@ -363,6 +363,9 @@ def test_two_shards_clients_follow_rolling_restart(tmp_path, etcd):
                     seen |= {d.message_id for d in batch}
                     consumer.ack(batch)
             assert not seen & {r.message_id for r in victims}
+            st = sc.stats()
+            assert set(st["shards"]) == {"s1", "s2"} and st["cluster"]["shards"] == 2
+            assert all(len(x["slaves"]) == 1 and x["role"] == "master" for x in st["shards"].values())
 
             async def aio_round() -> None:
                 async with AioShardedClient(nodes["a"].address) as ac:
