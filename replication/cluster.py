@@ -394,15 +394,21 @@ class ClusterAgent:
             return f"already master of shard {self.shard} at epoch {engine.epoch}"
         r = await self.kv.range_prefix(self.root)
         me = parse_view(self.root, r.kvs).get(self.shard) or ShardView(self.shard)
+        notes = []
         if me.insync is not None and self.address not in me.insync:
-            raise _Refuse(
-                "FAILED_PRECONDITION",
-                f"{self.address} is not in the in-sync set of shard {self.shard} ({', '.join(me.insync)}): "
-                f"promoting it could lose acknowledged writes",
+            if not force or me.master:
+                raise _Refuse(
+                    "FAILED_PRECONDITION",
+                    f"{self.address} is not in the in-sync set of shard {self.shard} ({', '.join(me.insync)}): "
+                    f"promoting it could lose acknowledged writes (with no master and no in-sync member "
+                    f"left, --force accepts that loss)",
+                )
+            notes.append(
+                f"not in the in-sync set ({', '.join(me.insync)}): writes acknowledged after "
+                f"offset {engine.wal.committed_offset} may be lost"
             )
         if self.lease_id is None:
             raise _Refuse("UNAVAILABLE", "this server holds no etcd lease yet")
-        notes = []
         if me.master:
             st = await self.node.peer_status(me.master, timeout=2.0)
             if st is None:

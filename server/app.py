@@ -204,7 +204,7 @@ class App:
             extra={
                 "listen": address,
                 "data_dir": cfg.data_dir,
-                "role": cfg.role,
+                "role": engine.role,
                 "tls": bool(cfg.tls_cert),
                 "auth": bool(cfg.auth_token_file),
                 "startup_seconds": round(time.monotonic() - started, 3),
