@@ -14,15 +14,21 @@ Each job writes its tables and plots under ``--out`` (default ``./qdelay-spark/<
 
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import os
 import sys
-import time
-import uuid
 
-from qdelay.tools import spark_source
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    # run as a script (spark-submit): its folder is first on the path and holds inspect.py,
+    # which would shadow the standard library's inspect for every import below
+    del sys.path[0]
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+
+from qdelay.tools import spark_source  # noqa: E402
 
 JOBS = ("audit", "lateness", "forecast", "export", "import")
 EXAMPLES = 10  # rows of each finding printed on stdout
@@ -94,11 +100,15 @@ def _session(args):
     master = args.master
     if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit
         master = "local[*]"
-    conf = {}
+    # Spark's stage progress bar on a terminal; nothing in a pipe or a file
+    conf = {"spark.ui.showConsoleProgress": "true" if sys.stderr.isatty() else "false"}
     for item in getattr(args, "conf", None) or []:
         k, _, v = item.partition("=")
         conf[k.strip()] = v.strip()
-    return spark_source.session(master, f"qdelay-{args.spark_job}", conf)
+    spark = spark_source.session(master, f"qdelay-{args.spark_job}", conf)
+    if sys.stderr.isatty():
+        spark.sparkContext.setLogLevel("WARN")  # the bar is drawn only at WARN or quieter
+    return spark
 
 
 def _out_dir(args) -> str:
@@ -585,7 +595,7 @@ def _forecast_cmd(spark, args) -> int:
         print(per_minute.sort_values("due", ascending=False).head(EXAMPLES)[["minute", "due"]].to_string(index=False))
         print("next minutes:")
         print(per_minute.head(EXAMPLES)[["minute", "due"]].to_string(index=False))
-    print(f"forecast_per_minute.csv and forecast.png in {out}")
+    _print_outputs([os.path.join(out, "forecast_per_minute.csv"), os.path.join(out, "forecast.png")])
     return 0
 
 
@@ -609,7 +619,7 @@ def export(spark, data_dirs, out: str, log: str = "all", corrupt: str = "row") -
 def _export_cmd(spark, args) -> int:
     out = _out_dir(args)
     for name, n in export(spark, args.data_dir, out, args.log, args.corrupt).items():
-        print(f"{name}: {n} rows -> {os.path.join(out, name)} (partitioned by due_day)")
+        print(f"{name}: {n} rows -> {os.path.abspath(os.path.join(out, name))} (Parquet, partitioned by due_day)")
     return 0
 
 
