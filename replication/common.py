@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from qdelay.segments import framing
+from qdelay.segments import framing, reader
 
 HEADER = framing.HEADER
 HS = framing.HEADER_SIZE
@@ -68,28 +68,12 @@ def metadata(token: str | None) -> tuple:
 
 def whole_frames(data: bytes) -> int:
     """Length of the longest prefix of ``data`` made of whole frames (headers only)."""
-    pos = 0
-    n = len(data)
-    while pos + HS <= n:
-        length = int.from_bytes(data[pos + 12 : pos + 16], "little")
-        if pos + HS + length > n:
-            break
-        pos += HS + length
-    return pos
+    return reader.whole_frames(data)
 
 
 def frame_infos(data: bytes, base: int) -> list[tuple[int, int, int, int]]:
     """(offset, sequence, checksum, size) of the whole frames in ``data`` (no checksum check)."""
-    out = []
-    pos = 0
-    n = len(data)
-    while pos + HS <= n:
-        _m, checksum, length, _k, _v, _f, seq, _ts = HEADER.unpack_from(data, pos)
-        if pos + HS + length > n:
-            break
-        out.append((base + pos, seq, checksum, HS + length))
-        pos += HS + length
-    return out
+    return reader.frame_spans(data, base)
 
 
 def last_frame(wal) -> tuple[int, int, int] | None:
@@ -116,7 +100,7 @@ def first_sequence(wal) -> int:
     data = wal.read_raw(wal.first_offset, HS)
     if len(data) < HS:
         return 0
-    return HEADER.unpack_from(data, 0)[6]
+    return reader.frame_sequence(data)
 
 
 def master_progress(engine) -> tuple[int, list[int], int]:

@@ -24,6 +24,7 @@ import xxhash
 
 from qdelay.errors import ReplicationTimeout
 from qdelay.replication import common
+from qdelay.segments import reader
 from qdelay.v1 import replication_pb2 as rpb
 
 log = logging.getLogger("qdelay.replication")
@@ -319,7 +320,7 @@ class PullServer:
         data = wal.read_raw(start, self.batch)
         n = common.whole_frames(data)
         if n == 0 and data:
-            length = int.from_bytes(data[12:16], "little") if len(data) >= common.HS else 0
+            length = reader.frame_length(data) if len(data) >= common.HS else 0
             data = wal.read_raw(start, common.HS + length)
             n = common.whole_frames(data)
         if n == 0:

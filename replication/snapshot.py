@@ -19,7 +19,7 @@ import time
 
 from qdelay.replication import common
 from qdelay.replication.master import _Refuse
-from qdelay.segments import checkpoint, naming
+from qdelay.segments import checkpoint, naming, reader
 from qdelay.v1 import replication_pb2 as rpb
 
 CHUNK = 1024 * 1024
@@ -35,7 +35,7 @@ def _segment_chunks(seg, limit_seq: int | None):
         if not infos:
             if not data:
                 return
-            length = int.from_bytes(data[12:16], "little") if len(data) >= common.HS else 0
+            length = reader.frame_length(data) if len(data) >= common.HS else 0
             data = seg.read(pos, common.HS + length)
             infos = common.frame_infos(data, pos)
             if not infos:

@@ -34,6 +34,12 @@ HEADER = struct.Struct("<IQIBBHQq")
 HEADER_SIZE = 36
 CHECKED_FROM = 12  # the checksum covers everything after itself
 MAX_BODY = 64 * 1024 * 1024
+# where the header's fields start: every reader of raw frame bytes uses these names
+LENGTH_AT = 12
+KIND_AT = 16
+VERSION_AT = 17
+SEQUENCE_AT = 20
+TIMESTAMP_AT = 28
 
 if HEADER.size != HEADER_SIZE:  # the spec in docs/formats.md is the source of truth
     raise InvariantViolation(f"frame header is {HEADER.size} bytes, spec says {HEADER_SIZE}")
@@ -48,6 +54,9 @@ _unpack_from = HEADER.unpack_from
 
 if _LEAD.size + _REST.size != HEADER_SIZE or _LEAD.size != CHECKED_FROM:
     raise InvariantViolation("frame header pieces do not add up to the spec's layout")
+_FIELDS_AT = [struct.calcsize("<" + HEADER.format.lstrip("<")[:k]) for k in range(8)]
+if (LENGTH_AT, KIND_AT, VERSION_AT, SEQUENCE_AT, TIMESTAMP_AT) != tuple(_FIELDS_AT[k] for k in (2, 3, 4, 6, 7)):
+    raise InvariantViolation(f"named header offsets do not match the header's layout {_FIELDS_AT}")
 
 
 class RecordKind(enum.IntEnum):

@@ -36,7 +36,7 @@ from qdelay.segments.framing import RecordKind
 from qdelay.segments.reader import read_columns
 
 if TYPE_CHECKING:
-    from qdelay.server.bucket_log import BucketLog
+    from qdelay.segments.bucket_log import BucketLog
 
 log = logging.getLogger("qdelay.segments.idindex")
 

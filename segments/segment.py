@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from qdelay.errors import CorruptRecord
 from qdelay.segments import framing, native
 from qdelay.segments.framing import Frame, FrameError
+from qdelay.segments.reader import CORRUPT, damage_at, frame_length, scan_columns
 
 log = logging.getLogger("qdelay.segments")
 
 READ_CHUNK = 4 * 1024 * 1024
 _TIMESTAMP = struct.Struct("<q")
-_TIMESTAMP_AT = 28  # the frame header's timestamp field (docs/formats.md)
 
 
 class HandlePool:
@@ -218,7 +218,7 @@ class Segment:
         with self.pool.fd(self.path) as fd:
             head = os.pread(fd, framing.HEADER_SIZE, offset)
             if len(head) == framing.HEADER_SIZE:
-                length = int.from_bytes(head[12:16], "little")
+                length = frame_length(head)
                 data = head + os.pread(fd, length, offset + framing.HEADER_SIZE) if length <= framing.MAX_BODY else head
             else:
                 data = head
@@ -262,7 +262,7 @@ class Segment:
         head = os.pread(fd, framing.HEADER_SIZE, pos)
         if len(head) < framing.HEADER_SIZE:
             raise CorruptRecord(self.path, pos, err.reason)
-        length = int.from_bytes(head[12:16], "little")
+        length = frame_length(head)
         if length > framing.MAX_BODY:
             raise CorruptRecord(self.path, pos, f"length {length} exceeds the maximum")
         if pos + framing.HEADER_SIZE + length > stop:  # never serve bytes past the range asked for
@@ -329,19 +329,18 @@ def recover(
             chunk = f.read(READ_CHUNK)
             used = 0
             bad: FrameError | None = None
-            codec = native.codec
-            if codec is not None and on_frame is None:
+            if native.codec is not None and on_frame is None:
                 # the native walk verifies the sound prefix; the loop below goes on from
                 # where it stopped and decides what a bad frame there is
-                end, count, starts, _kinds, seqs, _dues, _bad = codec.scan(chunk, framing.MAX_BODY)
-                if count:
-                    result.records += count
-                    result.last_sequence = int.from_bytes(seqs[-8:], "little")
+                cols = scan_columns(chunk)
+                if len(cols):
+                    result.records += len(cols)
+                    result.last_sequence = int(cols.seqs[-1])
                     if result.first_timestamp is None:
-                        result.first_timestamp = _TIMESTAMP.unpack_from(chunk, _TIMESTAMP_AT)[0]
-                    last = int.from_bytes(starts[-8:], "little")
-                    result.last_timestamp = _TIMESTAMP.unpack_from(chunk, last + _TIMESTAMP_AT)[0]
-                    used = end
+                        result.first_timestamp = _TIMESTAMP.unpack_from(chunk, framing.TIMESTAMP_AT)[0]
+                    last = int(cols.starts[-1])
+                    result.last_timestamp = _TIMESTAMP.unpack_from(chunk, last + framing.TIMESTAMP_AT)[0]
+                    used = cols.end
             while used < len(chunk):
                 try:
                     frame = framing.check_at(chunk, used)
@@ -366,7 +365,7 @@ def recover(
                 # a single frame larger than a chunk, or a bad frame: read just that frame
                 f.seek(pos)
                 head = f.read(framing.HEADER_SIZE)
-                length = int.from_bytes(head[12:16], "little")
+                length = frame_length(head)
                 one = head + f.read(length) if length <= framing.MAX_BODY else head
                 try:
                     frame = framing.check_at(one, 0)
@@ -385,14 +384,12 @@ def recover(
             bad_at = pos + used
             f.seek(bad_at)
             rest = f.read()
-            resync = framing.find_next_frame(rest, 1)
-            if resync is not None:
+            damage = damage_at(rest, 0, bad, bad_at)
+            if damage.status == CORRUPT:
                 result.corrupt_at = bad_at
                 result.reason = bad.reason
                 if policy is CorruptionPolicy.FAIL:
-                    raise CorruptRecord(
-                        path, bad_at, f"{bad.reason} (a valid record follows at offset {bad_at + resync})"
-                    )
+                    raise CorruptRecord(path, bad_at, f"{bad.reason} (a valid record follows at offset {damage.end})")
                 log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at, "reason": bad.reason})
             else:
                 result.torn = True

@@ -33,17 +33,17 @@ from qdelay.errors import (
     StorageError,
 )
 from qdelay.segments import checkpoint, framing, naming, records
+from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
+from qdelay.segments.lookup import DispatchIndex, RecordFinder
 from qdelay.segments.naming import bucket_of
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment
 from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
 from qdelay.server import allocator
-from qdelay.server.bucket_log import BucketLog
 from qdelay.server.cleaner import Cleaner, CleanerConfig
 from qdelay.server.groups import GroupTable
 from qdelay.server.iterate import IterateService
-from qdelay.server.lookup import DispatchIndex, RecordFinder
 from qdelay.server.scheduler import DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler, SchedulerConfig
 
 log = logging.getLogger("qdelay.engine")

@@ -13,10 +13,10 @@ import random
 import pytest
 
 from qdelay.segments import checkpoint, framing, naming, records
+from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import HandlePool
 from qdelay.segments.wal import MessageLog
-from qdelay.server.bucket_log import BucketLog
 from qdelay.server.iterate import IterateService
 
 MIN = naming.MS_PER_MINUTE

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from qdelay.segments import framing, naming, records
+from qdelay.segments import naming, reader, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
 from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
 from qdelay.tools.progress import Progress
@@ -38,7 +38,8 @@ ALLOWED_KINDS = {
 }
 CHECKPOINT_NAME = "iterate" + naming.CHECKPOINT_SUFFIX
 
-OK, BAD_BODY, CORRUPT, TORN, ZERO = "ok", "bad-body", "corrupt", "torn", "zero"
+OK, BAD_BODY = "ok", "bad-body"
+CORRUPT, TORN, ZERO = reader.CORRUPT, reader.TORN, reader.ZERO  # the frame reader's words
 
 
 # --- the folder walker (shared with the Spark source) --------------------------------------
@@ -99,59 +100,38 @@ def decode(frame: Frame) -> tuple[object, str | None]:
 def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item]:
     """Every record of ``buf`` (a segment's bytes, or a range starting on a record boundary
     at ``file_offset``), and every bad stretch: corrupt (a valid record follows: reading
-    resumes there), torn (bad bytes up to the end), or zero (unwritten space at the end)."""
-    pos = 0
-    end = len(buf)
-    check_at = framing.check_at
-    while pos < end:
-        try:
-            frame = check_at(buf, pos)
-        except FrameError as err:
-            item = bad_stretch(buf, pos, file_offset, err)
-            yield item
-            if item.status != CORRUPT:
-                return
-            pos += item.end - item.offset
+    resumes there), torn (bad bytes up to the end), or zero (unwritten space at the end).
+    The walk is the frame reader's (:func:`qdelay.segments.reader.walk`)."""
+    for got in reader.walk(buf, file_offset):
+        if isinstance(got, reader.Damage):
+            yield _damage_item(got)
             continue
-        size = frame.size
-        if file_offset:
-            frame = Frame(file_offset + pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
+        end = got.offset + got.size
         if decode_bodies:
-            record, why = decode(frame)
+            record, why = decode(got)
             if why is not None:
-                yield Item(BAD_BODY, frame.offset, frame.offset + size, frame, None, why)
+                yield Item(BAD_BODY, got.offset, end, got, None, why)
             else:
-                yield Item(OK, frame.offset, frame.offset + size, frame, record)
+                yield Item(OK, got.offset, end, got, record)
         else:
-            yield Item(OK, frame.offset, frame.offset + size, frame)
-        pos += size
+            yield Item(OK, got.offset, end, got)
 
 
 def bad_stretch(buf, pos: int, file_offset: int = 0, err: FrameError | None = None) -> Item:
     """The stretch of ``buf`` from ``pos``, where no valid frame starts: ZERO (unwritten
     space up to the end), TORN (bad bytes up to the end) or CORRUPT (a valid frame follows;
     the item ends there). Shared by :func:`walk` and the Spark source's columnar reader, so
-    both name the same stretches with the same words."""
-    end = len(buf)
-    if err is None:
-        try:
-            framing.check_at(buf, pos)
-            raise ValueError(f"a valid frame starts at {pos}")
-        except FrameError as e:
-            err = e
-    rest = bytes(buf[pos:])
-    if not rest.strip(b"\0"):  # all zero (C speed; any() walks byte by byte)
-        return Item(ZERO, file_offset + pos, file_offset + end)
-    nxt = framing.find_next_frame(rest, 1)
-    if nxt is None:
-        return Item(
-            TORN, file_offset + pos, file_offset + end, error=f"torn tail: {err.reason} ({end - pos} bytes to the end)"
-        )
+    both name the same stretches with the same words (the reader's :func:`damage_at`)."""
+    return _damage_item(reader.damage_at(buf, pos, err, file_offset))
+
+
+def _damage_item(d: reader.Damage) -> Item:
+    if d.status == ZERO:
+        return Item(ZERO, d.offset, d.end)
+    if d.status == TORN:
+        return Item(TORN, d.offset, d.end, error=f"torn tail: {d.reason} ({d.end - d.offset} bytes to the end)")
     return Item(
-        CORRUPT,
-        file_offset + pos,
-        file_offset + pos + nxt,
-        error=f"{err.reason} ({nxt} bytes skipped to the next valid record)",
+        CORRUPT, d.offset, d.end, error=f"{d.reason} ({d.end - d.offset} bytes skipped to the next valid record)"
     )
 
 

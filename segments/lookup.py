@@ -1,0 +1,161 @@
+"""Finding one record in a bucket's segments, for Cancel and Get.
+
+Schedule segments are written in sequence order (the iterate service copies the message
+log in order and skips replays), so a sparse index of every 64th record's sequence and
+offset turns a lookup into a bisect and a short scan. Indexes are built lazily, extended
+as segments grow, and kept for a bounded number of buckets.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import collections
+import threading
+
+import numpy as np
+
+from qdelay.segments.framing import Frame, RecordKind
+from qdelay.segments.reader import read_columns, read_frames
+from qdelay.segments.segment import Segment
+
+SPARSE_EVERY = 64
+_CANCEL_TARGET_AT = 8  # CANCEL body: target due i64, then the target sequence u64
+_DISPATCHED_AT = 8  # DISPATCH body: due i64, then dispatched_at_ms i64
+
+
+class SparseIndex:
+    """Every SPARSE_EVERY-th record's sequence and offset, and the targets of every CANCEL
+    seen, of one schedule segment up to ``upto``."""
+
+    __slots__ = ("seqs", "offsets", "upto", "count", "cancelled")
+
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.offsets: list[int] = []
+        self.upto = 0
+        self.count = 0
+        self.cancelled: set[int] = set()
+
+
+class RecordFinder:
+    """Finds a record and its tombstone in a schedule segment without walking the segment:
+    each segment's index is extended by the bytes appended since the last look (read as
+    columns, no object per record), so a Cancel or Get in a minute of N records costs the
+    same whatever N is."""
+
+    def __init__(self, capacity: int = 128) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._indexes: collections.OrderedDict[str, SparseIndex] = collections.OrderedDict()
+
+    def _index(self, seg: Segment) -> SparseIndex:
+        with self._lock:
+            idx = self._indexes.get(seg.path)
+            if idx is None:
+                idx = self._indexes[seg.path] = SparseIndex()
+                while len(self._indexes) > self.capacity:
+                    self._indexes.popitem(last=False)
+            else:
+                self._indexes.move_to_end(seg.path)
+            stop = seg.size
+            while idx.upto < stop:
+                cols = read_columns(seg, idx.upto, stop)
+                n = len(cols)
+                first = (-idx.count) % SPARSE_EVERY  # the next row whose count is a multiple
+                idx.seqs.extend(cols.seqs[first::SPARSE_EVERY].tolist())
+                idx.offsets.extend((cols.starts[first::SPARSE_EVERY] + cols.base).tolist())
+                cancels = cols.kinds == RecordKind.CANCEL
+                if cancels.any():
+                    idx.cancelled.update(cols.u64_at(cancels, _CANCEL_TARGET_AT).tolist())
+                idx.count += n
+                idx.upto = cols.base + cols.end
+            return idx
+
+    def forget(self, path: str) -> None:
+        with self._lock:
+            self._indexes.pop(path, None)
+
+    def find(self, seg: Segment, sequence: int) -> Frame | None:
+        """The frame with ``sequence`` in a schedule segment, or None."""
+        idx = self._index(seg)
+        i = bisect.bisect_right(idx.seqs, sequence) - 1
+        if i < 0:
+            return None
+        pos = idx.offsets[i]
+        # the record is before the next sparse entry: read at most SPARSE_EVERY records
+        stop = idx.offsets[i + 1] if i + 1 < len(idx.offsets) else idx.upto
+        while pos < stop:
+            cols = read_columns(seg, pos, stop, 64 * 1024)
+            hits = np.flatnonzero(cols.seqs == sequence)
+            if len(hits):
+                return seg.read_frame(cols.base + int(cols.starts[hits[0]]))
+            if len(cols.seqs) and cols.seqs[-1] > sequence:
+                return None
+            pos = cols.base + cols.end
+        return None
+
+    def cancelled(self, seg: Segment, target: int) -> bool:
+        """Whether ``seg`` holds a CANCEL for ``target`` (as far as the segment is written)."""
+        return target in self._index(seg).cancelled
+
+    @staticmethod
+    def find_dispatch(
+        seg: Segment | None, sequence: int, start: int = 0, stop: int | None = None
+    ) -> tuple[Frame | None, int]:
+        """The first DISPATCH record for ``sequence`` in [start, stop); (frame, where it stopped)."""
+        if seg is None:
+            return None, 0
+        stop = seg.size if stop is None else stop
+        pos = start
+        while pos < stop:
+            frames, nxt = read_frames(seg, pos, stop)
+            for f in frames:
+                if f.sequence == sequence and f.kind == RecordKind.DISPATCH:
+                    return f, nxt
+            pos = nxt
+        return None, pos
+
+
+class DispatchIndex:
+    """Which sequences a dispatch segment closed, and when each was dispatched.
+
+    Kept as two packed arrays per segment (16 bytes a record), extended incrementally
+    as the segment grows, for a bounded number of segments: a Cancel or Get in a busy
+    minute costs one vectorised comparison instead of a scan of the file.
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, list] = collections.OrderedDict()
+
+    def lookup(self, seg: Segment | None, sequence: int) -> int | None:
+        """The dispatched_at_ms of ``sequence``'s DISPATCH record in ``seg``, or None."""
+        if seg is None:
+            return None
+        with self._lock:
+            entry = self._cache.get(seg.path)
+            if entry is None:
+                entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0]
+                while len(self._cache) > self.capacity:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(seg.path)
+            seqs, ats, upto = entry
+            stop = seg.size
+            while upto < stop:
+                cols = read_columns(seg, upto, stop)
+                rows = cols.kinds == RecordKind.DISPATCH
+                seqs.frombytes(cols.seqs[rows].tobytes())
+                ats.frombytes(cols.u64_at(rows, _DISPATCHED_AT).tobytes())
+                upto = cols.base + cols.end
+            entry[2] = upto
+            if not seqs:
+                return None
+            hits = np.flatnonzero(np.frombuffer(seqs, dtype=np.int64) == sequence)
+            return int(ats[int(hits[0])]) if len(hits) else None
+
+    def forget(self, path: str) -> None:
+        with self._lock:
+            self._cache.pop(path, None)
