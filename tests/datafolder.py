@@ -155,14 +155,21 @@ class DataFolderBuilder:
     # --- dispatch log --------------------------------------------------------------------
 
     def dispatch(
-        self, sequence: int, *, dispatched_ms: int, acked_ms: int, attempt: int = 1, outcome: int = Outcome.DELIVERED
+        self,
+        sequence: int,
+        *,
+        dispatched_ms: int,
+        acked_ms: int,
+        attempt: int = 1,
+        outcome: int = Outcome.DELIVERED,
+        group: str = records.DEFAULT_GROUP,
     ) -> None:
         w = self.written[sequence]
         if w.schedule is None:
             raise ValueError(f"sequence {sequence} was not iterated into the schedule log yet")
         seg, _rel = self._segment(naming.DISPATCH_DIR, naming.bucket_of(w.due_ms, self.scale), naming.DISPATCH_SUFFIX)
         body = records.encode_dispatch(
-            Dispatch(w.message_id, w.due_ms, dispatched_ms, w.schedule[1], attempt, int(outcome))
+            Dispatch(w.message_id, w.due_ms, dispatched_ms, w.schedule[1], attempt, int(outcome), group)
         )
         seg.append(framing.encode(RecordKind.DISPATCH, sequence, acked_ms, body))
 

@@ -267,6 +267,35 @@ def test_audit_allow_duplicates_reports_them_without_failing(spark, tmp_path, ca
     assert [(r["message_id"], r["attempts"]) for r in summary["examples"]["duplicated"]] == [("msg-0001", [1, 2])]
 
 
+def test_audit_counts_duplicates_within_a_consumer_group(spark, tmp_path):
+    """Each consumer group gets its own delivery of a message: one per group is not a
+    duplicate, two in one group are; the source reads the group of every DISPATCH."""
+    from qdelay.tools import spark_jobs, spark_source
+
+    root = str(tmp_path / "groups")
+    b = datafolder.DataFolderBuilder(root)
+    once, twice = (b.send("g.x", b"p", due_ms=T0 + 60_000, created_ms=T0) for _ in range(2))
+    b.iterate(at_ms=T0 + 1_000)
+    for group in ("default", "billing", "audit"):
+        b.dispatch(once, dispatched_ms=T0 + 60_010, acked_ms=T0 + 60_020, group=group)
+    b.dispatch(twice, dispatched_ms=T0 + 60_010, acked_ms=T0 + 60_020, group="billing")
+    b.dispatch(twice, dispatched_ms=T0 + 60_010, acked_ms=T0 + 60_020)
+    b.dispatch(twice, dispatched_ms=T0 + 70_010, acked_ms=T0 + 70_020, attempt=2, group="billing")
+    b.close()
+    groups = spark_source.read(spark, root, log="dispatch", columns=["sequence", "group"]).collect()
+    assert sorted((r.sequence, r.group) for r in groups) == [
+        (once, "audit"),
+        (once, "billing"),
+        (once, "default"),
+        (twice, "billing"),
+        (twice, "billing"),
+        (twice, "default"),
+    ]
+    s = spark_jobs.audit(spark, [root], NOW, 60_000)
+    assert s["findings"] == {"lost": 0, "duplicated": 1, "delivered_after_cancel": 0, "early": 0}
+    assert [r["sequence"] for r in s["examples"]["duplicated"]] == [twice]
+
+
 def test_audit_reports_damage_and_goes_on(spark, folders):
     from qdelay.tools import spark_jobs
 

@@ -22,7 +22,7 @@ pa = pytest.importorskip("pyarrow")
 
 from qdelay.segments import framing, records  # noqa: E402
 from qdelay.segments.framing import RecordKind  # noqa: E402
-from qdelay.segments.records import Cancel, Dispatch, Message  # noqa: E402
+from qdelay.segments.records import Cancel, Dispatch, Group, Message  # noqa: E402
 from qdelay.tools import spark_source as ss  # noqa: E402
 
 T0 = 1_767_225_600_000
@@ -47,8 +47,19 @@ def bodies(draw):
     if choice == 4:
         return RecordKind.CANCEL, records.encode_cancel(Cancel(mid, due, draw(st.integers(0, 2**40))))
     if choice == 5:
-        d = Dispatch(mid, due, due + draw(st.integers(-9, 99)), draw(st.integers(0, 2**40)), 1, draw(st.integers(0, 3)))
-        return RecordKind.DISPATCH, records.encode_dispatch(d)
+        d = Dispatch(
+            mid,
+            due,
+            due + draw(st.integers(-9, 99)),
+            draw(st.integers(0, 2**40)),
+            1,
+            draw(st.integers(0, 3)),
+            draw(st.sampled_from(["default", "g1", "é"])),
+        )
+        body = records.encode_dispatch(d)
+        if draw(st.integers(0, 5)) == 0:  # a group name that is not UTF-8
+            body = body[:29] + b"\x01" + body[30:] + b"\xff"
+        return RecordKind.DISPATCH, body
     if choice == 6:  # headers made by hand: repeated keys, bad UTF-8, blocks that overrun
         pairs = draw(
             st.lists(
@@ -75,6 +86,8 @@ def bodies(draw):
         body = bytearray(fixed.size) + b"\xfe\xff"
         body[fixed.size - 2 : fixed.size] = b"\x02\x00"
         return kind, bytes(body)
+    if draw(st.booleans()):  # a consumer group created or deleted (an odd op too)
+        return RecordKind.GROUP, records.encode_group(Group(draw(st.integers(1, 3)), draw(texts), draw(texts)))
     return draw(st.sampled_from([RecordKind.CHECKPOINT, 9, 0])), draw(st.sampled_from([b"{}", b"not json", b""]))
 
 
@@ -116,6 +129,7 @@ OPTIONS = [
     {"corrupt": "skip"},
     {"payload": False},
     {"columns": ["offset", "subject", "headers", "error"]},
+    {"columns": ["offset", "kind", "group", "outcome", "message_id"]},
     {"columns": ["offset", "kind", "due_ms"], "pushed": _pushed(T0 - 60_000, T0 + 120_000)},
     {"columns": ["offset", "message_id", "kind"], "pushed": _pushed(kinds=["CANCEL", "DISPATCH"])},
     {"pushed": _pushed(prefix="a", kinds=["MESSAGE"])},

@@ -36,13 +36,13 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from qdelay.segments import framing, naming, reader, records
 from qdelay.segments.framing import FrameError, RecordKind
-from qdelay.segments.records import Cancel, Dispatch, Message
+from qdelay.segments.records import Cancel, Dispatch, Group, Message
 
 SCHEMA = (
     "server string, log string, segment string, offset long, size int, sequence long, "
     "kind string, message_id string, subject string, headers map<string,string>, "
     "payload binary, created_ms long, due_ms long, target_sequence long, dispatched_ms long, "
-    "acked_ms long, schedule_offset long, attempt int, outcome string, error string"
+    "acked_ms long, schedule_offset long, attempt int, outcome string, group string, error string"
 )
 COLUMNS = [c.strip().split(" ", 1)[0] for c in SCHEMA.split(", ")]
 LOGS = ("message", "schedule", "dispatch")
@@ -50,7 +50,8 @@ LOGS = ("message", "schedule", "dispatch")
 # Spark task of the Python source costs tens of milliseconds besides its reading (about
 # 70 ms on 2 busy cores), more than reading a per-minute segment of 3 MB takes (10 ms).
 PACK_BYTES = 32 * 1024 * 1024
-_KINDS = {1: "MESSAGE", 2: "CANCEL", 3: "DISPATCH", 4: "CHECKPOINT"}
+_KINDS = {1: "MESSAGE", 2: "CANCEL", 3: "DISPATCH", 4: "CHECKPOINT", 5: "GROUP"}
+_GROUP_OPS = {1: "CREATE", 2: "DELETE"}
 _OUTCOMES = {1: "DELIVERED", 2: "DEAD_LETTERED"}
 
 
@@ -78,6 +79,7 @@ def _arrow_schema():
         "schedule_offset": i64,
         "attempt": i32,
         "outcome": s,
+        "group": s,
         "error": s,
     }
     return pa.schema([pa.field(c, types[c]) for c in COLUMNS])
@@ -234,12 +236,15 @@ _FILLED = {
         "schedule_offset",
         "attempt",
         "outcome",
+        "group",
     ),
+    # a consumer group created or deleted (message log): outcome holds the op
+    "GROUP": ("offset", "size", "sequence", "subject", "group", "created_ms", "outcome"),
     "ERROR": ("offset", "size", "sequence", "kind", "error"),
 }
 _KIND_CODES = {"MESSAGE": RecordKind.MESSAGE, "CANCEL": RecordKind.CANCEL, "DISPATCH": RecordKind.DISPATCH}
 # the record kinds each log holds (inspect.ALLOWED_KINDS): a kind filter skips whole logs
-_LOG_KINDS = {"message": {"MESSAGE", "CANCEL"}, "schedule": {"MESSAGE", "CANCEL"}, "dispatch": {"DISPATCH"}}
+_LOG_KINDS = {"message": {"MESSAGE", "CANCEL", "GROUP"}, "schedule": {"MESSAGE", "CANCEL"}, "dispatch": {"DISPATCH"}}
 
 
 class Pushed:
@@ -433,7 +438,11 @@ def _item_row(item, corrupt: str) -> tuple[str, tuple] | None:
             rec.schedule_offset,
             rec.attempt,
             outcome,
+            rec.group,
         )
+    if isinstance(rec, Group):
+        op = _GROUP_OPS.get(rec.op, f"OP_{rec.op}")
+        return "GROUP", (item.offset, size, f.sequence, rec.subject, rec.group, f.timestamp, op)
     if isinstance(rec, Cancel):
         return "CANCEL", (
             item.offset,
@@ -742,7 +751,9 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
         sel = np.nonzero(~suspect)[0]
         b = body[sel]
         mlen = g(data, b, fixed - 2, 2)
-        fits = fixed + mlen == length[sel]
+        # a DISPATCH names its consumer group after the id (length at byte 29; 0: default)
+        glen = g(data, b, 29, 1) if kind == RecordKind.DISPATCH else np.zeros(len(sel), dtype=np.int64)
+        fits = fixed + mlen + glen == length[sel]
         if not fits.all():
             suspect[sel[~fits]] = True
             continue
@@ -750,6 +761,12 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
         if ok is not None:
             suspect[sel[~ok]] = True
             continue
+        group = None
+        if kind == RecordKind.DISPATCH:
+            group, ok = _text(_binary(data, b + fixed + mlen, glen))
+            if ok is not None:
+                suspect[sel[~ok]] = True
+                continue
         ts = g(data, st[sel], 28, 8) if {"created_ms", "acked_ms"} & need else None
         out = {"size": (length[sel] + framing.HEADER_SIZE).astype(np.int32), "message_id": mid}
         if kind == RecordKind.CANCEL:
@@ -764,6 +781,11 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
                 out["schedule_offset"] = g(data, b, 16, 8)
             if "attempt" in need:
                 out["attempt"] = g(data, b, 24, 4).astype(np.int32)
+            if "group" in need:
+                import pyarrow as pa
+                import pyarrow.compute as pc
+
+                out["group"] = pc.if_else(pa.array(glen == 0), records.DEFAULT_GROUP, group)
             if "outcome" in need:
                 import pyarrow as pa
 
