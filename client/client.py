@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, cast
 
 import grpc
 
+import qdelay.wire  # noqa: F401  (checks the native wire codec against the .proto at start-up)
 from qdelay import errors
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, SendBatcher

@@ -311,7 +311,7 @@ class ShardedConsumer:
         self.sc = sc
         self.subject, self.group, self.max_in_flight = subject, group, max_in_flight
         self._inbox: queue.Queue = queue.Queue()
-        self._consumers: dict[str, Consumer] = {}
+        self._consumers: dict[str, Consumer | None] = {}  # None: its subscription is being made
         self._owner: dict[str, Consumer] = {}  # ack id -> the consumer it came from
         self._lock = threading.Lock()
         self._closed = threading.Event()

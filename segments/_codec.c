@@ -30,6 +30,33 @@
 #define CHECKED_FROM 12
 #define MESSAGE_FIXED 20 /* due i64, subject_len u16, message_id_len u16, headers_len u32, payload_len u32 */
 
+/* The protobuf field numbers the hand-written wire codec below reads and writes
+ * (proto/qdelay/v1/qdelay.proto). Named once here and exported as WIRE_FIELDS: qdelay/wire.py
+ * checks them against the generated descriptors at start-up and in a test, so a .proto
+ * change that this code does not follow fails loudly instead of encoding wrong bytes. */
+#define F_MESSAGE_SUBJECT 1
+#define F_MESSAGE_PAYLOAD 2
+#define F_MESSAGE_HEADERS 3
+#define F_MESSAGE_ID 4
+#define F_MESSAGE_DELIVER_AT 5
+#define F_MESSAGE_DELAY 6
+#define F_BATCH_MESSAGES 1
+#define F_BATCH_COMPACT 2
+#define F_RESPONSE_DELIVERIES 1
+#define F_DELIVERY_ACK_ID 1
+#define F_DELIVERY_MESSAGE_ID 2
+#define F_DELIVERY_SUBJECT 3
+#define F_DELIVERY_PAYLOAD 4
+#define F_DELIVERY_HEADERS 5
+#define F_DELIVERY_DELIVER_AT 6
+#define F_DELIVERY_DISPATCHED_AT 7
+#define F_DELIVERY_ATTEMPT 8
+#define F_MAP_KEY 1
+#define F_MAP_VALUE 2
+#define WIRE_VARINT 0
+#define WIRE_LEN 2
+#define TAG(field, wire) ((unsigned char)(((field) << 3) | (wire))) /* one byte: fields 1-15 */
+
 static inline uint32_t get_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint64_t get_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline void put_u16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
@@ -549,7 +576,7 @@ static int read_varint(const unsigned char *buf, Py_ssize_t end, Py_ssize_t *pos
 
 typedef struct {
     Py_ssize_t subject, subject_len, payload, payload_len, id, id_len;
-    int when; /* 0 unset, 5 deliver_at_ms, 6 delay_ms */
+    int when; /* 0 unset, F_MESSAGE_DELIVER_AT or F_MESSAGE_DELAY */
     int64_t when_value;
 } Parsed;
 
@@ -562,19 +589,19 @@ static int parse_message(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
         if (read_varint(buf, end, &pos, &tag) < 0)
             return 0;
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
-        if (wire == 2) {
+        if (wire == WIRE_LEN) {
             if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
                 return 0;
             Py_ssize_t at = pos, len = (Py_ssize_t)v;
             pos += len;
-            if (field == 1) { m->subject = at; m->subject_len = len; }
-            else if (field == 2) { m->payload = at; m->payload_len = len; }
-            else if (field == 4) { m->id = at; m->id_len = len; }
-            else return 0; /* headers (3) or unknown */
-        } else if (wire == 0) {
+            if (field == F_MESSAGE_SUBJECT) { m->subject = at; m->subject_len = len; }
+            else if (field == F_MESSAGE_PAYLOAD) { m->payload = at; m->payload_len = len; }
+            else if (field == F_MESSAGE_ID) { m->id = at; m->id_len = len; }
+            else return 0; /* headers or unknown */
+        } else if (wire == WIRE_VARINT) {
             if (read_varint(buf, end, &pos, &v) < 0)
                 return 0;
-            if (field == 5 || field == 6) { m->when = (int)field; m->when_value = (int64_t)v; }
+            if (field == F_MESSAGE_DELIVER_AT || field == F_MESSAGE_DELAY) { m->when = (int)field; m->when_value = (int64_t)v; }
             else return 0;
         } else {
             return 0;
@@ -610,7 +637,7 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
         uint64_t tag, v;
         if (read_varint(buf, end, &pos, &tag) < 0) { fast = 0; break; }
         unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
-        if (field == 1 && wire == 2) {
+        if (field == F_BATCH_MESSAGES && wire == WIRE_LEN) {
             if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos)) { fast = 0; break; }
             if (n == cap) {
                 Py_ssize_t ncap = cap ? cap * 2 : 128;
@@ -622,7 +649,7 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
             if (!parse_message(buf, pos, pos + (Py_ssize_t)v, &msgs[n])) { fast = 0; break; }
             n++;
             pos += (Py_ssize_t)v;
-        } else if (field == 2 && wire == 0) {
+        } else if (field == F_BATCH_COMPACT && wire == WIRE_VARINT) {
             if (read_varint(buf, end, &pos, &v) < 0) { fast = 0; break; }
             compact = v != 0;
         } else {
@@ -668,11 +695,11 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
         if (PySet_GET_SIZE(seen) != i + 1)
             goto fallback; /* a repeated id */
         long long due, v = m->when_value;
-        if (m->when == 5) {
+        if (m->when == F_MESSAGE_DELIVER_AT) {
             if (v < 0 || v - now > max_delay)
                 goto fallback;
             due = v;
-        } else if (m->when == 6) {
+        } else if (m->when == F_MESSAGE_DELAY) {
             if (v < 0 || v > max_delay || v > LLONG_MAX - now)
                 goto fallback;
             due = now + v;
@@ -865,8 +892,8 @@ static unsigned char *put_headers(unsigned char *w, unsigned char tag, PyObject 
         text_of(v, &vp, &vn);
         *w++ = tag;
         w = put_varint(w, (uint64_t)((kn ? field_size(kn) : 0) + (vn ? field_size(vn) : 0)));
-        w = put_bytes(w, 0x0a, kp, kn);
-        w = put_bytes(w, 0x12, vp, vn);
+        w = put_bytes(w, TAG(F_MAP_KEY, WIRE_LEN), kp, kn);
+        w = put_bytes(w, TAG(F_MAP_VALUE, WIRE_LEN), vp, vn);
     }
     return w;
 }
@@ -929,16 +956,16 @@ static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
         if (PyByteArray_Resize(out, start + total) < 0)
             return NULL;
         unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(out) + start;
-        *w++ = 0x0a;  /* SubscribeResponse.deliveries = 1, length-delimited */
+        *w++ = TAG(F_RESPONSE_DELIVERIES, WIRE_LEN);
         w = put_varint(w, (uint64_t)body);
-        w = put_bytes(w, 0x0a, ap, an);  /* ack_id = 1 */
-        w = put_bytes(w, 0x12, mp, mn);  /* message_id = 2 */
-        w = put_bytes(w, 0x1a, sp, sn);  /* subject = 3 */
-        w = put_bytes(w, 0x22, pp, pn);  /* payload = 4 */
-        w = put_headers(w, 0x2a, hd);    /* headers = 5 */
-        if (due) { *w++ = 0x30; w = put_varint(w, (uint64_t)due); }                    /* deliver_at_ms = 6 */
-        if (dispatched) { *w++ = 0x38; w = put_varint(w, (uint64_t)dispatched); }      /* dispatched_at_ms = 7 */
-        if (attempt) { *w++ = 0x40; w = put_varint(w, (uint64_t)(uint32_t)attempt); }  /* attempt = 8 */
+        w = put_bytes(w, TAG(F_DELIVERY_ACK_ID, WIRE_LEN), ap, an);
+        w = put_bytes(w, TAG(F_DELIVERY_MESSAGE_ID, WIRE_LEN), mp, mn);
+        w = put_bytes(w, TAG(F_DELIVERY_SUBJECT, WIRE_LEN), sp, sn);
+        w = put_bytes(w, TAG(F_DELIVERY_PAYLOAD, WIRE_LEN), pp, pn);
+        w = put_headers(w, TAG(F_DELIVERY_HEADERS, WIRE_LEN), hd);
+        if (due) { *w++ = TAG(F_DELIVERY_DELIVER_AT, WIRE_VARINT); w = put_varint(w, (uint64_t)due); }
+        if (dispatched) { *w++ = TAG(F_DELIVERY_DISPATCHED_AT, WIRE_VARINT); w = put_varint(w, (uint64_t)dispatched); }
+        if (attempt) { *w++ = TAG(F_DELIVERY_ATTEMPT, WIRE_VARINT); w = put_varint(w, (uint64_t)(uint32_t)attempt); }
     }
     return PyLong_FromSsize_t(n);
 }
@@ -1068,14 +1095,14 @@ static PyObject *encode_send_batch(PyObject *self, PyObject *args) {
         if (PyByteArray_Resize(out, start + field_size(body)) < 0)
             return NULL;
         unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(out) + start;
-        *w++ = 0x0a;  /* SendBatchRequest.messages = 1, length-delimited */
+        *w++ = TAG(F_BATCH_MESSAGES, WIRE_LEN);
         w = put_varint(w, (uint64_t)body);
-        w = put_bytes(w, 0x0a, sp, sn);  /* subject = 1 */
-        w = put_bytes(w, 0x12, pp, pn);  /* payload = 2 */
-        w = put_headers(w, 0x1a, hd);    /* headers = 3 */
-        w = put_bytes(w, 0x22, mp, mn);  /* message_id = 4 */
-        if (has_at) { *w++ = 0x28; w = put_varint(w, (uint64_t)at_v); }        /* deliver_at_ms = 5 */
-        if (has_delay) { *w++ = 0x30; w = put_varint(w, (uint64_t)delay_v); }  /* delay_ms = 6 */
+        w = put_bytes(w, TAG(F_MESSAGE_SUBJECT, WIRE_LEN), sp, sn);
+        w = put_bytes(w, TAG(F_MESSAGE_PAYLOAD, WIRE_LEN), pp, pn);
+        w = put_headers(w, TAG(F_MESSAGE_HEADERS, WIRE_LEN), hd);
+        w = put_bytes(w, TAG(F_MESSAGE_ID, WIRE_LEN), mp, mn);
+        if (has_at) { *w++ = TAG(F_MESSAGE_DELIVER_AT, WIRE_VARINT); w = put_varint(w, (uint64_t)at_v); }
+        if (has_delay) { *w++ = TAG(F_MESSAGE_DELAY, WIRE_VARINT); w = put_varint(w, (uint64_t)delay_v); }
     }
     return PyLong_FromSsize_t(n);
 }
@@ -1167,5 +1194,27 @@ PyMODINIT_FUNC PyInit__codec(void) {
         !(s_deliver_at_ms = PyUnicode_InternFromString("deliver_at_ms")) ||
         !(s_delay_ms = PyUnicode_InternFromString("delay_ms")))
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    /* WIRE_FIELDS: full field name -> the number this codec uses (checked by qdelay/wire.py) */
+    PyObject *fields = Py_BuildValue(
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "qdelay.v1.Message.subject", F_MESSAGE_SUBJECT, "qdelay.v1.Message.payload", F_MESSAGE_PAYLOAD,
+        "qdelay.v1.Message.headers", F_MESSAGE_HEADERS, "qdelay.v1.Message.message_id", F_MESSAGE_ID,
+        "qdelay.v1.Message.deliver_at_ms", F_MESSAGE_DELIVER_AT, "qdelay.v1.Message.delay_ms", F_MESSAGE_DELAY,
+        "qdelay.v1.SendBatchRequest.messages", F_BATCH_MESSAGES,
+        "qdelay.v1.SendBatchRequest.compact_receipts", F_BATCH_COMPACT,
+        "qdelay.v1.SubscribeResponse.deliveries", F_RESPONSE_DELIVERIES,
+        "qdelay.v1.Delivery.ack_id", F_DELIVERY_ACK_ID, "qdelay.v1.Delivery.message_id", F_DELIVERY_MESSAGE_ID,
+        "qdelay.v1.Delivery.subject", F_DELIVERY_SUBJECT, "qdelay.v1.Delivery.payload", F_DELIVERY_PAYLOAD,
+        "qdelay.v1.Delivery.headers", F_DELIVERY_HEADERS, "qdelay.v1.Delivery.deliver_at_ms", F_DELIVERY_DELIVER_AT,
+        "qdelay.v1.Delivery.dispatched_at_ms", F_DELIVERY_DISPATCHED_AT,
+        "qdelay.v1.Delivery.attempt", F_DELIVERY_ATTEMPT);
+    if (!fields || PyModule_AddObject(m, "WIRE_FIELDS", fields) < 0) {
+        Py_XDECREF(fields);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+import qdelay.wire  # noqa: F401  (checks the native wire codec against the .proto at start-up)
 from qdelay.errors import InvalidArgument, InvariantViolation
 from qdelay.segments import native, records
 from qdelay.server.config import Limits

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qdelay import errors
+from qdelay import errors, wire
 from qdelay.segments import framing, native, records
 from qdelay.segments.framing import RecordKind
 from qdelay.server.config import Limits
@@ -503,3 +503,55 @@ def test_reader_gather_native_and_twin_agree(data, starts, offset, width, signed
         import struct
 
         assert results[0] == [struct.unpack_from("<" + fmt, data, x + offset)[0] for x in starts]
+
+
+def test_the_wire_codecs_field_numbers_follow_the_proto():
+    """Every field number the C wire codec uses by hand is the generated descriptors' (the
+    same check runs when the server or a client imports qdelay.wire)."""
+    assert wire.mismatches(codec.WIRE_FIELDS) == []
+    messages = {name.rsplit(".", 2)[1] for name in codec.WIRE_FIELDS}
+    assert messages == {"Message", "SendBatchRequest", "SubscribeResponse", "Delivery"}
+    assert set(codec.WIRE_FIELDS) >= {f"qdelay.v1.Message.{f.name}" for f in pb.Message.DESCRIPTOR.fields}
+    assert set(codec.WIRE_FIELDS) >= {f"qdelay.v1.Delivery.{f.name}" for f in pb.Delivery.DESCRIPTOR.fields}
+
+
+def test_a_proto_change_the_codec_does_not_follow_fails_loudly():
+    class Renumbered:
+        WIRE_FIELDS = dict(codec.WIRE_FIELDS, **{"qdelay.v1.Message.delay_ms": 7, "qdelay.v1.Delivery.gone": 9})
+
+    with pytest.raises(errors.InvariantViolation, match="delay_ms: the codec uses field 7, the .proto says 6"):
+        wire.check(Renumbered)
+    with pytest.raises(errors.InvariantViolation, match="Delivery.gone: no such field"):
+        wire.check(Renumbered)
+
+
+def _twins() -> dict:
+    """Every function of the C module and its Python twin, the reference (each pair has its
+    property test above)."""
+    from qdelay.client.client import encode_send_batch_py
+    from qdelay.segments import reader
+    from qdelay.server.consumers import fill_response
+    from qdelay.server.iterate import IterateService
+    from qdelay.server.scheduler import Scheduler
+
+    return {
+        "frame_bodies": framing.encode_many_into_py,
+        "scan": reader.scan_columns_py,
+        "gather": reader.gather_py,
+        "route": IterateService._route_numpy,
+        "read_messages": Scheduler._check_run_numpy,
+        "dispatch_frames": records.encode_dispatch_frames_py,
+        "encode_messages": encode_messages_py,
+        "decode_batch": encode_messages_py,  # after protobuf parsed the request
+        "encode_deliveries": fill_response,
+        "encode_send_batch": encode_send_batch_py,
+    }
+
+
+def test_every_native_function_has_a_python_twin():
+    """A function added to the C module without a twin (or a twin left after its C function
+    went) fails here."""
+    exported = {name for name in dir(codec) if not name.startswith("_") and callable(getattr(codec, name))}
+    twins = _twins()
+    assert exported == set(twins)
+    assert all(callable(twin) for twin in twins.values())
