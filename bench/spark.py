@@ -19,8 +19,11 @@ Results: a Markdown table on stdout and ``bench/out/spark.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -93,6 +96,53 @@ def reader_scan(root: str, fn_name: str = "read_piece", columns=None) -> int:
     return n
 
 
+@contextlib.contextmanager
+def standalone(workdir: str, cores: int = 2, memory: str = "2g"):
+    """A Spark standalone master and one worker on 127.0.0.1, started from the PySpark
+    installation (``spark-class``); yields the master URL; stops both on exit."""
+    import pyspark
+
+    home = os.path.dirname(pyspark.__file__)
+    env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    ports = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cls = os.path.join(home, "bin", "spark-class")
+    url = f"spark://127.0.0.1:{ports[0]}"
+    cmds = [
+        (
+            "master",
+            [cls, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(ports[0])]
+            + ["--webui-port", str(ports[1])],
+            "I have been elected leader",
+        ),
+        (
+            "worker",
+            [cls, "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1", "--cores", str(cores)]
+            + ["--memory", memory, "--port", str(ports[2]), "--webui-port", str(ports[3])]
+            + ["--work-dir", os.path.join(workdir, "work")],
+            "Successfully registered with master",
+        ),
+    ]
+    procs = []
+    try:
+        for name, cmd, ready in cmds:
+            log = os.path.join(workdir, f"{name}.log")
+            procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env))
+            deadline = time.monotonic() + 120
+            while ready not in open(log).read():
+                if time.monotonic() > deadline or procs[-1].poll() is not None:
+                    raise RuntimeError(f"spark {name} did not start: see {log}")
+                time.sleep(0.2)
+        yield url
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=30)
+
+
 def best(fn, repeat: int):
     times, value = [], None
     for _ in range(repeat):
@@ -109,13 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--payload", type=int, default=100)
     ap.add_argument("--dispatched", type=float, default=0.9, help="fraction with a dispatch record")
     ap.add_argument("--master", default="local[2]")
+    ap.add_argument(
+        "--standalone",
+        action="store_true",
+        help="start a standalone master and a 2-core worker on loopback and use them as --master",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--data", default=None, help="keep the data folder here (default: a temp dir, removed)")
     args = ap.parse_args(argv)
 
     root = args.data or tempfile.mkdtemp(prefix="qdelay-bench-spark-")
     result: dict = {"machine_before": machine(), "args": vars(args)}
+    stack = contextlib.ExitStack()
     try:
+        if args.standalone:
+            args.master = stack.enter_context(standalone(tempfile.mkdtemp(prefix="qdelay-bench-cluster-")))
+            print(f"standalone cluster at {args.master}", flush=True)
         if not os.path.isdir(os.path.join(root, naming.SCHEDULE_DIR)):
             t = time.perf_counter()
             result["data"] = build(root, args.records, args.minutes, args.payload, args.dispatched)
@@ -222,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"audit findings: {summary['findings']}")
         print("written", write_json("spark", result))
     finally:
+        stack.close()
         if args.data is None:
             shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -116,8 +116,9 @@ def _table(fn, piece, **kw):
     return t.sort_by([("offset", "ascending")]) if "offset" in t.column_names else t
 
 
-def _pushed(lo=None, hi=None, kinds=None, prefix=None):
+def _pushed(lo=None, hi=None, kinds=None, prefix=None, sequences=None):
     p = ss.Pushed()
+    p.sequences = frozenset(sequences) if sequences else None
     p.narrow_due(lo, hi)
     p.kinds = frozenset(kinds) if kinds else None
     p.prefixes = (prefix,) if prefix else ()
@@ -133,6 +134,7 @@ OPTIONS = [
     {"columns": ["offset", "kind", "due_ms"], "pushed": _pushed(T0 - 60_000, T0 + 120_000)},
     {"columns": ["offset", "message_id", "kind"], "pushed": _pushed(kinds=["CANCEL", "DISPATCH"])},
     {"pushed": _pushed(prefix="a", kinds=["MESSAGE"])},
+    {"columns": ["offset", "sequence", "kind", "error"], "pushed": _pushed(sequences=[2, 3, 5, 8])},
     {"batch_rows": 3},
 ]
 

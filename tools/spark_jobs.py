@@ -282,16 +282,19 @@ def _damage(spark, data_dirs):
     )
 
 
-def _names(spark, data_dirs, keys):
+def _names(spark, data_dirs, keys, sequences=None):
     """message_id, subject and the sorted attempts of the (server, sequence) rows of
     ``keys`` (a small DataFrame, broadcast): a second scan of MESSAGE and DISPATCH rows,
-    joined to the findings instead of carrying strings through the big aggregate."""
+    joined to the findings instead of carrying strings through the big aggregate. With
+    ``sequences`` (the keys' sequences, a few hundred) the reader keeps only their frames."""
     from pyspark.sql import functions as F
 
     cols = ["server", "sequence", "kind", "message_id", "subject", "attempt"]
     rows = spark_source.read(spark, data_dirs, log="all", corrupt="skip", columns=cols, pushdown=True).where(
         F.col("kind").isin("MESSAGE", "DISPATCH")
     )
+    if sequences is not None:
+        rows = rows.where(F.col("sequence").isin(sequences))
     is_msg, is_disp = F.col("kind") == "MESSAGE", F.col("kind") == "DISPATCH"
     return (
         rows.join(F.broadcast(keys), ["server", "sequence"])
@@ -368,9 +371,9 @@ def audit(
         found = flags.where(" or ".join(FINDINGS)).cache()
         # names for every finding when they are all written, else for the examples only
         picked = found if out else found.orderBy("server", "sequence").limit(100 * EXAMPLES)
-        named = picked.join(
-            _names(spark, data_dirs, picked.select("server", "sequence")), ["server", "sequence"], "left"
-        )
+        sequences = None if out else sorted({r.sequence for r in picked.select("sequence").collect()})
+        keys = picked.select("server", "sequence")
+        named = picked.join(_names(spark, data_dirs, keys, sequences), ["server", "sequence"], "left")
         findings = named.select(
             "server",
             "sequence",

@@ -254,7 +254,7 @@ class Pushed:
     the reader's answer is exactly what Spark would have kept. Plain data: it is pickled
     from the planner to every task."""
 
-    __slots__ = ("due_lo", "due_hi", "kinds", "subjects", "prefixes", "logs", "not_null")
+    __slots__ = ("due_lo", "due_hi", "kinds", "subjects", "prefixes", "logs", "not_null", "sequences")
 
     def __init__(self) -> None:
         self.due_lo: int | None = None  # inclusive
@@ -264,6 +264,7 @@ class Pushed:
         self.prefixes: tuple = ()
         self.logs: frozenset | None = None
         self.not_null: frozenset = frozenset()
+        self.sequences: frozenset | None = None  # sequence = n or IN (...)
 
     def __getstate__(self):
         return tuple(getattr(self, k) for k in self.__slots__)
@@ -291,6 +292,8 @@ class Pushed:
             cols.add("subject")
         if self.logs is not None:
             cols.add("log")
+        if self.sequences is not None:
+            cols.add("sequence")
         return cols
 
     def add(self, f) -> bool:
@@ -303,6 +306,13 @@ class Pushed:
         col = f.attribute[0]
         if isinstance(f, ds.IsNotNull) and col in ("due_ms", "kind", "subject", "log", "error"):
             self.not_null = self.not_null | {col}
+            return True
+        if col == "sequence":
+            values = f.value if isinstance(f, ds.In) else (f.value,) if isinstance(f, ds.EqualTo) else None
+            if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                return False
+            values = frozenset(values)
+            self.sequences = values if self.sequences is None else self.sequences & values
             return True
         if col == "due_ms":
             v = getattr(f, "value", None)
@@ -356,12 +366,15 @@ class Pushed:
             return False
         return True
 
-    def frame_mask(self, kinds, dues):
-        """Which whole frames (of the three kinds) can give a passing row: by kind and due
-        alone, before any body is read. A superset: :meth:`mask` decides exactly."""
+    def frame_mask(self, kinds, dues, seqs=None):
+        """Which whole frames (of the three kinds) can give a passing row: by kind, due
+        time and sequence alone, before any body is read. A superset: :meth:`mask` decides
+        exactly."""
         import numpy as np
 
         keep = np.ones(len(kinds), dtype=bool)
+        if self.sequences is not None and seqs is not None:
+            keep &= np.isin(seqs, np.fromiter(self.sequences, dtype=np.int64, count=len(self.sequences)))
         if self.kinds is not None:
             keep &= np.isin(kinds, [_KIND_CODES[k] for k in self.kinds if k in _KIND_CODES])
         if self.due_lo is not None:
@@ -388,6 +401,8 @@ class Pushed:
                 parts.append(pc.is_in(batch.column(col), value_set=pa.array(sorted(values), pa.string())))
         for p in self.prefixes:
             parts.append(pc.starts_with(batch.column("subject"), pattern=p))
+        if self.sequences is not None:
+            parts.append(pc.is_in(batch.column("sequence"), value_set=pa.array(sorted(self.sequences), pa.int64())))
         m = parts[0]
         for p in parts[1:]:
             m = pc.and_kleene(m, p)
@@ -854,7 +869,7 @@ def read_piece(
         kinds = np.empty(0, dtype=np.uint8)
     schema = _arrow_schema()
     odd = np.nonzero((kinds < RecordKind.MESSAGE) | (kinds > RecordKind.DISPATCH))[0].tolist()
-    keep = pushed.frame_mask(kinds, dues) if pushed is not None else np.ones(len(kinds), dtype=bool)
+    keep = pushed.frame_mask(kinds, dues, seqs) if pushed is not None else np.ones(len(kinds), dtype=bool)
     for code, name in (
         (RecordKind.MESSAGE, "MESSAGE"),
         (RecordKind.CANCEL, "CANCEL"),
