@@ -45,6 +45,7 @@ from qdelay.client.client import (
     translate,
 )
 from qdelay.client.types import (
+    RECONNECT_OPTIONS,
     Receipt,
     Status,
     Target,
@@ -96,6 +97,7 @@ class Client:
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *RECONNECT_OPTIONS,
             *options,
         ]
         if tls or tls_ca is not None:

@@ -42,6 +42,7 @@ from qdelay import errors
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, SendBatcher
 from qdelay.client.types import (
+    RECONNECT_OPTIONS,
     STATES,
     Receipt,
     Status,
@@ -336,6 +337,7 @@ class Client:
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *RECONNECT_OPTIONS,
             *options,
         ]
         if tls or tls_ca is not None:

@@ -151,6 +151,17 @@ class Status:
         )
 
 
+# gRPC's default reconnect backoff grows to 120 s, and channels to one address share their
+# subchannel: after a server restart, every new client in the process failed fast with
+# "connection refused" until the backoff of the old ones ran out (a minute and more). A
+# message client reconnects within a second, as Kafka's (reconnect.backoff.max.ms = 1 s).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def stats_dict(resp: pb.StatsResponse) -> dict:
     """StatsResponse as plain values (groups as a list of dicts)."""
     out: dict = {}

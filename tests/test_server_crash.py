@@ -37,6 +37,7 @@ class Load:
             rng,
         )
         self.stop = threading.Event()
+        self.consumer = None
         self.threads = [
             threading.Thread(target=self.produce, daemon=True),
             threading.Thread(target=self.consume, daemon=True),
@@ -48,8 +49,14 @@ class Load:
 
     def join(self) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(10)
+        # the consumer resubscribes by itself after the kill: closing it is what ends it
+        deadline = time.monotonic() + 20
+        while any(t.is_alive() for t in self.threads) and time.monotonic() < deadline:
+            if self.consumer is not None:
+                self.consumer.close(timeout=1)
+            for t in self.threads:
+                t.join(0.1)
+        assert not any(t.is_alive() for t in self.threads), "a load thread did not stop"
 
     def produce(self) -> None:
         c = self.srv.client(retries=0, timeout=5)
@@ -78,7 +85,7 @@ class Load:
 
     def consume(self) -> None:
         c = self.srv.client(retries=0)
-        consumer = c.subscribe(SUBJECT, max_in_flight=2000)
+        consumer = self.consumer = c.subscribe(SUBJECT, max_in_flight=2000)
         try:
             for batch in consumer.batches():
                 t = now_ms()
