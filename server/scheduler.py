@@ -1988,6 +1988,7 @@ class Scheduler:
                 "cancel_skipped": self.cancel_skipped,
                 "corrupt_skipped": self.corrupt_skipped,
                 "load_blocked": self.load_blocked,
+                "dispatch_unsynced_buckets": len(set(self._dispatch_buf) | set(self._writing) | set(self._write_gen)),
             }
 
     def persistent_state(self) -> dict:

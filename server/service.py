@@ -387,6 +387,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             role=str(s.get("role", self.cfg.role)),
             epoch=int(s.get("epoch", 0)),
             replication_lag_bytes=-1 if lag is None else int(lag),
+            dispatch_unsynced_buckets=int(s.get("dispatch_unsynced_buckets", 0)),
             groups=[
                 pb.GroupStats(
                     subject=g["subject"],
