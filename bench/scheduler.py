@@ -8,11 +8,16 @@ memory and restart run in a child process each so their RSS is not mixed with th
 Goals (issue #3): lateness p99 <= 5 ms for 20,000 messages due over 10 s; 100,000 due at
 one instant drained in <= 0.5 s; RSS <= 8 B per far-future pending message and <= 64 B per
 message inside the loaded window; restart with 1,000,000 pending in <= 5 s.
+Goals (issue #14): a burst to 3 groups drained within 1.5x the one-group time
+(``fanout``); lateness p99 <= 5 ms for a live subject while another group holds a due
+backlog it does not take, and that backlog drained at >= 200,000 msgs/s once its
+consumer's credit returns (``backlog``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -144,6 +149,117 @@ def scenario_burst(root: str, n: int) -> dict:
     }
 
 
+class GroupSink:
+    """Per (subject, group): counts and acknowledges deliveries from a consumer thread;
+    a group in ``blocked`` has no credit (a consumer that is gone or stuck)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.blocked: set[tuple[str, str]] = set()
+        self.counts: dict[tuple[str, str], int] = {}
+        self.first: dict[tuple[str, str], float] = {}
+        self.last: dict[tuple[str, str], float] = {}
+        self.lateness: dict[tuple[str, str], list[float]] = {}
+        self._acks: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._ack_loop, name="bench-acker", daemon=True).start()
+
+    def credit(self, subject: str, group: str) -> int:
+        return 0 if (subject, group) in self.blocked else 1_000_000
+
+    def deliver(self, subject: str, group: str, deliveries) -> None:
+        now = time.time()
+        key = (subject, group)
+        self.first.setdefault(key, now)
+        self.last[key] = now
+        self.counts[key] = self.counts.get(key, 0) + len(deliveries)
+        self.lateness.setdefault(key, []).extend(now * 1000 - due for due in deliveries.deliver_at_ms)
+        self._acks.put((deliveries.ack_ids, subject, group))
+
+    def _ack_loop(self) -> None:
+        while True:
+            ids, subject, group = self._acks.get()
+            self.engine.ack(ids, subject, group)
+
+    def wait(self, key: tuple[str, str], n: int, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while self.counts.get(key, 0) < n and time.time() < deadline:
+            time.sleep(0.005)
+        return self.counts.get(key, 0) >= n
+
+
+def _group_engine(root: str, name: str, **cfg) -> tuple[Engine, GroupSink]:
+    engine = Engine(EngineConfig(data_dir=os.path.join(root, name), cleaner_enabled=False, **cfg))
+    sink = GroupSink(engine)
+    engine.set_sink(sink)
+    engine.start()
+    return engine, sink
+
+
+def scenario_fanout(root: str, n: int) -> dict:
+    """n messages due at one instant, to 1 group and (another folder) to 3 groups: the
+    time until every group has all of them."""
+    out: dict = {"messages": n}
+    for groups in (1, 3):
+        engine, sink = _group_engine(root, f"fanout{groups}")
+        names = [f"g{i}" for i in range(groups)]
+        for g in names:
+            asyncio.run(engine.ensure_group("bench.fan", g))
+        due = engine.now_ms() + 8000
+        send_all(engine, [due] * n, subject="bench.fan")
+        wait_iterated(engine)
+        proc = psutil.Process()
+        cpu0 = proc.cpu_times()
+        ok = all(sink.wait(("bench.fan", g), n, 60) for g in names)
+        drained = max(sink.last[("bench.fan", g)] for g in names) * 1000 - due
+        cpu1 = proc.cpu_times()
+        engine.close()
+        cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        out[f"groups{groups}_drain_s"] = round(drained / 1000, 3) if ok else None
+        out[f"groups{groups}_cpu_us_per_delivery"] = round(cpu / (n * groups) * 1e6, 2)
+    one, three = out["groups1_drain_s"], out["groups3_drain_s"]
+    out["ratio_3_to_1"] = round(three / one, 2) if one and three else None
+    out["goal_ratio"] = 1.5
+    return out
+
+
+def scenario_backlog(root: str, backlog: int, live: int, span_ms: int) -> dict:
+    """A group without credit holds ``backlog`` due messages; meanwhile ``live`` messages
+    of another subject fall due over ``span_ms`` (their lateness); then the group's
+    credit returns (its drain rate from disk)."""
+    engine, sink = _group_engine(root, "backlog")
+    stuck, fresh = ("bench.stuck", "idle"), ("bench.live", "live")
+    sink.blocked.add(stuck)
+    for subject, group in (stuck, fresh):
+        asyncio.run(engine.ensure_group(subject, group))
+    now = engine.now_ms()
+    send_all(engine, (now for _ in range(backlog)), batch=5000, payload=b"x" * 20, subject=stuck[0])
+    wait_iterated(engine, 600)
+    time.sleep(1.0)  # everything of the backlog is due and has fired
+    start = engine.now_ms() + 3000
+    send_all(engine, [start + i * span_ms // live for i in range(live)], subject=fresh[0])
+    ok = sink.wait(fresh, live, span_ms / 1000 + 30)
+    late = sink.lateness.get(fresh, [])
+    held = engine.groups()
+    sink.blocked.discard(stuck)
+    t0 = time.time()
+    engine.notify_credit()
+    drained = sink.wait(stuck, backlog, 300)
+    took = time.time() - t0
+    engine.close()
+    return {
+        "backlog": backlog,
+        "live": live,
+        "live_delivered": sink.counts.get(fresh, 0) if ok else sink.counts.get(fresh, 0),
+        "live_p50_ms": round(percentile(late, 50), 3),
+        "live_p99_ms": round(percentile(late, 99), 3),
+        "idle_group_in_memory": next((g["ready"] for g in held if g["group"] == "idle"), None),
+        "idle_group_on_disk": next((g["spilled"] for g in held if g["group"] == "idle"), None),
+        "drain_msgs_per_s": round(backlog / took) if drained else None,
+        "goal_live_p99_ms": 5.0,
+        "goal_drain_msgs_per_s": 200_000,
+    }
+
+
 def child_memory(data_dir: str, n: int, window: str) -> dict:
     """Run in a child: RSS growth per pending message (window: 'far' or 'near')."""
     # a 10-minute window, so that nothing falls due while the million are sent
@@ -212,7 +328,7 @@ def run_child(kind: str, root: str, n: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-SCENARIOS = ("lateness", "burst", "memory_far", "memory_near", "restart")
+SCENARIOS = ("lateness", "burst", "fanout", "backlog", "memory_far", "memory_near", "restart")
 
 
 def _median_of(runs: list[dict]) -> dict:
@@ -256,6 +372,8 @@ def main() -> None:
     runs = {
         "lateness": lambda i: scenario_lateness(os.path.join(root, f"r{i}"), 20_000, 10_000),
         "burst": lambda i: scenario_burst(os.path.join(root, f"r{i}"), 100_000),
+        "fanout": lambda i: scenario_fanout(os.path.join(root, f"r{i}"), 100_000),
+        "backlog": lambda i: scenario_backlog(os.path.join(root, f"r{i}"), big, 20_000, 10_000),
         "memory_far": lambda i: run_child("far", os.path.join(root, f"r{i}"), big),
         "memory_near": lambda i: run_child("near", os.path.join(root, f"r{i}"), big),
         "restart": lambda i: run_child("restart", os.path.join(root, f"r{i}"), big),

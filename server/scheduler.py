@@ -43,7 +43,7 @@ from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
 from qdelay.segments.reader import read_columns
 from qdelay.segments.segment import CorruptionPolicy, Segment, disk_full
 from qdelay.server.bucket_log import BucketLog
-from qdelay.server.groups import Group, GroupTable
+from qdelay.server.groups import BEGINNING, Group, GroupTable
 from qdelay.server.iterate import Scheduled
 from qdelay.server.lookup import read_frames
 from qdelay.server.wheel import Entries, TimerWheel
@@ -839,11 +839,18 @@ class Scheduler:
             if not created:
                 return False
             sid = self.subject_id(subject.encode())
-            kept = self._kept.pop(sid, None)
-            if kept is not None:
+            # what already fired without this group and is for it is read back from disk:
+            # what its subject kept while it had no group, and, for a group whose since is
+            # not after the timer (one replayed after a restart, or created in the very
+            # millisecond the timer fired), what fired from its since on
+            read_from = self._kept.pop(sid, None)
+            if self._fired_to >= g.since > BEGINNING:
+                b = bucket_of(g.since, self.cfg.scale_minutes)
+                read_from = b if read_from is None else min(read_from, b)
+            if read_from is not None:
                 lane = self._lane(sid, g.gid)
                 lane.spilled = True
-                lane.drop_from = kept
+                lane.drop_from = read_from
                 self._spilled.add(lane)
             self._wake.notify()
             return True
