@@ -448,12 +448,8 @@ class Engine:
         self.role, self.epoch = role, epoch
         if was != "master" and role == "master" and self._started:
             sched = self.scheduler
-            # master -> fenced -> master in one process (cluster mode: a lease proven again,
-            # or elected again later): Scheduler.start() does not clear the flags an earlier
-            # stop() left set, and its threads would exit at once without dispatching
-            for flag in ("_stop", "_sync_stop"):
-                if getattr(sched, flag, False):
-                    setattr(sched, flag, False)
+            # also master -> fenced -> master in one process (cluster mode: a lease proven
+            # again, or elected again later): start() after stop() runs the threads again
             with self.iterate.append_lock:
                 sched.prime(self.clock())
                 self.iterate.on_records = sched.on_records

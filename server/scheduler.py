@@ -540,6 +540,11 @@ class Scheduler:
     # --- control --------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the timer and sync threads; also after a stop() (a master fenced and then
+        elected again in one process)."""
+        with self.lock:
+            self._stop = False
+        self._sync_stop = False
         self._thread = threading.Thread(target=self._run, name="qdelay-scheduler", daemon=True)
         self._thread.start()
         self._syncer = threading.Thread(target=self._sync_loop, name="qdelay-dispatch-sync", daemon=True)
