@@ -137,24 +137,44 @@ class DispatchIndex:
         with self._lock:
             entry = self._cache.get(seg.path)
             if entry is None:
-                entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0]
+                entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0, array.array("q")]
                 while len(self._cache) > self.capacity:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(seg.path)
-            seqs, ats, upto = entry
-            stop = seg.size
-            while upto < stop:
-                cols = read_columns(seg, upto, stop)
-                rows = cols.kinds == RecordKind.DISPATCH
-                seqs.frombytes(cols.seqs[rows].tobytes())
-                ats.frombytes(cols.u64_at(rows, _DISPATCHED_AT).tobytes())
-                upto = cols.base + cols.end
-            entry[2] = upto
-            if not seqs:
-                return None
-            hits = np.flatnonzero(np.frombuffer(seqs, dtype=np.int64) == sequence)
+            hits, ats, _offs = self._hits(entry, seg, sequence)
             return int(ats[int(hits[0])]) if len(hits) else None
+
+    def offsets(self, seg: Segment | None, sequence: int) -> list[int]:
+        """File offsets of every DISPATCH record of ``sequence`` in ``seg`` (one per group
+        that closed it, or more: at least once), in file order."""
+        if seg is None:
+            return []
+        with self._lock:
+            entry = self._cache.get(seg.path)
+            if entry is None:
+                entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0, array.array("q")]
+                while len(self._cache) > self.capacity:
+                    self._cache.popitem(last=False)
+            hits, _ats, offs = self._hits(entry, seg, sequence)
+            return [int(offs[int(i)]) for i in hits]
+
+    @staticmethod
+    def _hits(entry: list, seg: Segment, sequence: int) -> tuple[np.ndarray, array.array, array.array]:
+        """Extend ``entry`` (lock held) to the segment's size; the positions of ``sequence``."""
+        seqs, ats, upto, offs = entry
+        stop = seg.size
+        while upto < stop:
+            cols = read_columns(seg, upto, stop)
+            rows = cols.kinds == RecordKind.DISPATCH
+            seqs.frombytes(cols.seqs[rows].tobytes())
+            ats.frombytes(cols.u64_at(rows, _DISPATCHED_AT).tobytes())
+            offs.frombytes((cols.starts[rows] + cols.base).astype(np.int64).tobytes())
+            upto = cols.base + cols.end
+        entry[2] = upto
+        if not seqs:
+            return np.empty(0, dtype=np.int64), ats, offs
+        return np.flatnonzero(np.frombuffer(seqs, dtype=np.int64) == sequence), ats, offs
 
     def forget(self, path: str) -> None:
         with self._lock:

@@ -154,6 +154,7 @@ class App:
                 "qdelay_consumers": ("Subscribe streams connected", len(consumers.subscriptions())),
                 "qdelay_ingest_queue_messages": ("Messages waiting to become durable", service.gate.messages),
             },
+            consumers=consumers,
         )
         engine.start()
         self.service = service = DelayService(engine, cfg, consumers, self.metrics)

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qdelay.errors import (
     CorruptRecord,
@@ -131,6 +131,7 @@ class CancelOutcome(enum.IntEnum):
     ALREADY_DELIVERED = 2
     NOT_FOUND = 3
     ALREADY_CANCELLED = 4
+    DEAD_LETTERED = 5  # every group that took it gave up: it went to DLQ.<subject>
 
 
 class RescheduleOutcome(enum.IntEnum):  # values of RescheduleResponse.Outcome
@@ -145,6 +146,7 @@ class MessageState(enum.IntEnum):
     DELIVERED = 2
     CANCELLED = 3
     NOT_FOUND = 4
+    DEAD_LETTERED = 5
 
 
 @dataclass(slots=True)
@@ -153,6 +155,8 @@ class MessageStatus:
     message: records.Message | None = None
     deliver_at_ms: int = 0
     delivered_at_ms: int = 0
+    # per group of the subject the message is for: (name, state, delivered_at_ms)
+    groups: list[tuple[str, MessageState, int]] = field(default_factory=list)
 
 
 def _open_files_allowed(wanted: int) -> int:
@@ -597,6 +601,7 @@ class Engine:
             return {
                 CancelOutcome.NOT_FOUND: RescheduleOutcome.NOT_FOUND,
                 CancelOutcome.ALREADY_DELIVERED: RescheduleOutcome.ALREADY_DELIVERED,
+                CancelOutcome.DEAD_LETTERED: RescheduleOutcome.ALREADY_DELIVERED,
                 CancelOutcome.ALREADY_CANCELLED: RescheduleOutcome.CANCELLED,
             }[outcomes[0]], None
         mid, due, seq = claimed[0]
@@ -623,6 +628,7 @@ class Engine:
         MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
         MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
         MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
+        MessageState.DEAD_LETTERED: CancelOutcome.DEAD_LETTERED,
     }
 
     def resolve_id(self, message_id: str) -> tuple[int, int] | None:
@@ -691,7 +697,7 @@ class Engine:
                 # changed between the first look and the claim (a delivery acknowledged, or
                 # another Cancel's tombstone gone through: either would make this tombstone a
                 # second close); the record itself was found already.
-                state, _at = self._closed_state(bucket_of(due, self.config.scale_minutes), sequence)
+                state, _at, _closes = self._closed_state(bucket_of(due, self.config.scale_minutes), sequence)
                 if state != MessageState.PENDING:
                     with sched.lock:
                         sched.cancelling.discard(sequence)
@@ -718,12 +724,13 @@ class Engine:
             if found is None:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found
-        state, _off, msg, delivered_at = self._locate(message_id, deliver_at_ms, sequence, detail=True)
+        state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, detail=True)
         if state == MessageState.PENDING:
             with self.scheduler.lock:
                 if sequence in self.scheduler.cancelling:
                     state = MessageState.CANCELLED
-        return MessageStatus(state, msg, msg.deliver_at_ms if msg else deliver_at_ms, delivered_at)
+        groups = self._group_states(msg, closes) if msg is not None and state != MessageState.CANCELLED else []
+        return MessageStatus(state, msg, msg.deliver_at_ms if msg else deliver_at_ms, delivered_at, groups)
 
     def _locate(self, message_id: str, deliver_at_ms: int, sequence: int, detail: bool = False):
         """Where a message stands: NOT_FOUND, PENDING, DELIVERED or CANCELLED.
@@ -732,7 +739,7 @@ class Engine:
         """
 
         def answer(state, offset=0, msg=None, at=0):
-            return (state, offset, msg, at) if detail else (state, offset)
+            return (state, offset, msg, at, []) if detail else (state, offset)
 
         if sequence <= 0 or sequence > self.wal.committed_sequence:
             return answer(MessageState.NOT_FOUND)
@@ -749,40 +756,67 @@ class Engine:
         msg = records.decode_message(frame.body)
         if msg.message_id != message_id or msg.deliver_at_ms != deliver_at_ms:
             return answer(MessageState.NOT_FOUND)
-        state, delivered_at = self._closed_state(bucket, sequence, seg, detail)
+        state, delivered_at, closes = self._closed_state(bucket, sequence, seg, detail)
+        if detail:
+            return state, frame.offset, msg, delivered_at or 0, closes
         return answer(state, frame.offset, msg, delivered_at or 0)
 
     def _closed_state(
         self, bucket: int, sequence: int, seg: Segment | None = None, detail: bool = False
-    ) -> tuple[MessageState, int | None]:
-        """(state, delivered_at) of a record known to be in ``bucket``: DELIVERED, CANCELLED
-        or PENDING, found in the dispatch log and the index of tombstones (no segment walk)."""
+    ) -> tuple[MessageState, int | None, list[records.Dispatch]]:
+        """(state, delivered_at, its DISPATCH records) of a record known to be in ``bucket``:
+        DELIVERED (some group acknowledged it), DEAD_LETTERED (none did, some group gave up
+        on it), CANCELLED or PENDING, found in the dispatch log and the index of tombstones
+        (no segment walk)."""
         if seg is None:
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
-        # delivered? the dispatch file as far as it goes, then (under the lock, so that no
-        # ack slips between the two looks) what was appended since and the unflushed buffer
+        # closed? the dispatch file as far as it goes, then (under the lock, so that no ack
+        # slips between the two looks) what was appended since and the unflushed buffer
         dseg = self.dispatch.get(bucket)
-        delivered_at = self.dispatched.lookup(dseg, sequence)
-        if delivered_at is None:
-            with self.scheduler.lock:
-                delivered_at = self.dispatched.lookup(self.dispatch.get(bucket), sequence)
-                if delivered_at is None:
-                    for f in framing.iter_frames(self.scheduler.pending_dispatch(bucket)):
-                        if f.sequence == sequence:
-                            delivered_at = records.decode_dispatch(f.body).dispatched_at_ms
-                            break
-                in_flight = self.scheduler.is_in_flight(sequence)
-            if delivered_at is None and in_flight and not detail:
-                return MessageState.DELIVERED, None
-        if delivered_at is not None:
-            return MessageState.DELIVERED, delivered_at
+        offsets = self.dispatched.offsets(dseg, sequence)
+        with self.scheduler.lock:
+            dseg = self.dispatch.get(bucket)
+            offsets = self.dispatched.offsets(dseg, sequence)
+            closes = [
+                records.decode_dispatch(f.body)
+                for f in framing.iter_frames(self.scheduler.pending_dispatch(bucket))
+                if f.sequence == sequence
+            ]
+            in_flight = self.scheduler.is_in_flight(sequence)
+        if offsets and dseg is not None:  # appended before this look: read outside the lock
+            closes = [records.decode_dispatch(dseg.read_frame(off).body) for off in offsets] + closes
+        delivered = [c for c in closes if c.outcome == records.Outcome.DELIVERED]
+        if delivered:
+            return MessageState.DELIVERED, delivered[0].dispatched_at_ms, closes
+        if closes:
+            return MessageState.DEAD_LETTERED, None, closes
+        if in_flight and not detail:
+            return MessageState.DELIVERED, None, closes
         st = self.scheduler.buckets.get(bucket)
         if st is not None and st.tombstones_known:
             cancelled = sequence in st.cancelled  # every tombstone of a loaded bucket is here
         else:
             cancelled = seg is not None and self.finder.cancelled(seg, sequence)
-        return (MessageState.CANCELLED if cancelled else MessageState.PENDING), None
+        return (MessageState.CANCELLED if cancelled else MessageState.PENDING), None, closes
+
+    def _group_states(
+        self, msg: records.Message, closes: list[records.Dispatch]
+    ) -> list[tuple[str, MessageState, int]]:
+        """Per group of the message's subject that it is for: (name, state, delivered_at)."""
+        out = []
+        for g in sorted(self.scheduler.groups_of(msg.subject), key=lambda g: g.name):
+            if msg.deliver_at_ms < g.since:
+                continue  # due before the group existed: not for it
+            mine = [c for c in closes if c.group == g.name]
+            done = [c for c in mine if c.outcome == records.Outcome.DELIVERED]
+            if done:
+                out.append((g.name, MessageState.DELIVERED, done[0].dispatched_at_ms))
+            elif mine:
+                out.append((g.name, MessageState.DEAD_LETTERED, 0))
+            else:
+                out.append((g.name, MessageState.PENDING, 0))
+        return out
 
     # --- delivery ---------------------------------------------------------------------------------
 

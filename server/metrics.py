@@ -30,6 +30,11 @@ ENGINE_STATS = {
     "in_flight": ("qdelay_in_flight_deliveries", "Deliveries handed to consumers and not yet acknowledged", "gauge"),
     "redeliveries": ("qdelay_redeliveries", "Deliveries repeated after an ack timeout", "counter"),
     "dispatched": ("qdelay_dispatched", "Deliveries handed to consumers", "counter"),
+    "dead_lettered": (
+        "qdelay_dead_lettered",
+        "Deliveries that used max_attempts for their group and were moved to DLQ.<subject>",
+        "counter",
+    ),
     "disk_full_waits": (
         "qdelay_disk_full_waits",
         "Schedule-log and dispatch-log writes that found the disk full and were tried "
@@ -77,10 +82,16 @@ ENGINE_STATS = {
 }
 
 
+# per-group gauges carry (subject, group) labels for the groups with the most due and in
+# flight only: a label set that grows with the number of groups would grow the scrape too
+TOP_GROUPS = 20
+
+
 class EngineCollector:
-    def __init__(self, engine, extra=None) -> None:
+    def __init__(self, engine, extra=None, consumers=None) -> None:
         self.engine = engine
         self.extra = extra  # callable -> dict of more gauges (name -> (help, value))
+        self.consumers = consumers  # the consumer registry: subscribers per group
 
     def describe(self):
         return []  # names are dynamic; do not call collect() at registration
@@ -116,6 +127,7 @@ class EngineCollector:
             )
             family.add_metric([str(mode)], 1)
             yield family
+        yield from self._groups()
         extra = {}
         if self.extra is not None:
             try:
@@ -126,6 +138,54 @@ class EngineCollector:
             family = GaugeMetricFamily(name, text)
             family.add_metric([], value)
             yield family
+
+    def _groups(self):
+        groups_of = getattr(self.engine, "groups", None)
+        if groups_of is None:
+            return
+        try:
+            groups = groups_of()
+        except Exception:  # noqa: BLE001 - a scrape must not break the server
+            log.exception("engine.groups() failed during a scrape")
+            return
+        reg = self.consumers
+        backlog = GaugeMetricFamily(
+            "qdelay_group_backlog",
+            f"Due deliveries waiting in memory for a consumer group (top {TOP_GROUPS} groups)",
+            labels=["subject", "group"],
+        )
+        flying = GaugeMetricFamily(
+            "qdelay_group_in_flight",
+            f"Deliveries to a consumer group not yet acknowledged (top {TOP_GROUPS} groups)",
+            labels=["subject", "group"],
+        )
+        on_disk = GaugeMetricFamily(
+            "qdelay_group_backlog_on_disk",
+            f"1 while a group holds more due messages than group_max_ready (top {TOP_GROUPS} groups)",
+            labels=["subject", "group"],
+        )
+        top = sorted(groups, key=lambda g: g["ready"] + g["in_flight"], reverse=True)[:TOP_GROUPS]
+        for g in top:
+            labels = [g["subject"], g["group"]]
+            backlog.add_metric(labels, g["ready"])
+            flying.add_metric(labels, g["in_flight"])
+            on_disk.add_metric(labels, int(g["spilled"]))
+        yield backlog
+        yield flying
+        yield on_disk
+        yield GaugeMetricFamily("qdelay_groups", "Consumer groups", value=len(groups))
+        if reg is not None:
+            alone = [g for g in groups if reg.consumers(g["subject"], g["group"]) == 0]
+            yield GaugeMetricFamily(
+                "qdelay_due_without_consumer",
+                "Due deliveries held in memory for groups that have no consumer connected",
+                value=sum(g["ready"] for g in alone),
+            )
+            yield GaugeMetricFamily(
+                "qdelay_groups_without_consumer",
+                "Consumer groups with no consumer connected that hold due messages (in memory or on disk)",
+                value=sum(1 for g in alone if g["ready"] or g["spilled"]),
+            )
 
 
 class BulkHistogram:
@@ -194,8 +254,8 @@ class Metrics:
         self.consumers = None  # set by the app: a gauge callback
         self._http: WSGIServer | None = None
 
-    def attach(self, engine, extra=None) -> None:
-        self.registry.register(EngineCollector(engine, extra))
+    def attach(self, engine, extra=None, consumers=None) -> None:
+        self.registry.register(EngineCollector(engine, extra, consumers))
         log_obj = getattr(engine, "message_log", None) or getattr(engine, "wal", None)
         if log_obj is not None and hasattr(log_obj, "on_fsync"):
             log_obj.on_fsync = self.fsync_seconds.observe

@@ -1634,6 +1634,10 @@ class Scheduler:
 
     # --- acknowledgements and the dispatch log ------------------------------------------------------
 
+    def groups_of(self, subject: str) -> list[Group]:
+        with self.lock:
+            return self.groups.of_subject(subject)
+
     def gid_of(self, subject: str, group: str) -> int | None:
         with self.lock:
             g = self.groups.get(subject, group)

@@ -365,6 +365,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
             resp.message.headers.update(m.headers)
             resp.message.message_id = m.message_id
             resp.message.deliver_at_ms = m.deliver_at_ms
+        for name, state, at in st.groups:
+            resp.groups.add(name=name, state=int(state), delivered_at_ms=at)
         return resp
 
     @status.unary

@@ -153,7 +153,8 @@ def test_redelivery_and_dead_letters_are_per_group(tmp_path):
         dlq = Collector(c, "DLQ." + s, "ops")
         try:
             assert wait_until(lambda: len([g for g in c.groups() if g["subject"] == s]) == 2, timeout=20)
-            ids = [r.message_id for r in c.send_batch([c.message(s, b"x", delay_ms=0) for _ in range(10)])]
+            receipts = c.send_batch([c.message(s, b"x", delay_ms=0) for _ in range(10)])
+            ids = [r.message_id for r in receipts]
             assert wait_until(lambda: sorted(dlq.ids()) == sorted(ids), timeout=30), dlq.ids()
             assert sorted(good.ids()) == sorted(ids), "the acking group got each message once"
             attempts = sorted(a for _m, a, _h in bad.got)
@@ -161,6 +162,20 @@ def test_redelivery_and_dead_letters_are_per_group(tmp_path):
             headers = dlq.got[0][2]
             assert headers["qdelay-dead-letter-of-group"] == "never-acks"
             assert headers["qdelay-dead-letter-of-attempts"] == "2"
+            # Get reports each group's view; one group acknowledged it, so it is DELIVERED
+            st = c.get(receipts[0])  # by id would find the newer dead-letter copy, same id
+            assert st.state == "DELIVERED"
+            assert [(g.name, g.state) for g in st.groups] == [("acks", "DELIVERED"), ("never-acks", "DEAD_LETTERED")]
+            assert [g.delivered_at_ms > 0 for g in st.groups] == [True, False]
+            # a message every group gave up on is DEAD_LETTERED, for Get and for Cancel
+            only = subject()
+            bad2 = Collector(c, only, "gives-up", ack=False)
+            try:
+                r = c.send(only, b"y", delay_ms=0)
+                assert wait_until(lambda: c.get(r).state == "DEAD_LETTERED", timeout=30)
+                assert c.cancel(r) == "DEAD_LETTERED"
+            finally:
+                bad2.close()
         finally:
             for col in (good, bad, dlq):
                 col.close()

@@ -347,6 +347,11 @@ def test_health_reflection_stats_metrics(server, client):
         "qdelay_pending_messages",
         "qdelay_dispatch_lateness_seconds_bucket",
         "qdelay_redeliveries_total",
+        "qdelay_dead_lettered_total",
+        "qdelay_groups",
+        "qdelay_group_backlog",
+        "qdelay_group_in_flight",
+        "qdelay_due_without_consumer",
     ):
         assert name in text, name
 
