@@ -18,8 +18,8 @@ function check(condition, message) {
 }
 
 // Collect `count` deliveries of a new consumer (acking each batch), then close it.
-function receive(subject, count, timeoutMs) {
-  const consumer = client.subscribe(subject, { group: 'node-example', maxInFlight: 100 });
+function receive(subject, count, timeoutMs, group = 'node-example') {
+  const consumer = client.subscribe(subject, { group, maxInFlight: 100 });
   return new Promise((resolve, reject) => {
     const got = [];
     const timer = setTimeout(() => { consumer.close(); reject(new Error(`received ${got.length} of ${count}`)); },
@@ -68,6 +68,22 @@ async function main() {
   check(delivery.received_at_ms >= Number(keep.deliver_at_ms), 'not delivered early');
   console.log(`received ${delivery.message_id} attempt ${delivery.attempt}, ` +
     `${delivery.received_at_ms - Number(keep.deliver_at_ms)} ms after its due time`);
+
+  // 3b. fan-out: two consumer groups (say billing and notifications) each get every message
+  const fan = `${subject}.fan`;
+  const billing = receive(fan, 3, 10000, 'billing');
+  const notify = receive(fan, 3, 10000, 'notify');
+  for (let i = 0; i < 100; i += 1) { // both groups exist once their first Subscribe is in
+    const groups = ((await client.stats()).groups || []).filter((g) => g.subject === fan);
+    if (groups.length === 2) break;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  const sentFan = await Promise.all([0, 1, 2].map((i) => client.send(fan, `fan ${i}`, { delayMs: 200 })));
+  const wanted = sentFan.map((r) => r.message_id).sort().join();
+  for (const [name, got] of [['billing', await billing], ['notify', await notify]]) {
+    check(got.map((d) => d.message_id).sort().join() === wanted, `group ${name} got every message`);
+  }
+  console.log('two groups each received all 3 messages');
 
   // 4. too late to cancel now; bad input gets INVALID_ARGUMENT
   await new Promise((r) => setTimeout(r, 300));
