@@ -376,3 +376,48 @@ def test_three_servers_failover_other_slave_follows_new_master(tmp_path):
                 p.stop()
     assert_same_message_log(tmp_path / "b", tmp_path / "c")
     assert schedule_records(tmp_path / "b") == schedule_records(tmp_path / "c")
+
+
+def test_groups_and_their_progress_survive_replication_and_promotion(tmp_path):
+    """Groups are GROUP records in the replicated message log, and their closes DISPATCH
+    records in the replicated dispatch log: a promoted slave knows every group and hands
+    each one only what it has not acknowledged."""
+    from qdelay.client import Client
+
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address])
+    b.start()
+    try:
+        now = int(time.time() * 1000)
+        with Client(a.address) as c:
+            assert c.create_group("fan", "done") and c.create_group("fan", "behind")
+            sent = c.send_many(c.message("fan", str(i).encode(), deliver_at_ms=now + 300) for i in range(200))
+            got: set[str] = set()
+            with c.subscribe("fan", group="done", max_in_flight=1000) as cons:
+                deadline = time.monotonic() + 20
+                while len(got) < 200 and time.monotonic() < deadline:
+                    batch = cons.receive(200 - len(got), 1.0)
+                    got |= {d.message_id for d in batch}
+                    cons.ack(batch)
+        assert got == {r.message_id for r in sent}
+        seqs = {r.sequence for r in sent}
+        wait_until(lambda: seqs <= dispatched(tmp_path / "b"), 20, "dispatch records on the slave", ignore=RPC_ERRORS)
+        a.kill9()
+        admin("promote", "--target", b.address)
+        with Client(b.address) as cb:
+            assert sorted(g["group"] for g in cb.groups() if g["subject"] == "fan") == ["behind", "done"]
+            behind: set[str] = set()
+            with cb.subscribe("fan", group="behind", max_in_flight=1000) as cons:
+                deadline = time.monotonic() + 25
+                while len(behind) < 200 and time.monotonic() < deadline:
+                    batch = cons.receive(200 - len(behind), 1.0)
+                    behind |= {d.message_id for d in batch}
+                    cons.ack(batch)
+            assert behind == {r.message_id for r in sent}
+            with cb.subscribe("fan", group="done", max_in_flight=1000) as cons:
+                assert cons.receive(1, 1.5) == [], "the group that had acknowledged everything got messages again"
+    finally:
+        for p in (a, b):
+            if p.alive():
+                p.stop()
