@@ -606,7 +606,7 @@ class Engine:
             }[outcomes[0]], None
         mid, due, seq = claimed[0]
         try:
-            _state, _off, msg, _at = await asyncio.to_thread(self._locate, mid, due, seq, True)
+            _state, _off, msg, _at, _closes = await asyncio.to_thread(self._locate, mid, due, seq, True)
             if msg is None:  # the record was there a moment ago: a cleaner race, say so
                 raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
             now = self.clock()

@@ -89,9 +89,9 @@ def test_dead_letter_after_max_attempts(tmp_path, clock):
     assert s.headers[DEAD_LETTER_HEADER] == str(r.sequence)
     assert s.headers["k"] == "v"
     assert s.attempt == 1
-    # the original is closed: Get says delivered, Cancel too, the dispatch log says dead-lettered
-    assert d.get(r).state == MessageState.DELIVERED
-    assert d.cancel(r) == CancelOutcome.ALREADY_DELIVERED
+    # the original is closed: Get, Cancel and the dispatch log say dead-lettered
+    assert d.get(r).state == MessageState.DEAD_LETTERED
+    assert d.cancel(r) == CancelOutcome.DEAD_LETTERED
     outcomes = {seq: rec.outcome for seq, rec in dispatch_records(d.engine, bucket_of(r.deliver_at_ms))}
     assert outcomes[r.sequence] == records.Outcome.DEAD_LETTERED
     assert outcomes[other.sequence] == records.Outcome.DELIVERED

@@ -62,7 +62,7 @@ def test_release_after_max_attempts_dead_letters(tmp_path, clock):
     d.advance(1)
     (dlq,) = sink.take()
     assert (dlq.subject, dlq.message_id, dlq.attempt) == ("DLQ.orders", "bad", 1)
-    assert d.get(r).state == MessageState.DELIVERED
+    assert d.get(r).state == MessageState.DEAD_LETTERED
     d.engine.ack([dlq.ack_id])
     d.advance(120_000)
     assert sink.take() == []
