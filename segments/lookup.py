@@ -135,15 +135,20 @@ class DispatchIndex:
         if seg is None:
             return None
         with self._lock:
-            entry = self._cache.get(seg.path)
-            if entry is None:
-                entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0, array.array("q")]
-                while len(self._cache) > self.capacity:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(seg.path)
-            hits, ats, _offs = self._hits(entry, seg, sequence)
+            hits, ats, _offs = self._hits(self._entry(seg), seg, sequence)
             return int(ats[int(hits[0])]) if len(hits) else None
+
+    def _entry(self, seg: Segment) -> list:
+        """The cached arrays of ``seg`` (lock held): [sequences, dispatched_at, bytes indexed,
+        file offsets], the least recently used segment's dropped beyond ``capacity``."""
+        entry = self._cache.get(seg.path)
+        if entry is None:
+            entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0, array.array("q")]
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(seg.path)
+        return entry
 
     def offsets(self, seg: Segment | None, sequence: int) -> list[int]:
         """File offsets of every DISPATCH record of ``sequence`` in ``seg`` (one per group
@@ -151,12 +156,7 @@ class DispatchIndex:
         if seg is None:
             return []
         with self._lock:
-            entry = self._cache.get(seg.path)
-            if entry is None:
-                entry = self._cache[seg.path] = [array.array("q"), array.array("q"), 0, array.array("q")]
-                while len(self._cache) > self.capacity:
-                    self._cache.popitem(last=False)
-            hits, _ats, offs = self._hits(entry, seg, sequence)
+            hits, _ats, offs = self._hits(self._entry(seg), seg, sequence)
             return [int(offs[int(i)]) for i in hits]
 
     @staticmethod

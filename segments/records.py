@@ -362,25 +362,10 @@ def encode_dispatch_frames(
     ``group`` (as :func:`group_bytes` gives it). The native codec's ``dispatch_frames``
     (default group), or :func:`encode_dispatch_frames_py`."""
     codec = native.codec
-    if group:  # the native encoder writes the default group's records only
-        return encode_dispatch_frames_py(
-            sequences,
-            deliver_at_ms,
-            dispatched_at_ms,
-            schedule_offsets,
-            attempts,
-            message_ids,
-            timestamp,
-            outcome,
-            group,
-        )
-    if codec is not None:
-        return codec.dispatch_frames(
-            sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp, outcome
-        )
-    return encode_dispatch_frames_py(
-        sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids, timestamp, outcome
-    )
+    columns = (sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids)
+    if codec is not None and not group:  # the native encoder writes the default group's records only
+        return codec.dispatch_frames(*columns, timestamp, outcome)
+    return encode_dispatch_frames_py(*columns, timestamp, outcome, group)
 
 
 def encode_dispatch_frames_py(

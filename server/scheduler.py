@@ -30,7 +30,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -364,6 +364,21 @@ class _Lane:
         if len(buckets):
             low = int(buckets.min())
             self.drop_from = low if self.drop_from is None else min(self.drop_from, low)
+
+
+def _dispatch_frames(seg: Segment, start: int, stop: int) -> Iterator[Frame]:
+    """The DISPATCH frames of a dispatch segment in [start, stop); a corrupt record is
+    stepped over (at worst its message is delivered again, as at-least-once allows)."""
+    pos = start
+    while pos < stop:
+        try:
+            frames, pos = read_frames(seg, pos, stop)
+        except CorruptRecord as err:
+            rest = seg.read(err.offset, stop - err.offset)
+            found = framing.find_next_frame(rest, 1)
+            pos = err.offset + found if found is not None else stop
+            continue
+        yield from (f for f in frames if f.kind == RecordKind.DISPATCH)
 
 
 _ACK_IDS = re.compile(r"(?:[0-9]{1,18}\.[0-9]{1,9} )*")  # "seq.attempt" ids, each followed by a space
@@ -781,22 +796,11 @@ class Scheduler:
                 extra={"path": err.path, "offset": err.offset, "reason": err.reason},
             )
         seg = self.dispatch.get(bucket)
-        pos = 0
-        stop = seg.size
-        while pos < stop:
-            try:
-                frames, pos = read_frames(seg, pos, stop)
-            except CorruptRecord as err:
-                rest = seg.read(err.offset, stop - err.offset)
-                found = framing.find_next_frame(rest, 1)
-                pos = err.offset + found if found is not None else stop
-                continue
-            for f in frames:
-                if f.kind == RecordKind.DISPATCH:
-                    name = records.dispatch_group(f.body)
-                    closed.setdefault(name, set()).add(f.sequence)
-                    if f.offset < counted_below:
-                        counted.setdefault(name, set()).add(f.sequence)
+        for f in _dispatch_frames(seg, 0, seg.size):
+            name = records.dispatch_group(f.body)
+            closed.setdefault(name, set()).add(f.sequence)
+            if f.offset < counted_below:
+                counted.setdefault(name, set()).add(f.sequence)
         return closed, counted
 
     # --- groups -----------------------------------------------------------------------------------
@@ -1262,18 +1266,7 @@ class Scheduler:
             return 0, set()
         size = seg.size
         name = stored.decode() or records.DEFAULT_GROUP
-        closes: set[int] = set()
-        pos = start
-        while pos < size:
-            try:
-                frames, pos = read_frames(seg, pos, size)
-            except CorruptRecord as err:
-                rest = seg.read(err.offset, size - err.offset)
-                found = framing.find_next_frame(rest, 1)
-                pos = err.offset + found if found is not None else size
-                continue
-            closes.update(f.sequence for f in frames if records.dispatch_group(f.body) == name)
-        return size, closes
+        return size, {f.sequence for f in _dispatch_frames(seg, start, size) if records.dispatch_group(f.body) == name}
 
     def _take_back(
         self, lane: _Lane, g: Group, st: _Bucket, w: _Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
