@@ -98,6 +98,9 @@ def produce(srv: ServerProc, trial: int, book: Book, rng: random.Random, stop: t
 def consume(srv: ServerProc, book: Book, stop: threading.Event) -> None:
     c = srv.client(retries=0)
     consumer = c.subscribe(SUBJECT, max_in_flight=2000)
+    # the consumer outlives a killed server (it resubscribes by itself): close it when the
+    # trial stops, or the join would wait out its timeout on every trial
+    threading.Thread(target=lambda: (stop.wait(), consumer.close(timeout=1.0)), daemon=True).start()
     try:
         for batch in consumer.batches():
             t = now_ms()
