@@ -30,6 +30,7 @@ class Collector:
 
     def __init__(self, client, subj: str, group: str, consumers: int = 1, ack: bool = True) -> None:
         self.got: list[tuple[str, int, dict]] = []  # (message id, attempt, headers)
+        self.lateness_ms: list[int] = []  # dispatched - due of first attempts, as the server saw it
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.subs = [client.subscribe(subj, group=group, max_in_flight=500) for _ in range(consumers)]
@@ -42,6 +43,7 @@ class Collector:
             batch = sub.receive(500, timeout=0.2)
             with self.lock:
                 self.got += [(d.message_id, d.attempt, dict(d.headers)) for d in batch]
+                self.lateness_ms += [d.dispatched_at_ms - d.deliver_at_ms for d in batch if d.attempt == 1]
             if batch and ack:
                 sub.ack(batch)
 
@@ -57,6 +59,16 @@ class Collector:
             s.close()
 
 
+def settled(client, subj: str, group: str | None = None, durable: bool = False) -> bool:
+    """Every group of ``subj`` (or just ``group``) has nothing due and nothing in flight:
+    whatever it was sent has been acknowledged, so nothing can come again (no redelivery
+    is pending). With ``durable``, the acks' DISPATCH records are on disk as well."""
+    stats = client.stats()
+    groups = [g for g in stats["groups"] if g["subject"] == subj and group in (None, g["group"])]
+    quiet = all(g["backlog"] == 0 and g["in_flight"] == 0 and not g["backlog_on_disk"] for g in groups)
+    return quiet and (not durable or stats["dispatch_unsynced_buckets"] == 0)
+
+
 def test_every_group_gets_every_message_and_consumers_compete_inside_one(client):
     s = subject()
     groups = {name: Collector(client, s, name, consumers=2) for name in ("billing", "notify", "audit")}
@@ -66,7 +78,7 @@ def test_every_group_gets_every_message_and_consumers_compete_inside_one(client)
         ids = sorted(r.message_id for r in receipts)
         for name, col in groups.items():
             assert wait_until(lambda col=col: len(set(col.ids())) == 300, timeout=20), (name, len(col.ids()))
-        time.sleep(0.5)  # anything delivered twice would show up by now (the acks were sent)
+        assert wait_until(lambda: settled(client, s), timeout=20)
         for name, col in groups.items():
             got = col.ids()
             assert sorted(got) == ids, f"group {name}: {len(got)} deliveries for 300 messages"
@@ -91,7 +103,7 @@ def test_a_group_created_later_receives_what_becomes_due_from_then_on(client):
             late = [r.message_id for r in client.send_batch([client.message(s, b"l", delay_ms=0) for _ in range(20)])]
             assert wait_until(lambda: sorted(second.ids()) == sorted(late), timeout=20)
             assert wait_until(lambda: sorted(first.ids()) == sorted(early + late), timeout=20)
-            time.sleep(0.3)
+            assert wait_until(lambda: settled(client, s), timeout=20)
             assert sorted(second.ids()) == sorted(late), "the second group got messages due before it existed"
         finally:
             second.close()
@@ -102,7 +114,7 @@ def test_a_group_created_later_receives_what_becomes_due_from_then_on(client):
 def test_a_subject_without_groups_keeps_its_due_messages_for_the_first_one(client):
     s = subject()
     ids = [r.message_id for r in client.send_batch([client.message(s, b"k", delay_ms=0) for _ in range(50)])]
-    time.sleep(0.3)  # due and fired with nobody to take them
+    time.sleep(0.3)  # the precondition is elapsed time: due and fired while no group exists
     col = Collector(client, s, "late-comer")
     try:
         assert wait_until(lambda: sorted(col.ids()) == sorted(ids), timeout=20)
@@ -193,7 +205,7 @@ def test_groups_and_their_progress_survive_a_restart(tmp_path, how):
         fast = Collector(c, s, "fast")
         try:
             assert wait_until(lambda: sorted(fast.ids()) == sorted(ids), timeout=20)
-            time.sleep(0.3)  # the acks' DISPATCH records reach the disk (fsynced within ms)
+            assert wait_until(lambda: settled(c, s, "fast", durable=True), timeout=20)
         finally:
             fast.close()
         c.close()
@@ -208,7 +220,7 @@ def test_groups_and_their_progress_survive_a_restart(tmp_path, how):
         fast = Collector(c, s, "fast")
         try:
             assert wait_until(lambda: sorted(slow.ids()) == sorted(ids), timeout=20)
-            time.sleep(0.5)
+            assert wait_until(lambda: settled(c, s), timeout=20)
             assert fast.ids() == [], "the group that had acknowledged everything got messages again"
         finally:
             slow.close()
@@ -241,4 +253,67 @@ def test_a_backlog_nobody_takes_does_not_stop_other_subjects(tmp_path, idle):
         finally:
             late.close()
         assert len(late.ids()) == 60_000, "some of the backlog came twice"
+        c.close()
+
+
+def test_a_consumer_that_reconnects_every_second_delays_no_other_group(tmp_path):
+    """Issue 14, item 2: a group whose only consumer drops its stream every second (taking
+    deliveries and acking only some, so its lane churns through credit, in-flight
+    timeouts and redeliveries) does not delay another group of the same subject, nor
+    another subject. Lateness is the server's own figure (dispatched - due) on first
+    attempts; the bound is loose for a loaded CI machine, where the p99 is a few ms."""
+    args = ["--set", "engine.ack_timeout_ms=500", "--set", "engine.retry_backoff_ms=0"]
+    with ServerProc(tmp_path / "data", args=args) as srv:
+        c = srv.client(timeout=20)
+        s, other = subject(), subject()
+        c.create_group(s, "flappy")
+        steady = Collector(c, s, "steady")
+        elsewhere = Collector(c, other, "live")
+        stop = threading.Event()
+        sessions = []
+        flappy_got: set[str] = set()
+
+        def flap() -> None:
+            while not stop.is_set():
+                sub = c.subscribe(s, group="flappy", max_in_flight=200)
+                sessions.append(1)
+                until = time.monotonic() + 1.0
+                while time.monotonic() < until and not stop.is_set():
+                    batch = sub.receive(200, timeout=0.1)
+                    flappy_got.update(d.message_id for d in batch)
+                    sub.ack(batch[: len(batch) // 2])  # the other half times out and comes again
+                sub.close()
+
+        flapper = threading.Thread(target=flap, daemon=True)
+        flapper.start()
+        try:
+            ids: list[str] = []
+            other_ids: list[str] = []
+            for k in range(5):  # 5 s of messages due 0.2-1.2 s after they are sent
+                ids += [
+                    r.message_id for r in c.send_batch([c.message(s, b"x", delay_ms=200 + 5 * i) for i in range(200)])
+                ]
+                other_ids += [
+                    r.message_id for r in c.send_batch([c.message(other, b"o", delay_ms=300) for _ in range(50)])
+                ]
+                assert wait_until(lambda k=k: len(sessions) > k, timeout=10)
+            assert wait_until(lambda: set(steady.ids()) == set(ids), timeout=20), len(set(steady.ids()))
+            assert wait_until(lambda: set(elsewhere.ids()) == set(other_ids), timeout=20)
+            assert len(sessions) >= 5, "the flapping consumer did not reconnect every second"
+        finally:
+            stop.set()
+            flapper.join(10)
+        # the flapping group still gets everything, at least once
+        flappy = Collector(c, s, "flappy")
+        try:
+            assert wait_until(lambda: flappy_got | set(flappy.ids()) >= set(ids), timeout=30)
+        finally:
+            flappy.close()
+            steady.close()
+            elsewhere.close()
+        for col, want in ((steady, ids), (elsewhere, other_ids)):
+            first = [m for m, a, _h in col.got if a == 1]
+            assert sorted(first) == sorted(want), "a message of a steady group was redelivered"
+            late = sorted(col.lateness_ms)
+            assert late[len(late) // 2] <= 50 and late[-1] <= 1000, (late[len(late) // 2], late[-10:])
         c.close()
