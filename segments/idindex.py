@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qdelay.segments.idindex")
 
 _VALUE = np.dtype([("due", "<i8"), ("seq", "<i8")])
+_PAIR = struct.Struct("<qq")  # one value: the same two fields
 # MESSAGE body (segments/records.py): due i64, subject_len u16 @8, message_id_len u16 @10,
 # headers_len u32, payload_len u32, then subject @20, message_id
 _SUBJECT_LEN_AT = framing.HEADER_SIZE + 8
@@ -176,24 +178,31 @@ class IdIndex:
         """(deliver_at_ms, sequence) of the newest message with this id, or None."""
         self._usable()
         v = self._db.get(message_id.encode())
-        if v is None:
-            return None
-        due, seq = np.frombuffer(v, dtype=_VALUE)[0]
-        return int(due), int(seq)
+        return None if v is None else _PAIR.unpack(v)
 
     def get_many(self, message_ids: Iterable[str]) -> list[tuple[int, int] | None]:
         self._usable()
         keys = [m.encode() for m in message_ids]
         if not keys:
             return []
-        out: list[tuple[int, int] | None] = []
-        for v in _get_many(self._db, keys):
-            if v is None:
-                out.append(None)
-            else:
-                due, seq = np.frombuffer(v, dtype=_VALUE)[0]
-                out.append((int(due), int(seq)))
-        return out
+        unpack = _PAIR.unpack
+        return [None if v is None else unpack(v) for v in _get_many(self._db, keys)]
+
+    def holds(self, message_ids: list[str], dues: list[int], seqs: list[int]) -> list[bool]:
+        """Whether each id maps to exactly this (due, sequence), i.e. that message is in the
+        schedule log with that id and due time (what the index holds comes from its MESSAGE
+        record); one multi-get and a bytes comparison each, no value decoded. False also
+        for an id reused since (the index keeps the newest): the caller looks further."""
+        self._usable()
+        n = len(message_ids)
+        if n == 0:
+            return []
+        want = np.empty(n, dtype=_VALUE)
+        want["due"] = dues
+        want["seq"] = seqs
+        wb = want.tobytes()
+        got = _get_many(self._db, [m.encode() for m in message_ids])
+        return [v == wb[16 * i : 16 * i + 16] for i, v in enumerate(got)]
 
     def sync(self) -> None:
         """Make every put so far durable (called before the iterate checkpoint moves)."""

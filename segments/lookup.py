@@ -99,6 +99,11 @@ class RecordFinder:
         """Whether ``seg`` holds a CANCEL for ``target`` (as far as the segment is written)."""
         return target in self._index(seg).cancelled
 
+    def tombstones(self, seg: Segment) -> set[int]:
+        """The targets of every CANCEL in ``seg`` as far as it is written (the index's own
+        set: read it, never change it), for a batch of lookups in one bucket."""
+        return self._index(seg).cancelled
+
     @staticmethod
     def find_dispatch(
         seg: Segment | None, sequence: int, start: int = 0, stop: int | None = None
@@ -159,9 +164,21 @@ class DispatchIndex:
             hits, _ats, offs = self._hits(self._entry(seg), seg, sequence)
             return [int(offs[int(i)]) for i in hits]
 
+    def closed_among(self, seg: Segment | None, sequences: np.ndarray) -> np.ndarray:
+        """Which of ``sequences`` have a DISPATCH record in ``seg`` (a bool per sequence): one
+        vectorised membership test for a batch of lookups in one bucket."""
+        if seg is None:
+            return np.zeros(len(sequences), dtype=bool)
+        with self._lock:
+            entry = self._entry(seg)
+            self._extend(entry, seg)
+            if not entry[0]:
+                return np.zeros(len(sequences), dtype=bool)
+            return np.isin(sequences, np.frombuffer(entry[0], dtype=np.int64))
+
     @staticmethod
-    def _hits(entry: list, seg: Segment, sequence: int) -> tuple[np.ndarray, array.array, array.array]:
-        """Extend ``entry`` (lock held) to the segment's size; the positions of ``sequence``."""
+    def _extend(entry: list, seg: Segment) -> None:
+        """Extend ``entry`` (lock held) to the segment's size."""
         seqs, ats, upto, offs = entry
         stop = seg.size
         while upto < stop:
@@ -172,6 +189,12 @@ class DispatchIndex:
             offs.frombytes((cols.starts[rows] + cols.base).astype(np.int64).tobytes())
             upto = cols.base + cols.end
         entry[2] = upto
+
+    @classmethod
+    def _hits(cls, entry: list, seg: Segment, sequence: int) -> tuple[np.ndarray, array.array, array.array]:
+        """Extend ``entry`` (lock held) to the segment's size; the positions of ``sequence``."""
+        cls._extend(entry, seg)
+        seqs, ats, _upto, offs = entry
         if not seqs:
             return np.empty(0, dtype=np.int64), ats, offs
         return np.flatnonzero(np.frombuffer(seqs, dtype=np.int64) == sequence), ats, offs

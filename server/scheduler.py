@@ -1698,6 +1698,45 @@ class Scheduler:
         """Handed out to some group and not yet acknowledged (lock held)."""
         return any(seq in flights for flights in self.in_flight.values())
 
+    # claim_cancels answers, one per sequence
+    CLAIMED = 0
+    CLAIM_CANCELLING = 1  # another Cancel claimed it already (or an earlier entry of the list)
+    CLAIM_OUT = 2  # handed out and not acknowledged, or its dead-letter copy is being written
+
+    def claim_cancels(self, sequences: list[int]) -> list[int]:
+        """Claim each sequence for a Cancel, under one lock acquisition: a claimed message is
+        skipped by the dispatcher until its tombstone has passed the iterate service (see
+        on_records) or ``release_cancels``. One of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
+        out: list[int] = []
+        cancelling, dead = self.cancelling, self.dead_lettering
+        with self.lock:
+            flights = [f for f in self.in_flight.values() if f]
+            for seq in sequences:
+                if seq in cancelling:
+                    out.append(self.CLAIM_CANCELLING)
+                elif seq in dead or any(seq in f for f in flights):
+                    out.append(self.CLAIM_OUT)
+                else:
+                    cancelling.add(seq)
+                    out.append(self.CLAIMED)
+        return out
+
+    def release_cancels(self, sequences: list[int]) -> None:
+        """Give back claims whose tombstones will not be written (or were not needed)."""
+        with self.lock:
+            self.cancelling.difference_update(sequences)
+
+    def cancel_claimed(self, seq: int) -> bool:
+        """Whether a Cancel claimed ``seq`` and its tombstone has not passed yet."""
+        with self.lock:
+            return seq in self.cancelling
+
+    def known_tombstones(self, bucket: int) -> set[int] | None:
+        """Every cancelled sequence of ``bucket`` if it is loaded with its tombstones all
+        known (the set itself: read it, never change it); None otherwise."""
+        st = self.buckets.get(bucket)
+        return st.cancelled if st is not None and st.tombstones_known else None
+
     def release(self, ack_ids: list[str], gid: int | None = None) -> int:
         """Give back deliveries a consumer will not acknowledge (its stream ended).
 
