@@ -182,6 +182,17 @@ def encode_cancel(cancel: Cancel) -> bytes:
     return CANCEL_FIXED.pack(cancel.deliver_at_ms, cancel.target_sequence, len(mid)) + mid
 
 
+def cancel_bodies(targets: list[tuple[str, int, int]]) -> list[bytes]:
+    """``encode_cancel`` of each (message_id, deliver_at_ms, target_sequence), without a
+    Cancel object each (a batch of tombstones)."""
+    pack = CANCEL_FIXED.pack
+    out = []
+    for mid, due, seq in targets:
+        raw = mid.encode()
+        out.append(pack(due, seq, len(raw)) + raw)
+    return out
+
+
 def decode_cancel(body: bytes) -> Cancel:
     due, seq, mlen = _fixed(CANCEL_FIXED, body, "cancel")
     if CANCEL_FIXED.size + mlen != len(body):

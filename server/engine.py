@@ -570,12 +570,9 @@ class Engine:
         outcomes, claimed = await asyncio.to_thread(self._claim_cancels, targets)
         if not claimed:
             return outcomes
-        now = self.clock()
-        entries = [
-            (RecordKind.CANCEL, now, records.encode_cancel(records.Cancel(mid, due, seq))) for mid, due, seq in claimed
-        ]
         try:
-            appended = await self.wal.append_async(entries)
+            bodies = records.cancel_bodies(claimed)
+            appended = await self.wal.append_bodies_async(RecordKind.CANCEL, self.clock(), bodies)
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise

@@ -304,6 +304,9 @@ def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int | None
         raise InvalidArgument("requests: empty; give 1 to max_batch CancelRequests")
     if count > limits.max_batch:
         raise InvalidArgument(f"requests: {count} in one batch, limit {limits.max_batch} (limits.max_batch)")
+    fast = _receipts_at_once(request.requests, limits)
+    if fast is not None:
+        return fast
     targets = []
     for i, r in enumerate(request.requests):
         try:
@@ -311,6 +314,25 @@ def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int | None
         except InvalidArgument as err:
             raise InvalidArgument(f"requests[{i}].{err}") from None
     return targets
+
+
+def _receipts_at_once(requests, limits: Limits) -> list[tuple[str, int | None, int | None]] | None:
+    """The targets of a batch made of plain receipts, checked as whole columns (about 2 us a
+    target less than ``validate_receipt`` one by one); None if any entry is something else
+    or may be wrong: the caller then checks one by one, for the precise error."""
+    if not all(r.HasField("receipt") for r in requests) or any(r.message_id for r in requests):
+        return None
+    receipts = [r.receipt for r in requests]
+    ids = [r.message_id for r in receipts]
+    dues = [r.deliver_at_ms for r in receipts]
+    lengths = list(map(len, ids))
+    joined = "".join(ids)
+    # printable ASCII is exactly 0x20-0x7e (_MESSAGE_ID_CHARS), so characters are bytes
+    if min(lengths) == 0 or max(lengths) > limits.max_message_id_bytes or min(dues) < 0:
+        return None
+    if not (joined.isascii() and joined.isprintable()):
+        return None
+    return list(zip(ids, dues, [r.sequence for r in receipts]))
 
 
 # DISPATCH records store a group's name with a one-byte length (docs/formats.md)

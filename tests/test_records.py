@@ -67,6 +67,13 @@ def test_cancel_round_trip(cancel, sequence, timestamp):
     assert framed_round_trip(RecordKind.CANCEL, body, sequence, timestamp) == cancel
 
 
+@settings(max_examples=50, deadline=None)
+@given(batch=st.lists(cancels, max_size=20))
+def test_cancel_bodies_are_encode_cancel_of_each(batch):
+    targets = [(c.message_id, c.deliver_at_ms, c.target_sequence) for c in batch]
+    assert records.cancel_bodies(targets) == [records.encode_cancel(c) for c in batch]
+
+
 @settings(max_examples=100, deadline=None)
 @given(dispatch=dispatches, sequence=u64, timestamp=i64)
 def test_dispatch_round_trip(dispatch, sequence, timestamp):

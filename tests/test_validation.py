@@ -10,7 +10,13 @@ from qdelay.segments import records
 from qdelay.server import config as config_mod
 from qdelay.server.config import ConfigError, Limits, ServerConfig
 from qdelay.server.status import status_of
-from qdelay.server.validation import IdGenerator, encode_messages, validate_receipt, validate_subscribe
+from qdelay.server.validation import (
+    IdGenerator,
+    encode_messages,
+    validate_cancel_batch,
+    validate_receipt,
+    validate_subscribe,
+)
 from qdelay.v1 import qdelay_pb2 as pb
 
 NOW = 1_700_000_000_000
@@ -253,3 +259,49 @@ def test_compact_receipts_need_every_message_id():
     assert batch.ids == ["a", "b"]
     with pytest.raises(errors.InvalidArgument, match=r"messages\[1\].message_id: required with compact_receipts"):
         encode_messages([msg(message_id="a"), msg()], LIMITS, NOW, IdGenerator(), ids_required=True)
+
+
+def _one_by_one(request, limits=LIMITS):
+    """validate_cancel_batch's reference: validate_receipt of each entry."""
+    out = []
+    for i, r in enumerate(request.requests):
+        try:
+            out.append(validate_receipt(r, limits))
+        except errors.InvalidArgument as err:
+            raise errors.InvalidArgument(f"requests[{i}].{err}") from None
+    return out
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        None,
+        pb.CancelRequest(message_id="by-id"),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="", deliver_at_ms=5, sequence=1)),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="x" * 200, deliver_at_ms=5, sequence=1)),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="caf\u00e9", deliver_at_ms=5, sequence=1)),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="tab\there", deliver_at_ms=5, sequence=1)),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="del\x7f", deliver_at_ms=5, sequence=1)),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="neg", deliver_at_ms=-1, sequence=1)),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="same", deliver_at_ms=5, sequence=1), message_id="same"),
+        pb.CancelRequest(receipt=pb.Receipt(message_id="one", deliver_at_ms=5, sequence=1), message_id="other"),
+        pb.CancelRequest(),
+    ],
+)
+def test_cancel_batch_checked_as_columns_agrees_with_one_by_one(odd):
+    """The whole-column check of a batch of receipts answers as validate_receipt of each
+    entry does: the same targets, or the same refusal naming the same entry."""
+    requests = [
+        pb.CancelRequest(receipt=pb.Receipt(message_id=f"m {i}~", deliver_at_ms=i, sequence=i + 1)) for i in range(5)
+    ]
+    if odd is not None:
+        requests.insert(3, odd)
+    request = pb.CancelBatchRequest(requests=requests)
+    try:
+        want = _one_by_one(request)
+    except errors.InvalidArgument as err:
+        with pytest.raises(errors.InvalidArgument) as info:
+            validate_cancel_batch(request, LIMITS)
+        assert str(info.value) == str(err)
+    else:
+        assert validate_cancel_batch(request, LIMITS) == want
