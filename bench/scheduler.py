@@ -11,7 +11,10 @@ message inside the loaded window; restart with 1,000,000 pending in <= 5 s.
 Goals (issue #14): a burst to 3 groups drained within 1.5x the one-group time
 (``fanout``); lateness p99 <= 5 ms for a live subject while another group holds a due
 backlog it does not take, and that backlog drained at >= 200,000 msgs/s once its
-consumer's credit returns (``backlog``).
+consumer's credit returns (``backlog``, in process; 5,000,000 messages); the same lateness
+goal against a real server over gRPC while a group holds a due backlog and 1,000 idle
+Subscribe streams are open (``isolation``: the backlog is 1,000,000 there, since every
+message of it crosses gRPC first).
 """
 
 from __future__ import annotations
@@ -328,7 +331,7 @@ def run_child(kind: str, root: str, n: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-SCENARIOS = ("lateness", "burst", "fanout", "backlog", "memory_far", "memory_near", "restart")
+SCENARIOS = ("lateness", "burst", "fanout", "backlog", "isolation", "memory_far", "memory_near", "restart")
 
 
 def _median_of(runs: list[dict]) -> dict:
@@ -338,6 +341,91 @@ def _median_of(runs: list[dict]) -> dict:
         if isinstance(value, (int, float)):
             vals = sorted(r[key] for r in runs)
             out[key] = vals[len(vals) // 2]
+    return out
+
+
+def scenario_isolation(root: str, backlog: int, idle_streams: int, live: int, span_ms: int) -> dict:
+    """A real server: a group ``idle`` of one subject holds ``backlog`` due messages it
+    never takes, ``idle_streams`` Subscribe streams wait on subjects that get nothing, and
+    a live consumer receives ``live`` messages due over ``span_ms``. Lateness is the
+    server's (dispatched - due, first attempts) and the consumer's (received - due)."""
+    from bench.peers import QdelayDriver
+    from qdelay.client import Client, Outgoing, aio
+
+    os.makedirs(root, exist_ok=True)
+    driver = QdelayDriver()
+    driver.start(root)
+    address = f"127.0.0.1:{driver.port}"
+    client = Client(address, timeout=600)
+    stop_idle = threading.Event()
+    out: dict = {"backlog": backlog, "idle_streams": idle_streams, "live": live}
+    try:
+        client.create_group("bench.stuck", "idle")
+        t0 = time.time()
+        msgs = (Outgoing("bench.stuck", b"x" * 20, delay_ms=0) for _ in range(backlog))
+        client.send_many(msgs, batch_size=2000, max_in_flight=8, timeout=600)
+        out["backlog_send_s"] = round(time.time() - t0, 1)
+        opened = threading.Event()
+
+        def idle_loop() -> None:
+            async def run() -> None:
+                async with aio.Client(address) as ac:
+                    consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(idle_streams)]
+                    tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
+                    while len([g for g in await ac.groups() if g["subject"].startswith("bench.idle.")]) < idle_streams:
+                        await asyncio.sleep(0.2)
+                    opened.set()
+                    while not stop_idle.is_set():
+                        await asyncio.sleep(0.1)
+                    for c in consumers:
+                        await c.close()
+                    for t in tasks:
+                        t.cancel()
+
+            asyncio.run(run())
+
+        idler = threading.Thread(target=idle_loop, daemon=True)
+        idler.start()
+        if not opened.wait(120):
+            raise RuntimeError("the idle streams did not open")
+        held = {g["group"]: g for g in client.groups() if g["subject"] == "bench.stuck"}["idle"]
+        out["idle_group_backlog_in_memory"] = held["backlog"]
+        out["idle_group_backlog_on_disk"] = held["backlog_on_disk"]
+        server_lateness: list[float] = []
+        seen_lateness: list[float] = []
+        sub = client.subscribe("bench.live", "live", max_in_flight=2000)
+        sub.receive(1, timeout=0.5)  # the stream (and its group) exists before anything is due
+        start = int(time.time() * 1000) + 3000
+        client.send_many(
+            (Outgoing("bench.live", b"l" * 100, deliver_at_ms=start + i * span_ms // live) for i in range(live)),
+            batch_size=1000,
+        )
+        cpu0 = psutil.Process(driver.pid).cpu_times()
+        got = 0
+        deadline = time.time() + span_ms / 1000 + 60
+        while got < live and time.time() < deadline:
+            batch = sub.receive(1, timeout=0.5)  # whatever arrived: one batch, as it comes
+            now = time.time() * 1000
+            for d in batch:
+                if d.attempt == 1:
+                    server_lateness.append(d.dispatched_at_ms - d.deliver_at_ms)
+                    seen_lateness.append(now - d.deliver_at_ms)
+            got += len(batch)
+            sub.ack(batch)
+        cpu1 = psutil.Process(driver.pid).cpu_times()
+        sub.close()
+        out["live_delivered"] = got
+        out["live_server_p50_ms"] = round(percentile(server_lateness, 50), 2)
+        out["live_server_p99_ms"] = round(percentile(server_lateness, 99), 2)
+        out["live_received_p50_ms"] = round(percentile(seen_lateness, 50), 2)
+        out["live_received_p99_ms"] = round(percentile(seen_lateness, 99), 2)
+        out["server_cpu_s_live_phase"] = round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 2)
+        out["server_rss_mb"] = round(driver.rss_bytes() / 2**20, 1)
+        out["goal_live_p99_ms"] = 5.0
+    finally:
+        stop_idle.set()
+        client.close()
+        driver.stop()
     return out
 
 
@@ -373,7 +461,10 @@ def main() -> None:
         "lateness": lambda i: scenario_lateness(os.path.join(root, f"r{i}"), 20_000, 10_000),
         "burst": lambda i: scenario_burst(os.path.join(root, f"r{i}"), 100_000),
         "fanout": lambda i: scenario_fanout(os.path.join(root, f"r{i}"), 100_000),
-        "backlog": lambda i: scenario_backlog(os.path.join(root, f"r{i}"), big, 20_000, 10_000),
+        "backlog": lambda i: scenario_backlog(os.path.join(root, f"r{i}"), 5 * big, 20_000, 10_000),
+        "isolation": lambda i: scenario_isolation(
+            os.path.join(root, f"r{i}"), big, 100 if args.quick else 1000, 20_000, 10_000
+        ),
         "memory_far": lambda i: run_child("far", os.path.join(root, f"r{i}"), big),
         "memory_near": lambda i: run_child("near", os.path.join(root, f"r{i}"), big),
         "restart": lambda i: run_child("restart", os.path.join(root, f"r{i}"), big),

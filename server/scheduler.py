@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
-from qdelay.segments import framing, native, records
+from qdelay.segments import bucket_log, framing, native, records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
 from qdelay.segments.reader import read_columns
@@ -1266,7 +1266,7 @@ class Scheduler:
             return 0, set()
         size = seg.size
         name = stored.decode() or records.DEFAULT_GROUP
-        return size, {f.sequence for f in _dispatch_frames(seg, start, size) if records.dispatch_group(f.body) == name}
+        return size, set(bucket_log.group_closes_in(seg, start, size, name).tolist())
 
     def _take_back(
         self, lane: _Lane, g: Group, st: _Bucket, w: _Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
@@ -1276,19 +1276,24 @@ class Scheduler:
         size, more = self._group_closes(st.bucket, g.stored, w.closed_size)  # appended since
         w.closed_size = max(w.closed_size, size)
         w.closed |= more
+        # what is not to be read back: a membership test per set, on the entries read
+        # (unions of the sets cost their sizes per chunk: ``w.closed`` grows to the whole
+        # backlog while it drains, which made a 5 M-message drain quadratic)
+        keep = np.ones(len(seqs), dtype=bool)
+        queued = [e.seq[pos:] for e, pos in lane.ready.chunks]
+        if queued:
+            keep &= ~np.isin(seqs, np.concatenate(queued))
         pending = self.pending_dispatch(st.bucket)
-        if pending:
-            name = g.name
-            w_pending = {f.sequence for f in framing.iter_frames(pending) if records.dispatch_group(f.body) == name}
-        else:
-            w_pending = set()
-        held = lane.ready.in_memory()
+        held: set[int] = {item[0] for item in lane.ready.retries}
         held.update(self.in_flight.get(lane.gid, ()))
         held.update(it[1] for it in self._retry_heap if it[2][6] == lane.gid)
-        held |= self.dead_lettering
-        skip = held | w.closed | w_pending | st.cancelled | self.cancelling | st.partial.get(g.name, set())
-        keep = ~np.isin(seqs, np.fromiter(skip, dtype=np.int64, count=len(skip))) if skip else None
-        if keep is not None:
+        if pending:
+            held.update(bucket_log.group_closes_of(pending, g.name).tolist())
+        listed = seqs.tolist()
+        for skip in (held, w.closed, self.dead_lettering, st.cancelled, self.cancelling, st.partial.get(g.name)):
+            if skip:
+                keep &= np.fromiter((q not in skip for q in listed), dtype=bool, count=len(listed))
+        if not keep.all():
             seqs, offs, dues = seqs[keep], offs[keep], dues[keep]
         if not len(seqs):
             return
@@ -1307,8 +1312,10 @@ class Scheduler:
         q.count += n
         self._ready_total += n
         st.owe(lane.gid, n)
-        recent = set(seqs.tolist())
-        lane.recent = recent if lane.recent is None else lane.recent | recent
+        if lane.recent is None:
+            lane.recent = set(seqs.tolist())
+        else:
+            lane.recent.update(seqs.tolist())  # in place: a drain adds its whole backlog here
         self._wake.notify()
 
     # --- dispatch ---------------------------------------------------------------------------------
