@@ -40,7 +40,7 @@ import grpc
 import qdelay.wire  # noqa: F401  (checks the native wire codec against the .proto at start-up)
 from qdelay import errors
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
-from qdelay.client.batching import Batching, SendBatcher
+from qdelay.client.batching import Batching, CancelCombiner, SendBatcher
 from qdelay.client.types import (
     RECONNECT_OPTIONS,
     STATES,
@@ -361,6 +361,17 @@ class Client:
         self._ids = _Ids()
         self.batching = Batching() if batching is True else (batching or None)
         self._batcher: SendBatcher | None = None  # lives on the bulk loop, made by the first send
+        # concurrent cancel() calls share CancelBatch calls, as concurrent sends share batches
+        self._canceller = (
+            CancelCombiner(
+                lambda req, t: self._call(self.stub.CancelBatch, req, t),
+                lambda req, t: self._call(self.stub.Cancel, req, t),
+                max_batch=self.batching.max_batch,
+                linger=self.batching.linger,
+            )
+            if self.batching is not None
+            else None
+        )
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
@@ -636,10 +647,18 @@ class Client:
         """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND', 'ALREADY_CANCELLED' or 'DEAD_LETTERED'.
 
         ``receipt``: a :class:`Receipt`, its string form, the message id alone, or a
-        ``qdelay.v1.Receipt``; or ``message_id=`` (by id)."""
+        ``qdelay.v1.Receipt``; or ``message_id=`` (by id).
+
+        With batching (the default) cancels made at the same moment from many threads share
+        CancelBatch calls (:class:`~qdelay.client.batching.CancelCombiner`); each caller gets
+        its own outcome or its own error. ``batching=False``: one unary Cancel per call."""
         r, mid = ref(receipt if message_id is None else message_id)
-        resp = self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
-        return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+        request = pb.CancelRequest(receipt=r, message_id=mid)
+        if self._canceller is None:
+            outcome = self._call(self.stub.Cancel, request, timeout).outcome
+        else:
+            outcome = self._canceller.cancel(request, timeout)
+        return CANCEL_OUTCOMES.get(outcome, str(outcome))
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
