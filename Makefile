@@ -25,8 +25,8 @@ native-deps:
 		(apt-get update -q && apt-get install -y -q libxxhash-dev) || \
 		echo "libxxhash-dev not installed: the native codec will not be built (Python twins run)"
 
-# the install also builds the native codec (segments/_codec.c) next to its source
-$(STAMP): pyproject.toml segments/_codec.c | native-deps
+# the install also builds the native codecs (segments/_codec.c, qdelay/_wire.c) next to their sources
+$(STAMP): pyproject.toml segments/_codec.c qdelay/_wire.c segments/layout.h | native-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[server,dev,test,spark,bench]'
@@ -81,4 +81,4 @@ bench: bench-deps
 	$(BIN)/python -m bench.all
 
 clean:
-	rm -rf $(VENV) $(GEN) proto/qdelay/v1/*_pb2*.py proto/qdelay/v1/*_pb2*.pyi segments/_codec*.so build
+	rm -rf $(VENV) $(GEN) proto/qdelay/v1/*_pb2*.py proto/qdelay/v1/*_pb2*.pyi segments/_codec*.so qdelay/_wire*.so build

@@ -37,8 +37,7 @@ from typing import Any, NamedTuple, cast
 
 import grpc
 
-import qdelay.wire  # noqa: F401  (checks the native wire codec against the .proto at start-up)
-from qdelay import errors
+from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, CancelCombiner, SendBatcher
 from qdelay.client.types import (
@@ -53,7 +52,6 @@ from qdelay.client.types import (
     reschedule_result,
     stats_dict,
 )
-from qdelay.segments import native
 from qdelay.units import to_ms
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
@@ -167,26 +165,6 @@ def outgoing(
     except TypeError as err:
         raise errors.InvalidArgument(str(err)) from None
     return Outgoing(subject, payload, at, rel, message_id, headers or None)
-
-
-def encode_send_batch_py(out: bytearray, messages: list[tuple], ids: list[str]) -> int:
-    """The Python twin of ``native.codec.encode_send_batch``: appends the ``messages`` entries
-    of a SendBatchRequest (wire bytes) for :class:`Outgoing` tuples, with ``ids`` as their
-    message ids; returns how many."""
-    request = pb.SendBatchRequest()
-    add = request.messages.add
-    for (subject, payload, at, delay, _mid, headers), message_id in zip(messages, ids, strict=True):
-        m = add(subject=subject, payload=payload, message_id=message_id)
-        if headers:
-            m.headers.update(headers)
-        if at is not None and delay is not None:
-            raise ValueError("give deliver_at_ms or delay_ms, not both")
-        if at is not None:
-            m.deliver_at_ms = at
-        if delay is not None:
-            m.delay_ms = delay
-    out += request.SerializeToString()
-    return len(messages)
 
 
 # SendBatchRequest.compact_receipts = true (field 2, varint)
@@ -580,9 +558,9 @@ class Client:
         its message ids (an empty one is given a fresh id)."""
         ids = [m[4] or self._ids() for m in batch]
         out = bytearray()
-        codec = native.codec
+        codec = wire.native
         try:
-            (codec.encode_send_batch if codec is not None else encode_send_batch_py)(out, batch, ids)
+            (codec.encode_send_batch if codec is not None else wire.encode_send_batch_py)(out, batch, ids)
         except (TypeError, ValueError, OverflowError) as err:
             raise errors.InvalidArgument(
                 f"send_many: a message is not an Outgoing tuple of the right types "

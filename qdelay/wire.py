@@ -1,22 +1,47 @@
-"""The hand-written protobuf wire codec's contract with ``proto/qdelay/v1/qdelay.proto``.
+"""The hand-written protobuf wire codec of qdelay's gRPC messages: the native functions
+(``qdelay._wire``, built from qdelay/_wire.c) and, beside them, their Python twins.
 
-The native codec (segments/_codec.c) parses SendBatchRequest and writes SubscribeResponse
-and SendBatchRequest bytes itself, with the field numbers named once in its source and
-exported as ``WIRE_FIELDS``. They are checked here against the generated descriptors when
-the server or a client imports this module (start-up) and in tests/test_codec_native.py:
-a ``.proto`` change that the C code does not follow fails loudly instead of putting wrong
-bytes on the wire.
+The hot messages are read and written without a protobuf object per message:
+SendBatchRequest (decoded by the server straight into MESSAGE bodies, encoded by the
+client from ``Outgoing`` tuples), SendBatchResponse (full or compact receipts) and
+SubscribeResponse. :data:`native` is the compiled module, or None when it was not built
+(it is an optional extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one
+benchmark run); callers look it up at each call (``wire.native``), so a test can switch it
+off. Every native function has a twin here with the same signature and results
+(:func:`twins`); tests/test_codec_native.py runs each pair on the same inputs.
+
+The C code names the field numbers it uses once and exports them as ``WIRE_FIELDS``; they
+are checked against the generated descriptors when this module is imported (the server's
+and the clients' start-up) and in a test: a ``.proto`` change that the C code does not
+follow fails loudly instead of putting wrong bytes on the wire.
+
+This module is the light client's too (`pip install qdelay`): it imports no storage code
+at module level. The two server-side twins (:func:`encode_messages_py`,
+:func:`decode_batch_py`) import the server's validation, the reference they stand for, when
+they run.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
-from qdelay.errors import InvariantViolation
-from qdelay.segments import native
+from google.protobuf.message import DecodeError
+
+from qdelay.errors import InvalidArgument, InvariantViolation
 from qdelay.v1 import qdelay_pb2 as pb
 
 ONE_BYTE_TAG = 15  # the codec writes every tag as one byte: fields 1-15
+
+native: ModuleType | None = None
+if os.environ.get("QDELAY_NATIVE", "1") != "0":
+    try:
+        native = importlib.import_module("qdelay._wire")
+    except ImportError:  # not built: the Python twins run
+        native = None
 
 
 def mismatches(fields: dict[str, int]) -> list[str]:
@@ -41,17 +66,196 @@ def mismatches(fields: dict[str, int]) -> list[str]:
 
 
 def check(codec: ModuleType | type | None = None) -> None:
-    """Raise :class:`InvariantViolation` unless the native codec (``native.codec`` by
+    """Raise :class:`InvariantViolation` unless the native wire codec (:data:`native` by
     default; nothing to check when it is not built or switched off) follows the .proto."""
-    codec = native.codec if codec is None else codec
+    codec = native if codec is None else codec
     if codec is None:
         return
     fields = getattr(codec, "WIRE_FIELDS", None)
     if not fields:
-        raise InvariantViolation("the native codec names no WIRE_FIELDS: rebuild it (make setup)")
+        raise InvariantViolation("the native wire codec names no WIRE_FIELDS: rebuild it (make setup)")
     bad = mismatches(fields)
     if bad:
-        raise InvariantViolation("the native codec does not follow proto/qdelay/v1/qdelay.proto: " + "; ".join(bad))
+        raise InvariantViolation(
+            "the native wire codec does not follow proto/qdelay/v1/qdelay.proto: " + "; ".join(bad)
+        )
 
 
 check()
+
+
+# --- the Python twins, one per native function, same signatures and results ---------------
+
+
+def encode_send_batch_py(out: bytearray, messages: list[tuple], ids: list[str]) -> int:
+    """Twin of ``encode_send_batch``: appends the ``messages`` entries of a SendBatchRequest
+    (wire bytes) for ``Outgoing`` tuples (subject, payload, deliver_at_ms, delay_ms,
+    message_id, headers), with ``ids`` as their message ids; returns how many."""
+    request = pb.SendBatchRequest()
+    add = request.messages.add
+    for (subject, payload, at, delay, _mid, headers), message_id in zip(messages, ids, strict=True):
+        m = add(subject=subject, payload=payload, message_id=message_id)
+        if headers:
+            m.headers.update(headers)
+        if at is not None and delay is not None:
+            raise ValueError("give deliver_at_ms or delay_ms, not both")
+        if at is not None:
+            m.deliver_at_ms = at
+        if delay is not None:
+            m.delay_ms = delay
+    out += request.SerializeToString()
+    return len(messages)
+
+
+def encode_deliveries_py(
+    out: bytearray,
+    subject: str,
+    ack_ids: Sequence[str],
+    message_ids: Sequence[bytes],
+    payloads: Sequence[bytes],
+    headers: Sequence[dict[str, str] | None],
+    deliver_at_ms: Sequence[int],
+    dispatched_at_ms: int,
+    attempts: Sequence[int],
+) -> int:
+    """Twin of ``encode_deliveries``: appends one SubscribeResponse ``deliveries`` entry per
+    delivery (columns of equal length; message ids as stored, ASCII bytes) to ``out``;
+    returns how many."""
+    n = len(ack_ids)
+    if not (len(message_ids) == len(payloads) == len(headers) == len(deliver_at_ms) == len(attempts) == n):
+        raise ValueError("encode_deliveries: columns differ in length")
+    resp = pb.SubscribeResponse()
+    add = resp.deliveries.add
+    for ack_id, mid, payload, hd, due, attempt in zip(ack_ids, message_ids, payloads, headers, deliver_at_ms, attempts):
+        d = add(
+            ack_id=ack_id,
+            message_id=mid.decode(),
+            subject=subject,
+            payload=payload,
+            deliver_at_ms=due,
+            dispatched_at_ms=dispatched_at_ms,
+            attempt=attempt,
+        )
+        if hd:
+            d.headers.update(hd)
+    out += resp.SerializeToString()
+    return n
+
+
+def encode_send_batch_response_py(
+    ids: list[str],
+    dues: list[int],
+    first_sequence: int,
+    compact: bool,
+    dups: dict[int, tuple[str, int, int]] | None,
+    shard: str,
+) -> bytes:
+    """Twin of ``encode_send_batch_response``: a whole SendBatchResponse. Compact
+    (``compact`` and no duplicates): first_sequence, the due times and the shard. Full:
+    one Receipt per message with ``shard``; ``dups`` maps an index to the original
+    receipt of a duplicate (message_id, deliver_at_ms, sequence), the others take the
+    sequences from ``first_sequence`` on."""
+    if len(dues) != len(ids):
+        raise ValueError("encode_send_batch_response: one due time per id")
+    resp = pb.SendBatchResponse()
+    if compact and not dups:
+        resp.first_sequence = first_sequence
+        resp.deliver_at_ms.extend(dues)
+        resp.shard = shard
+        return resp.SerializeToString()
+    add = resp.receipts.add
+    sequence = first_sequence
+    for k, (message_id, due) in enumerate(zip(ids, dues)):
+        r = add()  # setting fields beats add(**kwargs) by ~20 % (measured, protobuf upb)
+        d = dups.get(k) if dups else None
+        if d is not None:
+            r.message_id, r.deliver_at_ms, r.sequence = d
+            r.duplicate = True
+        else:
+            r.message_id = message_id
+            r.deliver_at_ms = due
+            r.sequence = sequence
+            sequence += 1
+        r.shard = shard
+    return resp.SerializeToString()
+
+
+def encode_messages_py(
+    messages: Sequence,
+    now_ms: int,
+    max_subject: int,
+    max_payload: int,
+    max_id: int,
+    max_delay: int,
+    new_id: Callable[[], str],
+    ids_required: bool,
+) -> tuple[list[bytes], list[str], list[int], int] | None:
+    """Twin of ``encode_messages`` (the fast path of a batch of ``qdelay.v1.Message``):
+    (bodies, ids, dues, payload_bytes), or None for what the fast path leaves to the server's
+    validation (server/validation.encode_messages_py, which words the errors): a message with
+    headers, or a batch that validation refuses. By definition the reference restricted to
+    what the fast path takes."""
+    from qdelay.server.config import Limits  # server-side only: not imported by the clients
+    from qdelay.server.validation import encode_messages_py as reference
+
+    if not messages:
+        return [], [], [], 0
+    if any(m.headers for m in messages):
+        return None
+    limits = Limits(  # the batch's size is its caller's to check, as for the native function
+        max_subject_len=max_subject,
+        max_payload_bytes=max_payload,
+        max_message_id_bytes=max_id,
+        max_delay_ms=max_delay,
+        max_batch=len(messages),
+    )
+    try:
+        batch = reference(messages, limits, now_ms, new_id, ids_required=ids_required)
+    except InvalidArgument:
+        return None
+    return batch.bodies, batch.ids, batch.dues, batch.payload_bytes
+
+
+def decode_batch_py(
+    raw: bytes,
+    now_ms: int,
+    max_subject: int,
+    max_payload: int,
+    max_id: int,
+    max_delay: int,
+    max_batch: int,
+    new_id: Callable[[], str],
+) -> tuple[list[bytes], list[str], list[int], int, bool] | None:
+    """Twin of ``decode_batch``: a SendBatchRequest's wire bytes -> (bodies, ids, dues,
+    payload_bytes, compact_receipts), or None for what the fast path leaves to protobuf and
+    the server's validation: bytes protobuf cannot parse, unknown fields, an empty or too
+    large batch, and whatever :func:`encode_messages_py` does not take."""
+    try:
+        request = pb.SendBatchRequest.FromString(raw)
+    except DecodeError:
+        return None
+    if _has_unknown_fields(request) or not 0 < len(request.messages) <= max_batch:
+        return None
+    compact = request.compact_receipts
+    fast = encode_messages_py(request.messages, now_ms, max_subject, max_payload, max_id, max_delay, new_id, compact)
+    return None if fast is None else (*fast, compact)
+
+
+def _has_unknown_fields(request: Any) -> bool:
+    """Whether a parsed request carries fields this .proto does not know (the native parser
+    gives those up): re-serialized without them, the bytes would be shorter."""
+    known = pb.SendBatchRequest()
+    known.CopyFrom(request)
+    known.DiscardUnknownFields()
+    return known.ByteSize() != request.ByteSize()
+
+
+def twins() -> dict[str, Callable[..., Any]]:
+    """Every function of ``qdelay._wire`` and its Python twin (same signature, same results)."""
+    return {
+        "encode_send_batch": encode_send_batch_py,
+        "encode_deliveries": encode_deliveries_py,
+        "encode_send_batch_response": encode_send_batch_response_py,
+        "encode_messages": encode_messages_py,
+        "decode_batch": decode_batch_py,
+    }

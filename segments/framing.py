@@ -106,11 +106,20 @@ def encode_many_into(out: bytearray, kind: int, sequence: int, timestamp: int, b
     codec = native.codec
     if codec is not None and type(bodies) is list and type(out) is bytearray:
         return codec.frame_bodies(out, kind, sequence, timestamp, bodies, MAX_BODY)
-    return encode_many_into_py(out, kind, sequence, timestamp, bodies)
+    return frame_bodies_py(out, kind, sequence, timestamp, bodies, MAX_BODY)
 
 
-def encode_many_into_py(out: bytearray, kind: int, sequence: int, timestamp: int, bodies: list[bytes]) -> int:
-    """The Python twin of ``native.codec.frame_bodies``."""
+def frame_bodies_py(
+    out: bytearray, kind: int, sequence: int, timestamp: int, bodies: list[bytes], max_body: int
+) -> int:
+    """The Python twin of the native ``frame_bodies``: one frame per body appended to
+    ``out``, sequences from ``sequence`` on; returns the next sequence. Like the native
+    function it checks every body (bytes, at most ``max_body``) before writing any."""
+    for i, body in enumerate(bodies):
+        if not isinstance(body, bytes):
+            raise TypeError(f"bodies[{i}] is not bytes")
+        if len(body) > max_body:
+            raise ValueError(f"bodies[{i}] is {len(body)} bytes, more than {max_body}")
     rest, lead, xxh = _pack_rest, _pack_lead, _xxh
     for body in bodies:
         checked = rest(len(body), kind, VERSION, 0, sequence, timestamp) + body

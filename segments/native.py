@@ -1,17 +1,21 @@
-"""The optional C twins of the per-record loops of the ingest and dispatch paths (segments/_codec.c).
+"""The optional C functions of the storage paths (segments/_codec.c) and the table of their
+Python twins.
 
 ``codec`` is the compiled module, or None when it was not built (it is an optional
 extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one benchmark run).
 Callers look it up at each call (``native.codec``), so a test can switch it off. Every
-function has a Python twin that stays the reference; tests/test_codec_native.py checks
-that both give the same bytes.
+function has a Python twin in segments/ with the same signature and results, which stays
+the reference; :func:`twins` names them and tests/test_codec_native.py runs each pair on
+the same inputs. (The protobuf wire codec is qdelay/wire.py, with its own extension.)
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 codec: ModuleType | None = None
 if os.environ.get("QDELAY_NATIVE", "1") != "0":
@@ -19,3 +23,18 @@ if os.environ.get("QDELAY_NATIVE", "1") != "0":
         codec = importlib.import_module("qdelay.segments._codec")
     except ImportError:  # not built: the Python twins run
         codec = None
+
+
+def twins() -> dict[str, Callable[..., Any]]:
+    """Every function of ``qdelay.segments._codec`` and its Python twin (imported here, not at
+    the top: the twins' modules use this one)."""
+    from qdelay.segments import framing, reader, records
+
+    return {
+        "frame_bodies": framing.frame_bodies_py,
+        "scan": reader.scan_py,
+        "gather": reader.gather_py,
+        "route": reader.route_py,
+        "read_messages": reader.read_messages_py,
+        "dispatch_frames": records.encode_dispatch_frames_py,
+    }

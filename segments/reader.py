@@ -1,6 +1,12 @@
 """Reading frames in bulk, as columns: where each frame starts, its kind, sequence and due
 time, found by one walk over a chunk of bytes (the native codec's ``scan``, or its Python
-twin :func:`scan_columns_py`).
+twin :func:`scan_py`).
+
+The Python twins of the native storage codec's walks live here, each with the signature
+and results of its C function (segments/_codec.c; the table is ``native.twins()``):
+:func:`scan_py`, :func:`gather_py`, :func:`route_py` (the iterate service's copy of a read
+into per-bucket buffers) and :func:`read_messages_py` (MESSAGE records read back for
+dispatch).
 
 A reader that needs a field of many records (a CANCEL's target, a DISPATCH's time) gathers
 it from the chunk with numpy at a fixed body offset (:meth:`Columns.u64_at`) instead of
@@ -10,15 +16,16 @@ cheap (issue 13).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qdelay.errors import CorruptRecord
-from qdelay.segments import framing, native
-from qdelay.segments.framing import KIND_AT, LENGTH_AT, SEQUENCE_AT, VERSION_AT, Frame, FrameError
+from qdelay.errors import CorruptRecord, InvariantViolation
+from qdelay.segments import framing, native, records
+from qdelay.segments.framing import KIND_AT, LENGTH_AT, SEQUENCE_AT, VERSION_AT, Frame, FrameError, RecordKind
+from qdelay.segments.naming import MS_PER_MINUTE
 
 if TYPE_CHECKING:
     from qdelay.segments.segment import Segment
@@ -61,33 +68,32 @@ def gather(data: bytes, starts: np.ndarray, offset: int, width: int, signed: boo
     call, native when built (the Spark reader's columns come from these)."""
     codec = native.codec
     starts = np.ascontiguousarray(starts, dtype=np.int64)
-    if codec is None:
-        return gather_py(data, starts, offset, width, signed)
-    return np.frombuffer(codec.gather(data, starts, offset, width, signed), dtype=np.int64)
+    return np.frombuffer(
+        (codec.gather if codec is not None else gather_py)(data, starts, offset, width, signed), np.int64
+    )
 
 
-def gather_py(data: bytes, starts: np.ndarray, offset: int, width: int, signed: bool = False) -> np.ndarray:
-    """The Python twin of :func:`gather` (and of the native ``gather``)."""
+def gather_py(data: bytes, starts: np.ndarray, offset: int, width: int, signed: bool) -> bytes:
+    """The Python twin of the native ``gather``: the int64 column as bytes (numpy fancy
+    indexing); a field outside ``data`` or an odd width is a ValueError."""
     if width not in (1, 2, 4, 8):
         raise ValueError(f"width {width} is not 1, 2, 4 or 8")
-    starts = np.asarray(starts, dtype=np.int64)
+    starts = np.frombuffer(starts, dtype=np.int64) if isinstance(starts, bytes) else np.asarray(starts, np.int64)
     if not len(starts):
-        return np.empty(0, dtype=np.int64)
+        return b""
     first = starts + offset
     if starts.min() < 0 or first.min() < 0 or first.max() + width > len(data):
         raise ValueError(f"a field at +{offset} runs past the data ({len(data)} bytes)")
     raw = np.frombuffer(data, dtype=np.uint8)
     picked = raw[first[:, None] + np.arange(width)].copy()
     kind = "i" if signed or width == 8 else "u"
-    return picked.view(f"<{kind}{width}").reshape(-1).astype(np.int64)
+    return picked.view(f"<{kind}{width}").reshape(-1).astype(np.int64).tobytes()
 
 
 def scan_columns(data: bytes) -> Columns:
     """Walk the whole frames at the start of ``data`` (native when built)."""
     codec = native.codec
-    if codec is None:
-        return scan_columns_py(data)
-    end, _count, starts, kinds, seqs, dues, bad = codec.scan(data, framing.MAX_BODY)
+    end, _count, starts, kinds, seqs, dues, bad = (codec.scan if codec is not None else scan_py)(data, framing.MAX_BODY)
     return Columns(
         data,
         0,
@@ -100,8 +106,12 @@ def scan_columns(data: bytes) -> Columns:
     )
 
 
-def scan_columns_py(data: bytes) -> Columns:
-    """The Python twin of :func:`scan_columns` (and of the native ``scan``)."""
+def scan_py(data: bytes, max_body: int) -> tuple[int, int, bytes, bytes, bytes, bytes, int]:
+    """The Python twin of the native ``scan``: (end, count, starts, kinds, sequences, dues,
+    bad) of the whole, verified frames at the start of ``data``, the columns as int64 (kinds
+    uint8) array bytes; ``bad`` is the offset of a frame failing its checks, or -1. A frame
+    cut by the end of ``data`` ends the walk without a verdict (unless its length is one no
+    frame can have)."""
     starts: list[int] = []
     kinds: list[int] = []
     seqs: list[int] = []
@@ -110,7 +120,7 @@ def scan_columns_py(data: bytes) -> Columns:
     while pos + framing.HEADER_SIZE <= size:
         length = frame_length(data, pos)
         header_ok = data[pos : pos + 4] == framing._MAGIC_BYTES and data[pos + VERSION_AT] == framing.VERSION
-        if header_ok and length <= framing.MAX_BODY and pos + framing.HEADER_SIZE + length > size:
+        if header_ok and length <= max_body and pos + framing.HEADER_SIZE + length > size:
             break  # cut by the end of the data: not a verdict on the frame
         try:
             f = framing.check_at(data, pos)
@@ -122,14 +132,13 @@ def scan_columns_py(data: bytes) -> Columns:
         seqs.append(f.sequence)
         dues.append(int.from_bytes(f.body[:8], "little", signed=True) if len(f.body) >= 8 else 0)
         pos += f.size
-    return Columns(
-        data,
-        0,
+    return (
         pos,
-        np.array(starts, dtype=np.int64),
-        np.array(kinds, dtype=np.uint8),
-        np.array(seqs, dtype=np.int64),
-        np.array(dues, dtype=np.int64),
+        len(starts),
+        np.array(starts, dtype=np.int64).tobytes(),
+        np.array(kinds, dtype=np.uint8).tobytes(),
+        np.array(seqs, dtype=np.int64).tobytes(),
+        np.array(dues, dtype=np.int64).tobytes(),
         bad,
     )
 
@@ -287,3 +296,177 @@ def read_frames(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES
         frames.append(Frame(start + pos, f.kind, f.sequence, f.timestamp, f.body))
         pos += f.size
     return frames, start + pos
+
+
+_MESSAGE_KIND = int(RecordKind.MESSAGE)  # plain ints: IntEnum attribute lookups cost ~0.5 µs
+_CANCEL_KIND = int(RecordKind.CANCEL)
+
+
+def route_py(
+    data: bytes,
+    pos: int,
+    st: np.ndarray,
+    kind: np.ndarray,
+    seq: np.ndarray,
+    due: np.ndarray,
+    scale: int,
+    near: int | None,
+    behind: dict[int, bytearray],
+    segment_of: Callable[[int], Segment],
+) -> tuple:
+    """The Python twin of the native ``route`` (the iterate service's routing of one read):
+    the scanned frames' bytes into ``behind[bucket]`` (bucket: the due's UTC minute rounded
+    down to ``scale``), records a bucket's segment already holds (a replay) skipped;
+    returns (handed: [(index, bucket, offset in its buffer)] for the copied records of
+    buckets <= ``near`` (all when None) and every CANCEL, messages, cancels, duplicates,
+    unknown indexes, copied, bytes added)."""
+    sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
+    sizes[:-1] = st[1:] - st[:-1]
+    sizes[-1] = pos - st[-1]
+    is_msg = kind == _MESSAGE_KIND
+    is_cancel = kind == _CANCEL_KIND
+    known = is_msg | is_cancel
+    minute = due // MS_PER_MINUTE
+    bucket = minute - minute % scale
+    unknown = np.flatnonzero(~known).tolist()
+    counts = (int(is_msg.sum()), int(is_cancel.sum()))
+    if not known.any():
+        return [], *counts, 0, unknown, 0, 0
+    if unknown:
+        bucket[~known] = bucket[known][0]  # skipped below; must not create a segment
+    # a replay after a crash finds records its segment already holds: skip those
+    buckets, inverse = np.unique(bucket, return_inverse=True)
+    segs = [segment_of(b) for b in buckets.tolist()]
+    held = np.fromiter((sg.last_sequence for sg in segs), dtype=np.int64, count=len(segs))
+    keep = known & (seq > held[inverse])
+    duplicates = int(known.sum() - keep.sum())
+    idx = np.flatnonzero(keep)
+    if len(idx) == 0:
+        return [], *counts, duplicates, unknown, 0, 0
+    # group by bucket, in sequence order inside each; join each group's frame bytes
+    order = idx[np.argsort(inverse[idx], kind="stable")]
+    group = inverse[order]
+    o_st, o_size = st[order], sizes[order]
+    o_end = np.cumsum(o_size)
+    o_at = (o_end - o_size).tolist()  # where each frame lands in its group's run
+    firsts = [0] + (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()  # each group's first record
+    bounds = firsts[1:] + [len(order)]
+    starts_l, ends_l = o_st.tolist(), (o_st + o_size).tolist()
+    group_l, seq_l, buckets_l = group.tolist(), seq[order].tolist(), buckets.tolist()
+    mv = memoryview(data)
+    at_of: dict[int, int] = {}  # group -> its buffer's length before this run, minus the run's o_at
+    for lo, hi in zip(firsts, bounds):
+        g = group_l[lo]
+        b = buckets_l[g]
+        segs[g].last_sequence = seq_l[hi - 1]
+        buf = behind.get(b)
+        if buf is None:
+            buf = behind[b] = bytearray()
+        at_of[g] = len(buf) - o_at[lo]
+        buf += b"".join([mv[a:z] for a, z in zip(starts_l[lo:hi], ends_l[lo:hi])])
+    handed_mask = keep & (is_cancel | (bucket <= near)) if near is not None else keep
+    where = np.empty(len(st), dtype=np.int64)
+    where[order] = o_at
+    handed = [
+        (i, buckets_l[g], w + at_of[g])
+        for i, g, w in zip(
+            np.flatnonzero(handed_mask).tolist(), inverse[handed_mask].tolist(), where[handed_mask].tolist()
+        )
+    ]
+    return handed, *counts, duplicates, unknown, len(order), int(o_end[-1])
+
+
+# frame header + MESSAGE fixed part (docs/formats.md): records read back for delivery are
+# checked and split column-wise, with these 56 bytes of each gathered into one array
+_HEAD_DTYPE = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("checksum", "<u8"),
+        ("length", "<u4"),
+        ("kind", "u1"),
+        ("version", "u1"),
+        ("flags", "<u2"),
+        ("seq", "<u8"),
+        ("timestamp", "<i8"),
+        ("due", "<i8"),
+        ("slen", "<u2"),
+        ("mlen", "<u2"),
+        ("hlen", "<u4"),
+        ("plen", "<u4"),
+    ]
+)
+_HEAD_SIZE = _HEAD_DTYPE.itemsize
+_HEAD_RANGE = np.arange(_HEAD_SIZE, dtype=np.int64)
+if _HEAD_SIZE != framing.HEADER_SIZE + records.MESSAGE_FIXED.size:
+    raise InvariantViolation("frame header + MESSAGE fixed part does not match the spec's layout")
+
+
+def read_messages_py(
+    data: bytes, offsets: np.ndarray, sequences: np.ndarray
+) -> tuple[list[bytes | None], list[bytes | None], list[bytes | None], list[int]]:
+    """The Python twin of the native ``read_messages``: the MESSAGE records at ``offsets``
+    (int64) of ``data`` (one read of a schedule segment), each expected to carry the
+    sequence in ``sequences``. Returns, in input order, message id bytes, payload bytes,
+    the raw header block or None, and the positions that failed a check (their entries
+    are None).
+
+    Every check of a frame is made before any of its bytes is used: magic, kind, the
+    sequence the index expects, the frame inside the read, the MESSAGE lengths adding up to
+    the frame's length, and the xxh3 checksum (one call per frame; the rest is done for the
+    whole run with numpy on the frame headers gathered side by side).
+    """
+    rel = np.frombuffer(offsets, np.int64) if isinstance(offsets, bytes) else np.asarray(offsets, np.int64)
+    seqs = np.frombuffer(sequences, np.int64) if isinstance(sequences, bytes) else np.asarray(sequences, np.int64)
+    size = len(data)
+    n = len(rel)
+    if len(seqs) != n:
+        raise ValueError("read_messages: offsets and sequences differ in length")
+    mids: list[bytes | None] = [None] * n
+    payloads: list[bytes | None] = [None] * n
+    headers: list[bytes | None] = [None] * n
+    if size < _HEAD_SIZE or n == 0:
+        return mids, payloads, headers, list(range(n))
+    room = (rel >= 0) & (rel + _HEAD_SIZE <= size)
+    u8 = np.frombuffer(data, dtype=np.uint8)
+    h = u8[np.clip(rel, 0, size - _HEAD_SIZE)[:, None] + _HEAD_RANGE].view(_HEAD_DTYPE)[:, 0]
+    length = h["length"].astype(np.int64)
+    slen = h["slen"].astype(np.int64)
+    mlen = h["mlen"].astype(np.int64)
+    hlen = h["hlen"].astype(np.int64)
+    plen = h["plen"].astype(np.int64)
+    end = rel + framing.HEADER_SIZE + length
+    ok = (
+        room
+        & (h["magic"] == framing.MAGIC)
+        & (h["kind"] == RecordKind.MESSAGE)
+        & (h["version"] == framing.VERSION)
+        & (h["seq"].astype(np.int64) == seqs)
+        & (end <= size)
+        & (records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length)
+    )
+    cand = np.flatnonzero(ok)
+    sums = np.fromiter(
+        map(
+            framing._xxh,
+            map(data.__getitem__, map(slice, (rel[cand] + framing.CHECKED_FROM).tolist(), end[cand].tolist())),
+        ),
+        dtype=np.uint64,
+        count=len(cand),
+    )
+    good = cand[sums == h["checksum"][cand]]
+    a = rel[good] + _HEAD_SIZE + slen[good]
+    b = a + mlen[good]
+    e = end[good]
+    for k, mid, payload in zip(
+        good.tolist(),
+        map(data.__getitem__, map(slice, a.tolist(), b.tolist())),
+        map(data.__getitem__, map(slice, (e - plen[good]).tolist(), e.tolist())),
+    ):
+        mids[k] = mid
+        payloads[k] = payload
+    for pos in np.flatnonzero(hlen[good] > 0).tolist():
+        k = int(good[pos])
+        headers[k] = data[int(b[pos]) : int(b[pos]) + int(hlen[k])]
+    bad = np.ones(n, dtype=bool)
+    bad[good] = False
+    return mids, payloads, headers, np.flatnonzero(bad).tolist()

@@ -89,7 +89,9 @@ def format_address(host: str, port: int) -> str:
 
 
 RAW_REQUEST_METHODS = ("SendBatch", "SendStream")  # decoded by the native codec from wire bytes
-RAW_RESPONSE_METHODS = ("Subscribe",)  # yields SubscribeResponse bytes (consumers.response_bytes)
+# answered with wire bytes: SubscribeResponse (consumers.response_bytes) and SendBatchResponse
+# (service._batch_response), both from the native wire codec
+RAW_RESPONSE_METHODS = ("Subscribe", "SendBatch", "SendStream")
 
 
 class _HandlerRecorder:
@@ -107,10 +109,10 @@ class _HandlerRecorder:
 
 def add_delay_service(service: DelayService, server) -> None:
     """Register DelayService with the generated handlers, except that SendBatch and
-    SendStream get their requests as wire bytes and Subscribe yields its responses as
-    wire bytes: the native codec decodes and encodes those in one pass
-    (validation.decode_batch, consumers.response_bytes) instead of a protobuf object per
-    message."""
+    SendStream get their requests as wire bytes and answer with wire bytes, and Subscribe
+    yields its responses as wire bytes: the native wire codec (qdelay/wire.py) decodes and
+    encodes those in one pass (validation.decode_batch, service._batch_response,
+    consumers.response_bytes) instead of a protobuf object per message."""
     recorder = _HandlerRecorder()
     pb_grpc.add_DelayServiceServicer_to_server(service, recorder)
     handlers = recorder.handlers

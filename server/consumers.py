@@ -27,8 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from qdelay.segments import native
-from qdelay.v1 import qdelay_pb2 as pb
+from qdelay import wire
 
 if TYPE_CHECKING:
     from qdelay.server.scheduler import Deliveries
@@ -278,19 +277,16 @@ def take_for_response(inbox: collections.deque, max_n: int, max_bytes: int) -> l
 
 def response_bytes(batches: list) -> tuple[bytes, int, list[int]]:
     """A SubscribeResponse carrying the deliveries of ``batches``, serialized (Subscribe is
-    registered to yield bytes): encoded by the native codec straight from the batches'
-    columns, or by protobuf via :func:`fill_response`. Returns (bytes, how many, the due
-    times of the first attempts among them)."""
-    codec = native.codec
-    if codec is None:
-        resp = pb.SubscribeResponse()
-        count, first_dues = fill_response(resp, batches)
-        return resp.SerializeToString(), count, first_dues
+    registered to yield bytes): encoded by the native wire codec straight from the batches'
+    columns (or by its Python twin, protobuf's serializer). Returns (bytes, how many, the
+    due times of the first attempts among them)."""
+    codec = wire.native
+    encode = codec.encode_deliveries if codec is not None else wire.encode_deliveries_py
     out = bytearray()
     count = 0
     firsts: list[int] = []
     for b in batches:
-        count += codec.encode_deliveries(
+        count += encode(
             out,
             b.subject,
             b.ack_ids,
@@ -304,43 +300,3 @@ def response_bytes(batches: list) -> tuple[bytes, int, list[int]]:
         if 1 in b.attempts:
             firsts += [due for due, attempt in zip(b.deliver_at_ms, b.attempts) if attempt == 1]
     return bytes(out), count, firsts
-
-
-def fill_response(resp, batches: list) -> tuple[int, list[int]]:
-    """Add the deliveries of ``batches`` to a SubscribeResponse, straight from the batches'
-    columns (no object per delivery); returns how many, and the due times of the first
-    attempts among them (for the lateness histogram)."""
-    add = resp.deliveries.add
-    count = 0
-    firsts: list[int] = []
-    for b in batches:
-        subject = b.subject
-        at = b.dispatched_at_ms
-        for ack_id, mid, payload, headers, due, attempt in zip(
-            b.ack_ids, b.message_ids, b.payloads, b.headers, b.deliver_at_ms, b.attempts
-        ):
-            if headers:
-                add(
-                    ack_id=ack_id,
-                    message_id=mid,
-                    subject=subject,
-                    payload=payload,
-                    headers=headers,
-                    deliver_at_ms=due,
-                    dispatched_at_ms=at,
-                    attempt=attempt,
-                )
-            else:
-                add(
-                    ack_id=ack_id,
-                    message_id=mid,
-                    subject=subject,
-                    payload=payload,
-                    deliver_at_ms=due,
-                    dispatched_at_ms=at,
-                    attempt=attempt,
-                )
-        count += len(b)
-        if 1 in b.attempts:
-            firsts += [due for due, attempt in zip(b.deliver_at_ms, b.attempts) if attempt == 1]
-    return count, firsts

@@ -40,7 +40,7 @@ from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments import checkpoint, framing, native, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
-from qdelay.segments.naming import MS_PER_MINUTE
+from qdelay.segments.reader import route_py
 from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
 from qdelay.server import allocator
@@ -49,7 +49,6 @@ from qdelay.server.bucket_log import BucketLog, sync_all, sync_dirs
 log = logging.getLogger("qdelay.iterate")
 
 _MESSAGE = int(RecordKind.MESSAGE)  # plain ints: IntEnum attribute lookups cost ~0.5 µs
-_CANCEL = int(RecordKind.CANCEL)
 _KIND_AT = 16  # frame header field offsets (docs/formats.md, "Record frame")
 _SEQ_AT = 20
 _SUBJECT_LEN = struct.Struct("<H")
@@ -305,7 +304,7 @@ class IterateService:
             if is_msg.any():
                 self.ids.put_frames(bytes(data), st[is_msg], due[is_msg], seq[is_msg])
         codec = native.codec
-        route = codec.route if codec is not None else self._route_numpy
+        route = codec.route if codec is not None else route_py
         handed, messages, cancels, duplicates, unknown, copied, added = route(
             data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of
         )
@@ -356,78 +355,6 @@ class IterateService:
             rec.offset += base[b]
             written.append(rec)
         return pos, last_seq, written
-
-    @staticmethod
-    def _route_numpy(
-        data: bytes,
-        pos: int,
-        st: np.ndarray,
-        kind: np.ndarray,
-        seq: np.ndarray,
-        due: np.ndarray,
-        scale: int,
-        near: int | None,
-        behind: dict[int, bytearray],
-        segment_of: Callable[[int], Segment],
-    ) -> tuple:
-        """The Python twin of ``native.codec.route`` (see segments/_codec.c): the frames'
-        bytes into ``behind[bucket]``, replayed records skipped; returns (handed: [(index,
-        bucket, offset in its buffer)], messages, cancels, duplicates, unknown indexes,
-        copied, bytes added)."""
-        sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
-        sizes[:-1] = st[1:] - st[:-1]
-        sizes[-1] = pos - st[-1]
-        is_msg = kind == _MESSAGE
-        is_cancel = kind == _CANCEL
-        known = is_msg | is_cancel
-        minute = due // MS_PER_MINUTE
-        bucket = minute - minute % scale
-        unknown = np.flatnonzero(~known).tolist()
-        counts = (int(is_msg.sum()), int(is_cancel.sum()))
-        if not known.any():
-            return [], *counts, 0, unknown, 0, 0
-        if unknown:
-            bucket[~known] = bucket[known][0]  # skipped below; must not create a segment
-        # a replay after a crash finds records its segment already holds: skip those
-        buckets, inverse = np.unique(bucket, return_inverse=True)
-        segs = [segment_of(b) for b in buckets.tolist()]
-        held = np.fromiter((sg.last_sequence for sg in segs), dtype=np.int64, count=len(segs))
-        keep = known & (seq > held[inverse])
-        duplicates = int(known.sum() - keep.sum())
-        idx = np.flatnonzero(keep)
-        if len(idx) == 0:
-            return [], *counts, duplicates, unknown, 0, 0
-        # group by bucket, in sequence order inside each; join each group's frame bytes
-        order = idx[np.argsort(inverse[idx], kind="stable")]
-        group = inverse[order]
-        o_st, o_size = st[order], sizes[order]
-        o_end = np.cumsum(o_size)
-        o_at = (o_end - o_size).tolist()  # where each frame lands in its group's run
-        firsts = [0] + (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()  # each group's first record
-        bounds = firsts[1:] + [len(order)]
-        starts_l, ends_l = o_st.tolist(), (o_st + o_size).tolist()
-        group_l, seq_l, buckets_l = group.tolist(), seq[order].tolist(), buckets.tolist()
-        mv = memoryview(data)
-        at_of: dict[int, int] = {}  # group -> its buffer's length before this run, minus the run's o_at
-        for lo, hi in zip(firsts, bounds):
-            g = group_l[lo]
-            b = buckets_l[g]
-            segs[g].last_sequence = seq_l[hi - 1]
-            buf = behind.get(b)
-            if buf is None:
-                buf = behind[b] = bytearray()
-            at_of[g] = len(buf) - o_at[lo]
-            buf += b"".join([mv[a:z] for a, z in zip(starts_l[lo:hi], ends_l[lo:hi])])
-        handed_mask = keep & (is_cancel | (bucket <= near)) if near is not None else keep
-        where = np.empty(len(st), dtype=np.int64)
-        where[order] = o_at
-        handed = [
-            (i, buckets_l[g], w + at_of[g])
-            for i, g, w in zip(
-                np.flatnonzero(handed_mask).tolist(), inverse[handed_mask].tolist(), where[handed_mask].tolist()
-            )
-        ]
-        return handed, *counts, duplicates, unknown, len(order), int(o_end[-1])
 
     def _scan(self, data: bytes) -> tuple[bytes, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(data, end, starts, kinds, sequences, dues) of the whole, verified frames at the

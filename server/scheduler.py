@@ -40,7 +40,7 @@ from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
 from qdelay.segments import bucket_log, framing, native, records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
-from qdelay.segments.reader import read_columns
+from qdelay.segments.reader import read_columns, read_messages_py
 from qdelay.segments.segment import CorruptionPolicy, Segment, disk_full
 from qdelay.server.bucket_log import BucketLog
 from qdelay.server.groups import BEGINNING, Group, GroupTable
@@ -49,30 +49,6 @@ from qdelay.server.lookup import read_frames
 from qdelay.server.wheel import Entries, TimerWheel
 
 log = logging.getLogger("qdelay.scheduler")
-
-# frame header + MESSAGE fixed part (docs/formats.md): records read back for delivery are
-# checked and split column-wise, with these 56 bytes of each gathered into one array
-_HEAD_DTYPE = np.dtype(
-    [
-        ("magic", "<u4"),
-        ("checksum", "<u8"),
-        ("length", "<u4"),
-        ("kind", "u1"),
-        ("version", "u1"),
-        ("flags", "<u2"),
-        ("seq", "<u8"),
-        ("timestamp", "<i8"),
-        ("due", "<i8"),
-        ("slen", "<u2"),
-        ("mlen", "<u2"),
-        ("hlen", "<u4"),
-        ("plen", "<u4"),
-    ]
-)
-_HEAD_SIZE = _HEAD_DTYPE.itemsize
-_HEAD_RANGE = np.arange(_HEAD_SIZE, dtype=np.int64)
-if _HEAD_SIZE != framing.HEADER_SIZE + records.MESSAGE_FIXED.size:
-    raise InvariantViolation("frame header + MESSAGE fixed part does not match the spec's layout")
 
 DEAD_LETTER_HEADER = "qdelay-dead-letter-of"
 
@@ -1510,12 +1486,11 @@ class Scheduler:
         """Check and split the records at offsets ``rel`` of ``data`` (one read): fill
         ``mids``/``payloads``/``headers`` from position ``base`` on, return the positions
         (from ``base``) that failed a check and were left empty. One call of the native
-        codec (``read_messages``), or its Python twin :meth:`_check_run_numpy`.
+        codec (``read_messages``), or its Python twin (segments/reader.py).
         """
         codec = native.codec
-        if codec is None:
-            return self._check_run_numpy(data, rel, seqs, mids, payloads, headers, base)
-        got_mids, got_payloads, raw_headers, bad = codec.read_messages(
+        read = codec.read_messages if codec is not None else read_messages_py
+        got_mids, got_payloads, raw_headers, bad = read(
             data, np.ascontiguousarray(rel, dtype=np.int64), np.ascontiguousarray(seqs, dtype=np.int64)
         )
         n = len(rel)
@@ -1526,71 +1501,6 @@ class Scheduler:
                 if raw is not None:
                     headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
         return [base + k for k in bad]
-
-    def _check_run_numpy(
-        self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list, headers: list, base: int
-    ) -> list[int]:
-        """The Python twin of ``native.codec.read_messages`` (see :meth:`_check_run`).
-
-        Every check of a frame is made before any of its bytes is used: magic, kind, the
-        sequence the index expects, the frame inside the read, the MESSAGE lengths adding
-        up to the frame's length, and the xxh3 checksum (one call per frame; the rest is
-        done for the whole run with numpy on the frame headers gathered side by side).
-        """
-        size = len(data)
-        n = len(rel)
-        if size < _HEAD_SIZE:
-            return list(range(base, base + n))
-        room = rel + _HEAD_SIZE <= size
-        u8 = np.frombuffer(data, dtype=np.uint8)
-        h = u8[np.minimum(rel, size - _HEAD_SIZE)[:, None] + _HEAD_RANGE].view(_HEAD_DTYPE)[:, 0]
-        length = h["length"].astype(np.int64)
-        slen = h["slen"].astype(np.int64)
-        mlen = h["mlen"].astype(np.int64)
-        hlen = h["hlen"].astype(np.int64)
-        plen = h["plen"].astype(np.int64)
-        end = rel + framing.HEADER_SIZE + length
-        ok = (
-            room
-            & (h["magic"] == framing.MAGIC)
-            & (h["kind"] == RecordKind.MESSAGE)
-            & (h["version"] == framing.VERSION)
-            & (h["seq"].astype(np.int64) == seqs)
-            & (end <= size)
-            & (records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length)
-        )
-        cand = np.flatnonzero(ok)
-        sums = np.fromiter(
-            map(
-                framing._xxh,
-                map(data.__getitem__, map(slice, (rel[cand] + framing.CHECKED_FROM).tolist(), end[cand].tolist())),
-            ),
-            dtype=np.uint64,
-            count=len(cand),
-        )
-        good = cand[sums == h["checksum"][cand]]
-        a = rel[good] + _HEAD_SIZE + slen[good]
-        b = a + mlen[good]
-        e = end[good]
-        got_mids = list(map(data.__getitem__, map(slice, a.tolist(), b.tolist())))
-        got_payloads = list(map(data.__getitem__, map(slice, (e - plen[good]).tolist(), e.tolist())))
-        if len(good) == n:
-            mids[base : base + n] = got_mids
-            payloads[base : base + n] = got_payloads
-            failed: list[int] = []
-        else:
-            for pos, k in enumerate(good.tolist()):
-                mids[base + k] = got_mids[pos]
-                payloads[base + k] = got_payloads[pos]
-            bad = np.ones(n, dtype=bool)
-            bad[good] = False
-            failed = (np.flatnonzero(bad) + base).tolist()
-        with_headers = np.flatnonzero(hlen[good] > 0)
-        for pos in with_headers.tolist():
-            k = int(good[pos])
-            raw = data[int(b[pos]) : int(b[pos]) + int(hlen[k])]
-            headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
-        return failed
 
     def _headers(self, raw: bytes, seq: int, off: int, mids: list, k: int) -> dict[str, str] | None:
         """Decode a checked record's header block; a malformed one makes the record

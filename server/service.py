@@ -16,6 +16,7 @@ import time
 import grpc
 import numpy as np
 
+from qdelay import wire
 from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
@@ -105,36 +106,16 @@ class IngestGate:
 
 def _batch_response(
     batch: EncodedBatch, first: int, compact: bool, dups: dict[int, Receipt] | None = None, shard: str = ""
-) -> pb.SendBatchResponse:
-    resp = pb.SendBatchResponse()
-    if compact and not dups:  # two C calls instead of three field sets per message
-        resp.first_sequence = first
-        resp.deliver_at_ms.extend(batch.dues)
-        resp.shard = shard
-        return resp
-    if shard:  # cluster mode: every receipt names its shard
-        full = _batch_response(batch, first, False, dups)
-        for r in full.receipts:
-            r.shard = shard
-        return full
-    add = resp.receipts.add
-    if dups:  # full receipts: the duplicates answer their original one
-        sequence = first
-        for k, (message_id, due) in enumerate(zip(batch.ids, batch.dues)):
-            r = add()
-            d = dups.get(k)
-            if d is not None:
-                r.message_id, r.deliver_at_ms, r.sequence, r.duplicate = d.message_id, d.deliver_at_ms, d.sequence, True
-            else:
-                r.message_id, r.deliver_at_ms, r.sequence = message_id, due, sequence
-                sequence += 1
-        return resp
-    for sequence, (message_id, due) in enumerate(zip(batch.ids, batch.dues), first):
-        r = add()  # setting fields beats add(**kwargs) by ~20 % (measured, protobuf upb)
-        r.message_id = message_id
-        r.deliver_at_ms = due
-        r.sequence = sequence
-    return resp
+) -> bytes:
+    """The SendBatchResponse of a written batch, as wire bytes (app.py registers SendBatch and
+    SendStream without a response serializer): full receipts, or compact ones when asked for
+    and no message was a duplicate; duplicates answer their original receipt. One call of
+    the native wire codec, no protobuf object per receipt, so a generated client asking for
+    full receipts costs the server little more than compact ones."""
+    codec = wire.native
+    encode = codec.encode_send_batch_response if codec is not None else wire.encode_send_batch_response_py
+    originals = {k: (d.message_id, d.deliver_at_ms, d.sequence) for k, d in dups.items()} if dups else None
+    return encode(batch.ids, batch.dues, first, compact, originals, shard)
 
 
 class DelayService(pb_grpc.DelayServiceServicer):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-import qdelay.wire  # noqa: F401  (checks the native wire codec against the .proto at start-up)
+from qdelay import wire  # imported, it checks the native wire codec against the .proto (start-up)
 from qdelay.errors import InvalidArgument, InvariantViolation
-from qdelay.segments import native, records
+from qdelay.segments import records
 from qdelay.server.config import Limits
 from qdelay.units import limit_in_words, ms_in_words
 from qdelay.v1 import qdelay_pb2 as pb
@@ -138,10 +138,10 @@ def encode_messages(
     bad message; nothing is returned for a refused batch. ``ids_required``: every message
     must carry its message_id (compact receipts do not return generated ids).
 
-    The native codec takes the common case (valid, no headers); anything else, refusals
-    included, goes through the Python twin, which words the errors.
+    The native wire codec takes the common case (valid, no headers); anything else, refusals
+    included, goes through :func:`encode_messages_py`, the reference, which words the errors.
     """
-    codec = native.codec
+    codec = wire.native
     if codec is not None and 0 < len(messages) <= limits.max_batch:
         fast = codec.encode_messages(
             messages,
@@ -161,11 +161,11 @@ def encode_messages(
 def decode_batch(raw: bytes, limits: Limits, now_ms: int, new_id: Callable[[], str]) -> tuple[EncodedBatch, bool]:
     """A SendBatchRequest's wire bytes -> (validated batch, compact_receipts).
 
-    The native codec parses, validates and encodes in one pass without a protobuf object
-    per message; anything it does not take (headers, unknown fields, refusals) is parsed
-    with protobuf and goes through :func:`encode_messages`, which words the errors.
+    The native wire codec parses, validates and encodes in one pass without a protobuf
+    object per message; anything it does not take (headers, unknown fields, refusals) is
+    parsed with protobuf and goes through :func:`encode_messages`, which words the errors.
     """
-    codec = native.codec
+    codec = wire.native
     if codec is not None:
         fast = codec.decode_batch(
             raw,
@@ -196,7 +196,9 @@ def encode_messages_py(
     single: bool = False,
     ids_required: bool = False,
 ) -> EncodedBatch:
-    """The Python twin of ``native.codec.encode_messages`` (and the only path for headers)."""
+    """The reference: every check of the contract, with the error naming the message, the
+    field and the limit (the native wire codec's fast path takes exactly what this accepts
+    without headers; qdelay/wire.py ``encode_messages_py`` is its twin restricted so)."""
     count = len(messages)
     if count == 0:
         raise InvalidArgument("messages: empty batch; send at least one message")

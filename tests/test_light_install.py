@@ -1,7 +1,9 @@
 """`pip install qdelay` is the client alone: its requirements are gRPC and protobuf, and
 both clients work (against a real server) in a process where none of the server's
 dependencies (numpy, psutil, xxhash, prometheus-client, grpcio-tools, grpcio-reflection)
-nor the native codec can be imported."""
+nor the storage code (qdelay.segments, its native codec included) can be imported: with
+the native wire codec (qdelay._wire, which the light install builds: it needs no library),
+and without it (where it could not be built, its Python twins run)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import subprocess
 import sys
 from importlib.metadata import requires
 
+import pytest
 from serverproc import ServerProc
 
 SERVER_ONLY = ["numpy", "psutil", "xxhash", "prometheus_client", "grpc_tools", "grpc_reflection"]
@@ -28,11 +31,12 @@ CHILD = """
 import asyncio, sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED or name == "qdelay.segments._codec":
+        if name.split(".")[0] in BLOCKED or name.startswith(("qdelay.segments", *MORE)):
             raise ModuleNotFoundError(f"blocked: {name}", name=name)
 sys.meta_path.insert(0, Block())
 from qdelay.client import Client, Outgoing
-from qdelay import aio
+from qdelay import aio, wire
+assert (wire.native is None) == bool(MORE), wire.native
 with Client(ADDRESS) as c:
     r = c.send("light.s", b"x", delay_ms=60_000)
     assert c.get(str(r)).state == "PENDING"
@@ -45,15 +49,17 @@ async def main():
         r = await a.send("light.s", b"z", delay_ms=60_000)
         assert await a.cancel(r) == "CANCELLED"
 asyncio.run(main())
-loaded = [m for m in sys.modules if m.split(".")[0] in BLOCKED or m == "qdelay.segments._codec"]
+loaded = [m for m in sys.modules if m.split(".")[0] in BLOCKED or m.startswith(("qdelay.segments", *MORE))]
 assert not loaded, loaded
 print("light client: OK")
 """
 
 
-def test_the_clients_work_without_the_servers_dependencies(tmp_path):
+@pytest.mark.parametrize("wire_codec", ["native", "twins"])
+def test_the_clients_work_without_the_servers_dependencies(tmp_path, wire_codec):
+    more = ("qdelay._wire",) if wire_codec == "twins" else ()
     with ServerProc(tmp_path / "data") as srv:
-        code = f"BLOCKED = {SERVER_ONLY!r}\nADDRESS = {srv.address!r}\n" + CHILD
+        code = f"BLOCKED = {SERVER_ONLY!r}\nMORE = {more!r}\nADDRESS = {srv.address!r}\n" + CHILD
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "light client: OK" in result.stdout
