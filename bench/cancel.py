@@ -3,14 +3,18 @@ of the message's minute bucket (issue 13).
 
 Run: ``python -m bench.cancel [--sizes 1000,10000,100000] [--cancels N] [--gets N]
 [--pending N] [--json FILE]``. A real server (``qdelay server``, sync flush) on a temporary
-folder; for each bucket size N, N messages due in one minute an hour ahead (plus
-``--pending`` spread over other minutes, far-future, once), then:
+folder; ``--pending`` messages spread over other minutes a day ahead first (once); then for
+each bucket size N, two minutes an hour ahead with N messages each:
 
-- Get p50/p99 of random receipts, one call at a time (an idle server);
-- unary Cancel of random receipts from 16 threads: cancels/s and server CPU per cancel;
-- CancelBatch of 1,000 receipts per call, one call in flight: cancels/s and server CPU;
-- Reschedule of random receipts from 16 threads (an hour later): reschedules/s and CPU;
-- unary Send from 16 threads, same run, as the yardstick of a unary call.
+- in the first: Get p50/p99 of random receipts, one call at a time (an idle server);
+  Reschedule of random receipts from 16 threads (an hour later): reschedules/s and CPU;
+  ``client.cancel`` of random receipts from 16 threads (the client gathers concurrent
+  cancels into CancelBatch calls, as it gathers sends): cancels/s and server CPU;
+- in the second: CancelBatch of ``--batch`` receipts per call, one call in flight, of
+  ``--cancels`` random receipts: cancels/s and server CPU per cancel;
+- ``client.send`` from 16 threads and a batched send of 50,000, same run, as yardsticks.
+
+The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
 
 Goals (issue 13): cost per operation flat across N; batched cancel >= 100,000/s with server
 CPU per cancel <= 2x a batched send's; unary cancel within 1.2x of unary Send's rate; Get
@@ -91,11 +95,12 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                 for k, n in enumerate(sizes):
                     minute = hour + (k + 1) * 10 * BUCKET_MS
                     receipts = _fill(c, n, minute, f"n{n}")
+                    batch_pool = _fill(c, n, minute + 5 * BUCKET_MS, f"b{n}")
                     random.seed(n)
-                    picks = random.sample(receipts, min(n, gets + cancels + batch * 4 + resched))
-                    get_set, resched_set, rest = picks[:gets], picks[gets : gets + resched], picks[gets + resched :]
-                    unary_set = rest[: min(cancels, len(rest) // 2)]
-                    batch_set = rest[len(unary_set) :]
+                    picks = random.sample(receipts, min(n, gets + resched + cancels))
+                    get_set, resched_set = picks[:gets], picks[gets : gets + resched]
+                    unary_set = picks[gets + resched :]
+                    batch_set = random.sample(batch_pool, min(n, cancels))
 
                     lat = []
                     for r in get_set:
@@ -160,7 +165,7 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000", help="bucket sizes N, comma-separated")
-    ap.add_argument("--cancels", type=int, default=2000, help="unary cancels per size (16 threads)")
+    ap.add_argument("--cancels", type=int, default=2000, help="cancels per size, unary (16 threads) and batched (each)")
     ap.add_argument("--gets", type=int, default=500, help="Get calls per size (one at a time)")
     ap.add_argument("--reschedules", type=int, default=1000, help="Reschedule calls per size (16 threads)")
     ap.add_argument("--batch", type=int, default=1000, help="targets per CancelBatch call")

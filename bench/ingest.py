@@ -146,6 +146,13 @@ def main(argv=None) -> int:
     parser.add_argument("--flush", default="sync")
     parser.add_argument("--tmp", default=None)
     parser.add_argument("--only", default="", help="comma-separated words: run the shapes whose name has one")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="server setting (qdelay server --set), e.g. engine.dedupe_window_ms=0; repeatable",
+    )
     args = parser.parse_args(argv)
     words = [w for w in args.only.split(",") if w]
 
@@ -155,7 +162,8 @@ def main(argv=None) -> int:
     info = machine()
     rows, results = [], {}
     workdir = tempfile.mkdtemp(prefix="qdbench-ingest-", dir=args.tmp)
-    driver = QdelayDriver(flush=args.flush)
+    driver = QdelayDriver(flush=args.flush, extra=[a for kv in args.set for a in ("--set", kv)])
+    info["server_set"] = args.set
     try:
         driver.start(workdir)
         offset = 0

@@ -35,6 +35,7 @@ import time
 
 import psutil
 
+from qdelay.segments.idindex import IdIndex
 from qdelay.server import allocator
 from qdelay.server.engine import Engine, EngineConfig, NewMessage
 
@@ -301,8 +302,10 @@ def child_memory(data_dir: str, n: int, window: str) -> dict:
     }
 
 
-def child_restart(data_dir: str, n: int) -> dict:
-    """Fill a folder with n pending far-future messages, close, and time a reopen."""
+def child_restart(data_dir: str, n: int, lose_index: bool = False) -> dict:
+    """Fill a folder with n pending far-future messages, close, and time a reopen; with
+    ``lose_index``, the message-id index is deleted first (rebuilt from the schedule log,
+    docs/recovery.md row 14)."""
     engine = Engine(EngineConfig(data_dir=data_dir, cleaner_enabled=False))
     engine.start()
     now = engine.now_ms()
@@ -311,14 +314,17 @@ def child_restart(data_dir: str, n: int) -> dict:
     send_all(engine, (now + rnd.randrange(day, 2 * day) for _ in range(n)), batch=2000)
     wait_iterated(engine)
     engine.close()
+    if lose_index:
+        IdIndex.destroy(os.path.join(data_dir, "index", "ids"))
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(data_dir=data_dir, cleaner_enabled=False))
     engine.start()
     wait_iterated(engine)
     took = time.perf_counter() - t0
     pending = engine.stats()["pending"]
+    notes = list(engine.recovery_notes)
     engine.close()
-    return {"pending": pending, "restart_s": round(took, 3), "goal_s": 5.0}
+    return {"pending": pending, "restart_s": round(took, 3), "goal_s": 5.0, "notes": notes}
 
 
 def run_child(kind: str, root: str, n: int) -> dict:
@@ -331,7 +337,17 @@ def run_child(kind: str, root: str, n: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-SCENARIOS = ("lateness", "burst", "fanout", "backlog", "isolation", "memory_far", "memory_near", "restart")
+SCENARIOS = (
+    "lateness",
+    "burst",
+    "fanout",
+    "backlog",
+    "isolation",
+    "memory_far",
+    "memory_near",
+    "restart",
+    "restart_rebuild",
+)
 
 
 def _median_of(runs: list[dict]) -> dict:
@@ -446,8 +462,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         path = os.path.join(args.root, args.child)
-        if args.child == "restart":
-            print(json.dumps(child_restart(path, args.n)))
+        if args.child in ("restart", "restart_rebuild"):
+            print(json.dumps(child_restart(path, args.n, lose_index=args.child == "restart_rebuild")))
         else:
             print(json.dumps(child_memory(path, args.n, args.child)))
         return
@@ -468,6 +484,7 @@ def main() -> None:
         "memory_far": lambda i: run_child("far", os.path.join(root, f"r{i}"), big),
         "memory_near": lambda i: run_child("near", os.path.join(root, f"r{i}"), big),
         "restart": lambda i: run_child("restart", os.path.join(root, f"r{i}"), big),
+        "restart_rebuild": lambda i: run_child("restart_rebuild", os.path.join(root, f"r{i}"), big),
     }
     try:
         results: dict = {"load_avg_before": os.getloadavg()}

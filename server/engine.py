@@ -567,7 +567,7 @@ class Engine:
         named twice is CANCELLED once and ALREADY_CANCELLED after.
         """
         self._check_writable()
-        outcomes, claimed = await asyncio.to_thread(self._claim_cancels, targets)
+        outcomes, claimed = await self._off_loop_claims(self._claim_cancels, targets)
         if not claimed:
             return outcomes
         try:
@@ -595,7 +595,7 @@ class Engine:
         duplicate, as at-least-once allows) but never neither.
         """
         self._check_writable()
-        outcomes, claimed = await asyncio.to_thread(self._claim_cancels, [(message_id, deliver_at_ms, sequence)])
+        outcomes, claimed, msg = await self._off_loop_claims(self._claim_to_move, message_id, deliver_at_ms, sequence)
         if not claimed:
             return {
                 CancelOutcome.NOT_FOUND: RescheduleOutcome.NOT_FOUND,
@@ -605,7 +605,6 @@ class Engine:
             }[outcomes[0]], None
         mid, due, seq = claimed[0]
         try:
-            _state, _off, msg, _at, _closes = await asyncio.to_thread(self._locate, mid, due, seq, True)
             if msg is None:  # the record was there a moment ago: a cleaner race, say so
                 raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
             now = self.clock()
@@ -622,6 +621,39 @@ class Engine:
         if self.write_guard is not None:
             self.write_guard()
         return RescheduleOutcome.RESCHEDULED, Receipt(mid, new_due_ms, appended.first_sequence)
+
+    async def _off_loop_claims(self, claim: Callable, *args):
+        """``claim(*args)`` on a worker thread; its result, whose second item is the claimed
+        targets. If the caller is cancelled meanwhile (a client's deadline, a dropped call),
+        the claims the thread makes are released when it finishes: left in place, they
+        would keep a message from being delivered with no tombstone ever written."""
+        work = asyncio.get_running_loop().run_in_executor(None, claim, *args)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+
+            def release(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._release_claims([seq for _mid, _due, seq in done.result()[1]])
+
+            work.add_done_callback(release)
+            raise
+
+    def _claim_to_move(
+        self, message_id: str, deliver_at_ms: int | None, sequence: int | None
+    ) -> tuple[list[CancelOutcome], list, records.Message | None]:
+        """Reschedule's look-up on one worker thread: the claim (as a Cancel's) and, if
+        claimed, the message's record to write again (None if it vanished meanwhile)."""
+        outcomes, claimed = self._claim_cancels([(message_id, deliver_at_ms, sequence)])
+        if not claimed:
+            return outcomes, claimed, None
+        mid, due, seq = claimed[0]
+        try:
+            msg = self._locate(mid, due, seq, True)[2]
+        except BaseException:
+            self._release_claims([seq])
+            raise
+        return outcomes, claimed, msg
 
     _NOT_PENDING = {
         MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,

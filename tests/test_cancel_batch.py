@@ -69,3 +69,54 @@ def test_bad_batches_are_refused_naming_the_field_and_write_nothing(tmp_path):
             c._call(c.stub.CancelBatch, pb.CancelBatchRequest(), 10)
         assert [c.get(r).state for r in rs] == ["PENDING"] * 6  # nothing of a refused batch happened
         c.close()
+
+
+def test_a_cancel_given_up_mid_claim_releases_its_claims(tmp_path):
+    """A Cancel or Reschedule whose caller goes away (deadline, dropped call) while its
+    targets are being claimed on the worker thread: the claims are released when the
+    thread finishes, so the message stays deliverable and cancellable (a claim left
+    behind would hide it from the dispatcher with no tombstone ever written)."""
+    import asyncio
+    import threading
+
+    from qdelay.server.engine import CancelOutcome, Engine
+    from tests.simclock import config, message
+
+    engine = Engine(config(tmp_path / "data"))
+    engine.start()
+    try:
+        due = int(time.time() * 1000) + 3_600_000
+        receipt = engine.send_sync([message("t.gone", due, "gone-1")])[0]
+        target = (receipt.message_id, receipt.deliver_at_ms, receipt.sequence)
+        claimed, go_on = threading.Event(), threading.Event()
+        claim = engine._claim_cancels
+
+        def slow_claim(targets):
+            out = claim(targets)
+            claimed.set()
+            go_on.wait(5)  # the caller gives up while the thread still holds the claims
+            return out
+
+        engine._claim_cancels = slow_claim  # type: ignore[method-assign]
+
+        async def give_up(call) -> None:
+            task = asyncio.ensure_future(call)
+            await asyncio.to_thread(claimed.wait, 5)
+            assert engine.scheduler.cancel_claimed(receipt.sequence)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            go_on.set()
+
+        for call in (lambda: engine.cancel_many([target]), lambda: engine.reschedule(*target, due + 60_000)):
+            claimed.clear()
+            go_on.clear()
+            asyncio.run(give_up(call()))
+            deadline = time.time() + 5
+            while engine.scheduler.cancel_claimed(receipt.sequence) and time.time() < deadline:
+                time.sleep(0.01)
+            assert not engine.scheduler.cancel_claimed(receipt.sequence)
+        engine._claim_cancels = claim  # type: ignore[method-assign]
+        assert asyncio.run(engine.cancel_many([target])) == [CancelOutcome.CANCELLED]
+    finally:
+        engine.close()
