@@ -97,9 +97,10 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                     receipts = _fill(c, n, minute, f"n{n}")
                     batch_pool = _fill(c, n, minute + 5 * BUCKET_MS, f"b{n}")
                     random.seed(n)
-                    picks = random.sample(receipts, min(n, gets + resched + cancels))
-                    get_set, resched_set = picks[:gets], picks[gets : gets + resched]
-                    unary_set = picks[gets + resched :]
+                    picks = random.sample(receipts, n)
+                    g, m = min(gets, n // 4), min(resched, n // 4)  # a small minute keeps half to cancel
+                    get_set, resched_set = picks[:g], picks[g : g + m]
+                    unary_set = picks[g + m : g + m + cancels]
                     batch_set = random.sample(batch_pool, min(n, cancels))
 
                     lat = []

@@ -448,6 +448,7 @@ def scenario_isolation(root: str, backlog: int, idle_streams: int, live: int, sp
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
+    ap.add_argument("--pending", type=int, default=0, help="messages of the memory and restart scenarios (1,000,000)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
@@ -467,7 +468,7 @@ def main() -> None:
         else:
             print(json.dumps(child_memory(path, args.n, args.child)))
         return
-    big = 100_000 if args.quick else 1_000_000
+    big = args.pending or (100_000 if args.quick else 1_000_000)
     wanted = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = sorted(set(wanted) - set(SCENARIOS))
     if unknown:

@@ -6,10 +6,10 @@ Where an id can be found, in the order it is looked in:
 1. the message-id index (segments/idindex.py), for everything the iterate service has
    copied; a hit is a duplicate if that message is still pending, or if it was sent (its
    record's timestamp) less than ``window_ms`` ago — delivered or cancelled ones included;
-2. ``_recent``: ids this server appended and the index may not have yet (the iterate
-   service lags the message log by milliseconds); an entry leaves once the index holds it
+2. ``_recent``: batches this server appended that the index may not hold yet (the iterate
+   service lags the message log by milliseconds); a batch leaves once the index holds it
    and no lookup that started before that is still running;
-3. ``_writing``: ids of batches being written right now; a second batch with one of them
+3. ``_writing``: batches being written right now; a second batch with one of their ids
    waits for the first and then answers its receipt (or writes, if the first failed).
 
 All of it runs on the event loop (one owner, no lock) except the state of an index hit,
@@ -38,15 +38,20 @@ class Claim:
 
     ids: list[str]
     future: asyncio.Future | None
+    key: int = 0  # its entry in Deduper._writing
 
 
 class Deduper:
     def __init__(self, engine: Engine, window_ms: int) -> None:
         self.engine = engine
         self.window_ms = window_ms
-        self._recent: dict[str, tuple[int, int]] = {}  # id -> (due, sequence), not yet indexed
-        self._order: collections.deque[tuple[int, str]] = collections.deque()  # (sequence, id)
-        self._writing: dict[str, asyncio.Future] = {}
+        # Per batch, not per id (issue 13: the per-id dict and deque entries cost ~1 us a
+        # message at ingest): batches written and maybe not yet indexed, oldest first, as
+        # (highest sequence, id -> (due, sequence)); and batches being written, as
+        # claim key -> (their ids, the future settled when they are written or failed).
+        self._recent: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = collections.deque()
+        self._writing: dict[int, tuple[set[str], asyncio.Future]] = {}
+        self._claims = 0
         self._active: dict[int, int] = {}  # lookup token -> indexed sequence when it began
         self._token = 0
         self._epoch: int | None = None
@@ -68,8 +73,9 @@ class Deduper:
         self._token += 1
         token = self._token
         self._active[token] = engine.iterate.sequence
+        wanted = set(ids)
         try:
-            # on the loop: a miss is answered from the memtable and bloom filters (~1 us a
+            # on the loop: a miss is answered from the memtable and bloom filters (~0.5 us a
             # key); only hits need the message's state, read on a worker thread
             index = engine.ids  # there is one: dedupe is enabled
             if index is not None and index.failed is None:
@@ -79,63 +85,61 @@ class Deduper:
             found: dict[int, Receipt] = {}
             if any(h is not None for h in hits):
                 found = await asyncio.to_thread(engine.duplicates_among, ids, hits, self.window_ms)
-            writing = self._writing
-            while writing:  # a batch with one of these ids may be being written
-                busy = {writing[i] for i in ids if i in writing}
+            while self._writing:  # a batch with one of these ids may be being written
+                busy = {fut for held, fut in self._writing.values() if not wanted.isdisjoint(held)}
                 if not busy:
                     break
                 await asyncio.gather(*busy)
         finally:
             del self._active[token]
-        recent = self._recent
+        recent: dict[str, tuple[int, int]] = {}
+        for _last, batch in self._recent:  # oldest first: a newer write of an id replaces it
+            if not wanted.isdisjoint(batch):
+                recent.update((m, batch[m]) for m in wanted.intersection(batch))
         dups: dict[int, Receipt] = {}
-        for k, message_id in enumerate(ids):
-            hit = found.get(k)
-            if hit is None:
-                r = recent.get(message_id)
-                if r is not None:
-                    hit = Receipt(message_id, r[0], r[1])
-            if hit is not None:
-                dups[k] = hit
+        if found or recent:
+            for k, message_id in enumerate(ids):
+                hit = found.get(k)
+                if hit is None:
+                    r = recent.get(message_id)
+                    if r is not None:
+                        hit = Receipt(message_id, r[0], r[1])
+                if hit is not None:
+                    dups[k] = hit
         claimed = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
-        fut = asyncio.get_running_loop().create_future() if claimed else None
-        if fut is not None:
-            for message_id in claimed:
-                self._writing[message_id] = fut
+        claim = Claim(claimed, None)
+        if claimed:
+            claim.future = asyncio.get_running_loop().create_future()
+            self._claims += 1
+            claim.key = self._claims
+            self._writing[claim.key] = (set(claimed) if dups else wanted, claim.future)
         self.duplicates += len(dups)
-        return dups, Claim(claimed, fut)
+        return dups, claim
 
     def written(self, claim: Claim, first: int, dues: list[int]) -> None:
         """The claimed ids were written with sequences from ``first``, due at ``dues``."""
-        recent, order, writing = self._recent, self._order, self._writing
-        for seq, (message_id, due) in enumerate(zip(claim.ids, dues), first):
-            recent[message_id] = (due, seq)
-            order.append((seq, message_id))
-            del writing[message_id]
+        n = len(claim.ids)
+        if n:
+            self._recent.append((first + n - 1, dict(zip(claim.ids, zip(dues, range(first, first + n))))))
+        self._writing.pop(claim.key, None)
         if claim.future is not None:
             claim.future.set_result(True)
 
     def failed(self, claim: Claim) -> None:
-        for message_id in claim.ids:
-            if self._writing.get(message_id) is claim.future:
-                del self._writing[message_id]
+        self._writing.pop(claim.key, None)
         if claim.future is not None and not claim.future.done():
             claim.future.set_result(False)
 
     def rescheduled(self, receipt: Receipt) -> None:
         """A Reschedule wrote the id's message again: its new receipt is the one a retried
         send of that id is answered with (until the index holds it)."""
-        self._recent[receipt.message_id] = (receipt.deliver_at_ms, receipt.sequence)
-        self._order.append((receipt.sequence, receipt.message_id))
+        self._recent.append((receipt.sequence, {receipt.message_id: (receipt.deliver_at_ms, receipt.sequence)}))
 
     def _prune(self) -> None:
-        """Forget recent ids the index holds, unless a lookup begun before it got them runs."""
+        """Forget recent batches the index holds, unless a lookup begun before it got them runs."""
         floor = self.engine.iterate.sequence
         if self._active:
             floor = min(floor, *self._active.values())
-        order, recent = self._order, self._recent
-        while order and order[0][0] <= floor:
-            seq, message_id = order.popleft()
-            entry = recent.get(message_id)
-            if entry is not None and entry[1] == seq:
-                del recent[message_id]
+        recent = self._recent
+        while recent and recent[0][0] <= floor:
+            recent.popleft()

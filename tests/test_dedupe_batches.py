@@ -1,0 +1,70 @@
+"""server/dedupe.py's own bookkeeping, on a stand-in engine: ids written and not yet indexed
+are recognised (the newest write of an id answers), forgotten once the index holds them,
+and a batch with an id being written waits for that write."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from qdelay.server.dedupe import Deduper
+from qdelay.server.engine import Receipt
+
+
+class _Index:
+    failed = None
+
+    def get_many(self, ids):
+        return [None] * len(ids)  # nothing indexed: only the deduper's own memory answers
+
+
+def _engine():
+    iterate = SimpleNamespace(sequence=0, wait_for=lambda seq, timeout: True)
+    return SimpleNamespace(
+        epoch=0,
+        wal=SimpleNamespace(committed_sequence=0),
+        iterate=iterate,
+        ids=_Index(),
+        duplicates_among=lambda ids, hits, window: {},
+    )
+
+
+def test_recent_batches_answer_the_newest_receipt_and_leave_once_indexed():
+    async def main():
+        engine = _engine()
+        d = Deduper(engine, 600_000)
+        dups, claim = await d.check(["a", "b", "c"])
+        assert dups == {} and claim.ids == ["a", "b", "c"]
+        d.written(claim, 10, [100, 200, 300])
+        d.rescheduled(Receipt("b", 900, 14))  # b written again later: its new receipt answers
+        dups, claim = await d.check(["x", "b", "a"])
+        assert dups == {1: Receipt("b", 900, 14), 2: Receipt("a", 100, 10)} and claim.ids == ["x"]
+        d.written(claim, 15, [50])
+        engine.iterate.sequence = 12  # the index holds a, b@11, c: the first batch leaves
+        dups, claim = await d.check(["a", "b", "x"])
+        assert dups == {1: Receipt("b", 900, 14), 2: Receipt("x", 50, 15)} and claim.ids == ["a"]
+        d.failed(claim)
+        engine.iterate.sequence = 15
+        dups, claim = await d.check(["a", "b", "x"])
+        assert dups == {} and len(d._recent) == 0 and d.duplicates == 4
+
+    asyncio.run(main())
+
+
+def test_a_batch_with_an_id_being_written_waits_for_that_write():
+    async def main():
+        d = Deduper(_engine(), 600_000)
+        _dups, first = await d.check(["p", "q"])
+        second = asyncio.ensure_future(d.check(["r", "q"]))
+        await asyncio.sleep(0.01)
+        assert not second.done()  # q is being written by the first batch
+        d.written(first, 20, [1, 2])
+        dups, claim = await second
+        assert dups == {1: Receipt("q", 2, 21)} and claim.ids == ["r"]
+        third = asyncio.ensure_future(d.check(["r"]))
+        await asyncio.sleep(0.01)
+        d.failed(claim)  # the write of r failed: the waiting batch writes r itself
+        dups, claim = await third
+        assert dups == {} and claim.ids == ["r"] and not d._writing.keys() - {claim.key}
+
+    asyncio.run(main())
