@@ -91,27 +91,28 @@ def test_late_records_into_finished_buckets_keep_pending_exact(tmp_path, clock):
 
 
 def test_cancel_racing_an_ack_is_not_counted_twice(tmp_path, clock):
-    """Cancel looks (PENDING), the message is delivered and acknowledged, then Cancel claims
+    """Cancel finds the message, then it is delivered and acknowledged, then Cancel claims
     it: the answer is ALREADY_DELIVERED and no tombstone is written."""
     sink = CollectingSink(clock)
     d = Driver(tmp_path, clock, sink)
     r, other = d.send([message("s", clock.now, "x"), message("s", clock.now + 10 * MINUTE, "y")])
     d.catch_up()
     engine = d.engine
-    original = engine._locate
+    original = engine._find_targets
     calls = []
 
-    def locate(*a, **kw):
+    def find(*a, **kw):
         out = original(*a, **kw)
-        if not calls:  # between the first look and the claim: delivered and acknowledged
+        if not calls:  # between finding it and the claim: delivered and acknowledged
             engine.scheduler.run_once(clock())
             engine.ack([s.ack_id for s in sink.take()])
-        calls.append(out[0])
+        calls.append(out)
         return out
 
-    engine._locate = locate
+    engine._find_targets = find
     outcome = asyncio.run(engine.cancel(r.message_id, r.deliver_at_ms, r.sequence))
-    engine._locate = original
+    engine._find_targets = original
+    assert calls == [[(r.deliver_at_ms, r.sequence)]]  # it was found, pending
     assert outcome == CancelOutcome.ALREADY_DELIVERED
     d.catch_up()
     assert engine.iterate.counts["cancels"] == 0
