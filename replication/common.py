@@ -109,22 +109,17 @@ def master_progress(engine) -> tuple[int, list[int], int]:
     accounted; the sequence read may lag, which only makes the slave more careful)."""
     with engine.iterate.append_lock:
         seq = engine.iterate.sequence
-        with engine.scheduler.lock:
-            return engine.scheduler.done_before, sorted(engine.scheduler.reopened), seq
+        done_before, reopened = engine.scheduler.progress()
+        return done_before, reopened, seq
 
 
 def apply_progress(engine, done_before: int, reopened, sequence: int) -> None:
     """Slave: adopt the master's scheduling progress, keeping buckets that records the master
     had not accounted for (sequence above ``sequence``) went to."""
-    sched = engine.scheduler
-    with engine.iterate.append_lock, sched.lock:
+    with engine.iterate.append_lock:
         seen = engine.slave_records
         for b in [b for b, s in seen.items() if s <= sequence]:
             del seen[b]
         # the master's view, exactly (it may even move back: a bucket the master has not
         # finished is loaded on promotion), plus buckets of records it had not seen yet
-        sched.reopened = {b for b in set(reopened) | set(seen) if b < done_before}
-        sched.done_before = done_before
-        sched._horizon = max(sched._horizon, done_before - engine.config.scale_minutes)
-        for b in [b for b in sched.buckets if b < done_before and b not in sched.reopened]:
-            del sched.buckets[b]
+        engine.scheduler.adopt_progress(done_before, set(reopened) | set(seen))

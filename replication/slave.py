@@ -319,7 +319,7 @@ class Puller:
         b = chunk.bucket
         seg = disp.get(b)
         if seg is None:
-            if not chunk.data or (b < engine.scheduler.done_before and engine.schedule.get(b) is None):
+            if not chunk.data or (engine.scheduler.is_done(b) and engine.schedule.get(b) is None):
                 return False  # finished and already cleaned here: do not leave an orphan file
             seg = disp.get_or_create(b)
         if chunk.reset and seg.size:

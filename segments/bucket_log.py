@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qdelay.errors import CorruptRecord
 from qdelay.segments import framing, naming, records
 from qdelay.segments.framing import Frame
-from qdelay.segments.reader import Columns, gather, read_columns, scan_columns
+from qdelay.segments.reader import Columns, columns_past_damage, gather, scan_columns
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, fsync_dir, recover
 
 log = logging.getLogger("qdelay.buckets")
@@ -86,17 +85,9 @@ def group_closes_in(seg: Segment, start: int, stop: int, group: str) -> np.ndarr
     found: list[np.ndarray] = []
     pos = start
     while pos < stop:
-        try:
-            cols = read_columns(seg, pos, stop)
-        except CorruptRecord as err:
-            rest = seg.read(err.offset, stop - err.offset)
-            nxt = framing.find_next_frame(rest, 1)
-            if err.offset > pos:
-                found.append(group_closes(read_columns(seg, pos, err.offset), group))
-            pos = err.offset + nxt if nxt is not None else stop
-            continue
-        found.append(group_closes(cols, group))
-        pos = cols.base + cols.end
+        cols, pos = columns_past_damage(seg, pos, stop)
+        if cols is not None:
+            found.append(group_closes(cols, group))
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 

@@ -470,3 +470,49 @@ def read_messages_py(
     bad = np.ones(n, dtype=bool)
     bad[good] = False
     return mids, payloads, headers, np.flatnonzero(bad).tolist()
+
+
+def read_frames_past_damage(
+    seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES
+) -> tuple[list[Frame], int, CorruptRecord | None]:
+    """Like :func:`read_frames`, but a bad frame does not stop the reading: the frames
+    before it are returned, and the next offset is the next valid frame after it (or
+    ``stop``); the third value reports the damage (None when there was none). For readers
+    that step over a corrupt record (its message is lost, the others are not)."""
+    try:
+        frames, nxt = read_frames(seg, start, stop, max_bytes)
+        return frames, nxt, None
+    except CorruptRecord as err:
+        damage = err
+    frames = []
+    pos = start
+    while pos < damage.offset:
+        more, pos = read_frames(seg, pos, damage.offset, max_bytes)
+        frames.extend(more)
+    rest = seg.read(damage.offset, stop - damage.offset)
+    found = framing.find_next_frame(rest, 1)
+    return frames, damage.offset + found if found is not None else stop, damage
+
+
+def columns_past_damage(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES) -> tuple[Columns | None, int]:
+    """Like :func:`read_columns`, stepping over a bad frame: (columns of the frames before
+    it, or None if there are none; where reading goes on)."""
+    try:
+        cols = read_columns(seg, start, stop, max_bytes)
+        return cols, cols.base + cols.end
+    except CorruptRecord as err:
+        cols_before = read_columns(seg, start, err.offset) if err.offset > start else None
+        rest = seg.read(err.offset, stop - err.offset)
+        found = framing.find_next_frame(rest, 1)
+        return cols_before, err.offset + found if found is not None else stop
+
+
+def kind_frames(seg: Segment, kind: int, start: int = 0, stop: int | None = None) -> Iterator[Frame]:
+    """The frames of one kind in [start, stop) of ``seg`` (stop None: its size); a corrupt
+    record is stepped over (for the dispatch log: at worst its message is delivered again,
+    as at-least-once allows)."""
+    end = seg.size if stop is None else stop
+    pos = start
+    while pos < end:
+        frames, pos, _damage = read_frames_past_damage(seg, pos, end)
+        yield from (f for f in frames if f.kind == kind)

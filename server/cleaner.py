@@ -99,19 +99,17 @@ class Cleaner:
 
     def _clean_buckets(self, now_ms: int) -> list[int]:
         engine = self.engine
-        sched = engine.scheduler
         scale = engine.config.scale_minutes
         removed = []
-        # the iterate service's append lock keeps a late record from landing in a file
-        # that is being deleted; the scheduler lock keeps done_before and reopened still
-        with engine.iterate.append_lock, sched.lock:
-            for b in engine.schedule.buckets():
-                if b >= sched.done_before:
-                    break
-                if b in sched.reopened or b in sched.buckets:
-                    continue
-                if (b + scale) * MS_PER_MINUTE + self.cfg.schedule_keep_ms > now_ms:
-                    break
+        # the iterate service's append lock keeps a late record from landing in a file that
+        # is being deleted (only such a record reopens a finished bucket); the scheduler
+        # answers which buckets are finished, and its lock is not held while deleting
+        with engine.iterate.append_lock:
+            keep_ms = self.cfg.schedule_keep_ms
+            finished = engine.scheduler.finished_buckets(
+                engine.schedule.buckets(), lambda b: (b + scale) * MS_PER_MINUTE + keep_ms <= now_ms
+            )
+            for b in finished:
                 seg = engine.schedule.get(b)
                 if seg is not None:
                     engine.finder.forget(seg.path)

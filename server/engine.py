@@ -468,7 +468,7 @@ class Engine:
     def _handover_horizon(self) -> int:
         """Up to which bucket the iterate service hands records to the scheduler."""
         now_bucket = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
-        return max(self.scheduler._horizon, now_bucket)
+        return max(self.scheduler.loading_horizon(), now_bucket)
 
     def _slave_on_records(self, written, near: int | None = None) -> None:
         """Slave: remember past-due records; one in a finished bucket reopens it, so that a
@@ -476,14 +476,13 @@ class Engine:
         sched = self.scheduler
         horizon = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
         seen = self.slave_records
-        with sched.lock:
-            for rec in written:
-                b = rec.bucket
-                if b <= horizon:
-                    if rec.sequence > seen.get(b, 0):
-                        seen[b] = rec.sequence
-                    if b < sched.done_before:
-                        sched.reopened.add(b)
+        for rec in written:
+            b = rec.bucket
+            if b <= horizon:
+                if rec.sequence > seen.get(b, 0):
+                    seen[b] = rec.sequence
+                if sched.is_done(b):
+                    sched.note_reopened(b)
 
     # --- writes -----------------------------------------------------------------------------------
 
@@ -807,10 +806,10 @@ class Engine:
             seqs = np.fromiter((places[k][1] for k in ks), dtype=np.int64, count=len(ks))
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
-            closed = self.dispatched.closed_among(self.dispatch.get(bucket), seqs)  # read outside the lock
-            with sched.lock:  # then what was appended since and the unflushed buffer
-                closed |= self.dispatched.closed_among(self.dispatch.get(bucket), seqs)
-                buffered = sched.pending_dispatch(bucket)
+            # what the scheduler has not written yet, then the file (outside its lock): a
+            # close is in one or the other (both while being written), never in neither
+            buffered, _size, _out = sched.dispatch_view(bucket, 0)
+            closed = self.dispatched.closed_among(self.dispatch.get(bucket), seqs)
             if buffered:
                 closed |= np.isin(seqs, [f.sequence for f in framing.iter_frames(buffered)])
             tombs = sched.known_tombstones(bucket)
@@ -880,20 +879,14 @@ class Engine:
         if seg is None:
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
-        # closed? the dispatch file as far as it goes, then (under the lock, so that no ack
-        # slips between the two looks) what was appended since and the unflushed buffer
+        # closed? what the scheduler has not written yet and whether it is in flight, taken
+        # together (so that no ack slips between the looks), then the file (read outside
+        # the scheduler's lock): a close is in one or the other, never in neither
+        pending, _size, in_flight = self.scheduler.dispatch_view(bucket, sequence)
+        closes = [records.decode_dispatch(f.body) for f in framing.iter_frames(pending) if f.sequence == sequence]
         dseg = self.dispatch.get(bucket)
         offsets = self.dispatched.offsets(dseg, sequence)
-        with self.scheduler.lock:
-            dseg = self.dispatch.get(bucket)
-            offsets = self.dispatched.offsets(dseg, sequence)
-            closes = [
-                records.decode_dispatch(f.body)
-                for f in framing.iter_frames(self.scheduler.pending_dispatch(bucket))
-                if f.sequence == sequence
-            ]
-            in_flight = self.scheduler.is_in_flight(sequence)
-        if offsets and dseg is not None:  # appended before this look: read outside the lock
+        if offsets and dseg is not None:
             closes = [records.decode_dispatch(dseg.read_frame(off).body) for off in offsets] + closes
         delivered = [c for c in closes if c.outcome == records.Outcome.DELIVERED]
         if delivered:
@@ -902,9 +895,9 @@ class Engine:
             return MessageState.DEAD_LETTERED, None, closes
         if in_flight and not detail:
             return MessageState.DELIVERED, None, closes
-        st = self.scheduler.buckets.get(bucket)
-        if st is not None and st.tombstones_known:
-            cancelled = sequence in st.cancelled  # every tombstone of a loaded bucket is here
+        tombs = self.scheduler.known_tombstones(bucket)  # a loaded bucket knows them all
+        if tombs is not None:
+            cancelled = sequence in tombs
         else:
             cancelled = seg is not None and self.finder.cancelled(seg, sequence)
         return (MessageState.CANCELLED if cancelled else MessageState.PENDING), None, closes
@@ -936,6 +929,15 @@ class Engine:
         """Acknowledge deliveries to ``group`` of ``subject`` (both None: whichever group
         has them in flight, for tools and tests)."""
         return self.scheduler.ack(ack_ids, self._gid(subject, group))
+
+    def post_ack(self, ack_ids: list[str], subject: str, group: str) -> None:
+        """``ack`` without waiting for the scheduler (the event loop): applied by the
+        scheduler thread shortly, or before any Cancel, Get or stats look at deliveries."""
+        self.scheduler.post_ack(ack_ids, self._gid(subject, group))
+
+    def post_release(self, ack_ids: list[str], subject: str, group: str) -> None:
+        """``release`` without waiting for the scheduler (the event loop)."""
+        self.scheduler.post_release(ack_ids, self._gid(subject, group))
 
     def release(self, ack_ids: list[str], subject: str | None = None, group: str | None = None) -> int:
         """A consumer's stream ended with these deliveries unacknowledged: offer them again
@@ -975,8 +977,9 @@ class Engine:
             if self.replication_wait is not None:
                 await self.replication_wait(appended.end_offset)
             # the iterate service may have applied the record already (it passes it right
-            # after the commit): either way the change is made once
-            self.scheduler.apply_group(rec, now, appended.first_sequence)
+            # after the commit): either way the change is made once; on a worker thread,
+            # so that the event loop never waits for the scheduler's lock
+            await asyncio.to_thread(self.scheduler.apply_group, rec, now, appended.first_sequence)
             return (self.scheduler.gid_of(subject, group) is not None) == (op == records.GroupOp.CREATE)
 
     def groups(self) -> list[dict]:

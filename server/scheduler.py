@@ -1,168 +1,95 @@
-"""The scheduler: loader, timer and dispatcher, on one thread.
+"""The scheduler: loader, timer and dispatcher, on one thread (``qdelay-scheduler``).
 
-- The *loader* brings each due bucket in ahead of time (``load_ahead_ms``): it reads the
-  bucket's dispatch log (what was already delivered), then streams its schedule segment
-  in chunks into the timer wheel, skipping delivered and cancelled messages. Loading
-  pauses while the in-memory index holds ``max_loaded`` entries, so a hot bucket with
-  millions of messages is streamed in as it drains.
-- Records the iterate service writes into a bucket that is already loaded go straight
-  into the wheel (``on_records``); one written into a bucket already finished reopens it.
-- The *timer* moves due entries from the wheel to per-subject ready queues.
-- The *dispatcher* takes ready entries round-robin over subjects, within the sink's
-  credit and the rate limit, reads the full records back (one read per run of nearby
-  records) and hands batches of deliveries to the sink. An acknowledged delivery gets a
-  DISPATCH record in its bucket's dispatch log; an unacknowledged one is offered again
-  after the ack timeout plus a backoff, and after ``max_attempts`` it is moved to the
-  dead-letter subject.
-- A bucket is *done* once it is loaded completely, its time has passed and every message
-  in it is delivered, dead-lettered or cancelled, with the dispatch records on disk.
-  ``done_before`` (every bucket below it is done) and the set of reopened buckets are
-  saved with the iterate checkpoint, and tell a restart which buckets to load again.
+It composes pieces with one job each (see docs/internals.md):
+
+- ``buckets.BucketBook``: which buckets are loaded, which are done (``done_before``,
+  reopened buckets), the closes counted for ``pending``;
+- ``loader.Loader``: the disk reads of loading (schedule chunks, tombstones, dispatch
+  logs); the scheduler indexes what it read into the timer wheel (``wheel.TimerWheel``)
+  and streams a hot bucket in as it drains (at most ``max_loaded`` entries in memory);
+- ``lanes``: per subject and group, entries ready in memory up to a bound, then *spilled*
+  (left on disk and read back by passes when the group's consumers have credit);
+- ``ledger.AckLedger``: deliveries in flight, ack deadlines, retries;
+- ``dispatch_log.DispatchLogWriter``: DISPATCH records buffered, written, fsynced;
+- ``segments.messages``: records read back for delivery, checked column-wise.
+
+The *timer* moves due entries from the wheel to the lanes of every group of their subject
+(fan-out). The *dispatcher* takes ready entries round-robin over lanes, within the sink's
+credit and the rate limit, reads the records back and hands batches to the sink. An
+acknowledged delivery gets a DISPATCH record; an unacknowledged one is offered again after
+the ack timeout plus a backoff, and after ``max_attempts`` it goes to the dead-letter
+subject.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
-import heapq
 import itertools
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 
 from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
-from qdelay.segments import bucket_log, framing, native, records
+from qdelay.segments import bucket_log, framing, records
+from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import Frame, RecordKind
-from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
-from qdelay.segments.reader import read_columns, read_messages_py
-from qdelay.segments.segment import CorruptionPolicy, Segment, disk_full
-from qdelay.server.bucket_log import BucketLog
+from qdelay.segments.messages import read_messages
+from qdelay.segments.naming import bucket_of
+from qdelay.segments.reader import Columns, columns_past_damage
+from qdelay.segments.segment import CorruptionPolicy
+from qdelay.server.buckets import BucketBook, BucketState
+from qdelay.server.deliveries import DEAD_LETTER_HEADER, Deliveries, Delivery, DeliverySink
+from qdelay.server.dispatch_log import DispatchLogWriter
 from qdelay.server.groups import BEGINNING, Group, GroupTable
 from qdelay.server.iterate import Scheduled
-from qdelay.server.lookup import read_frames
+from qdelay.server.lanes import Lane, Pass
+from qdelay.server.ledger import AckLedger, Flight, Item, ack_attempts, ack_sequences
+from qdelay.server.loader import Loader
 from qdelay.server.wheel import Entries, TimerWheel
 
 log = logging.getLogger("qdelay.scheduler")
 
-DEAD_LETTER_HEADER = "qdelay-dead-letter-of"
+__all__ = ["DEAD_LETTER_HEADER", "Deliveries", "Delivery", "DeliverySink", "Scheduler", "SchedulerConfig"]
+
+DeadLetter = Callable[[records.Message, int, str, int, Callable[[Exception | None], None]], None]
+
+
+class _Part:
+    """Entries of one lane and one bucket taken for delivery, and their records once read
+    back (columns; ``keep`` narrows every column at once)."""
+
+    __slots__ = ("st", "seqs", "offs", "dues", "attempts", "read")
+
+    def __init__(self, st: BucketState, seqs: list[int], offs: list[int], dues: list[int], attempts: list[int]) -> None:
+        self.st = st
+        self.seqs = seqs
+        self.offs = offs
+        self.dues = dues
+        self.attempts = attempts
+        self.read: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+
+    def keep(self, idx: list[int]) -> None:
+        self.seqs, self.offs, self.dues, self.attempts = (
+            [col[i] for i in idx] for col in (self.seqs, self.offs, self.dues, self.attempts)
+        )
+        if self.read[0]:
+            mids, payloads, headers = self.read
+            self.read = ([mids[i] for i in idx], [payloads[i] for i in idx], [headers[i] for i in idx])
 
 
 @dataclass(slots=True)
-class Delivery:
-    ack_id: str
-    message_id: str
-    subject: str
-    payload: bytes
-    headers: dict[str, str]
-    deliver_at_ms: int
-    dispatched_at_ms: int
-    attempt: int
+class _Taken:
+    """What one lane gave in one dispatch round."""
 
-
-class Deliveries:
-    """A batch of deliveries of one subject, as parallel lists (one entry per delivery).
-
-    A burst hands out hundreds of thousands of deliveries a second; one Python object per
-    delivery was a large share of that cost, so the dispatcher fills columns instead and a
-    sink reads them directly (``ack_ids``, ``payloads`` ...). Iterating, indexing and
-    ``len`` still behave like a list of :class:`Delivery` (built on demand), and a slice is
-    a ``Deliveries`` again. ``headers`` holds None for a delivery without headers.
-    ``message_id_bytes`` are the ids as stored (ASCII); ``message_ids`` decodes them on
-    first use (a sink that encodes protobuf itself needs only the bytes).
-    """
-
-    __slots__ = (
-        "subject",
-        "group",
-        "ack_ids",
-        "message_id_bytes",
-        "_message_ids",
-        "payloads",
-        "headers",
-        "deliver_at_ms",
-        "dispatched_at_ms",
-        "attempts",
-    )
-
-    def __init__(
-        self,
-        subject: str,
-        ack_ids: list[str],
-        message_id_bytes: list[bytes],
-        payloads: list[bytes],
-        headers: list[dict[str, str] | None],
-        deliver_at_ms: list[int],
-        dispatched_at_ms: int,
-        attempts: list[int],
-        group: str = records.DEFAULT_GROUP,
-    ) -> None:
-        self.subject = subject
-        self.group = group  # the consumer group these deliveries are for
-        self.ack_ids = ack_ids
-        self.message_id_bytes = message_id_bytes
-        self._message_ids: list[str] | None = None
-        self.payloads = payloads
-        self.headers = headers
-        self.deliver_at_ms = deliver_at_ms
-        self.dispatched_at_ms = dispatched_at_ms  # one hand-over time for the whole batch
-        self.attempts = attempts
-
-    def __len__(self) -> int:
-        return len(self.ack_ids)
-
-    @property
-    def message_ids(self) -> list[str]:
-        if self._message_ids is None:
-            self._message_ids = [m.decode() for m in self.message_id_bytes]
-        return self._message_ids
-
-    def _one(self, i: int) -> Delivery:
-        return Delivery(
-            self.ack_ids[i],
-            self.message_ids[i],
-            self.subject,
-            self.payloads[i],
-            self.headers[i] or {},
-            self.deliver_at_ms[i],
-            self.dispatched_at_ms,
-            self.attempts[i],
-        )
-
-    def __iter__(self):
-        return map(self._one, range(len(self.ack_ids)))
-
-    def __getitem__(self, key: int | slice) -> Delivery | Deliveries:
-        if isinstance(key, slice):
-            return Deliveries(
-                self.subject,
-                self.ack_ids[key],
-                self.message_id_bytes[key],
-                self.payloads[key],
-                self.headers[key],
-                self.deliver_at_ms[key],
-                self.dispatched_at_ms,
-                self.attempts[key],
-                self.group,
-            )
-        return self._one(range(len(self.ack_ids))[key])
-
-    def __repr__(self) -> str:
-        return f"Deliveries({self.subject!r}, {len(self)} deliveries)"
-
-
-class DeliverySink(Protocol):
-    def credit(self, subject: str, group: str) -> int:
-        """How many more deliveries of ``subject`` the consumers of ``group`` accept now
-        (cheap, thread-safe)."""
-
-    def deliver(self, subject: str, group: str, deliveries: Deliveries) -> None:
-        """Take a batch; called on the scheduler thread, so it must not block."""
+    lane: Lane
+    group: Group
+    name: str  # the subject
+    parts: list[_Part]
 
 
 @dataclass(slots=True)
@@ -186,262 +113,6 @@ class SchedulerConfig:
     corruption: CorruptionPolicy = CorruptionPolicy.FAIL
 
 
-class _Bucket:
-    """What the scheduler knows of one loaded bucket."""
-
-    __slots__ = (
-        "bucket",
-        "seg",
-        "cursor",
-        "complete",
-        "unfired",
-        "owed",
-        "cancelled",
-        "closed",
-        "counted",
-        "partial",
-        "done",
-        "dispatch_ready",
-        "tombstones_known",
-        "nclosed",
-    )
-
-    def __init__(self, bucket: int, seg: Segment, cursor: int = 0, complete: bool = False) -> None:
-        self.bucket = bucket
-        self.seg = seg
-        self.cursor = cursor  # schedule-segment bytes already indexed
-        self.complete = complete  # the loader reached the end; new records arrive live
-        self.unfired = 0  # indexed messages still in the timer wheel
-        # group id -> this bucket's entries held in memory for that group (ready, retrying
-        # or in flight); what a group holds on disk only is covered by its lane's spill
-        self.owed: dict[int, int] = {}
-        self.cancelled: set[int] = set()  # sequences cancelled in this bucket
-        # group name -> sequences its DISPATCH records close, and those closed by records
-        # already counted in Scheduler.closed_retired (only while loading)
-        self.closed: dict[str, set[int]] | None = None
-        self.counted: dict[str, set[int]] | None = None
-        # group name -> sequences it closed before they were loaded, while some other group
-        # had not (fan-out across a restart): the timer skips them for that group
-        self.partial: dict[str, set[int]] = {}
-        self.done = False
-        self.dispatch_ready = False  # the dispatch log was checked and read
-        # every tombstone of the segment is in ``cancelled`` (so a loaded entry may fire)
-        self.tombstones_known = complete
-        # messages of this bucket closed for their subject's first group (DISPATCH record)
-        # and not yet counted in Scheduler.closed_retired: read back from the dispatch log
-        # when the bucket is loaded, then one more per record written
-        self.nclosed = 0
-
-    def owe(self, gid: int, n: int) -> None:
-        self.owed[gid] = self.owed.get(gid, 0) + n
-
-    def outstanding(self) -> int:
-        return self.unfired + sum(self.owed.values())
-
-
-class _Ready:
-    """Entries of one subject waiting for consumer credit: packed chunks, plus retries."""
-
-    __slots__ = ("chunks", "retries", "count")
-
-    def __init__(self) -> None:
-        self.chunks: collections.deque[list] = collections.deque()  # [Entries, position]
-        self.retries: collections.deque[tuple] = collections.deque()  # (seq, off, bucket, due, attempt)
-        self.count = 0
-
-    def take(self, n: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt)."""
-        seqs: list[int] = []
-        offs: list[int] = []
-        buckets: list[int] = []
-        dues: list[int] = []
-        attempts: list[int] = []
-        while self.retries and n > 0:
-            seq, off, bucket, due, attempt = self.retries.popleft()
-            seqs.append(seq)
-            offs.append(off)
-            buckets.append(bucket)
-            dues.append(due)
-            attempts.append(attempt)
-            n -= 1
-        while self.chunks and n > 0:
-            chunk = self.chunks[0]
-            e, pos = chunk
-            end = min(len(e), pos + n)
-            seqs += e.seq[pos:end].tolist()
-            offs += e.off[pos:end].tolist()
-            buckets += e.bucket[pos:end].tolist()
-            dues += e.due[pos:end].tolist()
-            attempts += [1] * (end - pos)
-            n -= end - pos
-            if end >= len(e):
-                self.chunks.popleft()
-            else:
-                chunk[1] = end
-        self.count -= len(seqs)
-        return seqs, offs, buckets, dues, attempts
-
-    def in_memory(self) -> set[int]:
-        """Sequences of every entry queued here (chunks from their position, and retries)."""
-        out: set[int] = {item[0] for item in self.retries}
-        for e, pos in self.chunks:
-            out.update(e.seq[pos:].tolist())
-        return out
-
-    def drop_chunks(self) -> list[np.ndarray]:
-        """Forget the queued entries (not the retries); returns their bucket columns."""
-        dropped = [e.bucket[pos:] for e, pos in self.chunks]
-        self.count -= sum(map(len, dropped))
-        self.chunks.clear()
-        return dropped
-
-
-class _Pass:
-    """A spilled lane's walk over the schedule segments, reading back its entries due at or
-    before ``hi`` that are not in memory, not closed for the group and not cancelled."""
-
-    __slots__ = ("bucket", "offset", "hi", "closed_bucket", "closed_size", "closed")
-
-    def __init__(self, bucket: int, hi: int) -> None:
-        self.bucket = bucket  # the bucket being read (every loaded bucket below it is read)
-        self.offset = 0
-        self.hi = hi
-        self.closed_bucket = -1  # the group's closes in ``closed_bucket``'s dispatch log
-        self.closed_size = 0  # ... as far as the file was read
-        self.closed: set[int] = set()
-
-
-class _Lane:
-    """What one group of one subject has due: entries ready in memory, up to
-    ``group_max_ready``. A lane over its bound *spills*: its queued entries are forgotten
-    (they stay in the schedule segments) and so is whatever becomes due for it meanwhile;
-    ``drop_from`` is the lowest bucket forgotten since the last pass began. When the lane
-    has room again, passes read its entries back from disk (``_Pass``) until one ends with
-    nothing forgotten during it; then the lane takes entries from the timer again.
-
-    This is what keeps one group without consumers (or with a slow one) from filling the
-    scheduler's memory and stopping everyone else: it holds at most its bound.
-    """
-
-    __slots__ = ("sid", "gid", "ready", "spilled", "drop_from", "walk", "recent")
-
-    def __init__(self, sid: int, gid: int) -> None:
-        self.sid = sid
-        self.gid = gid
-        self.ready = _Ready()
-        self.spilled = False
-        self.drop_from: int | None = None
-        self.walk: _Pass | None = None
-        # sequences read back by the last pass step: entries still in the wheel with the
-        # same sequences fire once more at most, and are skipped then
-        self.recent: set[int] | None = None
-
-    def dropped(self, buckets: np.ndarray) -> None:
-        if len(buckets):
-            low = int(buckets.min())
-            self.drop_from = low if self.drop_from is None else min(self.drop_from, low)
-
-
-def _dispatch_frames(seg: Segment, start: int, stop: int) -> Iterator[Frame]:
-    """The DISPATCH frames of a dispatch segment in [start, stop); a corrupt record is
-    stepped over (at worst its message is delivered again, as at-least-once allows)."""
-    pos = start
-    while pos < stop:
-        try:
-            frames, pos = read_frames(seg, pos, stop)
-        except CorruptRecord as err:
-            rest = seg.read(err.offset, stop - err.offset)
-            found = framing.find_next_frame(rest, 1)
-            pos = err.offset + found if found is not None else stop
-            continue
-        yield from (f for f in frames if f.kind == RecordKind.DISPATCH)
-
-
-_ACK_IDS = re.compile(r"(?:[0-9]{1,18}\.[0-9]{1,9} )*")  # "seq.attempt" ids, each followed by a space
-
-
-def _ack_sequences(ack_ids: list[str]) -> list[int]:
-    """The sequence part of each ack id ("seq.attempt"; a bare "seq" is accepted too);
-    ids that are not numbers are skipped. Well-formed ids (all of them, normally) are
-    parsed in one numpy call: per id, ``int(id.partition(".")[0])`` was a tenth of the
-    ack path's cost."""
-    joined = " ".join(ack_ids) + " "
-    if _ACK_IDS.fullmatch(joined):  # at most 18 digits: no int64 overflow
-        return np.fromstring(joined.replace(".", " "), dtype=np.int64, sep=" ")[::2].tolist()
-    seqs = []
-    for ack_id in ack_ids:
-        try:
-            seqs.append(int(ack_id.partition(".")[0]))
-        except ValueError:
-            continue
-    return seqs
-
-
-class _Flight:
-    """Deliveries of one bucket handed out together, still awaiting their acks.
-
-    ``Scheduler.in_flight[gid]`` maps each sequence to its flight: one object per batch
-    rather than a tuple per delivery, and an ack request that returns a whole batch in
-    order (the usual case) reads the columns as they are. A sequence belongs to the
-    flight ``in_flight`` maps it to; a redelivery is a new flight, so an older flight
-    still listing the sequence no longer owns it.
-    """
-
-    __slots__ = ("bucket", "subj", "gid", "at", "seqs", "offs", "dues", "attempts", "mids", "_pos")
-
-    def __init__(
-        self,
-        bucket: int,
-        subj: int,
-        gid: int,
-        at: int,
-        seqs: list[int],
-        offs: list[int],
-        dues: list[int],
-        attempts: list[int],
-        mids: list[bytes],
-    ) -> None:
-        self.bucket = bucket
-        self.subj = subj
-        self.gid = gid
-        self.at = at  # dispatched at (ms)
-        self.seqs = seqs
-        self.offs = offs
-        self.dues = dues
-        self.attempts = attempts
-        self.mids = mids
-        self._pos: dict[int, int] | None = None  # seq -> position, built when first needed
-
-    def index(self, seq: int) -> int:
-        if self._pos is None:
-            self._pos = dict(zip(self.seqs, range(len(self.seqs))))
-        return self._pos[seq]
-
-    def attempt_of(self, seq: int) -> int:
-        return self.attempts[self.index(seq)]
-
-    def item(self, seq: int) -> tuple:
-        """(seq, off, bucket, due, attempt + 1, subj, gid): the entry for its next attempt."""
-        i = self.index(seq)
-        return (seq, self.offs[i], self.bucket, self.dues[i], self.attempts[i] + 1, self.subj, self.gid)
-
-    def columns(self, seqs: list[int]) -> tuple[list, list, list, list]:
-        """(offs, dues, attempts, mids) of ``seqs``, all of this flight."""
-        if seqs == self.seqs:
-            return self.offs, self.dues, self.attempts, self.mids
-        i = self.index(seqs[0])
-        j = i + len(seqs)
-        if self.seqs[i:j] == seqs:  # a stretch of the batch, as a consumer's response held it
-            return self.offs[i:j], self.dues[i:j], self.attempts[i:j], self.mids[i:j]
-        idx = list(map(self._pos.__getitem__, seqs))
-        return (
-            list(map(self.offs.__getitem__, idx)),
-            list(map(self.dues.__getitem__, idx)),
-            list(map(self.attempts.__getitem__, idx)),
-            list(map(self.mids.__getitem__, idx)),
-        )
-
-
 class Scheduler:
     def __init__(
         self,
@@ -452,7 +123,7 @@ class Scheduler:
         clock: Callable[[], int],
         done_before: int,
         reopened: set[int],
-        dead_letter: Callable[[records.Message, int, str, int, Callable[[Exception | None], None]], None] | None = None,
+        dead_letter: DeadLetter | None = None,
         closed_retired: int = 0,
         reopened_at: dict[int, int] | None = None,
         groups: GroupTable | None = None,
@@ -463,21 +134,30 @@ class Scheduler:
         self.cfg = config
         self.clock = clock
         self.dead_letter = dead_letter
+        # guards the scheduling state for short stretches, never across disk I/O; the
+        # scheduler thread holds it most, other threads briefly (see docs/internals.md)
         self.lock = threading.RLock()  # apply_group -> add_group re-enter it
-        self._wake = threading.Condition(self.lock)
+        # acks and releases posted by the event loop, applied by whoever next takes the lock
+        # to look at deliveries (the scheduler thread at every turn, Cancel/Get, stats)
+        self._inbox: collections.deque[tuple[str, list[str], int | None]] = collections.deque()
+        self._wakeup = threading.Event()  # set: the scheduler thread goes round at once
+        # dead-letter copies decided under the lock, written outside it by the scheduler thread
+        self._to_dead_letter: list[tuple[int, Item, int]] = []
         self.wheel = TimerWheel(config.tick_ms)
-        self.buckets: dict[int, _Bucket] = {}
-        self.done_before = done_before
-        self.reopened = set(reopened)
-        # Closed messages are counted from durable state, so that ``pending`` survives a
-        # crash: those of buckets already forgotten (done, dispatch records fsynced) here,
-        # saved with done_before in the same checkpoint; those of loaded buckets per bucket
-        # (_Bucket.nclosed, recounted from the dispatch log on each load). A reopened bucket
-        # was counted up to its dispatch log's size when it was reopened (reopened_at).
-        self.closed_retired = closed_retired
-        self.reopened_at: dict[int, int] = dict(reopened_at or {})
+        self.book = BucketBook(
+            schedule,
+            dispatch,
+            config.scale_minutes,
+            done_before=done_before,
+            reopened=reopened,
+            closed_retired=closed_retired,
+            reopened_at=dict(reopened_at or {}),
+        )
+        self.loader = Loader(dispatch, config.corruption)
+        self.ledger = AckLedger()
+        self.writer = DispatchLogWriter(dispatch, config.dispatch_flush_ms)
+        self.writer.on_synced = self._on_synced
         self.dead_lettering: set[int] = set()  # dead-letter copy being written; cancel refused
-        self._horizon = done_before - config.scale_minutes  # highest bucket considered for loading
         self._subjects: list[str] = []
         self._subject_ids: dict[bytes, int] = {}
         self.groups = groups if groups is not None else GroupTable()
@@ -487,33 +167,21 @@ class Scheduler:
         self.legacy_upto = legacy_upto
         self._targets_cache: dict[int, list[Group]] = {}
         self._targets_version = -1
-        self._lanes: dict[tuple[int, int], _Lane] = {}  # (subject id, group id) -> lane
+        self._lanes: dict[tuple[int, int], Lane] = {}  # (subject id, group id) -> lane
         # subject id -> lowest bucket with entries that became due while it had no group
         self._kept: dict[int, int] = {}
         self._ready_total = 0
-        self._rr: collections.deque[_Lane] = collections.deque()  # lanes with ready work
-        self._spilled: set[_Lane] = set()
+        self._rr: collections.deque[Lane] = collections.deque()  # lanes with ready work
+        self._spilled: set[Lane] = set()
         self._partial_any = False  # some loaded bucket has entries closed for some groups only
         self._fired_to = 0  # every wheel entry due at or before this has fired
-        # group id -> seq -> the batch it was handed out in
-        self.in_flight: dict[int, dict[int, _Flight]] = {}
-        # (ack deadline, flights) per dispatched batch, in deadline order
-        self._deadlines: collections.deque[tuple[int, list[_Flight]]] = collections.deque()
-        self._retry_heap: list[tuple[int, int, tuple]] = []
-        self._dispatch_buf: dict[int, bytearray] = {}
-        self._writing: dict[int, bytearray] = {}  # DISPATCH frames being appended to their files
-        self._dispatch_first = 0.0
-        self._write_gen: dict[int, int] = {}  # buckets with DISPATCH records written, not fsynced
-        self._sync_wanted = threading.Event()
-        self._sync_stop = False
-        self._syncer: threading.Thread | None = None
         self.cancelling: set[int] = set()  # cancel accepted, tombstone not yet through iterate
         self.sink: DeliverySink | None = None
         self._tokens = 0.0
         self._tokens_at = time.monotonic()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         self.load_blocked = False
         self._sleeping_until: float | None = None  # when the timer thread, waiting, wakes by itself
         self._last_done_check = 0
@@ -523,9 +191,6 @@ class Scheduler:
         self.redeliveries = 0
         self.dead_lettered = 0
         self.cancel_skipped = 0
-        self.corrupt_skipped = 0
-        self.dispatch_disk_full_total = 0  # DISPATCH writes that found the disk full (tried again later)
-        self._dispatch_waiting_space = False  # the last DISPATCH write found the disk full
         self.on_dispatch: Callable[[list[int]], None] | None = None  # lateness observer (ms)
 
     # --- control --------------------------------------------------------------------------------
@@ -535,40 +200,32 @@ class Scheduler:
         elected again in one process)."""
         with self.lock:
             self._stop = False
-        self._sync_stop = False
         self._thread = threading.Thread(target=self._run, name="qdelay-scheduler", daemon=True)
         self._thread.start()
-        self._syncer = threading.Thread(target=self._sync_loop, name="qdelay-dispatch-sync", daemon=True)
-        self._syncer.start()
+        self.writer.start()
 
     def stop(self) -> None:
         with self.lock:
             self._stop = True
-            self._wake.notify()
+        self._wakeup.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._syncer is not None:
-            self._sync_stop = True
-            self._sync_wanted.set()
-            self._syncer.join()
-            self._syncer = None
-        self._flush_dispatch(force=True)
-        self._sync_dispatch()
-        if self._dispatch_buf:
-            log.warning(
-                "no space for the last DISPATCH records: their messages are delivered again after a restart",
-                extra={"bytes": sum(map(len, self._dispatch_buf.values()))},
-            )
+        with self.lock:
+            self._drain()  # acks posted until now are recorded
+        self.writer.stop()
 
     def wake(self) -> None:
-        with self.lock:
-            self._wake.notify()
+        """Credit returned, or new work: the scheduler thread goes round now (no lock)."""
+        self._wakeup.set()
 
     def set_sink(self, sink: DeliverySink | None) -> None:
-        with self.lock:
-            self.sink = sink
-            self._wake.notify()
+        self.sink = sink
+        self._wakeup.set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error or self.writer.error
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -578,30 +235,36 @@ class Scheduler:
         while self._load_step(now):
             pass
         with self.lock:
+            self._drain()
             self._fire(now)
             self._expire(now)
+        self._write_dead_letters()
         self._dispatch(now)
         while self._reread():
             self._dispatch(now)
-        self._flush_dispatch(force=True)
-        self._sync_dispatch()
+        self.writer.flush(force=True)
+        self.writer.sync()
         self._last_done_check = 0
         self._check_done(now)
 
     def _run(self) -> None:
         try:
             while True:
+                # cleared before the work: a wake-up posted from here on ends the next wait
+                self._wakeup.clear()
                 with self.lock:
                     if self._stop:
                         return
                 now = self.clock()
                 loading = self._load_step(now)
                 with self.lock:
+                    self._drain()
                     self._fire(now)
                     self._expire(now)
+                self._write_dead_letters()
                 more = self._dispatch(now)
                 more = self._reread() or more
-                self._flush_dispatch()
+                self.writer.flush()
                 self._check_done(now)
                 with self.lock:
                     if self._stop:
@@ -610,10 +273,12 @@ class Scheduler:
                     timeout = self._sleep_for(now, loading or more)
                     if timeout > 0:
                         self._sleeping_until = now + timeout * 1000  # read by on_records
-                        self._wake.wait(timeout)
+                if timeout > 0:
+                    self._wakeup.wait(timeout)
+                    with self.lock:
                         self._sleeping_until = None
         except BaseException as err:
-            self.error = err
+            self._error = err
             log.exception("scheduler stopped")
 
     def _sleep_for(self, now: int, loading: bool) -> float:
@@ -623,11 +288,10 @@ class Scheduler:
         nf = self.wheel.next_fire()
         if nf is not None:
             t = min(t, nf)
-        if self._deadlines:
-            t = min(t, self._deadlines[0][0])
-        if self._retry_heap:
-            t = min(t, self._retry_heap[0][0])
-        if self._dispatch_buf:
+        nl = self.ledger.next_wakeup()
+        if nl is not None:
+            t = min(t, nl)
+        if self.writer.has_buffered():
             t = min(t, now + self.cfg.dispatch_flush_ms)
         if self._ready_total and self.sink is not None and self.cfg.dispatch_rate > 0:
             t = min(t, now + 5)
@@ -646,12 +310,12 @@ class Scheduler:
 
     def _load_step(self, now: int) -> bool:
         """Bring buckets into the wheel; return True if more loading is waiting."""
-        scale = self.cfg.scale_minutes
-        horizon = bucket_of(now + self.cfg.load_ahead_ms, scale)
+        book = self.book
+        horizon = bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes)
         with self.lock:
-            if horizon > self._horizon:
-                self._open_buckets(horizon)
-            pending = [st for st in self.buckets.values() if not st.complete]
+            if horizon > book.horizon:
+                book.open_up_to(horizon)
+            pending = book.to_load()
             if not pending:
                 self.load_blocked = False
                 return False
@@ -669,20 +333,24 @@ class Scheduler:
             st = min(pending, key=lambda s: s.bucket)
             need_closed = not st.dispatch_ready
             start, stop = st.cursor, st.seg.size
+            counted_below = book.reopened_at.get(st.bucket, 0)
         if need_closed:
-            closed, counted = self._read_closed(st.bucket, self.reopened_at.get(st.bucket, 0))
+            closed, counted = self.loader.read_closed(st.bucket, counted_below)
             # A bucket loaded in several chunks fires its first entries before the loader
             # reaches the tombstones behind them: collect those tombstones first.
-            tombstones = self._read_tombstones(st, start, stop) if stop - start > self.cfg.load_chunk_bytes else set()
+            chunk = self.cfg.load_chunk_bytes
+            tombstones = self.loader.read_tombstones(st.seg, start, stop, chunk) if stop - start > chunk else set()
             with self.lock:
                 st.closed = closed
                 st.counted = counted
                 st.cancelled |= tombstones
                 st.dispatch_ready = True
                 st.tombstones_known = True
-        frames, nxt = self._read_chunk(st, start, stop) if start < stop else ([], start)
-        entries = self._index(st, frames)
+        frames, nxt = (
+            self.loader.read_chunk(st.seg, start, stop, self.cfg.load_chunk_bytes) if start < stop else ([], start)
+        )
         with self.lock:
+            entries = self._index(st, frames)
             if st.cursor != start:  # only this thread advances a loading cursor
                 raise InvariantViolation(f"bucket {st.bucket} cursor moved during load")
             if entries is not None:
@@ -694,90 +362,119 @@ class Scheduler:
                 self._maybe_done(st, now)
         return True
 
-    def _read_chunk(self, st: _Bucket, start: int, stop: int) -> tuple[list[Frame], int]:
-        """One chunk of a schedule segment; a corrupt record is reported and stepped over.
-
-        The message in a corrupt record cannot be delivered (it is never served as data);
-        the audit job reports it as lost. Everything after it still is.
-        """
-        try:
-            return read_frames(st.seg, start, stop, self.cfg.load_chunk_bytes)
-        except CorruptRecord as err:
-            log.error(
-                "corrupt schedule record skipped", extra={"path": err.path, "offset": err.offset, "reason": err.reason}
-            )
-            self.corrupt_skipped += 1
-            frames: list[Frame] = []
-            pos = start
-            while pos < err.offset:
-                more, pos = read_frames(st.seg, pos, err.offset, self.cfg.load_chunk_bytes)
-                frames.extend(more)
-            rest = st.seg.read(err.offset, stop - err.offset)
-            found = framing.find_next_frame(rest, 1)
-            return frames, err.offset + found if found is not None else stop
-
-    def _read_tombstones(self, st: _Bucket, start: int, stop: int) -> set[int]:
-        found: set[int] = set()
-        pos = start
-        while pos < stop:
-            frames, pos = self._read_chunk(st, pos, stop)
-            for f in frames:
-                if f.kind == RecordKind.CANCEL:
-                    found.add(records.decode_cancel(f.body).target_sequence)
-        return found
-
-    def _open_buckets(self, horizon: int) -> None:
-        """Give every unfinished bucket up to ``horizon`` a state for the loader (lock held)."""
-        for b in self.schedule.buckets():
-            if b > horizon:
-                break
-            if b not in self.buckets and (b >= self.done_before or b in self.reopened):
-                self.buckets[b] = _Bucket(b, self.schedule.get(b))
-        for b in self.reopened:  # reopened buckets are loaded whatever their time
-            if b not in self.buckets and self.schedule.get(b) is not None:
-                self.buckets[b] = _Bucket(b, self.schedule.get(b))
-        self._horizon = max(self._horizon, horizon)
-
-    def _mark_reopened(self, bucket: int) -> None:
-        """A finished bucket comes back (lock held): the closes in its dispatch log so far are
-        in ``closed_retired``; a reload after a restart counts only those after this size."""
-        if bucket not in self.reopened_at:
-            seg = self.dispatch.get(bucket)
-            self.reopened_at[bucket] = seg.size if seg is not None else 0
-
     def prime(self, now: int) -> None:
         """Create the states of the buckets to load before the iterate service starts, so
         that records it replays into them are left to the loader (which dedupes them)."""
         with self.lock:
-            self._open_buckets(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
+            self.book.open_up_to(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
 
-    def _read_closed(self, bucket: int, counted_below: int = 0) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
-        """Per group name, the sequences the dispatch log of ``bucket`` says were delivered
-        or dead-lettered; and per group, those closed by records before offset
-        ``counted_below`` (closes already counted in ``closed_retired``).
+    def _index(self, st: BucketState, frames: list[Frame]) -> Entries | None:
+        """Wheel entries of the MESSAGE frames of a loaded chunk (lock held): cancelled ones
+        and those closed for every group they are for are left out."""
+        due, seq, off, subj = [], [], [], []
+        closed = st.closed or {}
+        counted = st.counted or {}
+        for f in frames:
+            if f.kind == RecordKind.MESSAGE:
+                q = f.sequence
+                if q in st.cancelled:
+                    continue
+                d, subject, _mid = records.message_index_fields(f.body)
+                sid = self.subject_id(subject)
+                if closed:
+                    hit = [name for name, seqs in closed.items() if q in seqs]
+                    if hit:
+                        targets = [g for g in self._targets(sid, q) if g.since <= d]
+                        first = targets[0].name if targets else hit[0]
+                        if first in hit and q not in counted.get(first, ()):
+                            st.nclosed += 1
+                        if targets and all(g.name in hit for g in targets):
+                            continue  # closed for every group it is for
+                        for name in hit:
+                            st.partial.setdefault(name, set()).add(q)
+                        self._partial_any = True
+                due.append(d)
+                seq.append(q)
+                off.append(f.offset)
+                subj.append(sid)
+            elif f.kind == RecordKind.CANCEL:
+                st.cancelled.add(records.decode_cancel(f.body).target_sequence)
+        st.unfired += len(due)
+        if not due:
+            return None
+        n = len(due)
+        return Entries(
+            np.array(due, dtype=np.int64),
+            np.array(seq, dtype=np.int64),
+            np.array(off, dtype=np.int64),
+            np.full(n, st.bucket, dtype=np.int32),
+            np.array(subj, dtype=np.int32),
+        )
 
-        A torn tail is cut (only the last flush before a crash can be torn); a corrupt
-        record in the middle is reported and stepped over: at worst its message is
-        delivered again, which at-least-once allows, rather than the scheduler stopping.
+    def on_records(self, written: list[Scheduled], near: int | None = None) -> None:
+        """Called by the iterate service once records are in schedule segments.
+
+        ``near``: the iterate service handed over the records of buckets up to it only. If
+        the horizon moved past it meanwhile, a bucket opened in between may have been loaded
+        before those records were written and be waiting for them live: such buckets go
+        back to the loader, which reads on from its cursor.
         """
-        closed: dict[str, set[int]] = {}
-        counted: dict[str, set[int]] = {}
-        if self.dispatch.get(bucket) is None:
-            return closed, counted
-        try:
-            self.dispatch.recover(bucket, self.cfg.corruption)
-        except CorruptRecord as err:
-            log.error(
-                "corrupt dispatch record; messages it covered may be delivered again",
-                extra={"path": err.path, "offset": err.offset, "reason": err.reason},
-            )
-        seg = self.dispatch.get(bucket)
-        for f in _dispatch_frames(seg, 0, seg.size):
-            name = records.dispatch_group(f.body)
-            closed.setdefault(name, set()).add(f.sequence)
-            if f.offset < counted_below:
-                counted.setdefault(name, set()).add(f.sequence)
-        return closed, counted
+        book = self.book
+        with self.lock:
+            # wake the timer thread only for work it would not find before it wakes anyway:
+            # waking it for every read of the iterate service cost ~1 µs per ingested message
+            wake = False
+            sleeping_until = self._sleeping_until
+            if near is not None and book.horizon > near:
+                for st in book.loaded.values():
+                    if st.bucket > near and st.complete:
+                        st.complete = False
+                        wake = True
+            for rec in written:
+                got = book.get(rec.bucket)
+                if got is None:
+                    if rec.bucket > book.horizon or rec.bucket in book.reopened:
+                        continue  # the loader will find it (and dedupe it) when its time comes
+                    seg = self.schedule.get(rec.bucket)
+                    if seg is None:
+                        continue
+                    wake = True
+                    # a bucket with nothing left to do (finished, or new behind the horizon)
+                    got = book.loaded[rec.bucket] = BucketState(rec.bucket, seg, rec.offset, True)
+                    got.dispatch_ready = True
+                    book.reopen(rec.bucket)
+                st = got
+                if rec.kind == RecordKind.CANCEL:
+                    # known at once, whatever the loader's progress: an entry loaded from an
+                    # earlier chunk must not fire after its cancel was acknowledged
+                    st.cancelled.add(rec.target)
+                if not st.complete:
+                    wake = True
+                    continue  # the loader has not reached the end; it will index this record
+                if st.cursor != rec.offset:
+                    log.error(
+                        "schedule segment out of step with the wheel; reloading",
+                        extra={"bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset},
+                    )
+                    st.complete = False
+                    wake = True
+                    continue
+                if rec.kind == RecordKind.MESSAGE:
+                    if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
+                        st.complete = False  # over budget: the loader streams the rest later
+                        wake = True
+                        continue
+                    self.wheel.add(rec.due, rec.sequence, rec.offset, rec.bucket, self.subject_id(rec.subject))
+                    if sleeping_until is None or rec.due < sleeping_until:
+                        wake = True
+                    st.unfired += 1
+                    st.done = False
+                st.cursor = rec.offset + rec.size
+            for rec in written:
+                if rec.kind == RecordKind.CANCEL:
+                    self.cancelling.discard(rec.target)
+            if wake:
+                self._wakeup.set()
 
     # --- groups -----------------------------------------------------------------------------------
 
@@ -796,11 +493,11 @@ class Scheduler:
             self._targets_cache[sid] = got
         return got
 
-    def _lane(self, sid: int, gid: int) -> _Lane:
+    def _lane(self, sid: int, gid: int) -> Lane:
         lane = self._lanes.get((sid, gid))
         if lane is None:
-            lane = self._lanes[(sid, gid)] = _Lane(sid, gid)
-            self.in_flight.setdefault(gid, {})
+            lane = self._lanes[(sid, gid)] = Lane(sid, gid)
+            self.ledger.open_group(gid)
         return lane
 
     def apply_group(self, rec: records.Group, at_ms: int, seq: int) -> bool:
@@ -837,7 +534,7 @@ class Scheduler:
                 lane.spilled = True
                 lane.drop_from = read_from
                 self._spilled.add(lane)
-            self._wake.notify()
+            self._wakeup.set()
             return True
 
     def remove_group(self, subject: str, name: str, at_ms: int) -> bool:
@@ -853,136 +550,43 @@ class Scheduler:
                 self._spilled.discard(lane)
                 if lane in self._rr:
                     self._rr.remove(lane)
-            self.in_flight.pop(g.gid, None)
-            for st in self.buckets.values():
+            self.ledger.drop_group(g.gid)
+            for st in self.book.loaded.values():
                 st.owed.pop(g.gid, None)
                 st.partial.pop(name, None)
-            self._wake.notify()
+            self._wakeup.set()
             return True
 
-    def group_stats(self) -> list[dict]:
+    def group_stats(self) -> list[dict[str, Any]]:
         """Per group: ready (due, in memory), whether it spilled to disk, in flight."""
         with self.lock:
+            self._drain()
             out = []
             for g in self.groups.all():
-                lanes = [ln for (sid, gid), ln in self._lanes.items() if gid == g.gid]
+                lanes = [ln for (_sid, gid), ln in self._lanes.items() if gid == g.gid]
                 out.append(
                     {
                         "subject": g.subject,
                         "group": g.name,
                         "ready": sum(ln.ready.count for ln in lanes),
                         "spilled": any(ln.spilled for ln in lanes),
-                        "in_flight": len(self.in_flight.get(g.gid, ())),
+                        "in_flight": self.ledger.count_of(g.gid),
                         "since": g.since,
                         "created_ms": g.created_ms,
                     }
                 )
             return out
 
-    def _index(self, st: _Bucket, frames: list[Frame]) -> Entries | None:
-        due, seq, off, subj = [], [], [], []
-        closed = st.closed or {}
-        counted = st.counted or {}
+    def groups_of(self, subject: str) -> list[Group]:
         with self.lock:
-            for f in frames:
-                if f.kind == RecordKind.MESSAGE:
-                    q = f.sequence
-                    if q in st.cancelled:
-                        continue
-                    d, subject, _mid = records.message_index_fields(f.body)
-                    sid = self.subject_id(subject)
-                    if closed:
-                        hit = [name for name, seqs in closed.items() if q in seqs]
-                        if hit:
-                            targets = [g for g in self._targets(sid, q) if g.since <= d]
-                            first = targets[0].name if targets else hit[0]
-                            if first in hit and q not in counted.get(first, ()):
-                                st.nclosed += 1
-                            if targets and all(g.name in hit for g in targets):
-                                continue  # closed for every group it is for
-                            for name in hit:
-                                st.partial.setdefault(name, set()).add(q)
-                            self._partial_any = True
-                    due.append(d)
-                    seq.append(q)
-                    off.append(f.offset)
-                    subj.append(sid)
-                elif f.kind == RecordKind.CANCEL:
-                    st.cancelled.add(records.decode_cancel(f.body).target_sequence)
-            st.unfired += len(due)
-        if not due:
-            return None
-        n = len(due)
-        return Entries(
-            np.array(due, dtype=np.int64),
-            np.array(seq, dtype=np.int64),
-            np.array(off, dtype=np.int64),
-            np.full(n, st.bucket, dtype=np.int32),
-            np.array(subj, dtype=np.int32),
-        )
+            return self.groups.of_subject(subject)
 
-    def on_records(self, written: list[Scheduled], near: int | None = None) -> None:
-        """Called by the iterate service once records are in schedule segments.
-
-        ``near``: the iterate service handed over the records of buckets up to it only. If
-        the horizon moved past it meanwhile, a bucket opened in between may have been loaded
-        before those records were written and be waiting for them live: such buckets go
-        back to the loader, which reads on from its cursor.
-        """
-        with self.lock:
-            # wake the timer thread only for work it would not find before it wakes anyway:
-            # waking it for every read of the iterate service cost ~1 µs per ingested message
-            wake = False
-            sleeping_until = self._sleeping_until
-            if near is not None and self._horizon > near:
-                for st in self.buckets.values():
-                    if st.bucket > near and st.complete:
-                        st.complete = False
-                        wake = True
-            for rec in written:
-                st = self.buckets.get(rec.bucket)
-                if st is None:
-                    if rec.bucket > self._horizon or rec.bucket in self.reopened:
-                        continue  # the loader will find it (and dedupe it) when its time comes
-                    wake = True
-                    # a bucket with nothing left to do (finished, or new behind the horizon)
-                    seg = self.schedule.get(rec.bucket)
-                    st = self.buckets[rec.bucket] = _Bucket(rec.bucket, seg, rec.offset, True)
-                    st.dispatch_ready = True
-                    if rec.bucket < self.done_before:
-                        self.reopened.add(rec.bucket)
-                        self._mark_reopened(rec.bucket)
-                if rec.kind == RecordKind.CANCEL:
-                    # known at once, whatever the loader's progress: an entry loaded from an
-                    # earlier chunk must not fire after its cancel was acknowledged
-                    st.cancelled.add(rec.target)
-                if not st.complete:
-                    wake = True
-                    continue  # the loader has not reached the end; it will index this record
-                if st.cursor != rec.offset:
-                    log.error(
-                        "schedule segment out of step with the wheel; reloading",
-                        extra={"bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset},
-                    )
-                    st.complete = False
-                    wake = True
-                    continue
-                if rec.kind == RecordKind.MESSAGE:
-                    if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
-                        st.complete = False  # over budget: the loader streams the rest later
-                        wake = True
-                        continue
-                    self.wheel.add(rec.due, rec.sequence, rec.offset, rec.bucket, self.subject_id(rec.subject))
-                    if sleeping_until is None or rec.due < sleeping_until:
-                        wake = True
-                    st.unfired += 1
-                    st.done = False
-                st.cursor = rec.offset + rec.size
-            for rec in written:
-                if rec.kind == RecordKind.CANCEL:
-                    self.cancelling.discard(rec.target)
-            if wake:
-                self._wake.notify()
+    def gid_of(self, subject: str, group: str) -> int | None:
+        """The id of a group, or None. Without the lock (the event loop asks on every ack):
+        two dict lookups, each atomic under the GIL; a group created or deleted meanwhile
+        is seen before or after, as with the lock."""
+        g = self.groups.get(subject, group)
+        return None if g is None else g.gid
 
     # --- timer ------------------------------------------------------------------------------------
 
@@ -995,7 +599,7 @@ class Scheduler:
             return
         buckets, counts = np.unique(due.bucket, return_counts=True)
         for b, c in zip(buckets.tolist(), counts.tolist()):
-            st = self.buckets.get(b)
+            st = self.book.get(b)
             if st is not None:
                 st.unfired -= c
         # split by subject, keeping due order inside each subject
@@ -1014,7 +618,7 @@ class Scheduler:
             for g in targets:
                 self._to_lane(self._lane(sid, g.gid), g, part)
 
-    def _to_lane(self, lane: _Lane, g: Group, part: Entries) -> None:
+    def _to_lane(self, lane: Lane, g: Group, part: Entries) -> None:
         """Queue fired entries for one group (lock held): those it is for, not closed for
         it already and not just read back; a spilled lane forgets them (they are on disk)."""
         if g.since > int(part.due.min()):
@@ -1022,7 +626,7 @@ class Scheduler:
         if self._partial_any and len(part):
             keep = np.ones(len(part), dtype=bool)
             for b in np.unique(part.bucket).tolist():
-                st = self.buckets.get(b)
+                st = self.book.get(b)
                 done_for_g = st.partial.get(g.name) if st is not None else None
                 if done_for_g:
                     keep &= ~((part.bucket == b) & np.isin(part.seq, list(done_for_g)))
@@ -1040,8 +644,7 @@ class Scheduler:
         q = lane.ready
         if q.count == 0:
             self._rr.append(lane)
-        q.chunks.append([part, 0])
-        q.count += len(part)
+        q.push(part)
         self._ready_total += len(part)
         if q.count > self._lane_bound():
             self._spill(lane)
@@ -1052,13 +655,13 @@ class Scheduler:
             return
         first = int(buckets[0])
         if int(buckets[-1]) == first and (len(buckets) < 3 or bool((buckets == first).all())):
-            st = self.buckets.get(first)
+            st = self.book.get(first)
             if st is not None:
                 st.owe(gid, sign * len(buckets))
             return
         bs, cs = np.unique(buckets, return_counts=True)
         for b, c in zip(bs.tolist(), cs.tolist()):
-            st = self.buckets.get(b)
+            st = self.book.get(b)
             if st is not None:
                 st.owe(gid, sign * c)
 
@@ -1077,7 +680,7 @@ class Scheduler:
                 return
             self._spill(lane)
 
-    def _spill(self, lane: _Lane) -> None:
+    def _spill(self, lane: Lane) -> None:
         """A lane over its bound forgets its queued entries (lock held); retries stay."""
         dropped = lane.ready.drop_chunks()
         n = sum(map(len, dropped))
@@ -1095,22 +698,12 @@ class Scheduler:
 
     def _expire(self, now: int) -> None:
         """Deliveries not acknowledged in time go back for another attempt (or dead letters)."""
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _deadline, flights = self._deadlines.popleft()
-            for fl in flights:
-                in_flight = self.in_flight.get(fl.gid)
-                if in_flight is None:
-                    continue  # the group was deleted
-                for seq in fl.seqs:
-                    if in_flight.get(seq) is not fl:
-                        continue  # acknowledged, or handed out again since
-                    del in_flight[seq]
-                    self._expired(seq, fl.item(seq), now)
-        while self._retry_heap and self._retry_heap[0][0] <= now:
-            _t, _seq, item = heapq.heappop(self._retry_heap)
+        for seq, item in self.ledger.expired(now):
+            self._expired(seq, item, now)
+        for item in self.ledger.due_retries(now):
             self._requeue(item)
 
-    def _expired(self, seq: int, item: tuple, now: int) -> None:
+    def _expired(self, seq: int, item: Item, now: int) -> None:
         """One delivery's ack timeout passed: retry after a backoff, or dead-letter it."""
         self.redeliveries += 1
         attempt = item[4] - 1
@@ -1118,9 +711,9 @@ class Scheduler:
             self._dead_letter(seq, item, now)
             return
         backoff = min(self.cfg.max_backoff_ms, self.cfg.retry_backoff_ms * (2 ** (attempt - 1)))
-        heapq.heappush(self._retry_heap, (now + backoff, seq, item))
+        self.ledger.retry_at(now + backoff, seq, item)
 
-    def _requeue(self, item: tuple) -> None:
+    def _requeue(self, item: Item) -> None:
         """Put a retry at the front of its lane (lock held); a deleted group's is dropped."""
         seq, off, bucket, due, attempt, subj, gid = item
         lane = self._lanes.get((subj, gid))
@@ -1129,8 +722,7 @@ class Scheduler:
         q = lane.ready
         if q.count == 0:
             self._rr.append(lane)
-        q.retries.append((seq, off, bucket, due, attempt))
-        q.count += 1
+        q.push_retry((seq, off, bucket, due, attempt))
         self._ready_total += 1
 
     # --- reading back what spilled lanes keep on disk ----------------------------------------------
@@ -1156,8 +748,8 @@ class Scheduler:
                     for ln in self._spilled
                     if ln.ready.count < limit // 2
                     and (
-                        (g := self.groups.by_gid(ln.gid)) is None
-                        or sink.credit(self._subjects[ln.sid], g.name) > 0
+                        (g0 := self.groups.by_gid(ln.gid)) is None
+                        or sink.credit(self._subjects[ln.sid], g0.name) > 0
                         or (ln.walk is None and ln.drop_from is None)
                     )
                 ),
@@ -1175,48 +767,70 @@ class Scheduler:
                     lane.spilled = False
                     self._spilled.discard(lane)
                     return True
-                lane.walk = _Pass(lane.drop_from, self._fired_to)
+                lane.walk = Pass(lane.drop_from, self._fired_to)
                 lane.drop_from = None
             w = lane.walk
             last = bucket_of(w.hi, self.cfg.scale_minutes)
-            nxt = min((b for b in self.buckets if w.bucket <= b <= last), default=None)
+            nxt = min((b for b in self.book.loaded if w.bucket <= b <= last), default=None)
             if nxt is None:
                 lane.walk = None  # the pass is over
                 return True
             if nxt != w.bucket:
                 w.bucket, w.offset = nxt, 0
-            st = self.buckets[nxt]
+            st = self.book.loaded[nxt]
             start, stop = w.offset, st.cursor
             closed_known = w.closed_bucket == nxt
+            closed_size = w.closed_size
         if start >= stop:
             with self.lock:
                 if lane.walk is w:
                     w.bucket += self.cfg.scale_minutes
                     w.offset = 0
             return True
-        try:
-            cols = read_columns(st.seg, start, stop, self.cfg.load_chunk_bytes)
-            after = cols.base + cols.end
-        except CorruptRecord as err:  # reported by the loader; step over it here
-            cols = read_columns(st.seg, start, err.offset) if err.offset > start else None
-            rest = st.seg.read(err.offset, stop - err.offset)
-            found = framing.find_next_frame(rest, 1)
-            after = err.offset + found if found is not None else stop
+        # the disk reads, outside the lock: the chunk, and the group's closes in the
+        # bucket's dispatch log (all of it on the first visit, what was appended since after)
+        cols, after = columns_past_damage(st.seg, start, stop, self.cfg.load_chunk_bytes)
         picked = self._lane_rows(cols, self._subjects[lane.sid].encode(), g.since, w.hi) if cols else None
-        if not closed_known:
-            size, closes = self._group_closes(nxt, g.stored, 0)
-        with self.lock:
-            if lane.walk is not w:
-                return True
-            if not closed_known:
-                w.closed_bucket, w.closed_size, w.closed = nxt, size, closes
-            if picked is not None and len(picked[0]):
-                self._take_back(lane, g, st, w, *picked)
-            w.offset = after
+        size, closes = self._group_closes(nxt, g.stored, closed_size if closed_known else 0)
+        for tries in itertools.count():
+            with self.lock:
+                if lane.walk is not w:
+                    return True
+                dseg = self.dispatch.get(nxt)
+                grown = dseg is not None and dseg.size > size
+                if not grown or tries >= 3:
+                    if grown:  # appended again and again meanwhile: read the rest here (rare)
+                        size, more = self._group_closes(nxt, g.stored, size)
+                        closes |= more
+                    if not closed_known:
+                        w.closed_bucket, w.closed_size, w.closed = nxt, size, closes
+                    else:
+                        w.closed_size = max(w.closed_size, size)
+                        w.closed |= closes
+                    # closes written since the file was read are in the writer's buffers
+                    # (an ack moves a delivery into them under this lock)
+                    if picked is not None and len(picked[0]):
+                        self._take_back(lane, g, st, w, *picked)
+                    w.offset = after
+                    return True
+            # records were appended since the read (a flush): read them before applying,
+            # outside the lock
+            size, more = self._group_closes(nxt, g.stored, size)
+            closes |= more
         return True
 
+    def _group_closes(self, bucket: int, stored: bytes, start: int) -> tuple[int, set[int]]:
+        """(size read, sequences closed for the group stored as ``stored``) of the dispatch
+        log of ``bucket`` from ``start`` (found column-wise)."""
+        seg = self.dispatch.get(bucket)
+        if seg is None:
+            return 0, set()
+        size = seg.size
+        name = stored.decode() or records.DEFAULT_GROUP
+        return size, set(bucket_log.group_closes_in(seg, start, size, name).tolist())
+
     @staticmethod
-    def _lane_rows(cols, subject: bytes, since: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _lane_rows(cols: Columns, subject: bytes, since: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(seqs, file offsets, due times) of the MESSAGE frames of ``cols`` of ``subject``
         due in [since, hi]: checked column-wise on the frames' bytes."""
         rows = (cols.kinds == RecordKind.MESSAGE) & (cols.dues <= hi) & (cols.dues >= since)
@@ -1234,24 +848,11 @@ class Scheduler:
                 idx = idx[(raw[at] == want).all(axis=1)]
         return cols.seqs[idx], cols.starts[idx] + cols.base, cols.dues[idx]
 
-    def _group_closes(self, bucket: int, stored: bytes, start: int) -> tuple[int, set[int]]:
-        """(size read, sequences closed for the group stored as ``stored``) of the dispatch
-        log of ``bucket`` from ``start``."""
-        seg = self.dispatch.get(bucket)
-        if seg is None:
-            return 0, set()
-        size = seg.size
-        name = stored.decode() or records.DEFAULT_GROUP
-        return size, set(bucket_log.group_closes_in(seg, start, size, name).tolist())
-
     def _take_back(
-        self, lane: _Lane, g: Group, st: _Bucket, w: _Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
+        self, lane: Lane, g: Group, st: BucketState, w: Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
     ) -> None:
         """Queue entries read back for a spilled lane (lock held), minus those in memory,
         closed or cancelled by now."""
-        size, more = self._group_closes(st.bucket, g.stored, w.closed_size)  # appended since
-        w.closed_size = max(w.closed_size, size)
-        w.closed |= more
         # what is not to be read back: a membership test per set, on the entries read
         # (unions of the sets cost their sizes per chunk: ``w.closed`` grows to the whole
         # backlog while it drains, which made a 5 M-message drain quadratic)
@@ -1259,10 +860,9 @@ class Scheduler:
         queued = [e.seq[pos:] for e, pos in lane.ready.chunks]
         if queued:
             keep &= ~np.isin(seqs, np.concatenate(queued))
-        pending = self.pending_dispatch(st.bucket)
+        pending = self.writer.pending(st.bucket)
         held: set[int] = {item[0] for item in lane.ready.retries}
-        held.update(self.in_flight.get(lane.gid, ()))
-        held.update(it[1] for it in self._retry_heap if it[2][6] == lane.gid)
+        held |= self.ledger.held(lane.gid)
         if pending:
             held.update(bucket_log.group_closes_of(pending, g.name).tolist())
         listed = seqs.tolist()
@@ -1284,15 +884,14 @@ class Scheduler:
         q = lane.ready
         if q.count == 0:
             self._rr.append(lane)
-        q.chunks.append([e, 0])
-        q.count += n
+        q.push(e)
         self._ready_total += n
         st.owe(lane.gid, n)
         if lane.recent is None:
             lane.recent = set(seqs.tolist())
         else:
             lane.recent.update(seqs.tolist())  # in place: a drain adds its whole backlog here
-        self._wake.notify()
+        self._wakeup.set()
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -1310,13 +909,19 @@ class Scheduler:
     def _dispatch(self, now: int) -> bool:
         """Hand ready entries to the sink; True if it stopped at the round limit with
         deliveries still flowing (the loop then goes round again without sleeping: no ack
-        or credit notification may come to wake it)."""
+        or credit notification may come to wake it).
+
+        Each round takes entries from the lanes under the lock, reads their records back
+        outside it (the event loop, Cancel and Get never wait for that read), then under
+        the lock again drops what was cancelled or deleted meanwhile and registers the rest
+        as in flight before handing the batches over.
+        """
         sink = self.sink
         if sink is None:
             return False
         rounds = 0
         while True:
-            batches: list[Deliveries] = []
+            taken: list[_Taken] = []
             with self.lock:
                 if not self._rr or self._stop:
                     break
@@ -1333,38 +938,30 @@ class Scheduler:
                     if n > 0:
                         seqs, offs, buckets, dues, attempts = q.take(n)
                         self._ready_total -= len(seqs)
-                        out = self._prepare(lane, g, name, seqs, offs, buckets, dues, attempts, now)
-                        if out is not None:
-                            batches.append(out)
+                        parts = self._by_bucket(lane.gid, seqs, offs, buckets, dues, attempts)
+                        if parts:
+                            taken.append(_Taken(lane, g, name, parts))
                     if q.count > 0:
                         self._rr.append(lane)
+            if not taken:
+                return False
+            for t in taken:  # the disk reads, outside the lock
+                for part in t.parts:
+                    part.read = read_messages(part.st.seg, part.seqs, part.offs)
+            with self.lock:
+                batches = [b for b in (self._hand_out(t, now) for t in taken) if b is not None]
             for out in batches:
                 sink.deliver(out.subject, out.group, out)
             rounds += 1
-            if not batches:
-                return False
             if rounds >= 64:  # let the loop flush dispatch records and fire new entries
                 return True
         return False
 
-    def _prepare(
-        self,
-        lane: _Lane,
-        g: Group,
-        name: str,
-        seqs: list[int],
-        offs: list[int],
-        buckets: list[int],
-        dues: list[int],
-        attempts: list[int],
-        now: int,
-    ) -> Deliveries | None:
-        """Turn ready items (columns, all of one lane) into deliveries (lock held): drop
-        cancelled ones, read the records back, register them as in flight for the group.
-
-        This is the per-message hot path of a burst, so it works on columns: no object or
-        tuple per delivery except the in-flight entry an ack needs.
-        """
+    def _by_bucket(
+        self, gid: int, seqs: list[int], offs: list[int], buckets: list[int], dues: list[int], attempts: list[int]
+    ) -> list[_Part]:
+        """Ready items (columns, all of one lane) split by bucket, cancelled ones dropped
+        (lock held)."""
         first = buckets[0]
         if buckets.count(first) == len(buckets):
             by_bucket = [(first, seqs, offs, dues, attempts)]
@@ -1376,61 +973,78 @@ class Scheduler:
                 (b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx], [attempts[i] for i in idx])
                 for b, idx in where.items()
             ]
+        parts = []
+        for bucket, g_seqs, g_offs, g_dues, g_attempts in by_bucket:
+            st = self.book.get(bucket)
+            if st is None:
+                continue  # cannot happen for indexed entries; guards against a dropped bucket
+            part = _Part(st, g_seqs, g_offs, g_dues, g_attempts)
+            if self._drop_cancelled(part, gid):
+                parts.append(part)
+        return parts
+
+    def _drop_cancelled(self, part: _Part, gid: int) -> bool:
+        """Drop the part's cancelled entries (lock held); False if none is left."""
+        st = part.st
+        if st.cancelled or self.cancelling:
+            cancelled, cancelling = st.cancelled, self.cancelling
+            keep = [i for i, q in enumerate(part.seqs) if q not in cancelled and q not in cancelling]
+            if len(keep) < len(part.seqs):
+                skipped = len(part.seqs) - len(keep)
+                st.owe(gid, -skipped)
+                self.cancel_skipped += skipped
+                part.keep(keep)
+        return bool(part.seqs)
+
+    def _hand_out(self, t: _Taken, now: int) -> Deliveries | None:
+        """Turn parts read back into one batch of deliveries (lock held): drop what was
+        cancelled while they were read, and unreadable records; register the rest as in
+        flight for the group.
+
+        This is the per-message hot path of a burst, so it works on columns: no object or
+        tuple per delivery except the in-flight entry an ack needs.
+        """
+        lane, gid = t.lane, t.lane.gid
+        if self._lanes.get((lane.sid, gid)) is not lane or self.groups.by_gid(gid) is None:
+            return None  # the group was deleted while its records were read
         o_seqs: list[int] = []
         o_dues: list[int] = []
         o_attempts: list[int] = []
         o_mids: list[bytes] = []
         o_payloads: list[bytes] = []
         o_headers: list[dict[str, str] | None] = []
-        gid = lane.gid
-        in_flight = self.in_flight[gid]
-        flights: list[_Flight] = []
-        for bucket, g_seqs, g_offs, g_dues, g_attempts in by_bucket:
-            st = self.buckets.get(bucket)
-            if st is None:
-                continue  # cannot happen for indexed entries; guards against a dropped bucket
-            if st.cancelled or self.cancelling:
-                cancelled, cancelling = st.cancelled, self.cancelling
-                keep = [i for i, q in enumerate(g_seqs) if q not in cancelled and q not in cancelling]
-                if len(keep) < len(g_seqs):
-                    skipped = len(g_seqs) - len(keep)
-                    st.owe(gid, -skipped)
-                    self.cancel_skipped += skipped
-                    g_seqs, g_offs, g_dues, g_attempts = (
-                        [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts)
-                    )
-                    if not g_seqs:
-                        continue
-            mids, payloads, headers = self._read_group(st, g_seqs, g_offs)
-            if None in mids:  # unreadable records: reported by _read_group, never served
+        flights: list[Flight] = []
+        for part in t.parts:
+            st = part.st
+            if not self._drop_cancelled(part, gid):  # cancelled while being read
+                continue
+            mids, payloads, headers = part.read
+            if None in mids:  # unreadable records: reported by read_messages, never served
                 keep = [i for i, m in enumerate(mids) if m is not None]
                 bad = len(mids) - len(keep)
                 st.owe(gid, -bad)
-                self.corrupt_skipped += bad
-                g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers = (
-                    [col[i] for i in keep] for col in (g_seqs, g_offs, g_dues, g_attempts, mids, payloads, headers)
-                )
-                if not g_seqs:
+                self.loader.corrupt_skipped += bad
+                part.keep(keep)
+                if not part.seqs:
                     continue
-            fl = _Flight(bucket, lane.sid, gid, now, g_seqs, g_offs, g_dues, g_attempts, mids)
-            in_flight.update(zip(g_seqs, itertools.repeat(fl)))
-            flights.append(fl)
-            o_seqs += g_seqs
-            o_dues += g_dues
-            o_attempts += g_attempts
+                mids, payloads, headers = part.read
+            flights.append(Flight(st.bucket, lane.sid, gid, now, part.seqs, part.offs, part.dues, part.attempts, mids))
+            o_seqs += part.seqs
+            o_dues += part.dues
+            o_attempts += part.attempts
             o_mids += mids
             o_payloads += payloads
             o_headers += headers
         if not o_seqs:
             return None
-        self._deadlines.append((now + self.cfg.ack_timeout_ms, flights))
+        self.ledger.hand_out(flights, now + self.cfg.ack_timeout_ms)
         self.dispatched += len(o_seqs)
         if self.on_dispatch is not None:
             lateness = [now - d for d, a in zip(o_dues, o_attempts) if a == 1]
             if lateness:
                 self.on_dispatch(lateness)
-        out = Deliveries(
-            name,
+        return Deliveries(
+            t.name,
             [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
             o_mids,
             o_payloads,
@@ -1438,221 +1052,64 @@ class Scheduler:
             o_dues,
             now,
             o_attempts,
-            g.name,
+            t.group.name,
         )
-        return out
 
-    def _read_group(self, st: _Bucket, seqs: list[int], offs: list[int]) -> tuple[list, list, list]:
-        """Message ids (bytes), payloads and headers (dict or None) of the records of one
-        bucket at ``offs``, each in the input's order; the id is None for a record that
-        cannot be served.
+    # --- acknowledgements ---------------------------------------------------------------------------
 
-        Records are read with one pread per run of offsets less than 256 KiB apart and
-        checked column-wise (:meth:`_check_run`); one that fails is read again on its own
-        and, if still bad, reported and skipped.
-        """
-        n = len(seqs)
-        o = np.array(offs, dtype=np.int64)
-        in_order = n < 2 or bool((o[1:] > o[:-1]).all())
-        order = None if in_order else np.argsort(o, kind="stable")
-        so = o if order is None else o[order]
-        sseq = np.array(seqs if order is None else [seqs[k] for k in order.tolist()], dtype=np.int64)
-        mids: list = [None] * n
-        payloads: list = [None] * n
-        headers: list = [None] * n
-        failed: list[int] = []
-        i = 0
-        while i < n:
-            first = int(so[i])
-            j = int(np.searchsorted(so, first + 256 * 1024, side="left"))
-            data = st.seg.read(first, int(so[j - 1]) - first + 16 * 1024)
-            failed += self._check_run(data, so[i:j] - first, sseq[i:j], mids, payloads, headers, i)
-            i = j
-        for k in failed:  # longer than what was read, or really corrupt: the slow, fully checked path
-            mids[k], payloads[k], headers[k] = self._read_one(st, int(sseq[k]), int(so[k]))
-            if headers[k] is not None:
-                headers[k] = self._headers(headers[k], int(sseq[k]), int(so[k]), mids, k)
-        if order is not None:  # back to the input's order
-            back = order.tolist()
-            m2, p2, h2 = [None] * n, [None] * n, [None] * n
-            for pos, k in enumerate(back):
-                m2[k], p2[k], h2[k] = mids[pos], payloads[pos], headers[pos]
-            mids, payloads, headers = m2, p2, h2
-        return mids, payloads, headers
+    def post_ack(self, ack_ids: list[str], gid: int | None = None) -> None:
+        """Acknowledge deliveries without waiting (the event loop): the ids are queued for
+        the scheduler thread, which wakes for them; no lock is taken here."""
+        self._inbox.append(("ack", ack_ids, gid))
+        self._wakeup.set()
 
-    def _check_run(
-        self, data: bytes, rel: np.ndarray, seqs: np.ndarray, mids: list, payloads: list, headers: list, base: int
-    ) -> list[int]:
-        """Check and split the records at offsets ``rel`` of ``data`` (one read): fill
-        ``mids``/``payloads``/``headers`` from position ``base`` on, return the positions
-        (from ``base``) that failed a check and were left empty. One call of the native
-        codec (``read_messages``), or its Python twin (segments/reader.py).
-        """
-        codec = native.codec
-        read = codec.read_messages if codec is not None else read_messages_py
-        got_mids, got_payloads, raw_headers, bad = read(
-            data, np.ascontiguousarray(rel, dtype=np.int64), np.ascontiguousarray(seqs, dtype=np.int64)
-        )
-        n = len(rel)
-        mids[base : base + n] = got_mids
-        payloads[base : base + n] = got_payloads
-        if raw_headers.count(None) != n:
-            for k, raw in enumerate(raw_headers):
-                if raw is not None:
-                    headers[base + k] = self._headers(raw, int(seqs[k]), int(rel[k]), mids, base + k)
-        return [base + k for k in bad]
+    def post_release(self, ack_ids: list[str], gid: int | None = None) -> None:
+        """``release`` without waiting (the event loop): queued like ``post_ack``."""
+        self._inbox.append(("release", ack_ids, gid))
+        self._wakeup.set()
 
-    def _headers(self, raw: bytes, seq: int, off: int, mids: list, k: int) -> dict[str, str] | None:
-        """Decode a checked record's header block; a malformed one makes the record
-        unservable (``mids[k] = None``)."""
-        try:
-            return records.decode_headers(raw)
-        except ValueError as err:
-            log.error(
-                "malformed headers in a schedule record; it cannot be delivered",
-                extra={"offset": off, "sequence": seq, "reason": str(err)},
-            )
-            mids[k] = None
-            return None
-
-    def _read_one(self, st: _Bucket, seq: int, off: int) -> tuple:
-        """(message id, payload, raw headers or None) of one record read and checked on its
-        own, or (None, None, None) if it cannot be served."""
-        try:
-            f = st.seg.read_frame(off)
-        except CorruptRecord as err:
-            log.error(
-                "corrupt schedule record; it cannot be delivered",
-                extra={"path": err.path, "offset": err.offset, "reason": err.reason},
-            )
-            return None, None, None
-        if f.sequence != seq or f.kind != RecordKind.MESSAGE:
-            log.error(
-                "schedule record is not the indexed message; it cannot be delivered",
-                extra={"offset": off, "sequence": seq, "found": f.sequence},
-            )
-            return None, None, None
-        body = f.body
-        slen = mlen = hlen = plen = -1
-        if len(body) >= records.MESSAGE_FIXED.size:
-            _due, slen, mlen, hlen, plen = records.MESSAGE_FIXED.unpack_from(body, 0)
-        a = records.MESSAGE_FIXED.size + slen
-        if slen < 0 or a + mlen + hlen + plen != len(body):
-            log.error("malformed schedule record; it cannot be delivered", extra={"offset": off, "sequence": seq})
-            return None, None, None
-        return body[a : a + mlen], body[a + mlen + hlen :], (body[a + mlen : a + mlen + hlen] if hlen else None)
-
-    # --- acknowledgements and the dispatch log ------------------------------------------------------
-
-    def groups_of(self, subject: str) -> list[Group]:
-        with self.lock:
-            return self.groups.of_subject(subject)
-
-    def gid_of(self, subject: str, group: str) -> int | None:
-        with self.lock:
-            g = self.groups.get(subject, group)
-            return None if g is None else g.gid
+    def _drain(self) -> None:
+        """Apply the acks and releases posted so far, in order (lock held)."""
+        inbox = self._inbox
+        while inbox:
+            op, ids, gid = inbox.popleft()
+            if op == "ack":
+                self._ack(ids, gid)
+            else:
+                self._release(ids, gid)
 
     def ack(self, ack_ids: list[str], gid: int | None = None) -> int:
-        """Close acknowledged deliveries of group ``gid`` (None: the group of the subject
-        that has only one, for tests and tools): one lock hold and one encode per bucket
-        for the whole request, the DISPATCH frames buffered for the loop to write and fsync."""
-        now = self.clock()
-        seqs = _ack_sequences(ack_ids)
+        """Close acknowledged deliveries of group ``gid`` (None: whichever group has them in
+        flight, for tests and tools) and say how many were in flight: one lock hold and one
+        encode per bucket for the whole request, the DISPATCH frames buffered for the loop
+        to write and fsync. Waits for the lock: the event loop posts instead (post_ack)."""
         with self.lock:
-            # an id already acknowledged, expired or from another server finds nothing
-            if gid is None:
-                flights = [self._pop_flight(q) for q in seqs]
-            else:
-                in_flight = self.in_flight.get(gid)
-                if in_flight is None:
-                    return 0
-                flights = list(map(in_flight.pop, seqs, itertools.repeat(None)))
-            first = flights[0] if flights else None
-            if first is not None and flights.count(first) == len(flights):
-                groups = [(first, seqs)]  # the usual case: one batch acknowledged as handed out
-            else:  # several batches (or unknown ids): one group per run of the same batch
-                groups = []
-                start = 0
-                for fl, run in itertools.groupby(flights):
-                    k = sum(1 for _ in run)
-                    if fl is not None:
-                        groups.append((fl, seqs[start : start + k]))
-                    start += k
-            n = 0
-            for fl, got in groups:
-                offs, dues, attempts, mids = fl.columns(got)
-                self._record_many(
-                    fl.bucket,
-                    got,
-                    dues,
-                    [fl.at] * len(got),
-                    offs,
-                    attempts,
-                    mids,
-                    records.Outcome.DELIVERED,
-                    now,
-                    fl.gid,
-                )
-                n += len(got)
-            if n:
-                self.acked += n
-                self._wake.notify()
+            self._drain()
+            return self._ack(ack_ids, gid)
+
+    def _ack(self, ack_ids: list[str], gid: int | None) -> int:
+        now = self.clock()
+        n = 0
+        for fl, got in self.ledger.take_acked(ack_sequences(ack_ids), gid):
+            offs, dues, attempts, mids = fl.columns(got)
+            at = [fl.at] * len(got)
+            self._record_many(fl.bucket, got, dues, at, offs, attempts, mids, records.Outcome.DELIVERED, now, fl.gid)
+            n += len(got)
+        if n:
+            self.acked += n
+            self._wakeup.set()
         return n
 
-    def _pop_flight(self, seq: int) -> _Flight | None:
-        """The flight of ``seq`` in whichever group has it (removed), or None."""
-        for flights in self.in_flight.values():
-            fl = flights.pop(seq, None)
-            if fl is not None:
-                return fl
-        return None
-
     def in_flight_count(self) -> int:
-        return sum(map(len, self.in_flight.values()))
+        with self.lock:
+            self._drain()
+            return self.ledger.count()
 
     def is_in_flight(self, seq: int) -> bool:
-        """Handed out to some group and not yet acknowledged (lock held)."""
-        return any(seq in flights for flights in self.in_flight.values())
-
-    # claim_cancels answers, one per sequence
-    CLAIMED = 0
-    CLAIM_CANCELLING = 1  # another Cancel claimed it already (or an earlier entry of the list)
-    CLAIM_OUT = 2  # handed out and not acknowledged, or its dead-letter copy is being written
-
-    def claim_cancels(self, sequences: list[int]) -> list[int]:
-        """Claim each sequence for a Cancel, under one lock acquisition: a claimed message is
-        skipped by the dispatcher until its tombstone has passed the iterate service (see
-        on_records) or ``release_cancels``. One of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
-        out: list[int] = []
-        cancelling, dead = self.cancelling, self.dead_lettering
+        """Handed out to some group and not yet acknowledged."""
         with self.lock:
-            flights = [f for f in self.in_flight.values() if f]
-            for seq in sequences:
-                if seq in cancelling:
-                    out.append(self.CLAIM_CANCELLING)
-                elif seq in dead or any(seq in f for f in flights):
-                    out.append(self.CLAIM_OUT)
-                else:
-                    cancelling.add(seq)
-                    out.append(self.CLAIMED)
-        return out
-
-    def release_cancels(self, sequences: list[int]) -> None:
-        """Give back claims whose tombstones will not be written (or were not needed)."""
-        with self.lock:
-            self.cancelling.difference_update(sequences)
-
-    def cancel_claimed(self, seq: int) -> bool:
-        """Whether a Cancel claimed ``seq`` and its tombstone has not passed yet."""
-        with self.lock:
-            return seq in self.cancelling
-
-    def known_tombstones(self, bucket: int) -> set[int] | None:
-        """Every cancelled sequence of ``bucket`` if it is loaded with its tombstones all
-        known (the set itself: read it, never change it); None otherwise."""
-        st = self.buckets.get(bucket)
-        return st.cancelled if st is not None and st.tombstones_known else None
+            self._drain()
+            return self.ledger.is_in_flight(seq)
 
     def release(self, ack_ids: list[str], gid: int | None = None) -> int:
         """Give back deliveries a consumer will not acknowledge (its stream ended).
@@ -1663,35 +1120,24 @@ class Scheduler:
         older attempt, or of deliveries already acknowledged or expired, are ignored.
         Returns how many were released (dead-lettered ones included).
         """
-        now = self.clock()
-        n = 0
         with self.lock:
-            parsed = []
-            for ack_id in ack_ids:
-                seq_text, _, attempt_text = ack_id.partition(".")
-                try:
-                    parsed.append((int(seq_text), int(attempt_text)))
-                except ValueError:
-                    continue
-            for seq, attempt in parsed:
-                if gid is None:
-                    in_flight = next((m for m in self.in_flight.values() if seq in m), {})
-                else:
-                    in_flight = self.in_flight.get(gid, {})
-                fl = in_flight.get(seq)
-                if fl is None or fl.attempt_of(seq) != attempt:
-                    continue
-                del in_flight[seq]
-                self.redeliveries += 1
-                n += 1
-                item = fl.item(seq)
-                if attempt >= self.cfg.max_attempts:
-                    self._dead_letter(seq, item, now)
-                else:
-                    self._requeue(item)
-            if n:
-                self._wake.notify()
+            self._drain()
+            n = self._release(ack_ids, gid)
+        self._write_dead_letters()  # those that used their attempts, outside the lock
         return n
+
+    def _release(self, ack_ids: list[str], gid: int | None) -> int:
+        now = self.clock()
+        released = self.ledger.take_released(ack_attempts(ack_ids), gid)
+        for seq, item in released:
+            self.redeliveries += 1
+            if item[4] - 1 >= self.cfg.max_attempts:
+                self._dead_letter(seq, item, now)
+            else:
+                self._requeue(item)
+        if released:
+            self._wakeup.set()
+        return len(released)
 
     def _record_many(
         self,
@@ -1711,109 +1157,41 @@ class Scheduler:
         g = self.groups.by_gid(gid)
         if g is None:
             return  # deleted meanwhile: nothing to record for it
-        buf = self._dispatch_buf.get(bucket)
-        if buf is None:
-            buf = self._dispatch_buf[bucket] = bytearray()
-            if len(self._dispatch_buf) == 1:
-                self._dispatch_first = time.monotonic()
-        buf += records.encode_dispatch_frames(seqs, dues, dispatched_at, offs, attempts, mids, now, outcome, g.stored)
+        self.writer.add(
+            bucket,
+            records.encode_dispatch_frames(seqs, dues, dispatched_at, offs, attempts, mids, now, outcome, g.stored),
+        )
         # a close counts for ``pending`` when it is by the subject's first group, the one
         # every message of the subject that has a group at all is for
         sid = self.subject_id(g.subject.encode())
         targets = self._targets(sid)
-        counts = bool(targets) and targets[0].gid == gid
-        st = self.buckets.get(bucket)
+        st = self.book.get(bucket)
         if st is not None:
             st.owe(gid, -len(seqs))
-            if counts:
-                st.nclosed += len(seqs)
-        elif counts:
-            self.closed_retired += len(seqs)
+        if targets and targets[0].gid == gid:
+            self.book.count_closed(bucket, len(seqs))
 
     def closed_total(self) -> int:
         """Messages closed (delivered or dead-lettered) over the data folder's life."""
         with self.lock:
-            return self.closed_retired + sum(st.nclosed for st in self.buckets.values())
-
-    def _flush_dispatch(self, force: bool = False) -> None:
-        """Write buffered DISPATCH records; their fsync happens on the syncer thread, so
-        the timer never waits for the disk."""
-        with self.lock:
-            if not self._dispatch_buf:
-                return
-            if not force and (time.monotonic() - self._dispatch_first) * 1000 < self.cfg.dispatch_flush_ms:
-                return
-            bufs, self._dispatch_buf = self._dispatch_buf, {}
-            # visible to Cancel/Get (pending_dispatch) until they are in the files
-            self._writing = bufs
-        written: list[int] = []
-        try:
-            # outside the lock: appending to a page that the syncer's fdatasync has under
-            # writeback can block for milliseconds, and acks (the asyncio thread) and the
-            # timer wait for this lock
-            for bucket, buf in bufs.items():
-                self.dispatch.append(bucket, buf)
-                written.append(bucket)
-        except OSError as err:
-            if not disk_full(err):
-                raise
-            # no space: the records not written go back in front of any newer ones, and
-            # the next pass tries again (a failed append moves no segment's size)
-            if not self._dispatch_waiting_space:
-                log.warning("disk full: DISPATCH records wait for free space", extra={"error": str(err)})
-            self._dispatch_waiting_space = True
-            self.dispatch_disk_full_total += 1
-            with self.lock:
-                for bucket, buf in bufs.items():
-                    if bucket not in written:
-                        newer = self._dispatch_buf.get(bucket)
-                        self._dispatch_buf[bucket] = buf + newer if newer else buf
-                self._dispatch_first = time.monotonic()
-        else:
-            if self._dispatch_waiting_space:
-                log.info("DISPATCH records written again after a full disk")
-                self._dispatch_waiting_space = False
-        finally:
-            with self.lock:
-                self._writing = {}
-                for bucket in written:
-                    self._write_gen[bucket] = self._write_gen.get(bucket, 0) + 1
-        if written:
-            self._sync_wanted.set()
-
-    def _sync_dispatch(self) -> None:
-        """fsync written DISPATCH records, then let their buckets become done."""
-        with self.lock:
-            gens = dict(self._write_gen)
-        if not gens:
-            return
-        self.dispatch.sync()
-        now = self.clock()
-        with self.lock:
-            for bucket, gen in gens.items():
-                if self._write_gen.get(bucket) == gen:
-                    del self._write_gen[bucket]
-                st = self.buckets.get(bucket)
-                if st is not None:
-                    self._maybe_done(st, now)
-            self._advance_done(now)
-
-    def _sync_loop(self) -> None:
-        while True:
-            self._sync_wanted.wait()
-            self._sync_wanted.clear()
-            if self._sync_stop:
-                return
-            try:
-                self._sync_dispatch()
-            except BaseException as err:  # fsync failed: stop like any storage failure
-                self.error = err
-                log.exception("dispatch log sync failed")
-                return
+            self._drain()
+            return self.book.closed_total()
 
     def pending_dispatch(self, bucket: int) -> bytes:
-        """DISPATCH frames of ``bucket`` buffered but not yet in its file (lock held)."""
-        return bytes(self._writing.get(bucket, b"")) + bytes(self._dispatch_buf.get(bucket, b""))
+        """DISPATCH frames of ``bucket`` buffered but not yet in its file."""
+        return self.writer.pending(bucket)
+
+    # --- done buckets -----------------------------------------------------------------------------
+
+    def _on_synced(self, buckets: list[int]) -> None:
+        """DISPATCH records of ``buckets`` were fsynced (sync thread): they may be done now."""
+        now = self.clock()
+        with self.lock:
+            for b in buckets:
+                st = self.book.get(b)
+                if st is not None:
+                    self._maybe_done(st, now)
+            self.book.advance(now)
 
     def _check_done(self, now: int) -> None:
         """Every 100 ms: buckets whose time passed with nothing outstanding become done."""
@@ -1821,10 +1199,10 @@ class Scheduler:
             return
         self._last_done_check = now
         with self.lock:
-            for st in self.buckets.values():
+            for st in self.book.loaded.values():
                 if not st.done:
                     self._maybe_done(st, now)
-            self._advance_done(now)
+            self.book.advance(now)
 
     def _spill_floor(self) -> int:
         """The lowest bucket that may hold entries some group keeps on disk only (lock held):
@@ -1837,73 +1215,51 @@ class Scheduler:
                 floor = min(floor, lane.walk.bucket)
         return floor
 
-    def _maybe_done(self, st: _Bucket, now: int) -> None:
-        end = (st.bucket + self.cfg.scale_minutes) * MS_PER_MINUTE
-        if (
-            st.complete
-            and st.unfired <= 0
-            and not any(st.owed.values())
-            and now >= end
-            and st.bucket < self._spill_floor()
-            and st.bucket not in self._dispatch_buf
-            and st.bucket not in self._writing
-            and st.bucket not in self._write_gen
-        ):  # its dispatch records are on disk
-            st.done = True
-
-    def _advance_done(self, now: int) -> None:
-        """Move ``done_before`` over finished buckets and forget them (lock held)."""
-        for b in [b for b in self.reopened if b < self.done_before]:
-            st = self.buckets.get(b)
-            if st is not None and st.done:
-                self._retire(b)
-        limit = min(bucket_of(now, self.cfg.scale_minutes), self._horizon + self.cfg.scale_minutes)
-        if self.done_before >= limit:
-            return
-        keys = self.schedule.buckets()
-        first = i = bisect.bisect_left(keys, self.done_before)
-        new = limit
-        while i < len(keys) and keys[i] < limit:
-            st = self.buckets.get(keys[i])
-            if st is None or not st.done:
-                new = keys[i]
-                break
-            i += 1
-        for b in keys[first:i]:
-            self._retire(b)
-        self.done_before = max(self.done_before, new)
-
-    def _retire(self, bucket: int) -> None:
-        """Forget a done bucket (lock held); its closes move to ``closed_retired``."""
-        st = self.buckets.pop(bucket, None)
-        if st is not None:
-            self.closed_retired += st.nclosed
-        self.reopened.discard(bucket)
-        self.reopened_at.pop(bucket, None)
+    def _maybe_done(self, st: BucketState, now: int) -> None:
+        self.book.maybe_done(st, now, self._spill_floor(), self.writer.unsynced)
 
     # --- dead letters -------------------------------------------------------------------------------
 
-    def _dead_letter(self, seq: int, item: tuple, now: int) -> None:
-        """Move a message that failed ``max_attempts`` times for a group to the dead-letter
-        subject (lock held).
+    def _dead_letter(self, seq: int, item: Item, now: int) -> None:
+        """A message failed ``max_attempts`` times for a group (lock held): it is marked as
+        being dead-lettered (Cancel refuses it from now on) and its copy is written by the
+        scheduler thread outside the lock (``_write_dead_letters``)."""
+        self.dead_lettering.add(seq)
+        self._to_dead_letter.append((seq, item, now))
+        self._wakeup.set()
+
+    def _write_dead_letters(self) -> None:
+        """Move messages that failed ``max_attempts`` times to the dead-letter subject.
 
         The copy goes through the message log like any send; only once it is durable is the
         original closed for that group with a DEAD_LETTERED dispatch record, so a crash in
         between delivers the original again rather than losing it.
         """
-        _seq, off, bucket, due, attempt, subj, gid = item
-        st = self.buckets.get(bucket)
-        g = self.groups.by_gid(gid)
-        if st is None or self.dead_letter is None or g is None:
-            return
+        with self.lock:
+            todo, self._to_dead_letter = self._to_dead_letter, []
+            work = []
+            for seq, item, now in todo:
+                st = self.book.get(item[2])
+                g = self.groups.by_gid(item[6])
+                if st is None or self.dead_letter is None or g is None:
+                    self.dead_lettering.discard(seq)
+                    continue
+                work.append((seq, item, now, st, g.name))
+        for seq, item, now, st, name in work:
+            self._write_dead_letter(seq, item, now, st, name)
+
+    def _write_dead_letter(self, seq: int, item: Item, now: int, st: BucketState, name: str) -> None:
+        _seq, off, bucket, due, attempt, _subj, gid = item
         try:
-            msg = records.decode_message(st.seg.read_frame(off).body)
+            msg = records.decode_message(st.seg.read_frame(off).body)  # outside the lock
         except CorruptRecord as err:
             log.error(
                 "corrupt schedule record; it cannot be dead-lettered", extra={"path": err.path, "offset": err.offset}
             )
-            st.owe(gid, -1)
-            self.corrupt_skipped += 1
+            with self.lock:
+                self.dead_lettering.discard(seq)
+                st.owe(gid, -1)
+                self.loader.corrupt_skipped += 1
             return
 
         def done(error: Exception | None) -> None:
@@ -1924,44 +1280,166 @@ class Scheduler:
                     )
                     self.dead_lettered += 1
                 else:  # try again later; the message stays pending meanwhile
-                    heapq.heappush(self._retry_heap, (self.clock() + self.cfg.retry_backoff_ms, seq, item))
-                self._wake.notify()
+                    self.ledger.retry_at(self.clock() + self.cfg.retry_backoff_ms, seq, item)
+            self._wakeup.set()
 
-        self.dead_lettering.add(seq)
+        if self.dead_letter is None:
+            return
         try:
-            self.dead_letter(msg, seq, g.name, attempt - 1, done)
+            self.dead_letter(msg, seq, name, attempt - 1, done)
         except QdelayError as err:
-            self.dead_lettering.discard(seq)
             log.warning("dead-letter write refused; will retry", extra={"error": str(err)})
-            heapq.heappush(self._retry_heap, (now + self.cfg.retry_backoff_ms, seq, item))
+            with self.lock:
+                self.dead_lettering.discard(seq)
+                self.ledger.retry_at(now + self.cfg.retry_backoff_ms, seq, item)
+
+    # --- for the engine, replication and the cleaner -------------------------------------------------
+
+    def loading_horizon(self) -> int:
+        """The highest bucket the loader considered so far (records of buckets up to it are
+        handed over by the iterate service rather than written behind)."""
+        return self.book.horizon
+
+    @property
+    def done_before(self) -> int:
+        """Every bucket below it is done (read-only; replication adopts a master's with
+        ``adopt_progress``)."""
+        return self.book.done_before
+
+    @property
+    def reopened(self) -> frozenset[int]:
+        return frozenset(self.book.reopened)
+
+    def progress(self) -> tuple[int, list[int]]:
+        """(done_before, reopened buckets): what a slave adopts."""
+        with self.lock:
+            return self.book.done_before, sorted(self.book.reopened)
+
+    def adopt_progress(self, done_before: int, reopened: set[int]) -> None:
+        """Slave: take the master's progress exactly (it may even move back: a bucket the
+        master has not finished is loaded on promotion)."""
+        with self.lock:
+            self.book.adopt(done_before, reopened)
+
+    def note_reopened(self, bucket: int) -> None:
+        """Slave: a record landed in a bucket below ``done_before``; a promotion loads it."""
+        with self.lock:
+            self.book.note_reopened(bucket)
+
+    def is_done(self, bucket: int) -> bool:
+        """Below ``done_before``: finished (unless reopened by a late record)."""
+        return bucket < self.book.done_before
+
+    def is_finished(self, bucket: int) -> bool:
+        """Done and forgotten: below ``done_before``, neither reopened nor loaded."""
+        with self.lock:
+            return self.book.finished(bucket)
+
+    def finished_buckets(self, candidates: list[int], older_than: Callable[[int], bool]) -> list[int]:
+        """Of ``candidates`` (ascending), those the cleaner may delete: a run of finished
+        buckets below ``done_before``, stopping at the first one ``older_than`` refuses."""
+        out = []
+        with self.lock:
+            book = self.book
+            for b in candidates:
+                if b >= book.done_before:
+                    break
+                if b in book.reopened or b in book.loaded:
+                    continue
+                if not older_than(b):
+                    break
+                out.append(b)
+        return out
+
+    # claim_cancels answers, one per sequence
+    CLAIMED = 0
+    CLAIM_CANCELLING = 1  # another Cancel claimed it already (or an earlier entry of the list)
+    CLAIM_OUT = 2  # handed out and not acknowledged, or its dead-letter copy is being written
+
+    def claim_cancels(self, sequences: list[int]) -> list[int]:
+        """Claim each sequence for a Cancel, under one lock acquisition: a claimed message is
+        skipped by the dispatcher until its tombstone has passed the iterate service (see
+        on_records) or ``release_cancels``. One of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
+        out: list[int] = []
+        cancelling, dead = self.cancelling, self.dead_lettering
+        with self.lock:
+            self._drain()  # acks posted before this Cancel count
+            flights = [f for f in self.ledger.in_flight.values() if f]
+            for seq in sequences:
+                if seq in cancelling:
+                    out.append(self.CLAIM_CANCELLING)
+                elif seq in dead or any(seq in f for f in flights):
+                    out.append(self.CLAIM_OUT)
+                else:
+                    cancelling.add(seq)
+                    out.append(self.CLAIMED)
+        return out
+
+    def release_cancels(self, sequences: list[int]) -> None:
+        """Give back claims whose tombstones will not be written (or were not needed)."""
+        with self.lock:
+            self.cancelling.difference_update(sequences)
+
+    def cancel_claimed(self, seq: int) -> bool:
+        """Whether a Cancel claimed ``seq`` and its tombstone has not passed yet."""
+        with self.lock:
+            return seq in self.cancelling
+
+    def dispatch_view(self, bucket: int, seq: int) -> tuple[bytes, int, bool]:
+        """(DISPATCH frames of ``bucket`` not yet in its file, the file's size then, whether
+        ``seq`` was in flight then): taken together under the lock, so that no ack slips
+        between a look at the file and a look at the buffers. Every close made before is
+        in the buffers or in the file below that size (or both, while being written)."""
+        with self.lock:
+            self._drain()
+            pending = self.writer.pending(bucket)
+            dseg = self.dispatch.get(bucket)
+            size = dseg.size if dseg is not None else 0
+            return pending, size, self.ledger.is_in_flight(seq)
+
+    def known_tombstones(self, bucket: int) -> set[int] | None:
+        """Every cancelled sequence of ``bucket`` if it is loaded with its tombstones all
+        known (the set itself: read it, never change it); None otherwise."""
+        st = self.book.get(bucket)
+        return st.cancelled if st is not None and st.tombstones_known else None
 
     # --- introspection ------------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    @property
+    def corrupt_skipped(self) -> int:
+        return self.loader.corrupt_skipped
+
+    @property
+    def dispatch_disk_full_total(self) -> int:
+        return self.writer.disk_full_total
+
+    def stats(self) -> dict[str, Any]:
         with self.lock:
+            self._drain()
             return {
                 "wheel_size": len(self.wheel),
                 "ready": self._ready_total,
-                "in_flight": self.in_flight_count(),
-                "loaded_buckets": len(self.buckets),
-                "done_before": self.done_before,
-                "reopened": len(self.reopened),
+                "in_flight": self.ledger.count(),
+                "loaded_buckets": len(self.book.loaded),
+                "done_before": self.book.done_before,
+                "reopened": len(self.book.reopened),
                 "dispatched": self.dispatched,
                 "acked": self.acked,
                 "redeliveries": self.redeliveries,
                 "dead_lettered": self.dead_lettered,
                 "cancel_skipped": self.cancel_skipped,
-                "corrupt_skipped": self.corrupt_skipped,
+                "corrupt_skipped": self.loader.corrupt_skipped,
                 "load_blocked": self.load_blocked,
-                "dispatch_unsynced_buckets": len(set(self._dispatch_buf) | set(self._writing) | set(self._write_gen)),
+                "dispatch_unsynced_buckets": self.writer.unsynced_count(),
             }
 
-    def persistent_state(self) -> dict:
+    def persistent_state(self) -> dict[str, Any]:
         with self.lock:
+            book = self.book
             return {
-                "done_before": self.done_before,
-                "reopened": sorted(self.reopened),
-                "closed_retired": self.closed_retired,
-                "reopened_at": [[b, n] for b, n in sorted(self.reopened_at.items())],
+                "done_before": book.done_before,
+                "reopened": sorted(book.reopened),
+                "closed_retired": book.closed_retired,
+                "reopened_at": [[b, n] for b, n in sorted(book.reopened_at.items())],
                 **self.groups.state(),
             }

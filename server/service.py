@@ -469,11 +469,11 @@ class DelayService(pb_grpc.DelayServiceServicer):
             left = registry.unregister(sub)
             if left:
                 # hand the unacknowledged deliveries out again now, not after the timeout
-                engine.release(left, sub.subject, sub.group)
+                engine.post_release(left, sub.subject, sub.group)
             engine.notify_credit()
 
     def _ack(self, sub, ack_ids: list[str]) -> None:
         self.consumers.acked(sub, ack_ids)
         self.metrics.acks.inc(len(ack_ids))
-        if self.engine.ack(ack_ids, sub.subject, sub.group) < len(ack_ids):
-            self.engine.notify_credit()  # engine.ack wakes the dispatcher only for acks it recorded
+        # queued for the scheduler thread, which wakes for it (the event loop takes no lock)
+        self.engine.post_ack(ack_ids, sub.subject, sub.group)

@@ -8,12 +8,11 @@ order they were asked for, and a batch of deliveries still behaves like a list.
 
 from __future__ import annotations
 
-import types
-
 from qdelay.errors import CorruptRecord
 from qdelay.segments import framing, records
 from qdelay.segments.framing import FrameError, RecordKind
-from qdelay.server.scheduler import Deliveries, Delivery, Scheduler
+from qdelay.segments.messages import read_messages
+from qdelay.server.scheduler import Deliveries, Delivery
 
 
 class FakeSegment:
@@ -45,8 +44,7 @@ def build(messages):
 
 
 def read_group(data, seqs, offs):
-    sch = Scheduler.__new__(Scheduler)  # _read_group uses no scheduler state
-    return sch._read_group(types.SimpleNamespace(seg=FakeSegment(data)), seqs, offs)
+    return read_messages(FakeSegment(data), seqs, offs)
 
 
 MSGS = [(f"m{i}", bytes([i]) * (10 + i), {"k": str(i)} if i % 3 == 0 else {}) for i in range(12)]
@@ -117,7 +115,7 @@ def test_a_batch_of_deliveries_behaves_like_a_list_of_them():
 
 
 def test_ack_ids_parse_like_int_of_the_part_before_the_dot():
-    from qdelay.server.scheduler import _ack_sequences
+    from qdelay.server.ledger import ack_sequences as _ack_sequences
 
     assert _ack_sequences([]) == []
     assert _ack_sequences(["12.1", "7.3", "99999999999.16"]) == [12, 7, 99999999999]
@@ -127,7 +125,7 @@ def test_ack_ids_parse_like_int_of_the_part_before_the_dot():
 
 
 def test_a_flight_gives_the_columns_of_any_of_its_sequences():
-    from qdelay.server.scheduler import _Flight
+    from qdelay.server.ledger import Flight as _Flight
 
     fl = _Flight(7, 0, 1, 99, [10, 11, 12, 13], [0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
     assert fl.columns([10, 11, 12, 13]) == ([0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])

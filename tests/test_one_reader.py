@@ -26,7 +26,6 @@ ALLOWED = {
     "segments/wal.py": "append_raw checks replicated bytes before writing them",
     "segments/records.py": "a checkpoint file is one frame",
     "server/engine.py": "DISPATCH records still in memory (pending_dispatch) are whole frames",
-    "server/scheduler.py": "being rewritten onto the reader (issue 18)",
     "server/iterate.py": "being rewritten onto the reader (issue 18)",
     "tools/spark_source.py": "the Spark source's per-record twin (owned by the Spark work)",
     "replication/master.py": "reads a record's header for its sequence and time",

@@ -1,0 +1,129 @@
+"""Lanes: what one consumer group of one subject has due, in memory up to a bound.
+
+Owned by the scheduler thread (``server/scheduler.py``); no I/O here. A lane holds a
+ready queue (packed chunks of timer-wheel entries, plus retries) and, when it went over
+its bound, the state of a *spill*: its entries wait in the schedule segments and passes
+read them back (``Pass``) while its consumers have credit.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from qdelay.server.wheel import Entries
+
+# (seq, offset, bucket, due, attempt): a retry waiting in a lane
+Retry = tuple[int, int, int, int, int]
+
+
+class Ready:
+    """Entries of one subject waiting for consumer credit: packed chunks, plus retries."""
+
+    __slots__ = ("chunks", "retries", "count")
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[list] = collections.deque()  # [Entries, position]
+        self.retries: collections.deque[Retry] = collections.deque()
+        self.count = 0
+
+    def push(self, e: Entries) -> None:
+        self.chunks.append([e, 0])
+        self.count += len(e)
+
+    def push_retry(self, retry: Retry) -> None:
+        self.retries.append(retry)
+        self.count += 1
+
+    def take(self, n: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt)."""
+        seqs: list[int] = []
+        offs: list[int] = []
+        buckets: list[int] = []
+        dues: list[int] = []
+        attempts: list[int] = []
+        while self.retries and n > 0:
+            seq, off, bucket, due, attempt = self.retries.popleft()
+            seqs.append(seq)
+            offs.append(off)
+            buckets.append(bucket)
+            dues.append(due)
+            attempts.append(attempt)
+            n -= 1
+        while self.chunks and n > 0:
+            chunk = self.chunks[0]
+            e, pos = chunk
+            end = min(len(e), pos + n)
+            seqs += e.seq[pos:end].tolist()
+            offs += e.off[pos:end].tolist()
+            buckets += e.bucket[pos:end].tolist()
+            dues += e.due[pos:end].tolist()
+            attempts += [1] * (end - pos)
+            n -= end - pos
+            if end >= len(e):
+                self.chunks.popleft()
+            else:
+                chunk[1] = end
+        self.count -= len(seqs)
+        return seqs, offs, buckets, dues, attempts
+
+    def in_memory(self) -> set[int]:
+        """Sequences of every entry queued here (chunks from their position, and retries)."""
+        out: set[int] = {item[0] for item in self.retries}
+        for e, pos in self.chunks:
+            out.update(e.seq[pos:].tolist())
+        return out
+
+    def drop_chunks(self) -> list[np.ndarray]:
+        """Forget the queued entries (not the retries); returns their bucket columns."""
+        dropped = [e.bucket[pos:] for e, pos in self.chunks]
+        self.count -= sum(map(len, dropped))
+        self.chunks.clear()
+        return dropped
+
+
+class Pass:
+    """A spilled lane's walk over the schedule segments, reading back its entries due at or
+    before ``hi`` that are not in memory, not closed for the group and not cancelled."""
+
+    __slots__ = ("bucket", "offset", "hi", "closed_bucket", "closed_size", "closed")
+
+    def __init__(self, bucket: int, hi: int) -> None:
+        self.bucket = bucket  # the bucket being read (every loaded bucket below it is read)
+        self.offset = 0
+        self.hi = hi
+        self.closed_bucket = -1  # the group's closes in ``closed_bucket``'s dispatch log
+        self.closed_size = 0  # ... as far as the file was read
+        self.closed: set[int] = set()
+
+
+class Lane:
+    """What one group of one subject has due: entries ready in memory, up to
+    ``group_max_ready``. A lane over its bound *spills*: its queued entries are forgotten
+    (they stay in the schedule segments) and so is whatever becomes due for it meanwhile;
+    ``drop_from`` is the lowest bucket forgotten since the last pass began. When the lane
+    has room again, passes read its entries back from disk (``Pass``) until one ends with
+    nothing forgotten during it; then the lane takes entries from the timer again.
+
+    This is what keeps one group without consumers (or with a slow one) from filling the
+    scheduler's memory and stopping everyone else: it holds at most its bound.
+    """
+
+    __slots__ = ("sid", "gid", "ready", "spilled", "drop_from", "walk", "recent")
+
+    def __init__(self, sid: int, gid: int) -> None:
+        self.sid = sid
+        self.gid = gid
+        self.ready = Ready()
+        self.spilled = False
+        self.drop_from: int | None = None
+        self.walk: Pass | None = None
+        # sequences read back by the last pass step: entries still in the wheel with the
+        # same sequences fire once more at most, and are skipped then
+        self.recent: set[int] | None = None
+
+    def dropped(self, buckets: np.ndarray) -> None:
+        if len(buckets):
+            low = int(buckets.min())
+            self.drop_from = low if self.drop_from is None else min(self.drop_from, low)
