@@ -21,7 +21,7 @@ from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
 from qdelay.server.dedupe import Deduper
-from qdelay.server.engine import Receipt
+from qdelay.server.engine import CancelOutcome, Receipt
 from qdelay.server.validation import (
     EncodedBatch,
     IdGenerator,
@@ -39,6 +39,9 @@ from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 log = logging.getLogger("qdelay.service")
 
 _CLOSING = object()  # put in a SendStream's pipeline at shutdown
+# one CancelResponse per outcome, copied into each CancelBatch answer (a message made per
+# target cost ~0.3 us more of a 1,000-target batch's event-loop time)
+_CANCEL_ANSWERS = {o: pb.CancelResponse(outcome=int(o)) for o in CancelOutcome}  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
 STREAM_PIPELINE = 16  # SendStream: batches submitted ahead of their responses, per stream
 MAX_IN_FLIGHT_CAP = 100_000  # Subscribe credit is clamped here: it bounds the server's memory per stream
 
@@ -310,9 +313,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
             raise ShuttingDown("the server is shutting down; retry later")
         self.guard.check(cancel=True)
         outcomes = await self.engine.cancel_many(targets)
-        return pb.CancelBatchResponse(
-            responses=[pb.CancelResponse(outcome=int(o)) for o in outcomes]  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
-        )
+        return pb.CancelBatchResponse(responses=[_CANCEL_ANSWERS[o] for o in outcomes])
 
     @status.unary
     async def Reschedule(self, request, context):
