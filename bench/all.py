@@ -38,18 +38,32 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
             ["--json", os.path.relpath(out("scheduler"), ROOT)] + (["--quick"] if quick else []),
             out("scheduler"),
         ),
-        ("compare", ["--out", "compare"] + (["--scale", "0.1"] if quick else []), out("compare")),
+        # the default scenarios and issue 15's producer shapes
+        (
+            "compare",
+            ["--out", "compare", "--scenarios", "ingest,lateness,burst,memory,crash,shapes"]
+            + (["--scale", "0.1"] if quick else []),
+            out("compare"),
+        ),
+        # cancel, get and reschedule against the size of a minute bucket (issue 13)
+        (
+            "cancel",
+            (["--sizes", "1000,10000", "--cancels", "300", "--gets", "100", "--reschedules", "100"] if quick else []),
+            out("cancel"),
+        ),
         ("ingest", ["--messages", "20000", "--unary-messages", "2000"] if quick else [], out("ingest")),
         ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),
         ("replication", ["--seconds", "2"] if quick else [], out("replication")),
         ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),
+        # etcd cluster mode (issue 16): needs the etcd binary (make etcd-deps)
+        ("cluster", ["--seconds", "1", "--trials", "2"] if quick else [], out("cluster")),
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.all", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts and shorter runs (a smoke run)")
-    ap.add_argument("--only", default="", help="comma-separated subset: wal,scheduler,compare,replication,spark")
+    ap.add_argument("--only", default="", help="comma-separated subset: " + ",".join(n for n, _a, _o in plan(False)))
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
 

@@ -22,10 +22,12 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "wal",
             "scheduler",
             "compare",
+            "cancel",
             "ingest",
             "grpc_floor",
             "replication",
             "spark",
+            "cluster",
         ]
         for name, extra, out in steps:
             assert out.endswith(os.path.join("bench", "out", f"{name}.json"))
