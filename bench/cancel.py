@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 
-from bench.common import Meter, machine, median, print_table, write_json
+from bench.common import Meter, cpu_seconds, machine, median, print_table, write_json
 from bench.peers import QdelayDriver
 from qdelay.client import Client, Outgoing
 
@@ -74,6 +74,19 @@ def _threads(count: int, work, items: list) -> float:
     return time.perf_counter() - t0
 
 
+def _until_idle(pid: int, timeout: float = 30.0) -> float:
+    """Wait until the server uses under 5 % of a core over 0.5 s (the fills' background work,
+    iterate catch-up and the id index's compactions, done): Get is measured on an idle
+    server. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        before = cpu_seconds(pid)
+        time.sleep(0.5)
+        if cpu_seconds(pid) - before < 0.025:
+            break
+    return time.perf_counter() - t0
+
+
 def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, resched: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="qdelay-bench-cancel-") as tmp:
@@ -84,6 +97,7 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
             with Client(address, timeout=120) as c:
                 c.wait_ready()
                 hour = (int(time.time() * 1000) // BUCKET_MS + 60) * BUCKET_MS
+                pending_cpu_us = float("nan")
                 if pending:
                     far = (
                         Outgoing(
@@ -91,7 +105,9 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                         )
                         for i in range(pending)
                     )
-                    c.send_many(far, batch_size=1000, max_in_flight=8, timeout=600)
+                    with Meter(server.pid) as mp:
+                        c.send_many(far, batch_size=1000, max_in_flight=8, timeout=600)
+                    pending_cpu_us = mp.cpu / pending * 1e6
                 for k, n in enumerate(sizes):
                     minute = hour + (k + 1) * 10 * BUCKET_MS
                     receipts = _fill(c, n, minute, f"n{n}")
@@ -103,6 +119,7 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                     unary_set = picks[g + m : g + m + cancels]
                     batch_set = random.sample(batch_pool, min(n, cancels))
 
+                    idle_s = _until_idle(server.pid)
                     lat = []
                     for r in get_set:
                         t0 = time.perf_counter()
@@ -128,6 +145,7 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                         "bucket_size": n,
                         "get_p50_ms": _percentile(lat, 50),
                         "get_p99_ms": _percentile(lat, 99),
+                        "idle_wait_s": round(idle_s, 1),
                         "unary_cancels_per_s": len(unary_set) / wall_u,
                         "unary_cpu_us": mu.cpu / len(unary_set) * 1e6,
                         "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
@@ -155,6 +173,7 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                     "unary_sends_per_s": len(sends) / wall_s,
                     "unary_send_cpu_us": ms.cpu / len(sends) * 1e6,
                     "batched_send_cpu_us": mbs.cpu / 50_000 * 1e6,
+                    "pending_fill_cpu_us": pending_cpu_us,  # the --pending send_many, a batched send too
                 }
                 for row in rows:
                     row.update(yard)
@@ -205,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if y:
         print(
             f"yardsticks, same run: unary Send {y['unary_sends_per_s']:.0f}/s at {y['unary_send_cpu_us']:.0f} µs CPU;"
-            f" batched send {y['batched_send_cpu_us']:.1f} µs CPU/msg;"
+            f" batched send {y['batched_send_cpu_us']:.1f} µs CPU/msg"
+            f" ({y['pending_fill_cpu_us']:.1f} for the --pending fill);"
             f" unary cancel/send rate (median over sizes): "
             f"{median([r['unary_cancels_per_s'] for r in rows]) / y['unary_sends_per_s']:.2f}"
         )
