@@ -75,3 +75,15 @@ def client(server: ServerProc):
     c = server.client(timeout=20)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession (one JVM) for every Spark test of the run."""
+    pytest.importorskip("pyspark")
+    pytest.importorskip("pyarrow")
+    from qdelay.tools import spark_source
+
+    s = spark_source.session("local[2]", "qdelay-tests", {"spark.sql.shuffle.partitions": "4"})
+    yield s
+    s.stop()

@@ -27,15 +27,6 @@ pytestmark = pytest.mark.spark
 NOW = T0 + 600_000  # the audit fixtures are judged at this instant
 
 
-@pytest.fixture(scope="session")
-def spark():
-    from qdelay.tools import spark_source
-
-    s = spark_source.session("local[2]", "qdelay-tests", {"spark.sql.shuffle.partitions": "4"})
-    yield s
-    s.stop()
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("spark")
