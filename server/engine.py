@@ -749,47 +749,90 @@ class Engine:
 
     def _find_targets(self, targets: list[tuple[str, int | None, int | None]]) -> list[tuple[int, int] | None]:
         """(deliver_at_ms, sequence) of each target's message if it exists, else None. By
-        id: the newest message with the id. By receipt: confirmed by the id index in one
-        multi-get (the index holds exactly this due time and sequence for the id), else by
-        reading the record (``_locate``)."""
+        id: the newest message with the id. By receipt: checked against its bucket's
+        schedule segment as a batch (``_held_by_segments``); one that check does not confirm
+        is looked up in the id index (exactly this due time and sequence for the id), then
+        by reading its record (``_locate``)."""
         out: list[tuple[int, int] | None] = [None] * len(targets)
         by_id: list[int] = []
         committed = self.wal.committed_sequence
-        rec: list[tuple[int, str, int, int]] = []  # (index, id, due, sequence) of the receipts
-        for i, (message_id, due, seq) in enumerate(targets):
+        rec: list[int] = []  # indexes of the receipts worth looking up
+        for i, (_m, due, seq) in enumerate(targets):
             if due is None or seq is None:
                 by_id.append(i)
             elif 0 < seq <= committed:
-                rec.append((i, message_id, due, seq))
+                rec.append(i)
+        unsure: list[int] = []  # found in a way that does not prove its segment is still there
         if by_id:
             for i, place in zip(by_id, self.resolve_ids([targets[i][0] for i in by_id])):
                 out[i] = place  # as the index says: that is its message's record
+            unsure = by_id
         if rec:
-            if not self.iterate.wait_for(max(r[3] for r in rec), timeout=5.0):
+            ids_l = [targets[i][0] for i in rec]
+            dues = np.array([targets[i][1] for i in rec], dtype=np.int64)
+            seqs = np.array([targets[i][2] for i in rec], dtype=np.int64)
+            if not self.iterate.wait_for(int(seqs.max()), timeout=5.0):
                 raise StorageError("the iterate service is behind; retry shortly")
-            ids = self.ids
-            if ids is not None and ids.failed is None:
-                held = ids.holds([r[1] for r in rec], [r[2] for r in rec], [r[3] for r in rec])
-            else:
-                held = [False] * len(rec)
-            for (i, message_id, due, seq), ok in zip(rec, held):
-                if ok or self._locate(message_id, due, seq)[0] != MessageState.NOT_FOUND:
+            held = self._held_by_segments(ids_l, dues, seqs)
+            rest: list[int] = []
+            for k, (i, ok, due, seq) in enumerate(zip(rec, held, dues.tolist(), seqs.tolist())):
+                if ok:
                     out[i] = (due, seq)
-        return self._in_existing_buckets(out)
+                else:
+                    rest.append(k)
+            if rest:
+                index = self.ids
+                if index is not None and index.failed is None:
+                    again = index.holds([ids_l[k] for k in rest], dues[rest].tolist(), seqs[rest].tolist())
+                else:
+                    again = [False] * len(rest)
+                for k, ok in zip(rest, again):
+                    i, due, seq = rec[k], int(dues[k]), int(seqs[k])
+                    if ok:
+                        out[i] = (due, seq)
+                        unsure.append(i)
+                    elif self._locate(ids_l[k], due, seq)[0] != MessageState.NOT_FOUND:
+                        out[i] = (due, seq)
+        if unsure:
+            self._in_existing_buckets(out, unsure)
+        return out
 
-    def _in_existing_buckets(self, places: list[tuple[int, int] | None]) -> list[tuple[int, int] | None]:
-        """``places`` without those whose schedule segment the cleaner removed (the index
-        keeps their ids; ``_locate`` answers NOT_FOUND for them too)."""
+    def _buckets(self, dues: np.ndarray) -> np.ndarray:
+        """``bucket_of`` of each due time."""
+        minutes = dues // naming.MS_PER_MINUTE
+        return minutes - minutes % self.config.scale_minutes
+
+    def _held_by_segments(self, ids: list[str], dues: np.ndarray, seqs: np.ndarray) -> list[bool]:
+        """Whether the schedule segment of each receipt's bucket holds exactly that MESSAGE
+        (sequence, due time and id), checked per bucket with the finder's columns
+        (RecordFinder.holds: no record read, no id-index lookup). False means "look further"
+        (``_find_targets`` asks the id index, then reads the record)."""
+        out = [False] * len(ids)
+        buckets = self._buckets(dues)
+        for bucket in np.unique(buckets).tolist():
+            ks = np.flatnonzero(buckets == bucket)
+            self.iterate.flush_bucket(bucket)  # a far-future message may still be written behind
+            seg = self.schedule.get(bucket)
+            if seg is None:
+                continue
+            held = self.finder.holds(seg, seqs[ks], dues[ks], [ids[k] for k in ks.tolist()])
+            for k, ok in zip(ks.tolist(), held):
+                out[k] = ok
+        return out
+
+    def _in_existing_buckets(self, places: list[tuple[int, int] | None], which: list[int]) -> None:
+        """Drop from ``places`` (at the indexes ``which``) those whose schedule segment the
+        cleaner removed (the index keeps their ids; ``_locate`` answers NOT_FOUND for them)."""
         scale = self.config.scale_minutes
         gone: dict[int, bool] = {}
-        for i, p in enumerate(places):
+        for i in which:
+            p = places[i]
             if p is not None:
                 b = bucket_of(p[0], scale)
                 if b not in gone:
                     gone[b] = self.schedule.get(b) is None
                 if gone[b]:
                     places[i] = None
-        return places
 
     def _states_of(self, places: list[tuple[int, int]]) -> list[MessageState]:
         """The state of each message known to exist at (deliver_at_ms, sequence): PENDING,
@@ -797,13 +840,15 @@ class Engine:
         one-message form, which also gives the DISPATCH records; it answers the rare
         messages some group closed)."""
         out = [MessageState.PENDING] * len(places)
-        scale = self.config.scale_minutes
-        by_bucket: dict[int, list[int]] = {}
-        for k, (due, _seq) in enumerate(places):
-            by_bucket.setdefault(bucket_of(due, scale), []).append(k)
+        if not places:
+            return out
+        all_seqs = np.array([seq for _due, seq in places], dtype=np.int64)
+        buckets = self._buckets(np.array([due for due, _seq in places], dtype=np.int64))
         sched = self.scheduler
-        for bucket, ks in by_bucket.items():
-            seqs = np.fromiter((places[k][1] for k in ks), dtype=np.int64, count=len(ks))
+        for bucket in np.unique(buckets).tolist():
+            rows = np.flatnonzero(buckets == bucket)
+            ks = rows.tolist()
+            seqs = all_seqs[rows]
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
             # what the scheduler has not written yet, then the file (outside its lock): a
