@@ -144,7 +144,7 @@ class Hub:
             try:
                 head = wal.read_raw(slowest, common.HS)
                 if len(head) == common.HS:
-                    lag_ms = max(0, int(time.time() * 1000) - common.HEADER.unpack_from(head, 0)[7])
+                    lag_ms = max(0, int(time.time() * 1000) - reader.header(head).timestamp)
             except Exception:  # noqa: BLE001 - a stat must not fail the caller
                 lag_ms = -1
         return lag_bytes, lag_ms
@@ -181,11 +181,11 @@ class PullServer:
             head = wal.read_raw(hello.last_frame_offset, common.HS)
             ok = len(head) == common.HS
             if ok:
-                _m, checksum, length, _k, _v, _f, seq, _ts = common.HEADER.unpack_from(head, 0)
+                h = reader.header(head)
                 ok = (
-                    seq == hello.last_sequence
-                    and checksum == hello.last_frame_checksum
-                    and hello.last_frame_offset + common.HS + length == end
+                    h.sequence == hello.last_sequence
+                    and h.checksum == hello.last_frame_checksum
+                    and hello.last_frame_offset + common.HS + h.length == end
                 )
             if not ok:
                 raise _Refuse(

@@ -27,9 +27,9 @@ import grpc
 import numpy as np
 import xxhash
 
-from qdelay.errors import CorruptRecord, InvariantViolation
+from qdelay.errors import InvariantViolation
 from qdelay.replication import common
-from qdelay.segments import framing, records
+from qdelay.segments import reader, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.v1 import replication_pb2 as rpb
@@ -330,15 +330,7 @@ class Puller:
                 f"dispatch bucket {b}: the master sent bytes for offset {chunk.offset}, this copy holds {seg.size}"
             )
         data = chunk.data
-        pos = 0
-        while pos < len(data):
-            try:
-                f = framing.check_at(data, pos)
-            except framing.FrameError as err:
-                raise CorruptRecord(
-                    f"replicated dispatch chunk of bucket {b}", chunk.offset + pos, err.reason
-                ) from None
-            pos += f.size
+        reader.require_whole(reader.scan_columns(data), f"replicated dispatch chunk of bucket {b}", chunk.offset)
         if data:
             disp.append(b, data)
         return bool(data)
@@ -451,7 +443,7 @@ def truncate_divergent(engine, offset: int, last_sequence: int) -> str:
         touched: set[int] = set()
         first = last = None
         scale = engine.config.scale_minutes
-        for fr in framing.iter_frames(bytes(cut)):
+        for fr in reader.frames(bytes(cut)):
             first = fr.sequence if first is None else first
             last = fr.sequence
             if fr.kind == RecordKind.MESSAGE:

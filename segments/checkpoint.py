@@ -7,20 +7,39 @@ lies) is reported, not guessed around.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 from qdelay.errors import CorruptRecord
-from qdelay.segments import records
-from qdelay.segments.framing import FrameError
+from qdelay.segments import framing, reader
+from qdelay.segments.framing import FrameError, RecordKind
 from qdelay.segments.segment import fsync_dir
+
+
+def encode(state: dict, timestamp: int) -> bytes:
+    """A checkpoint file's content: one CHECKPOINT frame whose body is a JSON object."""
+    body = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+    return framing.encode(RecordKind.CHECKPOINT, 0, timestamp, body)
+
+
+def decode(data: bytes) -> dict:
+    """The state a checkpoint file's bytes hold; :class:`FrameError` (or ValueError for a
+    body that is not JSON) when they are not one whole CHECKPOINT frame of a JSON object."""
+    frame = reader.sole_frame(data)
+    if frame.kind != RecordKind.CHECKPOINT:
+        raise FrameError(0, f"kind {frame.kind} is not a checkpoint")
+    state = json.loads(frame.body)
+    if not isinstance(state, dict):
+        raise FrameError(framing.HEADER_SIZE, "checkpoint body is not a JSON object")
+    return state
 
 
 def write(path: str, state: dict) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp"
-    data = records.encode_checkpoint(state, int(time.time() * 1000))
+    data = encode(state, int(time.time() * 1000))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
@@ -41,7 +60,7 @@ def read(path: str) -> dict | None:
     except FileNotFoundError:
         return None
     try:
-        return records.decode_checkpoint(data)
+        return decode(data)
     except (FrameError, ValueError) as err:
         offset = getattr(err, "offset", 0)
         raise CorruptRecord(path, offset, str(err)) from None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -46,7 +45,7 @@ if HEADER.size != HEADER_SIZE:  # the spec in docs/formats.md is the source of t
 
 _REST = struct.Struct("<IBBHQq")  # header bytes [12, 36): what the checksum covers before the body
 _LEAD = struct.Struct("<IQ")  # header bytes [0, 12): magic, checksum
-_MAGIC_BYTES = struct.pack("<I", MAGIC)
+MAGIC_BYTES = struct.pack("<I", MAGIC)  # how a frame starts: what a resync looks for
 _xxh = xxhash.xxh3_64_intdigest
 _pack_rest = _REST.pack
 _pack_lead = _LEAD.pack
@@ -159,63 +158,3 @@ def check_at(buf: bytes | memoryview | bytearray, offset: int) -> Frame:
     if _xxh(memoryview(buf)[offset + CHECKED_FROM : stop]) != checksum:
         raise FrameError(offset, "checksum mismatch")
     return Frame(offset, kind, sequence, timestamp, bytes(buf[offset + HEADER_SIZE : stop]))
-
-
-def iter_frames(buf: bytes | memoryview | bytearray, start: int = 0) -> Iterator[Frame]:
-    """Yield valid frames from ``start`` until the end of ``buf`` or the first bad frame.
-
-    The caller learns where (and why) iteration stopped by catching nothing: a bad frame
-    simply ends the iteration; use :func:`scan` when the reason matters.
-    """
-    offset = start
-    end = len(buf)
-    while offset < end:
-        try:
-            frame = check_at(buf, offset)
-        except FrameError:
-            return
-        yield frame
-        offset += frame.size
-
-
-@dataclass(slots=True)
-class ScanResult:
-    """What :func:`scan` found: the valid prefix, and why it ended before the buffer did."""
-
-    frames: list[Frame]
-    valid_end: int  # offset just after the last valid frame of the prefix
-    error: FrameError | None  # None when the buffer ended cleanly
-    resync_at: int | None  # offset of the next valid frame after the error, if any
-
-
-def scan(buf: bytes | memoryview | bytearray, start: int = 0, keep: bool = True) -> ScanResult:
-    """Read frames from ``start``; on a bad frame look for a later valid one.
-
-    A bad frame with no valid frame after it is a torn tail (the writer died mid-write,
-    or the file was preallocated); a bad frame followed by valid ones is corruption.
-    """
-    frames: list[Frame] = []
-    offset = start
-    end = len(buf)
-    while offset < end:
-        try:
-            frame = check_at(buf, offset)
-        except FrameError as err:
-            return ScanResult(frames, offset, err, find_next_frame(buf, offset + 1))
-        if keep:
-            frames.append(frame)
-        offset += frame.size
-    return ScanResult(frames, offset, None, None)
-
-
-def find_next_frame(buf: bytes | memoryview | bytearray, start: int) -> int | None:
-    """Offset of the first valid frame at or after ``start`` (by magic, then checksum)."""
-    data = bytes(buf) if not isinstance(buf, bytes) else buf
-    pos = data.find(_MAGIC_BYTES, start)
-    while pos != -1:
-        try:
-            check_at(data, pos)
-            return pos
-        except FrameError:
-            pos = data.find(_MAGIC_BYTES, pos + 1)
-    return None

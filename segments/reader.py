@@ -1,6 +1,18 @@
-"""Reading frames in bulk, as columns: where each frame starts, its kind, sequence and due
-time, found by one walk over a chunk of bytes (the native codec's ``scan``, or its Python
-twin :func:`scan_py`).
+"""The one reader of qdelay's frames (docs/formats.md, "Record frame"): every walk over
+frames, in files or in memory, goes through here (tests/test_one_reader.py checks).
+
+- Columns: where each frame of a chunk starts, its kind, sequence and due time, found by
+  one walk (the native codec's ``scan``, or its Python twin :func:`scan_py`) that verifies
+  every frame; :func:`read_columns` / :func:`read_frames` read a segment's range chunk by
+  chunk (the loader, the dispatcher, lookups, ``Segment.frames``), :func:`read_frame` one
+  frame at a known offset.
+- Damage: :func:`walk` (a buffer: inspect, the Spark twin) and :func:`walk_reads` (a file,
+  chunk by chunk: recovery) report every torn, corrupt or zero-filled stretch with its
+  offsets, resuming after corruption (:func:`damage_at` is the one place that tells a
+  torn tail from corruption).
+- Bytes from elsewhere: :func:`require_whole` (replicated chunks), :func:`sole_frame`
+  (a checkpoint file), :func:`header` / :func:`frame_spans` (replication's unverified
+  looks at headers).
 
 The Python twins of the native storage codec's walks live here, each with the signature
 and results of its C function (segments/_codec.c; the table is ``native.twins()``):
@@ -11,20 +23,30 @@ dispatch).
 A reader that needs a field of many records (a CANCEL's target, a DISPATCH's time) gathers
 it from the chunk with numpy at a fixed body offset (:meth:`Columns.u64_at`) instead of
 decoding a record object per frame: this is what keeps a lookup in a busy minute bucket
-cheap (issue 13).
-"""
+cheap (issue 13)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from qdelay.errors import CorruptRecord, InvariantViolation
 from qdelay.segments import framing, native, records
-from qdelay.segments.framing import KIND_AT, LENGTH_AT, SEQUENCE_AT, VERSION_AT, Frame, FrameError, RecordKind
+from qdelay.segments.framing import (
+    HEADER_SIZE,
+    KIND_AT,
+    LENGTH_AT,
+    SEQUENCE_AT,
+    TIMESTAMP_AT,
+    VERSION_AT,
+    Frame,
+    FrameError,
+    RecordKind,
+)
 from qdelay.segments.naming import MS_PER_MINUTE
 
 if TYPE_CHECKING:
@@ -32,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KIND_AT", "SEQUENCE_AT"]  # the header offsets, re-exported for the column readers
 SCAN_BYTES = 1024 * 1024
+READ_CHUNK = 4 * 1024 * 1024  # a file walk's read size (recovery, Segment.frames)
 
 
 @dataclass(slots=True)
@@ -49,6 +72,28 @@ class Columns:
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    def frames(self) -> list[Frame]:
+        """The frames as :class:`Frame` objects with file offsets (``base`` + start): bodies
+        cut from ``data``, timestamps gathered in one call. For readers that need bodies;
+        column readers use the arrays."""
+        n = len(self.starts)
+        if not n:
+            return []
+        data = self.data if isinstance(self.data, bytes) else bytes(self.data[: self.end])
+        starts = self.starts.tolist()
+        ends = starts[1:] + [self.end]  # whole frames lie end to end
+        stamps = gather(data, self.starts, TIMESTAMP_AT, 8).tolist()
+        base, hs = self.base, HEADER_SIZE
+        return [
+            Frame(base + s, k, q, t, data[s + hs : e])
+            for s, e, k, q, t in zip(starts, ends, self.kinds.tolist(), self.seqs.tolist(), stamps)
+        ]
+
+    def stamp(self, i: int) -> int:
+        """The timestamp in the header of frame ``i``."""
+        at = int(self.starts[i]) + TIMESTAMP_AT
+        return int.from_bytes(self.data[at : at + 8], "little", signed=True)
 
     def u64_at(self, rows: np.ndarray, body_offset: int) -> np.ndarray:
         """The little-endian 64-bit field at ``body_offset`` of each frame's body, for the
@@ -119,7 +164,7 @@ def scan_py(data: bytes, max_body: int) -> tuple[int, int, bytes, bytes, bytes, 
     pos, size, bad = 0, len(data), -1
     while pos + framing.HEADER_SIZE <= size:
         length = frame_length(data, pos)
-        header_ok = data[pos : pos + 4] == framing._MAGIC_BYTES and data[pos + VERSION_AT] == framing.VERSION
+        header_ok = data[pos : pos + 4] == framing.MAGIC_BYTES and data[pos + VERSION_AT] == framing.VERSION
         if header_ok and length <= max_body and pos + framing.HEADER_SIZE + length > size:
             break  # cut by the end of the data: not a verdict on the frame
         try:
@@ -146,15 +191,21 @@ def scan_py(data: bytes, max_body: int) -> tuple[int, int, bytes, bytes, bytes, 
 def read_columns(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES) -> Columns:
     """The frames in [start, stop) of ``seg``, reading about ``max_bytes`` at most; the next
     call starts at ``result.base + result.end``. A frame cut by the read size is left for the
-    next call (a single frame larger than ``max_bytes`` is read whole); a bad frame raises
-    :class:`CorruptRecord` with its file offset."""
+    next call (a single frame larger than ``max_bytes`` is read whole); a bad frame, one
+    running past ``stop`` or a file shorter than ``stop`` raises :class:`CorruptRecord` with
+    its file offset. No byte at or past ``stop`` is ever served."""
     want = min(max_bytes, stop - start)
     data = seg.read(start, want) if want > 0 else b""
+    if want > 0 and not data:
+        raise CorruptRecord(seg.path, start, "file is shorter than its recorded size")
     cols = scan_columns(data)
-    if cols.bad < 0 and cols.end == 0 and len(data) >= framing.HEADER_SIZE and start + len(data) < stop:
-        # one frame larger than the read: read it whole
-        data = seg.read(start, framing.HEADER_SIZE + frame_length(data))
-        cols = scan_columns(data)
+    past = False  # one frame larger than the read that runs past ``stop``
+    if cols.bad < 0 and cols.end == 0 and len(data) >= HEADER_SIZE and start + len(data) < stop:
+        whole = HEADER_SIZE + frame_length(data)  # at most MAX_BODY: scan judged the header sound
+        past = start + whole > stop
+        if not past:  # one frame larger than the read: read it whole
+            data = seg.read(start, whole)
+            cols = scan_columns(data)
     if cols.bad >= 0 or (cols.end < len(data) and (start + len(data) >= stop or cols.end == 0)):
         at = cols.bad if cols.bad >= 0 else cols.end
         reason = "frame cut short by the end of the data"
@@ -162,9 +213,58 @@ def read_columns(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTE
             framing.check_at(data, at)
         except FrameError as err:
             reason = err.reason
+        if past:
+            reason = f"record of {HEADER_SIZE + frame_length(data)} bytes runs past the end of the range ({stop})"
         raise CorruptRecord(seg.path, start + at, reason)
     cols.base = start
     return cols
+
+
+def read_frames(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES) -> tuple[list[Frame], int]:
+    """Frames in [start, stop) of ``seg``, reading at most about ``max_bytes``; (frames, next).
+    The rules of :func:`read_columns` (whose frames these are)."""
+    if start >= stop:
+        return [], start
+    cols = read_columns(seg, start, stop, max_bytes)
+    return cols.frames(), start + cols.end
+
+
+def segment_frames(seg: Segment, start: int = 0, stop: int | None = None) -> Iterator[Frame]:
+    """Every frame in [start, stop) of ``seg`` (stop None: its valid size), read in chunks of
+    :data:`READ_CHUNK` (:func:`walk_reads`); a bad frame raises :class:`CorruptRecord` when
+    the walk reaches it, the frames before it yielded first: data failing its checksum, or
+    past ``stop``, is never yielded."""
+    end = seg.size if stop is None else stop
+    for got in walk_reads(seg.read, start, end):
+        if isinstance(got, Damage):
+            raise CorruptRecord(seg.path, got.offset, got.reason)
+        yield from got.frames()
+
+
+def read_frame(seg: Segment, offset: int) -> Frame:
+    """Read and verify the one frame at ``offset`` of ``seg`` (two reads: its header, then its
+    body); a bad one raises :class:`CorruptRecord`."""
+    with seg.pool.fd(seg.path) as fd:
+        head = os.pread(fd, HEADER_SIZE, offset)
+        data = head
+        if len(head) == HEADER_SIZE:
+            length = frame_length(head)
+            if length <= framing.MAX_BODY:
+                data = head + os.pread(fd, length, offset + HEADER_SIZE)
+    try:
+        frame = framing.check_at(data, 0)
+    except FrameError as err:
+        raise CorruptRecord(seg.path, offset, err.reason) from None
+    return Frame(offset, frame.kind, frame.sequence, frame.timestamp, frame.body)
+
+
+def frame_at(buf: bytes | bytearray | memoryview, pos: int, file_offset: int = 0) -> Frame:
+    """The verified frame at ``pos`` of ``buf`` (bytes read from file offset
+    ``file_offset``), with its file offset; :class:`FrameError` if bad."""
+    frame = framing.check_at(buf, pos)
+    if not file_offset:
+        return frame
+    return Frame(file_offset + pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
 
 
 # --- walking with damage: what recovery, inspect and replication read through ---------------
@@ -185,6 +285,21 @@ class Damage:
 ZERO, TORN, CORRUPT = "zero", "torn", "corrupt"
 
 
+def next_frame(buf: bytes | bytearray | memoryview, start: int) -> int | None:
+    """Offset of the first valid frame at or after ``start`` of ``buf`` (found by its magic,
+    then verified): where reading resumes after a bad stretch."""
+    data = bytes(buf) if not isinstance(buf, bytes) else buf
+    magic = framing.MAGIC_BYTES
+    pos = data.find(magic, start)
+    while pos != -1:
+        try:
+            framing.check_at(data, pos)
+            return pos
+        except FrameError:
+            pos = data.find(magic, pos + 1)
+    return None
+
+
 def damage_at(
     buf: bytes | bytearray | memoryview, pos: int, err: FrameError | None = None, file_offset: int = 0
 ) -> Damage:
@@ -203,7 +318,7 @@ def damage_at(
     rest = bytes(buf[pos:])
     if not rest.strip(b"\0"):  # all zero (C speed; any() walks byte by byte)
         return Damage(ZERO, file_offset + pos, file_offset + end, err.reason)
-    nxt = framing.find_next_frame(rest, 1)
+    nxt = next_frame(rest, 1)
     if nxt is None:
         return Damage(TORN, file_offset + pos, file_offset + end, err.reason)
     return Damage(CORRUPT, file_offset + pos, file_offset + pos + nxt, err.reason)
@@ -231,12 +346,106 @@ def walk(buf: bytes | bytearray | memoryview, file_offset: int = 0) -> Iterator[
         pos += frame.size
 
 
+def walk_reads(
+    read: Callable[[int, int], bytes], start: int, stop: int, chunk_bytes: int | None = None
+) -> Iterator[Columns | Damage]:
+    """The chunked walk of a file's [start, stop) (``read(offset, n)`` reads it, e.g. a
+    pread): the verified frames as :class:`Columns`, a chunk at a time (file offsets:
+    ``base`` + start), and every damaged stretch as a :class:`Damage` judged by the bytes up
+    to ``stop`` (:func:`damage_at`), in order. A frame cut by a chunk is read again with the
+    next; a frame larger than a chunk is read whole. Reading resumes after a CORRUPT
+    stretch; ZERO and TORN end the walk, and so does a file shorter than ``stop`` (TORN).
+    ``chunk_bytes`` defaults to :data:`READ_CHUNK`."""
+    chunk_bytes = chunk_bytes or READ_CHUNK
+    pos = start
+    while pos < stop:
+        want = min(chunk_bytes, stop - pos)
+        data = read(pos, want)
+        if not data:
+            yield Damage(TORN, pos, stop, "file is shorter than its recorded size")
+            return
+        cols = scan_columns(data)
+        if len(cols):
+            cols.base = pos
+            yield cols
+        at = pos + cols.end
+        if cols.bad < 0 and cols.end == len(data):
+            pos = at
+            continue
+        if cols.bad < 0 and pos + len(data) < stop:
+            if cols.end:
+                pos = at  # the frame is cut by the chunk: read again from it
+                continue
+            whole = HEADER_SIZE + frame_length(data)  # one frame larger than a chunk
+            if len(data) >= HEADER_SIZE and pos + whole <= stop:
+                one = read(pos, whole)
+                big = scan_columns(one)
+                if len(big) == 1 and big.end == len(one):
+                    big.base = pos
+                    yield big
+                    pos += whole
+                    continue
+        damage = damage_at(read(at, stop - at), 0, None, at)
+        yield damage
+        if damage.status != CORRUPT:
+            return
+        pos = damage.end
+
+
+def frames(buf: bytes | bytearray | memoryview) -> list[Frame]:
+    """The verified frames at the start of ``buf``, up to the first that is bad or cut (for
+    buffers this process wrote, such as records not yet on disk; :func:`walk` tells what
+    stopped a walk)."""
+    return scan_columns(buf).frames()
+
+
+def require_whole(cols: Columns, what: str, base: int = 0) -> None:
+    """Raise :class:`CorruptRecord` (``what``, ``base`` + offset, why) unless ``cols`` (a
+    :func:`scan_columns` of bytes received from elsewhere) covers its data end to end with
+    whole, verified frames."""
+    if cols.end == len(cols.data):
+        return
+    try:
+        framing.check_at(cols.data, cols.end)
+    except FrameError as err:
+        raise CorruptRecord(what, base + cols.end, err.reason) from None
+    raise InvariantViolation(f"a verified frame at {base + cols.end} that the walk did not take")
+
+
+def sole_frame(data: bytes) -> Frame:
+    """The one verified frame ``data`` holds, with nothing after it (a checkpoint file);
+    :class:`FrameError` otherwise."""
+    frame = framing.check_at(data, 0)
+    if frame.size != len(data):
+        raise FrameError(frame.size, "trailing bytes after the record")
+    return frame
+
+
+class Header(NamedTuple):
+    """A frame header's fields, as written (not verified)."""
+
+    magic: int
+    checksum: int
+    length: int
+    kind: int
+    version: int
+    flags: int
+    sequence: int
+    timestamp: int
+
+
+def header(data: bytes | bytearray | memoryview, pos: int = 0) -> Header:
+    """The header at ``pos`` of ``data``, unverified (replication compares a frame's place,
+    sequence and checksum with its peer's; the lag reads its time)."""
+    return Header._make(framing.HEADER.unpack_from(data, pos))
+
+
 def frame_spans(data: bytes | bytearray | memoryview, base: int = 0) -> list[tuple[int, int, int, int]]:
     """(offset, sequence, checksum, size) of the whole frames at the start of ``data``, read
     from their headers only, checksums not verified (replication compares them with its
     peer's); offsets from ``base``. Stops at the first frame cut by the end of ``data``."""
     out = []
-    pos, n, hs = 0, len(data), framing.HEADER_SIZE
+    pos, n, hs = 0, len(data), HEADER_SIZE
     unpack = framing.HEADER.unpack_from
     while pos + hs <= n:
         _m, checksum, length, _k, _v, _f, seq, _ts = unpack(data, pos)
@@ -249,7 +458,7 @@ def frame_spans(data: bytes | bytearray | memoryview, base: int = 0) -> list[tup
 
 def whole_frames(data: bytes | bytearray | memoryview) -> int:
     """How many bytes at the start of ``data`` are whole frames, by their headers only."""
-    pos, n, hs = 0, len(data), framing.HEADER_SIZE
+    pos, n, hs = 0, len(data), HEADER_SIZE
     while pos + hs <= n:
         length = frame_length(data, pos)
         if pos + hs + length > n:
@@ -266,36 +475,6 @@ def frame_sequence(data: bytes | bytearray | memoryview, pos: int = 0) -> int:
 def frame_length(data: bytes | bytearray | memoryview, pos: int = 0) -> int:
     """The body length a frame header at ``pos`` declares (unverified)."""
     return int.from_bytes(data[pos + LENGTH_AT : pos + LENGTH_AT + 4], "little")
-
-
-def read_frames(seg: Segment, start: int, stop: int, max_bytes: int = SCAN_BYTES) -> tuple[list[Frame], int]:
-    """Frames in [start, stop) of ``seg``, reading at most about ``max_bytes``; (frames, next).
-
-    A frame cut by the read size is left for the next call; a bad frame raises
-    :class:`CorruptRecord` with its offset.
-    """
-    if start >= stop:
-        return [], start
-    want = min(max_bytes, stop - start)
-    data = seg.read(start, want)
-    frames: list[Frame] = []
-    pos = 0
-    while pos < len(data):
-        try:
-            f = framing.check_at(data, pos)
-        except FrameError as err:
-            if start + len(data) < stop:
-                if frames:
-                    break  # cut by the read size: the next call starts here
-                # a single frame larger than max_bytes
-                big = seg.read_frame(start + pos)
-                frames.append(big)
-                pos += big.size
-                break
-            raise CorruptRecord(seg.path, start + pos, err.reason) from None
-        frames.append(Frame(start + pos, f.kind, f.sequence, f.timestamp, f.body))
-        pos += f.size
-    return frames, start + pos
 
 
 _MESSAGE_KIND = int(RecordKind.MESSAGE)  # plain ints: IntEnum attribute lookups cost ~0.5 µs
@@ -490,7 +669,7 @@ def read_frames_past_damage(
         more, pos = read_frames(seg, pos, damage.offset, max_bytes)
         frames.extend(more)
     rest = seg.read(damage.offset, stop - damage.offset)
-    found = framing.find_next_frame(rest, 1)
+    found = next_frame(rest, 1)
     return frames, damage.offset + found if found is not None else stop, damage
 
 
@@ -503,7 +682,7 @@ def columns_past_damage(seg: Segment, start: int, stop: int, max_bytes: int = SC
     except CorruptRecord as err:
         cols_before = read_columns(seg, start, err.offset) if err.offset > start else None
         rest = seg.read(err.offset, stop - err.offset)
-        found = framing.find_next_frame(rest, 1)
+        found = next_frame(rest, 1)
         return cols_before, err.offset + found if found is not None else stop
 
 

@@ -245,24 +245,6 @@ def decode_group(body: bytes) -> Group:
     return Group(op, body[GROUP_FIXED.size : a].decode(), body[a:].decode())
 
 
-def encode_checkpoint(state: dict, timestamp: int) -> bytes:
-    """A checkpoint file's content: one CHECKPOINT frame whose body is a JSON object."""
-    body = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
-    return framing.encode(RecordKind.CHECKPOINT, 0, timestamp, body)
-
-
-def decode_checkpoint(data: bytes) -> dict:
-    frame = framing.check_at(data, 0)
-    if frame.kind != RecordKind.CHECKPOINT:
-        raise framing.FrameError(0, f"kind {frame.kind} is not a checkpoint")
-    if frame.size != len(data):
-        raise framing.FrameError(frame.size, "trailing bytes after the checkpoint record")
-    state = json.loads(frame.body)
-    if not isinstance(state, dict):
-        raise framing.FrameError(framing.HEADER_SIZE, "checkpoint body is not a JSON object")
-    return state
-
-
 def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | Group | dict:
     """Decode any body by its frame kind (for the inspection tool and readers)."""
     if kind == RecordKind.MESSAGE:

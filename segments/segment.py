@@ -14,20 +14,15 @@ import enum
 import errno
 import logging
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from qdelay.errors import CorruptRecord
-from qdelay.segments import framing, native
-from qdelay.segments.framing import Frame, FrameError
-from qdelay.segments.reader import CORRUPT, damage_at, frame_length, scan_columns
+from qdelay.segments import reader
+from qdelay.segments.framing import Frame
 
 log = logging.getLogger("qdelay.segments")
-
-READ_CHUNK = 4 * 1024 * 1024
-_TIMESTAMP = struct.Struct("<q")
 
 
 class HandlePool:
@@ -214,69 +209,18 @@ class Segment:
             pool.release(fd)
 
     def read_frame(self, offset: int) -> Frame:
-        """Read and verify the frame at ``offset``; a bad one raises :class:`CorruptRecord`."""
-        with self.pool.fd(self.path) as fd:
-            head = os.pread(fd, framing.HEADER_SIZE, offset)
-            if len(head) == framing.HEADER_SIZE:
-                length = frame_length(head)
-                data = head + os.pread(fd, length, offset + framing.HEADER_SIZE) if length <= framing.MAX_BODY else head
-            else:
-                data = head
-        try:
-            frame = framing.check_at(data, 0)
-        except FrameError as err:
-            raise CorruptRecord(self.path, offset, err.reason) from None
-        return Frame(offset, frame.kind, frame.sequence, frame.timestamp, frame.body)
+        """Read and verify the frame at ``offset``; a bad one raises :class:`CorruptRecord`
+        (the frame reader's :func:`~qdelay.segments.reader.read_frame`)."""
+        return reader.read_frame(self, offset)
 
     def frames(self, start: int = 0, stop: int | None = None) -> Iterator[Frame]:
-        """Yield the frames in [start, stop) (default: to the valid size), read in chunks.
+        """Yield the frames in [start, stop) (default: to the valid size), read in chunks by
+        the frame reader (:func:`~qdelay.segments.reader.segment_frames`).
 
         A bad frame inside the range raises :class:`CorruptRecord` with its offset: data
         that fails its checksum is never yielded.
         """
-        stop = self.size if stop is None else stop
-        pos = start
-        with self.pool.fd(self.path) as fd:
-            while pos < stop:
-                chunk = os.pread(fd, min(READ_CHUNK, stop - pos), pos)
-                if not chunk:
-                    raise CorruptRecord(self.path, pos, "file is shorter than its recorded size")
-                used = 0
-                while used < len(chunk):
-                    try:
-                        frame = framing.check_at(chunk, used)
-                    except FrameError as err:
-                        if pos + len(chunk) >= stop:
-                            raise CorruptRecord(self.path, pos + used, err.reason) from None
-                        if used > 0:
-                            break  # the frame crosses the chunk's end: re-read from it
-                        frame = self._read_big(fd, pos, stop, err)  # larger than a chunk, or bad
-                        yield frame
-                        used = frame.size
-                        break
-                    yield Frame(pos + used, frame.kind, frame.sequence, frame.timestamp, frame.body)
-                    used += frame.size
-                pos += used
-
-    def _read_big(self, fd: int, pos: int, stop: int, err: FrameError) -> Frame:
-        head = os.pread(fd, framing.HEADER_SIZE, pos)
-        if len(head) < framing.HEADER_SIZE:
-            raise CorruptRecord(self.path, pos, err.reason)
-        length = frame_length(head)
-        if length > framing.MAX_BODY:
-            raise CorruptRecord(self.path, pos, f"length {length} exceeds the maximum")
-        if pos + framing.HEADER_SIZE + length > stop:  # never serve bytes past the range asked for
-            raise CorruptRecord(
-                self.path,
-                pos,
-                f"record of {framing.HEADER_SIZE + length} bytes runs past the end of the range ({stop})",
-            )
-        data = head + os.pread(fd, length, pos + framing.HEADER_SIZE)
-        try:
-            frame = framing.check_at(data, 0)
-        except FrameError as err2:
-            raise CorruptRecord(self.path, pos, err2.reason) from None
-        return Frame(pos, frame.kind, frame.sequence, frame.timestamp, frame.body)
+        return reader.segment_frames(self, start, stop)
 
 
 _ZEROS = bytes(1 << 20)
@@ -322,79 +266,31 @@ def recover(
     """
     result = Recovery(path, 0, 0, -1, None, None)
     size = os.path.getsize(path)
-    pos = 0
     with open(path, "rb") as f:
-        while pos < size:
-            f.seek(pos)
-            chunk = f.read(READ_CHUNK)
-            used = 0
-            bad: FrameError | None = None
-            if native.codec is not None and on_frame is None:
-                # the native walk verifies the sound prefix; the loop below goes on from
-                # where it stopped and decides what a bad frame there is
-                cols = scan_columns(chunk)
-                if len(cols):
-                    result.records += len(cols)
-                    result.last_sequence = int(cols.seqs[-1])
-                    if result.first_timestamp is None:
-                        result.first_timestamp = _TIMESTAMP.unpack_from(chunk, framing.TIMESTAMP_AT)[0]
-                    last = int(cols.starts[-1])
-                    result.last_timestamp = _TIMESTAMP.unpack_from(chunk, last + framing.TIMESTAMP_AT)[0]
-                    used = cols.end
-            while used < len(chunk):
-                try:
-                    frame = framing.check_at(chunk, used)
-                except FrameError as err:
-                    bad = err
-                    break
-                result.records += 1
-                result.last_sequence = frame.sequence
+        fd = f.fileno()
+        for got in reader.walk_reads(lambda at, n: os.pread(fd, n, at), 0, size):
+            if isinstance(got, reader.Columns):
+                result.records += len(got)
+                result.last_sequence = int(got.seqs[-1])
                 if result.first_timestamp is None:
-                    result.first_timestamp = frame.timestamp
-                result.last_timestamp = frame.timestamp
+                    result.first_timestamp = got.stamp(0)
+                result.last_timestamp = got.stamp(len(got) - 1)
                 if on_frame is not None:
-                    on_frame(Frame(pos + used, frame.kind, frame.sequence, frame.timestamp, frame.body))
-                used += frame.size
-            if bad is None:
-                pos += used
+                    for frame in got.frames():
+                        on_frame(frame)
                 continue
-            if used > 0 and pos + len(chunk) < size:
-                pos += used  # the frame crosses the chunk boundary: re-read from it
-                continue
-            if used == 0 and pos + len(chunk) < size:
-                # a single frame larger than a chunk, or a bad frame: read just that frame
-                f.seek(pos)
-                head = f.read(framing.HEADER_SIZE)
-                length = frame_length(head)
-                one = head + f.read(length) if length <= framing.MAX_BODY else head
-                try:
-                    frame = framing.check_at(one, 0)
-                except FrameError as err:
-                    bad = err
-                else:
-                    result.records += 1
-                    result.last_sequence = frame.sequence
-                    if result.first_timestamp is None:
-                        result.first_timestamp = frame.timestamp
-                    result.last_timestamp = frame.timestamp
-                    if on_frame is not None:
-                        on_frame(Frame(pos, frame.kind, frame.sequence, frame.timestamp, frame.body))
-                    pos += frame.size
-                    continue
-            bad_at = pos + used
-            f.seek(bad_at)
-            rest = f.read()
-            damage = damage_at(rest, 0, bad, bad_at)
-            if damage.status == CORRUPT:
+            # the first damage decides: everything from it on is cut (or refused)
+            bad_at = got.offset
+            if got.status == reader.CORRUPT:
                 result.corrupt_at = bad_at
-                result.reason = bad.reason
+                result.reason = got.reason
                 if policy is CorruptionPolicy.FAIL:
-                    raise CorruptRecord(path, bad_at, f"{bad.reason} (a valid record follows at offset {damage.end})")
-                log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at, "reason": bad.reason})
+                    raise CorruptRecord(path, bad_at, f"{got.reason} (a valid record follows at offset {got.end})")
+                log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at, "reason": got.reason})
             else:
                 result.torn = True
-                result.reason = bad.reason
-            _cut(result, bad_at, rest)
+                result.reason = got.reason
+            _cut(result, bad_at, os.pread(fd, size - bad_at, bad_at))
             return result
     result.valid_size = size
     return result

@@ -29,8 +29,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from qdelay.errors import (
-    CorruptRecord,
     DiskFull,
     InvariantViolation,
     QdelayError,
@@ -38,7 +39,7 @@ from qdelay.errors import (
     StorageError,
     WalFailed,
 )
-from qdelay.segments import framing, naming
+from qdelay.segments import framing, naming, reader
 from qdelay.segments.framing import Frame
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, disk_full, fsync_dir, recover
 
@@ -554,12 +555,8 @@ class MessageLog:
         start where the master's did. Nothing is written when a check fails
         (:class:`CorruptRecord` / :class:`InvariantViolation`). Returns the frames' timestamps.
         """
-        unpack = framing.HEADER.unpack_from
-        xxh = framing._xxh
-        hs, checked, magic_ok = framing.HEADER_SIZE, framing.CHECKED_FROM, framing.MAGIC
-        mv = memoryview(data)
+        cols = reader.scan_columns(data)  # verifies every frame; judged below, in order
         n = len(data)
-        stamps: list[int] = []
         with self._lock:
             if self._failed is not None:
                 raise self._failed
@@ -573,29 +570,18 @@ class MessageLog:
                     f"replicated bytes start at offset {expected_offset}, but this message log ends at {end}"
                 )
             seq = self._next_sequence
-            pos = 0
-            while pos < n:
-                bad = None
-                if n - pos < hs:
-                    bad = "partial frame header"
-                else:
-                    magic, checksum, length, _k, version, _f, fseq, ts = unpack(data, pos)
-                    stop = pos + hs + length
-                    if magic != magic_ok or version != framing.VERSION:
-                        bad = "bad magic or version"
-                    elif stop > n:
-                        bad = "partial frame"
-                    elif xxh(mv[pos + checked : stop]) != checksum:
-                        bad = "checksum mismatch"
-                    elif fseq != seq:
-                        raise InvariantViolation(
-                            f"replicated frame at offset {end + pos} has sequence {fseq}, expected {seq}"
-                        )
-                if bad is not None:
-                    raise CorruptRecord("replicated message-log chunk", end + pos, bad)
-                stamps.append(ts)
-                seq += 1
-                pos = stop
+            # the verified frames' sequences must follow on (the first that does not is
+            # reported before any damage after it), then the chunk must be whole frames
+            off = np.flatnonzero(cols.seqs != np.arange(seq, seq + len(cols), dtype=np.int64))
+            if len(off):
+                k = int(off[0])
+                raise InvariantViolation(
+                    f"replicated frame at offset {end + int(cols.starts[k])} has sequence "
+                    f"{int(cols.seqs[k])}, expected {seq + k}"
+                )
+            reader.require_whole(cols, "replicated message-log chunk", end)
+            stamps: list[int] = reader.gather(data, cols.starts, framing.TIMESTAMP_AT, 8).tolist()
+            seq += len(cols)
             if not stamps:
                 return stamps
             seg = self._plan_segment

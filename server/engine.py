@@ -34,7 +34,7 @@ from qdelay.errors import (
     ShuttingDown,
     StorageError,
 )
-from qdelay.segments import checkpoint, framing, naming, records
+from qdelay.segments import checkpoint, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
@@ -856,7 +856,7 @@ class Engine:
             buffered, _size, _out = sched.dispatch_view(bucket, 0)
             closed = self.dispatched.closed_among(self.dispatch.get(bucket), seqs)
             if buffered:
-                closed |= np.isin(seqs, [f.sequence for f in framing.iter_frames(buffered)])
+                closed |= np.isin(seqs, reader.scan_columns(buffered).seqs)
             tombs = sched.known_tombstones(bucket)
             if tombs is None:
                 tombs = self.finder.tombstones(seg) if seg is not None else set()
@@ -928,7 +928,7 @@ class Engine:
         # together (so that no ack slips between the looks), then the file (read outside
         # the scheduler's lock): a close is in one or the other, never in neither
         pending, _size, in_flight = self.scheduler.dispatch_view(bucket, sequence)
-        closes = [records.decode_dispatch(f.body) for f in framing.iter_frames(pending) if f.sequence == sequence]
+        closes = [records.decode_dispatch(f.body) for f in reader.frames(pending) if f.sequence == sequence]
         dseg = self.dispatch.get(bucket)
         offsets = self.dispatched.offsets(dseg, sequence)
         if offsets and dseg is not None:

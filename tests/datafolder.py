@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from qdelay.segments import framing, naming, records
+from qdelay.segments import checkpoint, framing, naming, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
 from qdelay.segments.segment import HandlePool, Segment
@@ -150,7 +150,7 @@ class DataFolderBuilder:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {"offset": self._iterate_offset, "sequence": self._iterate_sequence}
         with open(path, "wb") as f:  # fixed frame timestamp: deterministic bytes
-            f.write(records.encode_checkpoint(state, at_ms))
+            f.write(checkpoint.encode(state, at_ms))
 
     # --- dispatch log --------------------------------------------------------------------
 

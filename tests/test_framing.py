@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qdelay.segments import framing
+from qdelay.segments import framing, reader
 from qdelay.segments.framing import FrameError, RecordKind
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -35,10 +35,9 @@ def test_encode_into_matches_encode_and_scans_back(records, prefix):
     for kind, seq, ts, body in records:
         framing.encode_into(out, kind, seq, ts, body)
     assert bytes(out) == prefix + b"".join(framing.encode(*r) for r in records)
-    frames = list(framing.iter_frames(out, len(prefix)))
-    assert [(f.kind, f.sequence, f.timestamp, f.body) for f in frames] == records
-    result = framing.scan(out, len(prefix))
-    assert result.error is None and result.valid_end == len(out)
+    walked = list(reader.walk(out[len(prefix) :], len(prefix)))
+    assert [(f.kind, f.sequence, f.timestamp, f.body) for f in walked] == records  # no Damage
+    assert reader.scan_columns(bytes(out[len(prefix) :])).end == len(out) - len(prefix)
 
 
 @settings(max_examples=100, deadline=None)
@@ -109,16 +108,18 @@ def test_unknown_version_is_rejected_even_with_a_valid_checksum():
         framing.check_at(data, 0)
 
 
-def test_scan_tells_a_torn_tail_from_corruption():
+def test_the_reader_tells_a_torn_tail_from_corruption():
     frames = [framing.encode(RecordKind.MESSAGE, i, i, bytes([i]) * 10) for i in range(1, 4)]
     torn = b"".join(frames)[:-3]
-    result = framing.scan(torn)
-    assert len(result.frames) == 2 and result.error is not None and result.resync_at is None
+    got = list(reader.walk(torn))
+    assert [type(g) for g in got] == [framing.Frame, framing.Frame, reader.Damage]
+    assert got[2].status == reader.TORN and got[2].offset == 2 * len(frames[0])
 
     corrupt = bytearray(b"".join(frames))
     corrupt[len(frames[0]) + 40] ^= 1  # inside the second frame's body
-    result = framing.scan(corrupt)
-    assert len(result.frames) == 1
-    assert result.valid_end == len(frames[0])
-    assert result.error.reason == "checksum mismatch"
-    assert result.resync_at == len(frames[0]) + len(frames[1])
+    got = list(reader.walk(corrupt))
+    assert [type(g) for g in got] == [framing.Frame, reader.Damage, framing.Frame]
+    damage = got[1]
+    assert (damage.status, damage.reason) == (reader.CORRUPT, "checksum mismatch")
+    assert damage.offset == len(frames[0]) and damage.end == len(frames[0]) + len(frames[1])  # resynced
+    assert reader.next_frame(corrupt, 1) == damage.end

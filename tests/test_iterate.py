@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from qdelay.segments import checkpoint, framing, naming, records
+from qdelay.segments import checkpoint, framing, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import HandlePool
@@ -134,7 +134,7 @@ def test_far_records_are_written_behind_until_checkpoint_or_a_reader(tmp_path):
     rig.catch_up()
     assert sched_bytes(rig, far) == b"" and not rig.handed
     rig.it.flush_bucket(far)  # Cancel and Get call this before they look
-    assert len(framing.scan(sched_bytes(rig, far), 0).frames) == 2
+    assert len(reader.frames(sched_bytes(rig, far))) == 2
     assert sched_bytes(rig, far + 1) == b""
     rig.it.checkpoint()
     assert sched_bytes(rig, far + 1) == expected_bytes(rig)[far + 1]

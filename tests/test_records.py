@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qdelay.segments import framing, records
+from qdelay.segments import checkpoint, framing, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
 
@@ -85,8 +85,8 @@ def test_dispatch_round_trip(dispatch, sequence, timestamp):
 @settings(max_examples=100, deadline=None)
 @given(state=st.dictionaries(st.text(max_size=12), json_values, max_size=6), timestamp=i64)
 def test_checkpoint_round_trip(state, timestamp):
-    data = records.encode_checkpoint(state, timestamp)
-    assert records.decode_checkpoint(data) == state
+    data = checkpoint.encode(state, timestamp)
+    assert checkpoint.decode(data) == state
     assert framing.check_at(data, 0).timestamp == timestamp
 
 
@@ -124,13 +124,13 @@ def test_inconsistent_bodies_are_rejected():
 
 
 def test_checkpoint_must_be_one_checkpoint_frame():
-    data = records.encode_checkpoint({"offset": 1, "sequence": 2}, 0)
+    data = checkpoint.encode({"offset": 1, "sequence": 2}, 0)
     with pytest.raises(framing.FrameError, match="trailing"):
-        records.decode_checkpoint(data + b"\0")
+        checkpoint.decode(data + b"\0")
     with pytest.raises(framing.FrameError, match="not a checkpoint"):
-        records.decode_checkpoint(framing.encode(RecordKind.MESSAGE, 0, 0, b"{}"))
+        checkpoint.decode(framing.encode(RecordKind.MESSAGE, 0, 0, b"{}"))
     with pytest.raises(framing.FrameError, match="JSON object"):
-        records.decode_checkpoint(framing.encode(RecordKind.CHECKPOINT, 0, 0, b"[1]"))
+        checkpoint.decode(framing.encode(RecordKind.CHECKPOINT, 0, 0, b"[1]"))
 
 
 def test_the_worked_example_in_docs_formats_md_is_what_the_code_writes():
@@ -153,7 +153,7 @@ def test_the_worked_example_in_docs_formats_md_is_what_the_code_writes():
         RecordKind.CANCEL, 2, accepted + 5_000, cancel
     )
     assert bytes(dumped) == expected and len(expected) == 142
-    ckpt = records.encode_checkpoint({"offset": 142, "sequence": 2}, due)
+    ckpt = checkpoint.encode({"offset": 142, "sequence": 2}, due)
     assert len(ckpt) == 63 and ckpt[36:] == b'{"offset":142,"sequence":2}'
 
 

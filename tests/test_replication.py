@@ -17,7 +17,7 @@ from conftest import wait_until
 from serverproc import ServerProc
 
 from qdelay import errors
-from qdelay.segments import framing, naming
+from qdelay.segments import naming, reader
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
@@ -96,7 +96,7 @@ def schedule_records(data_dir) -> set[tuple[int, int, int]]:
     out = set()
     for bucket, path in naming.list_buckets(str(Path(data_dir) / naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX):
         data = Path(path).read_bytes()
-        for f in framing.iter_frames(data):
+        for f in reader.frames(data):
             out.add((bucket, f.sequence, f.kind))
     return out
 
@@ -104,7 +104,7 @@ def schedule_records(data_dir) -> set[tuple[int, int, int]]:
 def dispatched(data_dir) -> set[int]:
     out = set()
     for _b, path in naming.list_buckets(str(Path(data_dir) / naming.DISPATCH_DIR), naming.DISPATCH_SUFFIX):
-        out |= {f.sequence for f in framing.iter_frames(Path(path).read_bytes())}
+        out |= {f.sequence for f in reader.frames(Path(path).read_bytes())}
     return out
 
 

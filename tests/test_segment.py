@@ -16,7 +16,7 @@ import pytest
 from byte_surgery import file_bytes, flip_byte, truncate_at, zero_fill_tail
 
 from qdelay.errors import CorruptRecord
-from qdelay.segments import framing, segment
+from qdelay.segments import framing, reader
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment, recover
 
@@ -57,7 +57,7 @@ def test_append_read_frame_and_frames(tmp_path, pool):
 
 
 def test_frames_across_small_chunks_and_a_frame_larger_than_a_chunk(tmp_path, pool, monkeypatch):
-    monkeypatch.setattr(segment, "READ_CHUNK", 100)
+    monkeypatch.setattr(reader, "READ_CHUNK", 100)
     path = str(tmp_path / "a.seg")
     seg, offsets, _ = build(path, pool, 30, big_at=17)
     assert [f.offset for f in seg.frames()] == offsets
@@ -218,7 +218,7 @@ def test_corrupt_record_is_never_served(tmp_path, pool):
 
 
 def test_corruption_in_a_small_chunk_read(tmp_path, pool, monkeypatch):
-    monkeypatch.setattr(segment, "READ_CHUNK", 64)
+    monkeypatch.setattr(reader, "READ_CHUNK", 64)
     original = str(tmp_path / "orig.seg")
     _, offsets, _ = build(original, pool, 12, seed=9, big_at=6)
     for index in (2, 6, 10):

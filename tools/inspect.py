@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from qdelay.segments import naming, reader, records
+from qdelay.segments import checkpoint, naming, reader, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
 from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
 from qdelay.tools.progress import Progress
@@ -179,7 +179,7 @@ def read_checkpoint(data_dir: str) -> tuple[dict | None, str | None]:
     except FileNotFoundError:
         return None, None
     try:
-        return records.decode_checkpoint(data), None
+        return checkpoint.decode(data), None
     except (FrameError, ValueError) as err:
         return None, f"{getattr(err, 'offset', 0)}: {err}"
 

@@ -35,7 +35,7 @@ import sys
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from qdelay.segments import framing, naming, reader, records
-from qdelay.segments.framing import FrameError, RecordKind
+from qdelay.segments.framing import RecordKind
 from qdelay.segments.records import Cancel, Dispatch, Group, Message
 
 SCHEMA = (
@@ -141,26 +141,30 @@ class QdelayPartition(InputPartition):
 def split_points(path: str, size: int, split_bytes: int) -> list[int]:
     """Record boundaries that cut a segment into ranges of about ``split_bytes``.
 
-    Walks the frames with the codec's ``check_at``; at the first bad frame it stops
-    splitting (the rest is one range, whose reader reports the damage)."""
+    The frame reader walks the file (verified, chunk by chunk); at the first bad frame it
+    stops splitting (the rest is one range, whose reader reports the damage)."""
     if size <= split_bytes:
         return [0, size]
+    import numpy as np
+
     from qdelay.tools.inspect import open_buffer
 
     points = [0]
     with open_buffer(path) as buf:
         end = min(len(buf), size)
-        pos = 0
         target = split_bytes
-        while pos < end:
-            try:
-                frame = framing.check_at(buf, pos)
-            except FrameError:
+        for got in reader.walk_reads(lambda at, n: buf[at : at + n], 0, end):
+            if isinstance(got, reader.Damage):
                 break
-            pos += frame.size
-            if pos >= target and pos < end:
-                points.append(pos)
-                target = pos + split_bytes
+            ends = got.base + np.append(got.starts[1:], got.end)  # where each frame ends
+            i = int(np.searchsorted(ends, target))
+            while i < len(ends):
+                cut = int(ends[i])
+                if cut >= end:
+                    break
+                points.append(cut)
+                target = cut + split_bytes
+                i = int(np.searchsorted(ends, target))
     points.append(size)
     return points
 
@@ -687,7 +691,7 @@ def _message_columns(data: bytes, st, need: set):
     g = reader.gather
     n = len(st)
     suspect = np.zeros(n, dtype=bool)
-    length = g(data, st, 12, 4)
+    length = g(data, st, framing.LENGTH_AT, 4)
     suspect |= length < records.MESSAGE_FIXED.size
     body = st + framing.HEADER_SIZE
     while True:  # another pass only when one found bad rows (each pass drops at least one)
@@ -749,7 +753,7 @@ def _message_columns(data: bytes, st, need: set):
                 keys = values = pa.array([], pa.string())
             out["headers"] = pa.MapArray.from_arrays(pa.array(offsets), keys, values)
         if "created_ms" in need:
-            out["created_ms"] = g(data, st[sel], 28, 8)
+            out["created_ms"] = g(data, st[sel], framing.TIMESTAMP_AT, 8)
         return sel, out, suspect
 
 
@@ -759,7 +763,7 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
 
     g = reader.gather
     fixed = records.CANCEL_FIXED.size if kind == RecordKind.CANCEL else records.DISPATCH_FIXED.size
-    length = g(data, st, 12, 4)
+    length = g(data, st, framing.LENGTH_AT, 4)
     suspect = length < fixed
     body = st + framing.HEADER_SIZE
     while True:  # as in _message_columns
@@ -782,7 +786,7 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
             if ok is not None:
                 suspect[sel[~ok]] = True
                 continue
-        ts = g(data, st[sel], 28, 8) if {"created_ms", "acked_ms"} & need else None
+        ts = g(data, st[sel], framing.TIMESTAMP_AT, 8) if {"created_ms", "acked_ms"} & need else None
         out = {"size": (length[sel] + framing.HEADER_SIZE).astype(np.int32), "message_id": mid}
         if kind == RecordKind.CANCEL:
             out["created_ms"] = ts
@@ -911,8 +915,7 @@ def read_piece(
     skipped = 0
     for i in sorted(odd):
         at = int(starts[i])
-        frame = framing.check_at(data, at)
-        frame = framing.Frame(piece.start + at, frame.kind, frame.sequence, frame.timestamp, frame.body)
+        frame = reader.frame_at(data, at, piece.start)
         record, why = inspect.decode(frame)
         item = inspect.Item(
             inspect.OK if why is None else inspect.BAD_BODY, frame.offset, frame.offset + frame.size, frame, record, why
