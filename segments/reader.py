@@ -396,7 +396,7 @@ def frames(buf: bytes | bytearray | memoryview) -> list[Frame]:
     """The verified frames at the start of ``buf``, up to the first that is bad or cut (for
     buffers this process wrote, such as records not yet on disk; :func:`walk` tells what
     stopped a walk)."""
-    return scan_columns(buf).frames()
+    return scan_columns(buf if isinstance(buf, bytes) else bytes(buf)).frames()
 
 
 def require_whole(cols: Columns, what: str, base: int = 0) -> None:
