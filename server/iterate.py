@@ -38,13 +38,13 @@ import numpy as np
 
 from qdelay.errors import CorruptRecord, DiskFull
 from qdelay.segments import checkpoint, framing, native, records
+from qdelay.segments.bucket_log import BucketLog, sync_all, sync_dirs
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
 from qdelay.segments.reader import route_py
 from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
 from qdelay.server import allocator
-from qdelay.server.bucket_log import BucketLog, sync_all, sync_dirs
 
 log = logging.getLogger("qdelay.iterate")
 
