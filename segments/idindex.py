@@ -21,6 +21,7 @@ An id reused after delivery maps to the newest message (puts happen in sequence 
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -138,10 +139,11 @@ class IdIndex:
                 if v is not None and int(np.frombuffer(v, dtype=_VALUE)[0]["seq"]) > seq_l[i]:
                     skip.add(i)
         wb = WriteBatch(raw_mode=True)
-        put = wb.put
-        for i, k in enumerate(keys):
-            if k and i not in skip:
-                put(k, vb[16 * i : 16 * i + 16])
+        values_l = [vb[j : j + 16] for j in range(0, 16 * n, 16)]
+        if skip or not all(keys):  # (a message without an id has nothing to index)
+            pairs = [(k, v) for i, (k, v) in enumerate(zip(keys, values_l)) if k and i not in skip]
+            keys, values_l = [k for k, _v in pairs], [v for _k, v in pairs]
+        collections.deque(map(wb.put, keys, values_l), maxlen=0)  # the loop in C: ~0.2 us a key less
         self._db.write(wb, self._wo)
         self.puts += n
         self._unsynced += n

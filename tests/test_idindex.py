@@ -1,0 +1,37 @@
+"""segments/idindex.py on its own: MESSAGE frames put as id -> (due, sequence); a message
+without an id is left out; a rebuild (keep_newer) never replaces a newer sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qdelay.segments import framing, records
+from qdelay.segments.framing import RecordKind
+from qdelay.segments.idindex import IdIndex
+
+
+def _frames(items: list[tuple[str, int, int]]) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
+    """(data, starts, dues, sequences) of MESSAGE frames for (id, due, sequence) items."""
+    data, starts = b"", []
+    for mid, due, seq in items:
+        body = records.encode_message(b"sub.j", mid.encode(), b"", b"payload", due)
+        starts.append(len(data))
+        data += framing.encode(RecordKind.MESSAGE, seq, 0, body)
+    dues = np.array([d for _m, d, _s in items], dtype=np.int64)
+    seqs = np.array([s for _m, _d, s in items], dtype=np.int64)
+    return data, np.array(starts, dtype=np.int64), dues, seqs
+
+
+def test_put_frames_indexes_ids_skips_empty_ones_and_keeps_newer_on_rebuild(tmp_path):
+    index = IdIndex(str(tmp_path / "ids"))
+    try:
+        index.put_frames(*_frames([("a", 100, 1), ("", 200, 2), ("ccc", 300, 3), ("a", 400, 4)]))
+        assert index.get("a") == (400, 4)  # puts in sequence order: the newest message wins
+        assert index.get("ccc") == (300, 3)
+        assert index.get("") is None and index.get("b") is None
+        # a rebuild reads buckets out of sequence order: an older message must not win
+        index.put_frames(*_frames([("a", 50, 2), ("ccc", 900, 9), ("dd", 10, 1)]), keep_newer=True)
+        assert index.get_many(["a", "ccc", "dd", "zz"]) == [(400, 4), (900, 9), (10, 1), None]
+        assert index.holds(["a", "a", "dd"], [400, 100, 10], [4, 1, 1]) == [True, False, True]
+    finally:
+        index.close()
