@@ -45,7 +45,7 @@ from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, MessageLog
 from qdelay.server import allocator
 from qdelay.server.cleaner import Cleaner, CleanerConfig
 from qdelay.server.groups import GroupTable
-from qdelay.server.iterate import IterateService
+from qdelay.server.iterate import IterateService, Written
 from qdelay.server.scheduler import DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler, SchedulerConfig
 
 log = logging.getLogger("qdelay.engine")
@@ -299,9 +299,9 @@ class Engine:
             legacy_upto=int(state.get("sequence", 0)) if state and "groups" not in state else 0,
         )
         # a slave's scheduler stays idle (no wheel) until promotion; meanwhile the slave only
-        # notes records that land in finished buckets (see _slave_on_records)
+        # notes records that land in finished buckets (see _slave_on_written)
         self.slave_records: dict[int, int] = {}  # bucket -> highest sequence iterated into it
-        self.iterate.on_records = self.scheduler.on_records if self.role == "master" else self._slave_on_records
+        self.iterate.on_written = self.scheduler.on_written if self.role == "master" else self._slave_on_written
         # group changes apply on every role: a slave's table is ready when it is promoted
         self.iterate.on_group = self.scheduler.apply_group  # type: ignore[assignment]  # its bool is unused
         self._group_lock = asyncio.Lock()
@@ -458,29 +458,28 @@ class Engine:
             # again, or elected again later): start() after stop() runs the threads again
             with self.iterate.append_lock:
                 sched.prime(self.clock())
-                self.iterate.on_records = sched.on_records
+                self.iterate.on_written = sched.on_written
             sched.start()
         elif was == "master" and role != "master":
             self.scheduler.stop()
             with self.iterate.append_lock:
-                self.iterate.on_records = self._slave_on_records
+                self.iterate.on_written = self._slave_on_written
 
     def _handover_horizon(self) -> int:
         """Up to which bucket the iterate service hands records to the scheduler."""
         now_bucket = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
         return max(self.scheduler.loading_horizon(), now_bucket)
 
-    def _slave_on_records(self, written, near: int | None = None) -> None:
+    def _slave_on_written(self, written: dict[int, Written], _cancels: list[tuple[int, int]]) -> None:
         """Slave: remember past-due records; one in a finished bucket reopens it, so that a
         promotion loads that bucket again (the scheduler itself stays idle)."""
         sched = self.scheduler
         horizon = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
         seen = self.slave_records
-        for rec in written:
-            b = rec.bucket
+        for b, w in written.items():
             if b <= horizon:
-                if rec.sequence > seen.get(b, 0):
-                    seen[b] = rec.sequence
+                if w.last_sequence > seen.get(b, 0):
+                    seen[b] = w.last_sequence
                 if sched.is_done(b):
                     sched.note_reopened(b)
 

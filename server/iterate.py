@@ -7,8 +7,11 @@ A crash between the schedule fsync and the checkpoint replays some records; each
 schedule segment remembers its highest sequence, and a replayed record at or below it
 is skipped, so re-running never duplicates.
 
-Records are handed to the scheduler once written (``on_records``), so a message due
-within the loaded window reaches the timer without waiting for a reload.
+Once records are in their schedule segments, the service publishes how far each bucket
+it appended to is written (``on_written``: per bucket, the byte range just appended, a
+lower bound of the due times in it and its highest sequence) and which sequences the
+cancels in it target. That is the only route from the schedule log into the timer: the
+scheduler's loader reads on from its cursor in each loaded bucket (``Scheduler.on_written``).
 
 A full disk stalls copying instead of stopping it: a schedule write that finds no space is
 tried again (with a growing pause) until space is freed, so nothing is skipped or written
@@ -33,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,7 +45,8 @@ from qdelay.segments import checkpoint, framing, native, records
 from qdelay.segments.bucket_log import BucketLog, sync_all, sync_dirs
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
-from qdelay.segments.reader import route_py
+from qdelay.segments.naming import MS_PER_MINUTE
+from qdelay.segments.reader import frame_length, route_py, scan_columns
 from qdelay.segments.segment import Segment, disk_full
 from qdelay.segments.wal import MessageLog
 from qdelay.server import allocator
@@ -50,14 +55,10 @@ log = logging.getLogger("qdelay.iterate")
 
 _MESSAGE = int(RecordKind.MESSAGE)  # plain ints: IntEnum attribute lookups cost ~0.5 µs
 _CANCEL = int(RecordKind.CANCEL)
-_KIND_AT = 16  # frame header field offsets (docs/formats.md, "Record frame")
-_SEQ_AT = 20
-_SUBJECT_LEN = struct.Struct("<H")
 _TIMESTAMP = struct.Struct("<q")
-_SUBJECT_LEN_AT = framing.HEADER_SIZE + 8  # MESSAGE body: due i64, then subject_len u16
-_SUBJECT_AT = framing.HEADER_SIZE + records.MESSAGE_FIXED.size
 _CANCEL_TARGET_AT = framing.HEADER_SIZE + 8  # CANCEL body: target due i64, then its sequence u64
 _BYTE_OFFSETS = np.arange(8, dtype=np.int64)
+_T = TypeVar("_T")
 TRIM_AFTER_BYTES = 4 * 1024 * 1024  # a write-behind flush this large gives its memory back (_trim)
 
 
@@ -67,17 +68,18 @@ def _gather_i64(u8: np.ndarray, at: np.ndarray) -> np.ndarray:
 
 
 @dataclass(slots=True)
-class Scheduled:
-    """A record just written to a schedule segment."""
+class Written:
+    """What one append to a bucket's schedule segment covered."""
 
-    kind: int
-    bucket: int
-    offset: int  # in the schedule segment
-    sequence: int
-    due: int  # the message's due time; for a CANCEL, its target's
-    subject: bytes  # b"" for a CANCEL
-    target: int  # for a CANCEL, the cancelled sequence; else 0
-    size: int  # frame size in bytes
+    start: int  # the file offset the appended bytes begin at
+    end: int  # ... and end at (the segment's size after the append)
+    first_due: int  # a lower bound of the due times in them (for the timer's wake-up)
+    last_sequence: int  # the highest sequence in them
+
+
+# on_written(appended, cancels): bucket -> what was appended to it; (bucket, cancelled
+# sequence) of each CANCEL written
+OnWritten = Callable[[dict[int, Written], list[tuple[int, int]]], None]
 
 
 class IterateService:
@@ -111,8 +113,9 @@ class IterateService:
         self.max_read_bytes = max(read_bytes, 16 * 1024 * 1024)
         self.extra_state = extra_state or (lambda: {})
         self.horizon = horizon
-        # on_records(records, near): records copied for buckets <= near (None: all of them)
-        self.on_records: Callable[[list[Scheduled], int | None], None] | None = None
+        # called with the append lock held, once bytes are in their schedule segments
+        # (Scheduler.on_written on a master; the engine's slave bookkeeping on a slave)
+        self.on_written: OnWritten | None = None
         # on_group(record, at_ms, sequence): a GROUP record passed (see Scheduler.apply_group)
         self.on_group: Callable[[records.Group, int, int], None] | None = None
         self.records_copied = 0
@@ -196,23 +199,24 @@ class IterateService:
         data = self.wal.read_raw(self.offset, want)
         if self._behind and self.horizon is not None:
             # buckets the horizon reached since they were written behind go to disk now (the
-            # loader wants them), and before any record of theirs is handed over, so that
-            # handed-over offsets stay in file order
+            # loader wants them), and before any record of theirs is written at once, so
+            # that a bucket's bytes stay in sequence order
             with self.append_lock:
-                near = self.horizon() + self.scale
-                if self._behind and min(self._behind) <= near:
-                    self._flush_behind([b for b in self._behind if b <= near])
+                reach = self.horizon() + self.scale
+                if self._behind and min(self._behind) <= reach:
+                    self._flush_behind([b for b in self._behind if b <= reach])
         if not data:
             return False
         with self.append_lock:
-            # hand over everything up to one bucket past the horizon: the horizon may move
-            # while this batch is copied (see Scheduler.on_records for the rest)
+            # write at once everything up to one bucket past the horizon (the horizon may
+            # move while this batch is copied: a bucket it passes meanwhile is flushed, and
+            # published, at the start of the next step)
             near = self.horizon() + self.scale if self.horizon is not None else None
             if near is not None and self._behind and min(self._behind) <= near:
                 self._flush_behind([b for b in self._behind if b <= near])
-            used, last_seq, written = self._copy(data, near)
-            if self.on_records is not None and (written or (near is not None and self.horizon() > near)):
-                self.on_records(written, near)
+            used, last_seq, written, cancels = self._copy(data, near)
+            if self.on_written is not None and written:
+                self.on_written(written, cancels)
             if self._behind_bytes > self.write_behind_bytes:
                 self._flush_behind(list(self._behind))
         with self._progress:
@@ -238,7 +242,7 @@ class IterateService:
             if bucket in self._behind:
                 self._flush_behind([bucket])
 
-    def _until_space(self, write: Callable, *args):
+    def _until_space(self, write: Callable[..., _T], *args: Any) -> _T:
         """``write(*args)``, waiting out a full disk: tried again after a pause that grows to
         1 s, until it succeeds or the service stops (then DiskFull). The caller's state is
         untouched by a failed try (a segment's size moves only after a whole write)."""
@@ -266,52 +270,55 @@ class IterateService:
         return self._until_space(self.schedule.append, bucket, data)[1]
 
     def _flush_behind(self, buckets: list[int]) -> None:
-        """Append the write-behind buffers of ``buckets`` to their segments (append_lock held).
-
-        A bucket the scheduler loaded meanwhile (the horizon passed it) is sent back to its
-        loader, which reads on from its cursor: ``on_records`` with an empty list and a
-        ``near`` just below the lowest bucket written does that.
-        """
+        """Append the write-behind buffers of ``buckets`` to their segments (append_lock
+        held) and publish them: a bucket the scheduler loaded meanwhile (the horizon passed
+        it) is read on by its loader."""
         if not buckets:
             return
         freed = 0
+        written: dict[int, Written] = {}
         for bucket in buckets:
-            self._append(bucket, self._behind[bucket])
-            buf = self._behind.pop(bucket)
+            buf = self._behind[bucket]
+            start = self._append(bucket, buf)
+            del self._behind[bucket]
             self._behind_bytes -= len(buf)
             freed += len(buf)
+            seg = self.schedule.get(bucket)
+            last = seg.last_sequence if seg is not None else 0
+            written[bucket] = Written(start, start + len(buf), bucket * MS_PER_MINUTE, last)
         if freed >= TRIM_AFTER_BYTES:
             self._trim_due = True
-        if self.on_records is not None:
-            self.on_records([], min(buckets) - self.scale)
+        if self.on_written is not None:
+            self.on_written(written, [])
 
-    def _copy(self, data: bytes, near: int | None) -> tuple[int, int, list[Scheduled]]:
+    def _copy(self, data: bytes, near: int | None) -> tuple[int, int, dict[int, Written], list[tuple[int, int]]]:
         """Copy the whole frames at the start of ``data`` (message-log bytes from ``offset``)
         to their schedule segments, byte for byte.
 
-        Returns (bytes used, last sequence, records handed to the scheduler). Records of
-        buckets up to ``near`` (all of them if None) and cancels are written at once and
-        handed over; the others are written behind, and the loader reads them from disk
-        when their time comes, so a far-future message costs no Python object here.
+        Returns (bytes used, last sequence, buckets written at once, the cancels written).
+        Records of buckets up to ``near`` (all of them if None) and cancels are written at
+        once; the others are written behind, and the loader reads them from disk when their
+        time comes, so a far-future message costs no Python object here.
 
-        The walk from frame to frame (each frame's checksum verified) is one call of the
-        native codec (or its Python twin); buckets, duplicate skipping and the per-bucket
-        byte runs are computed with numpy over the whole read.
+        The walk from frame to frame (each frame's checksum verified) is the frame reader's
+        (segments/reader.py: one call of the native codec or its Python twin); buckets,
+        duplicate skipping and the per-bucket byte runs are computed with numpy over the
+        whole read.
         """
         data, pos, st, kind, seq, due = self._scan(data)
         if len(st) == 0:
-            return pos, self.sequence, []
+            return pos, self.sequence, {}, []
         if self.ids is not None:
             is_msg = kind == _MESSAGE
             if is_msg.any():
                 self.ids.put_frames(bytes(data), st[is_msg], due[is_msg], seq[is_msg])
         codec = native.codec
         route = codec.route if codec is not None else route_py
-        handed, messages, cancels, duplicates, unknown, copied, added = route(
+        handed, messages, ncancels, duplicates, unknown, copied, added = route(
             data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of
         )
         self.counts["messages"] += messages
-        self.counts["cancels"] += cancels
+        self.counts["cancels"] += ncancels
         self.duplicates_skipped += duplicates
         self.records_copied += copied
         self._behind_bytes += added
@@ -322,7 +329,7 @@ class IterateService:
                 start = int(st[i])
                 end = int(st[i + 1]) if i + 1 < len(st) else pos
                 if self.on_group is not None:
-                    at = _TIMESTAMP.unpack_from(data, start + 28)[0]
+                    at = _TIMESTAMP.unpack_from(data, start + framing.TIMESTAMP_AT)[0]
                     body = bytes(data[start + framing.HEADER_SIZE : end])
                     self.on_group(records.decode_group(body), at, int(seq[i]))
                 continue
@@ -332,104 +339,55 @@ class IterateService:
             )
         last_seq = max(self.sequence, int(seq[-1]))
         if not handed:
-            return pos, last_seq, []
-        # records handed to the scheduler: written at once, with their offsets
-        # the handed records' fields as columns (a batch of tombstones is thousands of them):
-        # no numpy scalar per field, no Cancel object per tombstone (its target is read
-        # at a fixed place of the verified frame)
-        idx = np.fromiter((i for i, _b, _at in handed), dtype=np.int64, count=len(handed))
-        starts = st[idx]
-        ends = np.append(st, pos)[idx + 1]
-        kinds_l = kind[idx].tolist()
+            return pos, last_seq, {}, []
+        # the buckets written at once: per bucket, a lower bound of the due times appended
+        # and the highest sequence, as columns (a burst hands over ~100k records: no
+        # object per record); a record that lands after bytes already in its bucket's
+        # buffer may follow records written behind earlier (a cancel's target bucket), of
+        # unknown due times in that bucket: the bucket's start bounds them
+        n = len(handed)
+        idx = np.fromiter((i for i, _b, _at in handed), dtype=np.int64, count=n)
+        bks = np.fromiter((b for _i, b, _at in handed), dtype=np.int64, count=n)
+        behind_first = np.fromiter((at > 0 for _i, _b, at in handed), dtype=bool, count=n)
+        dues = due[idx].copy()
+        dues[behind_first] = np.minimum(dues[behind_first], bks[behind_first] * MS_PER_MINUTE)
+        buckets, inverse = np.unique(bks, return_inverse=True)
+        first_due = np.full(len(buckets), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(first_due, inverse, dues)
+        last_sequence = np.zeros(len(buckets), dtype=np.int64)
+        np.maximum.at(last_sequence, inverse, seq[idx])
+        # the cancels' targets, read at their fixed place in the verified frames (no Cancel
+        # object per tombstone: a batch of tombstones is thousands of them)
+        cancels: list[tuple[int, int]] = []
         is_cancel = kind[idx] == _CANCEL
-        targets = np.zeros(len(idx), dtype=np.int64)
         if is_cancel.any():
             u8 = np.frombuffer(data, dtype=np.uint8)
-            targets[is_cancel] = _gather_i64(u8, starts[is_cancel] + _CANCEL_TARGET_AT)
-        starts_l = starts.tolist()
-        sizes_l = (ends - starts).tolist()
-        written: list[Scheduled] = []
-        for (_i, b, at), k, start, size, sq, du, target in zip(
-            handed, kinds_l, starts_l, sizes_l, seq[idx].tolist(), due[idx].tolist(), targets.tolist()
-        ):
-            if k == _MESSAGE:
-                slen = _SUBJECT_LEN.unpack_from(data, start + _SUBJECT_LEN_AT)[0]
-                subject = bytes(data[start + _SUBJECT_AT : start + _SUBJECT_AT + slen])
-                target = 0
-            else:
-                subject = b""
-            written.append(Scheduled(k, b, at, sq, du, subject, target, size))
-        base: dict[int, int] = {}
-        for b in {rec.bucket for rec in written}:
-            base[b] = self._append(b, self._behind[b])
-            buf = self._behind.pop(b)
+            targets = _gather_i64(u8, st[idx[is_cancel]] + _CANCEL_TARGET_AT)
+            cancels = list(zip(bks[is_cancel].tolist(), targets.tolist()))
+        written: dict[int, Written] = {}
+        for b, fd, ls in zip(buckets.tolist(), first_due.tolist(), last_sequence.tolist()):
+            buf = self._behind[b]
+            at = self._append(b, buf)
+            del self._behind[b]
             self._behind_bytes -= len(buf)
-        for rec in written:
-            rec.offset += base[rec.bucket]
-        return pos, last_seq, written
+            written[b] = Written(at, at + len(buf), fd, ls)
+        return pos, last_seq, written, cancels
 
     def _scan(self, data: bytes) -> tuple[bytes, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(data, end, starts, kinds, sequences, dues) of the whole, verified frames at the
-        start of ``data``; a due is the body's first 8 bytes (MESSAGE and CANCEL bodies
-        start with it). A frame larger than the read is read again, whole."""
-        codec = native.codec
-        if codec is None:
-            data, starts, pos = self._frame_starts(data)
-            st = np.asarray(starts, dtype=np.int64)
-            if not starts:
-                return data, pos, st, st.astype(np.uint8), st, st
-            u8 = np.frombuffer(data, dtype=np.uint8, count=pos)
-            return (
-                data,
-                pos,
-                st,
-                u8[st + _KIND_AT],
-                _gather_i64(u8, st + _SEQ_AT),
-                _gather_i64(u8, st + framing.HEADER_SIZE),
-            )
-        pos, count, starts_b, kinds_b, seqs_b, dues_b, bad = codec.scan(data, framing.MAX_BODY)
-        if bad >= 0:
+        start of ``data`` (the frame reader's walk); a due is the body's first 8 bytes
+        (MESSAGE and CANCEL bodies start with it). A frame larger than the read is read
+        again, whole."""
+        cols = scan_columns(data)
+        if cols.bad >= 0:
             raise CorruptRecord(
-                self._wal_path(), self.offset + bad, "message-log record failed its checks while iterating"
+                self._wal_path(), self.offset + cols.bad, "message-log record failed its checks while iterating"
             )
-        if count == 0 and len(data) >= framing.HEADER_SIZE:  # one frame larger than a read
-            length = framing.HEADER.unpack_from(data, 0)[2]
+        if len(cols) == 0 and len(data) >= framing.HEADER_SIZE:  # one frame larger than a read
+            length = frame_length(data)
             if framing.HEADER_SIZE + length > len(data):
                 return self._scan(self.wal.read_raw(self.offset, framing.HEADER_SIZE + length))
-        return (
-            data,
-            pos,
-            np.frombuffer(starts_b, dtype=np.int64),
-            np.frombuffer(kinds_b, dtype=np.uint8),
-            np.frombuffer(seqs_b, dtype=np.int64),
-            np.frombuffer(dues_b, dtype=np.int64),
-        )
-
-    def _frame_starts(self, data: bytes) -> tuple[bytes, list[int], int]:
-        """Offsets of the whole, verified frames at the start of ``data``, and where they end
-        (with the data they are in: a frame larger than the read is read again, whole)."""
-        unpack = framing.HEADER.unpack_from
-        xxh = framing._xxh
-        hs, checked, magic_ok, version_ok = framing.HEADER_SIZE, framing.CHECKED_FROM, framing.MAGIC, framing.VERSION
-        mv = memoryview(data)
-        size = len(data)
-        starts: list[int] = []
-        add = starts.append
-        pos = 0
-        while pos + hs <= size:
-            magic, checksum, length, _kind, version, _flags, _seq, _ts = unpack(data, pos)
-            end = pos + hs + length
-            if end > size:
-                if pos == 0:  # one frame larger than a read: fetch it whole
-                    return self._frame_starts(self.wal.read_raw(self.offset, hs + length))
-                break
-            if magic != magic_ok or version != version_ok or xxh(mv[pos + checked : end]) != checksum:
-                raise CorruptRecord(
-                    self._wal_path(), self.offset + pos, "message-log record failed its checks while iterating"
-                )
-            add(pos)
-            pos = end
-        return data, starts, pos
+        return data, cols.end, cols.starts, cols.kinds, cols.seqs, cols.dues
 
     def _wal_path(self) -> str:
         seg = self.wal.segment_at(self.offset)
@@ -445,7 +403,7 @@ class IterateService:
             state, dirty = self._snapshot()
             self._persist(state, dirty)
 
-    def _snapshot(self) -> tuple[dict, list]:
+    def _snapshot(self) -> tuple[dict[str, Any], tuple[list[Segment], list[str]]]:
         """On the iterate thread, between steps: the offset and the segments it depends on
         (written-behind records included: they are written out first)."""
         with self.append_lock:
@@ -455,7 +413,7 @@ class IterateService:
         state.update(self.counts)
         return state, (self.schedule.take_dirty(), self.schedule.take_dirty_dirs())
 
-    def _persist(self, state: dict, dirty: tuple) -> None:
+    def _persist(self, state: dict[str, Any], dirty: tuple[list[Segment], list[str]]) -> None:
         segments, dirs = dirty
         sync_all(segments)
         sync_dirs(dirs)

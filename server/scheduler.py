@@ -46,7 +46,7 @@ from qdelay.server.buckets import BucketBook, BucketState
 from qdelay.server.deliveries import DEAD_LETTER_HEADER, Deliveries, Delivery, DeliverySink
 from qdelay.server.dispatch_log import DispatchLogWriter
 from qdelay.server.groups import BEGINNING, Group, GroupTable
-from qdelay.server.iterate import Scheduled
+from qdelay.server.iterate import Written
 from qdelay.server.lanes import Lane, Pass
 from qdelay.server.ledger import AckLedger, Flight, Item, ack_attempts, ack_sequences
 from qdelay.server.loader import Loader
@@ -272,7 +272,7 @@ class Scheduler:
                     now = self.clock()
                     timeout = self._sleep_for(now, loading or more)
                     if timeout > 0:
-                        self._sleeping_until = now + timeout * 1000  # read by on_records
+                        self._sleeping_until = now + timeout * 1000  # read by on_written
                 if timeout > 0:
                     self._wakeup.wait(timeout)
                     with self.lock:
@@ -350,6 +350,16 @@ class Scheduler:
             self.loader.read_chunk(st.seg, start, stop, self.cfg.load_chunk_bytes) if start < stop else ([], start)
         )
         with self.lock:
+            room = self.cfg.max_loaded - len(self.wheel) - self._ready_total
+            if len(frames) > room:
+                # no more entries than the budget has room for (at least one, to move on):
+                # the rest of the chunk is read again when there is room, so records
+                # appended to a loaded bucket (a burst into the loading window) cannot pass
+                # the bound by a chunk
+                cut = [i for i, f in enumerate(frames) if f.kind == RecordKind.MESSAGE][max(room, 1) :]
+                if cut:
+                    nxt = frames[cut[0]].offset
+                    frames = frames[: cut[0]]
             entries = self._index(st, frames)
             if st.cursor != start:  # only this thread advances a loading cursor
                 raise InvariantViolation(f"bucket {st.bucket} cursor moved during load")
@@ -363,8 +373,9 @@ class Scheduler:
         return True
 
     def prime(self, now: int) -> None:
-        """Create the states of the buckets to load before the iterate service starts, so
-        that records it replays into them are left to the loader (which dedupes them)."""
+        """Open the loading window before the iterate service starts (the scheduler thread
+        would do it on its first turn): records it replays into the buckets of the window
+        are then written at once rather than behind, and left to the loader."""
         with self.lock:
             self.book.open_up_to(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
 
@@ -411,70 +422,50 @@ class Scheduler:
             np.array(subj, dtype=np.int32),
         )
 
-    def on_records(self, written: list[Scheduled], near: int | None = None) -> None:
-        """Called by the iterate service once records are in schedule segments.
+    def on_written(self, written: dict[int, Written], cancels: list[tuple[int, int]]) -> None:
+        """The iterate service appended to schedule segments (called with its append lock
+        held): the one route from the schedule log into the timer.
 
-        ``near``: the iterate service handed over the records of buckets up to it only. If
-        the horizon moved past it meanwhile, a bucket opened in between may have been loaded
-        before those records were written and be waiting for them live: such buckets go
-        back to the loader, which reads on from its cursor.
+        A loaded bucket whose loader had read to the end goes back to the loader, which
+        reads on from its cursor. A bucket not loaded is left to the loader when its time
+        comes, unless it is behind the horizon (finished, or created there after the loader
+        passed): then it is loaded from where the append began (nothing before it is
+        outstanding) and, if finished, reopened. A cancel is known at once, whatever the
+        loader's progress: an entry loaded from an earlier chunk must not fire after its
+        cancel was acknowledged.
         """
         book = self.book
         with self.lock:
             # wake the timer thread only for work it would not find before it wakes anyway:
-            # waking it for every read of the iterate service cost ~1 µs per ingested message
+            # waking it for every write of the iterate service cost ~1 µs per ingested message
             wake = False
             sleeping_until = self._sleeping_until
-            if near is not None and book.horizon > near:
-                for st in book.loaded.values():
-                    if st.bucket > near and st.complete:
-                        st.complete = False
-                        wake = True
-            for rec in written:
-                got = book.get(rec.bucket)
-                if got is None:
-                    if rec.bucket > book.horizon or rec.bucket in book.reopened:
+            for b, w in written.items():
+                st = book.get(b)
+                if st is None:
+                    if b > book.horizon or b in book.reopened:
                         continue  # the loader will find it (and dedupe it) when its time comes
-                    seg = self.schedule.get(rec.bucket)
+                    seg = self.schedule.get(b)
                     if seg is None:
                         continue
+                    st = book.loaded[b] = BucketState(b, seg, w.start)
+                    st.dispatch_ready = st.tombstones_known = True
+                    book.reopen(b)
                     wake = True
-                    # a bucket with nothing left to do (finished, or new behind the horizon)
-                    got = book.loaded[rec.bucket] = BucketState(rec.bucket, seg, rec.offset, True)
-                    got.dispatch_ready = True
-                    book.reopen(rec.bucket)
-                st = got
-                if rec.kind == RecordKind.CANCEL:
-                    # known at once, whatever the loader's progress: an entry loaded from an
-                    # earlier chunk must not fire after its cancel was acknowledged
-                    st.cancelled.add(rec.target)
-                if not st.complete:
-                    wake = True
-                    continue  # the loader has not reached the end; it will index this record
-                if st.cursor != rec.offset:
-                    log.error(
-                        "schedule segment out of step with the wheel; reloading",
-                        extra={"bucket": rec.bucket, "cursor": st.cursor, "offset": rec.offset},
-                    )
+                elif st.complete:
+                    if w.end <= st.cursor:
+                        continue  # already read (the loader ran ahead of this notice)
                     st.complete = False
-                    wake = True
-                    continue
-                if rec.kind == RecordKind.MESSAGE:
-                    if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
-                        st.complete = False  # over budget: the loader streams the rest later
-                        wake = True
-                        continue
-                    self.wheel.add(rec.due, rec.sequence, rec.offset, rec.bucket, self.subject_id(rec.subject))
-                    if sleeping_until is None or rec.due < sleeping_until:
-                        wake = True
-                    st.unfired += 1
                     st.done = False
-                st.cursor = rec.offset + rec.size
-            for rec in written:
-                if rec.kind == RecordKind.CANCEL:
-                    self.cancelling.discard(rec.target)
-            if wake:
-                self._wakeup.set()
+                if sleeping_until is None or w.first_due < sleeping_until:
+                    wake = True
+            for b, target in cancels:
+                got = book.get(b)
+                if got is not None:
+                    got.cancelled.add(target)
+                self.cancelling.discard(target)
+        if wake:
+            self._wakeup.set()
 
     # --- groups -----------------------------------------------------------------------------------
 
@@ -1359,7 +1350,7 @@ class Scheduler:
     def claim_cancels(self, sequences: list[int]) -> list[int]:
         """Claim each sequence for a Cancel, under one lock acquisition: a claimed message is
         skipped by the dispatcher until its tombstone has passed the iterate service (see
-        on_records) or ``release_cancels``. One of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
+        on_written) or ``release_cancels``. One of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
         out: list[int] = []
         cancelling, dead = self.cancelling, self.dead_lettering
         with self.lock:

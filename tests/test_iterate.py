@@ -1,8 +1,8 @@
 """The iterate service on its own: message log -> schedule segments, byte for byte.
 
 Real files (a message log, a schedule log, a checkpoint) in a temporary folder; the
-scheduler is replaced by a list that collects what would be handed over, and the loading
-horizon is a number the test sets.
+scheduler is replaced by lists that collect what the service publishes (per bucket, the
+bytes appended; the cancels' targets), and the loading horizon is a number the test sets.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import HandlePool
 from qdelay.segments.wal import MessageLog
-from qdelay.server.iterate import IterateService
+from qdelay.server.iterate import IterateService, Written
 
 MIN = naming.MS_PER_MINUTE
 T0 = 1_800_000_000_000 - 1_800_000_000_000 % MIN  # a minute boundary
@@ -37,8 +37,8 @@ class Rig:
         self.wal = MessageLog(os.path.join(self.root, "message"), pool=self.pool)
         self.schedule = BucketLog(os.path.join(self.root, "schedule"), naming.SCHEDULE_SUFFIX, self.pool)
         self.horizon = naming.bucket_of(T0) + horizon_minutes
-        self.handed: list = []
-        self.calls: list[tuple[int, int | None]] = []
+        self.published: list[tuple[int, Written]] = []  # (bucket, what was appended), in order
+        self.cancels: list[tuple[int, int]] = []
         self.ckpt = os.path.join(self.root, "iterate.ckpt")
         self.it = IterateService(
             self.wal,
@@ -50,11 +50,22 @@ class Rig:
             horizon=lambda: self.horizon,
             write_behind_bytes=write_behind_bytes,
         )
-        self.it.on_records = self._on_records
+        self.it.on_written = self._on_written
 
-    def _on_records(self, written, near):
-        self.handed.extend(written)
-        self.calls.append((len(written), near))
+    def _on_written(self, written, cancels):
+        for b, w in written.items():
+            seg = self.schedule.get(b)
+            assert w.end == seg.size, "published once the bytes are in the segment"
+            self.published.append((b, w))
+        self.cancels.extend(cancels)
+
+    def published_frames(self, bucket=None) -> list[framing.Frame]:
+        """The frames of every published range (of ``bucket``), read back from the files."""
+        out = []
+        for b, w in self.published:
+            if bucket is None or b == bucket:
+                out += reader.frames(self.schedule.get(b).read(w.start, w.end - w.start))
+        return out
 
     def send(self, dues, payload=b"p" * 40, subject=b"s"):
         bodies = [records.encode_message(subject, f"m{d}-{i}".encode(), b"", payload, d) for i, d in enumerate(dues)]
@@ -110,17 +121,19 @@ def test_copies_every_record_byte_for_byte_and_hands_over_only_near_ones(tmp_pat
     for bucket, data in want.items():
         assert sched_bytes(rig, bucket) == data, bucket
     near = rig.horizon + 1
-    assert all(r.bucket <= near or r.kind == RecordKind.CANCEL for r in rig.handed)
-    assert sum(1 for d in dues if naming.bucket_of(d) <= near) == sum(
-        1 for r in rig.handed if r.kind == RecordKind.MESSAGE
-    )
-    for r in rig.handed:  # every handed-over offset is that record's frame
-        frame = rig.schedule.get(r.bucket).read_frame(r.offset)
-        assert (frame.sequence, frame.kind, frame.size) == (r.sequence, r.kind, r.size)
-        if r.kind == RecordKind.MESSAGE:
-            assert r.subject == b"s" and r.due == records.decode_message(frame.body).deliver_at_ms
-        else:
-            assert (r.target, r.due) == (6, dues[5])
+    # published before the checkpoint: the buckets up to near, and the cancel's (at once)
+    at_once = [(b, w) for b, w in rig.published if b <= near or b == naming.bucket_of(dues[5])]
+    assert {b for b, _w in at_once} == {naming.bucket_of(d) for d in dues if naming.bucket_of(d) <= near} | {
+        naming.bucket_of(dues[5])
+    }
+    assert rig.cancels[0] == (naming.bucket_of(dues[5]), 6)
+    for b, w in rig.published:  # every published range is whole frames of that bucket
+        frames = reader.frames(rig.schedule.get(b).read(w.start, w.end - w.start))
+        assert frames and sum(f.size for f in frames) == w.end - w.start
+        assert w.last_sequence >= max(f.sequence for f in frames)
+        assert w.first_due <= min(records.decode_body(f.kind, f.body).deliver_at_ms for f in frames)
+    near_msgs = [f for f in rig.published_frames() if f.kind == RecordKind.MESSAGE]
+    assert sum(1 for d in dues if naming.bucket_of(d) <= near) <= len(near_msgs)
     assert rig.it.counts == {"messages": 2_000, "cancels": 1}
     assert checkpoint.read(rig.ckpt)["offset"] == rig.wal.committed_offset
     rig.close()
@@ -132,7 +145,7 @@ def test_far_records_are_written_behind_until_checkpoint_or_a_reader(tmp_path):
     rig.send([far * MIN + 5, far * MIN + 6])
     rig.send([(far + 1) * MIN])
     rig.catch_up()
-    assert sched_bytes(rig, far) == b"" and not rig.handed
+    assert sched_bytes(rig, far) == b"" and not rig.published
     rig.it.flush_bucket(far)  # Cancel and Get call this before they look
     assert len(reader.frames(sched_bytes(rig, far))) == 2
     assert sched_bytes(rig, far + 1) == b""
@@ -158,13 +171,13 @@ def test_a_bucket_reached_by_the_horizon_is_written_and_sent_back_to_its_loader(
     rig.catch_up()
     assert sched_bytes(rig, b) == b""
     rig.horizon = b  # the loader may have read the bucket without the record ...
-    rig.it.step()  # ... so it is written and the loader told to read on from its cursor
+    rig.it.step()  # ... so it is written and published: the loader reads on from its cursor
     assert sched_bytes(rig, b) == expected_bytes(rig)[b]
-    assert rig.calls[-1] == (0, b - 1)
-    rig.send([b * MIN + 2])  # from now on handed over, at its real offset
+    assert [(pb, w.start, w.last_sequence) for pb, w in rig.published] == [(b, 0, 1)]
+    rig.send([b * MIN + 2])  # from now on written at once and published
     rig.catch_up()
-    (rec,) = rig.handed
-    assert rig.schedule.get(b).read_frame(rec.offset).sequence == rec.sequence == 2
+    assert [f.sequence for f in rig.published_frames(b)] == [1, 2]
+    assert rig.published[-1][1].end == rig.schedule.get(b).size
     rig.close()
 
 
@@ -202,7 +215,7 @@ def test_a_record_larger_than_one_read(tmp_path):
     rig.send([b * MIN + 1, b * MIN + 2])
     rig.catch_up()
     assert sched_bytes(rig, b) == expected_bytes(rig)[b]
-    assert [r.sequence for r in rig.handed] == [1, 2, 3]
+    assert [f.sequence for f in rig.published_frames()] == [1, 2, 3]
     rig.close()
 
 

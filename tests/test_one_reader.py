@@ -26,7 +26,6 @@ WALKING = re.compile(
 ALLOWED = {
     "segments/framing.py": "defines the frame: its layout, encoder and check_at, the one check of one frame",
     "segments/reader.py": "the frame reader",
-    "server/iterate.py": "being rewritten onto the reader (issue 18; its rewrite removes this entry)",
 }
 
 
