@@ -37,7 +37,8 @@ import psutil
 
 from qdelay.segments.idindex import IdIndex
 from qdelay.server import allocator
-from qdelay.server.engine import Engine, EngineConfig, NewMessage
+from qdelay.server.config import engine_config
+from qdelay.server.engine import Engine, NewMessage
 
 
 class AckingSink:
@@ -101,7 +102,7 @@ def wait_iterated(engine: Engine, timeout: float = 120) -> None:
 
 def started_engine(root: str, name: str, expect: int) -> tuple[Engine, AckingSink]:
     """A started engine on ``root/name`` whose sink expects ``expect`` deliveries."""
-    engine = Engine(EngineConfig(data_dir=os.path.join(root, name), cleaner_enabled=False, implicit_group="default"))
+    engine = Engine(engine_config(data_dir=os.path.join(root, name), cleaner_enabled=False, implicit_group="default"))
     sink = AckingSink(engine)
     sink.expect = expect
     engine.set_sink(sink)
@@ -192,7 +193,7 @@ class GroupSink:
 
 
 def _group_engine(root: str, name: str, **cfg) -> tuple[Engine, GroupSink]:
-    engine = Engine(EngineConfig(data_dir=os.path.join(root, name), cleaner_enabled=False, **cfg))
+    engine = Engine(engine_config(data_dir=os.path.join(root, name), cleaner_enabled=False, **cfg))
     sink = GroupSink(engine)
     engine.set_sink(sink)
     engine.start()
@@ -267,7 +268,7 @@ def scenario_backlog(root: str, backlog: int, live: int, span_ms: int) -> dict:
 def child_memory(data_dir: str, n: int, window: str) -> dict:
     """Run in a child: RSS growth per pending message (window: 'far' or 'near')."""
     # a 10-minute window, so that nothing falls due while the million are sent
-    engine = Engine(EngineConfig(data_dir=data_dir, cleaner_enabled=False, load_ahead_ms=600_000))
+    engine = Engine(engine_config(data_dir=data_dir, cleaner_enabled=False, load_ahead_ms=600_000))
     engine.start()
     gc.collect()
     proc = psutil.Process()
@@ -306,7 +307,7 @@ def child_restart(data_dir: str, n: int, lose_index: bool = False) -> dict:
     """Fill a folder with n pending far-future messages, close, and time a reopen; with
     ``lose_index``, the message-id index is deleted first (rebuilt from the schedule log,
     docs/recovery.md row 14)."""
-    engine = Engine(EngineConfig(data_dir=data_dir, cleaner_enabled=False))
+    engine = Engine(engine_config(data_dir=data_dir, cleaner_enabled=False))
     engine.start()
     now = engine.now_ms()
     day = 86_400_000
@@ -317,7 +318,7 @@ def child_restart(data_dir: str, n: int, lose_index: bool = False) -> dict:
     if lose_index:
         IdIndex.destroy(os.path.join(data_dir, "index", "ids"))
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(data_dir=data_dir, cleaner_enabled=False))
+    engine = Engine(engine_config(data_dir=data_dir, cleaner_enabled=False))
     engine.start()
     wait_iterated(engine)
     took = time.perf_counter() - t0

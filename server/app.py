@@ -146,7 +146,7 @@ class App:
         engine_cfg = cfg.engine
         self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
         self.consumers = consumers = ConsumerRegistry(
-            loop, getattr(engine_cfg, "ack_timeout_ms", 30_000), notify=engine.notify_credit
+            loop, engine_cfg.scheduler.ack_timeout_ms, notify=engine.notify_credit
         )
         engine.set_sink(consumers)
         service: DelayService  # made below, once the engine runs; read by the metrics at a scrape

@@ -39,7 +39,7 @@ silently)::
     max_batch = 10000
     ...
 
-    [engine]                        # passed to qdelay.server.engine.EngineConfig
+    [engine]                        # mapped onto qdelay.server.engine.EngineConfig (ENGINE_KEYS)
     flush = "sync"
     ack_timeout_ms = 30000
     ...
@@ -51,9 +51,12 @@ import dataclasses
 import re
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qdelay.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from qdelay.server.engine import EngineConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7600"
 DEFAULT_DATA_DIR = "./data"
@@ -130,7 +133,7 @@ class ServerConfig:
 
     # ------------------------------------------------------------------------------------
     @property
-    def engine(self):
+    def engine(self) -> EngineConfig:
         """The :class:`qdelay.server.engine.EngineConfig` this server runs with."""
         return build_engine_config(self)
 
@@ -264,22 +267,60 @@ def load_file(path: str, base: ServerConfig | None = None) -> ServerConfig:
     return from_mapping(data, base, source=path)
 
 
-def build_engine_config(cfg: ServerConfig):
-    """EngineConfig from the server config: [engine] options plus data_dir, role, max delay."""
+# The ``[engine]`` keys (docs/operations.md), flat as users write them, and where each one
+# lives inside EngineConfig: the engine's own field, or a field of the config of the piece
+# that uses it (EngineConfig.scheduler, EngineConfig.cleaner). This table is the only place
+# that maps one to the other.
+ENGINE_KEYS: dict[str, tuple[str | None, str]] = {
+    "data_dir": (None, "data_dir"),
+    "role": (None, "role"),
+    "max_delay_ms": (None, "max_delay_ms"),
+    "segment_bytes": (None, "segment_bytes"),
+    "flush": (None, "flush"),
+    "dead_letter_prefix": (None, "dead_letter_prefix"),
+    "corruption": (None, "corruption"),
+    "open_files": (None, "open_files"),
+    "checkpoint_interval_ms": (None, "checkpoint_interval_ms"),
+    "id_index": (None, "id_index"),
+    "dedupe_window_ms": (None, "dedupe_window_ms"),
+    "scale_minutes": ("scheduler", "scale_minutes"),
+    "load_ahead_ms": ("scheduler", "load_ahead_ms"),
+    "tick_ms": ("scheduler", "tick_ms"),
+    "dispatch_rate": ("scheduler", "dispatch_rate"),
+    "ack_timeout_ms": ("scheduler", "ack_timeout_ms"),
+    "max_attempts": ("scheduler", "max_attempts"),
+    "retry_backoff_ms": ("scheduler", "retry_backoff_ms"),
+    "max_loaded": ("scheduler", "max_loaded"),
+    "group_max_ready": ("scheduler", "group_max_ready"),
+    "implicit_group": ("scheduler", "implicit_group"),
+    "cleaner_enabled": ("cleaner", "enabled"),
+    "cleaner_interval_ms": ("cleaner", "interval_ms"),
+    "message_retention_ms": ("cleaner", "message_retention_ms"),
+    "schedule_keep_ms": ("cleaner", "schedule_keep_ms"),
+}
+
+
+def engine_config(**options: Any) -> EngineConfig:
+    """An EngineConfig from flat ``[engine]`` keys (``ack_timeout_ms=500``, ...): each goes
+    to its place (ENGINE_KEYS); the rest keep their defaults. Unknown keys are an error."""
     from qdelay.server.engine import EngineConfig  # the engine is imported only when needed
 
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    options = dict(cfg.engine_options)
-    unknown = sorted(set(options) - known)
+    unknown = sorted(set(options) - set(ENGINE_KEYS))
     if unknown:
-        raise ConfigError(f"unknown [engine] option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown [engine] option(s) {', '.join(unknown)} (known: {', '.join(sorted(ENGINE_KEYS))})")
+    ecfg = EngineConfig()
+    for key, value in options.items():
+        section, name = ENGINE_KEYS[key]
+        setattr(ecfg if section is None else getattr(ecfg, section), name, value)
+    return ecfg
+
+
+def build_engine_config(cfg: ServerConfig) -> EngineConfig:
+    """EngineConfig from the server config: [engine] options plus data_dir, role, max delay."""
+    options = dict(cfg.engine_options)
     # cluster mode: a server starts as a slave (no writes, no dispatch) until etcd makes it master
     role = "slave" if cfg.etcd else cfg.role
     derived = {"data_dir": cfg.data_dir, "role": role, "max_delay_ms": cfg.limits.max_delay_ms}
     for key, value in derived.items():
-        if key in known and key not in options:
-            options[key] = value
-    try:
-        return EngineConfig(**options)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"[engine] options: {e}") from None
+        options.setdefault(key, value)
+    return engine_config(**options)

@@ -67,29 +67,20 @@ __all__ = [
 
 @dataclass
 class EngineConfig:
+    """What an engine runs with: its own settings, and the scheduler's and the cleaner's
+    configs nested (each piece gets its own object, never copies of its fields).
+
+    The user-facing ``[engine]`` keys are flat (docs/operations.md); the one mapping from
+    them to these objects is ``qdelay.server.config.engine_config``.
+    """
+
     data_dir: str = "./data"
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     flush: str = "sync"
-    scale_minutes: int = 1
-    load_ahead_ms: int = 120_000
-    tick_ms: int = 1
     max_delay_ms: int = TWO_YEARS_MS
-    dispatch_rate: float = 0.0
-    ack_timeout_ms: int = 30_000
-    max_attempts: int = 16
-    retry_backoff_ms: int = 1_000
     dead_letter_prefix: str = "DLQ."
-    max_loaded: int = 8_000_000
-    group_max_ready: int = 100_000  # due entries one group of one subject holds in memory
-    # "": a subject's due messages wait for its first consumer group (the first Subscribe);
-    # a name: a subject with no group gets this one when its first message is due
-    implicit_group: str = ""
     corruption: str = "fail"
     open_files: int = 4096
-    cleaner_enabled: bool = True
-    cleaner_interval_ms: int = 60_000
-    message_retention_ms: int = 3_600_000
-    schedule_keep_ms: int = 3_600_000
     role: str = "master"
     checkpoint_interval_ms: int = 1000
     # the on-disk message-id index behind Cancel/Get by id (segments/idindex.py); off saves
@@ -98,6 +89,14 @@ class EngineConfig:
     # idempotent send (server/dedupe.py): an id of a pending message, or of one sent less
     # than this long ago, is answered with the original receipt; 0 turns it off
     dedupe_window_ms: int = 600_000
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cleaner: CleanerConfig = field(default_factory=CleanerConfig)
+
+    @property
+    def scale_minutes(self) -> int:
+        """The width of a bucket (the scheduler's setting; the engine, the iterate service
+        and the cleaner lay out and find files by it)."""
+        return self.scheduler.scale_minutes
 
     def validate(self) -> None:
         if self.scale_minutes < 1 or 1440 % self.scale_minutes:
@@ -106,7 +105,7 @@ class EngineConfig:
             raise InvalidArgument(f"role must be master or slave, not {self.role!r}")
         if self.corruption not in ("fail", "truncate"):
             raise InvalidArgument("corruption must be 'fail' or 'truncate'")
-        if self.max_attempts < 1:
+        if self.scheduler.max_attempts < 1:
             raise InvalidArgument("max_attempts must be at least 1")
         if self.open_files < 8:
             raise InvalidArgument("open_files must be at least 8")
@@ -273,20 +272,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.schedule,
             self.dispatch,
-            SchedulerConfig(
-                scale_minutes=config.scale_minutes,
-                load_ahead_ms=config.load_ahead_ms,
-                tick_ms=config.tick_ms,
-                dispatch_rate=config.dispatch_rate,
-                ack_timeout_ms=config.ack_timeout_ms,
-                max_attempts=config.max_attempts,
-                retry_backoff_ms=config.retry_backoff_ms,
-                dead_letter_prefix=config.dead_letter_prefix,
-                max_loaded=config.max_loaded,
-                group_max_ready=config.group_max_ready,
-                implicit_group=config.implicit_group,
-                corruption=self.policy,
-            ),
+            config.scheduler,
+            corruption=self.policy,
             clock=self.clock,
             done_before=done_before,
             reopened=reopened,
@@ -305,15 +292,7 @@ class Engine:
         # group changes apply on every role: a slave's table is ready when it is promoted
         self.iterate.on_group = self.scheduler.apply_group  # type: ignore[assignment]  # its bool is unused
         self._group_lock = asyncio.Lock()
-        self.cleaner = Cleaner(
-            self,
-            CleanerConfig(
-                enabled=config.cleaner_enabled,
-                interval_ms=config.cleaner_interval_ms,
-                message_retention_ms=config.message_retention_ms,
-                schedule_keep_ms=config.schedule_keep_ms,
-            ),
-        )
+        self.cleaner = Cleaner(self, config.cleaner)
         self.replication_floor: Callable[[], int | None] = lambda: None
         # replication hooks (qdelay.replication): sync mode waits here after the local fsync
         # until a slave has the bytes up to an offset; stats() merges replication_stats()

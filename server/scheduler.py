@@ -102,7 +102,6 @@ class SchedulerConfig:
     max_attempts: int = 16
     retry_backoff_ms: int = 1_000  # doubled each attempt, at most max_backoff_ms
     max_backoff_ms: int = 300_000
-    dead_letter_prefix: str = "DLQ."
     max_loaded: int = 8_000_000  # index entries in memory (wheel + ready), 32 bytes each
     # entries one group of one subject holds ready in memory; beyond it the rest wait on disk
     group_max_ready: int = 100_000
@@ -110,7 +109,6 @@ class SchedulerConfig:
     load_chunk_bytes: int = 1024 * 1024
     dispatch_quantum: int = 512  # per subject per round: fairness across subjects
     dispatch_flush_ms: int = 5
-    corruption: CorruptionPolicy = CorruptionPolicy.FAIL
 
 
 class Scheduler:
@@ -122,6 +120,7 @@ class Scheduler:
         *,
         clock: Callable[[], int],
         done_before: int,
+        corruption: CorruptionPolicy = CorruptionPolicy.FAIL,
         reopened: set[int],
         dead_letter: DeadLetter | None = None,
         closed_retired: int = 0,
@@ -153,7 +152,7 @@ class Scheduler:
             closed_retired=closed_retired,
             reopened_at=dict(reopened_at or {}),
         )
-        self.loader = Loader(dispatch, config.corruption)
+        self.loader = Loader(dispatch, corruption)  # the engine's policy for damaged records
         self.ledger = AckLedger()
         self.writer = DispatchLogWriter(dispatch, config.dispatch_flush_ms)
         self.writer.on_synced = self._on_synced

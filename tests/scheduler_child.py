@@ -28,7 +28,8 @@ import time
 
 from qdelay.segments import checkpoint as checkpoint_mod
 from qdelay.server import iterate as iterate_mod
-from qdelay.server.engine import Engine, EngineConfig, NewMessage
+from qdelay.server.config import engine_config
+from qdelay.server.engine import Engine, NewMessage
 
 BATCH = 500
 CANCEL_EVERY = 250  # a Cancel in a hot minute costs a scan of its segment (~30 ms at 25k records)
@@ -71,7 +72,7 @@ def main() -> None:
             out.flush()
 
     engine = Engine(
-        EngineConfig(
+        engine_config(
             data_dir=data_dir,
             cleaner_enabled=False,
             checkpoint_interval_ms=50,

@@ -14,6 +14,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from qdelay.server.config import engine_config
 from qdelay.server.engine import Engine, EngineConfig, NewMessage
 
 MINUTE = 60_000
@@ -120,7 +121,7 @@ def config(data_dir: str, **kw) -> EngineConfig:
     kw.setdefault("cleaner_enabled", False)
     kw.setdefault("flush", "sync")
     kw.setdefault("implicit_group", "default")  # in-process sinks take every subject's messages
-    return EngineConfig(data_dir=str(data_dir), **kw)
+    return engine_config(data_dir=str(data_dir), **kw)
 
 
 class Driver:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import grpc
 import pytest
 
@@ -223,6 +226,36 @@ def test_config_errors(tmp_path):
         ServerConfig(tls_cert="a").validate()
     with pytest.raises(ConfigError, match="max_batch"):
         ServerConfig(limits=Limits(max_batch=0)).validate()
+
+
+def test_flat_engine_keys_land_in_the_nested_configs(tmp_path):
+    """The [engine] keys stay flat for users (docs/operations.md); inside, each lands in the
+    config of the piece that uses it, through the one mapping (config.ENGINE_KEYS)."""
+    path = tmp_path / "q.toml"
+    path.write_text(
+        '[engine]\nack_timeout_ms = 500\nscale_minutes = 5\ncleaner_enabled = false\nflush = "interval:5"\n'
+    )
+    ecfg = config_mod.load_file(str(path)).engine
+    assert ecfg.scheduler.ack_timeout_ms == 500 and ecfg.scheduler.scale_minutes == ecfg.scale_minutes == 5
+    assert ecfg.cleaner.enabled is False and ecfg.flush == "interval:5"
+    assert ecfg.data_dir == "./data" and ecfg.scheduler.max_attempts == 16  # the rest: defaults
+    path.write_text("[engine]\nack_timeout = 1\n")
+    with pytest.raises(ConfigError, match="unknown \\[engine\\] option.*ack_timeout .*ack_timeout_ms"):
+        config_mod.build_engine_config(config_mod.load_file(str(path)))
+
+
+def test_the_engine_keys_are_the_documented_ones():
+    """Every key of the [engine] table in docs/operations.md is mapped, and nothing else."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "operations.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text.split("### `[engine]`", 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            documented.update(re.findall(r"`(\w+)`", line.split("|")[1]))
+    derived = {"data_dir", "role", "max_delay_ms"}  # top-level keys, filled in (build_engine_config)
+    assert set(config_mod.ENGINE_KEYS) == documented | derived
 
 
 def test_main_flags_override_file(tmp_path):
