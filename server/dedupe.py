@@ -38,20 +38,20 @@ class Claim:
 
     ids: list[str]
     future: asyncio.Future | None
-    key: int = 0  # its entry in Deduper._writing
 
 
 class Deduper:
     def __init__(self, engine: Engine, window_ms: int) -> None:
         self.engine = engine
         self.window_ms = window_ms
-        # Per batch, not per id (issue 13: the per-id dict and deque entries cost ~1 us a
-        # message at ingest): batches written and maybe not yet indexed, oldest first, as
-        # (highest sequence, id -> (due, sequence)); and batches being written, as
-        # claim key -> (their ids, the future settled when they are written or failed).
-        self._recent: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = collections.deque()
-        self._writing: dict[int, tuple[set[str], asyncio.Future]] = {}
-        self._claims = 0
+        # ids written and maybe not yet indexed -> (due, sequence), with the batches they came
+        # in, oldest first, as (highest sequence, ids, lowest sequence) for forgetting them;
+        # ids being written -> the future settled when their batch is written or failed.
+        # Filled and searched a batch at a time (dict.update, keys() & set: C loops, the
+        # cost of the smaller side) however far the index lags.
+        self._recent: dict[str, tuple[int, int]] = {}
+        self._order: collections.deque[tuple[int, list[str], int]] = collections.deque()
+        self._writing: dict[str, asyncio.Future] = {}
         self._active: dict[int, int] = {}  # lookup token -> indexed sequence when it began
         self._token = 0
         self._epoch: int | None = None
@@ -85,61 +85,67 @@ class Deduper:
             found: dict[int, Receipt] = {}
             if any(h is not None for h in hits):
                 found = await asyncio.to_thread(engine.duplicates_among, ids, hits, self.window_ms)
-            while self._writing:  # a batch with one of these ids may be being written
-                busy = {fut for held, fut in self._writing.values() if not wanted.isdisjoint(held)}
+            writing = self._writing
+            while writing:  # a batch with one of these ids may be being written
+                busy = {writing[m] for m in writing.keys() & wanted}
                 if not busy:
                     break
                 await asyncio.gather(*busy)
         finally:
             del self._active[token]
-        recent: dict[str, tuple[int, int]] = {}
-        for _last, batch in self._recent:  # oldest first: a newer write of an id replaces it
-            if not wanted.isdisjoint(batch):
-                recent.update((m, batch[m]) for m in wanted.intersection(batch))
+        recent = self._recent.keys() & wanted if self._recent else ()
         dups: dict[int, Receipt] = {}
         if found or recent:
             for k, message_id in enumerate(ids):
                 hit = found.get(k)
-                if hit is None:
-                    r = recent.get(message_id)
-                    if r is not None:
-                        hit = Receipt(message_id, r[0], r[1])
+                if hit is None and message_id in recent:
+                    due, seq = self._recent[message_id]
+                    hit = Receipt(message_id, due, seq)
                 if hit is not None:
                     dups[k] = hit
         claimed = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
-        claim = Claim(claimed, None)
-        if claimed:
-            claim.future = asyncio.get_running_loop().create_future()
-            self._claims += 1
-            claim.key = self._claims
-            self._writing[claim.key] = (set(claimed) if dups else wanted, claim.future)
+        fut = asyncio.get_running_loop().create_future() if claimed else None
+        if fut is not None:
+            self._writing.update(dict.fromkeys(claimed, fut))
         self.duplicates += len(dups)
-        return dups, claim
+        return dups, Claim(claimed, fut)
 
     def written(self, claim: Claim, first: int, dues: list[int]) -> None:
         """The claimed ids were written with sequences from ``first``, due at ``dues``."""
         n = len(claim.ids)
         if n:
-            self._recent.append((first + n - 1, dict(zip(claim.ids, zip(dues, range(first, first + n))))))
-        self._writing.pop(claim.key, None)
+            self._recent.update(zip(claim.ids, zip(dues, range(first, first + n))))
+            self._order.append((first + n - 1, claim.ids, first))
+        self._release(claim)
         if claim.future is not None:
             claim.future.set_result(True)
 
     def failed(self, claim: Claim) -> None:
-        self._writing.pop(claim.key, None)
+        self._release(claim)
         if claim.future is not None and not claim.future.done():
             claim.future.set_result(False)
+
+    def _release(self, claim: Claim) -> None:
+        writing, fut = self._writing, claim.future
+        for message_id in claim.ids:
+            if writing.get(message_id) is fut:
+                del writing[message_id]
 
     def rescheduled(self, receipt: Receipt) -> None:
         """A Reschedule wrote the id's message again: its new receipt is the one a retried
         send of that id is answered with (until the index holds it)."""
-        self._recent.append((receipt.sequence, {receipt.message_id: (receipt.deliver_at_ms, receipt.sequence)}))
+        self._recent[receipt.message_id] = (receipt.deliver_at_ms, receipt.sequence)
+        self._order.append((receipt.sequence, [receipt.message_id], receipt.sequence))
 
     def _prune(self) -> None:
-        """Forget recent batches the index holds, unless a lookup begun before it got them runs."""
+        """Forget recent ids the index holds, unless a lookup begun before it got them runs."""
         floor = self.engine.iterate.sequence
         if self._active:
             floor = min(floor, *self._active.values())
-        recent = self._recent
-        while recent and recent[0][0] <= floor:
-            recent.popleft()
+        order, recent = self._order, self._recent
+        while order and order[0][0] <= floor:
+            last, ids, first = order.popleft()
+            for message_id in ids:
+                entry = recent.get(message_id)
+                if entry is not None and first <= entry[1] <= last:  # not written again since
+                    del recent[message_id]
