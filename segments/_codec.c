@@ -27,16 +27,17 @@
 
 #include "layout.h"
 
-/* Write one frame header (checksum over [12, 36 + length) computed from the body in place). */
+/* Write one frame header (checksum over [CHECKED_FROM, HEADER_SIZE + length) computed from
+ * the body in place). */
 static void write_frame(unsigned char *p, unsigned kind, uint64_t seq, int64_t ts, Py_ssize_t length) {
     put_u32(p, MAGIC);
-    put_u32(p + 12, (uint32_t)length);
-    p[16] = (unsigned char)kind;
-    p[17] = VERSION;
-    put_u16(p + 18, 0);
-    put_u64(p + 20, seq);
-    put_u64(p + 28, (uint64_t)ts);
-    put_u64(p + 4, XXH3_64bits(p + CHECKED_FROM, (size_t)(HEADER_SIZE - CHECKED_FROM + length)));
+    put_u32(p + LENGTH_AT, (uint32_t)length);
+    p[KIND_AT] = (unsigned char)kind;
+    p[VERSION_AT] = VERSION;
+    put_u16(p + FLAGS_AT, 0);
+    put_u64(p + SEQUENCE_AT, seq);
+    put_u64(p + TIMESTAMP_AT, (uint64_t)ts);
+    put_u64(p + CHECKSUM_AT, XXH3_64bits(p + CHECKED_FROM, (size_t)(HEADER_SIZE - CHECKED_FROM + length)));
 }
 
 /* frame_bodies(out: bytearray, kind, sequence, timestamp, bodies: list[bytes], max_body) -> next sequence */
@@ -104,21 +105,21 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     while (pos + HEADER_SIZE <= size) {
         const unsigned char *p = data + pos;
-        uint32_t length = get_u32(p + 12);
-        if (get_u32(p) != MAGIC || p[17] != VERSION || (Py_ssize_t)length > max_body) {
+        uint32_t length = get_u32(p + LENGTH_AT);
+        if (get_u32(p) != MAGIC || p[VERSION_AT] != VERSION || (Py_ssize_t)length > max_body) {
             bad = pos;
             break;
         }
         Py_ssize_t end = pos + HEADER_SIZE + (Py_ssize_t)length;
         if (end > size)
             break;
-        if (XXH3_64bits(p + CHECKED_FROM, (size_t)(end - pos - CHECKED_FROM)) != get_u64(p + 4)) {
+        if (XXH3_64bits(p + CHECKED_FROM, (size_t)(end - pos - CHECKED_FROM)) != get_u64(p + CHECKSUM_AT)) {
             bad = pos;
             break;
         }
         put_u64(st + 8 * count, (uint64_t)pos);
-        kd[count] = p[16];
-        memcpy(sq + 8 * count, p + 20, 8);
+        kd[count] = p[KIND_AT];
+        memcpy(sq + 8 * count, p + SEQUENCE_AT, 8);
         if (length >= 8)
             memcpy(du + 8 * count, p + HEADER_SIZE, 8);
         else
@@ -374,18 +375,19 @@ static PyObject *read_messages(PyObject *self, PyObject *args) {
         int64_t off = offs[i];
         int ok = off >= 0 && off + HEADER_SIZE + MESSAGE_FIXED <= size;
         const unsigned char *p = buf + (ok ? off : 0);
-        uint32_t length = ok ? get_u32(p + 12) : 0;
-        ok = ok && get_u32(p) == MAGIC && p[16] == 1 && p[17] == VERSION && (int64_t)get_u64(p + 20) == seqs[i] &&
+        uint32_t length = ok ? get_u32(p + LENGTH_AT) : 0;
+        ok = ok && get_u32(p) == MAGIC && p[KIND_AT] == KIND_MESSAGE && p[VERSION_AT] == VERSION &&
+             (int64_t)get_u64(p + SEQUENCE_AT) == seqs[i] &&
              off + HEADER_SIZE + (int64_t)length <= size && length >= MESSAGE_FIXED;
         Py_ssize_t slen = 0, mlen = 0, hlen = 0, plen = 0;
         if (ok) {
             const unsigned char *b = p + HEADER_SIZE;
-            slen = b[8] | (b[9] << 8);
-            mlen = b[10] | (b[11] << 8);
-            hlen = (Py_ssize_t)get_u32(b + 12);
-            plen = (Py_ssize_t)get_u32(b + 16);
+            slen = b[MESSAGE_SUBJECT_LEN_AT] | (b[MESSAGE_SUBJECT_LEN_AT + 1] << 8);
+            mlen = b[MESSAGE_ID_LEN_AT] | (b[MESSAGE_ID_LEN_AT + 1] << 8);
+            hlen = (Py_ssize_t)get_u32(b + MESSAGE_HEADERS_LEN_AT);
+            plen = (Py_ssize_t)get_u32(b + MESSAGE_PAYLOAD_LEN_AT);
             ok = (int64_t)MESSAGE_FIXED + slen + mlen + hlen + plen == (int64_t)length &&
-                 XXH3_64bits(p + CHECKED_FROM, (size_t)(HEADER_SIZE - CHECKED_FROM + length)) == get_u64(p + 4);
+                 XXH3_64bits(p + CHECKED_FROM, (size_t)(HEADER_SIZE - CHECKED_FROM + length)) == get_u64(p + CHECKSUM_AT);
         }
         PyObject *mid = NULL, *payload = NULL, *hdr = NULL;
         if (ok) {
@@ -453,7 +455,7 @@ static PyObject *dispatch_frames(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "dispatch_frames: message ids must be bytes of at most 65535");
             goto done;
         }
-        total += HEADER_SIZE + 32 + PyBytes_GET_SIZE(mids[i]);
+        total += HEADER_SIZE + DISPATCH_FIXED + PyBytes_GET_SIZE(mids[i]);
     }
     if (!(result = PyBytes_FromStringAndSize(NULL, total)))
         goto done;
@@ -472,15 +474,15 @@ static PyObject *dispatch_frames(PyObject *self, PyObject *args) {
         Py_ssize_t mlen = PyBytes_GET_SIZE(mids[i]);
         unsigned char *b = w + HEADER_SIZE;
         put_u64(b, (uint64_t)d);
-        put_u64(b + 8, (uint64_t)a);
-        put_u64(b + 16, (uint64_t)so);
-        put_u32(b + 24, (uint32_t)at_n);
-        b[28] = (unsigned char)outcome;
-        b[29] = 0;
-        put_u16(b + 30, (uint16_t)mlen);
-        memcpy(b + 32, PyBytes_AS_STRING(mids[i]), (size_t)mlen);
-        write_frame(w, 3, (uint64_t)sq, (int64_t)ts, 32 + mlen);
-        w += HEADER_SIZE + 32 + mlen;
+        put_u64(b + DISPATCH_DISPATCHED_AT, (uint64_t)a);
+        put_u64(b + DISPATCH_SCHEDULE_OFFSET_AT, (uint64_t)so);
+        put_u32(b + DISPATCH_ATTEMPT_AT, (uint32_t)at_n);
+        b[DISPATCH_OUTCOME_AT] = (unsigned char)outcome;
+        b[DISPATCH_GROUP_LEN_AT] = 0; /* the default group: no name */
+        put_u16(b + DISPATCH_ID_LEN_AT, (uint16_t)mlen);
+        memcpy(b + DISPATCH_FIXED, PyBytes_AS_STRING(mids[i]), (size_t)mlen);
+        write_frame(w, KIND_DISPATCH, (uint64_t)sq, (int64_t)ts, DISPATCH_FIXED + mlen);
+        w += HEADER_SIZE + DISPATCH_FIXED + mlen;
     }
 done:
     for (int c = 0; c < 6; c++)
@@ -557,5 +559,37 @@ PyMODINIT_FUNC PyInit__codec(void) {
         PyErr_SetString(PyExc_ImportError, "qdelay's native codec needs a little-endian host");
         return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    /* the layout this module was compiled with, checked against segments/framing.py and
+     * records.py by segments/native.py at import (and by tests/test_codec_native.py) */
+    static const struct { const char *name; long long value; } names[] = {
+        {"MAGIC", MAGIC}, {"VERSION", VERSION}, {"HEADER_SIZE", HEADER_SIZE}, {"CHECKED_FROM", CHECKED_FROM},
+        {"CHECKSUM_AT", CHECKSUM_AT}, {"LENGTH_AT", LENGTH_AT}, {"KIND_AT", KIND_AT}, {"VERSION_AT", VERSION_AT},
+        {"FLAGS_AT", FLAGS_AT}, {"SEQUENCE_AT", SEQUENCE_AT}, {"TIMESTAMP_AT", TIMESTAMP_AT},
+        {"KIND_MESSAGE", KIND_MESSAGE}, {"KIND_DISPATCH", KIND_DISPATCH}, {"MESSAGE_FIXED", MESSAGE_FIXED},
+        {"MESSAGE_SUBJECT_LEN_AT", MESSAGE_SUBJECT_LEN_AT}, {"MESSAGE_ID_LEN_AT", MESSAGE_ID_LEN_AT},
+        {"MESSAGE_HEADERS_LEN_AT", MESSAGE_HEADERS_LEN_AT}, {"MESSAGE_PAYLOAD_LEN_AT", MESSAGE_PAYLOAD_LEN_AT},
+        {"DISPATCH_FIXED", DISPATCH_FIXED}, {"DISPATCH_DISPATCHED_AT", DISPATCH_DISPATCHED_AT},
+        {"DISPATCH_SCHEDULE_OFFSET_AT", DISPATCH_SCHEDULE_OFFSET_AT}, {"DISPATCH_ATTEMPT_AT", DISPATCH_ATTEMPT_AT},
+        {"DISPATCH_OUTCOME_AT", DISPATCH_OUTCOME_AT}, {"DISPATCH_GROUP_LEN_AT", DISPATCH_GROUP_LEN_AT},
+        {"DISPATCH_ID_LEN_AT", DISPATCH_ID_LEN_AT},
+    };
+    PyObject *layout = PyDict_New();
+    if (!layout || PyModule_AddObject(m, "LAYOUT", layout) < 0) {
+        Py_XDECREF(layout);
+        Py_DECREF(m);
+        return NULL;
+    }
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        PyObject *v = PyLong_FromLongLong(names[i].value);
+        if (!v || PyDict_SetItemString(layout, names[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(m);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return m;
 }

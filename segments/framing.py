@@ -34,9 +34,11 @@ HEADER_SIZE = 36
 CHECKED_FROM = 12  # the checksum covers everything after itself
 MAX_BODY = 64 * 1024 * 1024
 # where the header's fields start: every reader of raw frame bytes uses these names
+CHECKSUM_AT = 4
 LENGTH_AT = 12
 KIND_AT = 16
 VERSION_AT = 17
+FLAGS_AT = 18
 SEQUENCE_AT = 20
 TIMESTAMP_AT = 28
 
@@ -54,7 +56,7 @@ _unpack_from = HEADER.unpack_from
 if _LEAD.size + _REST.size != HEADER_SIZE or _LEAD.size != CHECKED_FROM:
     raise InvariantViolation("frame header pieces do not add up to the spec's layout")
 _FIELDS_AT = [struct.calcsize("<" + HEADER.format.lstrip("<")[:k]) for k in range(8)]
-if (LENGTH_AT, KIND_AT, VERSION_AT, SEQUENCE_AT, TIMESTAMP_AT) != tuple(_FIELDS_AT[k] for k in (2, 3, 4, 6, 7)):
+if (CHECKSUM_AT, LENGTH_AT, KIND_AT, VERSION_AT, FLAGS_AT, SEQUENCE_AT, TIMESTAMP_AT) != tuple(_FIELDS_AT[1:]):
     raise InvariantViolation(f"named header offsets do not match the header's layout {_FIELDS_AT}")
 
 

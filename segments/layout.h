@@ -17,7 +17,36 @@
 #define VERSION 1
 #define HEADER_SIZE 36
 #define CHECKED_FROM 12
-#define MESSAGE_FIXED 20 /* due i64, subject_len u16, message_id_len u16, headers_len u32, payload_len u32 */
+/* where the header's fields start (segments/framing.py: the same names) */
+#define CHECKSUM_AT 4
+#define LENGTH_AT 12
+#define KIND_AT 16
+#define VERSION_AT 17
+#define FLAGS_AT 18
+#define SEQUENCE_AT 20
+#define TIMESTAMP_AT 28
+#define KIND_MESSAGE 1 /* RecordKind */
+#define KIND_DISPATCH 3
+/* MESSAGE body: due i64, subject_len u16, message_id_len u16, headers_len u32, payload_len u32 */
+#define MESSAGE_FIXED 20
+#define MESSAGE_SUBJECT_LEN_AT 8
+#define MESSAGE_ID_LEN_AT 10
+#define MESSAGE_HEADERS_LEN_AT 12
+#define MESSAGE_PAYLOAD_LEN_AT 16
+/* DISPATCH body: due i64, dispatched_at i64, schedule_offset u64, attempt u32, outcome u8,
+ * group_len u8, message_id_len u16 (segments/records.py DISPATCH_FIXED) */
+#define DISPATCH_FIXED 32
+#define DISPATCH_DISPATCHED_AT 8
+#define DISPATCH_SCHEDULE_OFFSET_AT 16
+#define DISPATCH_ATTEMPT_AT 24
+#define DISPATCH_OUTCOME_AT 28
+#define DISPATCH_GROUP_LEN_AT 29
+#define DISPATCH_ID_LEN_AT 30
+
+_Static_assert(CHECKED_FROM == LENGTH_AT, "the checksum covers the header from the length on");
+_Static_assert(TIMESTAMP_AT + 8 == HEADER_SIZE, "the timestamp is the header's last field");
+_Static_assert(MESSAGE_PAYLOAD_LEN_AT + 4 == MESSAGE_FIXED, "the payload length ends MESSAGE's fixed part");
+_Static_assert(DISPATCH_ID_LEN_AT + 2 == DISPATCH_FIXED, "the id length ends DISPATCH's fixed part");
 
 static inline uint32_t get_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint64_t get_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -39,10 +68,10 @@ static inline PyObject *message_body(long long due, const void *subject, Py_ssiz
         return NULL;
     unsigned char *b = (unsigned char *)PyBytes_AS_STRING(body);
     put_u64(b, (uint64_t)due);
-    put_u16(b + 8, (uint16_t)slen);
-    put_u16(b + 10, (uint16_t)mlen);
-    put_u32(b + 12, 0);
-    put_u32(b + 16, (uint32_t)plen);
+    put_u16(b + MESSAGE_SUBJECT_LEN_AT, (uint16_t)slen);
+    put_u16(b + MESSAGE_ID_LEN_AT, (uint16_t)mlen);
+    put_u32(b + MESSAGE_HEADERS_LEN_AT, 0);
+    put_u32(b + MESSAGE_PAYLOAD_LEN_AT, (uint32_t)plen);
     memcpy(b + MESSAGE_FIXED, subject, (size_t)slen);
     memcpy(b + MESSAGE_FIXED + slen, mid, (size_t)mlen);
     memcpy(b + MESSAGE_FIXED + slen + mlen, payload, (size_t)plen);

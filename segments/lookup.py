@@ -18,19 +18,19 @@ import threading
 
 import numpy as np
 
-from qdelay.segments import framing
+from qdelay.segments import framing, records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.reader import Columns, read_columns, read_frames
 from qdelay.segments.segment import Segment
 
 SPARSE_EVERY = 64
-_CANCEL_TARGET_AT = 8  # CANCEL body: target due i64, then the target sequence u64
-_DISPATCHED_AT = 8  # DISPATCH body: due i64, then dispatched_at_ms i64
-# MESSAGE body (segments/records.py): due i64, subject_len u16 @8, message_id_len u16 @10,
-# headers_len u32, payload_len u32, then the subject @20 and the message id
-_SUBJECT_LEN_AT = framing.HEADER_SIZE + 8
-_ID_LEN_AT = framing.HEADER_SIZE + 10
-_SUBJECT_AT = framing.HEADER_SIZE + 20
+_CANCEL_TARGET_AT = records.CANCEL_TARGET_SEQUENCE_AT  # CANCEL body: the target's sequence
+_DISPATCHED_AT = records.DISPATCH_DISPATCHED_AT
+# a MESSAGE's subject and id lengths and its subject, from the frame's start (the body's
+# offsets are named in segments/records.py)
+_SUBJECT_LEN_AT = framing.HEADER_SIZE + records.MESSAGE_SUBJECT_LEN_AT
+_ID_LEN_AT = framing.HEADER_SIZE + records.MESSAGE_ID_LEN_AT
+_SUBJECT_AT = framing.HEADER_SIZE + records.MESSAGE_FIXED.size
 
 
 class SparseIndex:

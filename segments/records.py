@@ -46,6 +46,67 @@ for _name, (_struct, _size) in _SIZES.items():
         raise InvariantViolation(f"{_name} is {_struct.size} bytes, docs/formats.md says {_size}")
 
 
+def _fields_at(fixed: struct.Struct) -> list[int]:
+    """Where each field of a fixed part starts (one letter per field in its format)."""
+    fmt = fixed.format.lstrip("<")
+    return [struct.calcsize("<" + fmt[:k]) for k in range(len(fmt))]
+
+
+# where the fixed parts' fields start, named once for the readers of raw record bytes
+# (column readers gather them at these offsets; segments/layout.h names them for C)
+_, CANCEL_TARGET_SEQUENCE_AT, CANCEL_ID_LEN_AT = _fields_at(CANCEL_FIXED)
+_, MESSAGE_SUBJECT_LEN_AT, MESSAGE_ID_LEN_AT, MESSAGE_HEADERS_LEN_AT, MESSAGE_PAYLOAD_LEN_AT = _fields_at(MESSAGE_FIXED)
+(
+    _,
+    DISPATCH_DISPATCHED_AT,
+    DISPATCH_SCHEDULE_OFFSET_AT,
+    DISPATCH_ATTEMPT_AT,
+    DISPATCH_OUTCOME_AT,
+    DISPATCH_GROUP_LEN_AT,
+    DISPATCH_ID_LEN_AT,
+) = _fields_at(DISPATCH_FIXED)
+
+
+def layout() -> dict[str, int]:
+    """The frame and body layout by the names segments/layout.h gives it: what the native
+    codec must have been compiled with (its ``LAYOUT``)."""
+    return {
+        "MAGIC": framing.MAGIC,
+        "VERSION": framing.VERSION,
+        "HEADER_SIZE": framing.HEADER_SIZE,
+        "CHECKED_FROM": framing.CHECKED_FROM,
+        "CHECKSUM_AT": framing.CHECKSUM_AT,
+        "LENGTH_AT": framing.LENGTH_AT,
+        "KIND_AT": framing.KIND_AT,
+        "VERSION_AT": framing.VERSION_AT,
+        "FLAGS_AT": framing.FLAGS_AT,
+        "SEQUENCE_AT": framing.SEQUENCE_AT,
+        "TIMESTAMP_AT": framing.TIMESTAMP_AT,
+        "KIND_MESSAGE": int(RecordKind.MESSAGE),
+        "KIND_DISPATCH": int(RecordKind.DISPATCH),
+        "MESSAGE_FIXED": MESSAGE_FIXED.size,
+        "MESSAGE_SUBJECT_LEN_AT": MESSAGE_SUBJECT_LEN_AT,
+        "MESSAGE_ID_LEN_AT": MESSAGE_ID_LEN_AT,
+        "MESSAGE_HEADERS_LEN_AT": MESSAGE_HEADERS_LEN_AT,
+        "MESSAGE_PAYLOAD_LEN_AT": MESSAGE_PAYLOAD_LEN_AT,
+        "DISPATCH_FIXED": DISPATCH_FIXED.size,
+        "DISPATCH_DISPATCHED_AT": DISPATCH_DISPATCHED_AT,
+        "DISPATCH_SCHEDULE_OFFSET_AT": DISPATCH_SCHEDULE_OFFSET_AT,
+        "DISPATCH_ATTEMPT_AT": DISPATCH_ATTEMPT_AT,
+        "DISPATCH_OUTCOME_AT": DISPATCH_OUTCOME_AT,
+        "DISPATCH_GROUP_LEN_AT": DISPATCH_GROUP_LEN_AT,
+        "DISPATCH_ID_LEN_AT": DISPATCH_ID_LEN_AT,
+    }
+
+
+# a native codec compiled with another layout must not touch a byte (a build older than
+# LAYOUT has none to compare: tests/test_codec_native.py requires it of every build)
+_native_layout = getattr(native.codec, "LAYOUT", None)
+if _native_layout is not None and _native_layout != layout():
+    _diff = sorted(k for k in set(_native_layout) | set(layout()) if _native_layout.get(k) != layout().get(k))
+    raise InvariantViolation(f"the native codec was compiled with another record layout ({_diff}): rebuild it")
+
+
 class Outcome(enum.IntEnum):
     """How a dispatch record closed a message."""
 

@@ -52,6 +52,15 @@ def test_the_native_codecs_are_built():
     assert wire_codec is not None, "qdelay._wire was not built: see the pip install output"
 
 
+def test_the_native_codec_was_compiled_with_the_python_layout():
+    """segments/layout.h names the frame and body offsets for C; framing.py and records.py
+    name them for Python. The compiled module exports its names (LAYOUT), and records.py
+    refuses at import a build whose layout differs; this also refuses a build without them."""
+    assert codec is not None
+    assert codec.LAYOUT == records.layout()
+    assert records.layout()["SEQUENCE_AT"] == framing.SEQUENCE_AT == 20  # docs/formats.md's table
+
+
 # --- inputs -------------------------------------------------------------------------------
 
 

@@ -697,7 +697,12 @@ def _message_columns(data: bytes, st, need: set):
     while True:  # another pass only when one found bad rows (each pass drops at least one)
         sel = np.nonzero(~suspect)[0]
         b = body[sel]
-        slen, mlen, hlen, plen = g(data, b, 8, 2), g(data, b, 10, 2), g(data, b, 12, 4), g(data, b, 16, 4)
+        slen, mlen, hlen, plen = (
+            g(data, b, records.MESSAGE_SUBJECT_LEN_AT, 2),
+            g(data, b, records.MESSAGE_ID_LEN_AT, 2),
+            g(data, b, records.MESSAGE_HEADERS_LEN_AT, 4),
+            g(data, b, records.MESSAGE_PAYLOAD_LEN_AT, 4),
+        )
         fits = records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length[sel]
         if not fits.all():
             suspect[sel[~fits]] = True
@@ -770,8 +775,12 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
         sel = np.nonzero(~suspect)[0]
         b = body[sel]
         mlen = g(data, b, fixed - 2, 2)
-        # a DISPATCH names its consumer group after the id (length at byte 29; 0: default)
-        glen = g(data, b, 29, 1) if kind == RecordKind.DISPATCH else np.zeros(len(sel), dtype=np.int64)
+        # a DISPATCH names its consumer group after the id (0: the default group)
+        glen = (
+            g(data, b, records.DISPATCH_GROUP_LEN_AT, 1)
+            if kind == RecordKind.DISPATCH
+            else np.zeros(len(sel), dtype=np.int64)
+        )
         fits = fixed + mlen + glen == length[sel]
         if not fits.all():
             suspect[sel[~fits]] = True
@@ -791,15 +800,15 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
         if kind == RecordKind.CANCEL:
             out["created_ms"] = ts
             if "target_sequence" in need:
-                out["target_sequence"] = g(data, b, 8, 8)
+                out["target_sequence"] = g(data, b, records.CANCEL_TARGET_SEQUENCE_AT, 8)
         else:
             out["acked_ms"] = ts
             if "dispatched_ms" in need:
-                out["dispatched_ms"] = g(data, b, 8, 8)
+                out["dispatched_ms"] = g(data, b, records.DISPATCH_DISPATCHED_AT, 8)
             if "schedule_offset" in need:
-                out["schedule_offset"] = g(data, b, 16, 8)
+                out["schedule_offset"] = g(data, b, records.DISPATCH_SCHEDULE_OFFSET_AT, 8)
             if "attempt" in need:
-                out["attempt"] = g(data, b, 24, 4).astype(np.int32)
+                out["attempt"] = g(data, b, records.DISPATCH_ATTEMPT_AT, 4).astype(np.int32)
             if "group" in need:
                 import pyarrow as pa
                 import pyarrow.compute as pc
@@ -808,7 +817,7 @@ def _tail_columns(kind: int, data: bytes, st, need: set):
             if "outcome" in need:
                 import pyarrow as pa
 
-                codes = g(data, b, 28, 1)
+                codes = g(data, b, records.DISPATCH_OUTCOME_AT, 1)
                 distinct, where = np.unique(codes, return_inverse=True)
                 names = [_OUTCOMES.get(int(c), f"OUTCOME_{int(c)}") for c in distinct]
                 out["outcome"] = pa.array(names, pa.string()).take(pa.array(where.reshape(-1)))
