@@ -134,9 +134,6 @@ class AckLedger:
 
     # --- groups -----------------------------------------------------------------------------------
 
-    def open_group(self, gid: int) -> dict[int, Flight]:
-        return self.in_flight.setdefault(gid, {})
-
     def drop_group(self, gid: int) -> None:
         """A deleted group: acks for its deliveries find nothing, expiries skip them."""
         self.in_flight.pop(gid, None)
@@ -144,8 +141,8 @@ class AckLedger:
     # --- handing out and closing -------------------------------------------------------------------
 
     def hand_out(self, flights: list[Flight], deadline: int) -> None:
-        for fl in flights:
-            self.in_flight[fl.gid].update(zip(fl.seqs, itertools.repeat(fl)))
+        for fl in flights:  # (the caller checked that each group still exists)
+            self.in_flight.setdefault(fl.gid, {}).update(zip(fl.seqs, itertools.repeat(fl)))
         self._deadlines.append((deadline, flights))
 
     def take_acked(self, seqs: list[int], gid: int | None) -> list[tuple[Flight, list[int]]]:

@@ -37,7 +37,7 @@ import numpy as np
 from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
 from qdelay.segments import bucket_log, framing, records
 from qdelay.segments.bucket_log import BucketLog
-from qdelay.segments.framing import Frame, RecordKind
+from qdelay.segments.framing import RecordKind
 from qdelay.segments.messages import read_messages
 from qdelay.segments.naming import bucket_of
 from qdelay.segments.reader import Columns, columns_past_damage
@@ -45,12 +45,12 @@ from qdelay.segments.segment import CorruptionPolicy
 from qdelay.server.buckets import BucketBook, BucketState
 from qdelay.server.deliveries import DEAD_LETTER_HEADER, Deliveries, Delivery, DeliverySink
 from qdelay.server.dispatch_log import DispatchLogWriter
-from qdelay.server.groups import BEGINNING, Group, GroupTable
+from qdelay.server.groups import Group, GroupTable
 from qdelay.server.iterate import Written
 from qdelay.server.lanes import Lane, Pass
 from qdelay.server.ledger import AckLedger, Flight, Item, ack_attempts, ack_sequences
 from qdelay.server.loader import Loader
-from qdelay.server.wheel import Entries, TimerWheel
+from qdelay.server.timer import Timer
 
 log = logging.getLogger("qdelay.scheduler")
 
@@ -142,7 +142,6 @@ class Scheduler:
         self._wakeup = threading.Event()  # set: the scheduler thread goes round at once
         # dead-letter copies decided under the lock, written outside it by the scheduler thread
         self._to_dead_letter: list[tuple[int, Item, int]] = []
-        self.wheel = TimerWheel(config.tick_ms)
         self.book = BucketBook(
             schedule,
             dispatch,
@@ -157,28 +156,18 @@ class Scheduler:
         self.writer = DispatchLogWriter(dispatch, config.dispatch_flush_ms)
         self.writer.on_synced = self._on_synced
         self.dead_lettering: set[int] = set()  # dead-letter copy being written; cancel refused
-        self._subjects: list[str] = []
-        self._subject_ids: dict[bytes, int] = {}
         self.groups = groups if groups is not None else GroupTable()
-        # messages up to this sequence were written before groups existed: a subject of
-        # theirs without a group gets the group "default", which inherits their DISPATCH
-        # records (docs/formats.md, upgrade)
-        self.legacy_upto = legacy_upto
-        self._targets_cache: dict[int, list[Group]] = {}
-        self._targets_version = -1
-        self._lanes: dict[tuple[int, int], Lane] = {}  # (subject id, group id) -> lane
-        # subject id -> lowest bucket with entries that became due while it had no group
-        self._kept: dict[int, int] = {}
-        self._ready_total = 0
-        self._rr: collections.deque[Lane] = collections.deque()  # lanes with ready work
-        self._spilled: set[Lane] = set()
-        self._partial_any = False  # some loaded bucket has entries closed for some groups only
-        self._fired_to = 0  # every wheel entry due at or before this has fired
+        # the wheel, the lanes, what fired: the scheduling state with no I/O
+        self.timer = Timer(config, self.book, self.groups, legacy_upto=legacy_upto, clock=clock)
         self.cancelling: set[int] = set()  # cancel accepted, tombstone not yet through iterate
         self.sink: DeliverySink | None = None
         self._tokens = 0.0
         self._tokens_at = time.monotonic()
         self._stop = False
+        # False once stop() applied the last acks: a later ack is not recorded (the writer
+        # is stopped) and its delivery stays in flight (offered again after a restart)
+        self._accepting = True
+        self.acks_after_stop = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.load_blocked = False
@@ -199,6 +188,7 @@ class Scheduler:
         elected again in one process)."""
         with self.lock:
             self._stop = False
+            self._accepting = True
         self._thread = threading.Thread(target=self._run, name="qdelay-scheduler", daemon=True)
         self._thread.start()
         self.writer.start()
@@ -211,7 +201,8 @@ class Scheduler:
             self._thread.join()
             self._thread = None
         with self.lock:
-            self._drain()  # acks posted until now are recorded
+            self._drain()  # acks posted until now are recorded ...
+            self._accepting = False  # ... later ones are not (see _ack)
         self.writer.stop()
 
     def wake(self) -> None:
@@ -235,7 +226,7 @@ class Scheduler:
             pass
         with self.lock:
             self._drain()
-            self._fire(now)
+            self.timer.fire(now)
             self._expire(now)
         self._write_dead_letters()
         self._dispatch(now)
@@ -258,7 +249,7 @@ class Scheduler:
                 loading = self._load_step(now)
                 with self.lock:
                     self._drain()
-                    self._fire(now)
+                    self.timer.fire(now)
                     self._expire(now)
                 self._write_dead_letters()
                 more = self._dispatch(now)
@@ -284,7 +275,7 @@ class Scheduler:
         if loading:
             return 0.0
         t = now + 100  # the loader looks for new buckets at least every 100 ms
-        nf = self.wheel.next_fire()
+        nf = self.timer.next_fire()
         if nf is not None:
             t = min(t, nf)
         nl = self.ledger.next_wakeup()
@@ -292,18 +283,9 @@ class Scheduler:
             t = min(t, nl)
         if self.writer.has_buffered():
             t = min(t, now + self.cfg.dispatch_flush_ms)
-        if self._ready_total and self.sink is not None and self.cfg.dispatch_rate > 0:
+        if self.timer.ready_total and self.sink is not None and self.cfg.dispatch_rate > 0:
             t = min(t, now + 5)
         return max(0.0, (t - now) / 1000.0)
-
-    # --- subjects ---------------------------------------------------------------------------------
-
-    def subject_id(self, subject: bytes) -> int:
-        sid = self._subject_ids.get(subject)
-        if sid is None:
-            sid = self._subject_ids[subject] = len(self._subjects)
-            self._subjects.append(subject.decode())
-        return sid
 
     # --- loading ----------------------------------------------------------------------------------
 
@@ -318,13 +300,13 @@ class Scheduler:
             if not pending:
                 self.load_blocked = False
                 return False
-            if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
-                self._relieve()
-            if len(self.wheel) + self._ready_total >= self.cfg.max_loaded:
+            if self.timer.room() <= 0:
+                self.timer.relieve()
+            if self.timer.room() <= 0:
                 if not self.load_blocked:
                     log.warning(
                         "loading paused: in-memory index is full",
-                        extra={"entries": len(self.wheel) + self._ready_total, "max": self.cfg.max_loaded},
+                        extra={"entries": self.timer.in_memory(), "max": self.cfg.max_loaded},
                     )
                 self.load_blocked = True
                 return False
@@ -349,7 +331,7 @@ class Scheduler:
             self.loader.read_chunk(st.seg, start, stop, self.cfg.load_chunk_bytes) if start < stop else ([], start)
         )
         with self.lock:
-            room = self.cfg.max_loaded - len(self.wheel) - self._ready_total
+            room = self.timer.room()
             if len(frames) > room:
                 # no more entries than the budget has room for (at least one, to move on):
                 # the rest of the chunk is read again when there is room, so records
@@ -359,11 +341,9 @@ class Scheduler:
                 if cut:
                     nxt = frames[cut[0]].offset
                     frames = frames[: cut[0]]
-            entries = self._index(st, frames)
             if st.cursor != start:  # only this thread advances a loading cursor
                 raise InvariantViolation(f"bucket {st.bucket} cursor moved during load")
-            if entries is not None:
-                self.wheel.add_many(entries)
+            self.timer.index(st, frames)
             st.cursor = nxt
             if st.cursor >= st.seg.size:
                 st.complete = True
@@ -377,49 +357,6 @@ class Scheduler:
         are then written at once rather than behind, and left to the loader."""
         with self.lock:
             self.book.open_up_to(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
-
-    def _index(self, st: BucketState, frames: list[Frame]) -> Entries | None:
-        """Wheel entries of the MESSAGE frames of a loaded chunk (lock held): cancelled ones
-        and those closed for every group they are for are left out."""
-        due, seq, off, subj = [], [], [], []
-        closed = st.closed or {}
-        counted = st.counted or {}
-        for f in frames:
-            if f.kind == RecordKind.MESSAGE:
-                q = f.sequence
-                if q in st.cancelled:
-                    continue
-                d, subject, _mid = records.message_index_fields(f.body)
-                sid = self.subject_id(subject)
-                if closed:
-                    hit = [name for name, seqs in closed.items() if q in seqs]
-                    if hit:
-                        targets = [g for g in self._targets(sid, q) if g.since <= d]
-                        first = targets[0].name if targets else hit[0]
-                        if first in hit and q not in counted.get(first, ()):
-                            st.nclosed += 1
-                        if targets and all(g.name in hit for g in targets):
-                            continue  # closed for every group it is for
-                        for name in hit:
-                            st.partial.setdefault(name, set()).add(q)
-                        self._partial_any = True
-                due.append(d)
-                seq.append(q)
-                off.append(f.offset)
-                subj.append(sid)
-            elif f.kind == RecordKind.CANCEL:
-                st.cancelled.add(records.decode_cancel(f.body).target_sequence)
-        st.unfired += len(due)
-        if not due:
-            return None
-        n = len(due)
-        return Entries(
-            np.array(due, dtype=np.int64),
-            np.array(seq, dtype=np.int64),
-            np.array(off, dtype=np.int64),
-            np.full(n, st.bucket, dtype=np.int32),
-            np.array(subj, dtype=np.int32),
-        )
 
     def on_written(self, written: dict[int, Written], cancels: list[tuple[int, int]]) -> None:
         """The iterate service appended to schedule segments (called with its append lock
@@ -468,28 +405,6 @@ class Scheduler:
 
     # --- groups -----------------------------------------------------------------------------------
 
-    def _targets(self, sid: int, seq: int = 0) -> list[Group]:
-        """The groups of subject ``sid``, oldest ``since`` first (lock held). A subject of
-        data written before groups existed gets the group "default" (see legacy_upto)."""
-        if self._targets_version != self.groups.version:
-            self._targets_cache.clear()
-            self._targets_version = self.groups.version
-        got = self._targets_cache.get(sid)
-        if got is None:
-            got = sorted(self.groups.of_subject(self._subjects[sid]), key=lambda g: (g.since, g.gid))
-            if not got and (self.cfg.implicit_group or (seq and seq <= self.legacy_upto)):
-                self.groups.create(self._subjects[sid], self.cfg.implicit_group or records.DEFAULT_GROUP, self.clock())
-                return self._targets(sid)
-            self._targets_cache[sid] = got
-        return got
-
-    def _lane(self, sid: int, gid: int) -> Lane:
-        lane = self._lanes.get((sid, gid))
-        if lane is None:
-            lane = self._lanes[(sid, gid)] = Lane(sid, gid)
-            self.ledger.open_group(gid)
-        return lane
-
     def apply_group(self, rec: records.Group, at_ms: int, seq: int) -> bool:
         """Apply a GROUP record of sequence ``seq`` unless the table already reflects it
         (a replay after a restart, or the master's own record passing the iterate
@@ -510,20 +425,7 @@ class Scheduler:
             g, created = self.groups.create(subject, name, at_ms)
             if not created:
                 return False
-            sid = self.subject_id(subject.encode())
-            # what already fired without this group and is for it is read back from disk:
-            # what its subject kept while it had no group, and, for a group whose since is
-            # not after the timer (one replayed after a restart, or created in the very
-            # millisecond the timer fired), what fired from its since on
-            read_from = self._kept.pop(sid, None)
-            if self._fired_to >= g.since > BEGINNING:
-                b = bucket_of(g.since, self.cfg.scale_minutes)
-                read_from = b if read_from is None else min(read_from, b)
-            if read_from is not None:
-                lane = self._lane(sid, g.gid)
-                lane.spilled = True
-                lane.drop_from = read_from
-                self._spilled.add(lane)
+            self.timer.group_created(g)
             self._wakeup.set()
             return True
 
@@ -534,16 +436,8 @@ class Scheduler:
             g = self.groups.delete(subject, name, at_ms)
             if g is None:
                 return False
-            for key in [k for k in self._lanes if k[1] == g.gid]:
-                lane = self._lanes.pop(key)
-                self._ready_total -= lane.ready.count
-                self._spilled.discard(lane)
-                if lane in self._rr:
-                    self._rr.remove(lane)
+            self.timer.group_deleted(g)
             self.ledger.drop_group(g.gid)
-            for st in self.book.loaded.values():
-                st.owed.pop(g.gid, None)
-                st.partial.pop(name, None)
             self._wakeup.set()
             return True
 
@@ -553,7 +447,7 @@ class Scheduler:
             self._drain()
             out = []
             for g in self.groups.all():
-                lanes = [ln for (_sid, gid), ln in self._lanes.items() if gid == g.gid]
+                lanes = self.timer.lanes_of(g.gid)
                 out.append(
                     {
                         "subject": g.subject,
@@ -580,118 +474,12 @@ class Scheduler:
 
     # --- timer ------------------------------------------------------------------------------------
 
-    def _fire(self, now: int) -> None:
-        """Move due entries from the wheel to the lanes of their subjects' groups (lock
-        held): every group the message is for gets it (fan-out)."""
-        self._fired_to = max(self._fired_to, now)
-        due = self.wheel.pop_due(now)
-        if len(due) == 0:
-            return
-        buckets, counts = np.unique(due.bucket, return_counts=True)
-        for b, c in zip(buckets.tolist(), counts.tolist()):
-            st = self.book.get(b)
-            if st is not None:
-                st.unfired -= c
-        # split by subject, keeping due order inside each subject
-        order = np.argsort(due.subj, kind="stable")
-        sorted_e = due.take(order)
-        subjects, starts = np.unique(sorted_e.subj, return_index=True)
-        bounds = list(starts[1:]) + [len(sorted_e)]
-        for sid, lo, hi in zip(subjects.tolist(), starts.tolist(), bounds):
-            part = sorted_e.take(slice(lo, hi))
-            targets = self._targets(sid, int(part.seq.min()))
-            if not targets:
-                # nobody to deliver to: the entries wait on disk for the subject's first group
-                low = int(part.bucket.min())
-                self._kept[sid] = min(low, self._kept.get(sid, low))
-                continue
-            for g in targets:
-                self._to_lane(self._lane(sid, g.gid), g, part)
-
-    def _to_lane(self, lane: Lane, g: Group, part: Entries) -> None:
-        """Queue fired entries for one group (lock held): those it is for, not closed for
-        it already and not just read back; a spilled lane forgets them (they are on disk)."""
-        if g.since > int(part.due.min()):
-            part = part.take(part.due >= g.since)
-        if self._partial_any and len(part):
-            keep = np.ones(len(part), dtype=bool)
-            for b in np.unique(part.bucket).tolist():
-                st = self.book.get(b)
-                done_for_g = st.partial.get(g.name) if st is not None else None
-                if done_for_g:
-                    keep &= ~((part.bucket == b) & np.isin(part.seq, list(done_for_g)))
-            part = part.take(keep)
-        if lane.recent is not None:
-            if len(part):
-                part = part.take(~np.isin(part.seq, list(lane.recent)))
-            lane.recent = None
-        if not len(part):
-            return
-        if lane.spilled:
-            lane.dropped(part.bucket)
-            return
-        self._owe(g.gid, part.bucket, 1)
-        q = lane.ready
-        if q.count == 0:
-            self._rr.append(lane)
-        q.push(part)
-        self._ready_total += len(part)
-        if q.count > self._lane_bound():
-            self._spill(lane)
-
-    def _owe(self, gid: int, buckets: np.ndarray, sign: int) -> None:
-        """Count entries of ``gid`` held in memory per bucket, up (1) or down (-1)."""
-        if not len(buckets):
-            return
-        first = int(buckets[0])
-        if int(buckets[-1]) == first and (len(buckets) < 3 or bool((buckets == first).all())):
-            st = self.book.get(first)
-            if st is not None:
-                st.owe(gid, sign * len(buckets))
-            return
-        bs, cs = np.unique(buckets, return_counts=True)
-        for b, c in zip(bs.tolist(), cs.tolist()):
-            st = self.book.get(b)
-            if st is not None:
-                st.owe(gid, sign * c)
-
-    def _lane_bound(self) -> int:
-        """Entries one lane may hold ready: its own bound, and at most a quarter of the
-        whole in-memory budget, so that a few idle groups cannot fill it."""
-        return max(1, min(self.cfg.group_max_ready, self.cfg.max_loaded // 4))
-
-    def _relieve(self) -> None:
-        """The in-memory budget is full (lock held): the lanes holding the most ready entries
-        spill to disk until a quarter of it is free again, so that entries nobody takes
-        never stop the loader (and with it every other subject's deliveries)."""
-        target = self.cfg.max_loaded * 3 // 4
-        for lane in sorted(self._lanes.values(), key=lambda ln: ln.ready.count, reverse=True):
-            if len(self.wheel) + self._ready_total <= target or not lane.ready.chunks:
-                return
-            self._spill(lane)
-
-    def _spill(self, lane: Lane) -> None:
-        """A lane over its bound forgets its queued entries (lock held); retries stay."""
-        dropped = lane.ready.drop_chunks()
-        n = sum(map(len, dropped))
-        self._ready_total -= n
-        for buckets in dropped:
-            self._owe(lane.gid, buckets, -1)
-            lane.dropped(buckets)
-        if not lane.spilled:
-            log.info(
-                "group over its in-memory bound: its due entries wait on disk",
-                extra={"subject": self._subjects[lane.sid], "gid": lane.gid, "dropped": n},
-            )
-        lane.spilled = True
-        self._spilled.add(lane)
-
     def _expire(self, now: int) -> None:
         """Deliveries not acknowledged in time go back for another attempt (or dead letters)."""
         for seq, item in self.ledger.expired(now):
             self._expired(seq, item, now)
         for item in self.ledger.due_retries(now):
-            self._requeue(item)
+            self.timer.requeue(item)
 
     def _expired(self, seq: int, item: Item, now: int) -> None:
         """One delivery's ack timeout passed: retry after a backoff, or dead-letter it."""
@@ -703,18 +491,6 @@ class Scheduler:
         backoff = min(self.cfg.max_backoff_ms, self.cfg.retry_backoff_ms * (2 ** (attempt - 1)))
         self.ledger.retry_at(now + backoff, seq, item)
 
-    def _requeue(self, item: Item) -> None:
-        """Put a retry at the front of its lane (lock held); a deleted group's is dropped."""
-        seq, off, bucket, due, attempt, subj, gid = item
-        lane = self._lanes.get((subj, gid))
-        if lane is None:
-            return
-        q = lane.ready
-        if q.count == 0:
-            self._rr.append(lane)
-        q.push_retry((seq, off, bucket, due, attempt))
-        self._ready_total += 1
-
     # --- reading back what spilled lanes keep on disk ----------------------------------------------
 
     def _reread(self) -> bool:
@@ -725,39 +501,25 @@ class Scheduler:
         group (dispatch log and the records still buffered), nor cancelled. It stops while
         the lane is at half its bound and goes on when the consumers have taken them.
         """
-        limit = self._lane_bound()
         sink = self.sink
         if sink is None:
             return False
+        timer = self.timer
         with self.lock:
-            # only lanes whose consumers take deliveries now: an idle group's backlog stays
-            # on disk until credit returns
-            lane = next(
-                (
-                    ln
-                    for ln in self._spilled
-                    if ln.ready.count < limit // 2
-                    and (
-                        (g0 := self.groups.by_gid(ln.gid)) is None
-                        or sink.credit(self._subjects[ln.sid], g0.name) > 0
-                        or (ln.walk is None and ln.drop_from is None)
-                    )
-                ),
-                None,
-            )
+            lane = timer.spilled_to_read(sink.credit)
             if lane is None:
                 return False
-            g = self.groups.by_gid(lane.gid)
-            if g is None or self._lanes.get((lane.sid, lane.gid)) is not lane:
-                self._spilled.discard(lane)
+            g = timer.live_lane(lane)
+            if g is None:
+                timer.spilled.discard(lane)
                 return True
             if lane.walk is None:
                 if lane.drop_from is None:
                     # nothing forgotten since the last pass began: the lane is whole again
                     lane.spilled = False
-                    self._spilled.discard(lane)
+                    timer.spilled.discard(lane)
                     return True
-                lane.walk = Pass(lane.drop_from, self._fired_to)
+                lane.walk = Pass(lane.drop_from, timer.fired_to)
                 lane.drop_from = None
             w = lane.walk
             last = bucket_of(w.hi, self.cfg.scale_minutes)
@@ -780,7 +542,7 @@ class Scheduler:
         # the disk reads, outside the lock: the chunk, and the group's closes in the
         # bucket's dispatch log (all of it on the first visit, what was appended since after)
         cols, after = columns_past_damage(st.seg, start, stop, self.cfg.load_chunk_bytes)
-        picked = self._lane_rows(cols, self._subjects[lane.sid].encode(), g.since, w.hi) if cols else None
+        picked = self._lane_rows(cols, timer.subjects[lane.sid].encode(), g.since, w.hi) if cols else None
         size, closes = self._group_closes(nxt, g.stored, closed_size if closed_known else 0)
         for tries in itertools.count():
             with self.lock:
@@ -841,47 +603,26 @@ class Scheduler:
     def _take_back(
         self, lane: Lane, g: Group, st: BucketState, w: Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
     ) -> None:
-        """Queue entries read back for a spilled lane (lock held), minus those in memory,
-        closed or cancelled by now."""
+        """Queue entries read back for a spilled lane (lock held), minus those held in
+        memory, closed or cancelled by now."""
         # what is not to be read back: a membership test per set, on the entries read
         # (unions of the sets cost their sizes per chunk: ``w.closed`` grows to the whole
         # backlog while it drains, which made a 5 M-message drain quadratic)
-        keep = np.ones(len(seqs), dtype=bool)
-        queued = [e.seq[pos:] for e, pos in lane.ready.chunks]
-        if queued:
-            keep &= ~np.isin(seqs, np.concatenate(queued))
         pending = self.writer.pending(st.bucket)
         held: set[int] = {item[0] for item in lane.ready.retries}
         held |= self.ledger.held(lane.gid)
         if pending:
             held.update(bucket_log.group_closes_of(pending, g.name).tolist())
         listed = seqs.tolist()
+        keep = np.ones(len(seqs), dtype=bool)
         for skip in (held, w.closed, self.dead_lettering, st.cancelled, self.cancelling, st.partial.get(g.name)):
             if skip:
                 keep &= np.fromiter((q not in skip for q in listed), dtype=bool, count=len(listed))
         if not keep.all():
             seqs, offs, dues = seqs[keep], offs[keep], dues[keep]
-        if not len(seqs):
-            return
-        n = len(seqs)
-        e = Entries(
-            dues.astype(np.int64),
-            seqs.astype(np.int64),
-            offs.astype(np.int64),
-            np.full(n, st.bucket, dtype=np.int32),
-            np.full(n, lane.sid, dtype=np.int32),
-        )
-        q = lane.ready
-        if q.count == 0:
-            self._rr.append(lane)
-        q.push(e)
-        self._ready_total += n
-        st.owe(lane.gid, n)
-        if lane.recent is None:
-            lane.recent = set(seqs.tolist())
-        else:
-            lane.recent.update(seqs.tolist())  # in place: a drain adds its whole backlog here
-        self._wakeup.set()
+        if len(seqs):
+            self.timer.take_back(lane, st, seqs, offs, dues)
+            self._wakeup.set()
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -913,26 +654,12 @@ class Scheduler:
         while True:
             taken: list[_Taken] = []
             with self.lock:
-                if not self._rr or self._stop:
+                if not self.timer.rr or self._stop:
                     break
-                for _ in range(len(self._rr)):
-                    lane = self._rr.popleft()
-                    g = self.groups.by_gid(lane.gid)
-                    if g is None or self._lanes.get((lane.sid, lane.gid)) is not lane:
-                        continue  # the group was deleted
-                    q = lane.ready
-                    name = self._subjects[lane.sid]
-                    credit = sink.credit(name, g.name)
-                    n = min(credit, self.cfg.dispatch_quantum, q.count)
-                    n = self._take_tokens(n) if n > 0 else 0
-                    if n > 0:
-                        seqs, offs, buckets, dues, attempts = q.take(n)
-                        self._ready_total -= len(seqs)
-                        parts = self._by_bucket(lane.gid, seqs, offs, buckets, dues, attempts)
-                        if parts:
-                            taken.append(_Taken(lane, g, name, parts))
-                    if q.count > 0:
-                        self._rr.append(lane)
+                for lane, g, name, cols in self.timer.take(sink.credit, self._take_tokens, self.cfg.dispatch_quantum):
+                    parts = self._by_bucket(lane.gid, *cols)
+                    if parts:
+                        taken.append(_Taken(lane, g, name, parts))
             if not taken:
                 return False
             for t in taken:  # the disk reads, outside the lock
@@ -995,7 +722,7 @@ class Scheduler:
         tuple per delivery except the in-flight entry an ack needs.
         """
         lane, gid = t.lane, t.lane.gid
-        if self._lanes.get((lane.sid, gid)) is not lane or self.groups.by_gid(gid) is None:
+        if self.timer.live_lane(lane) is None:
             return None  # the group was deleted while its records were read
         o_seqs: list[int] = []
         o_dues: list[int] = []
@@ -1078,6 +805,13 @@ class Scheduler:
             return self._ack(ack_ids, gid)
 
     def _ack(self, ack_ids: list[str], gid: int | None) -> int:
+        if not self._accepting:
+            # stopped: the dispatch log takes no more records; the deliveries stay in flight
+            # and are offered again after a restart (at least once)
+            if not self.acks_after_stop:
+                log.info("acknowledgements after the scheduler stopped are not recorded", extra={"ids": len(ack_ids)})
+            self.acks_after_stop += len(ack_ids)
+            return 0
         now = self.clock()
         n = 0
         for fl, got in self.ledger.take_acked(ack_sequences(ack_ids), gid):
@@ -1124,7 +858,7 @@ class Scheduler:
             if item[4] - 1 >= self.cfg.max_attempts:
                 self._dead_letter(seq, item, now)
             else:
-                self._requeue(item)
+                self.timer.requeue(item)
         if released:
             self._wakeup.set()
         return len(released)
@@ -1153,8 +887,7 @@ class Scheduler:
         )
         # a close counts for ``pending`` when it is by the subject's first group, the one
         # every message of the subject that has a group at all is for
-        sid = self.subject_id(g.subject.encode())
-        targets = self._targets(sid)
+        targets = self.timer.targets(self.timer.subject_id(g.subject.encode()))
         st = self.book.get(bucket)
         if st is not None:
             st.owe(gid, -len(seqs))
@@ -1194,19 +927,8 @@ class Scheduler:
                     self._maybe_done(st, now)
             self.book.advance(now)
 
-    def _spill_floor(self) -> int:
-        """The lowest bucket that may hold entries some group keeps on disk only (lock held):
-        no bucket at or above it is done."""
-        floor = min(self._kept.values(), default=2**62)
-        for lane in self._spilled:
-            if lane.drop_from is not None:
-                floor = min(floor, lane.drop_from)
-            if lane.walk is not None:
-                floor = min(floor, lane.walk.bucket)
-        return floor
-
     def _maybe_done(self, st: BucketState, now: int) -> None:
-        self.book.maybe_done(st, now, self._spill_floor(), self.writer.unsynced)
+        self.book.maybe_done(st, now, self.timer.spill_floor(), self.writer.unsynced)
 
     # --- dead letters -------------------------------------------------------------------------------
 
@@ -1255,7 +977,11 @@ class Scheduler:
         def done(error: Exception | None) -> None:
             with self.lock:
                 self.dead_lettering.discard(seq)
-                if error is None:
+                if error is None and not self._accepting:
+                    # stopped meanwhile: the copy is written, the original not closed; it is
+                    # dead-lettered again after a restart (at least once)
+                    self.acks_after_stop += 1
+                elif error is None:
                     self._record_many(
                         bucket,
                         [seq],
@@ -1407,8 +1133,8 @@ class Scheduler:
         with self.lock:
             self._drain()
             return {
-                "wheel_size": len(self.wheel),
-                "ready": self._ready_total,
+                "wheel_size": len(self.timer.wheel),
+                "ready": self.timer.ready_total,
                 "in_flight": self.ledger.count(),
                 "loaded_buckets": len(self.book.loaded),
                 "done_before": self.book.done_before,
@@ -1421,6 +1147,7 @@ class Scheduler:
                 "corrupt_skipped": self.loader.corrupt_skipped,
                 "load_blocked": self.load_blocked,
                 "dispatch_unsynced_buckets": self.writer.unsynced_count(),
+                "acks_after_stop": self.acks_after_stop,
             }
 
     def persistent_state(self) -> dict[str, Any]:

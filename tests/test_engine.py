@@ -42,6 +42,28 @@ def test_close_of_a_never_started_engine(tmp_path, clock):
     e.close()  # twice is harmless
 
 
+def test_acks_after_the_scheduler_stopped_are_refused_without_a_disk_full_warning(tmp_path, clock, caplog):
+    """An ack that arrives after stop() (an in-process consumer racing close()) is not
+    recorded (its message is delivered again after a restart: at least once) and the
+    shutdown does not claim that the disk was full."""
+    d = Driver(tmp_path, clock, CollectingSink(clock))
+    d.send([message("s", clock.now + 1000, "m1")])
+    d.advance(1000)
+    (seen,) = d.sink.take()
+    d.engine.scheduler.stop()
+    with caplog.at_level("INFO", logger="qdelay"):
+        assert d.engine.ack([seen.ack_id]) == 0
+        d.engine.scheduler.post_ack([seen.ack_id])
+        d.engine.scheduler.writer.stop()
+    assert d.engine.stats()["acks_after_stop"] == 2
+    assert not [r for r in caplog.records if "no space" in r.getMessage()]
+    d.close()
+    d = Driver(tmp_path, clock, CollectingSink(clock))
+    d.advance(1000)
+    assert d.sink.ids() == ["m1"]  # delivered again: its ack was not recorded
+    d.close()
+
+
 def test_close_of_a_never_started_engine_with_iterate_lag_does_not_hang(tmp_path, clock):
     """close() waits for the iterate service to catch up; when it was never started it
     must not sit out its 10 s timeout, and what it did not copy is replayed next time."""

@@ -1,0 +1,393 @@
+"""The timer: what is due, what fired, and for whom: the scheduling state with no I/O.
+
+It owns the timer wheel (entries loaded and not yet due), the subjects' ids, the lanes
+(per subject and group: entries due and ready in memory, or *spilled*: left on disk and
+read back by passes) and the round-robin of lanes with ready work. It reads and updates
+the bucket book's per-bucket counts (``unfired``, ``owed``) as entries move.
+
+No disk, no clock, no threads, no lock of its own: every method is called by the
+scheduler (``server/scheduler.py``) holding ``Scheduler.lock``; what it cannot know
+without I/O (the records of a chunk, what a spilled lane's pass read back, what is
+closed or cancelled) the scheduler reads and hands in. So it can be driven and checked on
+its own, with numbers instead of files.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from qdelay.segments import records
+from qdelay.segments.framing import Frame, RecordKind
+from qdelay.segments.naming import bucket_of
+from qdelay.server.buckets import BucketBook, BucketState
+from qdelay.server.groups import BEGINNING, Group, GroupTable
+from qdelay.server.lanes import Lane
+from qdelay.server.ledger import Item
+from qdelay.server.wheel import Entries, TimerWheel
+
+if TYPE_CHECKING:
+    from qdelay.server.scheduler import SchedulerConfig
+
+log = logging.getLogger("qdelay.scheduler")
+
+# what one lane gave to one dispatch round: the lane, its group, the subject, and the
+# items as columns (seqs, offsets, buckets, due times, attempts)
+Taken = tuple[Lane, Group, str, tuple[list[int], list[int], list[int], list[int], list[int]]]
+
+
+class Timer:
+    def __init__(
+        self, cfg: SchedulerConfig, book: BucketBook, groups: GroupTable, *, legacy_upto: int, clock: Callable[[], int]
+    ) -> None:
+        self.cfg = cfg  # the scheduler's (scale_minutes, tick_ms, max_loaded, group_max_ready, implicit_group)
+        self.book = book
+        self.groups = groups
+        # messages up to this sequence were written before groups existed: a subject of
+        # theirs without a group gets the group "default", which inherits their DISPATCH
+        # records (docs/formats.md, upgrade)
+        self.legacy_upto = legacy_upto
+        self.clock = clock  # only to date a group created implicitly
+        self.wheel = TimerWheel(cfg.tick_ms)
+        self.subjects: list[str] = []
+        self._subject_ids: dict[bytes, int] = {}
+        self._targets_cache: dict[int, list[Group]] = {}
+        self._targets_version = -1
+        self.lanes: dict[tuple[int, int], Lane] = {}  # (subject id, group id) -> lane
+        # subject id -> lowest bucket with entries that became due while it had no group
+        self.kept: dict[int, int] = {}
+        self.ready_total = 0
+        self.rr: collections.deque[Lane] = collections.deque()  # lanes with ready work
+        self.spilled: set[Lane] = set()
+        self._partial_any = False  # some loaded bucket has entries closed for some groups only
+        self.fired_to = 0  # every wheel entry due at or before this has fired
+
+    # --- subjects and groups ----------------------------------------------------------------------
+
+    def subject_id(self, subject: bytes) -> int:
+        sid = self._subject_ids.get(subject)
+        if sid is None:
+            sid = self._subject_ids[subject] = len(self.subjects)
+            self.subjects.append(subject.decode())
+        return sid
+
+    def targets(self, sid: int, seq: int = 0) -> list[Group]:
+        """The groups of subject ``sid``, oldest ``since`` first. A subject of data written
+        before groups existed gets the group "default" (see legacy_upto)."""
+        if self._targets_version != self.groups.version:
+            self._targets_cache.clear()
+            self._targets_version = self.groups.version
+        got = self._targets_cache.get(sid)
+        if got is None:
+            got = sorted(self.groups.of_subject(self.subjects[sid]), key=lambda g: (g.since, g.gid))
+            if not got and (self.cfg.implicit_group or (seq and seq <= self.legacy_upto)):
+                implicit = self.cfg.implicit_group or records.DEFAULT_GROUP
+                self.groups.create(self.subjects[sid], implicit, self.clock())
+                return self.targets(sid)
+            self._targets_cache[sid] = got
+        return got
+
+    def lane(self, sid: int, gid: int) -> Lane:
+        lane = self.lanes.get((sid, gid))
+        if lane is None:
+            lane = self.lanes[(sid, gid)] = Lane(sid, gid)
+        return lane
+
+    def live_lane(self, lane: Lane) -> Group | None:
+        """The group of ``lane`` if the lane is still its group's (not deleted meanwhile)."""
+        g = self.groups.by_gid(lane.gid)
+        return g if g is not None and self.lanes.get((lane.sid, lane.gid)) is lane else None
+
+    def group_created(self, g: Group) -> None:
+        """A new group: what already fired without it and is for it is read back from disk
+        (its lane starts spilled): what its subject kept while it had no group, and, for a
+        group whose since is not after the timer (one replayed after a restart, or created
+        in the very millisecond the timer fired), what fired from its since on."""
+        sid = self.subject_id(g.subject.encode())
+        read_from = self.kept.pop(sid, None)
+        if self.fired_to >= g.since > BEGINNING:
+            b = bucket_of(g.since, self.cfg.scale_minutes)
+            read_from = b if read_from is None else min(read_from, b)
+        if read_from is not None:
+            lane = self.lane(sid, g.gid)
+            lane.spilled = True
+            lane.drop_from = read_from
+            self.spilled.add(lane)
+
+    def group_deleted(self, g: Group) -> None:
+        """A deleted group: its lanes go, with their ready entries and spills; the buckets
+        stop waiting for it."""
+        for key in [k for k in self.lanes if k[1] == g.gid]:
+            lane = self.lanes.pop(key)
+            self.ready_total -= lane.ready.count
+            self.spilled.discard(lane)
+            if lane in self.rr:
+                self.rr.remove(lane)
+        for st in self.book.loaded.values():
+            st.owed.pop(g.gid, None)
+            st.partial.pop(g.name, None)
+
+    def lanes_of(self, gid: int) -> list[Lane]:
+        return [ln for (_sid, lg), ln in self.lanes.items() if lg == gid]
+
+    # --- loading ----------------------------------------------------------------------------------
+
+    def in_memory(self) -> int:
+        """Index entries held in memory: in the wheel, or ready in lanes (``max_loaded``)."""
+        return len(self.wheel) + self.ready_total
+
+    def room(self) -> int:
+        return self.cfg.max_loaded - self.in_memory()
+
+    def index(self, st: BucketState, frames: list[Frame]) -> None:
+        """Put the MESSAGE frames of a loaded chunk of ``st`` into the wheel: cancelled ones
+        and those closed for every group they are for are left out; a CANCEL's target is
+        noted as cancelled."""
+        due, seq, off, subj = [], [], [], []
+        closed = st.closed or {}
+        counted = st.counted or {}
+        for f in frames:
+            if f.kind == RecordKind.MESSAGE:
+                q = f.sequence
+                if q in st.cancelled:
+                    continue
+                d, subject, _mid = records.message_index_fields(f.body)
+                sid = self.subject_id(subject)
+                if closed:
+                    hit = [name for name, seqs in closed.items() if q in seqs]
+                    if hit:
+                        targets = [g for g in self.targets(sid, q) if g.since <= d]
+                        first = targets[0].name if targets else hit[0]
+                        if first in hit and q not in counted.get(first, ()):
+                            st.nclosed += 1
+                        if targets and all(g.name in hit for g in targets):
+                            continue  # closed for every group it is for
+                        for name in hit:
+                            st.partial.setdefault(name, set()).add(q)
+                        self._partial_any = True
+                due.append(d)
+                seq.append(q)
+                off.append(f.offset)
+                subj.append(sid)
+            elif f.kind == RecordKind.CANCEL:
+                st.cancelled.add(records.decode_cancel(f.body).target_sequence)
+        st.unfired += len(due)
+        if not due:
+            return
+        n = len(due)
+        self.wheel.add_many(
+            Entries(
+                np.array(due, dtype=np.int64),
+                np.array(seq, dtype=np.int64),
+                np.array(off, dtype=np.int64),
+                np.full(n, st.bucket, dtype=np.int32),
+                np.array(subj, dtype=np.int32),
+            )
+        )
+
+    # --- firing -----------------------------------------------------------------------------------
+
+    def next_fire(self) -> int | None:
+        return self.wheel.next_fire()
+
+    def fire(self, now: int) -> None:
+        """Move due entries from the wheel to the lanes of their subjects' groups: every
+        group the message is for gets it (fan-out)."""
+        self.fired_to = max(self.fired_to, now)
+        due = self.wheel.pop_due(now)
+        if len(due) == 0:
+            return
+        buckets, counts = np.unique(due.bucket, return_counts=True)
+        for b, c in zip(buckets.tolist(), counts.tolist()):
+            st = self.book.get(b)
+            if st is not None:
+                st.unfired -= c
+        # split by subject, keeping due order inside each subject
+        order = np.argsort(due.subj, kind="stable")
+        sorted_e = due.take(order)
+        subjects, starts = np.unique(sorted_e.subj, return_index=True)
+        bounds = list(starts[1:]) + [len(sorted_e)]
+        for sid, lo, hi in zip(subjects.tolist(), starts.tolist(), bounds):
+            part = sorted_e.take(slice(lo, hi))
+            targets = self.targets(sid, int(part.seq.min()))
+            if not targets:
+                # nobody to deliver to: the entries wait on disk for the subject's first group
+                low = int(part.bucket.min())
+                self.kept[sid] = min(low, self.kept.get(sid, low))
+                continue
+            for g in targets:
+                self._to_lane(self.lane(sid, g.gid), g, part)
+
+    def _to_lane(self, lane: Lane, g: Group, part: Entries) -> None:
+        """Queue fired entries for one group: those it is for, not closed for it already
+        and not just read back; a spilled lane forgets them (they are on disk)."""
+        if g.since > int(part.due.min()):
+            part = part.take(part.due >= g.since)
+        if self._partial_any and len(part):
+            keep = np.ones(len(part), dtype=bool)
+            for b in np.unique(part.bucket).tolist():
+                st = self.book.get(b)
+                done_for_g = st.partial.get(g.name) if st is not None else None
+                if done_for_g:
+                    keep &= ~((part.bucket == b) & np.isin(part.seq, list(done_for_g)))
+            part = part.take(keep)
+        if lane.recent is not None:
+            if len(part):
+                part = part.take(~np.isin(part.seq, list(lane.recent)))
+            lane.recent = None
+        if not len(part):
+            return
+        if lane.spilled:
+            lane.dropped(part.bucket)
+            return
+        self._owe(g.gid, part.bucket, 1)
+        self._push(lane, part)
+        if lane.ready.count > self.lane_bound():
+            self.spill(lane)
+
+    def _push(self, lane: Lane, e: Entries) -> None:
+        q = lane.ready
+        if q.count == 0:
+            self.rr.append(lane)
+        q.push(e)
+        self.ready_total += len(e)
+
+    def _owe(self, gid: int, buckets: np.ndarray, sign: int) -> None:
+        """Count entries of ``gid`` held in memory per bucket, up (1) or down (-1)."""
+        if not len(buckets):
+            return
+        first = int(buckets[0])
+        if int(buckets[-1]) == first and (len(buckets) < 3 or bool((buckets == first).all())):
+            st = self.book.get(first)
+            if st is not None:
+                st.owe(gid, sign * len(buckets))
+            return
+        bs, cs = np.unique(buckets, return_counts=True)
+        for b, c in zip(bs.tolist(), cs.tolist()):
+            st = self.book.get(b)
+            if st is not None:
+                st.owe(gid, sign * c)
+
+    def requeue(self, item: Item) -> None:
+        """Put a retry at the front of its lane; a deleted group's is dropped."""
+        seq, off, bucket, due, attempt, subj, gid = item
+        lane = self.lanes.get((subj, gid))
+        if lane is None:
+            return
+        q = lane.ready
+        if q.count == 0:
+            self.rr.append(lane)
+        q.push_retry((seq, off, bucket, due, attempt))
+        self.ready_total += 1
+
+    # --- memory bounds: spills --------------------------------------------------------------------
+
+    def lane_bound(self) -> int:
+        """Entries one lane may hold ready: its own bound, and at most a quarter of the
+        whole in-memory budget, so that a few idle groups cannot fill it."""
+        return max(1, min(self.cfg.group_max_ready, self.cfg.max_loaded // 4))
+
+    def relieve(self) -> None:
+        """The in-memory budget is full: the lanes holding the most ready entries spill to
+        disk until a quarter of it is free again, so that entries nobody takes never stop
+        the loader (and with it every other subject's deliveries)."""
+        target = self.cfg.max_loaded * 3 // 4
+        for lane in sorted(self.lanes.values(), key=lambda ln: ln.ready.count, reverse=True):
+            if self.in_memory() <= target or not lane.ready.chunks:
+                return
+            self.spill(lane)
+
+    def spill(self, lane: Lane) -> None:
+        """A lane over its bound forgets its queued entries; retries stay."""
+        dropped = lane.ready.drop_chunks()
+        n = sum(map(len, dropped))
+        self.ready_total -= n
+        for buckets in dropped:
+            self._owe(lane.gid, buckets, -1)
+            lane.dropped(buckets)
+        if not lane.spilled:
+            log.info(
+                "group over its in-memory bound: its due entries wait on disk",
+                extra={"subject": self.subjects[lane.sid], "gid": lane.gid, "dropped": n},
+            )
+        lane.spilled = True
+        self.spilled.add(lane)
+
+    def spill_floor(self) -> int:
+        """The lowest bucket that may hold entries some group keeps on disk only: no bucket
+        at or above it is done."""
+        floor = min(self.kept.values(), default=2**62)
+        for lane in self.spilled:
+            if lane.drop_from is not None:
+                floor = min(floor, lane.drop_from)
+            if lane.walk is not None:
+                floor = min(floor, lane.walk.bucket)
+        return floor
+
+    def spilled_to_read(self, credit: Callable[[str, str], int]) -> Lane | None:
+        """A spilled lane to read back for now: one below half its bound whose consumers
+        have credit (an idle group's backlog stays on disk until credit returns), or one
+        with nothing left to read (its pass ends), or whose group is gone."""
+        half = self.lane_bound() // 2
+        for ln in self.spilled:
+            if ln.ready.count >= half:
+                continue
+            g = self.groups.by_gid(ln.gid)
+            if g is None or credit(self.subjects[ln.sid], g.name) > 0 or (ln.walk is None and ln.drop_from is None):
+                return ln
+        return None
+
+    def take_back(self, lane: Lane, st: BucketState, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray) -> None:
+        """Queue entries of ``st`` a spilled lane's pass read back (the caller dropped those
+        closed, cancelled or held already), minus those queued in the lane."""
+        queued = [e.seq[pos:] for e, pos in lane.ready.chunks]
+        if queued:
+            keep = ~np.isin(seqs, np.concatenate(queued))
+            if not keep.all():
+                seqs, offs, dues = seqs[keep], offs[keep], dues[keep]
+        if not len(seqs):
+            return
+        n = len(seqs)
+        self._push(
+            lane,
+            Entries(
+                dues.astype(np.int64),
+                seqs.astype(np.int64),
+                offs.astype(np.int64),
+                np.full(n, st.bucket, dtype=np.int32),
+                np.full(n, lane.sid, dtype=np.int32),
+            ),
+        )
+        st.owe(lane.gid, n)
+        if lane.recent is None:
+            lane.recent = set(seqs.tolist())
+        else:
+            lane.recent.update(seqs.tolist())  # in place: a drain adds its whole backlog here
+
+    # --- dispatch ---------------------------------------------------------------------------------
+
+    def take(self, credit: Callable[[str, str], int], tokens: Callable[[int], int], quantum: int) -> list[Taken]:
+        """One dispatch round: from each lane with ready work, in turn, up to ``quantum``
+        items within its consumers' credit and the rate limit (``tokens``)."""
+        out: list[Taken] = []
+        rr = self.rr
+        for _ in range(len(rr)):
+            lane = rr.popleft()
+            g = self.live_lane(lane)
+            if g is None:
+                continue  # the group was deleted
+            q = lane.ready
+            name = self.subjects[lane.sid]
+            n = min(credit(name, g.name), quantum, q.count)
+            n = tokens(n) if n > 0 else 0
+            if n > 0:
+                cols = q.take(n)
+                self.ready_total -= len(cols[0])
+                out.append((lane, g, name, cols))
+            if q.count > 0:
+                rr.append(lane)
+        return out

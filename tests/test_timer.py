@@ -1,0 +1,112 @@
+"""The timer on its own (server/timer.py): no files, no threads, no clock but a number.
+
+What is due fires to every group of its subject (fan-out), a dispatch round takes within
+each group's credit, a lane over its bound spills (and keeps its bucket from being done),
+and a deleted group's lanes, retries and counts go.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qdelay.segments.naming import MS_PER_MINUTE
+from qdelay.server.buckets import BucketBook, BucketState
+from qdelay.server.groups import GroupTable
+from qdelay.server.scheduler import SchedulerConfig
+from qdelay.server.timer import Timer
+from qdelay.server.wheel import Entries
+
+B = 29_000_000  # a bucket (epoch minutes)
+T = B * MS_PER_MINUTE
+
+
+def rig(**cfg) -> tuple[Timer, BucketState, GroupTable]:
+    book = BucketBook(None, None, 1, done_before=B, reopened=set(), closed_retired=0, reopened_at={})
+    st = book.loaded[B] = BucketState(B, None)
+    groups = GroupTable()
+    timer = Timer(SchedulerConfig(**cfg), book, groups, legacy_upto=0, clock=lambda: T)
+    return timer, st, groups
+
+
+def load(timer: Timer, st: BucketState, subject: bytes, seqs: list[int], due: int) -> None:
+    """Entries as the loader indexes them: due at ``due``, in bucket ``st``."""
+    n = len(seqs)
+    sid = timer.subject_id(subject)
+    timer.wheel.add_many(
+        Entries(
+            np.full(n, due, dtype=np.int64),
+            np.array(seqs, dtype=np.int64),
+            np.arange(n, dtype=np.int64) * 100,
+            np.full(n, st.bucket, dtype=np.int32),
+            np.full(n, sid, dtype=np.int32),
+        )
+    )
+    st.unfired += n
+
+
+def test_due_entries_fan_out_to_every_group_and_rounds_take_within_credit():
+    timer, st, groups = rig()
+    for name in ("a", "b", "c"):
+        groups.create("s", name, 0)
+    load(timer, st, b"s", list(range(1, 11)), T + 5)
+    timer.fire(T + 4)
+    assert timer.ready_total == 0 and st.unfired == 10  # not due yet
+    timer.fire(T + 5)
+    assert st.unfired == 0 and timer.ready_total == 30 and timer.in_memory() == 30
+    assert sorted(st.owed.values()) == [10, 10, 10]  # each group owes every message
+    credit = {"a": 4, "b": 0, "c": 100}
+    taken = timer.take(lambda subject, group: credit[group], lambda n: n, quantum=512)
+    got = {g.name: cols[0] for _lane, g, _name, cols in taken}
+    assert got == {"a": [1, 2, 3, 4], "c": list(range(1, 11))}
+    assert timer.ready_total == 30 - 14
+    # the rate limit's tokens bound a round too
+    taken = timer.take(lambda subject, group: 100, lambda n: min(n, 2), quantum=512)
+    assert sorted((g.name, cols[0]) for _lane, g, _name, cols in taken) == [("a", [5, 6]), ("b", [1, 2])]
+
+
+def test_a_lane_over_its_bound_spills_and_holds_its_bucket_until_read_back():
+    timer, st, groups = rig(group_max_ready=5)
+    g, _ = groups.create("s", "slow", 0)
+    load(timer, st, b"s", list(range(1, 9)), T)
+    timer.fire(T)
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.spilled and lane.ready.count == 0 and timer.ready_total == 0
+    assert st.owed.get(g.gid, 0) == 0  # nothing held in memory for it ...
+    assert timer.spill_floor() == B  # ... but its bucket is not done: the entries are on disk
+    assert timer.spilled_to_read(lambda subject, group: 0) is None  # no credit: stays on disk
+    assert timer.spilled_to_read(lambda subject, group: 1) is lane
+    seqs = np.array([1, 2, 3], dtype=np.int64)
+    timer.take_back(lane, st, seqs, seqs * 100, np.full(3, T, dtype=np.int64))
+    assert lane.ready.count == 3 and st.owed[g.gid] == 3 and lane.recent == {1, 2, 3}
+    timer.take_back(lane, st, seqs, seqs * 100, np.full(3, T, dtype=np.int64))
+    assert lane.ready.count == 3, "entries already queued are not queued twice"
+
+
+def test_a_subject_without_a_group_keeps_its_entries_for_the_first_group():
+    timer, st, groups = rig()
+    load(timer, st, b"s", [1, 2], T)
+    timer.fire(T)
+    assert timer.ready_total == 0 and timer.kept == {timer.subject_id(b"s"): B}
+    assert timer.spill_floor() == B
+    g, _ = groups.create("s", "late", T + 10)
+    timer.group_created(g)
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.spilled and lane.drop_from == B and timer.kept == {}
+
+
+def test_a_deleted_group_loses_its_lanes_retries_and_counts():
+    timer, st, groups = rig()
+    g, _ = groups.create("s", "gone", 0)
+    keep, _ = groups.create("s", "kept", 0)
+    load(timer, st, b"s", [1, 2, 3], T)
+    timer.fire(T)
+    assert timer.ready_total == 6
+    groups.delete("s", "gone", T)
+    timer.group_deleted(g)
+    assert timer.ready_total == 3 and timer.lanes_of(g.gid) == [] and g.gid not in st.owed
+    sid = timer.subject_id(b"s")
+    timer.requeue((1, 100, B, T, 2, sid, g.gid))  # a retry of the deleted group: dropped
+    timer.requeue((1, 100, B, T, 2, sid, keep.gid))
+    assert timer.ready_total == 4
+    taken = timer.take(lambda subject, group: 10, lambda n: n, quantum=512)
+    assert [(gr.name, cols[0], cols[4]) for _lane, gr, _name, cols in taken] == [("kept", [1, 1, 2, 3], [2, 1, 1, 1])]
