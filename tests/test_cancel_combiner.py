@@ -120,3 +120,23 @@ def test_many_threads_all_answered_and_an_unavailable_batch_fails_its_callers():
     assert len(failed) <= 7  # only the batch that carried 13
     assert max(fake.sizes) <= 7 and sum(fake.sizes) == 2000 and len(fake.sizes) < 2000
     assert combiner._leaders == 0 and not combiner._queue and combiner._under_way == 0
+
+
+def test_cancel_batches_of_receipts_match_the_messages_ref_makes():
+    """cancel_batches builds Receipt targets from their fields (a dict each, the fast way) and
+    any other target through ``ref``: the requests are the same as ref-made ones throughout."""
+    from qdelay.client.types import Receipt, cancel_batches, ref
+
+    rs = [Receipt(f"m{i}", 1_764_000_000_000 + i, 10 + i, "s1" if i % 2 else "") for i in range(5)]
+    targets = [
+        rs[0],
+        "plain-id",
+        pb.Receipt(message_id="x", deliver_at_ms=5, sequence=7),
+        str(rs[1]),
+        ("t", 1, 2),
+        *rs[2:],
+    ]
+    made = [pb.CancelRequest(receipt=r, message_id=m) for r, m in map(ref, targets)]
+    assert cancel_batches(targets, 4) == [
+        pb.CancelBatchRequest(requests=made[i : i + 4]) for i in range(0, len(made), 4)
+    ]
