@@ -155,7 +155,8 @@ def scenario_burst(root: str, n: int) -> dict:
 
 
 class GroupSink:
-    """Per (subject, group): counts and acknowledges deliveries from a consumer thread;
+    """Per (subject, group): counts and acknowledges deliveries from a consumer thread
+    (posting the acks, as the server's Subscribe streams do);
     a group in ``blocked`` has no credit (a consumer that is gone or stuck)."""
 
     def __init__(self, engine: Engine) -> None:
@@ -181,9 +182,11 @@ class GroupSink:
         self._acks.put((deliveries.ack_ids, subject, group))
 
     def _ack_loop(self) -> None:
+        # acks are posted, as the server's event loop posts a stream's acks (post_ack):
+        # applied by the scheduler thread, without this thread waiting for its lock
         while True:
             ids, subject, group = self._acks.get()
-            self.engine.ack(ids, subject, group)
+            self.engine.post_ack(ids, subject, group)
 
     def wait(self, key: tuple[str, str], n: int, timeout: float) -> bool:
         deadline = time.time() + timeout

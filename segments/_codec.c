@@ -426,18 +426,25 @@ done:
     return result;
 }
 /* dispatch_frames(sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts,
- *                 message_ids, timestamp, outcome) -> bytes
+ *                 message_ids, timestamp, outcome[, group]) -> bytes
  *
  * Whole DISPATCH frames back to back, one per position of the (equally long) columns
- * (sequences of ints; message ids bytes). The Python twin is
- * records.encode_dispatch_frames_py. */
+ * (sequences of ints; message ids bytes), each closing its message for ``group`` (bytes
+ * as records.group_bytes gives them: b"" for the default group, at most 255). The Python
+ * twin is records.encode_dispatch_frames_py. */
 static PyObject *dispatch_frames(PyObject *self, PyObject *args) {
     PyObject *cols[6];
     long long ts;
     unsigned int outcome;
-    if (!PyArg_ParseTuple(args, "OOOOOOLI", &cols[0], &cols[1], &cols[2], &cols[3], &cols[4], &cols[5], &ts,
-                          &outcome))
+    const char *group = "";
+    Py_ssize_t glen = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOLI|y#", &cols[0], &cols[1], &cols[2], &cols[3], &cols[4], &cols[5], &ts,
+                          &outcome, &group, &glen))
         return NULL;
+    if (glen > 0xff) {
+        PyErr_SetString(PyExc_ValueError, "dispatch_frames: a group name is at most 255 bytes");
+        return NULL;
+    }
     PyObject *fast[6] = {NULL};
     PyObject *result = NULL;
     for (int c = 0; c < 6; c++)
@@ -455,7 +462,7 @@ static PyObject *dispatch_frames(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "dispatch_frames: message ids must be bytes of at most 65535");
             goto done;
         }
-        total += HEADER_SIZE + DISPATCH_FIXED + PyBytes_GET_SIZE(mids[i]);
+        total += HEADER_SIZE + DISPATCH_FIXED + PyBytes_GET_SIZE(mids[i]) + glen;
     }
     if (!(result = PyBytes_FromStringAndSize(NULL, total)))
         goto done;
@@ -478,11 +485,12 @@ static PyObject *dispatch_frames(PyObject *self, PyObject *args) {
         put_u64(b + DISPATCH_SCHEDULE_OFFSET_AT, (uint64_t)so);
         put_u32(b + DISPATCH_ATTEMPT_AT, (uint32_t)at_n);
         b[DISPATCH_OUTCOME_AT] = (unsigned char)outcome;
-        b[DISPATCH_GROUP_LEN_AT] = 0; /* the default group: no name */
+        b[DISPATCH_GROUP_LEN_AT] = (unsigned char)glen; /* 0: the default group, no name */
         put_u16(b + DISPATCH_ID_LEN_AT, (uint16_t)mlen);
         memcpy(b + DISPATCH_FIXED, PyBytes_AS_STRING(mids[i]), (size_t)mlen);
-        write_frame(w, KIND_DISPATCH, (uint64_t)sq, (int64_t)ts, DISPATCH_FIXED + mlen);
-        w += HEADER_SIZE + DISPATCH_FIXED + mlen;
+        memcpy(b + DISPATCH_FIXED + mlen, group, (size_t)glen); /* the group name follows the id */
+        write_frame(w, KIND_DISPATCH, (uint64_t)sq, (int64_t)ts, DISPATCH_FIXED + mlen + glen);
+        w += HEADER_SIZE + DISPATCH_FIXED + mlen + glen;
     }
 done:
     for (int c = 0; c < 6; c++)

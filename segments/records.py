@@ -413,12 +413,12 @@ def encode_dispatch_frames(
 ) -> bytes:
     """Whole DISPATCH frames, back to back, one per position of the (equally long) columns;
     ``message_ids`` are bytes. Every frame gets the frame ``timestamp``, ``outcome`` and
-    ``group`` (as :func:`group_bytes` gives it). The native codec's ``dispatch_frames``
-    (default group), or :func:`encode_dispatch_frames_py`."""
+    ``group`` (as :func:`group_bytes` gives it). The native codec's ``dispatch_frames``,
+    or :func:`encode_dispatch_frames_py`."""
     codec = native.codec
     columns = (sequences, deliver_at_ms, dispatched_at_ms, schedule_offsets, attempts, message_ids)
-    if codec is not None and not group:  # the native encoder writes the default group's records only
-        return codec.dispatch_frames(*columns, timestamp, outcome)
+    if codec is not None:
+        return codec.dispatch_frames(*columns, timestamp, outcome, group)
     return encode_dispatch_frames_py(*columns, timestamp, outcome, group)
 
 

@@ -662,9 +662,7 @@ class Scheduler:
                         taken.append(_Taken(lane, g, name, parts))
             if not taken:
                 return False
-            for t in taken:  # the disk reads, outside the lock
-                for part in t.parts:
-                    part.read = read_messages(part.st.seg, part.seqs, part.offs)
+            self._read_parts(taken)  # the disk reads, outside the lock
             with self.lock:
                 batches = [b for b in (self._hand_out(t, now) for t in taken) if b is not None]
             for out in batches:
@@ -673,6 +671,23 @@ class Scheduler:
             if rounds >= 64:  # let the loop flush dispatch records and fire new entries
                 return True
         return False
+
+    @staticmethod
+    def _read_parts(taken: list[_Taken]) -> None:
+        """Read back the records of every part taken in a round (outside the lock). The
+        groups of one subject usually take the same entries in the same round (fan-out:
+        they fired together): a part whose entries another part of the round has already
+        read shares that read (the same bytes objects; nothing changes them in place)."""
+        done: dict[tuple[int, int, int], list[_Part]] = {}
+        for t in taken:
+            for part in t.parts:
+                key = (part.st.bucket, part.offs[0], len(part.offs))
+                same = next((p for p in done.get(key, ()) if p.offs == part.offs), None)
+                if same is not None:
+                    part.read = same.read
+                    continue
+                part.read = read_messages(part.st.seg, part.seqs, part.offs)
+                done.setdefault(key, []).append(part)
 
     def _by_bucket(
         self, gid: int, seqs: list[int], offs: list[int], buckets: list[int], dues: list[int], attempts: list[int]

@@ -359,6 +359,8 @@ PAIRS: dict[tuple[str, str], Pair] = {
             ),
             st.integers(-(2**62), 2**62),
             st.sampled_from(list(records.Outcome)),
+            # the default group (no name) or a named one, up to the format's 255 bytes
+            st.one_of(st.just(b""), st.text(min_size=1, max_size=8).map(str.encode), st.just(b"g" * 255)),
         ),
         args=lambda case: (*([list(c) for c in zip(*case[0])] if case[0] else [[] for _ in range(6)]), *case[1:]),
     ),
