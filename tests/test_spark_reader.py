@@ -186,3 +186,22 @@ def test_filtered_plan_opens_only_matching_segments(tmp_path):
     assert ss.bucket_width([29_454_720, 29_454_721]) == 1
     assert ss.bucket_width([29_454_720]) == 1440
     assert ss.bucket_width([29_454_720, 29_454_780], 5) == 5
+
+
+def test_balanced_packing_spreads_pieces_over_the_cores():
+    """Option ``partitions``: consecutive pieces, about equal bytes per partition, every
+    piece once and in order; fewer partitions when they would be tiny, more when huge."""
+    mib = 1 << 20
+    pieces = [ss.Piece("s", "schedule", f"p{i}", f"p{i}", 0, (3 + i % 4) * mib) for i in range(60)]
+    groups = ss.balanced(pieces, 2)
+    assert len(groups) == 2
+    assert [p for g in groups for p in g] == pieces
+    sizes = [sum(p.stop - p.start for p in g) for g in groups]
+    assert abs(sizes[0] - sizes[1]) <= 6 * mib
+    # 25 MiB in all: 4 partitions of at least 8 MiB (bar the last) however many cores
+    small = pieces[:6]
+    assert len(ss.balanced(small, 16)) == 4
+    # one huge folder on 2 cores: no partition over MAX_PACK_BYTES (64 MiB pieces)
+    big = [ss.Piece("s", "schedule", f"b{i}", f"b{i}", 0, 64 * mib) for i in range(40)]
+    assert len(ss.balanced(big, 2)) == 5
+    assert ss.balanced([], 2) == []

@@ -13,6 +13,9 @@ Options (all strings):
 - ``splitBytes``: segments larger than this are split into several partitions on record
   boundaries (default 64 MiB); ``packBytes``: pack consecutive small segments of one
   folder into one partition up to this size (default 32 MiB; 0: one partition per segment);
+- ``partitions``: spread the pieces over about this many partitions of equal bytes (the
+  cores: :func:`read` passes the session's default parallelism) instead of packing them
+  up to ``packBytes``; an explicit ``packBytes`` wins;
 - ``batchRows``: rows per Arrow batch (default 65536);
 - ``payload``: ``false`` leaves ``payload`` and ``headers`` null (they are not built);
 - ``pushdown``: ``true`` applies the query's filters in the reader (:class:`Pushed`);
@@ -50,6 +53,10 @@ LOGS = ("message", "schedule", "dispatch")
 # Spark task of the Python source costs tens of milliseconds besides its reading (about
 # 70 ms on 2 busy cores), more than reading a per-minute segment of 3 MB takes (10 ms).
 PACK_BYTES = 32 * 1024 * 1024
+# With option ``partitions`` (the session helper passes the session's cores) the pieces are
+# spread over that many partitions instead, each between these sizes (see balanced()).
+MIN_PACK_BYTES = 8 * 1024 * 1024
+MAX_PACK_BYTES = 512 * 1024 * 1024
 _KINDS = {1: "MESSAGE", 2: "CANCEL", 3: "DISPATCH", 4: "CHECKPOINT", 5: "GROUP"}
 _GROUP_OPS = {1: "CREATE", 2: "DELETE"}
 _OUTCOMES = {1: "DELIVERED", 2: "DEAD_LETTERED"}
@@ -185,20 +192,29 @@ def bucket_width(keys: list[int], override: int | None = None) -> int:
 
 
 def plan(
-    servers: list[str], logs, split_bytes: int, pack_bytes: int, pushed=None, bucket_minutes: int | None = None
+    servers: list[str],
+    logs,
+    split_bytes: int,
+    pack_bytes: int,
+    pushed=None,
+    bucket_minutes: int | None = None,
+    partitions: int | None = None,
 ) -> list[QdelayPartition]:
     """The pieces to read, packed into partitions. With ``pushed`` filters, a whole log is
     left out when it cannot hold the kinds asked for, and a schedule or dispatch segment
     when its bucket (from its file name) lies outside the due-time range: such files are
-    never opened."""
+    never opened.
+
+    Packing: ``pack_bytes`` 0 gives one partition per piece; ``partitions`` (the session's
+    cores) spreads the pieces over about that many partitions of equal bytes
+    (:func:`balanced`); otherwise consecutive pieces of one folder are packed greedily up
+    to ``pack_bytes``."""
     from qdelay.tools.inspect import segment_files
 
-    parts: list[QdelayPartition] = []
+    pieces: list[Piece] = []
     for server in servers:
         if not os.path.isdir(server):
             raise ValueError(f"qdelay source: {server} is not a directory")
-        pack: list[Piece] = []
-        packed = 0
         wanted = [log for log in logs if pushed is None or pushed.may_hold(log)]
         files = segment_files(server, wanted)
         widths = {log: bucket_width([sf.key for sf in files if sf.log == log], bucket_minutes) for log in wanted}
@@ -210,19 +226,49 @@ def plan(
                 if not pushed.may_hold(sf.log, lo, lo + widths[sf.log] * naming.MS_PER_MINUTE):
                     continue
             points = split_points(sf.path, sf.size, split_bytes)
-            for a, b in zip(points, points[1:]):
-                piece = Piece(server, sf.log, sf.path, sf.rel, a, b)
-                if pack_bytes and b - a < pack_bytes:
-                    if pack and packed + (b - a) > pack_bytes:
-                        parts.append(QdelayPartition(pack))
-                        pack, packed = [], 0
-                    pack.append(piece)
-                    packed += b - a
-                else:
-                    parts.append(QdelayPartition([piece]))
-        if pack:
+            pieces.extend(Piece(server, sf.log, sf.path, sf.rel, a, b) for a, b in zip(points, points[1:]))
+    if not pack_bytes:
+        return [QdelayPartition([p]) for p in pieces]
+    if partitions:
+        return [QdelayPartition(group) for group in balanced(pieces, partitions)]
+    parts: list[QdelayPartition] = []
+    pack: list[Piece] = []
+    packed = 0
+    for piece in pieces:
+        size = piece.stop - piece.start
+        if size >= pack_bytes:
+            parts.append(QdelayPartition([piece]))
+            continue
+        if pack and (packed + size > pack_bytes or pack[-1].server != piece.server):
             parts.append(QdelayPartition(pack))
+            pack, packed = [], 0
+        pack.append(piece)
+        packed += size
+    if pack:
+        parts.append(QdelayPartition(pack))
     return parts
+
+
+def balanced(pieces: list[Piece], partitions: int) -> list[list[Piece]]:
+    """Consecutive runs of ``pieces`` of about equal bytes: ``partitions`` of them (the
+    cores that run them), fewer when they would hold less than :data:`MIN_PACK_BYTES`
+    each, more when they would hold over :data:`MAX_PACK_BYTES`. Each Spark task of the
+    Python source costs tens of milliseconds besides its reading, so one task per core
+    reads fastest; a task reads its pieces one after another (memory stays one piece)."""
+    total = sum(p.stop - p.start for p in pieces)
+    if not pieces:
+        return []
+    k = min(partitions, -(-total // MIN_PACK_BYTES))
+    k = max(k, -(-total // MAX_PACK_BYTES), 1)
+    k = min(k, len(pieces))
+    groups: list[list[Piece]] = [[] for _ in range(k)]
+    done = 0
+    for p in pieces:
+        size = p.stop - p.start
+        # the piece goes to the partition its middle byte falls in
+        groups[min(k - 1, (2 * done + size) * k // (2 * total or 1))].append(p)
+        done += size
+    return [g for g in groups if g]
 
 
 # the columns each kind of row fills (besides server, log, segment, which are the piece's)
@@ -943,6 +989,24 @@ def read_piece(
     _report_skipped(piece, skipped)
 
 
+_FROZEN = False
+
+
+def _freeze_imports() -> None:
+    """Once per Python worker: move every object alive now (the modules of pyspark,
+    pyarrow, numpy and qdelay, by the first task) out of the cyclic garbage collector's
+    reach. PySpark's worker runs a full ``gc.collect()`` after every task (pyspark/daemon.py),
+    which walked all of them: 40-130 ms per task on this project's 2-core box, a third
+    of the worker's CPU for a one-column count. Garbage made by the tasks is still
+    collected; objects alive now are freed by reference counting as before."""
+    global _FROZEN
+    if not _FROZEN:
+        import gc
+
+        gc.freeze()
+        _FROZEN = True
+
+
 class QdelayReader(DataSourceReader):
     def __init__(
         self,
@@ -956,8 +1020,10 @@ class QdelayReader(DataSourceReader):
         columns: list[str] | None = None,
         engine: str = "columnar",
         bucket_minutes: int | None = None,
+        partitions: int | None = None,
     ):
         self.payload = payload
+        self.spread = partitions  # not "partitions": that is the method Spark calls
         self.servers = servers
         self.logs = logs
         self.corrupt = corrupt
@@ -971,7 +1037,9 @@ class QdelayReader(DataSourceReader):
 
     def partitions(self):
         pushed = self.pushed if self.pushed.active else None
-        parts = plan(self.servers, self.logs, self.split_bytes, self.pack_bytes, pushed, self.bucket_minutes)
+        parts = plan(
+            self.servers, self.logs, self.split_bytes, self.pack_bytes, pushed, self.bucket_minutes, self.spread
+        )
         # Spark wants at least one partition; an empty one reads nothing
         parts = parts or [QdelayPartition([])]
         # the filters travel with the partitions, not with the reader: Spark (4.1-4.3) may
@@ -982,6 +1050,7 @@ class QdelayReader(DataSourceReader):
         return parts
 
     def read(self, partition):
+        _freeze_imports()
         fn = read_piece if self.engine == "columnar" else read_piece_py
         pushed = getattr(partition, "pushed", None)
         for piece in partition.pieces:
@@ -1044,12 +1113,14 @@ class QdelayDataSource(DataSource):
             parse_logs(opts.get("log")),
             corrupt,
             int(opts.get("splitbytes") or 64 * 1024 * 1024),
-            int(opts.get("packbytes") if opts.get("packbytes") is not None else PACK_BYTES),
+            int(opts["packbytes"]) if opts.get("packbytes") is not None else PACK_BYTES,
             int(opts.get("batchrows") or 65536),
             (opts.get("payload") or "true").lower() not in ("false", "0", "no"),
             _columns_of(schema),
             engine,
             int(opts.get("bucketminutes") or 0) or None,
+            # an explicit packBytes wins over the spread over the cores
+            int(opts.get("partitions") or 0) or None if opts.get("packbytes") is None else None,
         )
 
 
@@ -1089,12 +1160,26 @@ def session(master: str | None = "local[*]", app_name: str = "qdelay", conf: dic
     return spark
 
 
+def _cores(spark) -> int | None:
+    """The session's default parallelism (its cores), or None where it cannot be asked
+    (Spark Connect has no SparkContext)."""
+    try:
+        return int(spark.sparkContext.defaultParallelism)
+    except Exception:
+        return None
+
+
 def read(spark, paths, log: str = "all", corrupt: str = "row", columns=None, pushdown: bool = False, **options):
     """``spark.read.format("qdelay")`` with the given options; ``paths`` a str or a list;
     ``columns`` (names of :data:`COLUMNS`) builds only those columns; ``pushdown`` lets
     the reader apply the query's filters (see :class:`QdelayFilteringReader`: then run one
-    query per DataFrame)."""
+    query per DataFrame). Unless ``packBytes`` or ``partitions`` is given, the pieces are
+    spread over one partition per core of the session (option ``partitions``)."""
     reader = spark.read.format("qdelay").option("log", log).option("corrupt", corrupt)
+    if "packBytes" not in options and "partitions" not in options:
+        cores = _cores(spark)
+        if cores:
+            reader = reader.option("partitions", str(cores))
     if pushdown:
         reader = reader.option("pushdown", "true")
     if columns is not None:
