@@ -2,8 +2,8 @@
 of the message's minute bucket (issue 13).
 
 Run: ``python -m bench.cancel [--sizes 1000,10000,100000] [--cancels N] [--gets N]
-[--pending N] [--json FILE]``. A real server (``qdelay server``, sync flush) on a temporary
-folder; ``--pending`` messages spread over other minutes a day ahead first (once); then for
+[--pending N] [--aio-tasks 64] [--json FILE]``. A real server (``qdelay server``, sync
+flush) on a temporary folder; ``--pending`` messages spread over other minutes a day ahead first (once); then for
 each bucket size N, two minutes an hour ahead with N messages each:
 
 - in the first: Get p50/p99 of random receipts, one call at a time (an idle server);
@@ -12,6 +12,9 @@ each bucket size N, two minutes an hour ahead with N messages each:
   cancels into CancelBatch calls, as it gathers sends): cancels/s and server CPU;
 - in the second: CancelBatch of ``--batch`` receipts per call, one call in flight, of
   ``--cancels`` random receipts: cancels/s and server CPU per cancel;
+- ``qdelay.aio`` ``client.cancel`` of random receipts from ``--aio-tasks`` asyncio tasks (64),
+  gathered into CancelBatch calls and, same run, unary (``batching=False``): cancels/s and
+  server CPU per cancel, ``--cancels`` of each (fewer when the minute is small);
 - ``client.send`` from 16 threads and a batched send of 50,000, same run, as yardsticks.
 
 The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
@@ -74,6 +77,34 @@ def _threads(count: int, work, items: list) -> float:
     return time.perf_counter() - t0
 
 
+def _aio_cancels(address: str, targets: list, tasks: int, batching: bool, pid: int) -> tuple[float, float]:
+    """``cancel()`` of every target from ``tasks`` asyncio tasks of one ``qdelay.aio`` client:
+    (wall seconds, server CPU seconds) of the cancels alone."""
+    import asyncio
+
+    from qdelay.aio import Client as AioClient
+
+    async def main() -> tuple[float, float, list[str]]:
+        async with AioClient(address, timeout=120, batching=batching) as c:
+            await c.wait_ready()
+            it = iter(targets)
+            outcomes: list[str] = []
+
+            async def worker() -> None:
+                for r in it:
+                    outcomes.append(await c.cancel(r))
+
+            with Meter(pid) as m:
+                await asyncio.gather(*(worker() for _ in range(tasks)))
+        return m.wall, m.cpu, outcomes
+
+    wall, cpu, outcomes = asyncio.run(main())
+    bad = [o for o in outcomes if o != "CANCELLED"]
+    if bad or len(outcomes) != len(targets):
+        raise SystemExit(f"aio cancel answered {bad[:3]} ({len(bad)} not CANCELLED, {len(outcomes)} answers)")
+    return wall, cpu
+
+
 def _until_idle(pid: int, timeout: float = 30.0) -> float:
     """Wait until the server uses under 5 % of a core over 0.5 s (the fills' background work,
     iterate catch-up and the id index's compactions, done): Get is measured on an idle
@@ -87,7 +118,9 @@ def _until_idle(pid: int, timeout: float = 30.0) -> float:
     return time.perf_counter() - t0
 
 
-def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, resched: int) -> list[dict]:
+def run(
+    sizes: list[int], cancels: int, gets: int, pending: int, batch: int, resched: int, aio_tasks: int = 64
+) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="qdelay-bench-cancel-") as tmp:
         server = QdelayDriver()
@@ -117,6 +150,9 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                     g, m = min(gets, n // 4), min(resched, n // 4)  # a small minute keeps half to cancel
                     get_set, resched_set = picks[:g], picks[g : g + m]
                     unary_set = picks[g + m : g + m + cancels]
+                    rest = picks[g + m + cancels :]
+                    a = min(cancels, len(rest) // 2) if aio_tasks else 0
+                    aio_sets = {"batched": rest[:a], "unary": rest[a : 2 * a]}
                     batch_set = random.sample(batch_pool, min(n, cancels))
 
                     idle_s = _until_idle(server.pid)
@@ -151,6 +187,11 @@ def run(sizes: list[int], cancels: int, gets: int, pending: int, batch: int, res
                         "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
                         "reschedule_cpu_us": mr.cpu / len(resched_set) * 1e6 if resched_set else 0,
                     }
+                    for how, targets in aio_sets.items():
+                        if targets:
+                            wall_a, cpu_a = _aio_cancels(address, targets, aio_tasks, how == "batched", server.pid)
+                            row[f"aio_{how}_cancels_per_s"] = len(targets) / wall_a
+                            row[f"aio_{how}_cpu_us"] = cpu_a / len(targets) * 1e6
                     if hasattr(c, "cancel_many") and batch_set:
                         with Meter(server.pid) as mb:
                             res = []
@@ -190,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reschedules", type=int, default=1000, help="Reschedule calls per size (16 threads)")
     ap.add_argument("--batch", type=int, default=1000, help="targets per CancelBatch call")
     ap.add_argument("--pending", type=int, default=0, help="far-future messages sent first (e.g. 1000000)")
+    ap.add_argument("--aio-tasks", type=int, default=64, help="asyncio tasks cancelling (0: no asyncio phase)")
     ap.add_argument("--json", help="write the figures to this file (default: bench/out/cancel-*.json)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
-    rows = run(sizes, args.cancels, args.gets, args.pending, args.batch, args.reschedules)
+    rows = run(sizes, args.cancels, args.gets, args.pending, args.batch, args.reschedules, args.aio_tasks)
     headers = [
         "N in bucket",
         "Get p50 ms",
@@ -229,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             f" unary cancel/send rate (median over sizes): "
             f"{median([r['unary_cancels_per_s'] for r in rows]) / y['unary_sends_per_s']:.2f}"
         )
+    for r in rows:
+        if "aio_batched_cancels_per_s" in r:
+            print(
+                f"N {r['bucket_size']:,}: cancel() from {args.aio_tasks} asyncio tasks:"
+                f" gathered {r['aio_batched_cancels_per_s']:,.0f}/s at {r['aio_batched_cpu_us']:.0f} µs CPU,"
+                f" unary {r.get('aio_unary_cancels_per_s', float('nan')):,.0f}/s"
+                f" at {r.get('aio_unary_cpu_us', float('nan')):.0f} µs CPU"
+            )
     write_json(args.json or "cancel", {"machine": machine(), "rows": rows})
     return 0
 

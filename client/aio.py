@@ -11,9 +11,10 @@
                 await handle(batch)
                 consumer.ack(batch)
 
-Concurrent ``send()`` calls (tasks) share SendStream batches (:mod:`qdelay.client.batching`),
-each task getting its own :class:`~qdelay.client.types.Receipt` or error; ``batching=False``
-makes one unary Send per call. Results are the same types as the blocking client's:
+Concurrent ``send()`` calls (tasks) share SendStream batches and concurrent ``cancel()``
+calls share CancelBatch calls (:mod:`qdelay.client.batching`, the blocking client's code
+too), each task getting its own Receipt or outcome, or its own error; ``batching=False``
+makes one unary Send or Cancel per call. Results are the same types as the blocking client's:
 Receipt, Status, SentReceipts, outcome names. Errors are the classes of
 :mod:`qdelay.errors`; UNAVAILABLE is retried with backoff (sends keep their ids). A
 consumer resubscribes by itself when the server goes away (see :class:`Consumer`).
@@ -32,15 +33,17 @@ import grpc
 
 from qdelay import errors
 from qdelay.client import client as blocking
-from qdelay.client.batching import MAX_BACKOFF, Batching, SendBatcher
+from qdelay.client.batching import MAX_BACKOFF, Batching, CancelBatcher, SendBatcher
 from qdelay.client.client import (
     CANCEL_OUTCOMES,
     DEFAULT_TARGET,
     MAX_MESSAGE_BYTES,
-    DeadlineExceeded,
     Outgoing,
     SentReceipts,
     _set_due,
+    call_async,
+    cancel_batcher,
+    deadline_exceeded,
     outgoing,
     translate,
 )
@@ -59,10 +62,6 @@ from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 log = logging.getLogger("qdelay.client")
-
-
-def _deadline_exceeded(timeout: float) -> DeadlineExceeded:
-    return DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s")
 
 
 __all__ = ["Client", "Consumer", "Outgoing", "Receipt", "Status", "Batching"]
@@ -118,19 +117,14 @@ class Client:
         self._ids = blocking._Ids()
         self.batching = Batching() if batching is True else (batching or None)
         self._batcher: SendBatcher | None = None
+        self._canceller: CancelBatcher | None = None  # concurrent cancel() calls share CancelBatch calls
         self._consumers: set[Consumer] = set()
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await method(request, timeout=timeout or self.timeout, metadata=self.metadata)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
-                    raise translate(e, attempt) from None
-                await asyncio.sleep(min(self.retry_backoff * (2 ** (attempt - 1)), MAX_BACKOFF))
+        return await call_async(
+            method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff
+        )
 
     async def close(self) -> None:
         """Closes the consumers, waits for the answers of queued sends, closes the channel."""
@@ -139,6 +133,9 @@ class Client:
         if self._batcher is not None:
             batcher, self._batcher = self._batcher, None
             await batcher.close()
+        if self._canceller is not None:
+            canceller, self._canceller = self._canceller, None
+            await canceller.close()
         await self.channel.close()
 
     async def __aenter__(self) -> Client:
@@ -181,7 +178,7 @@ class Client:
                 self.batching,
                 self.retries,
                 self.retry_backoff,
-                _deadline_exceeded,
+                deadline_exceeded,
             )
         return await self._batcher.send(o, timeout or self.timeout)
 
@@ -224,10 +221,24 @@ class Client:
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
         """'CANCELLED', 'ALREADY_DELIVERED', 'NOT_FOUND', 'ALREADY_CANCELLED' or 'DEAD_LETTERED';
-        ``receipt`` is a Receipt, its string form, the message id alone or a qdelay.v1.Receipt."""
+        ``receipt`` is a Receipt, its string form, the message id alone or a qdelay.v1.Receipt.
+
+        With batching (the default) cancels awaited at the same moment by many tasks share
+        CancelBatch calls, as in the blocking client (same policy, same class:
+        :class:`~qdelay.client.batching.CancelBatcher`); each task gets its own outcome or its
+        own error, within its own ``timeout`` (DeadlineExceeded after it; whether the target
+        was cancelled is then unknown, as for a unary call that timed out). A task cancelled
+        before its target was sent leaves it out of the call. ``batching=False``: one unary
+        Cancel per call."""
         r, mid = ref(receipt if message_id is None else message_id)
-        resp = await self._call(self.stub.Cancel, pb.CancelRequest(receipt=r, message_id=mid), timeout)
-        return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+        request = pb.CancelRequest(receipt=r, message_id=mid)
+        if self.batching is None:
+            resp = await self._call(self.stub.Cancel, request, timeout)
+            return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+        if self._canceller is None:
+            self._canceller = cancel_batcher(self.stub, self, self.batching)
+        outcome = await self._canceller.cancel(request, timeout or self.timeout)
+        return CANCEL_OUTCOMES.get(outcome, str(outcome))
 
     async def cancel_many(
         self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000

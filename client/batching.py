@@ -1,4 +1,6 @@
-"""Producer batching behind ``send()``: concurrent sends gathered into SendStream batches.
+"""Batching behind ``send()`` and ``cancel()``: concurrent sends gathered into SendStream
+batches (:class:`SendBatcher`), concurrent cancels into CancelBatch calls
+(:class:`CancelBatcher`, whose docstring tells its policy). What follows is the send path.
 
 One Python gRPC call costs the server ~0.35-0.6 ms of CPU whatever the message, so many
 concurrent single sends (an order service: one delay message per request) are carried as
@@ -39,8 +41,9 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 
@@ -88,7 +91,7 @@ class _Entry:
         self.threaded = threaded
 
 
-def _resolve(future: AnyFuture, result: Receipt) -> None:
+def _resolve(future: AnyFuture, result: object) -> None:
     try:
         future.set_result(result)
     except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
@@ -110,6 +113,42 @@ class _Batch:
         self.request = request
 
 
+class _Deadlines:
+    """Callers' deadlines on one event loop: one timer for the earliest instead of a wait_for
+    task per call; a future still unanswered at its deadline gets ``error(timeout)``."""
+
+    def __init__(self, error: Callable[[float], BaseException]) -> None:
+        self._error = error
+        self._heap: list[tuple[float, int, asyncio.Future, float]] = []
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    def arm(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, deadline: float, timeout: float) -> None:
+        """``deadline`` in ``loop.time()``; ``timeout`` for the error's message."""
+        heap = self._heap
+        while heap and heap[0][2].done():  # answered ones leave from the head (FIFO-ish)
+            heapq.heappop(heap)
+        heapq.heappush(heap, (deadline, next(self._order), future, timeout))
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        loop = asyncio.get_running_loop()
+        heap, now = self._heap, loop.time()
+        self._timer = None
+        while heap and (heap[0][0] <= now or heap[0][2].done()):
+            _deadline, _n, future, timeout = heapq.heappop(heap)
+            if not future.done():
+                future.set_exception(self._error(timeout))
+        if heap:
+            self._timer_at = heap[0][0]
+            self._timer = loop.call_at(self._timer_at, self._expire)
+
+
 class SendBatcher:
     """The batching path of ``send()`` on one event loop (see the module's docstring).
 
@@ -129,11 +168,7 @@ class SendBatcher:
     ) -> None:
         self._channel = channel
         self._timeout_error = timeout_error
-        # callers' deadlines: one timer for the earliest instead of a wait_for task per send
-        self._deadlines: list[tuple[float, int, asyncio.Future, float]] = []
-        self._order = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        self._timers = _Deadlines(timeout_error)
         self._encode = encode
         self._translate = translate
         self._metadata = metadata
@@ -176,7 +211,7 @@ class SendBatcher:
             await self._space.acquire()
         future = loop.create_future()
         if timeout is not None:
-            self._arm(loop, future, deadline, timeout)
+            self._timers.arm(loop, future, deadline, timeout)
         self._waiting.append(_Entry(message, future))
         if len(self._waiting) > self.peak_queued:
             self.peak_queued = len(self._waiting)
@@ -184,29 +219,6 @@ class SendBatcher:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
         return await future
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, deadline: float, timeout: float) -> None:
-        heap = self._deadlines
-        while heap and heap[0][2].done():  # answered ones leave from the head (FIFO-ish)
-            heapq.heappop(heap)
-        heapq.heappush(heap, (deadline, next(self._order), future, timeout))
-        if self._timer is None or deadline < self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_at = deadline
-            self._timer = loop.call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        loop = asyncio.get_running_loop()
-        heap, now = self._deadlines, loop.time()
-        self._timer = None
-        while heap and (heap[0][0] <= now or heap[0][2].done()):
-            _deadline, _n, future, timeout = heapq.heappop(heap)
-            if not future.done():
-                future.set_exception(self._timeout_error(timeout))
-        if heap:
-            self._timer_at = heap[0][0]
-            self._timer = loop.call_at(self._timer_at, self._expire)
 
     def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, message: tuple) -> concurrent.futures.Future:
         """From any thread: queue one message on ``loop`` (the batcher's); a future of its
@@ -428,156 +440,203 @@ class SendBatcher:
                     _reject(e.future, error)
 
 
-class _Waiter:
-    __slots__ = ("request", "timeout", "event", "lead", "done", "result", "error")
+class _Cancel:
+    __slots__ = ("request", "future", "deadline")
 
-    def __init__(self, request: pb.CancelRequest, timeout: float | None) -> None:
+    def __init__(self, request: pb.CancelRequest, future: AnyFuture, deadline: float | None) -> None:
         self.request = request
-        self.timeout = timeout
-        self.event = threading.Event()  # set when answered, or when handed the lead
-        self.lead = False  # this caller carries batches (changed under the combiner's lock)
-        self.done = False
-        self.result: int | None = None
-        self.error: BaseException | None = None
+        self.future = future  # asyncio.Future (a task's cancel) or concurrent.futures.Future (a thread's)
+        self.deadline = deadline  # time.monotonic() at which its caller gives up; None: never
 
 
-class CancelCombiner:
-    """Concurrent ``cancel()`` calls of the blocking client, carried as CancelBatch calls.
+# a call of the client (its retries included): (request, timeout) -> the response
+BatchCall = Callable[[pb.CancelBatchRequest, float | None], Awaitable[pb.CancelBatchResponse]]
+SingleCall = Callable[[pb.CancelRequest, float | None], Awaitable[pb.CancelResponse]]
 
-    For the reason ``send()`` batches (a gRPC call costs the server ~0.35-0.6 ms of CPU
-    whatever it carries; a cancel in a batch costs it ~10 us): threads that cancel at the
-    same moment share a call. It is a group commit among the calling threads, no thread
-    of its own: a caller that finds fewer than ``max_in_flight`` calls under way makes one
-    with everything queued (its own target included, at most ``max_batch``); the others
-    wait for their answers, or to be handed the lead when a caller finishes with targets
-    still queued. A lone cancel goes at once, in a batch of one.
+
+class CancelBatcher:
+    """Concurrent ``cancel()`` calls carried as CancelBatch calls, on one event loop: the
+    asyncio client's on the user's loop, the blocking client's on its private I/O loop
+    (threads hand their cancels over with :meth:`submit_threadsafe`, as their sends).
+
+    For the reason ``send()`` batches (a gRPC call costs the server ~0.6-1.1 ms of CPU
+    whatever it carries; a cancel in a batch ~10 us): cancels made at the same moment
+    share a call. A group commit: a cancel that finds fewer than ``max_in_flight`` calls
+    under way goes at once, with everything queued (at most ``max_batch``); the others
+    wait for a call to come back. A new call lingers up to ``linger`` seconds to fill only
+    while another is unanswered, or while the callers of the last one (just answered) are
+    likely coming back: a lone cancel never waits.
+
+    Each caller gets its own outcome, or its own error, within its own timeout: a caller
+    that gives up (its timeout, its task cancelled) before its target was cut into a call
+    is left out; after that, the call goes on for the others (its deadline is the latest
+    of its callers'), and whether the cancel took effect is unknown to the one who gave up,
+    as for a unary call that timed out.
 
     A batch refused as a whole (one bad target is INVALID_ARGUMENT for all; by id on a
-    server without the id index; a server without CancelBatch) is sent again one Cancel
-    per target, so that each caller gets its own answer or its own error. An error after
-    the client's retries (UNAVAILABLE, a deadline) is every caller's of that batch, as it
-    would have been each one's."""
+    server without the id index; a server without CancelBatch) goes again one Cancel per
+    target still awaited, so that each caller gets its own answer or its own error. An
+    error after the client's retries (UNAVAILABLE, the call's deadline) is every caller's
+    of that call, as it would have been each one's.
+
+    State has one owner: the runner task cuts the calls; callers only append and wake it."""
 
     def __init__(
         self,
-        batch_call: Callable[[pb.CancelBatchRequest, float | None], pb.CancelBatchResponse],
-        single_call: Callable[[pb.CancelRequest, float | None], pb.CancelResponse],
+        batch_call: BatchCall,
+        single_call: SingleCall,
         max_batch: int = 1000,
         max_in_flight: int = 2,
         linger: float = 0.001,
+        timeout_error: Callable[[float], BaseException] = lambda t: TimeoutError(f"no answer within {t} s"),
     ) -> None:
         self._batch_call = batch_call
         self._single_call = single_call
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
         self.linger = linger
+        self._timers = _Deadlines(timeout_error)
+        self._queue: deque[_Cancel] = deque()
+        # threads hand cancels over through _inbox; one call_soon_threadsafe wakes the loop per burst
+        self._inbox: deque[_Cancel] = deque()
+        self._inbox_scheduled = False
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._carriers: set[asyncio.Task] = set()
         self._under_way = 0  # calls made and not yet answered
         self._last = 0  # targets the last call carried
-        self._lock = threading.Lock()
-        self._queue: deque[_Waiter] = deque()
-        self._leaders = 0
+        self._closing = False
         self.calls = 0  # CancelBatch calls made (a figure for tests and benchmarks)
         self.batches = 0  # calls made, single Cancels included
         self.carried = 0  # targets they carried
 
-    def cancel(self, request: pb.CancelRequest, timeout: float | None = None) -> int:
-        """The outcome (CancelResponse.Outcome number) of one target, or its error."""
-        me = _Waiter(request, timeout)
-        lock = self._lock
-        with lock:
-            self._queue.append(me)
-            if self._leaders < self.max_in_flight:
-                self._leaders += 1
-                me.lead = True
-        while True:
-            if me.lead:
-                self._lead(me)
-            with lock:
-                if me.done:
-                    break
-                if me.lead:  # handed the lead again since
-                    continue
-                me.event.clear()
-            me.event.wait()
-        return self._answer(me)
+    # ------------------------------------------------------------------ callers
+    async def cancel(self, request: pb.CancelRequest, timeout: float | None = None) -> int:
+        """On the batcher's loop: the outcome (CancelResponse.Outcome number) of one target,
+        or its error; after ``timeout`` seconds the ``timeout_error``."""
+        if self._closing:
+            raise errors.FailedPrecondition("the client is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        deadline = None
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            self._timers.arm(loop, future, loop.time() + timeout, timeout)
+        self._queue.append(_Cancel(request, future, deadline))
+        self._wake(loop)
+        return await future  # a cancelled task cancels the future: left out if not yet cut
 
-    def _lead(self, me: _Waiter) -> None:
-        """Carry batches of what is queued until ``me`` is answered or nothing is queued;
-        then give the lead up (to a waiting caller if targets are still queued)."""
-        lock, queue = self._lock, self._queue
+    def submit_threadsafe(
+        self, loop: asyncio.AbstractEventLoop, request: pb.CancelRequest, timeout: float | None
+    ) -> concurrent.futures.Future:
+        """From any thread: queue one target on ``loop`` (the batcher's); a future of its
+        outcome. The thread waits on it with its own timeout and cancels it when it gives up."""
+        if self._closing:
+            raise errors.FailedPrecondition("the client is closed")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(_Cancel(request, future, None if timeout is None else time.monotonic() + timeout))
+        if not self._inbox_scheduled:
+            self._inbox_scheduled = True
+            loop.call_soon_threadsafe(self._pull_inbox)
+        return future
+
+    def _pull_inbox(self) -> None:
+        self._inbox_scheduled = False  # first: a target appended from now on schedules again
+        inbox, queue = self._inbox, self._queue
+        while inbox:
+            queue.append(inbox.popleft())
+        self._wake(asyncio.get_running_loop())
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wakeup.set()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="qdelay-cancel-batcher")
+
+    async def close(self) -> None:
+        """Carry what is queued, wait for the calls under way."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        if self._carriers:
+            await asyncio.gather(*self._carriers, return_exceptions=True)
+
+    # ------------------------------------------------------------------ the runner task
+    def _awaited(self) -> bool:
+        """Whether a queued target's caller still waits (those who gave up leave from the head)."""
+        queue = self._queue
+        while queue and queue[0].future.done():
+            queue.popleft()
+        return bool(queue)
+
+    async def _run(self) -> None:
+        queue, loop = self._queue, asyncio.get_running_loop()
         while True:
+            while not (self._under_way < self.max_in_flight and self._awaited()):
+                if self._closing and not self._under_way and not self._awaited() and not self._inbox:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
             waiting = len(queue)
             if self.linger and waiting < self.max_batch and (self._under_way or waiting < self._last):
-                # gather while another call is unanswered anyway, or while the callers of the
-                # last batch (just answered) are likely coming back: a lone caller never waits
-                time.sleep(self.linger)
-            with lock:
-                batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
-                if not batch:  # a batch under way carries what is left, ``me`` included
-                    self._leaders -= 1
-                    me.lead = False
-                    return
-                self._under_way += 1
-            try:
-                self._carry(batch)
-            finally:
-                with lock:
-                    self._under_way -= 1
-            if me.done:
-                with lock:
-                    me.lead = False
-                    nxt = next((w for w in queue if not w.lead), None)
-                    if nxt is not None:  # someone must carry what is queued
-                        nxt.lead = True
-                        nxt.event.set()
-                    else:  # nothing, or only leaders' own targets: they carry them
-                        self._leaders -= 1
-                return
+                await asyncio.sleep(self.linger)
+            batch: list[_Cancel] = []
+            while queue and len(batch) < self.max_batch:  # no await: nothing is between queue and call
+                e = queue.popleft()
+                if not e.future.done():
+                    batch.append(e)
+            if not batch:
+                continue
+            self._under_way += 1
+            self._last = len(batch)
+            task = loop.create_task(self._carry(batch))
+            self._carriers.add(task)
+            task.add_done_callback(self._carriers.discard)
 
     @staticmethod
-    def _answer(me: _Waiter) -> int:
-        if me.error is not None:
-            raise me.error
-        if me.result is None:
-            raise errors.InvariantViolation("a cancel was woken without an answer")
-        return me.result
+    def _left(batch: list[_Cancel]) -> float | None:
+        """The call's timeout: until the last of its callers still waiting gives up (None:
+        one waits without a deadline, the client's default timeout applies)."""
+        deadlines = [e.deadline for e in batch if not e.future.done()]
+        if not deadlines or None in deadlines:
+            return None
+        return max(0.001, max(cast("list[float]", deadlines)) - time.monotonic())
 
-    def _carry(self, batch: list[_Waiter]) -> None:
+    async def _carry(self, batch: list[_Cancel]) -> None:
         self.batches += 1
         self.carried += len(batch)
-        self._last = len(batch)
-        timeouts = [w.timeout for w in batch if w.timeout is not None]
-        timeout = max(timeouts) if timeouts else None
         try:
-            outcomes: list[int]
-            if len(batch) == 1:
-                outcomes = [int(self._single_call(batch[0].request, timeout).outcome)]
-            else:
-                self.calls += 1
-                request = pb.CancelBatchRequest(requests=[w.request for w in batch])
-                outcomes = [int(r.outcome) for r in self._batch_call(request, timeout).responses]
-                if len(outcomes) != len(batch):
-                    raise errors.InvariantViolation(f"CancelBatch answered {len(outcomes)} of {len(batch)} targets")
-        except errors.Unavailable as err:  # retried already: the batch's callers all get it
-            self._settle(batch, None, err)
-            return
-        except BaseException as err:  # noqa: BLE001 - a refusal of the whole batch: one by one
-            if len(batch) == 1:
-                self._settle(batch, None, err)
+            try:
+                if len(batch) == 1:
+                    outcomes = [int((await self._single_call(batch[0].request, self._left(batch))).outcome)]
+                else:
+                    self.calls += 1
+                    request = pb.CancelBatchRequest(requests=[e.request for e in batch])
+                    responses = (await self._batch_call(request, self._left(batch))).responses
+                    if len(responses) != len(batch):
+                        got = len(responses)
+                        raise errors.InvariantViolation(f"CancelBatch answered {got} of {len(batch)} targets")
+                    outcomes = [int(r.outcome) for r in responses]
+            except errors.Unavailable as err:  # retried already (a deadline is one): every caller's
+                for e in batch:
+                    _reject(e.future, err)
                 return
-            for w in batch:
-                try:
-                    self._settle([w], [int(self._single_call(w.request, w.timeout).outcome)], None)
-                except BaseException as one:  # noqa: BLE001 - that caller's own error
-                    self._settle([w], None, one)
-            return
-        self._settle(batch, outcomes, None)
+            except Exception as err:  # noqa: BLE001 - a refusal of the whole call: one by one
+                if len(batch) == 1:
+                    _reject(batch[0].future, err)
+                    return
+                await asyncio.gather(*(self._one(e) for e in batch if not e.future.done()))
+                return
+            for e, outcome in zip(batch, outcomes):
+                _resolve(e.future, outcome)
+        finally:
+            self._under_way -= 1
+            self._wakeup.set()
 
-    @staticmethod
-    def _settle(batch: list[_Waiter], outcomes: list[int] | None, error: BaseException | None) -> None:
-        for i, w in enumerate(batch):
-            if outcomes is not None:
-                w.result = outcomes[i]
-            w.error = error
-            w.done = True
-            w.event.set()
+    async def _one(self, e: _Cancel) -> None:
+        try:
+            outcome = int((await self._single_call(e.request, self._left([e]))).outcome)
+        except Exception as err:  # noqa: BLE001 - that caller's own error
+            _reject(e.future, err)
+            return
+        _resolve(e.future, outcome)

@@ -39,7 +39,7 @@ import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
-from qdelay.client.batching import Batching, CancelCombiner, SendBatcher
+from qdelay.client.batching import Batching, CancelBatcher, SendBatcher
 from qdelay.client.types import (
     RECONNECT_OPTIONS,
     STATES,
@@ -94,6 +94,33 @@ def translate(error: grpc.RpcError, attempts: int = 1) -> errors.QdelayError:
     exc.details = details
     exc.attempts = attempts
     return exc
+
+
+async def call_async(
+    method: Callable[..., Any],
+    request: Any,
+    timeout: float,
+    metadata: tuple,
+    retries: int,
+    backoff: float,
+) -> Any:
+    """One grpc.aio call with the clients' retry policy: UNAVAILABLE is tried again with
+    exponential backoff (at most ``MAX_BACKOFF`` between tries), ``retries`` times; any other
+    error, or the last one, is raised as the qdelay error."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await method(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > retries:
+                raise translate(e, attempt) from None
+            await asyncio.sleep(min(backoff * (2 ** (attempt - 1)), _MAX_BACKOFF))
+
+
+def deadline_exceeded(timeout: float) -> DeadlineExceeded:
+    """What a caller gets when its own timeout passed before its answer."""
+    return DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer within {timeout} s")
 
 
 class Outgoing(NamedTuple):
@@ -165,6 +192,30 @@ def outgoing(
     except TypeError as err:
         raise errors.InvalidArgument(str(err)) from None
     return Outgoing(subject, payload, at, rel, message_id, headers or None)
+
+
+def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batching) -> CancelBatcher:
+    """``cancel()``'s batcher on a grpc.aio ``stub`` with a client's ``settings`` (timeout,
+    metadata, retries, retry_backoff): the blocking client's on its bulk loop, the asyncio
+    client's on the user's loop."""
+
+    def call(method: Callable[..., Any]) -> Callable[[Any, float | None], Any]:
+        return lambda request, timeout: call_async(
+            method,
+            request,
+            timeout or settings.timeout,
+            settings.metadata,
+            settings.retries,
+            settings.retry_backoff,
+        )
+
+    return CancelBatcher(
+        call(stub.CancelBatch),
+        call(stub.Cancel),
+        max_batch=batching.max_batch,
+        linger=batching.linger,
+        timeout_error=deadline_exceeded,
+    )
 
 
 # SendBatchRequest.compact_receipts = true (field 2, varint)
@@ -339,17 +390,8 @@ class Client:
         self._ids = _Ids()
         self.batching = Batching() if batching is True else (batching or None)
         self._batcher: SendBatcher | None = None  # lives on the bulk loop, made by the first send
-        # concurrent cancel() calls share CancelBatch calls, as concurrent sends share batches
-        self._canceller = (
-            CancelCombiner(
-                lambda req, t: self._call(self.stub.CancelBatch, req, t),
-                lambda req, t: self._call(self.stub.Cancel, req, t),
-                max_batch=self.batching.max_batch,
-                linger=self.batching.linger,
-            )
-            if self.batching is not None
-            else None
-        )
+        # concurrent cancel() calls share CancelBatch calls on the bulk loop, as sends share batches
+        self._canceller: CancelBatcher | None = None
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
@@ -364,13 +406,16 @@ class Client:
                 time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
 
     def close(self) -> None:
-        """Waits for the answers of sends still queued in the batching path, then closes."""
-        if self._batcher is not None:
-            batcher, self._batcher = self._batcher, None
-            try:
-                self._bulk.run(lambda _channel: batcher.close())
-            except errors.QdelayError:
-                pass  # each waiting caller got its own error
+        """Waits for the answers of sends and cancels still queued in the batching paths,
+        then closes."""
+        for name in ("_batcher", "_canceller"):
+            batcher = getattr(self, name)
+            if batcher is not None:
+                setattr(self, name, None)
+                try:
+                    self._bulk.run(lambda _channel, b=batcher: b.close())
+                except errors.QdelayError:
+                    pass  # each waiting caller got its own error
         self._bulk.close()
         self.channel.close()
 
@@ -628,15 +673,37 @@ class Client:
         ``qdelay.v1.Receipt``; or ``message_id=`` (by id).
 
         With batching (the default) cancels made at the same moment from many threads share
-        CancelBatch calls (:class:`~qdelay.client.batching.CancelCombiner`); each caller gets
-        its own outcome or its own error. ``batching=False``: one unary Cancel per call."""
+        CancelBatch calls (:class:`~qdelay.client.batching.CancelBatcher`); each caller gets
+        its own outcome or its own error. ``batching=False``: one unary Cancel per call.
+        ``timeout``: how long this caller waits (DeadlineExceeded after it, even when its
+        target rides in a call that goes on for other callers: whether it was cancelled is
+        then unknown, as for a unary call that timed out; cancelling again is safe)."""
         r, mid = ref(receipt if message_id is None else message_id)
         request = pb.CancelRequest(receipt=r, message_id=mid)
-        if self._canceller is None:
+        if self.batching is None:
             outcome = self._call(self.stub.Cancel, request, timeout).outcome
-        else:
-            outcome = self._canceller.cancel(request, timeout)
+            return CANCEL_OUTCOMES.get(outcome, str(outcome))
+        canceller = self._canceller or self._bulk.run(self._make_canceller)
+        timeout = timeout or self.timeout
+        future = canceller.submit_threadsafe(self._bulk.loop, request, timeout)
+        try:
+            outcome = future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # left out of its call if it was not cut into one yet
+            raise deadline_exceeded(timeout) from None
+        except BaseException:
+            future.cancel()
+            raise
         return CANCEL_OUTCOMES.get(outcome, str(outcome))
+
+    async def _make_canceller(self, channel: grpc.aio.Channel) -> CancelBatcher:
+        """The batcher of ``cancel()``, made once on the bulk loop (its owner), calling on the
+        bulk channel."""
+        if self.batching is None:
+            raise errors.InvariantViolation("cancel() made a batcher with batching off")
+        if self._canceller is None:
+            self._canceller = cancel_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
+        return self._canceller
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the

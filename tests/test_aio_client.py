@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import time
 from datetime import timedelta
 
@@ -26,6 +28,24 @@ def subject() -> str:
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def until(cond, what: str, timeout: float = 10.0) -> None:
+    """``conftest.wait_until`` for a coroutine: polls ``cond`` without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def pending(c: Client, n: int, tag: str) -> list[Receipt]:
+    at = int(time.time() * 1000) + HOUR_MS
+    return list(
+        await c.send_many(
+            [Outgoing("aio.cancel", b"p", deliver_at_ms=at + i, message_id=f"{tag}{i}") for i in range(n)]
+        )
+    )
 
 
 def test_send_get_cancel_stats_with_typed_results(server):
@@ -205,3 +225,87 @@ def test_restart_mid_stream_every_send_answered_or_raised_none_lost(tmp_path):
         asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         srv.kill9()
+
+
+def test_concurrent_cancel_tasks_share_calls_each_gets_its_own_outcome(server):
+    async def main():
+        async with Client(server.address) as c:
+            receipts = await pending(c, 400, "share")
+            targets = receipts + receipts[:50]  # 50 named twice: CANCELLED once, ALREADY_CANCELLED once
+            out = await asyncio.gather(*(c.cancel(r) for r in targets))
+            by_seq: dict[int, list[str]] = {}
+            for r, outcome in zip(targets, out):
+                by_seq.setdefault(r.sequence, []).append(outcome)
+            assert all(
+                sorted(v) == (["ALREADY_CANCELLED", "CANCELLED"] if len(v) == 2 else ["CANCELLED"])
+                for v in by_seq.values()
+            )
+            batcher = c._canceller
+            assert batcher is not None and batcher.carried == len(targets)
+            assert batcher.batches < len(targets) / 10  # gathered
+            assert {(await c.get(r)).state for r in receipts[::40]} == {"CANCELLED"}
+
+    run(main())
+
+
+def test_a_bad_target_among_valid_ones_fails_only_its_task_and_batching_off_is_unary(server):
+    from qdelay.v1 import qdelay_pb2 as pb
+
+    async def main():
+        async with Client(server.address) as c:
+            receipts = await pending(c, 30, "bad")
+            bad = pb.Receipt(message_id="caf\u00e9", deliver_at_ms=1, sequence=1)
+            targets = receipts[:15] + [bad] + receipts[15:]
+            out = await asyncio.gather(*(c.cancel(t) for t in targets), return_exceptions=True)
+            assert isinstance(out[15], errors.InvalidArgument) and "message_id" in str(out[15])
+            assert [o for i, o in enumerate(out) if i != 15] == ["CANCELLED"] * 30
+            assert c._canceller is not None and c._canceller.calls >= 1  # they went as one call first
+        async with Client(server.address, batching=False) as c:
+            assert await c.cancel(receipts[0]) == "ALREADY_CANCELLED"
+            assert c._canceller is None
+
+    run(main())
+
+
+def test_tasks_cancelled_mid_call_and_while_queued_and_a_short_timeout(server):
+    """The server is stopped (SIGSTOP) so that calls stay unanswered: two calls are under way
+    (the batcher's limit) and five more targets wait. A task cancelled while its call is under
+    way gets CancelledError and the call goes on for the others (its target is cancelled,
+    unknown to it); one cancelled while queued is left out (its target stays pending); a
+    task with a short timeout gets DEADLINE_EXCEEDED by its own timeout."""
+    from qdelay.client import DeadlineExceeded
+
+    async def main():
+        async with Client(server.address) as c:
+            receipts = await pending(c, 16, "mid")
+            assert await c.cancel(receipts[15]) == "CANCELLED"  # the batcher exists
+            batcher = c._canceller
+            assert batcher is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                first = [asyncio.create_task(c.cancel(r)) for r in receipts[0:5]]
+                first.append(asyncio.create_task(c.cancel(receipts[5], timeout=1.0)))  # same call
+                started = time.monotonic()
+                await until(lambda: batcher.carried == 7, "the first call under way")
+                second = [asyncio.create_task(c.cancel(r)) for r in receipts[6:10]]
+                await until(lambda: batcher.carried == 11, "the second call under way")
+                queued = [asyncio.create_task(c.cancel(r)) for r in receipts[10:15]]
+                await until(lambda: len(batcher._queue) == 5, "five targets queued")
+                for t in (first[0], second[0], queued[0], queued[1]):
+                    t.cancel()
+                with pytest.raises(DeadlineExceeded):
+                    await first[5]
+                assert time.monotonic() - started < 1.0 + 1.5
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            out = await asyncio.gather(*first[:5], *second, *queued, return_exceptions=True)
+            cancelled = [i for i, o in enumerate(out) if isinstance(o, asyncio.CancelledError)]
+            assert cancelled == [0, 5, 9, 10]
+            assert [o for i, o in enumerate(out) if i not in cancelled] == ["CANCELLED"] * 10
+            states = [(await c.get(r)).state for r in receipts[:15]]
+            # the calls went on for the others: 0, 5 (timed out) and 6 were cancelled all the same
+            assert states == ["CANCELLED"] * 10 + ["PENDING"] * 2 + ["CANCELLED"] * 3
+            assert batcher.carried == 14 and batcher._under_way == 0
+            assert await c.cancel(receipts[10]) == "CANCELLED"  # the client goes on
+
+    run(main())
