@@ -33,7 +33,7 @@ import numpy as np
 from rocksdict import BlockBasedOptions, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from qdelay.errors import CorruptRecord, Unavailable
-from qdelay.segments import framing
+from qdelay.segments import framing, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.reader import read_columns
 
@@ -44,11 +44,10 @@ log = logging.getLogger("qdelay.segments.idindex")
 
 _VALUE = np.dtype([("due", "<i8"), ("seq", "<i8")])
 _PAIR = struct.Struct("<qq")  # one value: the same two fields
-# MESSAGE body (segments/records.py): due i64, subject_len u16 @8, message_id_len u16 @10,
-# headers_len u32, payload_len u32, then subject @20, message_id
-_SUBJECT_LEN_AT = framing.HEADER_SIZE + 8
-_ID_LEN_AT = framing.HEADER_SIZE + 10
-_SUBJECT_AT = framing.HEADER_SIZE + 20
+# a MESSAGE frame's fields, from the frame's start (the body layout is named in records.py)
+_SUBJECT_LEN_AT = framing.HEADER_SIZE + records.MESSAGE_SUBJECT_LEN_AT
+_ID_LEN_AT = framing.HEADER_SIZE + records.MESSAGE_ID_LEN_AT
+_SUBJECT_AT = framing.HEADER_SIZE + records.MESSAGE_FIXED.size
 BUILT_MARK = "BUILT"  # written once the index covers every schedule segment
 
 
