@@ -68,7 +68,7 @@ typecheck: setup
 	cd build/typed && ../../$(BIN)/mypy --config-file ../../pyproject.toml
 
 test: setup lint $(if $(wildcard examples/node/package.json),node-deps)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not spark"

@@ -134,9 +134,16 @@ class ServerProc:
 
     # --- helpers -------------------------------------------------------------------------------------
     def client(self, **kw):
+        """A blocking client, its channel connected first while the server runs: a test's
+        first call (often with ``retries=0``, to see an error as it comes) must not meet
+        a connection still being made on a loaded machine (UNAVAILABLE, "tcp handshaker
+        shutdown", seen with two test workers on two busy cores)."""
         from qdelay.client import Client
 
-        return Client(self.address, **kw)
+        c = Client(self.address, **kw)
+        if self.alive():
+            c.wait_ready(30)
+        return c
 
     def __enter__(self) -> ServerProc:
         return self.start()
