@@ -304,19 +304,24 @@ def _damage(spark, data_dirs):
     )
 
 
-def _names(spark, data_dirs, keys, sequences=None):
+def _names(spark, data_dirs, keys, sequences=None, due=None):
     """message_id, subject and the sorted attempts of the (server, sequence) rows of
     ``keys`` (a small DataFrame, broadcast): a second scan of MESSAGE and DISPATCH rows,
     joined to the findings instead of carrying strings through the big aggregate. With
-    ``sequences`` (the keys' sequences, a few hundred) the reader keeps only their frames."""
+    ``sequences`` (the keys' sequences, a few hundred) the reader keeps only their frames;
+    with ``due`` (the lowest and highest due time of the keys: a MESSAGE and its DISPATCH
+    records carry the message's due time) it opens only the schedule and dispatch
+    segments of that range."""
     from pyspark.sql import functions as F
 
-    cols = ["server", "sequence", "kind", "message_id", "subject", "attempt"]
+    cols = ["server", "sequence", "kind", "message_id", "subject", "attempt", "due_ms"]
     rows = spark_source.read(spark, data_dirs, log="all", corrupt="skip", columns=cols, pushdown=True).where(
         F.col("kind").isin("MESSAGE", "DISPATCH")
     )
     if sequences is not None:
         rows = rows.where(F.col("sequence").isin(sequences))
+    if due is not None and due[0] is not None:
+        rows = rows.where(F.col("due_ms").between(due[0], due[1]))
     is_msg, is_disp = F.col("kind") == "MESSAGE", F.col("kind") == "DISPATCH"
     return (
         rows.join(F.broadcast(keys), ["server", "sequence"])
@@ -411,9 +416,14 @@ def audit(
     if any(summary["findings"].values()):
         # names for every finding when they are all written, else for the examples only
         picked = found if out else found.orderBy("server", "sequence").limit(100 * EXAMPLES)
-        sequences = None if out else sorted({r.sequence for r in picked.select("sequence").collect()})
+        sequences = due = None
+        if not out:
+            rows = picked.select("sequence", "due_ms").collect()
+            sequences = sorted({r.sequence for r in rows})
+            dues = [r.due_ms for r in rows if r.due_ms is not None]
+            due = (min(dues), max(dues)) if len(dues) == len(rows) else None
         keys = picked.select("server", "sequence")
-        named = picked.join(_names(spark, data_dirs, keys, sequences), ["server", "sequence"], "left")
+        named = picked.join(_names(spark, data_dirs, keys, sequences, due), ["server", "sequence"], "left")
         findings = named.select(
             "server",
             "sequence",
