@@ -149,6 +149,32 @@ class _Deadlines:
             self._timer = loop.call_at(self._timer_at, self._expire)
 
 
+class _Inbox:
+    """What other threads (the blocking client's callers) hand over to one event loop: one
+    ``call_soon_threadsafe`` per burst, then ``take(items)`` runs on the loop with them all."""
+
+    def __init__(self, take: Callable[[list], None]) -> None:
+        self._take = take
+        self._items: deque = deque()
+        self._scheduled = False
+
+    def put(self, loop: asyncio.AbstractEventLoop, item: object) -> None:
+        self._items.append(item)
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon_threadsafe(self._pull)
+
+    def _pull(self) -> None:
+        self._scheduled = False  # first: an item appended from now on schedules again
+        items, inbox = [], self._items
+        while inbox:
+            items.append(inbox.popleft())
+        self._take(items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class SendBatcher:
     """The batching path of ``send()`` on one event loop (see the module's docstring).
 
@@ -181,8 +207,7 @@ class SendBatcher:
         # threads (the blocking client) hand messages over through _inbox, with a threading
         # semaphore for their backpressure; one call_soon_threadsafe wakes the loop per burst
         self._tspace = threading.Semaphore(config.max_queued)
-        self._inbox: deque[_Entry] = deque()
-        self._inbox_scheduled = False
+        self._inbox = _Inbox(self._take_handed)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -227,18 +252,13 @@ class SendBatcher:
             raise errors.FailedPrecondition("the client is closed")
         self._tspace.acquire()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(_Entry(message, future, True))
-        if not self._inbox_scheduled:
-            self._inbox_scheduled = True
-            loop.call_soon_threadsafe(self._pull_inbox)
+        self._inbox.put(loop, _Entry(message, future, True))
         return future
 
-    def _pull_inbox(self) -> None:
-        """On the loop: move what threads handed over into the queue."""
-        self._inbox_scheduled = False  # first: a message appended from now on schedules again
-        inbox, waiting = self._inbox, self._waiting
-        while inbox:
-            waiting.append(inbox.popleft())
+    def _take_handed(self, entries: list[_Entry]) -> None:
+        """On the loop: what threads handed over joins the queue."""
+        waiting = self._waiting
+        waiting.extend(entries)
         if len(waiting) > self.peak_queued:
             self.peak_queued = len(waiting)
         self._wakeup.set()
@@ -498,8 +518,7 @@ class CancelBatcher:
         self._timers = _Deadlines(timeout_error)
         self._queue: deque[_Cancel] = deque()
         # threads hand cancels over through _inbox; one call_soon_threadsafe wakes the loop per burst
-        self._inbox: deque[_Cancel] = deque()
-        self._inbox_scheduled = False
+        self._inbox = _Inbox(self._take_handed)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._carriers: set[asyncio.Task] = set()
@@ -534,17 +553,11 @@ class CancelBatcher:
         if self._closing:
             raise errors.FailedPrecondition("the client is closed")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(_Cancel(request, future, None if timeout is None else time.monotonic() + timeout))
-        if not self._inbox_scheduled:
-            self._inbox_scheduled = True
-            loop.call_soon_threadsafe(self._pull_inbox)
+        self._inbox.put(loop, _Cancel(request, future, None if timeout is None else time.monotonic() + timeout))
         return future
 
-    def _pull_inbox(self) -> None:
-        self._inbox_scheduled = False  # first: a target appended from now on schedules again
-        inbox, queue = self._inbox, self._queue
-        while inbox:
-            queue.append(inbox.popleft())
+    def _take_handed(self, targets: list[_Cancel]) -> None:
+        self._queue.extend(targets)
         self._wake(asyncio.get_running_loop())
 
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:

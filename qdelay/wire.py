@@ -23,8 +23,6 @@ they run.
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -32,16 +30,12 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from qdelay.errors import InvalidArgument, InvariantViolation
+from qdelay.extensions import optional
 from qdelay.v1 import qdelay_pb2 as pb
 
 ONE_BYTE_TAG = 15  # the codec writes every tag as one byte: fields 1-15
 
-native: ModuleType | None = None
-if os.environ.get("QDELAY_NATIVE", "1") != "0":
-    try:
-        native = importlib.import_module("qdelay._wire")
-    except ImportError:  # not built: the Python twins run
-        native = None
+native: ModuleType | None = optional("qdelay._wire")
 
 
 def mismatches(fields: dict[str, int]) -> list[str]:

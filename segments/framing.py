@@ -31,6 +31,18 @@ MAGIC = 0x31445151  # b"QQD1" read little-endian
 VERSION = 1
 HEADER = struct.Struct("<IQIBBHQq")
 HEADER_SIZE = 36
+# the header as numpy fields, for readers that gather the headers of many frames at once
+# (a record's fixed part is appended to these; segments/reader.py, segments/records.py)
+HEADER_FIELDS = [
+    ("magic", "<u4"),
+    ("checksum", "<u8"),
+    ("length", "<u4"),
+    ("kind", "u1"),
+    ("version", "u1"),
+    ("flags", "<u2"),
+    ("sequence", "<u8"),
+    ("timestamp", "<i8"),
+]
 CHECKED_FROM = 12  # the checksum covers everything after itself
 MAX_BODY = 64 * 1024 * 1024
 # where the header's fields start: every reader of raw frame bytes uses these names

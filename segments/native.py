@@ -11,18 +11,13 @@ the same inputs. (The protobuf wire codec is qdelay/wire.py, with its own extens
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-codec: ModuleType | None = None
-if os.environ.get("QDELAY_NATIVE", "1") != "0":
-    try:
-        codec = importlib.import_module("qdelay.segments._codec")
-    except ImportError:  # not built: the Python twins run
-        codec = None
+from qdelay.extensions import optional
+
+codec: ModuleType | None = optional("qdelay.segments._codec")
 
 
 def twins() -> dict[str, Callable[..., Any]]:

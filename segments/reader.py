@@ -558,15 +558,8 @@ def route_py(
 # frame header + MESSAGE fixed part (docs/formats.md): records read back for delivery are
 # checked and split column-wise, with these 56 bytes of each gathered into one array
 _HEAD_DTYPE = np.dtype(
-    [
-        ("magic", "<u4"),
-        ("checksum", "<u8"),
-        ("length", "<u4"),
-        ("kind", "u1"),
-        ("version", "u1"),
-        ("flags", "<u2"),
-        ("seq", "<u8"),
-        ("timestamp", "<i8"),
+    framing.HEADER_FIELDS
+    + [
         ("due", "<i8"),
         ("slen", "<u2"),
         ("mlen", "<u2"),
@@ -619,7 +612,7 @@ def read_messages_py(
         & (h["magic"] == framing.MAGIC)
         & (h["kind"] == RecordKind.MESSAGE)
         & (h["version"] == framing.VERSION)
-        & (h["seq"].astype(np.int64) == seqs)
+        & (h["sequence"].astype(np.int64) == seqs)
         & (end <= size)
         & (records.MESSAGE_FIXED.size + slen + mlen + hlen + plen == length)
     )

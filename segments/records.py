@@ -325,15 +325,7 @@ def decode_body(kind: int, body: bytes) -> Message | Cancel | Dispatch | Group |
 
 _xxh = framing._xxh
 # frame header + DISPATCH fixed part, the 68 bytes before the message id
-_DISPATCH_HEAD_FIELDS = [
-    ("magic", "<u4"),
-    ("checksum", "<u8"),
-    ("length", "<u4"),
-    ("kind", "u1"),
-    ("version", "u1"),
-    ("flags", "<u2"),
-    ("sequence", "<u8"),
-    ("timestamp", "<i8"),
+_DISPATCH_HEAD_FIELDS = framing.HEADER_FIELDS + [
     ("deliver_at_ms", "<i8"),
     ("dispatched_at_ms", "<i8"),
     ("schedule_offset", "<u8"),
