@@ -133,15 +133,16 @@ class ServerProc:
         return self.proc is not None and self.proc.poll() is None
 
     # --- helpers -------------------------------------------------------------------------------------
-    def client(self, **kw):
+    def client(self, connect: bool = True, **kw):
         """A blocking client, its channel connected first while the server runs: a test's
         first call (often with ``retries=0``, to see an error as it comes) must not meet
         a connection still being made on a loaded machine (UNAVAILABLE, "tcp handshaker
-        shutdown", seen with two test workers on two busy cores)."""
+        shutdown", seen with two test workers on two busy cores). ``connect=False`` for a
+        client that is meant not to connect (plaintext against TLS)."""
         from qdelay.client import Client
 
         c = Client(self.address, **kw)
-        if self.alive():
+        if connect and self.alive():
             c.wait_ready(30)
         return c
 

@@ -99,7 +99,7 @@ def test_tls_with_token(tmp_path, token_file):
         r = c.send("a.b", b"over tls", delay_ms=0)
         assert r.message_id
         c.close()
-        plain = srv.client(token=TOKEN, retries=0, timeout=3)
+        plain = srv.client(connect=False, token=TOKEN, retries=0, timeout=3)
         with pytest.raises(errors.Unavailable):
             plain.send("a.b", b"x", delay_ms=0)
         plain.close()
