@@ -51,11 +51,15 @@ RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
 
 
 def _retryable(err: Exception) -> bool:
-    """A refusal to retry elsewhere, or a stream grpc-core failed as the server ended it at
-    shutdown ('Internal error from Core': the status is lost; same ids, so a retry is safe)."""
-    return isinstance(err, RETRYABLE) or (
-        isinstance(err, errors.QdelayError) and "Internal error from Core" in str(err)
-    )
+    """A refusal to retry elsewhere, or a call the server ended as it shut down: a stream
+    grpc-core failed ('Internal error from Core': the status is lost) or a call it
+    cancelled (CANCELLED, seen from a node stopped in a rolling restart once the client's
+    own retries on that node ran out). Same request and ids, so a retry is safe."""
+    if isinstance(err, RETRYABLE):
+        return True
+    if not isinstance(err, errors.QdelayError):
+        return False
+    return "Internal error from Core" in str(err) or getattr(getattr(err, "code", None), "name", None) == "CANCELLED"
 
 
 class Topology:
@@ -132,6 +136,7 @@ class ShardedClient:
         self.timeout = timeout
         self.client_kw = client_kw
         self._clients: dict[str, Client] = {}
+        self.closed = False  # set by close(): nothing is retried after it
         self._lock = threading.Lock()
         self._ids = _Ids()
         self.topology: Topology | None = None
@@ -179,7 +184,7 @@ class ShardedClient:
                 try:
                     return call(self.client(master))
                 except errors.QdelayError as e:
-                    if not _retryable(e):
+                    if self.closed or not _retryable(e):
                         raise
                     err = e
             else:
@@ -195,6 +200,7 @@ class ShardedClient:
                 pass
 
     def close(self) -> None:
+        self.closed = True
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
             pool, self._executor = self._executor, None
@@ -416,6 +422,7 @@ class AioShardedClient:
         self.timeout = timeout
         self.client_kw = client_kw
         self._clients: dict = {}
+        self.closed = False  # set by close(): nothing is retried after it
         self._ids = _Ids()
         self.topology: Topology | None = None
         self.retries = 0
@@ -458,7 +465,7 @@ class AioShardedClient:
                 try:
                     return await call(self.client(master))
                 except errors.QdelayError as e:
-                    if not _retryable(e):
+                    if self.closed or not _retryable(e):
                         raise
                     err = e
             else:
@@ -474,6 +481,7 @@ class AioShardedClient:
                 pass
 
     async def close(self) -> None:
+        self.closed = True
         clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             await c.close()
