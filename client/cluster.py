@@ -25,10 +25,9 @@ from typing import Any
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, _Ids
+from qdelay.client.failover import RETRYABLE, Backoff
 from qdelay.client.types import Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
-
-RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
 
 
 class ClusterClient:
@@ -89,19 +88,16 @@ class ClusterClient:
         return None
 
     def _retry(self, call):
-        deadline = time.monotonic() + self.failover_timeout
-        delay = self.backoff
-        tried = 0
+        backoff = Backoff(self.failover_timeout, self.backoff, self.max_backoff)
         while True:
             with self._lock:
                 i = self._current
             try:
                 return call(self.clients[i])
             except RETRYABLE as err:
-                if time.monotonic() >= deadline:
+                if backoff.expired():
                     raise err
                 self.retries += 1
-                tried += 1
                 found = self.find_master()
                 with self._lock:
                     if found is not None and found != self._current:
@@ -109,8 +105,7 @@ class ClusterClient:
                         self.failovers += 1
                     elif found is None:
                         self._current = (i + 1) % len(self.clients)
-                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, self.max_backoff)
+                time.sleep(backoff.next_wait())
 
     # --- API ----------------------------------------------------------------------------------------
     def message(self, subject: str, payload: bytes = b"", **kw: Any) -> pb.Message:

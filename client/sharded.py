@@ -39,15 +39,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
+from qdelay.client.failover import RETRYABLE, Backoff
 from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
 
 if TYPE_CHECKING:
     from qdelay.client.aio import Client as AioClient
-
-# DeadlineExceeded (an Unavailable) too: whether it was written is unknown, and the same id
-# sent again is deduplicated by the shard
-RETRYABLE = (errors.FailedPrecondition, errors.Unavailable)
 
 
 def _retryable(err: Exception) -> bool:
@@ -116,8 +113,9 @@ def _seeds(seeds: Sequence[str] | str) -> list[str]:
     return list(seeds)
 
 
-class ShardedClient:
-    """Blocking client of a sharded cluster; see the module's docstring."""
+class _Sharded:
+    """What the blocking and the asyncio sharded clients share: seeds, the failover policy,
+    the per-server clients, the topology last read."""
 
     def __init__(
         self,
@@ -135,12 +133,26 @@ class ShardedClient:
         self.max_backoff = max_backoff
         self.timeout = timeout
         self.client_kw = client_kw
-        self._clients: dict[str, Client] = {}
+        self._clients: dict[str, Any] = {}
         self.closed = False  # set by close(): nothing is retried after it
-        self._lock = threading.Lock()
         self._ids = _Ids()
         self.topology: Topology | None = None
         self.retries = 0  # writes repeated (same ids) after a refusal or a failure
+
+    def _backoff(self) -> Backoff:
+        return Backoff(self.failover_timeout, self.backoff, self.max_backoff)
+
+    def _give_up(self, err: Exception) -> bool:
+        """Whether a failed try ends the call: not retryable, or the client is closed."""
+        return self.closed or not _retryable(err)
+
+
+class ShardedClient(_Sharded):
+    """Blocking client of a sharded cluster; see the module's docstring."""
+
+    def __init__(self, seeds: Sequence[str] | str, **kw: Any) -> None:
+        super().__init__(seeds, **kw)
+        self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self.refresh()
 
@@ -173,8 +185,7 @@ class ShardedClient:
     def _retry(self, shard_of, call):
         """``call(client of the shard's master)``; refused or failed: read the topology
         again and retry (same request, same ids) until ``failover_timeout``."""
-        deadline = time.monotonic() + self.failover_timeout
-        delay = self.backoff
+        backoff = self._backoff()
         while True:
             topo = self.topology or self.refresh()
             shard = shard_of(topo)
@@ -184,16 +195,15 @@ class ShardedClient:
                 try:
                     return call(self.client(master))
                 except errors.QdelayError as e:
-                    if self.closed or not _retryable(e):
+                    if self._give_up(e):
                         raise
                     err = e
             else:
                 err = errors.Unavailable(f"shard {shard!r} has no master (electing)")
-            if time.monotonic() >= deadline:
+            if backoff.expired():
                 raise err
             self.retries += 1
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self.max_backoff)
+            time.sleep(backoff.next_wait())
             try:
                 self.refresh()
             except errors.QdelayError:
@@ -402,30 +412,8 @@ class ShardedConsumer:
         self.close()
 
 
-class AioShardedClient:
+class AioShardedClient(_Sharded):
     """The asyncio twin of :class:`ShardedClient` (``qdelay.aio.Client`` per server)."""
-
-    def __init__(
-        self,
-        seeds: Sequence[str] | str,
-        *,
-        failover_timeout: float = 30.0,
-        backoff: float = 0.05,
-        max_backoff: float = 1.0,
-        timeout: float = 10.0,
-        **client_kw: Any,
-    ) -> None:
-        self.seeds = _seeds(seeds)
-        self.failover_timeout = failover_timeout
-        self.backoff = backoff
-        self.max_backoff = max_backoff
-        self.timeout = timeout
-        self.client_kw = client_kw
-        self._clients: dict = {}
-        self.closed = False  # set by close(): nothing is retried after it
-        self._ids = _Ids()
-        self.topology: Topology | None = None
-        self.retries = 0
 
     def client(self, address: str) -> AioClient:
         from qdelay.client.aio import Client as AioClient
@@ -454,8 +442,7 @@ class AioShardedClient:
     async def _retry(self, shard_of, call):
         if self.topology is None:
             await self.refresh()
-        deadline = time.monotonic() + self.failover_timeout
-        delay = self.backoff
+        backoff = self._backoff()
         while True:
             topo = self.topology or await self.refresh()
             shard = shard_of(topo)
@@ -465,16 +452,15 @@ class AioShardedClient:
                 try:
                     return await call(self.client(master))
                 except errors.QdelayError as e:
-                    if self.closed or not _retryable(e):
+                    if self._give_up(e):
                         raise
                     err = e
             else:
                 err = errors.Unavailable(f"shard {shard!r} has no master (electing)")
-            if time.monotonic() >= deadline:
+            if backoff.expired():
                 raise err
             self.retries += 1
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self.max_backoff)
+            await asyncio.sleep(backoff.next_wait())
             try:
                 await self.refresh()
             except errors.QdelayError:
