@@ -347,6 +347,7 @@ SCENARIOS = (
     "fanout",
     "backlog",
     "isolation",
+    "group_ops",
     "memory_far",
     "memory_near",
     "restart",
@@ -449,6 +450,44 @@ def scenario_isolation(root: str, backlog: int, idle_streams: int, live: int, sp
     return out
 
 
+def scenario_group_ops(root: str, sizes: tuple[int, ...] = (10, 1000)) -> dict:
+    """A real server: what creating and deleting a consumer group (ChangeGroup: a GROUP
+    record, group-committed) and reading Stats (which lists every group) cost, with N groups
+    existing already; p50 / p99 of one call at a time."""
+    from bench.peers import QdelayDriver
+    from qdelay.client import Client
+
+    out: dict = {}
+    for n in sizes:
+        os.makedirs(os.path.join(root, f"g{n}"), exist_ok=True)
+        driver = QdelayDriver()
+        driver.start(os.path.join(root, f"g{n}"))
+        client = Client(f"127.0.0.1:{driver.port}", timeout=60)
+        try:
+            for k in range(n):
+                client.create_group(f"bench.groups.{k % 100}", f"g{k}")
+            create, delete, stats = [], [], []
+            for k in range(200):
+                t0 = time.perf_counter()
+                client.create_group("bench.groups.new", f"n{k}")
+                t1 = time.perf_counter()
+                client.delete_group("bench.groups.new", f"n{k}")
+                t2 = time.perf_counter()
+                client.stats()
+                t3 = time.perf_counter()
+                create.append((t1 - t0) * 1000)
+                delete.append((t2 - t1) * 1000)
+                stats.append((t3 - t2) * 1000)
+            out[f"groups{n}"] = {
+                name: {"p50_ms": round(percentile(v, 50), 3), "p99_ms": round(percentile(v, 99), 3)}
+                for name, v in (("create", create), ("delete", delete), ("stats", stats))
+            }
+        finally:
+            client.close()
+            driver.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
@@ -484,6 +523,7 @@ def main() -> None:
         "burst": lambda i: scenario_burst(os.path.join(root, f"r{i}"), 100_000),
         "fanout": lambda i: scenario_fanout(os.path.join(root, f"r{i}"), 100_000),
         "backlog": lambda i: scenario_backlog(os.path.join(root, f"r{i}"), 5 * big, 20_000, 10_000),
+        "group_ops": lambda i: scenario_group_ops(os.path.join(root, f"r{i}"), (10, 100 if args.quick else 1000)),
         "isolation": lambda i: scenario_isolation(
             os.path.join(root, f"r{i}"), big, 100 if args.quick else 1000, 20_000, 10_000
         ),
