@@ -322,7 +322,10 @@ class SendBatcher:
             ):
                 self._resend.extendleft(reversed(unanswered))
                 attempt += 1
-                if attempt > self._retries:
+                # a lost status is no verdict: it gets one more try even with retries=0, so
+                # that the caller sees the server's own status (an auth refusal racing the
+                # first write surfaced as INTERNAL once in a fresh-clone run)
+                if attempt > (max(self._retries, 1) if lost_status else self._retries):
                     self._fail(self._take_resend(), self._translate(error, attempt))
                     attempt = 0
                 else:
