@@ -34,10 +34,24 @@ class Book:
         self.cancelled: set[str] = set()
         self.old_due: dict[str, set[int]] = {}  # id -> due times it was moved away from
         self.resent: dict[str, set[int]] = {}  # id -> due times of its re-sends (duplicates)
+        # id -> every due time it was ever given (sent, re-sent, rescheduled to): a re-send or
+        # a reschedule picks a time not in it, or a delivery at a time the id had twice would
+        # be judged against the wrong operation (a reschedule landing by chance on the due of
+        # an earlier re-send looked like a re-send that made a second message)
+        self.used: dict[str, set[int]] = {}
         self.unsure: set[str] = set()  # ids whose last operation a kill left unanswered
         self.delivered: dict[str, list[int]] = {}  # id -> deliver_at_ms of each delivery
         self.early: list = []
         self.lock = threading.Lock()
+
+
+def fresh_due(book: Book, message_id: str, want: int) -> int:
+    """``want``, or the first time after it that ``message_id`` was never given (book locked)."""
+    used = book.used.setdefault(message_id, set())
+    while want in used:
+        want += 1
+    used.add(want)
+    return want
 
 
 def produce(srv: ServerProc, trial: int, book: Book, rng: random.Random, stop: threading.Event) -> None:
@@ -56,18 +70,21 @@ def produce(srv: ServerProc, trial: int, book: Book, rng: random.Random, stop: t
                 for r in receipts:
                     book.due[r.message_id] = r.deliver_at_ms
                     book.receipt[r.message_id] = r
+                    book.used.setdefault(r.message_id, set()).add(r.deliver_at_ms)
                 live = [m for m in book.receipt if m not in book.cancelled and m.startswith(f"c{trial}-")]
             picks = rng.sample(live, min(12, len(live)))
             with book.lock:
                 book.unsure.update(picks)  # until each operation on them is answered
             # re-send four known ids with another due time: must be answered as duplicates
+            with book.lock:
+                resend_at = [fresh_due(book, m, book.due[m] + 1) for m in picks[:4]]
             again = c.send_batch(
-                [c.message(SUBJECT, b"p", message_id=m, deliver_at_ms=book.due[m] + 1) for m in picks[:4]]
+                [c.message(SUBJECT, b"p", message_id=m, deliver_at_ms=t) for m, t in zip(picks[:4], resend_at)]
             )
             with book.lock:
-                for m, r in zip(picks[:4], again):
+                for m, t, r in zip(picks[:4], resend_at, again):
                     assert r.duplicate, f"{m} re-sent and not recognised"
-                    book.resent.setdefault(m, set()).add(book.due[m] + 1)
+                    book.resent.setdefault(m, set()).add(t)
                     book.unsure.discard(m)
             # cancel: one by receipt, one by id, two in a batch
             out = [c.cancel(book.receipt[picks[4]]), c.cancel(message_id=picks[5])]
@@ -79,9 +96,8 @@ def produce(srv: ServerProc, trial: int, book: Book, rng: random.Random, stop: t
                     book.unsure.discard(m)
             # reschedule four, each to a new random time
             for m in picks[8:12]:
-                new_due = now_ms() + rng.randint(200, 4000)
-                if new_due == book.due[m]:
-                    new_due += 1
+                with book.lock:
+                    new_due = fresh_due(book, m, now_ms() + rng.randint(200, 4000))
                 outcome, r = c.reschedule(m, deliver_at_ms=new_due)
                 with book.lock:
                     if outcome == "RESCHEDULED":
