@@ -539,7 +539,7 @@ def test_node_sharded_client(tmp_path, etcd):
         follow.stdin.close()
         assert follow.wait(30) == 0, follow.stderr.read()
         wait_until(lambda: lines and lines[-1].startswith("sent "), 5, "the summary")
-        assert " failed 0 " in lines[-1], lines[-1]
+        assert " failed 0 " in lines[-1], lines[-1] + follow.stderr.read()
         acked = [x.split()[1:] for x in lines if x.startswith("acked ")]
         from qdelay.client import ShardedClient
 

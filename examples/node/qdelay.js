@@ -399,8 +399,12 @@ class Consumer extends EventEmitter {
 // same shard as every other client, and a retried id lands where it is deduplicated),
 // FAILED_PRECONDITION / UNAVAILABLE retried with the same id on the shard's current master
 // after reading the Topology again, cancel/get sent to the receipt's shard, and a consumer
-// on every server of every shard (only masters dispatch).
-const RETRYABLE = ['UNAVAILABLE', 'FAILED_PRECONDITION', 'DEADLINE_EXCEEDED'];
+// on every server of every shard (only masters dispatch). CANCELLED is retried too: it is
+// what a node stopped in a rolling restart answers the calls it was serving, and only the
+// server cancels here (the per-node clients have no retries of their own); same request
+// and ids, so a retry is safe (the Python sharded clients do the same). Nothing is
+// retried once the client is closed.
+const RETRYABLE = ['UNAVAILABLE', 'FAILED_PRECONDITION', 'DEADLINE_EXCEEDED', 'CANCELLED'];
 
 class ShardedClient {
   constructor(seeds, options = {}) {
@@ -411,6 +415,7 @@ class ShardedClient {
     this.shards = new Map(); // name -> {name, master, slaves, epoch}
     this.cluster = null;
     this.retries = 0;
+    this.closed = false;
     this.idPrefix = `n${crypto.randomBytes(8).toString('hex')}-`;
     this.idCount = 0;
   }
@@ -476,13 +481,13 @@ class ShardedClient {
         try {
           return await call(this.client(shard.master));
         } catch (err) {
-          if (!RETRYABLE.includes(err.code)) throw err;
+          if (this.closed || !RETRYABLE.includes(err.code)) throw err;
           error = err;
         }
       } else {
         error = new Error(`shard ${shardOf()} has no master (electing)`);
       }
-      if (Date.now() >= deadline) throw error;
+      if (this.closed || Date.now() >= deadline) throw error;
       this.retries += 1;
       await sleep(backoff(attempt, 20));
       await this.refresh().catch(() => {});
@@ -546,6 +551,7 @@ class ShardedClient {
   }
 
   async close() {
+    this.closed = true;
     for (const c of this.clients.values()) await c.close();
   }
 }
