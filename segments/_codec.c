@@ -1,5 +1,6 @@
 /* qdelay.segments._codec: the per-record loops of the storage paths, in C: framing bodies,
- * walking and routing frames, reading MESSAGE records back, writing DISPATCH frames.
+ * walking and routing frames, reading MESSAGE records back, writing DISPATCH frames, and
+ * making and parsing the ack ids of deliveries (the dispatcher's and the ack path's per-delivery loops).
  *
  * The formats are those of docs/formats.md (layouts in segments/layout.h) and of the
  * Python codecs in segments/, which stay the reference: every function here has a Python
@@ -550,6 +551,110 @@ done:
     return out;
 }
 
+/* ack_ids(seqs, attempts) -> list[str]
+ *
+ * The ack id of each delivery: "<seq>.<attempt>" (docs/api.md), one str per position of
+ * the two equally long sequences of non-negative ints. The dispatcher makes one per
+ * delivery per group (hundreds of thousands a second in a burst); the f-string per id was
+ * the largest single cost of handing a batch out. Python twin: server/ledger.py
+ * ``ack_ids_py``.
+ */
+static PyObject *ack_ids(PyObject *self, PyObject *args) {
+    PyObject *seqs, *attempts;
+    if (!PyArg_ParseTuple(args, "OO", &seqs, &attempts))
+        return NULL;
+    PyObject *fs = NULL, *fa = NULL, *out = NULL;
+    if (!(fs = PySequence_Fast(seqs, "ack_ids: seqs must be a sequence")) ||
+        !(fa = PySequence_Fast(attempts, "ack_ids: attempts must be a sequence")))
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fs);
+    if (PySequence_Fast_GET_SIZE(fa) != n) {
+        PyErr_SetString(PyExc_ValueError, "ack_ids: columns differ in length");
+        goto done;
+    }
+    if (!(out = PyList_New(n)))
+        goto done;
+    PyObject **sq = PySequence_Fast_ITEMS(fs), **at = PySequence_Fast_ITEMS(fa);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long s = PyLong_AsUnsignedLongLong(sq[i]);
+        unsigned long long a = PyLong_AsUnsignedLongLong(at[i]);
+        if (PyErr_Occurred()) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        char buf[48], *p = buf + sizeof buf; /* digits written backwards from the end */
+        do { *--p = (char)('0' + a % 10); a /= 10; } while (a);
+        *--p = '.';
+        do { *--p = (char)('0' + s % 10); s /= 10; } while (s);
+        Py_ssize_t len = buf + sizeof buf - p;
+        PyObject *str = PyUnicode_New(len, 127);
+        if (!str) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        memcpy(PyUnicode_1BYTE_DATA(str), p, (size_t)len);
+        PyList_SET_ITEM(out, i, str);
+    }
+done:
+    Py_XDECREF(fs);
+    Py_XDECREF(fa);
+    return out;
+}
+
+/* ack_sequences(ids) -> list[int] | None
+ *
+ * The sequence of each ack id when every id is well formed: 1-18 ASCII digits, a dot, 1-9
+ * ASCII digits (at most 18 digits: no int64 overflow); None if any is not (the caller then
+ * takes the ids one by one). Items that are not str raise TypeError. Every ack request of
+ * every group passes here. Python twin: server/ledger.py ``ack_sequences_py``.
+ */
+static PyObject *ack_sequences(PyObject *self, PyObject *args) {
+    PyObject *ids;
+    if (!PyArg_ParseTuple(args, "O", &ids))
+        return NULL;
+    PyObject *f = PySequence_Fast(ids, "ack_sequences: ids must be a sequence");
+    if (!f)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    PyObject **it = PySequence_Fast_ITEMS(f);
+    PyObject *out = PyList_New(n);
+    if (!out)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyUnicode_Check(it[i])) {
+            PyErr_Format(PyExc_TypeError, "ack_sequences: ids[%zd] is not a str", i);
+            Py_CLEAR(out);
+            goto done;
+        }
+        int well = PyUnicode_KIND(it[i]) == PyUnicode_1BYTE_KIND;
+        const unsigned char *p = well ? PyUnicode_1BYTE_DATA(it[i]) : NULL;
+        Py_ssize_t len = PyUnicode_GET_LENGTH(it[i]), k = 0;
+        long long seq = 0;
+        while (well && k < len && k < 18 && p[k] >= '0' && p[k] <= '9')
+            seq = seq * 10 + (p[k++] - '0');
+        Py_ssize_t digits = k;
+        well = well && digits >= 1 && k < len && p[k] == '.';
+        Py_ssize_t tail = well ? len - k - 1 : 0;
+        well = well && tail >= 1 && tail <= 9;
+        for (Py_ssize_t j = k + 1; well && j < len; j++)
+            well = p[j] >= '0' && p[j] <= '9';
+        if (!well) {
+            Py_CLEAR(out);
+            Py_XDECREF(f);
+            Py_RETURN_NONE;
+        }
+        PyObject *v = PyLong_FromLongLong(seq);
+        if (!v) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    Py_XDECREF(f);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
@@ -557,6 +662,8 @@ static PyMethodDef methods[] = {
     {"route", route, METH_VARARGS, "Copy scanned frames into per-bucket write-behind buffers."},
     {"dispatch_frames", dispatch_frames, METH_VARARGS, "Whole DISPATCH frames from columns."},
     {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},
+    {"ack_ids", ack_ids, METH_VARARGS, "The ack id \"seq.attempt\" of each delivery."},
+    {"ack_sequences", ack_sequences, METH_VARARGS, "The sequences of well-formed ack ids, or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,7 +4,8 @@ Python twins.
 ``codec`` is the compiled module, or None when it was not built (it is an optional
 extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one benchmark run).
 Callers look it up at each call (``native.codec``), so a test can switch it off. Every
-function has a Python twin in segments/ with the same signature and results, which stays
+function has a Python twin in segments/ (the ack ids': in server/ledger.py, whose format
+they are) with the same signature and results, which stays
 the reference; :func:`twins` names them and tests/test_codec_native.py runs each pair on
 the same inputs. (The protobuf wire codec is qdelay/wire.py, with its own extension.)
 """
@@ -24,6 +25,7 @@ def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay.segments._codec`` and its Python twin (imported here, not at
     the top: the twins' modules use this one)."""
     from qdelay.segments import framing, reader, records
+    from qdelay.server import ledger  # the ack ids' format is the ack ledger's
 
     return {
         "frame_bodies": framing.frame_bodies_py,
@@ -32,4 +34,6 @@ def twins() -> dict[str, Callable[..., Any]]:
         "route": reader.route_py,
         "read_messages": reader.read_messages_py,
         "dispatch_frames": records.encode_dispatch_frames_py,
+        "ack_ids": ledger.ack_ids_py,
+        "ack_sequences": ledger.ack_sequences_py,
     }

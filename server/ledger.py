@@ -18,20 +18,39 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from qdelay.segments import native
+
 # (seq, offset, bucket, due, attempt, subject id, group id): one entry on its way to a lane
 Item = tuple[int, int, int, int, int, int, int]
 
 _ACK_IDS = re.compile(r"(?:[0-9]{1,18}\.[0-9]{1,9} )*")  # "seq.attempt" ids, each followed by a space
 
 
+def ack_ids(seqs: list[int], attempts: list[int]) -> list[str]:
+    """The ack id ("seq.attempt") of each delivery: the native codec's ``ack_ids`` (one per
+    delivery per group in a burst: the f-string per id was the largest single cost of
+    handing a batch out), or :func:`ack_ids_py`."""
+    codec = native.codec
+    if codec is not None:
+        made: list[str] = codec.ack_ids(seqs, attempts)
+        return made
+    return ack_ids_py(seqs, attempts)
+
+
+def ack_ids_py(seqs: list[int], attempts: list[int]) -> list[str]:
+    """The Python twin of ``native.codec.ack_ids`` (non-negative ints, equally long)."""
+    return [f"{q}.{a}" for q, a in zip(seqs, attempts, strict=True)]
+
+
 def ack_sequences(ack_ids: list[str]) -> list[int]:
     """The sequence part of each ack id ("seq.attempt"; a bare "seq" is accepted too);
     ids that are not numbers are skipped. Well-formed ids (all of them, normally) are
-    parsed in one numpy call: per id, ``int(id.partition(".")[0])`` was a tenth of the
-    ack path's cost."""
-    joined = " ".join(ack_ids) + " "
-    if _ACK_IDS.fullmatch(joined):  # at most 18 digits: no int64 overflow
-        parsed: list[int] = np.fromstring(joined.replace(".", " "), dtype=np.int64, sep=" ")[::2].tolist()
+    parsed in one call of the native codec (or its twin, one numpy call): every ack of
+    every group passes here; per id, ``int(id.partition(".")[0])`` was a tenth of the ack
+    path's cost."""
+    codec = native.codec
+    parsed: list[int] | None = codec.ack_sequences(ack_ids) if codec is not None else ack_sequences_py(ack_ids)
+    if parsed is not None:
         return parsed
     seqs = []
     for ack_id in ack_ids:
@@ -40,6 +59,19 @@ def ack_sequences(ack_ids: list[str]) -> list[int]:
         except ValueError:
             continue
     return seqs
+
+
+def ack_sequences_py(ack_ids: list[str]) -> list[int] | None:
+    """The Python twin of ``native.codec.ack_sequences``: the sequences when every id is
+    "digits.digits" (1-18 and 1-9 ASCII digits: no int64 overflow), else None."""
+    if not ack_ids:
+        return []
+    joined = " ".join(ack_ids) + " "
+    # one space per id: no id held a space of its own (each matched the pattern alone)
+    if not _ACK_IDS.fullmatch(joined) or joined.count(" ") != len(ack_ids):
+        return None
+    parsed: list[int] = np.fromstring(joined.replace(".", " "), dtype=np.int64, sep=" ")[::2].tolist()
+    return parsed
 
 
 def ack_attempts(ack_ids: list[str]) -> list[tuple[int, int]]:

@@ -48,7 +48,7 @@ from qdelay.server.dispatch_log import DispatchLogWriter
 from qdelay.server.groups import Group, GroupTable
 from qdelay.server.iterate import Written
 from qdelay.server.lanes import Lane, Pass
-from qdelay.server.ledger import AckLedger, Flight, Item, ack_attempts, ack_sequences
+from qdelay.server.ledger import AckLedger, Flight, Item, ack_attempts, ack_ids, ack_sequences
 from qdelay.server.loader import Loader
 from qdelay.server.timer import Timer
 
@@ -777,7 +777,7 @@ class Scheduler:
                 self.on_dispatch(lateness)
         return Deliveries(
             t.name,
-            [f"{q}.{a}" for q, a in zip(o_seqs, o_attempts)],
+            ack_ids(o_seqs, o_attempts),
             o_mids,
             o_payloads,
             o_headers,

@@ -364,6 +364,27 @@ PAIRS: dict[tuple[str, str], Pair] = {
         ),
         args=lambda case: (*([list(c) for c in zip(*case[0])] if case[0] else [[] for _ in range(6)]), *case[1:]),
     ),
+    ("segments", "ack_ids"): Pair(
+        st.one_of(
+            st.lists(st.tuples(st.integers(0, 2**63), st.integers(0, 2**32)), max_size=20).map(
+                lambda c: ([q for q, _ in c], [a for _, a in c])
+            ),
+            st.tuples(st.lists(st.integers(0, 99), max_size=3), st.lists(st.integers(0, 99), max_size=3)),
+        ),
+        args=lambda case: case,
+    ),
+    ("segments", "ack_sequences"): Pair(
+        # well-formed ids, and the malformed ones a client may send (the slow path's)
+        st.lists(
+            st.one_of(
+                st.tuples(st.integers(0, 10**18 - 1), st.integers(0, 10**9 - 1)).map(lambda t: f"{t[0]}.{t[1]}"),
+                st.sampled_from(["", ".", "1.", ".1", "1", "1.1 2.2", "1..2", "1.2.3", "+1.1", " 1.1", "1.1 ", "١.1"]),
+                st.sampled_from(["1" * 19 + ".1", "1" * 18 + ".1", "1.1234567890", "1.123456789", "é.1"]),
+                st.text(max_size=6),
+            ),
+            max_size=12,
+        ).map(lambda ids: (ids,)),
+    ),
     ("wire", "encode_send_batch"): Pair(
         st.tuples(
             st.just(bytearray()),
