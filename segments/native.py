@@ -24,7 +24,7 @@ codec: ModuleType | None = optional("qdelay.segments._codec")
 def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay.segments._codec`` and its Python twin (imported here, not at
     the top: the twins' modules use this one)."""
-    from qdelay.segments import framing, reader, records
+    from qdelay.segments import framing, idindex, reader, records
     from qdelay.server import ledger  # the ack ids' format is the ack ledger's
 
     return {
@@ -36,4 +36,5 @@ def twins() -> dict[str, Callable[..., Any]]:
         "dispatch_frames": records.encode_dispatch_frames_py,
         "ack_ids": ledger.ack_ids_py,
         "ack_sequences": ledger.ack_sequences_py,
+        "id_entries": idindex.id_entries_py,
     }

@@ -191,6 +191,24 @@ def route_cases(draw):
     }
 
 
+@st.composite
+def id_entries_cases(draw):
+    """MESSAGE frames (ids empty or not) and their starts, dues and sequences; sometimes a
+    start off the frames, data cut short, or columns of different lengths."""
+    recs = draw(st.lists(st.tuples(st.binary(max_size=6), st.binary(max_size=12), st.binary(max_size=20)), max_size=12))
+    data = bytearray()
+    starts = []
+    for i, (subject, mid, payload) in enumerate(recs):
+        starts.append(len(data))
+        framing.encode_into(data, RecordKind.MESSAGE, i + 1, 0, records.encode_message(subject, mid, b"", payload, i))
+    cut = draw(st.one_of(st.just(len(data)), st.integers(0, len(data))))
+    starts += draw(st.lists(st.integers(-3, len(data) + 3), max_size=2))
+    n = len(starts)
+    dues = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=n, max_size=n))
+    seqs = draw(st.lists(st.integers(0, 2**63 - 1), min_size=n, max_size=n + draw(st.sampled_from([0, 0, 0, 1]))))
+    return bytes(data[:cut]), *(np.array(a, dtype=np.int64) for a in (starts, dues, seqs))
+
+
 def framing_scan(data: bytes) -> tuple:
     from qdelay.segments import reader
 
@@ -344,6 +362,7 @@ PAIRS: dict[tuple[str, str], Pair] = {
     ),
     ("segments", "route"): Pair(route_cases(), route_args, route_outcome),
     ("segments", "read_messages"): Pair(read_back_cases()),
+    ("segments", "id_entries"): Pair(id_entries_cases()),
     ("segments", "dispatch_frames"): Pair(
         st.tuples(
             st.lists(
