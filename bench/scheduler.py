@@ -452,8 +452,9 @@ def scenario_isolation(root: str, backlog: int, idle_streams: int, live: int, sp
 
 def scenario_group_ops(root: str, sizes: tuple[int, ...] = (10, 1000)) -> dict:
     """A real server: what creating and deleting a consumer group (ChangeGroup: a GROUP
-    record, group-committed) and reading Stats (which lists every group) cost, with N groups
-    existing already; p50 / p99 of one call at a time."""
+    record, group-committed) and reading Stats cost, with N groups existing already; Stats
+    unfiltered (it lists every group) and narrowed to one group (StatsRequest.subject and
+    .group); p50 / p99 of one call at a time."""
     from bench.peers import QdelayDriver
     from qdelay.client import Client
 
@@ -466,7 +467,7 @@ def scenario_group_ops(root: str, sizes: tuple[int, ...] = (10, 1000)) -> dict:
         try:
             for k in range(n):
                 client.create_group(f"bench.groups.{k % 100}", f"g{k}")
-            create, delete, stats = [], [], []
+            create, delete, stats, one = [], [], [], []
             for k in range(200):
                 t0 = time.perf_counter()
                 client.create_group("bench.groups.new", f"n{k}")
@@ -475,12 +476,15 @@ def scenario_group_ops(root: str, sizes: tuple[int, ...] = (10, 1000)) -> dict:
                 t2 = time.perf_counter()
                 client.stats()
                 t3 = time.perf_counter()
+                client.stats(subject="bench.groups.7", group="g7")
+                t4 = time.perf_counter()
                 create.append((t1 - t0) * 1000)
                 delete.append((t2 - t1) * 1000)
                 stats.append((t3 - t2) * 1000)
+                one.append((t4 - t3) * 1000)
             out[f"groups{n}"] = {
                 name: {"p50_ms": round(percentile(v, 50), 3), "p99_ms": round(percentile(v, 99), 3)}
-                for name, v in (("create", create), ("delete", delete), ("stats", stats))
+                for name, v in (("create", create), ("delete", delete), ("stats", stats), ("stats_one_group", one))
             }
         finally:
             client.close()

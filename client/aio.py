@@ -279,8 +279,9 @@ class Client:
         r, mid = ref(receipt if message_id is None else message_id)
         return Status.from_pb(await self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
 
-    async def stats(self, timeout: float | None = None) -> dict:
-        return stats_dict(await self._call(self.stub.Stats, pb.StatsRequest(), timeout))
+    async def stats(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> dict:
+        """See :meth:`qdelay.client.Client.stats`."""
+        return stats_dict(await self._call(self.stub.Stats, pb.StatsRequest(subject=subject, group=group), timeout))
 
     async def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
         """See :meth:`qdelay.client.Client.create_group`."""
@@ -292,8 +293,9 @@ class Client:
         req = pb.ChangeGroupRequest(op=pb.ChangeGroupRequest.DELETE, subject=subject, group=group)
         return (await self._call(self.stub.ChangeGroup, req, timeout)).changed
 
-    async def groups(self, timeout: float | None = None) -> list[dict]:
-        return (await self.stats(timeout))["groups"]
+    async def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
+        """See :meth:`qdelay.client.Client.groups`."""
+        return (await self.stats(timeout, subject=subject, group=group))["groups"]
 
     async def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

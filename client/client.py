@@ -749,8 +749,11 @@ class Client:
             return str(resp.state)
         return STATES[resp.state]
 
-    def stats(self, timeout: float | None = None) -> dict:
-        return stats_dict(self._call(self.stub.Stats, pb.StatsRequest(), timeout))
+    def stats(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> dict:
+        """The server's figures, and its consumer groups (``groups``): every one, or only
+        those of ``subject``, those named ``group``, or that one group (a narrow question
+        costs the server the groups it lists, not all of them)."""
+        return stats_dict(self._call(self.stub.Stats, pb.StatsRequest(subject=subject, group=group), timeout))
 
     def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
         """Create a consumer group of ``subject`` (as its first subscribe would): from now on
@@ -764,9 +767,10 @@ class Client:
         req = pb.ChangeGroupRequest(op=pb.ChangeGroupRequest.DELETE, subject=subject, group=group)
         return self._call(self.stub.ChangeGroup, req, timeout).changed
 
-    def groups(self, timeout: float | None = None) -> list[dict]:
-        """Every consumer group: subject, group, consumers, backlog, in_flight, backlog_on_disk."""
-        return self.stats(timeout)["groups"]
+    def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
+        """Consumer groups (every one, or narrowed as :meth:`stats` narrows them): subject,
+        group, consumers, backlog, in_flight, backlog_on_disk."""
+        return self.stats(timeout, subject=subject, group=group)["groups"]
 
     def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

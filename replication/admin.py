@@ -6,7 +6,8 @@
     qdelay admin fence   --target A --epoch N       tell A a master with epoch N exists
     qdelay admin resync  --data-dir DIR --master M  rebuild a slave's data folder from M
     qdelay admin group {create,delete} --server M --subject S --group G
-    qdelay admin group list --server M              consumer groups, backlog, in flight
+    qdelay admin group list --server M [--subject S] [--group G]
+                                                    consumer groups, backlog, in flight
 
 Every command takes ``--token-file`` / ``--tls-ca`` / ``--tls-server-name`` like a client.
 """
@@ -50,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("group", help="create, delete or list consumer groups")
     p.add_argument("group_command", choices=["create", "delete", "list"])
     p.add_argument("--server", required=True, help="HOST:PORT of the master")
-    p.add_argument("--subject", help="the subject (create, delete)")
-    p.add_argument("--group", help="the group's name (create, delete)")
+    p.add_argument("--subject", help="the subject (create, delete; list: only its groups)")
+    p.add_argument("--group", help="the group's name (create, delete; list: only groups of this name)")
     common_args(p)
     p = sub.add_parser("resync", help="rebuild a (stopped) slave's data folder from the master (full resync)")
     p.add_argument("--data-dir", required=True)
@@ -124,7 +125,7 @@ def _group(args: argparse.Namespace) -> int:
     ) as c:
         try:
             if args.group_command == "list":
-                groups = c.groups()
+                groups = c.groups(subject=args.subject or "", group=args.group or "")
                 if args.json:
                     print(json.dumps(groups, indent=1))
                 for g in [] if args.json else groups:

@@ -1005,9 +1005,10 @@ class Engine:
             await asyncio.to_thread(self.scheduler.apply_group, rec, now, appended.first_sequence)
             return (self.scheduler.gid_of(subject, group) is not None) == (op == records.GroupOp.CREATE)
 
-    def groups(self) -> list[dict]:
-        """Every group, with its ready entries, spill state and deliveries in flight."""
-        return self.scheduler.group_stats()
+    def groups(self, subject: str | None = None, group: str | None = None) -> list[dict]:
+        """Every group (or those of ``subject``, those named ``group``, or both), with its
+        ready entries, spill state and deliveries in flight."""
+        return self.scheduler.group_stats(subject, group)
 
     def notify_credit(self) -> None:
         self.scheduler.wake()

@@ -41,6 +41,7 @@ class GroupTable:
     def __init__(self) -> None:
         self._by_subject: dict[str, dict[str, Group]] = {}
         self._by_gid: dict[int, Group] = {}
+        self._by_name: dict[str, dict[str, Group]] = {}  # group name -> subject -> group
         # subject -> when its last group was deleted (it keeps due messages from then on)
         self._kept_since: dict[str, int] = {}
         self._next_gid = 1
@@ -63,6 +64,7 @@ class GroupTable:
         self._next_gid += 1
         groups[name] = g
         self._by_gid[g.gid] = g
+        self._by_name.setdefault(name, {})[subject] = g
         self.version += 1
         return g, True
 
@@ -72,6 +74,10 @@ class GroupTable:
         if g is None:
             return None
         del self._by_gid[g.gid]
+        named = self._by_name[name]
+        del named[subject]
+        if not named:
+            del self._by_name[name]
         if not groups:
             del self._by_subject[subject]
             self._kept_since[subject] = at_ms
@@ -90,6 +96,18 @@ class GroupTable:
 
     def all(self) -> list[Group]:
         return sorted(self._by_gid.values(), key=lambda g: (g.subject, g.name))
+
+    def select(self, subject: str | None = None, name: str | None = None) -> list[Group]:
+        """The groups of ``subject``, named ``name``, or both (None: any), in ``all()``'s
+        order; found through an index, so a narrow question costs its answer only."""
+        if subject is not None and name is not None:
+            g = self.get(subject, name)
+            return [] if g is None else [g]
+        if subject is not None:
+            return sorted(self._by_subject.get(subject, {}).values(), key=lambda g: g.name)
+        if name is not None:
+            return sorted(self._by_name.get(name, {}).values(), key=lambda g: g.subject)
+        return self.all()
 
     def __len__(self) -> int:
         return len(self._by_gid)

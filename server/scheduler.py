@@ -441,12 +441,14 @@ class Scheduler:
             self._wakeup.set()
             return True
 
-    def group_stats(self) -> list[dict[str, Any]]:
-        """Per group: ready (due, in memory), whether it spilled to disk, in flight."""
+    def group_stats(self, subject: str | None = None, group: str | None = None) -> list[dict[str, Any]]:
+        """Per group (every one, or those of ``subject``, those named ``group``, or both):
+        ready (due, in memory), whether it spilled to disk, in flight. Costs the groups
+        listed, not all of them."""
         with self.lock:
             self._drain()
             out = []
-            for g in self.groups.all():
+            for g in self.groups.select(subject, group):
                 lanes = self.timer.lanes_of(g.gid)
                 out.append(
                     {

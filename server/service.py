@@ -31,6 +31,7 @@ from qdelay.server.validation import (
     validate_change_group,
     validate_receipt,
     validate_reschedule,
+    validate_stats,
     validate_subscribe,
 )
 from qdelay.v1 import qdelay_pb2 as pb
@@ -362,6 +363,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
 
     @status.unary
     async def Stats(self, request, context):
+        subject, group = validate_stats(request, self.limits)
         s = self.engine.stats()
         lag = s.get("replication_lag_bytes", -1)
         return pb.StatsResponse(
@@ -381,7 +383,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     in_flight=g["in_flight"],
                     backlog_on_disk=g["spilled"],
                 )
-                for g in self.engine.groups()
+                for g in self.engine.groups(subject, group)
             ],
         )
 

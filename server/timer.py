@@ -58,6 +58,11 @@ class Timer:
         self._targets_cache: dict[int, list[Group]] = {}
         self._targets_version = -1
         self.lanes: dict[tuple[int, int], Lane] = {}  # (subject id, group id) -> lane
+        self._lanes_of: dict[int, list[Lane]] = {}  # group id -> its lanes (a group's changes cost its own lanes)
+        # subject id -> the latest due time of its entries that fired (or were left out of the
+        # wheel as closed for every group they were for): a group created with a later
+        # ``since`` has nothing to read back
+        self._fired_due: dict[int, int] = {}
         # subject id -> lowest bucket with entries that became due while it had no group
         self.kept: dict[int, int] = {}
         self.ready_total = 0
@@ -95,6 +100,7 @@ class Timer:
         lane = self.lanes.get((sid, gid))
         if lane is None:
             lane = self.lanes[(sid, gid)] = Lane(sid, gid)
+            self._lanes_of.setdefault(gid, []).append(lane)
         return lane
 
     def live_lane(self, lane: Lane) -> Group | None:
@@ -106,10 +112,14 @@ class Timer:
         """A new group: what already fired without it and is for it is read back from disk
         (its lane starts spilled): what its subject kept while it had no group, and, for a
         group whose since is not after the timer (one replayed after a restart, or created
-        in the very millisecond the timer fired), what fired from its since on."""
+        in the very millisecond the timer fired), what fired from its since on, if any entry
+        of its subject due at or after its since has fired. (Checking the timer alone spilled
+        nearly every group created beside others, as the timer had usually fired since its
+        creation time: each such idle lane then cost every scheduler turn a look, and held
+        every bucket from its since on from becoming done until a consumer came.)"""
         sid = self.subject_id(g.subject.encode())
         read_from = self.kept.pop(sid, None)
-        if self.fired_to >= g.since > BEGINNING:
+        if self.fired_to >= g.since > BEGINNING and self._fired_due.get(sid, BEGINNING) >= g.since:
             b = bucket_of(g.since, self.cfg.scale_minutes)
             read_from = b if read_from is None else min(read_from, b)
         if read_from is not None:
@@ -121,18 +131,17 @@ class Timer:
     def group_deleted(self, g: Group) -> None:
         """A deleted group: its lanes go, with their ready entries and spills; the buckets
         stop waiting for it."""
-        for key in [k for k in self.lanes if k[1] == g.gid]:
-            lane = self.lanes.pop(key)
+        for lane in self._lanes_of.pop(g.gid, ()):
+            del self.lanes[(lane.sid, lane.gid)]
             self.ready_total -= lane.ready.count
             self.spilled.discard(lane)
-            if lane in self.rr:
-                self.rr.remove(lane)
+            # a lane left in the round-robin is dropped by ``take`` (no longer live)
         for st in self.book.loaded.values():
             st.owed.pop(g.gid, None)
             st.partial.pop(g.name, None)
 
     def lanes_of(self, gid: int) -> list[Lane]:
-        return [ln for (_sid, lg), ln in self.lanes.items() if lg == gid]
+        return list(self._lanes_of.get(gid, ()))
 
     # --- loading ----------------------------------------------------------------------------------
 
@@ -165,7 +174,10 @@ class Timer:
                         if first in hit and q not in counted.get(first, ()):
                             st.nclosed += 1
                         if targets and all(g.name in hit for g in targets):
-                            continue  # closed for every group it is for
+                            # closed for every group it is for: as good as fired for them
+                            if d > self._fired_due.get(sid, BEGINNING):
+                                self._fired_due[sid] = d
+                            continue
                         for name in hit:
                             st.partial.setdefault(name, set()).add(q)
                         self._partial_any = True
@@ -211,8 +223,12 @@ class Timer:
         sorted_e = due.take(order)
         subjects, starts = np.unique(sorted_e.subj, return_index=True)
         bounds = list(starts[1:]) + [len(sorted_e)]
+        fired_due = self._fired_due
         for sid, lo, hi in zip(subjects.tolist(), starts.tolist(), bounds):
             part = sorted_e.take(slice(lo, hi))
+            last = int(part.due.max())
+            if last > fired_due.get(sid, BEGINNING):
+                fired_due[sid] = last
             targets = self.targets(sid, int(part.seq.min()))
             if not targets:
                 # nobody to deliver to: the entries wait on disk for the subject's first group

@@ -347,6 +347,17 @@ def check_group(group: str, limits: Limits) -> None:
         raise InvalidArgument(f"group: 1-{most} characters of [A-Za-z0-9._-]")
 
 
+def validate_stats(request, limits: Limits) -> tuple[str | None, str | None]:
+    """(subject, group) a StatsRequest narrows its groups to (None: not narrowed)."""
+    subject = request.subject or None
+    group = request.group or None
+    if subject is not None:
+        check_subject(subject, limits, "StatsRequest.subject")
+    if group is not None:
+        check_group(group, limits)
+    return subject, group
+
+
 def validate_subscribe(request, limits: Limits) -> tuple[str, str]:
     subject = request.subject
     check_subject(subject, limits, "subject")

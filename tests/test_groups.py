@@ -148,6 +148,55 @@ def test_deleting_a_group_drops_its_backlog_and_spares_the_others(client):
     assert client.get(message_id=ids[0]).state == "DELIVERED"
 
 
+def test_stats_narrowed_to_a_subject_a_group_name_or_one_group(client, server):
+    """StatsRequest.subject / .group: the groups listed are those of the subject, those of
+    the name, or that one group, in both clients and in ``qdelay admin group list``."""
+    import asyncio
+    import json
+    import subprocess
+    import sys
+
+    from qdelay import errors
+    from qdelay.client import aio
+
+    s1, s2 = subject(), subject()
+    billing, notify = f"billing{s1.split('.')[0]}", f"notify{s1.split('.')[0]}"  # names no other test uses
+    for subj, group in ((s1, billing), (s1, notify), (s2, billing)):
+        client.create_group(subj, group)
+
+    def listed(**narrow) -> list[tuple[str, str]]:
+        return [(g["subject"], g["group"]) for g in client.stats(**narrow)["groups"]]
+
+    assert listed(subject=s1) == [(s1, billing), (s1, notify)]
+    assert sorted(listed(group=notify)) == [(s1, notify)]
+    assert (s1, billing) in listed(group=billing) and (s2, billing) in listed(group=billing)
+    assert all(g == billing for _s, g in listed(group=billing))
+    assert listed(subject=s2, group=billing) == [(s2, billing)]
+    assert listed(subject=s2, group=notify) == []
+    assert {(s1, billing), (s1, notify), (s2, billing)} <= set(listed())
+    assert {"pending", "role", "wheel_size"} <= set(client.stats(subject=s1))  # the server's figures stay whole
+    assert [g["group"] for g in client.groups(subject=s1, group=notify)] == [notify]
+    with pytest.raises(errors.InvalidArgument):
+        client.stats(subject="no spaces")
+    with pytest.raises(errors.InvalidArgument):
+        client.stats(group="bad/name")
+
+    async def narrowed() -> list[str]:
+        async with aio.Client(server.address) as ac:
+            return [g["group"] for g in await ac.groups(subject=s1)]
+
+    assert asyncio.run(narrowed()) == [billing, notify]
+    cp = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "admin", "group", "list", "--server", server.address]
+        + ["--subject", s1, "--group", notify, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode == 0, cp.stderr
+    assert [(g["subject"], g["group"]) for g in json.loads(cp.stdout)] == [(s1, notify)]
+
+
 def test_redelivery_and_dead_letters_are_per_group(tmp_path):
     args = [
         "--set",

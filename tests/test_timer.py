@@ -110,3 +110,47 @@ def test_a_deleted_group_loses_its_lanes_retries_and_counts():
     assert timer.ready_total == 4
     taken = timer.take(lambda subject, group: 10, lambda n: n, quantum=512)
     assert [(gr.name, cols[0], cols[4]) for _lane, gr, _name, cols in taken] == [("kept", [1, 1, 2, 3], [2, 1, 1, 1])]
+
+
+def test_a_group_created_beside_others_reads_back_only_what_fired_for_its_subject_since():
+    """A new group of a subject that has groups receives from its ``since`` on. Its lane
+    starts spilled (read back from disk) only if an entry of its subject due at or after
+    that ``since`` has fired already; a lane spilled for nothing would be looked at every
+    scheduler turn and keep the buckets from its since on from becoming done."""
+    timer, st, groups = rig()
+    groups.create("s", "first", 0)
+    groups.create("quiet", "first", 0)
+    load(timer, st, b"s", [1, 2], T + 5)
+    timer.fire(T + 10)  # the timer (and subject s) passed T + 5
+    quiet, _ = groups.create("quiet", "second", T + 5)
+    timer.group_created(quiet)
+    assert timer.lanes_of(quiet.gid) == [] and timer.spilled == set()
+    assert timer.spill_floor() > B  # nothing held back for it
+    late, _ = groups.create("s", "second", T + 5)  # entries due at T + 5 fired without it
+    timer.group_created(late)
+    (lane,) = timer.lanes_of(late.gid)
+    assert lane.spilled and lane.drop_from == B
+    later, _ = groups.create("s", "third", T + 6)  # nothing of s due at or after T + 6 fired
+    timer.group_created(later)
+    assert timer.lanes_of(later.gid) == []
+
+
+def test_group_changes_and_lookups_cost_the_group_not_all_of_them():
+    """A group's lanes are indexed by group: deleting one does not walk every lane, and
+    narrowed group lookups (Stats filters) find their answer through an index."""
+    timer, st, groups = rig()
+    made = [groups.create(f"s{k % 7}", f"g{k}", 0)[0] for k in range(50)]
+    for k in range(7):
+        load(timer, st, f"s{k}".encode(), [100 + k], T)
+    timer.fire(T)
+    assert sum(len(timer.lanes_of(g.gid)) for g in made) == 50
+    groups.delete(made[3].subject, made[3].name, T)
+    timer.group_deleted(made[3])
+    assert timer.lanes_of(made[3].gid) == [] and len(timer.lanes) == 49
+    taken = timer.take(lambda subject, group: 10, lambda n: n, quantum=512)
+    assert sorted(g.name for _lane, g, _name, _cols in taken) == sorted(g.name for g in made if g is not made[3])
+    assert [g.name for g in groups.select("s1")] == sorted(g.name for g in made if g.subject == "s1")
+    assert [(g.subject, g.name) for g in groups.select(name="g8")] == [("s1", "g8")]
+    assert groups.select("s1", "g8") == [made[8]] and groups.select("s2", "g8") == []
+    assert groups.select(name="g3") == []  # deleted
+    assert groups.select() == groups.all()
