@@ -203,11 +203,14 @@ class IdIndex:
 
     def get_many(self, message_ids: Iterable[str]) -> list[tuple[int, int] | None]:
         self._usable()
-        keys = [m.encode() for m in message_ids]
+        keys = list(map(str.encode, message_ids))
         if not keys:
             return []
+        found = _get_many(self._db, keys)
+        if found.count(None) == len(found):  # the common case of new ids: nothing to unpack
+            return cast("list[tuple[int, int] | None]", found)
         unpack = _PAIR.unpack
-        return [None if v is None else unpack(v) for v in _get_many(self._db, keys)]
+        return [None if v is None else unpack(v) for v in found]
 
     def holds(self, message_ids: list[str], dues: list[int], seqs: list[int]) -> list[bool]:
         """Whether each id maps to exactly this (due, sequence), i.e. that message is in the

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from dataclasses import dataclass
 
 from qdelay.server.engine import Engine, Receipt
@@ -40,17 +41,39 @@ class Claim:
     future: asyncio.Future | None
 
 
+@dataclass(slots=True)
+class _Written:
+    """A batch written and maybe not yet indexed: its ids, in sequence order from ``first``,
+    and their due times. Every id of it maps to this one object in ``Deduper._recent`` (a
+    C loop to fill, no tuple per id); a hit, which is rare, finds its place with index()."""
+
+    first: int
+    ids: list[str]
+    dues: list[int]
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.ids) - 1
+
+    def receipt(self, message_id: str) -> Receipt:
+        k = self.ids.index(message_id)
+        return Receipt(message_id, self.dues[k], self.first + k)
+
+
 class Deduper:
     def __init__(self, engine: Engine, window_ms: int) -> None:
         self.engine = engine
         self.window_ms = window_ms
-        # ids written and maybe not yet indexed -> (due, sequence), with the batches they came
-        # in, oldest first, as (highest sequence, ids, lowest sequence) for forgetting them;
-        # ids being written -> the future settled when their batch is written or failed.
-        # Filled and searched a batch at a time (dict.update, keys() & set: C loops, the
-        # cost of the smaller side) however far the index lags.
-        self._recent: dict[str, tuple[int, int]] = {}
-        self._order: collections.deque[tuple[int, list[str], int]] = collections.deque()
+        # ids written and maybe not yet indexed -> the batch that wrote them last, and those
+        # batches oldest first, for forgetting them; ids being written -> the future settled
+        # when their batch is written or failed. Filled, searched and emptied a batch at a
+        # time (dict.update, keys() & list, map over pop: C loops, the cost of the batch)
+        # however far the index lags.
+        self._recent: dict[str, _Written] = {}
+        self._order: collections.deque[_Written] = collections.deque()
+        # ids whose entry in _recent replaced an older batch's (a reschedule, or a re-send
+        # after the window): forgetting a batch that has one checks it is still its own
+        self._again: set[str] = set()
         self._writing: dict[str, asyncio.Future] = {}
         self._active: dict[int, int] = {}  # lookup token -> indexed sequence when it began
         self._token = 0
@@ -63,7 +86,9 @@ class Deduper:
         return self.window_ms > 0 and self.engine.ids is not None
 
     async def check(self, ids: list[str]) -> tuple[dict[int, Receipt], Claim]:
-        """(duplicates: batch index -> original receipt, claim on the other ids)."""
+        """(duplicates: batch index -> original receipt, claim on the other ids).
+
+        ``ids`` are distinct (validation refuses a batch that repeats one)."""
         engine = self.engine
         if self._epoch != engine.epoch:  # first use, or a new role: the index must catch up
             self._epoch, self._floor = engine.epoch, engine.wal.committed_sequence
@@ -73,34 +98,33 @@ class Deduper:
         self._token += 1
         token = self._token
         self._active[token] = engine.iterate.sequence
-        wanted = set(ids)
         try:
-            # on the loop: a miss is answered from the memtable and bloom filters (~0.5 us a
-            # key); only hits need the message's state, read on a worker thread
+            # on the loop: a miss is answered from the bloom filters (~0.4 us a key); only
+            # hits need the message's state, read on a worker thread
             index = engine.ids  # there is one: dedupe is enabled
             if index is not None and index.failed is None:
                 hits = index.get_many(ids)
             else:  # the index stopped after a write error (a full disk): only ids written in
                 hits = [None] * len(ids)  # the last moments (not yet iterated) are recognised
             found: dict[int, Receipt] = {}
-            if any(h is not None for h in hits):
+            if hits.count(None) != len(hits):
                 found = await asyncio.to_thread(engine.duplicates_among, ids, hits, self.window_ms)
             writing = self._writing
             while writing:  # a batch with one of these ids may be being written
-                busy = {writing[m] for m in writing.keys() & wanted}
+                busy = {writing[m] for m in writing.keys() & ids}
                 if not busy:
                     break
                 await asyncio.gather(*busy)
         finally:
             del self._active[token]
-        recent = self._recent.keys() & wanted if self._recent else ()
+        # (no await from here to the claim: no other batch can claim one of these ids between)
+        recent = self._recent.keys() & ids if self._recent else ()
         dups: dict[int, Receipt] = {}
         if found or recent:
             for k, message_id in enumerate(ids):
                 hit = found.get(k)
                 if hit is None and message_id in recent:
-                    due, seq = self._recent[message_id]
-                    hit = Receipt(message_id, due, seq)
+                    hit = self._recent[message_id].receipt(message_id)
                 if hit is not None:
                     dups[k] = hit
         claimed = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
@@ -112,10 +136,8 @@ class Deduper:
 
     def written(self, claim: Claim, first: int, dues: list[int]) -> None:
         """The claimed ids were written with sequences from ``first``, due at ``dues``."""
-        n = len(claim.ids)
-        if n:
-            self._recent.update(zip(claim.ids, zip(dues, range(first, first + n))))
-            self._order.append((first + n - 1, claim.ids, first))
+        if claim.ids:
+            self._remember(_Written(first, claim.ids, dues))
         self._release(claim)
         if claim.future is not None:
             claim.future.set_result(True)
@@ -126,26 +148,34 @@ class Deduper:
             claim.future.set_result(False)
 
     def _release(self, claim: Claim) -> None:
-        writing, fut = self._writing, claim.future
-        for message_id in claim.ids:
-            if writing.get(message_id) is fut:
-                del writing[message_id]
+        # each claimed id maps to this claim's future alone: check() claims only ids no
+        # other batch is writing, with no await between its look and its claim
+        collections.deque(map(self._writing.pop, claim.ids, itertools.repeat(None)), maxlen=0)
 
     def rescheduled(self, receipt: Receipt) -> None:
         """A Reschedule wrote the id's message again: its new receipt is the one a retried
         send of that id is answered with (until the index holds it)."""
-        self._recent[receipt.message_id] = (receipt.deliver_at_ms, receipt.sequence)
-        self._order.append((receipt.sequence, [receipt.message_id], receipt.sequence))
+        self._remember(_Written(receipt.sequence, [receipt.message_id], [receipt.deliver_at_ms]))
+
+    def _remember(self, batch: _Written) -> None:
+        recent = self._recent
+        if recent and not recent.keys().isdisjoint(batch.ids):
+            self._again.update(recent.keys() & batch.ids)  # written again: see _prune
+        recent.update(dict.fromkeys(batch.ids, batch))
+        self._order.append(batch)
 
     def _prune(self) -> None:
         """Forget recent ids the index holds, unless a lookup begun before it got them runs."""
         floor = self.engine.iterate.sequence
         if self._active:
             floor = min(floor, *self._active.values())
-        order, recent = self._order, self._recent
-        while order and order[0][0] <= floor:
-            last, ids, first = order.popleft()
-            for message_id in ids:
-                entry = recent.get(message_id)
-                if entry is not None and first <= entry[1] <= last:  # not written again since
-                    del recent[message_id]
+        order, recent, again = self._order, self._recent, self._again
+        while order and order[0].last <= floor:
+            batch = order.popleft()
+            if again and not again.isdisjoint(batch.ids):
+                for message_id in batch.ids:  # some were written again since: keep those
+                    if recent.get(message_id) is batch:
+                        del recent[message_id]
+                        again.discard(message_id)
+            else:
+                collections.deque(map(recent.pop, batch.ids, itertools.repeat(None)), maxlen=0)
