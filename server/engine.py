@@ -83,6 +83,10 @@ class EngineConfig:
     open_files: int = 4096
     role: str = "master"
     checkpoint_interval_ms: int = 1000
+    # the iterate service lets commits gather this long between its steps when it is not
+    # behind (server/iterate.py): fewer, larger steps; a message reaches the timer and the
+    # id index up to this much later (Get, Cancel and dedupe do not wait for it)
+    iterate_gather_ms: float = 2.0
     # the on-disk message-id index behind Cancel/Get by id (segments/idindex.py); off saves
     # its ingest cost (about 1.3 us of server CPU per message) and turns by-id calls away
     id_index: bool = True
@@ -268,6 +272,7 @@ class Engine:
             horizon=self._handover_horizon,
             counts={k: int(state.get(k, 0)) for k in ("messages", "cancels")},
             ids=self.ids,
+            gather=config.iterate_gather_ms / 1000,
         )
         self.scheduler = Scheduler(
             self.schedule,

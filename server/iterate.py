@@ -18,6 +18,11 @@ tried again (with a growing pause) until space is freed, so nothing is skipped o
 twice, and the message log refuses new writes meanwhile. A checkpoint that finds no space
 is left for the next one.
 
+When it is not behind, the service lets the commits of ``gather`` seconds (2 ms by default,
+``iterate_gather_ms``) share one step: a step costs about the same for one group commit
+as for several, and a busy server commits every millisecond or so. Callers that wait for
+its progress (``wait_for``) wake it at once.
+
 Records of buckets beyond the scheduler's loading horizon are written behind: they
 collect in one buffer per bucket and reach their segment with the next checkpoint (at
 most ``checkpoint_interval`` later), when the buffers pass ``write_behind_bytes``, or when
@@ -99,6 +104,7 @@ class IterateService:
         horizon: Callable[[], int] | None = None,
         write_behind_bytes: int = 8 * 1024 * 1024,
         ids: IdIndex | None = None,
+        gather: float = 0.0,
     ) -> None:
         self.wal = wal
         self.ids = ids  # message id -> (due, sequence) of each MESSAGE copied
@@ -137,6 +143,14 @@ class IterateService:
         self._behind: dict[int, bytearray] = {}
         self._behind_bytes = 0
         self.disk_full_waits = 0  # schedule writes retried for want of space
+        # After a step that left little to copy, the next one waits up to ``gather`` seconds
+        # for more commits to share it: a step costs about the same for one group commit as
+        # for several (being woken, the GIL, the reads, the index's write, the schedule
+        # appends), and a busy server commits every millisecond or so. Whoever waits for
+        # progress (wait_for: Get, Cancel, the dedupe catch-up) ends the wait at once.
+        self.gather = gather
+        self._hurry = threading.Event()
+        self.steps = 0
         self._trim_due = False  # write-behind buffers of several MiB were freed
 
     # --- control ------------------------------------------------------------------------------
@@ -147,6 +161,7 @@ class IterateService:
 
     def stop(self) -> None:
         self._stop.set()
+        self._hurry.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -165,6 +180,8 @@ class IterateService:
     def wait_for(self, sequence: int, timeout: float) -> bool:
         """Block until every record up to ``sequence`` is in the schedule log."""
         deadline = time.monotonic() + timeout
+        if self.sequence < sequence:
+            self._hurry.set()
         with self._progress:
             while self.sequence < sequence:
                 left = deadline - time.monotonic()
@@ -186,6 +203,9 @@ class IterateService:
                         self._request_checkpoint()
                         self._trim()
                     self.wal.wait_commit(self.offset, 0.05)
+                elif self.gather > 0 and self.lag_bytes() < self.read_bytes // 2:
+                    self._hurry.wait(self.gather)
+                    self._hurry.clear()  # (a wait_for begun just now is served by the next step)
         except BaseException as err:  # surfaced through stats and health, never swallowed
             self.error = err
             log.exception("iterate service stopped")
@@ -207,6 +227,7 @@ class IterateService:
                     self._flush_behind([b for b in self._behind if b <= reach])
         if not data:
             return False
+        self.steps += 1
         with self.append_lock:
             # write at once everything up to one bucket past the horizon (the horizon may
             # move while this batch is copied: a bucket it passes meanwhile is flushed, and
