@@ -84,6 +84,33 @@ def _add_messages(idx: SparseIndex, cols: Columns) -> None:
     idx.mdues.frombytes(cols.dues[rows].astype(np.int64).tobytes())
 
 
+# up to this many receipts, ``holds`` checks them one by one: a binary search and a slice
+# comparison each cost ~2 us, while the vectorised form's ~20 numpy calls cost ~25 us
+# whatever the batch (a client gathering concurrent cancel() calls sends batches of a few)
+SCALAR_UPTO = 16
+
+
+def _holds_each(
+    idx: SparseIndex, sequences: np.ndarray | list[int], dues: np.ndarray | list[int], message_ids: list[str]
+) -> list[bool]:
+    """``RecordFinder.holds`` for a few receipts, one at a time (the same answers: the test
+    of the finder runs both forms on the same queries)."""
+    ms, md, ends, ids = idx.mseqs, idx.mdues, idx.id_ends, idx.ids
+    count = len(ms)
+    seqs = sequences.tolist() if isinstance(sequences, np.ndarray) else sequences
+    ats = dues.tolist() if isinstance(dues, np.ndarray) else dues
+    out = []
+    for seq, due, mid in zip(seqs, ats, message_ids):
+        pos = bisect.bisect_left(ms, seq)
+        if pos == count or ms[pos] != seq or md[pos] != due:
+            out.append(False)
+            continue
+        start = ends[pos - 1] if pos else 0
+        raw = mid.encode()
+        out.append(len(raw) > 0 and ends[pos] - start == len(raw) and ids[start : ends[pos]] == raw)
+    return out
+
+
 class RecordFinder:
     """Finds a record and its tombstone in a schedule segment without walking the segment:
     each segment's index is extended by the bytes appended since the last look (read as
@@ -139,6 +166,8 @@ class RecordFinder:
         with self._lock:  # the arrays may not grow while numpy looks at them
             if not idx.ordered or not idx.mseqs or n == 0:
                 return [False] * n
+            if n <= SCALAR_UPTO:
+                return _holds_each(idx, sequences, dues, message_ids)
             ms = np.frombuffer(idx.mseqs, dtype=np.int64)
             q = np.asarray(sequences, dtype=np.int64)
             pos = np.minimum(np.searchsorted(ms, q), len(ms) - 1)

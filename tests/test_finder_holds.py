@@ -1,6 +1,7 @@
 """RecordFinder.holds (segments/lookup.py): a batch of receipts checked against a schedule
-segment's columns answers as reading each record does (RecordFinder.find + decode), while
-the segment grows and with tombstones between the messages."""
+segment's columns (or, a few receipts, one by one) answers as reading each record does
+(RecordFinder.find + decode), while the segment grows and with tombstones between the
+messages."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 
 from simclock import MINUTE, T0, FakeClock, config, message
 
-from qdelay.segments import records
+from qdelay.segments import lookup, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import Engine
@@ -56,6 +57,13 @@ def test_holds_answers_as_reading_each_record(tmp_path):
             got = engine.finder.holds(seg, [q[0] for q in queries], [q[1] for q in queries], [q[2] for q in queries])
             want = [_reference(engine, seg, *q) for q in queries]
             assert got == want
+            # a few at a time: checked one by one (_holds_each), the same answers
+            step = lookup.SCALAR_UPTO
+            each = []
+            for k in range(0, len(queries), step):
+                part = queries[k : k + step]
+                each += engine.finder.holds(seg, [q[0] for q in part], [q[1] for q in part], [q[2] for q in part])
+            assert each == want
             assert sum(got) >= 60  # the right ones (and no more than the reference finds)
     finally:
         engine.close()
