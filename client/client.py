@@ -39,7 +39,7 @@ import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
-from qdelay.client.batching import Batching, CancelBatcher, SendBatcher
+from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, SendBatcher
 from qdelay.client.types import (
     RECONNECT_OPTIONS,
     STATES,
@@ -209,12 +209,22 @@ def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batc
             settings.retry_backoff,
         )
 
+    stream = CancelStreamCall(
+        lambda requests: stub.CancelStream(requests, metadata=settings.metadata),
+        call(stub.CancelBatch),  # a server without CancelStream
+        translate,
+        settings.retries,
+        settings.retry_backoff,
+        settings.timeout,
+        deadline_exceeded,
+    )
     return CancelBatcher(
         call(stub.CancelBatch),
         call(stub.Cancel),
         max_batch=batching.max_batch,
         linger=batching.linger,
         timeout_error=deadline_exceeded,
+        stream=stream,
     )
 
 

@@ -138,15 +138,15 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.shard = (cfg.shard or "") if cfg.etcd else ""
         self.address = cfg.listen  # the real one is set by the app once it listens
         self.agent = None  # cluster mode: the etcd agent (replication/cluster.py), for Topology
-        self._send_streams: set[asyncio.Queue] = set()  # the pipelines of the open SendStreams
+        self._streams: set[asyncio.Queue] = set()  # the pipelines of the open SendStreams and CancelStreams
 
     def begin_shutdown(self) -> None:
-        """Refuse new work, and end every SendStream once the batches it has read are
-        answered: a batching client keeps one open while idle, and the server's stop would
+        """Refuse new work, and end every SendStream and CancelStream once the batches it
+        has read are answered: a batching client keeps one open while idle, and the server's stop would
         otherwise wait its whole grace period for it (the client opens a new one when it has
         something to send)."""
         self.closing = True
-        for pending in self._send_streams:
+        for pending in self._streams:
             try:
                 pending.put_nowait(_CLOSING)
             except asyncio.QueueFull:  # busy: its writer checks ``closing`` after each batch
@@ -268,7 +268,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                 await pending.put(None)
 
         reader = asyncio.ensure_future(read())
-        self._send_streams.add(pending)
+        self._streams.add(pending)
         try:
             while True:
                 item = await pending.get()
@@ -286,7 +286,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
                 if self.closing and pending.empty():
                     break  # shutting down: every batch read is answered
         finally:
-            self._send_streams.discard(pending)
+            self._streams.discard(pending)
             if not reader.done():
                 reader.cancel()
             # let batches already handed to the engine settle (they may still become durable)
@@ -315,6 +315,68 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.guard.check(cancel=True)
         outcomes = await self.engine.cancel_many(targets)
         return pb.CancelBatchResponse(responses=[_CANCEL_ANSWERS[o] for o in outcomes])
+
+    @status.streaming
+    async def CancelStream(self, request_iterator, context):
+        """CancelBatch requests on one stream: each validated in order and cancelled
+        concurrently (each its own group commit, shared with whatever else is being
+        written); responses keep the order. A gathering client's cancel batches cost the
+        server a stream message each instead of a call each (a gRPC call costs this server
+        ~0.6-1.1 ms of CPU whatever it carries).
+
+        The first refused request ends the stream with its status: every request before it
+        has its response; nothing of it is written, and nothing read after it is. Requests
+        already under way when a later one fails finish (their tombstones may be written)
+        without a response: a client sends them again, and cancelling again is safe.
+        """
+        pending: asyncio.Queue = asyncio.Queue(maxsize=STREAM_PIPELINE)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    try:
+                        targets = validate_cancel_batch(request, self.limits)
+                        if self.closing:
+                            raise ShuttingDown("the server is shutting down; retry later")
+                        self.guard.check(cancel=True)
+                        task = asyncio.ensure_future(self.engine.cancel_many(targets))
+                    except Exception as error:  # noqa: BLE001 - reported in order by the writer below
+                        await pending.put(error)
+                        return
+                    await pending.put(task)
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.ensure_future(read())
+        self._streams.add(pending)
+        try:
+            while True:
+                item = await pending.get()
+                if item is None:
+                    break
+                if item is _CLOSING:
+                    if pending.empty():
+                        break
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                outcomes = await item
+                yield pb.CancelBatchResponse(responses=[_CANCEL_ANSWERS[o] for o in outcomes])
+                if self.closing and pending.empty():
+                    break  # shutting down: every request read is answered
+        finally:
+            self._streams.discard(pending)
+            if not reader.done():
+                reader.cancel()
+            # let cancels already handed to the engine settle (their claims are released or
+            # their tombstones written; see Engine.cancel_many)
+            while not pending.empty():
+                item = pending.get_nowait()
+                if isinstance(item, asyncio.Future):
+                    try:
+                        await item
+                    except Exception:  # noqa: BLE001 - the stream already failed
+                        pass
 
     @status.unary
     async def Reschedule(self, request, context):

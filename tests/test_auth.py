@@ -42,6 +42,8 @@ def test_token_required_on_every_rpc(tmp_path, token_file):
             with pytest.raises(errors.Unauthenticated):
                 c.stats()
             with pytest.raises(errors.Unauthenticated):
+                c.cancel("some-id")  # a request on a CancelStream
+            with pytest.raises(errors.Unauthenticated):
                 c.health()
             with c.subscribe("a.b") as consumer:
                 with pytest.raises(errors.Unauthenticated):
@@ -51,6 +53,7 @@ def test_token_required_on_every_rpc(tmp_path, token_file):
             c = srv.client(token=token)
             r = c.send("a.b", b"x", delay_ms=0)
             assert c.state_name(c.get(r)) in ("PENDING", "DELIVERED")
+            assert c.cancel(c.send("a.c", b"x", delay_ms=3_600_000)) == "CANCELLED"
             assert c.health() == "SERVING"
             with c.subscribe("a.b") as consumer:
                 got = consumer.receive(1, timeout=5)
