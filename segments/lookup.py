@@ -222,6 +222,24 @@ class RecordFinder:
         return self._index(seg).cancelled
 
     @staticmethod
+    def cancel_stamp(seg: Segment, target: int, start: int = 0) -> int | None:
+        """The timestamp of the first CANCEL for ``target`` in ``seg`` at or after ``start``
+        (a tombstone follows its target's record: give that record's offset), or None. A walk
+        of the rest of the segment, for the rare caller that needs when a message was
+        cancelled (an idempotent send's retry, server/engine.py ``duplicates_among``)."""
+        stop = seg.size
+        pos = start
+        while pos < stop:
+            cols = read_columns(seg, pos, stop)
+            rows = np.flatnonzero(cols.kinds == RecordKind.CANCEL)
+            if len(rows):
+                hits = rows[cols.u64_at(rows, _CANCEL_TARGET_AT) == target]
+                if len(hits):
+                    return cols.stamp(int(hits[0]))
+            pos = cols.base + cols.end
+        return None
+
+    @staticmethod
     def find_dispatch(
         seg: Segment | None, sequence: int, start: int = 0, stop: int | None = None
     ) -> tuple[Frame | None, int]:

@@ -4,8 +4,8 @@ again; its sender gets the original receipt with ``duplicate = true`` (issue 13,
 Where an id can be found, in the order it is looked in:
 
 1. the message-id index (segments/idindex.py), for everything the iterate service has
-   copied; a hit is a duplicate if that message is still pending, or if it was sent (its
-   record's timestamp) less than ``window_ms`` ago — delivered or cancelled ones included;
+   copied; a hit is a duplicate if that message is still pending, or if it was closed
+   (delivered, dead-lettered, cancelled) less than ``window_ms`` ago (Engine.duplicates_among);
 2. ``_recent``: batches this server appended that the index may not hold yet (the iterate
    service lags the message log by milliseconds); a batch leaves once the index holds it
    and no lookup that started before that is still running;

@@ -90,8 +90,8 @@ class EngineConfig:
     # the on-disk message-id index behind Cancel/Get by id (segments/idindex.py); off saves
     # its ingest cost (about 1.3 us of server CPU per message) and turns by-id calls away
     id_index: bool = True
-    # idempotent send (server/dedupe.py): an id of a pending message, or of one sent less
-    # than this long ago, is answered with the original receipt; 0 turns it off
+    # idempotent send (server/dedupe.py): an id of a pending message, or of one delivered or
+    # cancelled less than this long ago, is answered with the original receipt; 0 turns it off
     dedupe_window_ms: int = 600_000
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cleaner: CleanerConfig = field(default_factory=CleanerConfig)
@@ -667,24 +667,39 @@ class Engine:
         self, ids: list[str], hits: list[tuple[int, int] | None], window_ms: int
     ) -> dict[int, Receipt]:
         """Of ``ids`` and what the id index maps them to (``hits``), the ones that make a new
-        message a duplicate: still pending, or sent less than ``window_ms`` ago (delivered
-        and cancelled ones too); batch index -> that message's receipt."""
+        message a duplicate: still pending (or in flight), or closed less than ``window_ms``
+        ago; batch index -> that message's receipt.
+
+        The window runs from the close, not the send (docs/api.md): a delivered or dead-
+        lettered message closed when its last DISPATCH record says it was handed over, a
+        cancelled one when its tombstone was written. Only a retry reaches here (a new id
+        misses the index), so reading those records is affordable.
+        """
         out: dict[int, Receipt] = {}
         now = self.clock()
         for k, hit in enumerate(hits):
             if hit is None:
                 continue
             due, seq = hit
-            state, offset = self._locate(ids[k], due, seq)
+            state, offset, _msg, _at, closes = self._locate(ids[k], due, seq, detail=True)
             if state == MessageState.NOT_FOUND:
                 continue  # cleaned away long ago
-            if state != MessageState.PENDING:
-                seg = self.schedule.get(bucket_of(due, self.config.scale_minutes))
-                sent_at = seg.read_frame(offset).timestamp if seg is not None else 0
-                if now - sent_at > window_ms:
-                    continue  # closed, and sent before the window: the id may be used again
+            if state != MessageState.PENDING and now - self._closed_at(due, seq, offset, state, closes) > window_ms:
+                continue  # closed before the window: the id may be used again
             out[k] = Receipt(ids[k], due, seq)
         return out
+
+    def _closed_at(self, due: int, seq: int, offset: int, state: MessageState, closes: list[records.Dispatch]) -> int:
+        """When a closed message (found at ``offset`` of its bucket's segment) was closed: its
+        latest DISPATCH record's hand-over time, or its tombstone's timestamp. If neither can
+        be read (a tombstone only claimed so far), now: the message has just been closed."""
+        if state != MessageState.CANCELLED:
+            if closes:
+                return max(c.dispatched_at_ms for c in closes)
+            return self.clock()
+        seg = self.schedule.get(bucket_of(due, self.config.scale_minutes))
+        stamp = self.finder.cancel_stamp(seg, seq, offset) if seg is not None else None
+        return self.clock() if stamp is None else stamp
 
     def _claim_cancels(self, targets: list[tuple[str, int | None, int | None]]) -> tuple[list[CancelOutcome], list]:
         """Look every target up and claim the pending ones; (outcomes, claimed targets).

@@ -1,5 +1,5 @@
 """Idempotent send against a real server (issue 13, item 4): an id that belongs to a pending
-message, or to one sent within ``engine.dedupe_window_ms``, writes nothing and answers the
+message, or to one closed (delivered, cancelled) within ``engine.dedupe_window_ms``, writes nothing and answers the
 original receipt with ``duplicate = true`` — across concurrent senders, batches, and a
 SIGKILL restart."""
 
@@ -100,4 +100,31 @@ def test_dedupe_off_writes_every_send(tmp_path):
         a = c.send("t.off", b"p", delay_ms=HOUR, message_id="same")
         b = c.send("t.off", b"p", delay_ms=HOUR, message_id="same")
         assert not b.duplicate and b.sequence == a.sequence + 1
+        c.close()
+
+
+def test_the_window_runs_from_the_close_not_the_send(tmp_path):
+    """A message closed (delivered, cancelled) long after it was sent is still remembered
+    for ``dedupe_window_ms`` from its close; after that its id makes a new message."""
+    window_ms, delay_ms = 1500, 2500  # the retries come > window after the send
+    with ServerProc(tmp_path / "data", args=["--set", f"engine.dedupe_window_ms={window_ms}"]) as srv:
+        c = srv.client()
+        cancelled = c.send("t.close", b"p", delay_ms=HOUR, message_id="c1")
+        delivered = c.send("t.close", b"p", delay_ms=delay_ms, message_id="d1")
+        with c.subscribe("t.close") as consumer:
+            got = consumer.receive(1, timeout=10)
+            consumer.ack(got)
+        assert [d.message_id for d in got] == ["d1"]
+        assert wait_until(lambda: c.get(delivered).state == "DELIVERED")
+        assert c.cancel(cancelled) == "CANCELLED"
+        closed = time.monotonic()
+        # both were sent more than the window ago, and closed just now: duplicates
+        again = c.send_batch([c.message("t.close", b"p", delay_ms=HOUR, message_id=m) for m in ("c1", "d1")])
+        assert time.monotonic() - closed < window_ms / 1000, "the retry came too late to test the window"
+        assert [(r.sequence, r.duplicate) for r in again] == [(cancelled.sequence, True), (delivered.sequence, True)]
+        time.sleep(window_ms / 1000 + 0.1)  # let the window pass: waiting on the clock is the point here
+        new = c.send_batch([c.message("t.close", b"p", delay_ms=HOUR, message_id=m) for m in ("c1", "d1")])
+        assert [r.duplicate for r in new] == [False, False]
+        assert min(r.sequence for r in new) > delivered.sequence
+        assert wait_until(lambda: _pending(c) == 2)
         c.close()
