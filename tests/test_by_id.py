@@ -87,3 +87,30 @@ def test_with_the_index_off_by_id_is_refused_and_receipts_still_work(tmp_path):
         assert c.cancel(r) == "CANCELLED"
         c.close()
     assert not (tmp_path / "data" / "index").exists()
+
+
+def test_with_dedupe_off_by_id_acts_on_the_newest_whatever_its_state(tmp_path):
+    """``dedupe_window_ms = 0``: a second message with a pending message's id is written, and
+    by-id calls act on the newest of them (the highest sequence), pending or not; the older
+    pending one is reached by its receipt only (docs/api.md, "By id")."""
+    with ServerProc(tmp_path / "data", args=["--set", "engine.dedupe_window_ms=0"]) as srv:
+        c = srv.client()
+        older = c.send("t.twice", b"older", delay_ms=HOUR, message_id="dup")
+        newer = c.send("t.twice", b"newer", delay_ms=0, message_id="dup")
+        assert not newer.duplicate and newer.sequence > older.sequence
+        with c.subscribe("t.twice") as consumer:
+            got = consumer.receive(1, timeout=10)
+            consumer.ack(got)
+        assert [d.payload for d in got] == [b"newer"]
+        st = wait_until(lambda: (s := c.get(message_id="dup")).state == "DELIVERED" and s)
+        assert st.deliver_at_ms == newer.deliver_at_ms
+        assert c.cancel(message_id="dup") == "ALREADY_DELIVERED"
+        assert c.reschedule("dup", delay_ms=HOUR) == ("ALREADY_DELIVERED", None)
+        assert c.get(older).state == "PENDING"  # untouched by the by-id calls
+        # two pending: by id reaches the newer; the older only by its receipt
+        third = c.send("t.twice", b"third", delay_ms=HOUR, message_id="dup")
+        assert c.cancel(message_id="dup") == "CANCELLED"
+        assert c.cancel(message_id="dup") == "ALREADY_CANCELLED"
+        assert (c.get(third).state, c.get(older).state) == ("CANCELLED", "PENDING")
+        assert c.cancel(older) == "CANCELLED"
+        c.close()
