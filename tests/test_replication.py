@@ -421,3 +421,59 @@ def test_groups_and_their_progress_survive_replication_and_promotion(tmp_path):
         for p in (a, b):
             if p.alive():
                 p.stop()
+
+
+def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
+    """A Reschedule is two records in the replicated message log (the message again at its
+    new time, the old one's tombstone): the slave answers Get by id and by receipt with the
+    new time (reads are served by any role; writes only by the master), and once promoted
+    delivers the message at its new time, never at the old one."""
+    from qdelay.client import Client
+
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address])
+    b.start()
+    try:
+        now = int(time.time() * 1000)
+        with Client(a.address) as c:
+            later = c.send("mv", b"later", deliver_at_ms=now + 2_000, message_id="later")  # moved out
+            sooner = c.send("mv", b"sooner", deliver_at_ms=now + 3_600_000, message_id="sooner")  # moved in
+            outcome, moved_out = c.reschedule("later", deliver_at_ms=now + 7_000)
+            assert outcome == "RESCHEDULED"
+            outcome, moved_in = c.reschedule(sooner, deliver_at_ms=now + 5_000)
+            assert outcome == "RESCHEDULED"
+        wait_caught_up(a.address, b.address)
+        with Client(b.address, retries=0) as cb:
+            st = cb.get(message_id="later")
+            assert (st.state, st.deliver_at_ms) == ("PENDING", moved_out.deliver_at_ms)
+            assert cb.get(message_id="sooner").deliver_at_ms == moved_in.deliver_at_ms
+            assert cb.get(later).state == "CANCELLED"  # the old receipt: its tombstone
+            assert cb.get(moved_in).state == "PENDING"
+            assert cb.get(message_id="nobody").state == "NOT_FOUND"
+            with pytest.raises(errors.FailedPrecondition):
+                cb.cancel(message_id="later")
+            with pytest.raises(errors.FailedPrecondition):
+                cb.reschedule("later", delay_ms=1000)
+        a.kill9()
+        admin("promote", "--target", b.address)
+        got = []
+        with Client(b.address) as cb, cb.subscribe("mv", max_in_flight=10) as cons:
+            deadline = time.monotonic() + 20
+            while len(got) < 2 and time.monotonic() < deadline:
+                batch = cons.receive(2 - len(got), 1.0)
+                got += batch
+                cons.ack(batch)
+            extra = cons.receive(1, 1.0)
+            assert cb.get(message_id="later").state == "DELIVERED"
+        assert [(d.message_id, d.deliver_at_ms) for d in got] == [
+            ("sooner", moved_in.deliver_at_ms),
+            ("later", moved_out.deliver_at_ms),
+        ]
+        for d in got:  # never at the old time: handed over at or after the new one
+            assert d.dispatched_at_ms >= d.deliver_at_ms
+        assert not extra
+    finally:
+        for p in (a, b):
+            if p.alive():
+                p.stop()
