@@ -1,8 +1,9 @@
 """SIGKILL under a load that mixes sends, re-sends of known ids, cancels (by receipt, by id,
 in batches) and reschedules (issue 13, item 6). Every answered operation must hold after
 any number of kills: an acknowledged, uncancelled message is delivered at its latest due
-time and never early; a CANCELLED answer means never delivered; a rescheduled message is
-never delivered at its old time; a re-sent id (answered as a duplicate) never makes a
+time and never early; a CANCELLED answer means never delivered; an ALREADY_DELIVERED answer (of Cancel or
+Reschedule) means the consumer did see it; a rescheduled message is never delivered at its
+old time; a re-sent id (answered as a duplicate) never makes a
 second message."""
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Book:
         self.due: dict[str, int] = {}  # id -> latest acknowledged due time
         self.receipt: dict[str, object] = {}
         self.cancelled: set[str] = set()
+        # ids a Cancel or Reschedule answered ALREADY_DELIVERED: the consumer must see each
+        # (it may be in a consumer's hands at the answer: acknowledged, or handed out again
+        # after a kill, but delivered)
+        self.already_delivered: set[str] = set()
         self.old_due: dict[str, set[int]] = {}  # id -> due times it was moved away from
         self.resent: dict[str, set[int]] = {}  # id -> due times of its re-sends (duplicates)
         # id -> every due time it was ever given (sent, re-sent, rescheduled to): a re-send or
@@ -97,6 +102,8 @@ def produce(srv: ServerProc, trial: int, book: Book, rng: random.Random, stop: t
                 for m, o in zip(picks[4:8], out):
                     if o == "CANCELLED":
                         book.cancelled.add(m)
+                    elif o == "ALREADY_DELIVERED":
+                        book.already_delivered.add(m)
                     book.unsure.discard(m)
             # reschedule four, each to a new random time
             for m in picks[8:12]:
@@ -108,6 +115,8 @@ def produce(srv: ServerProc, trial: int, book: Book, rng: random.Random, stop: t
                         book.old_due.setdefault(m, set()).add(book.due[m])
                         book.due[m] = new_due
                         book.receipt[m] = r
+                    elif outcome == "ALREADY_DELIVERED":
+                        book.already_delivered.add(m)
                     book.unsure.discard(m)
     except errors.QdelayError:
         return  # the server died: the operation in progress was not answered
@@ -169,6 +178,7 @@ def test_sigkill_with_cancels_reschedules_and_resends(tmp_path):
             with book.lock:
                 if (
                     all(book.due[m] in book.delivered.get(m, ()) for m in want)
+                    and book.already_delivered <= book.delivered.keys()
                     and now_ms() > max(book.due.values()) + 500
                 ):
                     break
@@ -184,11 +194,14 @@ def test_sigkill_with_cancels_reschedules_and_resends(tmp_path):
         assert not book.not_recognised, f"re-sent and not answered as duplicates: {book.not_recognised[:5]}"
         after_cancel = [m for m in book.cancelled if m in book.delivered]  # answered CANCELLED: never
         assert not after_cancel, f"cancelled and delivered: {after_cancel[:5]}"
+        # answered ALREADY_DELIVERED: the consumer saw it by the end of the run
+        never = sorted(book.already_delivered - book.delivered.keys())
+        assert not never, f"answered ALREADY_DELIVERED and never delivered: {never[:5]}"
         at_old = [m for m, olds in book.old_due.items() if olds & set(book.delivered.get(m, ()))]
         assert not at_old, f"delivered at the time they were moved away from: {at_old[:5]}"
         doubled = [m for m, dues in book.delivered.items() if book.resent.get(m, set()) & set(dues)]
         assert not doubled, f"a re-sent id made a second message: {doubled[:5]}"
         print(
             f"\n{TRIALS} SIGKILL trials: {len(book.due)} acknowledged, {len(book.cancelled)} cancelled, "
-            f"{len(book.old_due)} rescheduled, all held"
+            f"{len(book.old_due)} rescheduled, {len(book.already_delivered)} answered ALREADY_DELIVERED, all held"
         )
