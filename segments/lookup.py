@@ -84,6 +84,10 @@ def _add_messages(idx: SparseIndex, cols: Columns) -> None:
     idx.mdues.frombytes(cols.dues[rows].astype(np.int64).tobytes())
 
 
+# a lookup that would read more than this to bring an index up to date is not "ready"
+# (RecordFinder.ready, DispatchIndex.ready): it goes to a worker thread
+READY_SLACK = 64 * 1024
+
 # up to this many receipts, ``holds`` checks them one by one: a binary search and a slice
 # comparison each cost ~2 us, while the vectorised form's ~20 numpy calls cost ~25 us
 # whatever the batch (a client gathering concurrent cancel() calls sends batches of a few)
@@ -154,6 +158,18 @@ class RecordFinder:
                     break
                 self._bytes -= self._indexes.pop(oldest).dense_bytes
             return idx
+
+    def ready(self, seg: Segment, slack: int = READY_SLACK) -> bool:
+        """Whether a lookup in ``seg`` now reads at most ``slack`` bytes to bring its index up
+        to date, and nobody holds the finder (a look without waiting, for a caller deciding
+        whether a lookup can run on the event loop: Engine.get_now)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            idx = self._indexes.get(seg.path)
+            return idx is not None and seg.size - idx.upto <= slack
+        finally:
+            self._lock.release()
 
     def holds(
         self, seg: Segment, sequences: np.ndarray | list[int], dues: np.ndarray | list[int], message_ids: list[str]
@@ -289,6 +305,19 @@ class DispatchIndex:
         else:
             self._cache.move_to_end(seg.path)
         return entry
+
+    def ready(self, seg: Segment | None, slack: int = READY_SLACK) -> bool:
+        """As ``RecordFinder.ready``: whether a lookup in ``seg`` (None: no dispatch log, nothing
+        to read) reads at most ``slack`` bytes and nobody holds the index."""
+        if seg is None:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            entry = self._cache.get(seg.path)
+            return seg.size - (entry[2] if entry is not None else 0) <= slack
+        finally:
+            self._lock.release()
 
     def offsets(self, seg: Segment | None, sequence: int) -> list[int]:
         """File offsets of every DISPATCH record of ``sequence`` in ``seg`` (one per group

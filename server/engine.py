@@ -871,6 +871,37 @@ class Engine:
     async def get(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus:
         return await asyncio.to_thread(self.get_sync, message_id, deliver_at_ms, sequence)
 
+    def get_now(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus | None:
+        """``get_sync`` on the calling thread (the event loop's) when it would neither wait
+        nor read much, else None (the caller then runs ``get`` on a worker thread).
+
+        A Get whose minute is indexed costs ~30-80 us here; handing it to a worker thread
+        and back cost more than that, and on a busy machine each hand-off is a thread
+        waiting for a core (issue 13: Get p99). Not ready: the iterate service has not
+        copied what the call must see, the bucket has records written behind, or the
+        finder's or the dispatch index of the bucket would read more than a few KiB (the
+        first Get of a minute builds its index: milliseconds) or is in use by a worker."""
+        iterate = self.iterate
+        if sequence is None or deliver_at_ms is None:  # by id: the index answers once iterated
+            if self.ids is None or iterate.sequence < self.wal.committed_sequence:
+                return None
+            found = self.ids.get(message_id)
+            if found is None:
+                return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
+            deliver_at_ms, sequence = found
+        if 0 < sequence <= self.wal.committed_sequence:
+            bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
+            seg = self.schedule.get(bucket)
+            if (
+                iterate.sequence < sequence
+                or iterate.written_behind(bucket)
+                or seg is None
+                or not self.finder.ready(seg)
+                or not self.dispatched.ready(self.dispatch.get(bucket))
+            ):
+                return None
+        return self.get_sync(message_id, deliver_at_ms, sequence)
+
     def get_sync(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus:
         if sequence is None or deliver_at_ms is None:  # by id
             found = self.resolve_id(message_id)

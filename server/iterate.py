@@ -257,8 +257,20 @@ class IterateService:
             self._trim_due = False
             allocator.trim()
 
+    def written_behind(self, bucket: int) -> bool:
+        """Whether ``bucket`` has records in the write-behind buffer (a reader would have
+        to ``flush_bucket`` first): a look without the lock, for a caller deciding whether
+        a lookup can run without waiting (Engine.get_now)."""
+        return bucket in self._behind
+
     def flush_bucket(self, bucket: int) -> None:
-        """Write ``bucket``'s records out of the write-behind buffer (a reader needs them)."""
+        """Write ``bucket``'s records out of the write-behind buffer (a reader needs them).
+
+        A bucket with nothing behind returns at once, without the append lock (which a step
+        holds while it copies): a buffer leaves ``_behind`` only after it is written, and
+        what a reader waited for (``wait_for``) was copied, so it is in the file or behind."""
+        if bucket not in self._behind:
+            return
         with self.append_lock:
             if bucket in self._behind:
                 self._flush_behind([bucket])

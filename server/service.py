@@ -397,7 +397,11 @@ class DelayService(pb_grpc.DelayServiceServicer):
     @status.unary
     async def Get(self, request, context):
         message_id, due, sequence = validate_receipt(request, self.limits)
-        st = await self.engine.get(message_id, due, sequence)
+        # on the event loop when the lookup would neither wait nor read much (most Gets),
+        # else on a worker thread
+        st = self.engine.get_now(message_id, due, sequence)
+        if st is None:
+            st = await self.engine.get(message_id, due, sequence)
         resp = pb.GetResponse(
             state=int(st.state),  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
             deliver_at_ms=st.deliver_at_ms or 0,

@@ -1,0 +1,72 @@
+"""Engine.get_now: a Get answered on the calling thread (the server's event loop) only when
+it would neither wait nor read much, and then exactly as get_sync answers; otherwise None
+(the service hands it to a worker thread)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from simclock import MINUTE, T0, FakeClock, config, message
+
+from qdelay.segments.naming import bucket_of
+from qdelay.server.engine import Engine, MessageState
+
+
+def _same(a, b) -> bool:
+    return (a.state, a.message, a.deliver_at_ms, a.delivered_at_ms, a.groups) == (
+        b.state,
+        b.message,
+        b.deliver_at_ms,
+        b.delivered_at_ms,
+        b.groups,
+    )
+
+
+def test_get_now_answers_as_get_sync_once_the_minute_is_indexed(tmp_path):
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    due = T0 + 90 * MINUTE
+    try:
+        receipts = engine.send_sync([message("t.g", due + k, f"g{k}") for k in range(200)])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        r = receipts[7]
+        # the minute's index is not built yet: building it reads the segment, not here
+        assert engine.get_now(r.message_id, r.deliver_at_ms, r.sequence) is None
+        first = engine.get_sync(r.message_id, r.deliver_at_ms, r.sequence)  # builds it
+        now = engine.get_now(r.message_id, r.deliver_at_ms, r.sequence)
+        assert now is not None and _same(now, first) and now.state == MessageState.PENDING
+        # by id, a cancelled one, a receipt whose id disagrees, a sequence never written
+        asyncio.run(engine.cancel_many([(r.message_id, r.deliver_at_ms, r.sequence)]))
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        engine.get_sync(r.message_id, r.deliver_at_ms, r.sequence)  # the index reads the tombstone
+        for args in (
+            ("g8", None, None),
+            (r.message_id, None, None),
+            (r.message_id, r.deliver_at_ms, r.sequence),
+            ("other", r.deliver_at_ms, r.sequence),
+            ("g9", due + 9, engine.wal.committed_sequence + 100),
+            ("nobody", None, None),
+        ):
+            now = engine.get_now(*args)
+            assert now is not None, args
+            assert _same(now, engine.get_sync(*args)), args
+        assert engine.get_now(r.message_id, None, None).state == MessageState.CANCELLED
+        assert engine.get_now("nobody", None, None).state == MessageState.NOT_FOUND
+    finally:
+        engine.close()
+
+
+def test_get_now_declines_what_would_wait(tmp_path):
+    """Not yet copied by the iterate service (never started here), or a by-id call while
+    the iterate service is behind: None, and get_sync answers."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    try:
+        (r,) = engine.send_sync([message("t.g", T0 + 90 * MINUTE, "late")])
+        assert engine.get_now(r.message_id, r.deliver_at_ms, r.sequence) is None
+        assert engine.get_now(r.message_id, None, None) is None
+    finally:
+        engine.close()
