@@ -717,6 +717,105 @@ done:
     return out;
 }
 
+/* The id filter (segments/idfilter.py): a Bloom filter over message ids in a bytearray
+ * whose length is a power of two (at least 8 bytes). An id sets FILTER_PROBES bits:
+ * h = XXH3_64(id's UTF-8 bytes), h1 = its low 32 bits, h2 = its high 32 bits | 1, bit i =
+ * (h1 + i * h2) mod the number of bits (bit b is bit b % 8 of byte b / 8). */
+#define FILTER_PROBES 7
+
+static int filter_bits(Py_buffer *bits, uint64_t *mask) {
+    if (bits->len < 8 || (bits->len & (bits->len - 1))) {
+        PyErr_SetString(PyExc_ValueError, "id filter: its length is not a power of two of at least 8 bytes");
+        return -1;
+    }
+    *mask = (uint64_t)bits->len * 8 - 1;
+    return 0;
+}
+
+static inline int filter_test(const unsigned char *b, uint64_t mask, const char *key, Py_ssize_t len) {
+    uint64_t h = XXH3_64bits(key, (size_t)len), h1 = h & 0xffffffffu, h2 = (h >> 32) | 1;
+    for (int i = 0; i < FILTER_PROBES; i++) {
+        uint64_t at = (h1 + (uint64_t)i * h2) & mask;
+        if (!(b[at >> 3] & (1u << (at & 7))))
+            return 0;
+    }
+    return 1;
+}
+
+/* filter_add(bits: bytearray, keys: list[bytes]) -> None: set each key's bits.
+ * Python twin: segments/idfilter.py ``filter_add_py``. */
+static PyObject *filter_add(PyObject *self, PyObject *args) {
+    Py_buffer bits;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "w*O!", &bits, &PyList_Type, &keys))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t mask;
+    if (filter_bits(&bits, &mask) < 0)
+        goto done;
+    unsigned char *b = bits.buf;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(k)) {
+            PyErr_SetString(PyExc_TypeError, "filter_add: keys must be bytes");
+            goto done;
+        }
+        uint64_t h = XXH3_64bits(PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
+        uint64_t h1 = h & 0xffffffffu, h2 = (h >> 32) | 1;
+        for (int j = 0; j < FILTER_PROBES; j++) {
+            uint64_t at = (h1 + (uint64_t)j * h2) & mask;
+            b[at >> 3] |= (unsigned char)(1u << (at & 7));
+        }
+    }
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&bits);
+    return out;
+}
+
+/* filter_maybe(bits, ids: list[str]) -> list[int]: the positions of the ids whose bits are
+ * all set (maybe present; the others are certainly absent).
+ * Python twin: segments/idfilter.py ``filter_maybe_py``. */
+static PyObject *filter_maybe(PyObject *self, PyObject *args) {
+    Py_buffer bits;
+    PyObject *ids;
+    if (!PyArg_ParseTuple(args, "y*O!", &bits, &PyList_Type, &ids))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t mask;
+    if (filter_bits(&bits, &mask) < 0 || !(out = PyList_New(0)))
+        goto done;
+    const unsigned char *b = bits.buf;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(ids, i);
+        if (!PyUnicode_Check(m)) {
+            PyErr_SetString(PyExc_TypeError, "filter_maybe: ids must be str");
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_ssize_t len;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(m, &len);
+        if (!utf8) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (filter_test(b, mask, utf8, len)) {
+            PyObject *ix = PyLong_FromSsize_t(i);
+            if (!ix || PyList_Append(out, ix) < 0) {
+                Py_XDECREF(ix);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(ix);
+        }
+    }
+done:
+    PyBuffer_Release(&bits);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
@@ -727,6 +826,8 @@ static PyMethodDef methods[] = {
     {"ack_ids", ack_ids, METH_VARARGS, "The ack id \"seq.attempt\" of each delivery."},
     {"ack_sequences", ack_sequences, METH_VARARGS, "The sequences of well-formed ack ids, or None."},
     {"id_entries", id_entries, METH_VARARGS, "The id index's keys and values of MESSAGE frames."},
+    {"filter_add", filter_add, METH_VARARGS, "Set the id filter's bits of each key."},
+    {"filter_maybe", filter_maybe, METH_VARARGS, "The positions of the ids the id filter may hold."},
     {NULL, NULL, 0, NULL},
 };
 

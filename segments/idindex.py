@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,6 +36,7 @@ from rocksdict import BlockBasedOptions, DBCompressionType, Options, Rdict, Writ
 from qdelay.errors import CorruptRecord, Unavailable
 from qdelay.segments import framing, native, records
 from qdelay.segments.framing import RecordKind
+from qdelay.segments.idfilter import IdFilter
 from qdelay.segments.reader import read_columns
 
 if TYPE_CHECKING:
@@ -111,6 +113,16 @@ class IdIndex:
         self.puts = 0
         self._unsynced = 0
         self.failed: str | None = None  # why the index stopped (a write error); restart rebuilds
+        # The id filter (segments/idfilter.py) in front of lookups: None until a scan of the
+        # keys has built it (started by the first lookup), replaced by a larger one built the
+        # same way once full. Every put adds its keys to it and to the one being built, under
+        # _filter_lock with the write, so that a scan's iterator, made under that lock, sees
+        # every key that was written before and not added to the new filter.
+        self._filter: IdFilter | None = None
+        self._building: IdFilter | None = None
+        self._filter_lock = threading.Lock()
+        self._scan: threading.Thread | None = None
+        self._closing = False
 
     @property
     def built(self) -> bool:
@@ -163,9 +175,45 @@ class IdIndex:
             keys, values = [k for k, _v in kept], [v for _k, v in kept]
         wb = WriteBatch(raw_mode=True)
         collections.deque(map(wb.put, keys, values), maxlen=0)  # the loop in C: ~0.2 us a key less
-        self._db.write(wb, self._wo)
+        with self._filter_lock:
+            for f in (self._filter, self._building):
+                if f is not None:
+                    f.add(keys)  # before the write: the filter may say "maybe", never "no", for a key
+            self._db.write(wb, self._wo)
+            if self._filter is not None and self._filter.full and self._building is None:
+                self._start_scan(2 * self._filter.capacity)
         self.puts += len(starts)
         self._unsynced += len(starts)
+
+    def _start_scan(self, capacity: int) -> None:
+        """Build a filter of ``capacity`` from a scan of the keys, in the background
+        (_filter_lock held: the new filter gets every put from now on, the scan the rest)."""
+        if self._closing:
+            return
+        building = self._building = IdFilter(capacity)
+        self._scan = threading.Thread(target=self._fill, args=(building,), name="qdelay-id-filter", daemon=True)
+        self._scan.start()
+
+    def _fill(self, building: IdFilter) -> None:
+        try:
+            with self._filter_lock:  # after the last put that did not add to ``building``
+                keys = cast("Iterable[bytes]", self._db.keys())  # raw mode: bytes
+            chunk: list[bytes] = []
+            for key in keys:
+                chunk.append(key)
+                if len(chunk) == 4096:
+                    if self._closing:
+                        return
+                    building.add(chunk)
+                    chunk = []
+            building.add(chunk)
+            with self._filter_lock:
+                self._filter, self._building = building, None
+            log.info("id filter built", extra={"keys": building.count, "bytes": len(building.bits)})
+        except Exception as err:  # noqa: BLE001 - lookups go on through RocksDB alone
+            with self._filter_lock:
+                self._building = None
+            log.warning("id filter not built", extra={"error": str(err)})
 
     def rebuild(self, schedule: BucketLog) -> int:
         """Index every MESSAGE of the schedule segments (after a loss of the index, or on
@@ -203,14 +251,32 @@ class IdIndex:
 
     def get_many(self, message_ids: Iterable[str]) -> list[tuple[int, int] | None]:
         self._usable()
-        keys = list(map(str.encode, message_ids))
-        if not keys:
+        ids = message_ids if isinstance(message_ids, list) else list(message_ids)
+        if not ids:
             return []
-        found = _get_many(self._db, keys)
+        filt = self._filter
+        if filt is None:
+            if self._building is None and self._scan is None:
+                with self._filter_lock:
+                    if self._building is None:
+                        self._start_scan(int(1.5 * self._estimate_keys()))
+            found = _get_many(self._db, list(map(str.encode, ids)))
+        else:
+            maybe = filt.maybe(ids)  # the others are certainly not in the index
+            found = [None] * len(ids)
+            if maybe:
+                for k, v in zip(maybe, _get_many(self._db, [ids[k].encode() for k in maybe])):
+                    found[k] = v
         if found.count(None) == len(found):  # the common case of new ids: nothing to unpack
             return cast("list[tuple[int, int] | None]", found)
         unpack = _PAIR.unpack
         return [None if v is None else unpack(v) for v in found]
+
+    def _estimate_keys(self) -> int:
+        try:
+            return int(self._db.property_int_value("rocksdb.estimate-num-keys") or 0)
+        except Exception:  # noqa: BLE001 - only sizes the filter
+            return 0
 
     def holds(self, message_ids: list[str], dues: list[int], seqs: list[int]) -> list[bool]:
         """Whether each id maps to exactly this (due, sequence), i.e. that message is in the
@@ -240,6 +306,10 @@ class IdIndex:
         self._unsynced = 0
 
     def close(self) -> None:
+        self._closing = True
+        scan = self._scan
+        if scan is not None:
+            scan.join()  # its iterator must not outlive the database
         try:
             self._db.close()  # flushes the memtable, if it can
         except Exception as err:  # noqa: BLE001 - e.g. a full disk: the replay puts it again

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qdelay import errors, wire
-from qdelay.segments import framing, native, records
+from qdelay.segments import framing, idfilter, native, records
 from qdelay.segments.framing import RecordKind
 from qdelay.server.config import Limits
 from qdelay.server.validation import encode_messages, encode_messages_py
@@ -209,6 +209,29 @@ def id_entries_cases(draw):
     return bytes(data[:cut]), *(np.array(a, dtype=np.int64) for a in (starts, dues, seqs))
 
 
+filter_bits = st.one_of(
+    st.sampled_from([8, 16, 64, 1024]).map(bytearray),  # empty filters of valid sizes
+    st.binary(min_size=8, max_size=8).map(bytearray),  # some bits set already
+    st.binary(max_size=12).map(bytearray),  # mostly sizes that are not a power of two
+)
+filter_keys = st.lists(st.one_of(st.binary(max_size=12), st.text(max_size=6).map(str.encode)), max_size=20)
+
+
+@st.composite
+def filter_maybe_cases(draw):
+    """A filter holding some ids (added by the twin), asked about those and others."""
+    bits = draw(filter_bits)
+    held = draw(st.lists(st.text(max_size=6), max_size=10))
+    try:
+        idfilter.filter_add_py(bits, [m.encode() for m in held])
+    except ValueError:
+        pass  # a filter of a wrong size: both sides refuse it
+    asked = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=6)), max_size=20))
+    if draw(st.integers(0, 9)) == 0:
+        asked = [*asked, draw(st.sampled_from([b"id", 3, None]))]  # not a str
+    return bytes(bits) if draw(st.booleans()) else bits, asked
+
+
 def framing_scan(data: bytes) -> tuple:
     from qdelay.segments import reader
 
@@ -363,6 +386,11 @@ PAIRS: dict[tuple[str, str], Pair] = {
     ("segments", "route"): Pair(route_cases(), route_args, route_outcome),
     ("segments", "read_messages"): Pair(read_back_cases()),
     ("segments", "id_entries"): Pair(id_entries_cases()),
+    ("segments", "filter_add"): Pair(
+        st.tuples(filter_bits, filter_keys.map(lambda ks: ks + [3] if len(ks) == 7 else ks)),
+        outcome=lambda result, args: (result, bytes(args[0])),
+    ),
+    ("segments", "filter_maybe"): Pair(filter_maybe_cases()),
     ("segments", "dispatch_frames"): Pair(
         st.tuples(
             st.lists(
