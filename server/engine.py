@@ -717,7 +717,17 @@ class Engine:
         """
         sched = self.scheduler
         outcomes: list[CancelOutcome] = [CancelOutcome.NOT_FOUND] * len(targets)
-        found = [(i, p) for i, p in enumerate(self._find_targets(targets)) if p is not None]
+        found: list[tuple[int, tuple[int, int]]] = []
+        first_of: dict[int, int] = {}  # sequence -> the first target naming it
+        repeats: list[tuple[int, int]] = []  # (a target, the earlier one naming its message)
+        for i, p in enumerate(self._find_targets(targets)):
+            if p is None:
+                continue
+            if p[1] in first_of:  # named again (by id and by receipt, or twice): claimed once
+                repeats.append((i, first_of[p[1]]))
+            else:
+                first_of[p[1]] = i
+                found.append((i, p))
         answers = sched.claim_cancels([seq for _i, (_due, seq) in found])
         mine: list[tuple[int, tuple[int, int]]] = []
         for (i, place), answer in zip(found, answers):
@@ -743,6 +753,8 @@ class Engine:
                 outcomes[i] = self._NOT_PENDING[state]
         if release:
             sched.release_cancels(release)
+        for i, j in repeats:  # a repeat answers as a second Cancel after the first would
+            outcomes[i] = CancelOutcome.ALREADY_CANCELLED if outcomes[j] == CancelOutcome.CANCELLED else outcomes[j]
         return outcomes, claimed
 
     def _find_targets(self, targets: list[tuple[str, int | None, int | None]]) -> list[tuple[int, int] | None]:
