@@ -1,4 +1,5 @@
-"""The typed results of the Python clients (blocking and asyncio): receipts and statuses.
+"""The typed results of the Python clients (blocking and asyncio): receipts, statuses and
+deliveries.
 
 A :class:`Receipt` is what a send returns and what cancel/get/reschedule take. Its string
 form is short and stable, meant to be kept in a database row next to the order it belongs
@@ -66,6 +67,44 @@ class Receipt:
     def to_pb(self) -> pb.Receipt:
         return pb.Receipt(
             message_id=self.message_id, deliver_at_ms=self.deliver_at_ms, sequence=self.sequence, shard=self.shard
+        )
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One message handed to a consumer (what ``receive``, ``batches`` and iterating a
+    consumer give, in both clients): the fields of ``qdelay.v1.Delivery`` by the same names,
+    and ``group``, the consumer group it was delivered to. ``attempt`` is 1 on the first
+    delivery; ``deliver_at_ms`` is the due time, ``dispatched_at_ms`` when the server handed
+    it out. Acknowledge it (or a batch of them) with ``consumer.ack``: its ``ack_id`` names
+    this delivery, not the message (a redelivery has another).
+
+    The clients decode each SubscribeResponse straight into these (``wire.decode_deliveries``,
+    native, no protobuf object per delivery). A plain slots class: cheap to make and to read,
+    mutable like the protobuf it replaces."""
+
+    message_id: str
+    subject: str
+    payload: bytes
+    headers: dict[str, str]
+    deliver_at_ms: int
+    dispatched_at_ms: int
+    attempt: int
+    ack_id: str
+    group: str = ""
+
+    @classmethod
+    def from_pb(cls, d: pb.Delivery, group: str = "") -> Delivery:
+        return cls(
+            d.message_id,
+            d.subject,
+            d.payload,
+            dict(d.headers),
+            d.deliver_at_ms,
+            d.dispatched_at_ms,
+            d.attempt,
+            d.ack_id,
+            group,
         )
 
 

@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -771,6 +772,194 @@ static PyObject *encode_send_batch_response(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* ---- decode_deliveries: a SubscribeResponse's wire bytes straight to the client's Delivery ---- */
+
+/* a str from UTF-8 bytes, or NULL with no exception set when they are not valid UTF-8 */
+static PyObject *utf8_str(const unsigned char *buf, Py_ssize_t at, Py_ssize_t len) {
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)buf + at, len, NULL);
+    if (!s && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+        PyErr_Clear();
+    return s;
+}
+
+/* One map<string, string> entry into ``headers``: 1 = ok, 0 = not for the fast path, -1 =
+ * an exception is set (out of memory). */
+static int parse_header(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, PyObject *headers) {
+    Py_ssize_t key = 0, key_len = 0, value = 0, value_len = 0;
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0 || (tag & 7) != WIRE_LEN)
+            return 0;
+        if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+            return 0;
+        if ((tag >> 3) == F_MAP_KEY) { key = pos; key_len = (Py_ssize_t)v; }
+        else if ((tag >> 3) == F_MAP_VALUE) { value = pos; value_len = (Py_ssize_t)v; }
+        else return 0;
+        pos += (Py_ssize_t)v;
+    }
+    PyObject *k = utf8_str(buf, key, key_len), *val = k ? utf8_str(buf, value, value_len) : NULL;
+    int ok = k && val ? (PyDict_SetItem(headers, k, val) < 0 ? -1 : 1) : (PyErr_Occurred() ? -1 : 0);
+    Py_XDECREF(k);
+    Py_XDECREF(val);
+    return ok;
+}
+
+/* The client's Delivery is a slots class whose __init__ only stores its nine arguments
+ * (a slots dataclass). Calling it costs about as much as decoding the delivery, so when
+ * ``cls`` has a writable object slot for each field the object is made with tp_alloc and
+ * its slots are filled directly, as its __init__ would (what the member descriptors
+ * do); any other ``cls`` is called. */
+#define DELIVERY_NFIELDS 9
+static const char *delivery_fields[DELIVERY_NFIELDS] = {
+    "message_id", "subject", "payload", "headers", "deliver_at_ms", "dispatched_at_ms", "attempt", "ack_id", "group"};
+
+/* 1 with the slots' offsets in ``offsets`` when ``cls`` is such a class, 0 if not, -1 on error */
+static int delivery_slots(PyObject *cls, Py_ssize_t offsets[DELIVERY_NFIELDS]) {
+    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_itemsize != 0)
+        return 0;
+    for (int k = 0; k < DELIVERY_NFIELDS; k++) {
+        PyObject *d = PyObject_GetAttrString(cls, delivery_fields[k]);
+        if (!d) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear();
+            return 0;
+        }
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+            ok = m->type == T_OBJECT_EX && !(m->flags & READONLY) &&
+                 PyType_IsSubtype((PyTypeObject *)cls, PyDescr_TYPE(d));
+            offsets[k] = m->offset;
+        }
+        Py_DECREF(d);
+        if (!ok)
+            return 0;
+    }
+    return 1;
+}
+
+/* One qdelay.v1.Delivery as cls(message_id, subject, payload, headers, deliver_at_ms,
+ * dispatched_at_ms, attempt, ack_id, group); Py_None = not for the fast path, NULL = an
+ * exception is set. A field seen twice keeps its last value, as protobuf does. */
+static PyObject *parse_delivery(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, PyObject *cls,
+                                const Py_ssize_t *slots, PyObject *group) {
+    Py_ssize_t at[F_DELIVERY_PAYLOAD + 1] = {0}, len[F_DELIVERY_PAYLOAD + 1] = {0};
+    uint64_t ints[F_DELIVERY_ATTEMPT + 1] = {0};
+    PyObject *headers = PyDict_New(), *result = NULL;
+    if (!headers)
+        return NULL;
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0)
+            goto fallback;
+        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        if (wire == WIRE_LEN && field >= F_DELIVERY_ACK_ID && field <= F_DELIVERY_HEADERS) {
+            if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+                goto fallback;
+            if (field == F_DELIVERY_HEADERS) {
+                int ok = parse_header(buf, pos, pos + (Py_ssize_t)v, headers);
+                if (ok < 0)
+                    goto done;
+                if (ok == 0)
+                    goto fallback;
+            } else {
+                at[field] = pos;
+                len[field] = (Py_ssize_t)v;
+            }
+            pos += (Py_ssize_t)v;
+        } else if (wire == WIRE_VARINT && field >= F_DELIVERY_DELIVER_AT && field <= F_DELIVERY_ATTEMPT) {
+            Py_ssize_t start = pos;
+            if (read_varint(buf, end, &pos, &v) < 0 || (pos - start == 10 && buf[pos - 1] > 1))
+                goto fallback; /* malformed, or bits beyond 64: protobuf decides */
+            if (field == F_DELIVERY_ATTEMPT && v > UINT32_MAX)
+                goto fallback; /* protobuf truncates it: leave that to protobuf */
+            ints[field] = v;
+        } else {
+            goto fallback; /* unknown field or wire type: protobuf decides */
+        }
+    }
+    PyObject *args[DELIVERY_NFIELDS] = {NULL};
+    args[0] = utf8_str(buf, at[F_DELIVERY_MESSAGE_ID], len[F_DELIVERY_MESSAGE_ID]);
+    args[1] = args[0] ? utf8_str(buf, at[F_DELIVERY_SUBJECT], len[F_DELIVERY_SUBJECT]) : NULL;
+    args[2] = args[1] ? PyBytes_FromStringAndSize((const char *)buf + at[F_DELIVERY_PAYLOAD], len[F_DELIVERY_PAYLOAD])
+                      : NULL;
+    args[3] = Py_NewRef(headers);
+    args[4] = args[2] ? PyLong_FromLongLong((int64_t)ints[F_DELIVERY_DELIVER_AT]) : NULL;
+    args[5] = args[4] ? PyLong_FromLongLong((int64_t)ints[F_DELIVERY_DISPATCHED_AT]) : NULL;
+    args[6] = args[5] ? PyLong_FromUnsignedLongLong(ints[F_DELIVERY_ATTEMPT]) : NULL;
+    args[7] = args[6] ? utf8_str(buf, at[F_DELIVERY_ACK_ID], len[F_DELIVERY_ACK_ID]) : NULL;
+    args[8] = Py_NewRef(group);
+    if (args[7] && slots) {
+        if ((result = ((PyTypeObject *)cls)->tp_alloc((PyTypeObject *)cls, 0))) {
+            for (int k = 0; k < DELIVERY_NFIELDS; k++) { /* the slots take the references */
+                *(PyObject **)((char *)result + slots[k]) = args[k];
+                args[k] = NULL;
+            }
+        }
+    } else if (args[7]) {
+        result = PyObject_Vectorcall(cls, args, DELIVERY_NFIELDS, NULL);
+    } else if (!PyErr_Occurred()) {
+        result = Py_NewRef(Py_None); /* a string that is not UTF-8: protobuf words the error */
+    }
+    for (int k = 0; k < DELIVERY_NFIELDS; k++)
+        Py_XDECREF(args[k]);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(headers);
+    return result;
+}
+
+/* decode_deliveries(raw, cls, group) -> [cls(...), ...] or None
+ *
+ * The client's deserializer of Subscribe: a SubscribeResponse's wire bytes to a list of
+ * ``cls`` (qdelay.client.types.Delivery, called with its fields in order and ``group``),
+ * with no protobuf object per delivery. None: parse with protobuf (unknown fields, wire
+ * types this code does not expect, strings that are not UTF-8, anything malformed). The
+ * Python twin is qdelay/wire.py ``decode_deliveries_py``.
+ */
+static PyObject *decode_deliveries(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    PyObject *cls, *group;
+    if (!PyArg_ParseTuple(args, "y*OU", &raw, &cls, &group))
+        return NULL;
+    const unsigned char *buf = raw.buf;
+    Py_ssize_t end = raw.len, pos = 0, offsets[DELIVERY_NFIELDS];
+    PyObject *out = NULL;
+    int direct = delivery_slots(cls, offsets);
+    if (direct < 0 || !(out = PyList_New(0)))
+        goto done;
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0 || tag != TAG(F_RESPONSE_DELIVERIES, WIRE_LEN) ||
+            read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+            goto fallback;
+        PyObject *d = parse_delivery(buf, pos, pos + (Py_ssize_t)v, cls, direct ? offsets : NULL, group);
+        if (!d)
+            goto fail;
+        if (d == Py_None) {
+            Py_DECREF(d);
+            goto fallback;
+        }
+        int added = PyList_Append(out, d);
+        Py_DECREF(d);
+        if (added < 0)
+            goto fail;
+        pos += (Py_ssize_t)v;
+    }
+    goto done;
+fallback:
+    Py_SETREF(out, Py_NewRef(Py_None));
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&raw);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"encode_send_batch", encode_send_batch, METH_VARARGS, "Append Message entries of a SendBatchRequest (client)."},
     {"decode_batch", decode_batch, METH_VARARGS,
@@ -780,6 +969,8 @@ static PyMethodDef methods[] = {
     {"encode_send_batch_response", encode_send_batch_response, METH_VARARGS,
      "A whole SendBatchResponse, full or compact receipts."},
     {"encode_deliveries", encode_deliveries, METH_VARARGS, "Append Delivery entries of a SubscribeResponse."},
+    {"decode_deliveries", decode_deliveries, METH_VARARGS,
+     "A SubscribeResponse's wire bytes to a list of Delivery (client); None: use protobuf."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,7 +4,8 @@
 The hot messages are read and written without a protobuf object per message:
 SendBatchRequest (decoded by the server straight into MESSAGE bodies, encoded by the
 client from ``Outgoing`` tuples), SendBatchResponse (full or compact receipts) and
-SubscribeResponse. :data:`native` is the compiled module, or None when it was not built
+SubscribeResponse (encoded by the server, decoded by the clients into their typed
+``Delivery``). :data:`native` is the compiled module, or None when it was not built
 (it is an optional extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one
 benchmark run); callers look it up at each call (``wire.native``), so a test can switch it
 off. Every native function has a twin here with the same signature and results
@@ -235,6 +236,44 @@ def decode_batch_py(
     return None if fast is None else (*fast, compact)
 
 
+def decode_deliveries_py(raw: bytes, cls: Callable[..., Any], group: str) -> list | None:
+    """Twin of ``decode_deliveries``: a SubscribeResponse's wire bytes -> one ``cls(message_id,
+    subject, payload, headers, deliver_at_ms, dispatched_at_ms, attempt, ack_id, group)`` per
+    delivery (``cls`` is qdelay.client.types.Delivery), parsed by protobuf; None for bytes
+    protobuf cannot parse. The reference: the native function gives the same list, or None
+    where it leaves the bytes to this one (unknown fields, anything unusual)."""
+    try:
+        response = pb.SubscribeResponse.FromString(raw)
+    except DecodeError:
+        return None
+    return [
+        cls(
+            d.message_id,
+            d.subject,
+            d.payload,
+            dict(h) if (h := d.headers) else {},
+            d.deliver_at_ms,
+            d.dispatched_at_ms,
+            d.attempt,
+            d.ack_id,
+            group,
+        )
+        for d in response.deliveries
+    ]
+
+
+def decode_deliveries(raw: bytes, cls: Callable[..., Any], group: str) -> list:
+    """The clients' Subscribe deserializer: the native decoder, else (not built, or bytes it
+    leaves to protobuf) the twin; DecodeError for bytes that are no SubscribeResponse."""
+    codec = native
+    out = codec.decode_deliveries(raw, cls, group) if codec is not None else None
+    if out is None:
+        out = decode_deliveries_py(raw, cls, group)
+        if out is None:
+            raise DecodeError("not a qdelay.v1.SubscribeResponse")
+    return out
+
+
 def _has_unknown_fields(request: Any) -> bool:
     """Whether a parsed request carries fields this .proto does not know (the native parser
     gives those up): re-serialized without them, the bytes would be shorter."""
@@ -252,4 +291,5 @@ def twins() -> dict[str, Callable[..., Any]]:
         "encode_send_batch_response": encode_send_batch_response_py,
         "encode_messages": encode_messages_py,
         "decode_batch": decode_batch_py,
+        "decode_deliveries": decode_deliveries_py,
     }

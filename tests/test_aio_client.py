@@ -16,7 +16,7 @@ from conftest import wait_until
 from serverproc import ServerProc
 
 from qdelay import errors
-from qdelay.aio import Batching, Client, Outgoing, Receipt, Status
+from qdelay.aio import Batching, Client, Delivery, Outgoing, Receipt, Status
 
 _subjects = itertools.count(1)
 HOUR_MS = 3_600_000
@@ -78,15 +78,22 @@ def test_subscribe_receive_and_ack(server):
     async def main():
         async with Client(server.address) as c:
             s = subject()
-            sent = [await c.send(s, b"d%d" % i) for i in range(5)]
-            async with c.subscribe(s, max_in_flight=100) as consumer:
+            sent = [await c.send(s, b"d%d" % i, headers={"i": str(i)}) for i in range(5)]
+            async with c.subscribe(s, group="g1", max_in_flight=100) as consumer:
                 got = []
                 async for batch in consumer.batches():
                     got.extend(batch)
-                    consumer.ack(batch)
+                    consumer.ack(batch)  # a batch of typed deliveries acks as one request
                     if len(got) >= 5:
                         break
             assert sorted(d.message_id for d in got) == sorted(r.message_id for r in sent)
+            # typed results, not protobuf: the same fields, and the group delivered to
+            assert all(type(d) is Delivery for d in got)
+            by_id = {r.message_id: (i, r) for i, r in enumerate(sent)}
+            for d in got:
+                i, r = by_id[d.message_id]
+                assert (d.subject, d.payload, d.headers, d.group, d.attempt) == (s, b"d%d" % i, {"i": str(i)}, "g1", 1)
+                assert d.deliver_at_ms == r.deliver_at_ms <= d.dispatched_at_ms and d.ack_id
             return sent
 
     sent = run(main())

@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qdelay import errors, wire
+from qdelay.client.types import Delivery
 from qdelay.segments import framing, idfilter, native, records
 from qdelay.segments.framing import RecordKind
 from qdelay.server.config import Limits
@@ -312,6 +314,36 @@ deliveries_st = st.lists(
     max_size=10,
 )
 
+
+@st.composite
+def subscribe_response_bytes(draw) -> bytes:
+    """SubscribeResponse wire bytes: as protobuf writes them (any text, headers, times), or
+    with junk after, cut short, or carrying a field this .proto does not have."""
+    resp = pb.SubscribeResponse()
+    for ack_id, mid, payload, headers, due, attempt in draw(deliveries_st):
+        d = resp.deliveries.add(
+            ack_id=ack_id,
+            message_id=draw(st.one_of(st.just(mid.decode()), st.text(max_size=4))),
+            subject=draw(st.text(max_size=6)),
+            payload=payload,
+            deliver_at_ms=due,
+            dispatched_at_ms=draw(st.integers(-(2**63), 2**63 - 1)),
+            attempt=attempt,
+        )
+        if headers:
+            d.headers.update(headers)
+    raw = resp.SerializeToString()
+    mode = draw(st.sampled_from(["plain", "plain", "plain", "junk-suffix", "truncated", "unknown-field"]))
+    if mode == "junk-suffix":
+        raw += draw(st.binary(max_size=8))
+    elif mode == "truncated" and raw:
+        raw = raw[: draw(st.integers(0, len(raw) - 1))]
+    elif mode == "unknown-field":
+        # a Delivery with a field 9, or a SubscribeResponse with a field 2
+        raw += draw(st.sampled_from([b"\x0a\x02\x48\x01", b"\x10\x01"]))
+    return raw
+
+
 outgoing_st = st.lists(
     st.tuples(
         st.text(max_size=8),
@@ -464,6 +496,12 @@ PAIRS: dict[tuple[str, str], Pair] = {
             bytes(args[0]) if not any(args[5]) else None,
         ),
     ),
+    ("wire", "decode_deliveries"): Pair(
+        st.tuples(subscribe_response_bytes(), st.text(max_size=4)),
+        args=lambda c: (c[0], Delivery, c[1]),
+        # None from the native side means "protobuf decides": what the twin answers then
+        outcome=lambda result, args: wire.decode_deliveries_py(*args) if result is None else result,
+    ),
     ("wire", "encode_send_batch_response"): Pair(send_batch_response_cases()),
     ("wire", "encode_messages"): Pair(
         st.tuples(batches, st.booleans(), st.booleans()),
@@ -606,6 +644,34 @@ def test_reader_columns_gather_a_field_of_the_frames(data):
     assert a.u64_at(rows, 8).tolist() == want
     fields = reader.gather(data, a.starts, framing.SEQUENCE_AT, 8)
     assert fields.tolist() == [struct.unpack_from("<q", data, s + framing.SEQUENCE_AT)[0] for s in a.starts.tolist()]
+
+
+def test_decode_deliveries_decodes_what_protobuf_writes():
+    """The native decoder takes what a server writes (None only for what it leaves to
+    protobuf), fills the client's slots class directly, and calls any other class."""
+    resp = pb.SubscribeResponse()
+    resp.deliveries.add(
+        ack_id="12.3", message_id="é:1", subject="s.x", payload=b"\x00p", deliver_at_ms=-1, attempt=2**32 - 1
+    )
+    resp.deliveries.add(ack_id="1.1", headers={"k": "v", "": "é"}, dispatched_at_ms=2**63 - 1)
+    raw = resp.SerializeToString()
+    got = wire_codec.decode_deliveries(raw, Delivery, "g")
+    assert got == wire.decode_deliveries_py(raw, Delivery, "g")
+    assert got[0] == Delivery("é:1", "s.x", b"\x00p", {}, -1, 0, 2**32 - 1, "12.3", "g")
+    assert got[1].headers == {"k": "v", "": "é"} and got[1].dispatched_at_ms == 2**63 - 1
+    got[0].headers["x"] = "y"  # each its own dict
+    assert got[1].headers == {"k": "v", "": "é"}
+    del got[0].headers["x"]
+
+    class Plain:  # no slots: called with the fields in order
+        def __init__(self, *fields):
+            self.fields = fields
+
+    assert [p.fields for p in wire_codec.decode_deliveries(raw, Plain, "g")] == [dataclasses.astuple(d) for d in got]
+    assert wire_codec.decode_deliveries(raw + b"\x10\x01", Delivery, "g") is None
+    assert wire.decode_deliveries(raw + b"\x10\x01", Delivery, "g") == got  # protobuf skips it
+    with pytest.raises(DecodeError):
+        wire.decode_deliveries(raw[:-1], Delivery, "g")
 
 
 def test_the_wire_codecs_field_numbers_follow_the_proto():

@@ -14,6 +14,7 @@ from disks import fill_disk, small_tmpfs
 from serverproc import ServerProc
 
 from qdelay import errors
+from qdelay.client import Delivery
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -56,7 +57,8 @@ def test_send_then_receive_at_due_time_not_before(client):
         received = now_ms()
         assert len(got) == 1
         d = got[0]
-        assert (d.message_id, d.subject, d.payload, dict(d.headers)) == (r.message_id, s, b"hello", {"k": "v"})
+        assert type(d) is Delivery and d.group == "default"  # typed, not protobuf
+        assert (d.message_id, d.subject, d.payload, d.headers) == (r.message_id, s, b"hello", {"k": "v"})
         assert d.attempt == 1 and d.deliver_at_ms == r.deliver_at_ms
         assert received >= r.deliver_at_ms, "delivered early"
         assert d.dispatched_at_ms >= r.deliver_at_ms
