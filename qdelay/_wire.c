@@ -50,6 +50,9 @@
 #define F_DELIVERY_DELIVER_AT 6
 #define F_DELIVERY_DISPATCHED_AT 7
 #define F_DELIVERY_ATTEMPT 8
+#define F_CANCEL_BATCH_REQUESTS 1
+#define F_CANCEL_RECEIPT 1
+#define F_CANCEL_MESSAGE_ID 2
 #define F_MAP_KEY 1
 #define F_MAP_VALUE 2
 #define WIRE_VARINT 0
@@ -390,6 +393,123 @@ done:
     PyBuffer_Release(&raw);
     return result;
 }
+/* ---- decode_cancel_batch: a CancelBatchRequest of plain receipts straight to targets ---- */
+
+typedef struct {
+    Py_ssize_t id, id_len;
+    uint64_t due, seq;
+    int has_receipt;
+} Target;
+
+/* Parse one qdelay.v1.Receipt into ``t`` (fields present overwrite: protobuf's merge of a
+ * repeated submessage); 0 when malformed or carrying an unknown field. */
+static int parse_receipt(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, Target *t) {
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0)
+            return 0;
+        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        if (wire == WIRE_LEN && (field == F_RECEIPT_MESSAGE_ID || field == F_RECEIPT_SHARD)) {
+            if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+                return 0;
+            if (field == F_RECEIPT_MESSAGE_ID) { t->id = pos; t->id_len = (Py_ssize_t)v; }
+            pos += (Py_ssize_t)v;
+        } else if (wire == WIRE_VARINT &&
+                   (field == F_RECEIPT_DELIVER_AT || field == F_RECEIPT_SEQUENCE || field == F_RECEIPT_DUPLICATE)) {
+            if (read_varint(buf, end, &pos, &v) < 0)
+                return 0;
+            if (field == F_RECEIPT_DELIVER_AT) t->due = v;
+            else if (field == F_RECEIPT_SEQUENCE) t->seq = v;
+        } else {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* decode_cancel_batch(raw, max_id, max_batch) -> [(message_id, deliver_at_ms, sequence)] or None
+ *
+ * The fast path of CancelBatch/CancelStream (registered without a deserializer): 1 to
+ * max_batch CancelRequests, each a receipt alone (no message_id beside it) whose id is 1 to
+ * max_id printable-ASCII bytes and whose due time is not negative: the targets, as
+ * validation.validate_cancel_batch returns them, with no protobuf object per target. None:
+ * anything else (by id, unknown fields, malformed, refused): the caller parses with
+ * protobuf and validates, which words the error. The Python twin is qdelay/wire.py
+ * ``decode_cancel_batch_py``.
+ */
+static PyObject *decode_cancel_batch(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    Py_ssize_t max_id, max_batch;
+    if (!PyArg_ParseTuple(args, "y*nn", &raw, &max_id, &max_batch))
+        return NULL;
+    const unsigned char *buf = raw.buf;
+    Py_ssize_t end = raw.len, pos = 0, n = 0, cap = 0;
+    Target *ts = NULL;
+    PyObject *result = NULL, *out = NULL;
+    int fast = 1;
+    while (pos < end && fast) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0 || tag != TAG(F_CANCEL_BATCH_REQUESTS, WIRE_LEN) ||
+            read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos)) {
+            fast = 0;
+            break;
+        }
+        if (n == cap) {
+            Py_ssize_t ncap = cap ? cap * 2 : 256;
+            Target *more = PyMem_Realloc(ts, (size_t)ncap * sizeof(Target));
+            if (!more) { PyErr_NoMemory(); goto done; }
+            ts = more;
+            cap = ncap;
+        }
+        Target *t = &ts[n++];
+        memset(t, 0, sizeof(*t));
+        Py_ssize_t rend = pos + (Py_ssize_t)v;
+        while (pos < rend && fast) { /* one CancelRequest */
+            uint64_t rtag, len;
+            if (read_varint(buf, rend, &pos, &rtag) < 0 || (rtag & 7) != WIRE_LEN ||
+                read_varint(buf, rend, &pos, &len) < 0 || len > (uint64_t)(rend - pos)) {
+                fast = 0;
+                break;
+            }
+            unsigned field = (unsigned)(rtag >> 3);
+            if (field == F_CANCEL_RECEIPT) {
+                t->has_receipt = 1;
+                if (!parse_receipt(buf, pos, pos + (Py_ssize_t)len, t))
+                    fast = 0;
+            } else if (field != F_CANCEL_MESSAGE_ID || len != 0) {
+                fast = 0; /* by id, or a receipt with an id beside it: the Python path */
+            }
+            pos += (Py_ssize_t)len;
+        }
+    }
+    if (!fast || n == 0 || n > max_batch)
+        goto fallback;
+    if (!(out = PyList_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Target *t = &ts[i];
+        if (!t->has_receipt || t->id_len < 1 || t->id_len > max_id || (int64_t)t->due < 0)
+            goto fallback;
+        for (Py_ssize_t k = 0; k < t->id_len; k++)
+            if (buf[t->id + k] < 0x20 || buf[t->id + k] > 0x7e)
+                goto fallback;
+        PyObject *item = Py_BuildValue("(s#LK)", (const char *)buf + t->id, t->id_len, (long long)(int64_t)t->due,
+                                       (unsigned long long)t->seq);
+        if (!item)
+            goto done;
+        PyList_SET_ITEM(out, i, item);
+    }
+    result = Py_NewRef(out);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ts);
+    Py_XDECREF(out);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
 static inline unsigned char *put_varint(unsigned char *p, uint64_t v) {
     while (v >= 0x80) {
         *p++ = (unsigned char)(v | 0x80);
@@ -964,6 +1084,8 @@ static PyMethodDef methods[] = {
     {"encode_send_batch", encode_send_batch, METH_VARARGS, "Append Message entries of a SendBatchRequest (client)."},
     {"decode_batch", decode_batch, METH_VARARGS,
      "Parse, validate and encode a SendBatchRequest's wire bytes (fast path); None: use protobuf."},
+    {"decode_cancel_batch", decode_cancel_batch, METH_VARARGS,
+     "A CancelBatchRequest of plain receipts to its targets (fast path); None: use protobuf."},
     {"encode_messages", encode_messages, METH_VARARGS,
      "Validate and encode a batch of Messages (fast path); None means: use the Python path."},
     {"encode_send_batch_response", encode_send_batch_response, METH_VARARGS,
@@ -996,7 +1118,8 @@ PyMODINIT_FUNC PyInit__wire(void) {
         return NULL;
     /* WIRE_FIELDS: full field name -> the number this codec uses (checked by qdelay/wire.py) */
     PyObject *fields = Py_BuildValue(
-        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,"
+        "s:i,s:i,s:i}",
         "qdelay.v1.Message.subject", F_MESSAGE_SUBJECT, "qdelay.v1.Message.payload", F_MESSAGE_PAYLOAD,
         "qdelay.v1.Message.headers", F_MESSAGE_HEADERS, "qdelay.v1.Message.message_id", F_MESSAGE_ID,
         "qdelay.v1.Message.deliver_at_ms", F_MESSAGE_DELIVER_AT, "qdelay.v1.Message.delay_ms", F_MESSAGE_DELAY,
@@ -1013,7 +1136,9 @@ PyMODINIT_FUNC PyInit__wire(void) {
         "qdelay.v1.Delivery.subject", F_DELIVERY_SUBJECT, "qdelay.v1.Delivery.payload", F_DELIVERY_PAYLOAD,
         "qdelay.v1.Delivery.headers", F_DELIVERY_HEADERS, "qdelay.v1.Delivery.deliver_at_ms", F_DELIVERY_DELIVER_AT,
         "qdelay.v1.Delivery.dispatched_at_ms", F_DELIVERY_DISPATCHED_AT,
-        "qdelay.v1.Delivery.attempt", F_DELIVERY_ATTEMPT);
+        "qdelay.v1.Delivery.attempt", F_DELIVERY_ATTEMPT, "qdelay.v1.CancelBatchRequest.requests",
+        F_CANCEL_BATCH_REQUESTS, "qdelay.v1.CancelRequest.receipt", F_CANCEL_RECEIPT,
+        "qdelay.v1.CancelRequest.message_id", F_CANCEL_MESSAGE_ID);
     if (!fields || PyModule_AddObject(m, "WIRE_FIELDS", fields) < 0) {
         Py_XDECREF(fields);
         Py_DECREF(m);

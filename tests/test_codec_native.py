@@ -155,6 +155,52 @@ def request_bytes(draw) -> bytes:
     return raw
 
 
+@st.composite
+def cancel_request_bytes(draw) -> bytes:
+    """CancelBatchRequest wire bytes: plain receipts (some with a shard or the duplicate
+    flag), ids the fast path refuses (empty, too long, not printable ASCII), negative due
+    times, by-id requests, a message_id beside a receipt, no receipt; as protobuf writes
+    them, with junk after, cut short, or a receipt written twice (protobuf merges them)."""
+    ids = st.one_of(
+        st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=12),
+        st.sampled_from(["", "x" * 129, "x" * 128, "caf\u00e9", "tab\t", "del\x7f"]),
+    )
+    receipt = st.builds(
+        pb.Receipt,
+        message_id=ids,
+        deliver_at_ms=st.one_of(st.integers(0, 2**63 - 1), st.integers(-(2**63), -1)),
+        sequence=st.integers(0, 2**64 - 1),
+        duplicate=st.booleans(),
+        shard=st.sampled_from(["", "s1"]),
+    )
+    request = st.one_of(
+        st.builds(pb.CancelRequest, receipt=receipt),
+        st.builds(pb.CancelRequest, receipt=receipt),
+        st.builds(pb.CancelRequest, receipt=receipt, message_id=ids),
+        st.builds(pb.CancelRequest, message_id=ids),
+        st.just(pb.CancelRequest()),
+    )
+    raw = pb.CancelBatchRequest(requests=draw(st.lists(request, max_size=6))).SerializeToString()
+    mode = draw(st.sampled_from(["plain", "plain", "plain", "junk-suffix", "truncated", "twice"]))
+    if mode == "junk-suffix":
+        raw += draw(st.binary(max_size=8))
+    elif mode == "truncated" and raw:
+        raw = raw[: len(raw) // 2]
+    elif mode == "twice":
+        # one CancelRequest whose receipt field comes twice on the wire: protobuf merges the two
+        twice = pb.CancelRequest(receipt=draw(receipt)).SerializeToString()
+        twice += pb.CancelRequest(receipt=draw(receipt)).SerializeToString()
+        length = len(twice)
+        varint = bytearray()
+        while True:
+            varint.append((length & 0x7F) | (0x80 if length > 0x7F else 0))
+            length >>= 7
+            if not length:
+                break
+        raw += b"\x0a" + bytes(varint) + twice
+    return raw
+
+
 class FakeSegment:
     def __init__(self, last: int) -> None:
         self.last_sequence = last
@@ -511,6 +557,10 @@ PAIRS: dict[tuple[str, str], Pair] = {
         st.tuples(request_bytes(), st.sampled_from([LIMITS.max_batch, LIMITS.max_batch, 3])),
         args=lambda c: (c[0], NOW, *limit_args(False), c[1], new_ids()),
     ),
+    ("wire", "decode_cancel_batch"): Pair(
+        st.tuples(cancel_request_bytes(), st.sampled_from([LIMITS.max_batch, LIMITS.max_batch, 3])),
+        args=lambda c: (c[0], LIMITS.max_message_id_bytes, c[1]),
+    ),
 }
 
 
@@ -615,6 +665,34 @@ def test_the_fast_path_takes_only_what_validation_accepts_and_encodes_it_alike(b
     assert unnumbered(again.bodies) == unnumbered(slow.bodies)
 
 
+@settings(max_examples=200, deadline=None)
+@given(raw=cancel_request_bytes())
+def test_the_cancel_batch_fast_path_takes_only_what_validation_accepts_alike(raw):
+    """decode_cancel_batch against the worded reference (validate_cancel_batch of the parsed
+    request): what the fast path takes, the reference accepts with the same targets; the
+    server's entry point (validation.decode_cancel_batch) answers as the reference."""
+    from qdelay.server.validation import decode_cancel_batch, validate_cancel_batch
+
+    fast = wire_codec.decode_cancel_batch(raw, LIMITS.max_message_id_bytes, LIMITS.max_batch)
+    try:
+        slow = validate_cancel_batch(pb.CancelBatchRequest.FromString(raw), LIMITS)
+    except (errors.InvalidArgument, DecodeError):
+        assert fast is None
+        with pytest.raises(errors.InvalidArgument):
+            decode_cancel_batch(raw, LIMITS)
+        return
+    if fast is not None:
+        assert fast == slow
+    assert decode_cancel_batch(raw, LIMITS) == slow
+
+
+def test_a_cancel_batch_response_is_what_protobuf_writes():
+    outcomes = [1, 2, 3, 4, 5, 1]
+    want = pb.CancelBatchResponse(responses=[pb.CancelResponse(outcome=o) for o in outcomes])  # type: ignore[misc]
+    assert wire.encode_cancel_batch_response(outcomes) == want.SerializeToString()
+    assert wire.encode_cancel_batch_response([]) == b""
+
+
 def test_a_full_send_batch_response_is_what_protobuf_writes():
     """Spot check against a response built by hand with protobuf: duplicates answer their
     original receipt, the others take the sequences in order, each names the shard."""
@@ -679,7 +757,16 @@ def test_the_wire_codecs_field_numbers_follow_the_proto():
     same check runs when the server or a client imports qdelay.wire)."""
     assert wire.mismatches(wire_codec.WIRE_FIELDS) == []
     messages = {name.rsplit(".", 2)[1] for name in wire_codec.WIRE_FIELDS}
-    assert messages == {"Message", "SendBatchRequest", "SendBatchResponse", "Receipt", "SubscribeResponse", "Delivery"}
+    assert messages == {
+        "Message",
+        "SendBatchRequest",
+        "SendBatchResponse",
+        "Receipt",
+        "SubscribeResponse",
+        "Delivery",
+        "CancelBatchRequest",
+        "CancelRequest",
+    }
     for message in (pb.Message, pb.Delivery, pb.Receipt, pb.SendBatchResponse):
         assert set(wire_codec.WIRE_FIELDS) >= {
             f"qdelay.v1.{message.DESCRIPTOR.name}.{f.name}" for f in message.DESCRIPTOR.fields
