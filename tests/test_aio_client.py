@@ -190,7 +190,7 @@ def test_a_send_that_times_out_raises_deadline_exceeded_and_the_client_goes_on(t
 
 def test_restart_mid_stream_every_send_answered_or_raised_none_lost(tmp_path):
     """64 tasks keep sending while the server is SIGKILLed and restarted: each send returns its
-    own receipt or raises; every receipt is found afterwards."""
+    own receipt or raises; every receipt is found afterwards, and each id was written once."""
     srv = ServerProc(tmp_path / "data").start()
     s = subject()
 
@@ -227,6 +227,15 @@ def test_restart_mid_stream_every_send_answered_or_raised_none_lost(tmp_path):
             for k in range(0, len(rs), 256):  # none lost: every answered send is there
                 states = await asyncio.gather(*(c.get(r) for r in rs[k : k + 256]))
                 assert {st.state for st in states} == {"PENDING"}
+            # none doubled: one pending message per id that landed (a raised send may have
+            # landed too); a retry written twice would be one pending message too many
+            failed = [i for i, r in results.items() if not isinstance(r, Receipt)]
+            found = await asyncio.gather(*(c.get(message_id=f"a-{i}") for i in failed))
+            landed = len(receipts) + sum(st.state == "PENDING" for st in found)
+            while (await c.stats())["iterate_lag_bytes"]:
+                await asyncio.sleep(0.05)
+            assert (await c.stats())["pending"] == landed
+            assert len({r.sequence for r in receipts.values()}) == len(receipts)
 
     try:
         asyncio.run(asyncio.wait_for(main(), 120))
