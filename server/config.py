@@ -293,6 +293,7 @@ ENGINE_KEYS: dict[str, tuple[str | None, str]] = {
     "retry_backoff_ms": ("scheduler", "retry_backoff_ms"),
     "max_loaded": ("scheduler", "max_loaded"),
     "group_max_ready": ("scheduler", "group_max_ready"),
+    "group_max_ready_of": ("scheduler", "group_max_ready_of"),
     "implicit_group": ("scheduler", "implicit_group"),
     "cleaner_enabled": ("cleaner", "enabled"),
     "cleaner_interval_ms": ("cleaner", "interval_ms"),
@@ -312,8 +313,30 @@ def engine_config(**options: Any) -> EngineConfig:
     ecfg = EngineConfig()
     for key, value in options.items():
         section, name = ENGINE_KEYS[key]
+        if key == "group_max_ready_of":
+            value = _group_bounds(value)
         setattr(ecfg if section is None else getattr(ecfg, section), name, value)
     return ecfg
+
+
+_GROUP_KEY = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")
+
+
+def _group_bounds(value: Any) -> dict[str, int]:
+    """``[engine.group_max_ready_of]``: "SUBJECT/GROUP" = entries, each a positive integer."""
+    if not isinstance(value, dict):
+        raise ConfigError(
+            'engine.group_max_ready_of: a table of "SUBJECT/GROUP" = entries, '
+            'e.g. --set \'engine.group_max_ready_of={"orders.close/billing" = 500000}\''
+        )
+    out: dict[str, int] = {}
+    for key, bound in value.items():
+        if not _GROUP_KEY.fullmatch(key):
+            raise ConfigError(f'engine.group_max_ready_of: key {key!r} is not "SUBJECT/GROUP"')
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise ConfigError(f"engine.group_max_ready_of.{key}: {bound!r} is not a positive number of entries")
+        out[key] = bound
+    return out
 
 
 def build_engine_config(cfg: ServerConfig) -> EngineConfig:
