@@ -100,11 +100,12 @@ class Pass:
 
 class Lane:
     """What one group of one subject has due: entries ready in memory, up to its bound
-    (``group_max_ready``, or the group's own in ``group_max_ready_of``). A lane over its bound *spills*: its queued entries are forgotten
-    (they stay in the schedule segments) and so is whatever becomes due for it meanwhile;
-    ``drop_from`` is the lowest bucket forgotten since the last pass began. When the lane
-    has room again, passes read its entries back from disk (``Pass``) until one ends with
-    nothing forgotten during it; then the lane takes entries from the timer again.
+    (``group_max_ready``, or the group's own in ``group_max_ready_of``). A lane over its
+    bound *spills*: its queued entries are forgotten (they stay in the schedule segments)
+    and so is whatever becomes due for it meanwhile; ``drop_from`` is the lowest bucket
+    forgotten since the last pass began. When the lane has room again, passes read its
+    entries back from disk (``Pass``) until one ends with nothing forgotten during it; then
+    the lane takes entries from the timer again.
 
     This is what keeps one group without consumers (or with a slow one) from filling the
     scheduler's memory and stopping everyone else: it holds at most its bound.
