@@ -327,7 +327,7 @@ def _group_bounds(value: Any) -> dict[str, int]:
     if not isinstance(value, dict):
         raise ConfigError(
             'engine.group_max_ready_of: a table of "SUBJECT/GROUP" = entries, '
-            'e.g. --set \'engine.group_max_ready_of={"orders.close/billing" = 500000}\''
+            "e.g. --set 'engine.group_max_ready_of={\"orders.close/billing\" = 500000}'"
         )
     out: dict[str, int] = {}
     for key, bound in value.items():
