@@ -50,12 +50,14 @@ from qdelay.client.client import (
     translate,
 )
 from qdelay.client.types import (
+    KEEPALIVE_S,
     RECONNECT_OPTIONS,
     Delivery,
     Receipt,
     Status,
     Target,
     cancel_batches,
+    keepalive_options,
     ref,
     reschedule_request,
     reschedule_result,
@@ -95,11 +97,13 @@ class Client:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         options: Sequence[tuple] = (),
         batching: Batching | bool = True,
+        keepalive: float | None = KEEPALIVE_S,
     ) -> None:
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             *RECONNECT_OPTIONS,
+            *keepalive_options(keepalive),
             *options,
         ]
         if tls or tls_ca is not None:

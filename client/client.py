@@ -41,6 +41,7 @@ from qdelay import errors, wire  # imported, wire checks its native codec agains
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, SendBatcher
 from qdelay.client.types import (
+    KEEPALIVE_S,
     RECONNECT_OPTIONS,
     STATES,
     Delivery,
@@ -48,6 +49,7 @@ from qdelay.client.types import (
     Status,
     Target,
     cancel_batches,
+    keepalive_options,
     ref,
     reschedule_request,
     reschedule_result,
@@ -377,14 +379,19 @@ class Client:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         options: Sequence[tuple] = (),
         batching: Batching | bool = True,
+        keepalive: float | None = KEEPALIVE_S,
     ) -> None:
         """``batching``: how concurrent ``send()`` calls are gathered into SendStream batches
         (a :class:`~qdelay.client.batching.Batching`; True: its defaults); False sends one
-        unary Send per call."""
+        unary Send per call. ``keepalive``: seconds between HTTP/2 pings while a call is open
+        (a consumer's idle stream), so that a dead connection is noticed; None turns them
+        off. Keep it at or above the server's ``min_ping_interval_ms`` (10 s), which refuses
+        faster pings with GOAWAY."""
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             *RECONNECT_OPTIONS,
+            *keepalive_options(keepalive),
             *options,
         ]
         if tls or tls_ca is not None:

@@ -201,6 +201,31 @@ RECONNECT_OPTIONS = [
 ]
 
 
+# HTTP/2 keepalive: a ping every KEEPALIVE_S while a call is open (a Subscribe stream waiting
+# for its next delivery, a SendStream between batches), so a connection that died without a
+# word (a peer's host gone, a NAT or load balancer that dropped it) is noticed within
+# KEEPALIVE_S + 10 s and the call fails with UNAVAILABLE: the consumer resubscribes, the
+# sender retries. The server accepts a ping every 10 s at most on a connection it sends
+# nothing on (its min_ping_interval_ms) and answers faster ones with GOAWAY
+# "too_many_pings"; 30 s leaves it 3x. No pings without a call (nothing to protect), and no
+# cap on pings while the client itself sends nothing (grpc's default stops pinging after 2,
+# which is every idle consumer).
+KEEPALIVE_S = 30.0
+
+
+def keepalive_options(seconds: float | None) -> list[tuple[str, int]]:
+    """Channel options for a ping every ``seconds`` on a connection with a call open (None
+    or 0: no keepalive pings)."""
+    if not seconds:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", int(seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 def stats_dict(resp: pb.StatsResponse) -> dict:
     """StatsResponse as plain values (groups as a list of dicts)."""
     out: dict = {}

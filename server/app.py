@@ -173,7 +173,10 @@ class App:
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # the clients' keepalive pings: accepted every min_ping_interval_ms while the
+            # server sends nothing (grpc's default is 5 minutes: a client pinging every 30 s
+            # on an idle stream would be sent GOAWAY too_many_pings after three pings)
+            ("grpc.http2.min_ping_interval_without_data_ms", cfg.min_ping_interval_ms),
         ]
         self.server = server = grpc.aio.server(
             interceptors=interceptors, options=options, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None

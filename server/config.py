@@ -124,6 +124,10 @@ class ServerConfig:
     max_deliveries_per_response: int = 1000
     max_response_bytes: int = 2 * 1024 * 1024
     max_concurrent_rpcs: int = 10_000
+    # the shortest interval between a client's HTTP/2 keepalive pings that the server accepts
+    # on a connection it sends nothing on (faster ones get GOAWAY "too_many_pings"; the
+    # Python and Node clients ping every 30 s while a call is open)
+    min_ping_interval_ms: int = 10_000
     grace_seconds: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -168,6 +172,7 @@ class ServerConfig:
             "max_deliveries_per_response",
             "max_response_bytes",
             "max_concurrent_rpcs",
+            "min_ping_interval_ms",
             "replication_timeout_ms",
             "replication_batch_bytes",
             "slave_hold_ms",
