@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from rocksdict import BlockBasedOptions, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
-from qdelay.errors import CorruptRecord, Unavailable
+from qdelay.errors import Unavailable
 from qdelay.segments import framing, native, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idfilter import IdFilter
-from qdelay.segments.reader import read_columns
+from qdelay.segments.reader import Damage, walk_reads
 
 if TYPE_CHECKING:
     from qdelay.segments.bucket_log import BucketLog
@@ -214,24 +214,24 @@ class IdIndex:
 
     def rebuild(self, schedule: BucketLog) -> int:
         """Index every MESSAGE of the schedule segments (after a loss of the index, or on
-        a data folder older than it); returns how many. A damaged segment is indexed up
-        to its damage (recovery decides about the rest)."""
+        a data folder older than it); returns how many. A damaged segment is indexed
+        around its damage: every verified record, as the loader delivers them (a corrupt
+        stretch is skipped and reading resumes after it; a torn or zeroed tail ends it)."""
         count = 0
         for bucket in schedule.buckets():
             seg = schedule.get(bucket)
             if seg is None:
                 continue
-            pos, stop = 0, seg.size
-            while pos < stop:
-                try:
-                    cols = read_columns(seg, pos, stop, 4 * 1024 * 1024)
-                except CorruptRecord as err:
-                    log.warning("id index rebuild stops at damage", extra={"path": seg.path, "error": str(err)})
-                    break
-                rows = cols.kinds == RecordKind.MESSAGE
-                self.put_frames(cols.data, cols.starts[rows], cols.dues[rows], cols.seqs[rows], keep_newer=True)
+            for part in walk_reads(seg.read, 0, seg.size, 4 * 1024 * 1024):
+                if isinstance(part, Damage):
+                    log.warning(
+                        "id index rebuild skips damage",
+                        extra={"path": seg.path, "offset": part.offset, "end": part.end, "reason": part.reason},
+                    )
+                    continue
+                rows = part.kinds == RecordKind.MESSAGE
+                self.put_frames(part.data, part.starts[rows], part.dues[rows], part.seqs[rows], keep_newer=True)
                 count += int(rows.sum())
-                pos = cols.base + cols.end
         self.sync()
         self.mark_built()
         return count

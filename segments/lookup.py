@@ -15,12 +15,13 @@ import array
 import bisect
 import collections
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
 from qdelay.segments import framing, records
 from qdelay.segments.framing import Frame, RecordKind
-from qdelay.segments.reader import Columns, read_columns, read_frames
+from qdelay.segments.reader import CORRUPT, SCAN_BYTES, Columns, Damage, read_columns, read_frames, walk_reads
 from qdelay.segments.segment import Segment
 
 SPARSE_EVERY = 64
@@ -115,6 +116,21 @@ def _holds_each(
     return out
 
 
+def _verified(seg: Segment, start: int, stop: int, chunk: int = SCAN_BYTES) -> Iterator[Columns | int]:
+    """The verified frames of ``seg`` in [start, stop) as columns, around corrupt records:
+    a rotted record is skipped and reading resumes at the next valid frame, as the loader
+    does (docs/recovery.md rows 5b, 14d), so that the messages after it stay found by Get,
+    Cancel and dedupe. A torn or unwritten tail ends the walk: its offset is yielded last
+    (an int), where a later look starts again."""
+    for part in walk_reads(seg.read, start, stop, chunk):
+        if isinstance(part, Damage):
+            if part.status != CORRUPT:
+                yield part.offset
+                return
+            continue
+        yield part
+
+
 class RecordFinder:
     """Finds a record and its tombstone in a schedule segment without walking the segment:
     each segment's index is extended by the bytes appended since the last look (read as
@@ -139,8 +155,9 @@ class RecordFinder:
                 self._indexes.move_to_end(seg.path)
             stop = seg.size
             before = idx.dense_bytes
-            while idx.upto < stop:
-                cols = read_columns(seg, idx.upto, stop)
+            for cols in _verified(seg, idx.upto, stop):
+                if isinstance(cols, int):
+                    break  # a tail not whole: looked at again from there next time
                 n = len(cols)
                 first = (-idx.count) % SPARSE_EVERY  # the next row whose count is a multiple
                 idx.seqs.extend(cols.seqs[first::SPARSE_EVERY].tolist())
@@ -218,14 +235,14 @@ class RecordFinder:
         pos = idx.offsets[i]
         # the record is before the next sparse entry: read at most SPARSE_EVERY records
         stop = idx.offsets[i + 1] if i + 1 < len(idx.offsets) else idx.upto
-        while pos < stop:
-            cols = read_columns(seg, pos, stop, 64 * 1024)
+        for cols in _verified(seg, pos, stop, 64 * 1024):
+            if isinstance(cols, int):
+                return None
             hits = np.flatnonzero(cols.seqs == sequence)
             if len(hits):
                 return seg.read_frame(cols.base + int(cols.starts[hits[0]]))
             if len(cols.seqs) and cols.seqs[-1] > sequence:
                 return None
-            pos = cols.base + cols.end
         return None
 
     def cancelled(self, seg: Segment, target: int) -> bool:
@@ -243,16 +260,14 @@ class RecordFinder:
         (a tombstone follows its target's record: give that record's offset), or None. A walk
         of the rest of the segment, for the rare caller that needs when a message was
         cancelled (an idempotent send's retry, server/engine.py ``duplicates_among``)."""
-        stop = seg.size
-        pos = start
-        while pos < stop:
-            cols = read_columns(seg, pos, stop)
+        for cols in _verified(seg, start, seg.size):
+            if isinstance(cols, int):
+                return None
             rows = np.flatnonzero(cols.kinds == RecordKind.CANCEL)
             if len(rows):
                 hits = rows[cols.u64_at(rows, _CANCEL_TARGET_AT) == target]
                 if len(hits):
                     return cols.stamp(int(hits[0]))
-            pos = cols.base + cols.end
         return None
 
     @staticmethod
