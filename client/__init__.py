@@ -7,7 +7,6 @@ from qdelay.client.client import (
     Client,
     Consumer,
     DeadlineExceeded,
-    Delivery,
     Message,
     Outgoing,
     SentReceipt,
@@ -16,7 +15,7 @@ from qdelay.client.client import (
 )
 from qdelay.client.cluster import ClusterClient
 from qdelay.client.sharded import AioShardedClient, ShardedClient, ShardedConsumer
-from qdelay.client.types import GroupStatus, Receipt, Status
+from qdelay.client.types import Delivery, GroupStatus, Receipt, Status
 
 __all__ = [
     "Batching",

@@ -38,21 +38,26 @@ from qdelay.client.client import (
     CANCEL_OUTCOMES,
     DEFAULT_TARGET,
     MAX_MESSAGE_BYTES,
+    SUBSCRIBE,
     Outgoing,
     SentReceipts,
     _set_due,
     call_async,
     cancel_batcher,
     deadline_exceeded,
+    deliveries_of,
     outgoing,
     translate,
 )
 from qdelay.client.types import (
+    KEEPALIVE_S,
     RECONNECT_OPTIONS,
+    Delivery,
     Receipt,
     Status,
     Target,
     cancel_batches,
+    keepalive_options,
     ref,
     reschedule_request,
     reschedule_result,
@@ -64,7 +69,7 @@ from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 log = logging.getLogger("qdelay.client")
 
 
-__all__ = ["Client", "Consumer", "Outgoing", "Receipt", "Status", "Batching"]
+__all__ = ["Client", "Consumer", "Delivery", "Outgoing", "Receipt", "Status", "Batching"]
 
 
 class Client:
@@ -92,11 +97,13 @@ class Client:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         options: Sequence[tuple] = (),
         batching: Batching | bool = True,
+        keepalive: float | None = KEEPALIVE_S,
     ) -> None:
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             *RECONNECT_OPTIONS,
+            *keepalive_options(keepalive),
             *options,
         ]
         if tls or tls_ca is not None:
@@ -342,6 +349,11 @@ class Consumer:
         self._reader: asyncio.Task | None = None
         self._closed = asyncio.Event()
         self.reconnects = 0  # how many times it subscribed again
+        self._subscribe = client.channel.stream_stream(
+            SUBSCRIBE,
+            request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=deliveries_of(group),
+        )
         client._consumers.add(self)
 
     def _open(self):
@@ -360,7 +372,7 @@ class Consumer:
                 yield item
 
         self._requests = requests
-        self._call = self._client.stub.Subscribe(stream(), metadata=self._client.metadata)
+        self._call = self._subscribe(stream(), metadata=self._client.metadata)
         return self._call
 
     def _carry_over(self) -> None:
@@ -380,8 +392,8 @@ class Consumer:
                 try:
                     async for resp in call:
                         attempt = 0
-                        if resp.deliveries:
-                            self._inbox.put_nowait(list(resp.deliveries))
+                        if resp:  # a list of Delivery (the deserializer's)
+                            self._inbox.put_nowait(resp)
                 except grpc.RpcError as e:
                     if not self._closed.is_set() and e.code() not in (
                         grpc.StatusCode.UNAVAILABLE,
@@ -408,7 +420,7 @@ class Consumer:
         if self._reader is None and not self._closed.is_set():
             self._reader = asyncio.get_running_loop().create_task(self._read(), name="qdelay-consumer")
 
-    async def _next(self, timeout: float | None = None) -> list[pb.Delivery] | None:
+    async def _next(self, timeout: float | None = None) -> list[Delivery] | None:
         """The next batch, None at the end (after close) or on timeout."""
         self._start()
         try:
@@ -425,7 +437,7 @@ class Consumer:
             raise item
         return item
 
-    async def batches(self) -> AsyncIterator[list[pb.Delivery]]:
+    async def batches(self) -> AsyncIterator[list[Delivery]]:
         """Each SubscribeResponse's deliveries as one list (the efficient way)."""
         while True:
             batch = await self._next()
@@ -433,15 +445,15 @@ class Consumer:
                 return
             yield batch
 
-    async def __aiter__(self) -> AsyncIterator[pb.Delivery]:
+    async def __aiter__(self) -> AsyncIterator[Delivery]:
         async for batch in self.batches():
             for d in batch:
                 yield d
 
-    async def receive(self, count: int, timeout: float) -> list[pb.Delivery]:
+    async def receive(self, count: int, timeout: float) -> list[Delivery]:
         """Deliveries until ``count`` arrived or ``timeout`` seconds passed (whole batches, so
         possibly more than ``count``)."""
-        got: list[pb.Delivery] = []
+        got: list[Delivery] = []
         deadline = asyncio.get_running_loop().time() + timeout
         while len(got) < count:
             left = deadline - asyncio.get_running_loop().time()

@@ -41,12 +41,15 @@ from qdelay import errors, wire  # imported, wire checks its native codec agains
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, SendBatcher
 from qdelay.client.types import (
+    KEEPALIVE_S,
     RECONNECT_OPTIONS,
     STATES,
+    Delivery,
     Receipt,
     Status,
     Target,
     cancel_batches,
+    keepalive_options,
     ref,
     reschedule_request,
     reschedule_result,
@@ -57,7 +60,6 @@ from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 Message = pb.Message
-Delivery = pb.Delivery
 
 DEFAULT_TARGET = "127.0.0.1:7600"
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
@@ -231,6 +233,14 @@ def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batc
 # SendBatchRequest.compact_receipts = true (field 2, varint)
 _COMPACT_RECEIPTS = b"\x10\x01"
 _SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
+SUBSCRIBE = "/qdelay.v1.DelayService/Subscribe"
+
+
+def deliveries_of(group: str) -> Callable[[bytes], list[Delivery]]:
+    """Subscribe's response deserializer for a consumer of ``group``: each SubscribeResponse
+    straight to a list of :class:`Delivery` (native decoder, no protobuf object per delivery)."""
+    decode = wire.decode_deliveries
+    return lambda raw: decode(raw, Delivery, group)
 
 
 class _BulkSender:
@@ -369,14 +379,19 @@ class Client:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         options: Sequence[tuple] = (),
         batching: Batching | bool = True,
+        keepalive: float | None = KEEPALIVE_S,
     ) -> None:
         """``batching``: how concurrent ``send()`` calls are gathered into SendStream batches
         (a :class:`~qdelay.client.batching.Batching`; True: its defaults); False sends one
-        unary Send per call."""
+        unary Send per call. ``keepalive``: seconds between HTTP/2 pings while a call is open
+        (a consumer's idle stream), so that a dead connection is noticed; None turns them
+        off. Keep it at or above the server's ``min_ping_interval_ms`` (10 s), which refuses
+        faster pings with GOAWAY."""
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             *RECONNECT_OPTIONS,
+            *keepalive_options(keepalive),
             *options,
         ]
         if tls or tls_ca is not None:
@@ -826,6 +841,11 @@ class Consumer:
         self._lock = threading.Lock()  # guards _requests/_call swaps against ack() and close()
         self._pending_acks: list[str] = []
         self.reconnects = 0  # how many times it subscribed again
+        self._subscribe = client.channel.stream_stream(
+            SUBSCRIBE,
+            request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=deliveries_of(group),
+        )
         self._open()
 
     def _open(self) -> None:
@@ -839,7 +859,7 @@ class Consumer:
                 self._pending_acks = []
             requests.put(first)
             self._requests = requests
-            self._call = self._client.stub.Subscribe(self._request_iter(requests), metadata=self._client.metadata)
+            self._call = self._subscribe(self._request_iter(requests), metadata=self._client.metadata)
 
     @staticmethod
     def _request_iter(requests: queue.Queue) -> Iterator[pb.SubscribeRequest]:
@@ -872,8 +892,9 @@ class Consumer:
             return False
         return True
 
-    def batches(self) -> Iterator[list[pb.Delivery]]:
-        """Each SubscribeResponse's deliveries as one list (the efficient way)."""
+    def batches(self) -> Iterator[list[Delivery]]:
+        """Each SubscribeResponse's deliveries as one list of :class:`Delivery` (the
+        efficient way)."""
         attempt = 0
         while True:
             try:
@@ -893,17 +914,17 @@ class Consumer:
                     return
                 continue
             attempt = 0
-            if resp.deliveries:
-                yield list(resp.deliveries)
+            if resp:
+                yield resp
 
-    def __iter__(self) -> Iterator[pb.Delivery]:
+    def __iter__(self) -> Iterator[Delivery]:
         for batch in self.batches():
             yield from batch
 
-    def receive(self, count: int, timeout: float) -> list[pb.Delivery]:
+    def receive(self, count: int, timeout: float) -> list[Delivery]:
         """Deliveries until ``count`` arrived or ``timeout`` seconds passed (whole batches, so
         possibly more than ``count``). Do not mix with iterating the consumer."""
-        got: list[pb.Delivery] = []
+        got: list[Delivery] = []
         deadline = time.monotonic() + timeout
 
         if not hasattr(self, "_pump"):

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
 from qdelay.client.failover import RETRYABLE, Backoff
-from qdelay.client.types import Receipt, Status, Target
+from qdelay.client.types import Delivery, Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
 
 if TYPE_CHECKING:
@@ -369,9 +369,9 @@ class ShardedConsumer:
             except errors.QdelayError:
                 pass
 
-    def receive(self, count: int, timeout: float) -> list[pb.Delivery]:
+    def receive(self, count: int, timeout: float) -> list[Delivery]:
         """Deliveries from any shard until ``count`` arrived or ``timeout`` seconds passed."""
-        got: list[pb.Delivery] = []
+        got: list[Delivery] = []
         deadline = time.monotonic() + timeout
         while len(got) < count:
             left = deadline - time.monotonic()

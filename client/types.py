@@ -1,4 +1,5 @@
-"""The typed results of the Python clients (blocking and asyncio): receipts and statuses.
+"""The typed results of the Python clients (blocking and asyncio): receipts, statuses and
+deliveries.
 
 A :class:`Receipt` is what a send returns and what cancel/get/reschedule take. Its string
 form is short and stable, meant to be kept in a database row next to the order it belongs
@@ -66,6 +67,44 @@ class Receipt:
     def to_pb(self) -> pb.Receipt:
         return pb.Receipt(
             message_id=self.message_id, deliver_at_ms=self.deliver_at_ms, sequence=self.sequence, shard=self.shard
+        )
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One message handed to a consumer (what ``receive``, ``batches`` and iterating a
+    consumer give, in both clients): the fields of ``qdelay.v1.Delivery`` by the same names,
+    and ``group``, the consumer group it was delivered to. ``attempt`` is 1 on the first
+    delivery; ``deliver_at_ms`` is the due time, ``dispatched_at_ms`` when the server handed
+    it out. Acknowledge it (or a batch of them) with ``consumer.ack``: its ``ack_id`` names
+    this delivery, not the message (a redelivery has another).
+
+    The clients decode each SubscribeResponse straight into these (``wire.decode_deliveries``,
+    native, no protobuf object per delivery). A plain slots class: cheap to make and to read,
+    mutable like the protobuf it replaces."""
+
+    message_id: str
+    subject: str
+    payload: bytes
+    headers: dict[str, str]
+    deliver_at_ms: int
+    dispatched_at_ms: int
+    attempt: int
+    ack_id: str
+    group: str = ""
+
+    @classmethod
+    def from_pb(cls, d: pb.Delivery, group: str = "") -> Delivery:
+        return cls(
+            d.message_id,
+            d.subject,
+            d.payload,
+            dict(d.headers),
+            d.deliver_at_ms,
+            d.dispatched_at_ms,
+            d.attempt,
+            d.ack_id,
+            group,
         )
 
 
@@ -160,6 +199,31 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+# HTTP/2 keepalive: a ping every KEEPALIVE_S while a call is open (a Subscribe stream waiting
+# for its next delivery, a SendStream between batches), so a connection that died without a
+# word (a peer's host gone, a NAT or load balancer that dropped it) is noticed within
+# KEEPALIVE_S + 10 s and the call fails with UNAVAILABLE: the consumer resubscribes, the
+# sender retries. The server accepts a ping every 10 s at most on a connection it sends
+# nothing on (its min_ping_interval_ms) and answers faster ones with GOAWAY
+# "too_many_pings"; 30 s leaves it 3x. No pings without a call (nothing to protect), and no
+# cap on pings while the client itself sends nothing (grpc's default stops pinging after 2,
+# which is every idle consumer).
+KEEPALIVE_S = 30.0
+
+
+def keepalive_options(seconds: float | None) -> list[tuple[str, int]]:
+    """Channel options for a ping every ``seconds`` on a connection with a call open (None
+    or 0: no keepalive pings)."""
+    if not seconds:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", int(seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def stats_dict(resp: pb.StatsResponse) -> dict:

@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -49,6 +50,9 @@
 #define F_DELIVERY_DELIVER_AT 6
 #define F_DELIVERY_DISPATCHED_AT 7
 #define F_DELIVERY_ATTEMPT 8
+#define F_CANCEL_BATCH_REQUESTS 1
+#define F_CANCEL_RECEIPT 1
+#define F_CANCEL_MESSAGE_ID 2
 #define F_MAP_KEY 1
 #define F_MAP_VALUE 2
 #define WIRE_VARINT 0
@@ -389,6 +393,123 @@ done:
     PyBuffer_Release(&raw);
     return result;
 }
+/* ---- decode_cancel_batch: a CancelBatchRequest of plain receipts straight to targets ---- */
+
+typedef struct {
+    Py_ssize_t id, id_len;
+    uint64_t due, seq;
+    int has_receipt;
+} Target;
+
+/* Parse one qdelay.v1.Receipt into ``t`` (fields present overwrite: protobuf's merge of a
+ * repeated submessage); 0 when malformed or carrying an unknown field. */
+static int parse_receipt(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, Target *t) {
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0)
+            return 0;
+        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        if (wire == WIRE_LEN && (field == F_RECEIPT_MESSAGE_ID || field == F_RECEIPT_SHARD)) {
+            if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+                return 0;
+            if (field == F_RECEIPT_MESSAGE_ID) { t->id = pos; t->id_len = (Py_ssize_t)v; }
+            pos += (Py_ssize_t)v;
+        } else if (wire == WIRE_VARINT &&
+                   (field == F_RECEIPT_DELIVER_AT || field == F_RECEIPT_SEQUENCE || field == F_RECEIPT_DUPLICATE)) {
+            if (read_varint(buf, end, &pos, &v) < 0)
+                return 0;
+            if (field == F_RECEIPT_DELIVER_AT) t->due = v;
+            else if (field == F_RECEIPT_SEQUENCE) t->seq = v;
+        } else {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* decode_cancel_batch(raw, max_id, max_batch) -> [(message_id, deliver_at_ms, sequence)] or None
+ *
+ * The fast path of CancelBatch/CancelStream (registered without a deserializer): 1 to
+ * max_batch CancelRequests, each a receipt alone (no message_id beside it) whose id is 1 to
+ * max_id printable-ASCII bytes and whose due time is not negative: the targets, as
+ * validation.validate_cancel_batch returns them, with no protobuf object per target. None:
+ * anything else (by id, unknown fields, malformed, refused): the caller parses with
+ * protobuf and validates, which words the error. The Python twin is qdelay/wire.py
+ * ``decode_cancel_batch_py``.
+ */
+static PyObject *decode_cancel_batch(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    Py_ssize_t max_id, max_batch;
+    if (!PyArg_ParseTuple(args, "y*nn", &raw, &max_id, &max_batch))
+        return NULL;
+    const unsigned char *buf = raw.buf;
+    Py_ssize_t end = raw.len, pos = 0, n = 0, cap = 0;
+    Target *ts = NULL;
+    PyObject *result = NULL, *out = NULL;
+    int fast = 1;
+    while (pos < end && fast) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0 || tag != TAG(F_CANCEL_BATCH_REQUESTS, WIRE_LEN) ||
+            read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos)) {
+            fast = 0;
+            break;
+        }
+        if (n == cap) {
+            Py_ssize_t ncap = cap ? cap * 2 : 256;
+            Target *more = PyMem_Realloc(ts, (size_t)ncap * sizeof(Target));
+            if (!more) { PyErr_NoMemory(); goto done; }
+            ts = more;
+            cap = ncap;
+        }
+        Target *t = &ts[n++];
+        memset(t, 0, sizeof(*t));
+        Py_ssize_t rend = pos + (Py_ssize_t)v;
+        while (pos < rend && fast) { /* one CancelRequest */
+            uint64_t rtag, len;
+            if (read_varint(buf, rend, &pos, &rtag) < 0 || (rtag & 7) != WIRE_LEN ||
+                read_varint(buf, rend, &pos, &len) < 0 || len > (uint64_t)(rend - pos)) {
+                fast = 0;
+                break;
+            }
+            unsigned field = (unsigned)(rtag >> 3);
+            if (field == F_CANCEL_RECEIPT) {
+                t->has_receipt = 1;
+                if (!parse_receipt(buf, pos, pos + (Py_ssize_t)len, t))
+                    fast = 0;
+            } else if (field != F_CANCEL_MESSAGE_ID || len != 0) {
+                fast = 0; /* by id, or a receipt with an id beside it: the Python path */
+            }
+            pos += (Py_ssize_t)len;
+        }
+    }
+    if (!fast || n == 0 || n > max_batch)
+        goto fallback;
+    if (!(out = PyList_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Target *t = &ts[i];
+        if (!t->has_receipt || t->id_len < 1 || t->id_len > max_id || (int64_t)t->due < 0)
+            goto fallback;
+        for (Py_ssize_t k = 0; k < t->id_len; k++)
+            if (buf[t->id + k] < 0x20 || buf[t->id + k] > 0x7e)
+                goto fallback;
+        PyObject *item = Py_BuildValue("(s#LK)", (const char *)buf + t->id, t->id_len, (long long)(int64_t)t->due,
+                                       (unsigned long long)t->seq);
+        if (!item)
+            goto done;
+        PyList_SET_ITEM(out, i, item);
+    }
+    result = Py_NewRef(out);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ts);
+    Py_XDECREF(out);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
 static inline unsigned char *put_varint(unsigned char *p, uint64_t v) {
     while (v >= 0x80) {
         *p++ = (unsigned char)(v | 0x80);
@@ -771,15 +892,207 @@ static PyObject *encode_send_batch_response(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* ---- decode_deliveries: a SubscribeResponse's wire bytes straight to the client's Delivery ---- */
+
+/* a str from UTF-8 bytes, or NULL with no exception set when they are not valid UTF-8 */
+static PyObject *utf8_str(const unsigned char *buf, Py_ssize_t at, Py_ssize_t len) {
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)buf + at, len, NULL);
+    if (!s && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+        PyErr_Clear();
+    return s;
+}
+
+/* One map<string, string> entry into ``headers``: 1 = ok, 0 = not for the fast path, -1 =
+ * an exception is set (out of memory). */
+static int parse_header(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, PyObject *headers) {
+    Py_ssize_t key = 0, key_len = 0, value = 0, value_len = 0;
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0 || (tag & 7) != WIRE_LEN)
+            return 0;
+        if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+            return 0;
+        if ((tag >> 3) == F_MAP_KEY) { key = pos; key_len = (Py_ssize_t)v; }
+        else if ((tag >> 3) == F_MAP_VALUE) { value = pos; value_len = (Py_ssize_t)v; }
+        else return 0;
+        pos += (Py_ssize_t)v;
+    }
+    PyObject *k = utf8_str(buf, key, key_len), *val = k ? utf8_str(buf, value, value_len) : NULL;
+    int ok = k && val ? (PyDict_SetItem(headers, k, val) < 0 ? -1 : 1) : (PyErr_Occurred() ? -1 : 0);
+    Py_XDECREF(k);
+    Py_XDECREF(val);
+    return ok;
+}
+
+/* The client's Delivery is a slots class whose __init__ only stores its nine arguments
+ * (a slots dataclass). Calling it costs about as much as decoding the delivery, so when
+ * ``cls`` has a writable object slot for each field the object is made with tp_alloc and
+ * its slots are filled directly, as its __init__ would (what the member descriptors
+ * do); any other ``cls`` is called. */
+#define DELIVERY_NFIELDS 9
+static const char *delivery_fields[DELIVERY_NFIELDS] = {
+    "message_id", "subject", "payload", "headers", "deliver_at_ms", "dispatched_at_ms", "attempt", "ack_id", "group"};
+
+/* 1 with the slots' offsets in ``offsets`` when ``cls`` is such a class, 0 if not, -1 on error */
+static int delivery_slots(PyObject *cls, Py_ssize_t offsets[DELIVERY_NFIELDS]) {
+    if (!PyType_Check(cls) || ((PyTypeObject *)cls)->tp_itemsize != 0)
+        return 0;
+    for (int k = 0; k < DELIVERY_NFIELDS; k++) {
+        PyObject *d = PyObject_GetAttrString(cls, delivery_fields[k]);
+        if (!d) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear();
+            return 0;
+        }
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+            ok = m->type == T_OBJECT_EX && !(m->flags & READONLY) &&
+                 PyType_IsSubtype((PyTypeObject *)cls, PyDescr_TYPE(d));
+            offsets[k] = m->offset;
+        }
+        Py_DECREF(d);
+        if (!ok)
+            return 0;
+    }
+    return 1;
+}
+
+/* One qdelay.v1.Delivery as cls(message_id, subject, payload, headers, deliver_at_ms,
+ * dispatched_at_ms, attempt, ack_id, group); Py_None = not for the fast path, NULL = an
+ * exception is set. A field seen twice keeps its last value, as protobuf does. */
+static PyObject *parse_delivery(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, PyObject *cls,
+                                const Py_ssize_t *slots, PyObject *group) {
+    Py_ssize_t at[F_DELIVERY_PAYLOAD + 1] = {0}, len[F_DELIVERY_PAYLOAD + 1] = {0};
+    uint64_t ints[F_DELIVERY_ATTEMPT + 1] = {0};
+    PyObject *headers = PyDict_New(), *result = NULL;
+    if (!headers)
+        return NULL;
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0)
+            goto fallback;
+        unsigned field = (unsigned)(tag >> 3), wire = (unsigned)(tag & 7);
+        if (wire == WIRE_LEN && field >= F_DELIVERY_ACK_ID && field <= F_DELIVERY_HEADERS) {
+            if (read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+                goto fallback;
+            if (field == F_DELIVERY_HEADERS) {
+                int ok = parse_header(buf, pos, pos + (Py_ssize_t)v, headers);
+                if (ok < 0)
+                    goto done;
+                if (ok == 0)
+                    goto fallback;
+            } else {
+                at[field] = pos;
+                len[field] = (Py_ssize_t)v;
+            }
+            pos += (Py_ssize_t)v;
+        } else if (wire == WIRE_VARINT && field >= F_DELIVERY_DELIVER_AT && field <= F_DELIVERY_ATTEMPT) {
+            Py_ssize_t start = pos;
+            if (read_varint(buf, end, &pos, &v) < 0 || (pos - start == 10 && buf[pos - 1] > 1))
+                goto fallback; /* malformed, or bits beyond 64: protobuf decides */
+            if (field == F_DELIVERY_ATTEMPT && v > UINT32_MAX)
+                goto fallback; /* protobuf truncates it: leave that to protobuf */
+            ints[field] = v;
+        } else {
+            goto fallback; /* unknown field or wire type: protobuf decides */
+        }
+    }
+    PyObject *args[DELIVERY_NFIELDS] = {NULL};
+    args[0] = utf8_str(buf, at[F_DELIVERY_MESSAGE_ID], len[F_DELIVERY_MESSAGE_ID]);
+    args[1] = args[0] ? utf8_str(buf, at[F_DELIVERY_SUBJECT], len[F_DELIVERY_SUBJECT]) : NULL;
+    args[2] = args[1] ? PyBytes_FromStringAndSize((const char *)buf + at[F_DELIVERY_PAYLOAD], len[F_DELIVERY_PAYLOAD])
+                      : NULL;
+    args[3] = Py_NewRef(headers);
+    args[4] = args[2] ? PyLong_FromLongLong((int64_t)ints[F_DELIVERY_DELIVER_AT]) : NULL;
+    args[5] = args[4] ? PyLong_FromLongLong((int64_t)ints[F_DELIVERY_DISPATCHED_AT]) : NULL;
+    args[6] = args[5] ? PyLong_FromUnsignedLongLong(ints[F_DELIVERY_ATTEMPT]) : NULL;
+    args[7] = args[6] ? utf8_str(buf, at[F_DELIVERY_ACK_ID], len[F_DELIVERY_ACK_ID]) : NULL;
+    args[8] = Py_NewRef(group);
+    if (args[7] && slots) {
+        if ((result = ((PyTypeObject *)cls)->tp_alloc((PyTypeObject *)cls, 0))) {
+            for (int k = 0; k < DELIVERY_NFIELDS; k++) { /* the slots take the references */
+                *(PyObject **)((char *)result + slots[k]) = args[k];
+                args[k] = NULL;
+            }
+        }
+    } else if (args[7]) {
+        result = PyObject_Vectorcall(cls, args, DELIVERY_NFIELDS, NULL);
+    } else if (!PyErr_Occurred()) {
+        result = Py_NewRef(Py_None); /* a string that is not UTF-8: protobuf words the error */
+    }
+    for (int k = 0; k < DELIVERY_NFIELDS; k++)
+        Py_XDECREF(args[k]);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(headers);
+    return result;
+}
+
+/* decode_deliveries(raw, cls, group) -> [cls(...), ...] or None
+ *
+ * The client's deserializer of Subscribe: a SubscribeResponse's wire bytes to a list of
+ * ``cls`` (qdelay.client.types.Delivery, called with its fields in order and ``group``),
+ * with no protobuf object per delivery. None: parse with protobuf (unknown fields, wire
+ * types this code does not expect, strings that are not UTF-8, anything malformed). The
+ * Python twin is qdelay/wire.py ``decode_deliveries_py``.
+ */
+static PyObject *decode_deliveries(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    PyObject *cls, *group;
+    if (!PyArg_ParseTuple(args, "y*OU", &raw, &cls, &group))
+        return NULL;
+    const unsigned char *buf = raw.buf;
+    Py_ssize_t end = raw.len, pos = 0, offsets[DELIVERY_NFIELDS];
+    PyObject *out = NULL;
+    int direct = delivery_slots(cls, offsets);
+    if (direct < 0 || !(out = PyList_New(0)))
+        goto done;
+    while (pos < end) {
+        uint64_t tag, v;
+        if (read_varint(buf, end, &pos, &tag) < 0 || tag != TAG(F_RESPONSE_DELIVERIES, WIRE_LEN) ||
+            read_varint(buf, end, &pos, &v) < 0 || v > (uint64_t)(end - pos))
+            goto fallback;
+        PyObject *d = parse_delivery(buf, pos, pos + (Py_ssize_t)v, cls, direct ? offsets : NULL, group);
+        if (!d)
+            goto fail;
+        if (d == Py_None) {
+            Py_DECREF(d);
+            goto fallback;
+        }
+        int added = PyList_Append(out, d);
+        Py_DECREF(d);
+        if (added < 0)
+            goto fail;
+        pos += (Py_ssize_t)v;
+    }
+    goto done;
+fallback:
+    Py_SETREF(out, Py_NewRef(Py_None));
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&raw);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"encode_send_batch", encode_send_batch, METH_VARARGS, "Append Message entries of a SendBatchRequest (client)."},
     {"decode_batch", decode_batch, METH_VARARGS,
      "Parse, validate and encode a SendBatchRequest's wire bytes (fast path); None: use protobuf."},
+    {"decode_cancel_batch", decode_cancel_batch, METH_VARARGS,
+     "A CancelBatchRequest of plain receipts to its targets (fast path); None: use protobuf."},
     {"encode_messages", encode_messages, METH_VARARGS,
      "Validate and encode a batch of Messages (fast path); None means: use the Python path."},
     {"encode_send_batch_response", encode_send_batch_response, METH_VARARGS,
      "A whole SendBatchResponse, full or compact receipts."},
     {"encode_deliveries", encode_deliveries, METH_VARARGS, "Append Delivery entries of a SubscribeResponse."},
+    {"decode_deliveries", decode_deliveries, METH_VARARGS,
+     "A SubscribeResponse's wire bytes to a list of Delivery (client); None: use protobuf."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -805,7 +1118,8 @@ PyMODINIT_FUNC PyInit__wire(void) {
         return NULL;
     /* WIRE_FIELDS: full field name -> the number this codec uses (checked by qdelay/wire.py) */
     PyObject *fields = Py_BuildValue(
-        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,"
+        "s:i,s:i,s:i}",
         "qdelay.v1.Message.subject", F_MESSAGE_SUBJECT, "qdelay.v1.Message.payload", F_MESSAGE_PAYLOAD,
         "qdelay.v1.Message.headers", F_MESSAGE_HEADERS, "qdelay.v1.Message.message_id", F_MESSAGE_ID,
         "qdelay.v1.Message.deliver_at_ms", F_MESSAGE_DELIVER_AT, "qdelay.v1.Message.delay_ms", F_MESSAGE_DELAY,
@@ -822,7 +1136,9 @@ PyMODINIT_FUNC PyInit__wire(void) {
         "qdelay.v1.Delivery.subject", F_DELIVERY_SUBJECT, "qdelay.v1.Delivery.payload", F_DELIVERY_PAYLOAD,
         "qdelay.v1.Delivery.headers", F_DELIVERY_HEADERS, "qdelay.v1.Delivery.deliver_at_ms", F_DELIVERY_DELIVER_AT,
         "qdelay.v1.Delivery.dispatched_at_ms", F_DELIVERY_DISPATCHED_AT,
-        "qdelay.v1.Delivery.attempt", F_DELIVERY_ATTEMPT);
+        "qdelay.v1.Delivery.attempt", F_DELIVERY_ATTEMPT, "qdelay.v1.CancelBatchRequest.requests",
+        F_CANCEL_BATCH_REQUESTS, "qdelay.v1.CancelRequest.receipt", F_CANCEL_RECEIPT,
+        "qdelay.v1.CancelRequest.message_id", F_CANCEL_MESSAGE_ID);
     if (!fields || PyModule_AddObject(m, "WIRE_FIELDS", fields) < 0) {
         Py_XDECREF(fields);
         Py_DECREF(m);

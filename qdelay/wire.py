@@ -4,7 +4,9 @@
 The hot messages are read and written without a protobuf object per message:
 SendBatchRequest (decoded by the server straight into MESSAGE bodies, encoded by the
 client from ``Outgoing`` tuples), SendBatchResponse (full or compact receipts) and
-SubscribeResponse. :data:`native` is the compiled module, or None when it was not built
+SubscribeResponse (encoded by the server, decoded by the clients into their typed
+``Delivery``), and CancelBatchRequest (CancelBatch and CancelStream: a batch of receipts
+straight to its targets). :data:`native` is the compiled module, or None when it was not built
 (it is an optional extension) or when ``QDELAY_NATIVE=0`` is set (to compare both in one
 benchmark run); callers look it up at each call (``wire.native``), so a test can switch it
 off. Every native function has a twin here with the same signature and results
@@ -235,10 +237,89 @@ def decode_batch_py(
     return None if fast is None else (*fast, compact)
 
 
+def decode_deliveries_py(raw: bytes, cls: Callable[..., Any], group: str) -> list | None:
+    """Twin of ``decode_deliveries``: a SubscribeResponse's wire bytes -> one ``cls(message_id,
+    subject, payload, headers, deliver_at_ms, dispatched_at_ms, attempt, ack_id, group)`` per
+    delivery (``cls`` is qdelay.client.types.Delivery), parsed by protobuf; None for bytes
+    protobuf cannot parse. The reference: the native function gives the same list, or None
+    where it leaves the bytes to this one (unknown fields, anything unusual)."""
+    try:
+        response = pb.SubscribeResponse.FromString(raw)
+    except DecodeError:
+        return None
+    return [
+        cls(
+            d.message_id,
+            d.subject,
+            d.payload,
+            dict(h) if (h := d.headers) else {},
+            d.deliver_at_ms,
+            d.dispatched_at_ms,
+            d.attempt,
+            d.ack_id,
+            group,
+        )
+        for d in response.deliveries
+    ]
+
+
+def decode_deliveries(raw: bytes, cls: Callable[..., Any], group: str) -> list:
+    """The clients' Subscribe deserializer: the native decoder, else (not built, or bytes it
+    leaves to protobuf) the twin; DecodeError for bytes that are no SubscribeResponse."""
+    codec = native
+    out = codec.decode_deliveries(raw, cls, group) if codec is not None else None
+    if out is None:
+        out = decode_deliveries_py(raw, cls, group)
+        if out is None:
+            raise DecodeError("not a qdelay.v1.SubscribeResponse")
+    return out
+
+
+def decode_cancel_batch_py(raw: bytes, max_id: int, max_batch: int) -> list[tuple[str, int, int]] | None:
+    """Twin of ``decode_cancel_batch``: a CancelBatchRequest's wire bytes -> its targets
+    (message_id, deliver_at_ms, sequence), when it is 1 to ``max_batch`` receipts alone, each
+    id 1 to ``max_id`` printable-ASCII characters and each due time not negative; else None
+    (by id, unknown fields, bytes protobuf cannot parse, anything refused: the server then
+    validates the parsed request, which words the error)."""
+    try:
+        request = pb.CancelBatchRequest.FromString(raw)
+    except DecodeError:
+        return None
+    if _has_unknown_fields(request) or not 0 < len(request.requests) <= max_batch:
+        return None
+    out = []
+    for r in request.requests:
+        if not r.HasField("receipt") or r.message_id:
+            return None
+        t = r.receipt
+        mid = t.message_id
+        if not 0 < len(mid) <= max_id or not (mid.isascii() and mid.isprintable()) or t.deliver_at_ms < 0:
+            return None
+        out.append((mid, t.deliver_at_ms, t.sequence))
+    return out
+
+
+# CancelBatchResponse: field 1 (responses), each a CancelResponse of field 1 (outcome), one byte
+_CANCEL_RESPONSES = pb.CancelBatchResponse.DESCRIPTOR.fields_by_name["responses"].number
+_CANCEL_OUTCOME = pb.CancelResponse.DESCRIPTOR.fields_by_name["outcome"].number
+_CANCEL_ANSWER = {
+    v.number: bytes([_CANCEL_RESPONSES << 3 | 2, 2, _CANCEL_OUTCOME << 3, v.number])
+    for v in pb.CancelResponse.Outcome.DESCRIPTOR.values
+    if v.number
+}
+
+
+def encode_cancel_batch_response(outcomes: Sequence[int]) -> bytes:
+    """A CancelBatchResponse's wire bytes, one CancelResponse per outcome (a CancelResponse.
+    Outcome number, not 0), without a protobuf object per outcome: four bytes each."""
+    answer = _CANCEL_ANSWER
+    return b"".join([answer[o] for o in outcomes])
+
+
 def _has_unknown_fields(request: Any) -> bool:
     """Whether a parsed request carries fields this .proto does not know (the native parser
     gives those up): re-serialized without them, the bytes would be shorter."""
-    known = pb.SendBatchRequest()
+    known = type(request)()
     known.CopyFrom(request)
     known.DiscardUnknownFields()
     return known.ByteSize() != request.ByteSize()
@@ -252,4 +333,6 @@ def twins() -> dict[str, Callable[..., Any]]:
         "encode_send_batch_response": encode_send_batch_response_py,
         "encode_messages": encode_messages_py,
         "decode_batch": decode_batch_py,
+        "decode_deliveries": decode_deliveries_py,
+        "decode_cancel_batch": decode_cancel_batch_py,
     }

@@ -460,7 +460,8 @@ def truncate_divergent(engine, offset: int, last_sequence: int) -> str:
                     break
                 keep, keep_seq = fr.offset + fr.size, fr.sequence
             if keep < seg.size:
-                engine.schedule.truncate(b, keep)  # its index is re-derived with it
+                engine.finder.forget(seg.path)
+                seg.truncate(keep)
             seg.last_sequence = keep_seq
         wal.truncate_to(offset, last_sequence)
         if it.offset > offset:

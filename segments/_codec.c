@@ -717,133 +717,102 @@ done:
     return out;
 }
 
-/* index_entries(data, base) -> bytes
- *
- * The schedule index's entries (docs/formats.md, "Schedule index"; the Python twin is
- * segments/schedule_index.py ``index_entries_py``) of the whole frames at the start of
- * ``data``, which the caller has verified or written itself (walked by their headers'
- * lengths, checksums not checked again), read from file offset ``base``: per frame, 32
- * bytes: sequence u64; offset u48 (``base`` + where the frame starts), kind u8, flags u8
- * (0); then for a MESSAGE its due time i64 and the xxh3-64 of its id's bytes, for a CANCEL
- * its target's sequence u64 and due time i64, for any other kind zeros. Stops at a frame
- * cut by the end of ``data``. A MESSAGE or CANCEL body too short for its fields, or an
- * offset past 48 bits, is a ValueError. The iterate service's appends to the schedule log
- * call this once per bucket append, where numpy gathers cost several calls per append.
- */
-static PyObject *index_entries(PyObject *self, PyObject *args) {
-    Py_buffer buf;
-    long long base;
-    if (!PyArg_ParseTuple(args, "y*L", &buf, &base))
-        return NULL;
-    const unsigned char *data = buf.buf;
-    Py_ssize_t size = buf.len, pos = 0, n = 0;
-    while (pos + HEADER_SIZE <= size) { /* count the whole frames first */
-        Py_ssize_t end = pos + HEADER_SIZE + (Py_ssize_t)get_u32(data + pos + LENGTH_AT);
-        if (end > size)
-            break;
-        n++;
-        pos = end;
+/* The id filter (segments/idfilter.py): a Bloom filter over message ids in a bytearray
+ * whose length is a power of two (at least 8 bytes). An id sets FILTER_PROBES bits:
+ * h = XXH3_64(id's UTF-8 bytes), h1 = its low 32 bits, h2 = its high 32 bits | 1, bit i =
+ * (h1 + i * h2) mod the number of bits (bit b is bit b % 8 of byte b / 8). */
+#define FILTER_PROBES 7
+
+static int filter_bits(Py_buffer *bits, uint64_t *mask) {
+    if (bits->len < 8 || (bits->len & (bits->len - 1))) {
+        PyErr_SetString(PyExc_ValueError, "id filter: its length is not a power of two of at least 8 bytes");
+        return -1;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * SIDX_ENTRY);
-    if (!out) {
-        PyBuffer_Release(&buf);
-        return NULL;
+    *mask = (uint64_t)bits->len * 8 - 1;
+    return 0;
+}
+
+static inline int filter_test(const unsigned char *b, uint64_t mask, const char *key, Py_ssize_t len) {
+    uint64_t h = XXH3_64bits(key, (size_t)len), h1 = h & 0xffffffffu, h2 = (h >> 32) | 1;
+    for (int i = 0; i < FILTER_PROBES; i++) {
+        uint64_t at = (h1 + (uint64_t)i * h2) & mask;
+        if (!(b[at >> 3] & (1u << (at & 7))))
+            return 0;
     }
-    unsigned char *e = (unsigned char *)PyBytes_AS_STRING(out);
-    const char *err = NULL;
-    long long err_at = 0;
-    Py_BEGIN_ALLOW_THREADS
-    pos = 0;
-    for (Py_ssize_t i = 0; i < n; i++, e += SIDX_ENTRY) {
-        const unsigned char *p = data + pos;
-        Py_ssize_t length = (Py_ssize_t)get_u32(p + LENGTH_AT);
-        const unsigned char *body = p + HEADER_SIZE;
-        unsigned kind = p[KIND_AT];
-        long long at = base + (long long)pos;
-        if (base < 0 || at >= (1LL << 48)) {
-            err = "an offset does not fit the index's 48 bits";
-            err_at = at;
-            break;
+    return 1;
+}
+
+/* filter_add(bits: bytearray, keys: list[bytes]) -> None: set each key's bits.
+ * Python twin: segments/idfilter.py ``filter_add_py``. */
+static PyObject *filter_add(PyObject *self, PyObject *args) {
+    Py_buffer bits;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "w*O!", &bits, &PyList_Type, &keys))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t mask;
+    if (filter_bits(&bits, &mask) < 0)
+        goto done;
+    unsigned char *b = bits.buf;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(k)) {
+            PyErr_SetString(PyExc_TypeError, "filter_add: keys must be bytes");
+            goto done;
         }
-        memcpy(e, p + SEQUENCE_AT, 8);
-        put_u64(e + 8, (uint64_t)at | ((uint64_t)kind << 48));
-        memset(e + 16, 0, 16);
-        if (kind == KIND_MESSAGE) {
-            if (length < MESSAGE_FIXED) {
-                err = "a MESSAGE body is shorter than its fixed part";
-                err_at = at;
-                break;
-            }
-            Py_ssize_t slen = body[MESSAGE_SUBJECT_LEN_AT] | (body[MESSAGE_SUBJECT_LEN_AT + 1] << 8);
-            Py_ssize_t ilen = body[MESSAGE_ID_LEN_AT] | (body[MESSAGE_ID_LEN_AT + 1] << 8);
-            if (MESSAGE_FIXED + slen + ilen > length) {
-                err = "a MESSAGE's id runs past its body";
-                err_at = at;
-                break;
-            }
-            memcpy(e + 16, body, 8);
-            put_u64(e + 24, XXH3_64bits(body + MESSAGE_FIXED + slen, (size_t)ilen));
-        } else if (kind == KIND_CANCEL) {
-            if (length < CANCEL_FIXED) {
-                err = "a CANCEL body is shorter than its fixed part";
-                err_at = at;
-                break;
-            }
-            memcpy(e + 16, body + CANCEL_TARGET_SEQUENCE_AT, 8);
-            memcpy(e + 24, body, 8);
+        uint64_t h = XXH3_64bits(PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
+        uint64_t h1 = h & 0xffffffffu, h2 = (h >> 32) | 1;
+        for (int j = 0; j < FILTER_PROBES; j++) {
+            uint64_t at = (h1 + (uint64_t)j * h2) & mask;
+            b[at >> 3] |= (unsigned char)(1u << (at & 7));
         }
-        pos += HEADER_SIZE + length;
     }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    if (err) {
-        Py_DECREF(out);
-        PyErr_Format(PyExc_ValueError, "index_entries: %s (frame at %lld)", err, err_at);
-        return NULL;
-    }
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&bits);
     return out;
 }
 
-/* index_find(entries, seqs) -> bytes
- *
- * Where each sequence of ``seqs`` (int64) is among ``entries`` (a schedule index's entries,
- * 32 bytes each, ascending by their first field: a memory map of the file): the entry's
- * position, or -1, as an int64 array. A binary search each, touching ~log2(n) entries: a
- * lookup in a minute of a million records reads ~20 entries, not the file. The Python
- * twin is segments/schedule_index.py ``index_find_py``.
- */
-static PyObject *index_find(PyObject *self, PyObject *args) {
-    Py_buffer eb, qb;
-    if (!PyArg_ParseTuple(args, "y*y*", &eb, &qb))
+/* filter_maybe(bits, ids: list[str]) -> list[int]: the positions of the ids whose bits are
+ * all set (maybe present; the others are certainly absent).
+ * Python twin: segments/idfilter.py ``filter_maybe_py``. */
+static PyObject *filter_maybe(PyObject *self, PyObject *args) {
+    Py_buffer bits;
+    PyObject *ids;
+    if (!PyArg_ParseTuple(args, "y*O!", &bits, &PyList_Type, &ids))
         return NULL;
     PyObject *out = NULL;
-    if (eb.len % SIDX_ENTRY || qb.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "index_find: entries are not whole 32-byte entries or seqs not int64");
+    uint64_t mask;
+    if (filter_bits(&bits, &mask) < 0 || !(out = PyList_New(0)))
         goto done;
-    }
-    Py_ssize_t n = eb.len / SIDX_ENTRY, m = qb.len / 8;
-    if (!(out = PyBytes_FromStringAndSize(NULL, m * 8)))
-        goto done;
-    const unsigned char *e = eb.buf;
-    const int64_t *q = qb.buf;
-    int64_t *pos = (int64_t *)PyBytes_AS_STRING(out);
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Py_ssize_t lo = 0, hi = n;
-        int64_t want = q[i];
-        while (lo < hi) {
-            Py_ssize_t mid = lo + (hi - lo) / 2;
-            if ((int64_t)get_u64(e + mid * SIDX_ENTRY) < want)
-                lo = mid + 1;
-            else
-                hi = mid;
+    const unsigned char *b = bits.buf;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(ids, i);
+        if (!PyUnicode_Check(m)) {
+            PyErr_SetString(PyExc_TypeError, "filter_maybe: ids must be str");
+            Py_CLEAR(out);
+            goto done;
         }
-        pos[i] = (lo < n && (int64_t)get_u64(e + lo * SIDX_ENTRY) == want) ? (int64_t)lo : -1;
+        Py_ssize_t len;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(m, &len);
+        if (!utf8) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (filter_test(b, mask, utf8, len)) {
+            PyObject *ix = PyLong_FromSsize_t(i);
+            if (!ix || PyList_Append(out, ix) < 0) {
+                Py_XDECREF(ix);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(ix);
+        }
     }
-    Py_END_ALLOW_THREADS
 done:
-    PyBuffer_Release(&eb);
-    PyBuffer_Release(&qb);
+    PyBuffer_Release(&bits);
     return out;
 }
 
@@ -857,8 +826,8 @@ static PyMethodDef methods[] = {
     {"ack_ids", ack_ids, METH_VARARGS, "The ack id \"seq.attempt\" of each delivery."},
     {"ack_sequences", ack_sequences, METH_VARARGS, "The sequences of well-formed ack ids, or None."},
     {"id_entries", id_entries, METH_VARARGS, "The id index's keys and values of MESSAGE frames."},
-    {"index_entries", index_entries, METH_VARARGS, "The schedule index's entries of whole frames."},
-    {"index_find", index_find, METH_VARARGS, "Binary searches of sequences among a schedule index's entries."},
+    {"filter_add", filter_add, METH_VARARGS, "Set the id filter's bits of each key."},
+    {"filter_maybe", filter_maybe, METH_VARARGS, "The positions of the ids the id filter may hold."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -878,8 +847,7 @@ PyMODINIT_FUNC PyInit__codec(void) {
         {"MAGIC", MAGIC}, {"VERSION", VERSION}, {"HEADER_SIZE", HEADER_SIZE}, {"CHECKED_FROM", CHECKED_FROM},
         {"CHECKSUM_AT", CHECKSUM_AT}, {"LENGTH_AT", LENGTH_AT}, {"KIND_AT", KIND_AT}, {"VERSION_AT", VERSION_AT},
         {"FLAGS_AT", FLAGS_AT}, {"SEQUENCE_AT", SEQUENCE_AT}, {"TIMESTAMP_AT", TIMESTAMP_AT},
-        {"KIND_MESSAGE", KIND_MESSAGE}, {"KIND_CANCEL", KIND_CANCEL}, {"KIND_DISPATCH", KIND_DISPATCH},
-        {"CANCEL_FIXED", CANCEL_FIXED}, {"CANCEL_TARGET_SEQUENCE_AT", CANCEL_TARGET_SEQUENCE_AT}, {"MESSAGE_FIXED", MESSAGE_FIXED},
+        {"KIND_MESSAGE", KIND_MESSAGE}, {"KIND_DISPATCH", KIND_DISPATCH}, {"MESSAGE_FIXED", MESSAGE_FIXED},
         {"MESSAGE_SUBJECT_LEN_AT", MESSAGE_SUBJECT_LEN_AT}, {"MESSAGE_ID_LEN_AT", MESSAGE_ID_LEN_AT},
         {"MESSAGE_HEADERS_LEN_AT", MESSAGE_HEADERS_LEN_AT}, {"MESSAGE_PAYLOAD_LEN_AT", MESSAGE_PAYLOAD_LEN_AT},
         {"DISPATCH_FIXED", DISPATCH_FIXED}, {"DISPATCH_DISPATCHED_AT", DISPATCH_DISPATCHED_AT},

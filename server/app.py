@@ -88,10 +88,12 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-RAW_REQUEST_METHODS = ("SendBatch", "SendStream")  # decoded by the native codec from wire bytes
-# answered with wire bytes: SubscribeResponse (consumers.response_bytes) and SendBatchResponse
-# (service._batch_response), both from the native wire codec
-RAW_RESPONSE_METHODS = ("Subscribe", "SendBatch", "SendStream")
+# decoded by the native codec from wire bytes (validation.decode_batch, decode_cancel_batch)
+RAW_REQUEST_METHODS = ("SendBatch", "SendStream", "CancelBatch", "CancelStream")
+# answered with wire bytes: SubscribeResponse (consumers.response_bytes), SendBatchResponse
+# (service._batch_response), both from the native wire codec, and CancelBatchResponse
+# (wire.encode_cancel_batch_response)
+RAW_RESPONSE_METHODS = ("Subscribe", "SendBatch", "SendStream", "CancelBatch", "CancelStream")
 
 
 class _HandlerRecorder:
@@ -108,10 +110,11 @@ class _HandlerRecorder:
 
 
 def add_delay_service(service: DelayService, server) -> None:
-    """Register DelayService with the generated handlers, except that SendBatch and
-    SendStream get their requests as wire bytes and answer with wire bytes, and Subscribe
-    yields its responses as wire bytes: the native wire codec (qdelay/wire.py) decodes and
-    encodes those in one pass (validation.decode_batch, service._batch_response,
+    """Register DelayService with the generated handlers, except that SendBatch,
+    SendStream, CancelBatch and CancelStream get their requests as wire bytes and answer
+    with wire bytes, and Subscribe yields its responses as wire bytes: the wire codec
+    (qdelay/wire.py) decodes and encodes those in one pass (validation.decode_batch and
+    decode_cancel_batch, service._batch_response, wire.encode_cancel_batch_response,
     consumers.response_bytes) instead of a protobuf object per message."""
     recorder = _HandlerRecorder()
     pb_grpc.add_DelayServiceServicer_to_server(service, recorder)
@@ -170,7 +173,10 @@ class App:
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # the clients' keepalive pings: accepted every min_ping_interval_ms while the
+            # server sends nothing (grpc's default is 5 minutes: a client pinging every 30 s
+            # on an idle stream would be sent GOAWAY too_many_pings after three pings)
+            ("grpc.http2.min_ping_interval_without_data_ms", cfg.min_ping_interval_ms),
         ]
         self.server = server = grpc.aio.server(
             interceptors=interceptors, options=options, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None

@@ -5,8 +5,9 @@
   (``engine.replication_floor()``), and older than ``message_retention_ms``. The active
   segment is never deleted.
 - A schedule segment (and its dispatch segment) goes once its bucket is below the
-  scheduler's ``done_before`` and not reopened — every message in it delivered,
-  dead-lettered or cancelled, with the dispatch records on disk — and its end is more
+  scheduler's ``done_before`` and not reopened — every message in it delivered or
+  dead-lettered for every group it is for, or cancelled, with the dispatch records on disk
+  (tests/test_cleaner.py, with two groups) — and its end is more
   than ``schedule_keep_ms`` in the past (so Get and Cancel still answer for a while).
 """
 
@@ -110,6 +111,9 @@ class Cleaner:
                 engine.schedule.buckets(), lambda b: (b + scale) * MS_PER_MINUTE + keep_ms <= now_ms
             )
             for b in finished:
+                seg = engine.schedule.get(b)
+                if seg is not None:
+                    engine.finder.forget(seg.path)
                 dseg = engine.dispatch.get(b)
                 if dseg is not None:
                     engine.dispatched.forget(dseg.path)

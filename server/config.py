@@ -124,6 +124,10 @@ class ServerConfig:
     max_deliveries_per_response: int = 1000
     max_response_bytes: int = 2 * 1024 * 1024
     max_concurrent_rpcs: int = 10_000
+    # the shortest interval between a client's HTTP/2 keepalive pings that the server accepts
+    # on a connection it sends nothing on (faster ones get GOAWAY "too_many_pings"; the
+    # Python and Node clients ping every 30 s while a call is open)
+    min_ping_interval_ms: int = 10_000
     grace_seconds: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -168,6 +172,7 @@ class ServerConfig:
             "max_deliveries_per_response",
             "max_response_bytes",
             "max_concurrent_rpcs",
+            "min_ping_interval_ms",
             "replication_timeout_ms",
             "replication_batch_bytes",
             "slave_hold_ms",
@@ -293,6 +298,7 @@ ENGINE_KEYS: dict[str, tuple[str | None, str]] = {
     "retry_backoff_ms": ("scheduler", "retry_backoff_ms"),
     "max_loaded": ("scheduler", "max_loaded"),
     "group_max_ready": ("scheduler", "group_max_ready"),
+    "group_max_ready_of": ("scheduler", "group_max_ready_of"),
     "implicit_group": ("scheduler", "implicit_group"),
     "cleaner_enabled": ("cleaner", "enabled"),
     "cleaner_interval_ms": ("cleaner", "interval_ms"),
@@ -312,8 +318,30 @@ def engine_config(**options: Any) -> EngineConfig:
     ecfg = EngineConfig()
     for key, value in options.items():
         section, name = ENGINE_KEYS[key]
+        if key == "group_max_ready_of":
+            value = _group_bounds(value)
         setattr(ecfg if section is None else getattr(ecfg, section), name, value)
     return ecfg
+
+
+_GROUP_KEY = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")
+
+
+def _group_bounds(value: Any) -> dict[str, int]:
+    """``[engine.group_max_ready_of]``: "SUBJECT/GROUP" = entries, each a positive integer."""
+    if not isinstance(value, dict):
+        raise ConfigError(
+            'engine.group_max_ready_of: a table of "SUBJECT/GROUP" = entries, '
+            "e.g. --set 'engine.group_max_ready_of={\"orders.close/billing\" = 500000}'"
+        )
+    out: dict[str, int] = {}
+    for key, bound in value.items():
+        if not _GROUP_KEY.fullmatch(key):
+            raise ConfigError(f'engine.group_max_ready_of: key {key!r} is not "SUBJECT/GROUP"')
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise ConfigError(f"engine.group_max_ready_of.{key}: {bound!r} is not a positive number of entries")
+        out[key] = bound
+    return out
 
 
 def build_engine_config(cfg: ServerConfig) -> EngineConfig:

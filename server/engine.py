@@ -223,9 +223,7 @@ class Engine:
             corruption=self.policy,
             min_next_sequence=int(state.get("sequence", 0)) + 1,
         )
-        self.schedule = BucketLog(
-            os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool, indexed=True
-        )
+        self.schedule = BucketLog(os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool)
         self.dispatch = BucketLog(os.path.join(root, naming.DISPATCH_DIR), naming.DISPATCH_SUFFIX, self.pool)
         start_offset, start_sequence = self._start_position(state)
         now = self.clock()
@@ -246,17 +244,7 @@ class Engine:
                 if b >= done_before or b in reopened:
                     seg = self.dispatch.get(b)
                     reopened_at[b] = seg.size if seg is not None else 0
-        touched = self._recover_touched(start_offset)
-        # the schedule indexes: re-derived where a crash may have left a tail (the touched
-        # segments) and wherever one does not match its segment (docs/recovery.md row 15)
-        t0 = time.monotonic()
-        mismatched, entries = self.schedule.check_indexes(touched)
-        if mismatched:
-            self._note(
-                f"schedule indexes missing or not matching their segments: {mismatched} re-derived "
-                f"({entries} records indexed in {time.monotonic() - t0:.2f}s)"
-            )
-        for b in touched:
+        for b in self._recover_touched(start_offset):
             if b < done_before and b not in reopened:
                 # reopened after the checkpoint: its closes so far are taken as counted in
                 # closed_retired (those made after that checkpoint are not: see stats())
@@ -729,7 +717,17 @@ class Engine:
         """
         sched = self.scheduler
         outcomes: list[CancelOutcome] = [CancelOutcome.NOT_FOUND] * len(targets)
-        found = [(i, p) for i, p in enumerate(self._find_targets(targets)) if p is not None]
+        found: list[tuple[int, tuple[int, int]]] = []
+        first_of: dict[int, int] = {}  # sequence -> the first target naming it
+        repeats: list[tuple[int, int]] = []  # (a target, the earlier one naming its message)
+        for i, p in enumerate(self._find_targets(targets)):
+            if p is None:
+                continue
+            if p[1] in first_of:  # named again (by id and by receipt, or twice): claimed once
+                repeats.append((i, first_of[p[1]]))
+            else:
+                first_of[p[1]] = i
+                found.append((i, p))
         answers = sched.claim_cancels([seq for _i, (_due, seq) in found])
         mine: list[tuple[int, tuple[int, int]]] = []
         for (i, place), answer in zip(found, answers):
@@ -755,6 +753,8 @@ class Engine:
                 outcomes[i] = self._NOT_PENDING[state]
         if release:
             sched.release_cancels(release)
+        for i, j in repeats:  # a repeat answers as a second Cancel after the first would
+            outcomes[i] = CancelOutcome.ALREADY_CANCELLED if outcomes[j] == CancelOutcome.CANCELLED else outcomes[j]
         return outcomes, claimed
 
     def _find_targets(self, targets: list[tuple[str, int | None, int | None]]) -> list[tuple[int, int] | None]:
@@ -868,14 +868,12 @@ class Engine:
             if buffered:
                 closed |= np.isin(seqs, reader.scan_columns(buffered).seqs)
             tombs = sched.known_tombstones(bucket)
-            if tombs is not None:
-                cancelled = [seq in tombs for seq in seqs.tolist()]
-            else:  # an unloaded bucket: its segment's index says (no walk of the segment)
-                cancelled = self.finder.cancelled_among(seg, seqs).tolist() if seg is not None else [False] * len(ks)
-            for k, seq, was_closed, was_cancelled in zip(ks, seqs.tolist(), closed.tolist(), cancelled):
+            if tombs is None:
+                tombs = self.finder.tombstones(seg) if seg is not None else set()
+            for k, seq, was_closed in zip(ks, seqs.tolist(), closed.tolist()):
                 if was_closed:
                     out[k] = self._closed_state(bucket, seq)[0]
-                elif was_cancelled:
+                elif seq in tombs:
                     out[k] = MessageState.CANCELLED
         return out
 

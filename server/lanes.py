@@ -99,22 +99,24 @@ class Pass:
 
 
 class Lane:
-    """What one group of one subject has due: entries ready in memory, up to
-    ``group_max_ready``. A lane over its bound *spills*: its queued entries are forgotten
-    (they stay in the schedule segments) and so is whatever becomes due for it meanwhile;
-    ``drop_from`` is the lowest bucket forgotten since the last pass began. When the lane
-    has room again, passes read its entries back from disk (``Pass``) until one ends with
-    nothing forgotten during it; then the lane takes entries from the timer again.
+    """What one group of one subject has due: entries ready in memory, up to its bound
+    (``group_max_ready``, or the group's own in ``group_max_ready_of``). A lane over its
+    bound *spills*: its queued entries are forgotten (they stay in the schedule segments)
+    and so is whatever becomes due for it meanwhile; ``drop_from`` is the lowest bucket
+    forgotten since the last pass began. When the lane has room again, passes read its
+    entries back from disk (``Pass``) until one ends with nothing forgotten during it; then
+    the lane takes entries from the timer again.
 
     This is what keeps one group without consumers (or with a slow one) from filling the
     scheduler's memory and stopping everyone else: it holds at most its bound.
     """
 
-    __slots__ = ("sid", "gid", "ready", "spilled", "drop_from", "walk", "recent")
+    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent")
 
-    def __init__(self, sid: int, gid: int) -> None:
+    def __init__(self, sid: int, gid: int, bound: int) -> None:
         self.sid = sid
         self.gid = gid
+        self.bound = bound  # entries it may hold ready (Timer.lane_bound)
         self.ready = Ready()
         self.spilled = False
         self.drop_from: int | None = None

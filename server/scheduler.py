@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,8 @@ class SchedulerConfig:
     max_loaded: int = 8_000_000  # index entries in memory (wheel + ready), 32 bytes each
     # entries one group of one subject holds ready in memory; beyond it the rest wait on disk
     group_max_ready: int = 100_000
+    # the same per group, for the groups that need another bound: "SUBJECT/GROUP" -> entries
+    group_max_ready_of: dict[str, int] = field(default_factory=dict)
     implicit_group: str = ""  # a subject with no group gets this one when a message is due ("" none)
     load_chunk_bytes: int = 1024 * 1024
     dispatch_quantum: int = 512  # per subject per round: fairness across subjects

@@ -99,7 +99,7 @@ class Timer:
     def lane(self, sid: int, gid: int) -> Lane:
         lane = self.lanes.get((sid, gid))
         if lane is None:
-            lane = self.lanes[(sid, gid)] = Lane(sid, gid)
+            lane = self.lanes[(sid, gid)] = Lane(sid, gid, self.lane_bound(sid, gid))
             self._lanes_of.setdefault(gid, []).append(lane)
         return lane
 
@@ -262,7 +262,7 @@ class Timer:
             return
         self._owe(g.gid, part.bucket, 1)
         self._push(lane, part)
-        if lane.ready.count > self.lane_bound():
+        if lane.ready.count > lane.bound:
             self.spill(lane)
 
     def _push(self, lane: Lane, e: Entries) -> None:
@@ -302,10 +302,16 @@ class Timer:
 
     # --- memory bounds: spills --------------------------------------------------------------------
 
-    def lane_bound(self) -> int:
-        """Entries one lane may hold ready: its own bound, and at most a quarter of the
-        whole in-memory budget, so that a few idle groups cannot fill it."""
-        return max(1, min(self.cfg.group_max_ready, self.cfg.max_loaded // 4))
+    def lane_bound(self, sid: int, gid: int) -> int:
+        """Entries one lane may hold ready: its group's bound (``group_max_ready_of``
+        "SUBJECT/GROUP", else ``group_max_ready``), and at most a quarter of the whole
+        in-memory budget, so that a few idle groups cannot fill it. Read once, when the lane
+        is made (a group's lane lives as long as the group)."""
+        bound = self.cfg.group_max_ready
+        g = self.groups.by_gid(gid)
+        if g is not None and self.cfg.group_max_ready_of:
+            bound = self.cfg.group_max_ready_of.get(f"{self.subjects[sid]}/{g.name}", bound)
+        return max(1, min(bound, self.cfg.max_loaded // 4))
 
     def relieve(self) -> None:
         """The in-memory budget is full: the lanes holding the most ready entries spill to
@@ -348,9 +354,8 @@ class Timer:
         """A spilled lane to read back for now: one below half its bound whose consumers
         have credit (an idle group's backlog stays on disk until credit returns), or one
         with nothing left to read (its pass ends), or whose group is gone."""
-        half = self.lane_bound() // 2
         for ln in self.spilled:
-            if ln.ready.count >= half:
+            if ln.ready.count >= ln.bound // 2:
                 continue
             g = self.groups.by_gid(ln.gid)
             if g is None or credit(self.subjects[ln.sid], g.name) > 0 or (ln.walk is None and ln.drop_from is None):

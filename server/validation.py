@@ -299,6 +299,24 @@ def validate_reschedule(request, limits: Limits, now_ms: int) -> tuple[str, int 
     return message_id, due, sequence, resolve_due(request, limits, now_ms, "RescheduleRequest")
 
 
+def decode_cancel_batch(raw: bytes, limits: Limits) -> list[tuple[str, int | None, int | None]]:
+    """A CancelBatchRequest's wire bytes -> its targets, as :func:`validate_cancel_batch`.
+
+    The native wire codec reads a batch of plain receipts without a protobuf object per
+    target; anything it does not take (by id, unknown fields, refusals) is parsed with
+    protobuf and goes through :func:`validate_cancel_batch`, which words the errors."""
+    codec = wire.native
+    if codec is not None:
+        fast = codec.decode_cancel_batch(raw, limits.max_message_id_bytes, limits.max_batch)
+        if fast is not None:
+            return fast
+    try:
+        request = pb.CancelBatchRequest.FromString(raw)
+    except DecodeError as err:
+        raise InvalidArgument(f"malformed CancelBatchRequest: {err}") from None
+    return validate_cancel_batch(request, limits)
+
+
 def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int | None, int | None]]:
     """The targets of a CancelBatch request: 1..max_batch receipts, each as for Cancel."""
     count = len(request.requests)

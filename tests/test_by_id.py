@@ -114,3 +114,19 @@ def test_with_dedupe_off_by_id_acts_on_the_newest_whatever_its_state(tmp_path):
         assert (c.get(third).state, c.get(older).state) == ("CANCELLED", "PENDING")
         assert c.cancel(older) == "CANCELLED"
         c.close()
+
+
+def test_a_batch_naming_a_closed_message_twice_answers_its_state_twice(tmp_path):
+    """A CancelBatch naming one message twice (by receipt and by id, or twice alike) claims
+    it once: the second answers as a second Cancel would (ALREADY_CANCELLED after a
+    CANCELLED, and ALREADY_DELIVERED again for a delivered one, not ALREADY_CANCELLED)."""
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        done = c.send("t.twice", b"p", delay_ms=0, message_id="done")
+        with c.subscribe("t.twice") as consumer:
+            consumer.ack(consumer.receive(1, timeout=10))
+        assert wait_until(lambda: c.get(done).state == "DELIVERED")
+        c.send("t.twice", b"p", delay_ms=HOUR, message_id="live")
+        got = c.cancel_many([done, "done", "live", "live", "done"])
+        assert got == ["ALREADY_DELIVERED", "ALREADY_DELIVERED", "CANCELLED", "ALREADY_CANCELLED", "ALREADY_DELIVERED"]
+        c.close()

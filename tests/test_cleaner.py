@@ -3,13 +3,14 @@
 - a message-log segment only once wholly behind the *saved* iterate checkpoint and older
   than its retention (file mtime, real time), and never the active segment;
 - a schedule segment (and its dispatch segment) only once ``done_before`` passed its
-  bucket (everything in it delivered, dead-lettered or cancelled, with dispatch records
-  on disk) and its keep time passed;
+  bucket (everything in it delivered or dead-lettered for every group it is for, or
+  cancelled, with dispatch records on disk) and its keep time passed;
 - a late record for a bucket already deleted still works.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -223,4 +224,71 @@ def test_late_record_after_bucket_deleted(tmp_path):
     assert d.cancel(late2) == CancelOutcome.CANCELLED
     d.advance(MINUTE)
     assert d.sink.take() == []
+    d.close()
+
+
+class GroupSink:
+    """A sink with credit per group (0: no consumer connected), remembering each delivery
+    as (group, message id, ack id)."""
+
+    def __init__(self, credit: dict[str, int]) -> None:
+        self.credit_of = dict(credit)
+        self.seen: list[tuple[str, str, str]] = []
+
+    def credit(self, subject: str, group: str = "default") -> int:
+        return self.credit_of.get(group, 0)
+
+    def deliver(self, subject: str, group: str, deliveries) -> None:
+        self.seen += [(group, d.message_id, d.ack_id) for d in deliveries]
+
+    def take(self, group: str) -> list[tuple[str, str]]:
+        """(message id, ack id) of the group's deliveries since the last call."""
+        mine = [(m, a) for g, m, a in self.seen if g == group]
+        self.seen = [s for s in self.seen if s[0] != group]
+        return mine
+
+
+def test_schedule_segment_kept_until_every_group_has_finished_it(tmp_path):
+    """With two groups, a minute one group has acknowledged and the other has not even
+    received (no consumer) is not finished: the cleaner keeps its schedule and dispatch
+    segments however old, and Get answers per group. Once the second group acknowledges,
+    the minute is finished and the cleaner deletes both files."""
+    clock = FakeClock(T0 + 1_000)
+    sink = GroupSink({"fast": 1000})
+    d = Driver(tmp_path, clock, sink, schedule_keep_ms=0, segment_bytes=64 * 1024 * 1024)
+    for g in ("fast", "slow"):
+        assert asyncio.run(d.engine.ensure_group("s", g))
+    sent = d.send(message("s", d.clock.now + 1_000 + i, f"m{i}") for i in range(5))
+    b = bucket_of(sent[0].deliver_at_ms)
+    ids = sorted(r.message_id for r in sent)
+    d.run(d.clock.now + 2_000)
+    got = sink.take("fast")
+    assert sorted(m for m, _a in got) == ids
+    d.engine.ack([a for _m, a in got], "s", "fast")
+    for _ in range(3):
+        d.advance(MINUTE)
+    assert sink.take("slow") == []
+    cleaner = d.engine.cleaner
+    assert d.engine.scheduler.done_before <= b, "a group has not received the minute"
+    assert cleaner.run_once(d.clock.now + 86_400_000)["buckets"] == []
+    assert files_basenames(tmp_path, "schedule", ".sched") and files_basenames(tmp_path, "dispatch", ".disp")
+    st = d.get(sent[0])
+    assert st.state == MessageState.DELIVERED
+    assert [(name, state) for name, state, _at in st.groups] == [
+        ("fast", MessageState.DELIVERED),
+        ("slow", MessageState.PENDING),
+    ]
+    # the second group's consumer comes: it gets the minute, acknowledges, and then it goes
+    sink.credit_of["slow"] = 1000
+    d.advance(1)
+    got = sink.take("slow")
+    assert sorted(m for m, _a in got) == ids
+    d.engine.ack([a for _m, a in got], "s", "slow")
+    for _ in range(2):
+        d.advance(MINUTE)
+    assert d.engine.scheduler.done_before > b
+    assert cleaner.run_once(d.clock.now)["buckets"] == [b]
+    assert files(tmp_path, "schedule", ".sched") == [] and files(tmp_path, "dispatch", ".disp") == []
+    assert d.get(sent[0]).state == MessageState.NOT_FOUND
+    assert sink.take("fast") == [] and sink.take("slow") == [], "nothing delivered twice"
     d.close()

@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qdelay import errors, wire
-from qdelay.segments import framing, native, records
+from qdelay.client.types import Delivery
+from qdelay.segments import framing, idfilter, native, records
 from qdelay.segments.framing import RecordKind
 from qdelay.server.config import Limits
 from qdelay.server.validation import encode_messages, encode_messages_py
@@ -153,6 +155,52 @@ def request_bytes(draw) -> bytes:
     return raw
 
 
+@st.composite
+def cancel_request_bytes(draw) -> bytes:
+    """CancelBatchRequest wire bytes: plain receipts (some with a shard or the duplicate
+    flag), ids the fast path refuses (empty, too long, not printable ASCII), negative due
+    times, by-id requests, a message_id beside a receipt, no receipt; as protobuf writes
+    them, with junk after, cut short, or a receipt written twice (protobuf merges them)."""
+    ids = st.one_of(
+        st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=12),
+        st.sampled_from(["", "x" * 129, "x" * 128, "caf\u00e9", "tab\t", "del\x7f"]),
+    )
+    receipt = st.builds(
+        pb.Receipt,
+        message_id=ids,
+        deliver_at_ms=st.one_of(st.integers(0, 2**63 - 1), st.integers(-(2**63), -1)),
+        sequence=st.integers(0, 2**64 - 1),
+        duplicate=st.booleans(),
+        shard=st.sampled_from(["", "s1"]),
+    )
+    request = st.one_of(
+        st.builds(pb.CancelRequest, receipt=receipt),
+        st.builds(pb.CancelRequest, receipt=receipt),
+        st.builds(pb.CancelRequest, receipt=receipt, message_id=ids),
+        st.builds(pb.CancelRequest, message_id=ids),
+        st.just(pb.CancelRequest()),
+    )
+    raw = pb.CancelBatchRequest(requests=draw(st.lists(request, max_size=6))).SerializeToString()
+    mode = draw(st.sampled_from(["plain", "plain", "plain", "junk-suffix", "truncated", "twice"]))
+    if mode == "junk-suffix":
+        raw += draw(st.binary(max_size=8))
+    elif mode == "truncated" and raw:
+        raw = raw[: len(raw) // 2]
+    elif mode == "twice":
+        # one CancelRequest whose receipt field comes twice on the wire: protobuf merges the two
+        twice = pb.CancelRequest(receipt=draw(receipt)).SerializeToString()
+        twice += pb.CancelRequest(receipt=draw(receipt)).SerializeToString()
+        length = len(twice)
+        varint = bytearray()
+        while True:
+            varint.append((length & 0x7F) | (0x80 if length > 0x7F else 0))
+            length >>= 7
+            if not length:
+                break
+        raw += b"\x0a" + bytes(varint) + twice
+    return raw
+
+
 class FakeSegment:
     def __init__(self, last: int) -> None:
         self.last_sequence = last
@@ -209,39 +257,27 @@ def id_entries_cases(draw):
     return bytes(data[:cut]), *(np.array(a, dtype=np.int64) for a in (starts, dues, seqs))
 
 
-@st.composite
-def index_entries_cases(draw):
-    """MESSAGE, CANCEL and DISPATCH frames (the schedule log holds the first two), a frame
-    cut short or a body too short for its kind sometimes, and a base offset (near the 48-bit
-    limit sometimes)."""
-    data = bytearray()
-    for i in range(draw(st.integers(0, 8))):
-        kind = draw(st.sampled_from([RecordKind.MESSAGE, RecordKind.MESSAGE, RecordKind.CANCEL, RecordKind.DISPATCH]))
-        if kind == RecordKind.MESSAGE:
-            body = records.encode_message(
-                draw(st.binary(max_size=5)), draw(st.binary(max_size=12)), b"", draw(st.binary(max_size=9)), i * 7
-            )
-        elif kind == RecordKind.CANCEL:
-            body = records.encode_cancel(records.Cancel(draw(st.text("ab", max_size=6)), -i, 2**63 - 1 - i))
-        else:
-            body = draw(st.binary(max_size=40))
-        if draw(st.integers(0, 9)) == 0:
-            body = body[: draw(st.integers(0, len(body)))]  # too short for its kind
-        framing.encode_into(data, kind, draw(st.integers(0, 2**63 - 1)), 0, body)
-    cut = draw(st.one_of(st.just(len(data)), st.integers(0, len(data))))
-    base = draw(st.one_of(st.integers(0, 2**40), st.just(2**48 - 1 - len(data) // 2), st.just(-1)))
-    return bytes(data[:cut]), base
+filter_bits = st.one_of(
+    st.sampled_from([8, 16, 64, 1024]).map(bytearray),  # empty filters of valid sizes
+    st.binary(min_size=8, max_size=8).map(bytearray),  # some bits set already
+    st.binary(max_size=12).map(bytearray),  # mostly sizes that are not a power of two
+)
+filter_keys = st.lists(st.one_of(st.binary(max_size=12), st.text(max_size=6).map(str.encode)), max_size=20)
 
 
 @st.composite
-def index_find_cases(draw):
-    """Entries ascending by sequence (gaps, equal neighbours never) and sequences to find,
-    present or not; sometimes entries not whole."""
-    seqs = sorted(set(draw(st.lists(st.integers(-5, 60), max_size=20))))
-    raw = b"".join(struct.pack("<qQqQ", q, 7, 8, 9) for q in seqs)
+def filter_maybe_cases(draw):
+    """A filter holding some ids (added by the twin), asked about those and others."""
+    bits = draw(filter_bits)
+    held = draw(st.lists(st.text(max_size=6), max_size=10))
+    try:
+        idfilter.filter_add_py(bits, [m.encode() for m in held])
+    except ValueError:
+        pass  # a filter of a wrong size: both sides refuse it
+    asked = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=6)), max_size=20))
     if draw(st.integers(0, 9)) == 0:
-        raw = raw[: draw(st.integers(0, len(raw)))]
-    return raw, np.array(draw(st.lists(st.integers(-8, 64), max_size=12)), dtype=np.int64)
+        asked = [*asked, draw(st.sampled_from([b"id", 3, None]))]  # not a str
+    return bytes(bits) if draw(st.booleans()) else bits, asked
 
 
 def framing_scan(data: bytes) -> tuple:
@@ -324,6 +360,36 @@ deliveries_st = st.lists(
     max_size=10,
 )
 
+
+@st.composite
+def subscribe_response_bytes(draw) -> bytes:
+    """SubscribeResponse wire bytes: as protobuf writes them (any text, headers, times), or
+    with junk after, cut short, or carrying a field this .proto does not have."""
+    resp = pb.SubscribeResponse()
+    for ack_id, mid, payload, headers, due, attempt in draw(deliveries_st):
+        d = resp.deliveries.add(
+            ack_id=ack_id,
+            message_id=draw(st.one_of(st.just(mid.decode()), st.text(max_size=4))),
+            subject=draw(st.text(max_size=6)),
+            payload=payload,
+            deliver_at_ms=due,
+            dispatched_at_ms=draw(st.integers(-(2**63), 2**63 - 1)),
+            attempt=attempt,
+        )
+        if headers:
+            d.headers.update(headers)
+    raw = resp.SerializeToString()
+    mode = draw(st.sampled_from(["plain", "plain", "plain", "junk-suffix", "truncated", "unknown-field"]))
+    if mode == "junk-suffix":
+        raw += draw(st.binary(max_size=8))
+    elif mode == "truncated" and raw:
+        raw = raw[: draw(st.integers(0, len(raw) - 1))]
+    elif mode == "unknown-field":
+        # a Delivery with a field 9, or a SubscribeResponse with a field 2
+        raw += draw(st.sampled_from([b"\x0a\x02\x48\x01", b"\x10\x01"]))
+    return raw
+
+
 outgoing_st = st.lists(
     st.tuples(
         st.text(max_size=8),
@@ -398,8 +464,11 @@ PAIRS: dict[tuple[str, str], Pair] = {
     ("segments", "route"): Pair(route_cases(), route_args, route_outcome),
     ("segments", "read_messages"): Pair(read_back_cases()),
     ("segments", "id_entries"): Pair(id_entries_cases()),
-    ("segments", "index_entries"): Pair(index_entries_cases()),
-    ("segments", "index_find"): Pair(index_find_cases(), outcome=lambda result, args: bytes(result)),
+    ("segments", "filter_add"): Pair(
+        st.tuples(filter_bits, filter_keys.map(lambda ks: ks + [3] if len(ks) == 7 else ks)),
+        outcome=lambda result, args: (result, bytes(args[0])),
+    ),
+    ("segments", "filter_maybe"): Pair(filter_maybe_cases()),
     ("segments", "dispatch_frames"): Pair(
         st.tuples(
             st.lists(
@@ -473,6 +542,12 @@ PAIRS: dict[tuple[str, str], Pair] = {
             bytes(args[0]) if not any(args[5]) else None,
         ),
     ),
+    ("wire", "decode_deliveries"): Pair(
+        st.tuples(subscribe_response_bytes(), st.text(max_size=4)),
+        args=lambda c: (c[0], Delivery, c[1]),
+        # None from the native side means "protobuf decides": what the twin answers then
+        outcome=lambda result, args: wire.decode_deliveries_py(*args) if result is None else result,
+    ),
     ("wire", "encode_send_batch_response"): Pair(send_batch_response_cases()),
     ("wire", "encode_messages"): Pair(
         st.tuples(batches, st.booleans(), st.booleans()),
@@ -481,6 +556,10 @@ PAIRS: dict[tuple[str, str], Pair] = {
     ("wire", "decode_batch"): Pair(
         st.tuples(request_bytes(), st.sampled_from([LIMITS.max_batch, LIMITS.max_batch, 3])),
         args=lambda c: (c[0], NOW, *limit_args(False), c[1], new_ids()),
+    ),
+    ("wire", "decode_cancel_batch"): Pair(
+        st.tuples(cancel_request_bytes(), st.sampled_from([LIMITS.max_batch, LIMITS.max_batch, 3])),
+        args=lambda c: (c[0], LIMITS.max_message_id_bytes, c[1]),
     ),
 }
 
@@ -586,6 +665,34 @@ def test_the_fast_path_takes_only_what_validation_accepts_and_encodes_it_alike(b
     assert unnumbered(again.bodies) == unnumbered(slow.bodies)
 
 
+@settings(max_examples=200, deadline=None)
+@given(raw=cancel_request_bytes())
+def test_the_cancel_batch_fast_path_takes_only_what_validation_accepts_alike(raw):
+    """decode_cancel_batch against the worded reference (validate_cancel_batch of the parsed
+    request): what the fast path takes, the reference accepts with the same targets; the
+    server's entry point (validation.decode_cancel_batch) answers as the reference."""
+    from qdelay.server.validation import decode_cancel_batch, validate_cancel_batch
+
+    fast = wire_codec.decode_cancel_batch(raw, LIMITS.max_message_id_bytes, LIMITS.max_batch)
+    try:
+        slow = validate_cancel_batch(pb.CancelBatchRequest.FromString(raw), LIMITS)
+    except (errors.InvalidArgument, DecodeError):
+        assert fast is None
+        with pytest.raises(errors.InvalidArgument):
+            decode_cancel_batch(raw, LIMITS)
+        return
+    if fast is not None:
+        assert fast == slow
+    assert decode_cancel_batch(raw, LIMITS) == slow
+
+
+def test_a_cancel_batch_response_is_what_protobuf_writes():
+    outcomes = [1, 2, 3, 4, 5, 1]
+    want = pb.CancelBatchResponse(responses=[pb.CancelResponse(outcome=o) for o in outcomes])  # type: ignore[misc]
+    assert wire.encode_cancel_batch_response(outcomes) == want.SerializeToString()
+    assert wire.encode_cancel_batch_response([]) == b""
+
+
 def test_a_full_send_batch_response_is_what_protobuf_writes():
     """Spot check against a response built by hand with protobuf: duplicates answer their
     original receipt, the others take the sequences in order, each names the shard."""
@@ -617,12 +724,49 @@ def test_reader_columns_gather_a_field_of_the_frames(data):
     assert fields.tolist() == [struct.unpack_from("<q", data, s + framing.SEQUENCE_AT)[0] for s in a.starts.tolist()]
 
 
+def test_decode_deliveries_decodes_what_protobuf_writes():
+    """The native decoder takes what a server writes (None only for what it leaves to
+    protobuf), fills the client's slots class directly, and calls any other class."""
+    resp = pb.SubscribeResponse()
+    resp.deliveries.add(
+        ack_id="12.3", message_id="é:1", subject="s.x", payload=b"\x00p", deliver_at_ms=-1, attempt=2**32 - 1
+    )
+    resp.deliveries.add(ack_id="1.1", headers={"k": "v", "": "é"}, dispatched_at_ms=2**63 - 1)
+    raw = resp.SerializeToString()
+    got = wire_codec.decode_deliveries(raw, Delivery, "g")
+    assert got == wire.decode_deliveries_py(raw, Delivery, "g")
+    assert got[0] == Delivery("é:1", "s.x", b"\x00p", {}, -1, 0, 2**32 - 1, "12.3", "g")
+    assert got[1].headers == {"k": "v", "": "é"} and got[1].dispatched_at_ms == 2**63 - 1
+    got[0].headers["x"] = "y"  # each its own dict
+    assert got[1].headers == {"k": "v", "": "é"}
+    del got[0].headers["x"]
+
+    class Plain:  # no slots: called with the fields in order
+        def __init__(self, *fields):
+            self.fields = fields
+
+    assert [p.fields for p in wire_codec.decode_deliveries(raw, Plain, "g")] == [dataclasses.astuple(d) for d in got]
+    assert wire_codec.decode_deliveries(raw + b"\x10\x01", Delivery, "g") is None
+    assert wire.decode_deliveries(raw + b"\x10\x01", Delivery, "g") == got  # protobuf skips it
+    with pytest.raises(DecodeError):
+        wire.decode_deliveries(raw[:-1], Delivery, "g")
+
+
 def test_the_wire_codecs_field_numbers_follow_the_proto():
     """Every field number the C wire codec uses by hand is the generated descriptors' (the
     same check runs when the server or a client imports qdelay.wire)."""
     assert wire.mismatches(wire_codec.WIRE_FIELDS) == []
     messages = {name.rsplit(".", 2)[1] for name in wire_codec.WIRE_FIELDS}
-    assert messages == {"Message", "SendBatchRequest", "SendBatchResponse", "Receipt", "SubscribeResponse", "Delivery"}
+    assert messages == {
+        "Message",
+        "SendBatchRequest",
+        "SendBatchResponse",
+        "Receipt",
+        "SubscribeResponse",
+        "Delivery",
+        "CancelBatchRequest",
+        "CancelRequest",
+    }
     for message in (pb.Message, pb.Delivery, pb.Receipt, pb.SendBatchResponse):
         assert set(wire_codec.WIRE_FIELDS) >= {
             f"qdelay.v1.{message.DESCRIPTOR.name}.{f.name}" for f in message.DESCRIPTOR.fields

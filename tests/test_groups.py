@@ -220,9 +220,13 @@ def test_redelivery_and_dead_letters_are_per_group(tmp_path):
             assert sorted(good.ids()) == sorted(ids), "the acking group got each message once"
             attempts = sorted(a for _m, a, _h in bad.got)
             assert attempts == [1] * 10 + [2] * 10, "the other group had two attempts of each"
-            headers = dlq.got[0][2]
-            assert headers["qdelay-dead-letter-of-group"] == "never-acks"
-            assert headers["qdelay-dead-letter-of-attempts"] == "2"
+            # each copy says which message, which group gave up, after how many attempts, why
+            seq_of = {r.message_id: str(r.sequence) for r in receipts}
+            for message_id, _attempt, headers in dlq.got:
+                assert headers["qdelay-dead-letter-of"] == seq_of[message_id]
+                assert headers["qdelay-dead-letter-of-group"] == "never-acks"
+                assert headers["qdelay-dead-letter-of-attempts"] == "2"
+                assert headers["qdelay-dead-letter-of-reason"] == "max_attempts"
             # Get reports each group's view; one group acknowledged it, so it is DELIVERED
             st = c.get(receipts[0])  # by id would find the newer dead-letter copy, same id
             assert st.state == "DELIVERED"

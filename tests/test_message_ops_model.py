@@ -1,11 +1,13 @@
 """A model-based test of what a user does with message ids (issue 13): send, re-send,
-cancel (by receipt, old receipt or id), reschedule, get, delivery, and restarts (SIGTERM or
-SIGKILL), run by hypothesis against a real server and checked after every step against a
-dict that says what the answer must be.
+cancel (by receipt, old receipt or id, one at a time or in a CancelBatch), reschedule
+(hours ahead, or a moment ahead and then delivered), get, delivery, and restarts (SIGTERM
+or SIGKILL), run by hypothesis against a real server and checked after every step against
+a dict that says what the answer must be.
 
 A small id space makes the operations collide on the same messages. Every message is
-due hours ahead except the ones of ``deliver_now``, on their own subject, so nothing is
-delivered behind the model's back. The dedupe window (10 minutes) outlasts an example, so
+due hours ahead except the ones of ``deliver_now`` (on their own subject) and the one a
+``reschedule_near`` moves to a moment ahead and takes delivery of before the step ends, so
+nothing is delivered behind the model's back. The dedupe window (10 minutes) outlasts an example, so
 a re-sent id is always a duplicate answered with the id's newest receipt.
 ``QDELAY_MODEL_EXAMPLES=25`` runs more examples (6 by default: ~20 s).
 """
@@ -75,6 +77,24 @@ class MessageOps(RuleBasedStateMachine):
         if e.state == "PENDING":
             e.state = "CANCELLED"
 
+    @rule(picks=st.lists(st.tuples(ids, st.booleans()), min_size=1, max_size=5))
+    def cancel_many(self, picks):
+        """One CancelBatch: each target by id or by receipt; a message named twice is
+        CANCELLED once, ALREADY_CANCELLED after."""
+        want, sent = [], []
+        for k, by_id in picks:
+            e = self.model.get(k)
+            sent.append(k if by_id or e is None else e.receipt)
+            if e is None:
+                want.append("NOT_FOUND")
+                continue
+            want.append(
+                {"PENDING": "CANCELLED", "CANCELLED": "ALREADY_CANCELLED", "DELIVERED": "ALREADY_DELIVERED"}[e.state]
+            )
+            if e.state == "PENDING":
+                e.state = "CANCELLED"
+        assert self.c.cancel_many(sent) == want
+
     @rule(k=ids)
     def cancel_an_old_receipt(self, k):
         e = self.model.get(k)
@@ -94,6 +114,26 @@ class MessageOps(RuleBasedStateMachine):
             assert r.message_id == k and r.sequence > e.receipt.sequence
             e.old.append(e.receipt)
             e.receipt = r
+
+    @rule(k=ids, by_id=st.booleans(), delay_ms=st.integers(0, 300))
+    def reschedule_near(self, k, by_id, delay_ms):
+        """Move a message a moment ahead and take its delivery: at its new time (never
+        before), with its id, once."""
+        e = self.model.get(k)
+        if e is None or e.state != "PENDING":
+            return  # the outcomes of non-pending targets are the reschedule rule's
+        outcome, r = self.c.reschedule(k if by_id else e.receipt, delay_ms=delay_ms)
+        assert outcome == "RESCHEDULED" and r.sequence > e.receipt.sequence
+        e.old.append(e.receipt)
+        e.receipt, e.state = r, "DELIVERED"
+        with self.c.subscribe("model.later") as consumer:  # every pending message's subject
+            got = consumer.receive(1, timeout=10)
+            assert [(d.message_id, d.deliver_at_ms) for d in got] == [(k, r.deliver_at_ms)]
+            assert got[0].dispatched_at_ms >= r.deliver_at_ms
+            consumer.ack(got)
+            assert consumer.receive(1, timeout=0.05) == []  # not at its old time as well
+        assert wait_until(lambda: self.c.get(r).state == "DELIVERED", timeout=10)
+        assert wait_until(lambda: self.c.stats()["dispatch_unsynced_buckets"] == 0, timeout=10)
 
     @rule(k=ids, by_id=st.booleans())
     def get(self, k, by_id):

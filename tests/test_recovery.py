@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 
 import byte_surgery as bs
 import pytest
 from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
 
 from qdelay.errors import CorruptRecord, StorageError
-from qdelay.segments import checkpoint, framing, records, schedule_index
+from qdelay.segments import checkpoint, framing
 from qdelay.segments.framing import RecordKind
-from qdelay.segments.naming import bucket_of
 from qdelay.server import iterate as iterate_mod
 from qdelay.server.engine import CancelOutcome, MessageState
 
@@ -435,96 +435,138 @@ def test_sealed_segment_corruption_found_when_read(tmp_path):
         reopened.close()
 
 
-# --- schedule index (row 15) ----------------------------------------------------------------------------
+# --- the message-id index (row 14) -------------------------------------------------------------------------
+
+HOUR = 3_600_000
 
 
-def _index_folder(tmp_path, clock, **cfg):
-    """A folder with 40 messages an hour ahead, 6 of them cancelled; (driver still open,
-    receipts, cancelled sequences, the index file)."""
-    d = new_driver(tmp_path, clock, **cfg)
-    receipts = d.send(message("s", clock.now + 60 * MINUTE + i, f"x{i}") for i in range(40))
-    victims = receipts[3:30:5]
+def by_id(d, message_id: str) -> tuple[MessageState, int]:
+    """(state, due) of what a Get by id answers."""
     d.catch_up()
-    outcomes = asyncio.run(d.engine.cancel_many([(r.message_id, r.deliver_at_ms, r.sequence) for r in victims]))
-    assert set(outcomes) == {CancelOutcome.CANCELLED}
+    st = d.engine.get_sync(message_id, None, None)
+    return st.state, st.deliver_at_ms
+
+
+def duplicates(d, ids: list[str]) -> dict[str, tuple[int, int]]:
+    """What an idempotent send of ``ids`` answers (server/dedupe.py, the send path's own
+    check): id -> (due, sequence) of the message it duplicates."""
+    from qdelay.server.dedupe import Deduper
+
     d.catch_up()
-    d.engine.iterate.flush_bucket(bucket_of(receipts[0].deliver_at_ms))
-    (sched,) = sched_files(tmp_path)
-    return d, receipts, {r.sequence for r in victims}, schedule_index.path_of(sched)
+    dups, _claim = asyncio.run(Deduper(d.engine, 600_000).check(ids))
+    return {ids[k]: (r.deliver_at_ms, r.sequence) for k, r in dups.items()}
 
 
-def _assert_index_answers(d, receipts, cancelled, sidx, entries: int = 46) -> None:
-    """Get answers from the index as from the records, and the file is what a fresh
-    derivation from its segment writes."""
-    for r in receipts:
-        want = MessageState.CANCELLED if r.sequence in cancelled else MessageState.PENDING
-        assert d.engine.get_sync(r.message_id, r.deliver_at_ms, r.sequence).state == want, r
-    have = bs.file_bytes(sidx)
-    seg = d.engine.schedule.get(bucket_of(receipts[0].deliver_at_ms))
-    seg.index.rebuild(seg)
-    assert bs.file_bytes(sidx) == have and len(have) == entries * schedule_index.ENTRY_SIZE
+def place(r) -> tuple[int, int]:
+    return r.deliver_at_ms, r.sequence
 
 
-def _reopened_with_note(d) -> None:
+def test_id_index_lost(tmp_path, clock):
+    """Row 14: the index folder is gone (deleted, disk replaced): rebuilt at open from the
+    schedule segments; by-id calls and dedupe answer at once."""
+    d = new_driver(tmp_path, clock)
+    sent = d.send(message("s", clock.now + HOUR + i, f"l{i}") for i in range(10))
+    d.close()
+    shutil.rmtree(tmp_path / "index")
     d.open()
-    assert any("schedule indexes" in n and "re-derived" in n for n in d.engine.recovery_notes), d.engine.recovery_notes
-
-
-def test_schedule_index_missing(tmp_path, clock):
-    d, receipts, cancelled, sidx = _index_folder(tmp_path, clock)
-    d.close()
-    os.unlink(sidx)  # deleted, or a folder of an older version, or a resynced slave's
-    _reopened_with_note(d)
-    _assert_index_answers(d, receipts, cancelled, sidx)
+    assert (tmp_path / "index" / "ids" / "BUILT").exists()
+    assert by_id(d, "l4") == (MessageState.PENDING, sent[4].deliver_at_ms)
+    assert duplicates(d, ["l0", "l9", "new"]) == {"l0": place(sent[0]), "l9": place(sent[9])}
     d.close()
 
 
-def test_schedule_index_torn_tail(tmp_path, clock):
-    d, receipts, cancelled, sidx = _index_folder(tmp_path, clock)
+def test_id_index_half_written(tmp_path, clock):
+    """Row 14b: the index folder is there but its build never completed (``BUILT`` missing:
+    a crash during a rebuild, or an older copy of the folder put back): rebuilt at open.
+    Ids it lacked, and an id whose newest message it did not know (rescheduled since),
+    are right at once for by-id calls and for dedupe."""
+    d = new_driver(tmp_path, clock)
+    first = d.send(message("s", clock.now + HOUR + i, f"h{i}") for i in range(10))
     d.close()
-    bs.truncate_at(sidx, os.path.getsize(sidx) - 11)  # not a whole number of entries
-    _reopened_with_note(d)
-    _assert_index_answers(d, receipts, cancelled, sidx)
-    d.close()
-
-
-def test_schedule_index_behind_its_segment(tmp_path, clock):
-    d, receipts, cancelled, sidx = _index_folder(tmp_path, clock)
-    d.close()
-    # whole entries, but the last two records (two tombstones) are not in it
-    bs.truncate_at(sidx, os.path.getsize(sidx) - 2 * schedule_index.ENTRY_SIZE)
-    _reopened_with_note(d)
-    _assert_index_answers(d, receipts, cancelled, sidx)
-    d.close()
-
-
-def test_schedule_index_ahead_of_its_segment(tmp_path, clock):
-    d, receipts, cancelled, sidx = _index_folder(tmp_path, clock)
-    d.close()
-    # the segment lost its last record (a tombstone) outside any crash: the index names a
-    # record the segment does not hold; re-derived, it says what the segment says
-    (sched,) = sched_files(tmp_path)
-    last = frames_of(sched)[-1]
-    bs.truncate_at(sched, last.offset)
-    _reopened_with_note(d)
-    lost = records.decode_cancel(last.body).target_sequence
-    _assert_index_answers(d, receipts, cancelled - {lost}, sidx, entries=45)
-    d.close()
-
-
-def test_schedule_index_written_after_the_checkpoint(tmp_path, clock):
-    """A crash after cancels were copied, before a checkpoint: the index of every segment
-    written since is re-derived whatever it looks like (here a CANCELLED flag that a power
-    loss did not write back, which its length cannot show), never answered from as is."""
-    d, receipts, cancelled, sidx = _index_folder(tmp_path, clock, checkpoint_interval_ms=10**9)
-    crash(d.engine)
-    target = min(cancelled)
-    entries = bs.file_bytes(sidx)
-    pos = [int.from_bytes(entries[k : k + 8], "little") for k in range(0, len(entries), 32)].index(target)
-    bs.set_byte(sidx, pos * schedule_index.ENTRY_SIZE + schedule_index.FLAGS_AT, 0)
+    index = tmp_path / "index" / "ids"
+    shutil.copytree(index, tmp_path / "older")
     d.open()
-    assert not d.engine.recovery_notes  # it matches its segment: only the crash says re-derive
-    d.catch_up()  # the replay skips every record: the segment holds them all
-    assert d.engine.iterate.duplicates_skipped > 0
-    _assert_index_answers(d, receipts, cancelled, sidx)
+    later = d.send(message("s", clock.now + HOUR + 100 + i, f"h{i}") for i in range(10, 20))
+    d.catch_up()
+    outcome, moved = asyncio.run(d.engine.reschedule("h3", None, None, clock.now + 2 * HOUR))
+    assert outcome == 1 and moved is not None  # RESCHEDULED
+    d.close()
+    shutil.rmtree(index)
+    shutil.copytree(tmp_path / "older", index)
+    os.unlink(index / "BUILT")
+    d.open()
+    assert (index / "BUILT").exists()
+    assert by_id(d, "h15") == (MessageState.PENDING, later[5].deliver_at_ms)
+    assert by_id(d, "h3") == (MessageState.PENDING, moved.deliver_at_ms)
+    assert d.get(first[3]).state == MessageState.CANCELLED  # its old place: moved away
+    assert duplicates(d, ["h3", "h15", "h0", "new"]) == {
+        "h3": place(moved),
+        "h15": place(later[5]),
+        "h0": place(first[0]),
+    }
+    d.close()
+
+
+class _FullDisk:
+    """An index database whose writes fail as RocksDB's do on a full disk; reads work."""
+
+    def __init__(self, db) -> None:
+        self._db = db
+
+    def write(self, *_args, **_kw):
+        raise Exception("IO error: No space left on device: While appending to file: index/ids/000009.log")
+
+    def __getattr__(self, name: str):
+        return getattr(self._db, name)
+
+
+def test_id_index_disabled_after_a_write_error(tmp_path, clock, monkeypatch):
+    """Row 14c: a write to the index fails (a full disk): the index stops (by-id calls are
+    UNAVAILABLE, receipts and sends work, the iterate service goes on) and drops ``BUILT``;
+    the next open rebuilds it, and by-id calls and dedupe know every message again."""
+    from qdelay.errors import Unavailable
+
+    d = new_driver(tmp_path, clock)
+    before = d.send(message("s", clock.now + HOUR + i, f"e{i}") for i in range(5))
+    d.catch_up()
+    index = d.engine.ids
+    monkeypatch.setattr(index, "_db", _FullDisk(index._db))
+    after = d.send(message("s", clock.now + HOUR + 10 + i, f"e{i}") for i in range(5, 10))
+    d.catch_up()
+    assert index.failed is not None and "No space left" in index.failed
+    assert not (tmp_path / "index" / "ids" / "BUILT").exists()
+    with pytest.raises(Unavailable, match="index is disabled"):
+        by_id(d, "e1")
+    assert d.get(after[2]).state == MessageState.PENDING  # receipts need no index
+    assert d.engine.iterate.sequence == after[-1].sequence and d.engine.healthy()
+    d.close()
+    monkeypatch.undo()
+    d.open()
+    assert (tmp_path / "index" / "ids" / "BUILT").exists()
+    assert by_id(d, "e7") == (MessageState.PENDING, after[2].deliver_at_ms)
+    assert by_id(d, "e1") == (MessageState.PENDING, before[1].deliver_at_ms)
+    assert duplicates(d, ["e1", "e7", "new"]) == {"e1": place(before[1]), "e7": place(after[2])}
+    d.close()
+
+
+def test_id_index_rebuilt_around_a_damaged_segment(tmp_path, clock):
+    """Row 14d: the index is rebuilt from a schedule segment with a corrupt record: every
+    verified record is indexed (the reading resumes after the damage, as the loader's
+    does), so the messages after it are found by id and by receipt, cancelled, and
+    recognised by dedupe; the damaged one, never delivered, is not found."""
+    d = new_driver(tmp_path, clock)
+    sent = d.send(message("s", clock.now + HOUR + i, f"d{i}") for i in range(10))
+    d.close()
+    (sched,) = sched_files(tmp_path)
+    bad = frames_of(sched)[6]
+    bs.flip_byte(sched, bad.offset + framing.HEADER_SIZE + 5)
+    shutil.rmtree(tmp_path / "index")
+    d.open()
+    assert by_id(d, "d8") == (MessageState.PENDING, sent[8].deliver_at_ms)
+    assert by_id(d, "d6")[0] == MessageState.NOT_FOUND
+    assert duplicates(d, ["d2", "d6", "d8"]) == {"d2": place(sent[2]), "d8": place(sent[8])}
+    # by receipt too: the finder reads around the damage as well
+    assert d.get(sent[6]).state == MessageState.NOT_FOUND
+    assert d.cancel(sent[7]) == CancelOutcome.CANCELLED
+    assert by_id(d, "d7")[0] == MessageState.CANCELLED
     d.close()

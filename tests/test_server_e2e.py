@@ -14,6 +14,7 @@ from disks import fill_disk, small_tmpfs
 from serverproc import ServerProc
 
 from qdelay import errors
+from qdelay.client import Delivery
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -56,7 +57,8 @@ def test_send_then_receive_at_due_time_not_before(client):
         received = now_ms()
         assert len(got) == 1
         d = got[0]
-        assert (d.message_id, d.subject, d.payload, dict(d.headers)) == (r.message_id, s, b"hello", {"k": "v"})
+        assert type(d) is Delivery and d.group == "default"  # typed, not protobuf
+        assert (d.message_id, d.subject, d.payload, d.headers) == (r.message_id, s, b"hello", {"k": "v"})
         assert d.attempt == 1 and d.deliver_at_ms == r.deliver_at_ms
         assert received >= r.deliver_at_ms, "delivered early"
         assert d.dispatched_at_ms >= r.deliver_at_ms
@@ -354,6 +356,70 @@ def test_health_reflection_stats_metrics(server, client):
         "qdelay_due_without_consumer",
     ):
         assert name in text, name
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_group_gauges_and_the_dead_letter_counter_have_the_right_values(tmp_path):
+    """Per-group backlog and in-flight gauges, the groups/due without a consumer, and the
+    dead-letter counter, read back for groups in a known state (docs/api.md, metrics)."""
+    args = ["--set", "engine.max_attempts=1", "--metrics-listen", "127.0.0.1:0"]
+    with ServerProc(tmp_path / "data", args=args) as srv:
+        port = int(srv.log_path.read_text().split("metrics on 127.0.0.1:")[1].split()[0])
+        c = srv.client(timeout=20)
+        s = subject()
+        assert c.create_group(s, "busy") and c.create_group(s, "idle")
+        c.send_batch([c.message(s, b"m", delay_ms=0) for _ in range(5)])
+
+        def gauges() -> dict[str, float]:
+            m = scrape(port)
+            out = {
+                f"{name}:{g}": m.get((name, (("group", g), ("subject", s))), -1.0)
+                for name in ("qdelay_group_backlog", "qdelay_group_in_flight")
+                for g in ("busy", "idle")
+            }
+            for name in ("qdelay_due_without_consumer", "qdelay_groups_without_consumer", "qdelay_groups"):
+                out[name] = m[(name, ())]
+            out["dead_lettered"] = m[("qdelay_dead_lettered_total", ())]
+            return out
+
+        consumer = c.subscribe(s, group="busy", max_in_flight=3)  # credit for 3 of the 5
+        got = consumer.receive(3, timeout=10)
+        assert len(got) == 3
+        want = {
+            "qdelay_group_backlog:busy": 2,  # due, waiting for credit
+            "qdelay_group_in_flight:busy": 3,
+            "qdelay_group_backlog:idle": 5,  # no consumer: all of it waits
+            "qdelay_group_in_flight:idle": 0,
+            "qdelay_due_without_consumer": 5,
+            "qdelay_groups_without_consumer": 1,
+            "qdelay_groups": 2,
+            "dead_lettered": 0,
+        }
+        assert wait_until(lambda: gauges() == want, timeout=10, what=f"metrics {want}")
+        # the stream ends with its 3 unacknowledged: handed back, and with max_attempts = 1
+        # moved to DLQ.<subject>; the other 2 of the 5 were handed to nobody and stay due
+        consumer.close()
+        want.update(
+            {
+                "qdelay_group_in_flight:busy": 0,
+                "qdelay_due_without_consumer": 7,
+                "qdelay_groups_without_consumer": 2,
+                "dead_lettered": 3,
+            }
+        )
+        assert wait_until(lambda: gauges() == want, timeout=10, what=f"metrics {want}")
+        c.close()
 
 
 def test_sigterm_clean_exit_and_restart_keeps_pending(tmp_path):

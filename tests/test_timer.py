@@ -82,6 +82,23 @@ def test_a_lane_over_its_bound_spills_and_holds_its_bucket_until_read_back():
     assert lane.ready.count == 3, "entries already queued are not queued twice"
 
 
+def test_a_group_with_its_own_bound_spills_at_it_and_the_others_at_the_default():
+    """``group_max_ready_of``: "SUBJECT/GROUP" -> entries, for the one group that needs
+    another bound (issue 14 item 2: the bound is per group); capped at a quarter of
+    ``max_loaded`` like the default."""
+    timer, st, groups = rig(group_max_ready=5, group_max_ready_of={"s/big": 20, "s/huge": 10**9}, max_loaded=400)
+    small, _ = groups.create("s", "small", 0)
+    big, _ = groups.create("s", "big", 0)
+    huge, _ = groups.create("s", "huge", 0)
+    load(timer, st, b"s", list(range(1, 9)), T)
+    timer.fire(T)
+    ((ls,), (lb,), (lh,)) = (timer.lanes_of(g.gid) for g in (small, big, huge))
+    assert (ls.bound, lb.bound, lh.bound) == (5, 20, 100)
+    assert ls.spilled and ls.ready.count == 0  # 8 > its 5
+    assert not lb.spilled and lb.ready.count == 8  # 8 <= its 20
+    assert not lh.spilled and lh.ready.count == 8
+
+
 def test_a_subject_without_a_group_keeps_its_entries_for_the_first_group():
     timer, st, groups = rig()
     load(timer, st, b"s", [1, 2], T)

@@ -244,6 +244,32 @@ def test_flat_engine_keys_land_in_the_nested_configs(tmp_path):
         config_mod.build_engine_config(config_mod.load_file(str(path)))
 
 
+def test_a_group_bound_of_its_own_from_a_file_or_set(tmp_path):
+    """``[engine.group_max_ready_of]``: "SUBJECT/GROUP" = entries; anything else is refused
+    at start-up with the key named."""
+    import argparse
+
+    from qdelay.server import main
+
+    path = tmp_path / "q.toml"
+    path.write_text('[engine.group_max_ready_of]\n"orders.close/billing" = 500000\n')
+    ecfg = config_mod.load_file(str(path)).engine
+    assert ecfg.scheduler.group_max_ready_of == {"orders.close/billing": 500000}
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["--set", 'engine.group_max_ready_of={"mail/default" = 7}'])
+    assert main.config_from_args(args).engine.scheduler.group_max_ready_of == {"mail/default": 7}
+    for bad, match in (
+        ('{"orders.close" = 5}', 'not "SUBJECT/GROUP"'),
+        ('{"a/b" = 0}', "not a positive number"),
+        ('{"a/b" = "many"}', "not a positive number"),
+        ("5", "a table of"),
+    ):
+        args = parser.parse_args(["--set", f"engine.group_max_ready_of={bad}"])
+        with pytest.raises(ConfigError, match=match):
+            main.config_from_args(args).engine  # noqa: B018 - building it is the check
+
+
 def test_the_engine_keys_are_the_documented_ones():
     """Every key of the [engine] table in docs/operations.md is mapped, and nothing else."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
