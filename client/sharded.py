@@ -23,24 +23,31 @@ Reschedule go to the shard the receipt names (by id alone: the id's shard).
 
 Subscribe opens one stream per server of every shard: only masters dispatch, so after a
 failover deliveries simply come from the new master's stream; servers that join later are
-subscribed to when the topology is read again.
+subscribed to when the topology is read again. The merged consumer tags each delivery's
+ack id with its stream (servers number their deliveries alike) and acks on that stream.
+
+Both clients answer to the single-server client's method names (send, send_batch,
+send_many, cancel, cancel_many, get, reschedule, stats, subscribe); the many-message ones
+group by shard, call the shards at the same time and answer in the caller's order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
-from qdelay.client.client import Client, Consumer, Outgoing, _Ids
+from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
 from qdelay.client.failover import RETRYABLE, Backoff
-from qdelay.client.types import Delivery, Receipt, Status, Target
+from qdelay.client.types import Delivery, Receipt, Status, Target, ref
 from qdelay.v1 import qdelay_pb2 as pb
 
 if TYPE_CHECKING:
@@ -96,13 +103,78 @@ class Topology:
         return list(out)
 
 
-def shard_of_target(target: Target, topology: Topology) -> str:
-    """The shard a receipt (object, string form, protobuf) names, else the id's shard."""
-    if isinstance(target, str) and target.startswith("qd1:"):
-        target = Receipt.parse(target)
-    if isinstance(target, (Receipt, pb.Receipt)):
-        return target.shard if target.shard in topology.shards else topology.shard_for(target.message_id)
-    return topology.shard_for(str(target))
+def shard_of_target(target: Target | None, topology: Topology) -> str:
+    """The shard a receipt (object, string form, protobuf, dict, tuple) names, else the id's
+    shard; InvalidArgument for what names no message (as ``Client.cancel`` says)."""
+    r, mid = ref(target)
+    if r is not None:
+        return r.shard if r.shard in topology.shards else topology.shard_for(r.message_id)
+    return topology.shard_for(mid)
+
+
+def _by_shard(shards: Iterable[str]) -> dict[str, list[int]]:
+    """Positions grouped by shard, in order within each."""
+    out: dict[str, list[int]] = {}
+    for i, shard in enumerate(shards):
+        out.setdefault(shard, []).append(i)
+    return out
+
+
+def _with_id(m: pb.Message | Outgoing, new_id: Callable[[], str]) -> pb.Message | Outgoing:
+    """``m`` with a message id (made here when it has none): the id picks the shard, and a
+    retry must repeat it."""
+    if isinstance(m, tuple):
+        return m if m.message_id else m._replace(message_id=new_id())
+    if not m.message_id:
+        m.message_id = new_id()
+    return m
+
+
+def _id_of(m: pb.Message | Outgoing) -> str:
+    return m.message_id
+
+
+def _as_message(m: pb.Message | Outgoing) -> pb.Message:
+    """A protobuf Message for SendBatch (an Outgoing tuple's fields as they are)."""
+    if not isinstance(m, tuple):
+        return m
+    msg = pb.Message(subject=m.subject, payload=m.payload, headers=m.headers or {}, message_id=m.message_id)
+    _set_due(msg, m)
+    return msg
+
+
+def _chunks(messages: Iterable, size: int) -> Iterator[list]:
+    source = iter(messages)
+    while chunk := list(itertools.islice(source, size)):
+        yield chunk
+
+
+# send_many routes this many messages at a time (its memory bound: a generator of any
+# length is read chunk by chunk, each chunk's shards sent at the same time)
+SEND_MANY_CHUNK = 10_000
+
+_CLUSTER_SUMS = ("pending", "wheel_size", "iterate_lag_bytes")
+
+
+def _stats_entry(s: pb.Shard, master: dict | Exception | None, slaves: dict[str, dict | Exception]) -> dict:
+    entry: dict = {"master": s.master, "epoch": s.epoch, "slaves": {}}
+    if isinstance(master, dict):
+        entry.update(master)
+    elif master is not None:
+        entry["error"] = str(master)
+    entry["slaves"] = {a: (st if isinstance(st, dict) else str(st)) for a, st in slaves.items()}
+    return entry
+
+
+def _stats_total(shards: dict[str, dict]) -> dict:
+    total = {key: 0 for key in _CLUSTER_SUMS} | {"shards": len(shards), "shards_without_master": 0}
+    for entry in shards.values():
+        if not entry["master"]:
+            total["shards_without_master"] += 1
+        elif "error" not in entry:
+            for key in _CLUSTER_SUMS:
+                total[key] += int(entry.get(key, 0))
+    return total
 
 
 def _seeds(seeds: Sequence[str] | str) -> list[str]:
@@ -232,25 +304,10 @@ class ShardedClient(_Sharded):
         return self._retry(lambda t: t.shard_for(mid), lambda c: c.send(subject, payload, message_id=mid, **kw))
 
     def send_batch(self, messages: Iterable[pb.Message | Outgoing], timeout: float | None = None) -> list[Receipt]:
-        """Many messages, grouped by shard (one SendBatch per shard); receipts in input order."""
-        msgs = []
-        for m in messages:
-            if isinstance(m, tuple):
-                m = self.client(self.seeds[0]).message(
-                    m.subject,
-                    m.payload,
-                    delay_ms=m.delay_ms,
-                    deliver_at_ms=m.deliver_at_ms,
-                    headers=m.headers,
-                    message_id=m.message_id,
-                )
-            if not m.message_id:
-                m.message_id = self._ids()
-            msgs.append(m)
-        by_shard: dict[str, list[int]] = {}
+        """Many messages, grouped by shard (one SendBatch per shard, the shards' at the same
+        time); receipts in input order."""
+        msgs = [_as_message(_with_id(m, self._ids)) for m in messages]
         topo = self.topology or self.refresh()
-        for i, m in enumerate(msgs):
-            by_shard.setdefault(topo.shard_for(m.message_id), []).append(i)
         out: list[Receipt | None] = [None] * len(msgs)
 
         def send(shard: str, idx: list[int]) -> None:
@@ -259,13 +316,63 @@ class ShardedClient(_Sharded):
             for i, r in zip(idx, rs):
                 out[i] = Receipt.from_pb(r)
 
+        self._each_shard(send, _by_shard(topo.shard_for(m.message_id) for m in msgs))
+        return cast("list[Receipt]", out)  # every index was filled above
+
+    def send_many(
+        self,
+        messages: Iterable[pb.Message | Outgoing],
+        batch_size: int = 1000,
+        max_in_flight: int = 4,
+        timeout: float | None = None,
+    ) -> list[Receipt]:
+        """As ``Client.send_many`` (pipelined SendStream batches; ``Outgoing`` tuples are the
+        cheap form), over the shards: each message goes to its id's shard, the shards'
+        streams at the same time, ``SEND_MANY_CHUNK`` messages routed at a time; receipts in
+        input order. A shard's stream that fails over is retried on its new master with the
+        messages it had not acknowledged (same ids). Raises the first error that is not
+        retried, or the last one after ``failover_timeout``."""
+        if batch_size < 1 or max_in_flight < 1:
+            raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
+        out: list[Receipt] = []
+        for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
+            msgs = [_with_id(m, self._ids) for m in chunk]
+            topo = self.topology or self.refresh()
+            got: list[Receipt | None] = [None] * len(msgs)
+
+            def send(shard: str, idx: list[int], msgs: list = msgs, got: list = got) -> None:
+                done = 0  # acknowledged so far: a retry sends the rest
+
+                def call(c: Client) -> None:
+                    nonlocal done
+                    rs: Sequence[Receipt] = []
+                    try:
+                        rs = c.send_many([msgs[i] for i in idx[done:]], batch_size, max_in_flight, timeout)
+                    except errors.QdelayError as err:
+                        rs = getattr(err, "receipts", None) or []
+                        raise
+                    finally:
+                        for k, r in enumerate(rs):
+                            got[idx[done + k]] = r
+                        done += len(rs)
+
+                self._retry(lambda _t: shard, call)
+
+            self._each_shard(send, _by_shard(topo.shard_for(_id_of(m)) for m in msgs))
+            out.extend(cast("list[Receipt]", got))
+        return out
+
+    def _each_shard(self, fn: Callable[[str, list[int]], None], by_shard: dict[str, list[int]]) -> None:
+        """``fn(shard, positions)`` for each shard, at the same time when there are several;
+        the first error is raised once all are done."""
         groups = list(by_shard.items())
         if len(groups) == 1:
-            send(*groups[0])
-        else:  # the shards' batches at the same time
-            for f in [self._pool().submit(send, shard, idx) for shard, idx in groups]:
-                f.result()
-        return cast("list[Receipt]", out)  # every index was filled above
+            fn(*groups[0])
+            return
+        futures = [self._pool().submit(fn, shard, idx) for shard, idx in groups]
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -273,46 +380,107 @@ class ShardedClient(_Sharded):
                 self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="qdelay-shards")
             return self._executor
 
-    def cancel(self, target: Target, timeout: float | None = None) -> str:
+    def cancel(
+        self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> str:
+        """As ``Client.cancel``, on the master of the receipt's shard (by id alone: the id's)."""
+        target = target if message_id is None else message_id
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
 
-    def get(self, target: Target, timeout: float | None = None) -> Status:
+    def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
+        """As ``Client.cancel_many``: the targets grouped by shard (CancelBatch calls of up to
+        ``batch_size`` on each shard's master, the shards at the same time); one outcome per
+        target, in the caller's order. A shard whose call fails over is asked again (a target
+        cancelled by the lost try then answers ALREADY_CANCELLED)."""
+        items = list(targets)
+        topo = self.topology or self.refresh()
+        out: list[str] = [""] * len(items)
+
+        def cancel(shard: str, idx: list[int]) -> None:
+            got = self._retry(lambda _t: shard, lambda c: c.cancel_many([items[i] for i in idx], timeout, batch_size))
+            for i, outcome in zip(idx, got):
+                out[i] = outcome
+
+        self._each_shard(cancel, _by_shard(shard_of_target(t, topo) for t in items))
+        return out
+
+    def get(
+        self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> Status:
+        """As ``Client.get``, on the master of the receipt's shard (by id alone: the id's)."""
+        target = target if message_id is None else message_id
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
 
     def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
+        """As ``Client.reschedule``, on the master of the receipt's shard."""
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
 
-    def stats(self) -> dict:
-        """Stats per shard (its master's, with ``master``, ``epoch`` and each slave's stats or
-        error under ``slaves``) and for the whole cluster (``cluster``: pending, wheel_size and
-        iterate_lag_bytes summed over the masters; shards without a master counted)."""
+    def stats(self, timeout: float | None = 2.0, *, subject: str = "", group: str = "") -> dict:
+        """Stats per shard (``shards``: its master's figures and groups, narrowed by
+        ``subject``/``group`` as ``Client.stats`` narrows them, with ``master``, ``epoch`` and
+        each slave's stats or error under ``slaves``) and for the whole cluster (``cluster``:
+        pending, wheel_size and iterate_lag_bytes summed over the masters; shards without a
+        master counted)."""
         topo = self.refresh()
+
+        def one(address: str) -> dict | Exception:
+            try:
+                return self.client(address).stats(timeout, subject=subject, group=group)
+            except errors.QdelayError as e:
+                return e
+
         shards: dict[str, dict] = {}
-        total = {"pending": 0, "wheel_size": 0, "iterate_lag_bytes": 0, "shards": 0, "shards_without_master": 0}
         for name in topo.names:
             s = topo.shards[name]
-            entry: dict = {"master": s.master, "epoch": s.epoch, "slaves": {}}
-            total["shards"] += 1
-            if s.master:
-                try:
-                    st = self.client(s.master).stats(timeout=2.0)
-                    entry.update(st)
-                    for key in ("pending", "wheel_size", "iterate_lag_bytes"):
-                        total[key] += int(st.get(key, 0))
-                except errors.QdelayError as e:
-                    entry["error"] = str(e)
-            else:
-                total["shards_without_master"] += 1
-            for a in s.slaves:
-                try:
-                    entry["slaves"][a] = self.client(a).stats(timeout=2.0)
-                except errors.QdelayError as e:
-                    entry["slaves"][a] = str(e)
-            shards[name] = entry
-        return {"cluster": total, "shards": shards}
+            master = one(s.master) if s.master else None
+            shards[name] = _stats_entry(s, master, {a: one(a) for a in s.slaves})
+        return {"cluster": _stats_total(shards), "shards": shards}
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:
         return ShardedConsumer(self, subject, group, max_in_flight)
+
+
+class _AckRouter:
+    """The acks of a merged consumer. Every server numbers its own deliveries, so two shards
+    hand out the same ack ids: each delivery's ``ack_id`` is given its stream's tag
+    (``'<tag>|<server's ack id>'``, opaque to the user as before) and an ack goes back to
+    the stream of that tag with the server's id. An ack for a stream that has ended is
+    dropped: that stream's unacknowledged deliveries come again anyway."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, Any] = {}
+        self._tags = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def register(self, consumer: Any) -> str:
+        tag = str(next(self._tags))
+        with self._lock:
+            self._streams[tag] = consumer
+        return tag
+
+    def forget(self, tag: str) -> None:
+        with self._lock:
+            self._streams.pop(tag, None)
+
+    @staticmethod
+    def tag(tag: str, batch: list[Delivery]) -> list[Delivery]:
+        for d in batch:
+            d.ack_id = f"{tag}|{d.ack_id}"
+        return batch
+
+    def ack(self, deliveries: Iterable) -> None:
+        by: dict[str, list[str]] = {}
+        for d in deliveries:
+            ack_id = d if isinstance(d, str) else d.ack_id
+            tag, sep, server_id = ack_id.partition("|")
+            if not sep:
+                raise errors.InvalidArgument(f"not an ack id of this sharded consumer: {ack_id!r}")
+            by.setdefault(tag, []).append(server_id)
+        for tag, ids in by.items():
+            with self._lock:
+                consumer = self._streams.get(tag)
+            if consumer is not None:
+                consumer.ack(ids)
 
 
 class ShardedConsumer:
@@ -328,7 +496,7 @@ class ShardedConsumer:
         self.subject, self.group, self.max_in_flight = subject, group, max_in_flight
         self._inbox: queue.Queue = queue.Queue()
         self._consumers: dict[str, Consumer | None] = {}  # None: its subscription is being made
-        self._owner: dict[str, Consumer] = {}  # ack id -> the consumer it came from
+        self._acks = _AckRouter()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._add((sc.topology or sc.refresh()).addresses())
@@ -350,16 +518,18 @@ class ShardedConsumer:
             cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
             with self._lock:
                 self._consumers[address] = cons
+            tag = self._acks.register(cons)
             try:
                 while not self._closed.is_set():
                     batch = cons.receive(self.max_in_flight, 0.2)
                     if batch:
-                        self._inbox.put((cons, batch))
+                        self._inbox.put(self._acks.tag(tag, batch))
                     elif not getattr(cons, "_pump", None) or not cons._pump.is_alive():
                         break  # its stream ended for good
             except errors.QdelayError:
                 pass
             cons.close(timeout=0.5)
+            self._acks.forget(tag)
             self._closed.wait(self.RETRY_S)
 
     def _watch_topology(self) -> None:
@@ -378,25 +548,16 @@ class ShardedConsumer:
             if left <= 0:
                 break
             try:
-                cons, batch = self._inbox.get(timeout=left)
+                batch = self._inbox.get(timeout=left)
             except queue.Empty:
                 break
-            with self._lock:
-                for d in batch:
-                    self._owner[d.ack_id] = cons
             got.extend(batch)
         return got
 
     def ack(self, deliveries: Iterable) -> None:
-        by: dict[int, tuple[Consumer, list[str]]] = {}
-        with self._lock:
-            for d in deliveries:
-                ack_id = d if isinstance(d, str) else d.ack_id
-                cons = self._owner.pop(ack_id, None)
-                if cons is not None:
-                    by.setdefault(id(cons), (cons, []))[1].append(ack_id)
-        for cons, ids in by.values():
-            cons.ack(ids)
+        """Acknowledge deliveries (Delivery objects or their ack ids), each on the stream it
+        came from."""
+        self._acks.ack(deliveries)
 
     def close(self) -> None:
         self._closed.set()
@@ -480,20 +641,265 @@ class AioShardedClient(_Sharded):
         await self.close()
 
     async def send(self, subject: str, payload: bytes = b"", *, message_id: str | None = None, **kw: Any) -> Receipt:
+        """As :meth:`ShardedClient.send`."""
         mid = message_id or self._ids()
         return await self._retry(lambda t: t.shard_for(mid), lambda c: c.send(subject, payload, message_id=mid, **kw))
 
-    async def cancel(self, target: Target, timeout: float | None = None) -> str:
+    async def _each_shard(self, fn: Callable[[str, list[int]], Any], by_shard: dict[str, list[int]]) -> None:
+        """``await fn(shard, positions)`` for every shard at the same time; the first error is
+        raised once all are done."""
+        results = await asyncio.gather(*(fn(shard, idx) for shard, idx in by_shard.items()), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def send_batch(
+        self, messages: Iterable[pb.Message | Outgoing], timeout: float | None = None
+    ) -> list[Receipt]:
+        """As :meth:`ShardedClient.send_batch`: one SendBatch per shard, at the same time."""
+        msgs = [_as_message(_with_id(m, self._ids)) for m in messages]
+        topo = self.topology or await self.refresh()
+        out: list[Receipt | None] = [None] * len(msgs)
+
+        async def send(shard: str, idx: list[int]) -> None:
+            request = pb.SendBatchRequest(messages=[msgs[i] for i in idx])
+
+            async def call(c: AioClient) -> Any:
+                return (await c._call(c.stub.SendBatch, request, timeout)).receipts
+
+            for i, r in zip(idx, await self._retry(lambda _t: shard, call)):
+                out[i] = Receipt.from_pb(r)
+
+        await self._each_shard(send, _by_shard(topo.shard_for(m.message_id) for m in msgs))
+        return cast("list[Receipt]", out)
+
+    async def send_many(
+        self,
+        messages: Iterable[pb.Message | Outgoing],
+        batch_size: int = 1000,
+        max_in_flight: int = 4,
+        timeout: float | None = None,
+    ) -> list[Receipt]:
+        """As :meth:`ShardedClient.send_many`, awaited."""
+        if batch_size < 1 or max_in_flight < 1:
+            raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
+        out: list[Receipt] = []
+        for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
+            msgs = [_with_id(m, self._ids) for m in chunk]
+            topo = self.topology or await self.refresh()
+            got: list[Receipt | None] = [None] * len(msgs)
+
+            async def send(shard: str, idx: list[int], msgs: list = msgs, got: list = got) -> None:
+                done = 0  # acknowledged so far: a retry sends the rest
+
+                async def call(c: AioClient) -> None:
+                    nonlocal done
+                    rs: Sequence[Receipt] = []
+                    try:
+                        rs = await c.send_many([msgs[i] for i in idx[done:]], batch_size, max_in_flight, timeout)
+                    except errors.QdelayError as err:
+                        rs = getattr(err, "receipts", None) or []
+                        raise
+                    finally:
+                        for k, r in enumerate(rs):
+                            got[idx[done + k]] = r
+                        done += len(rs)
+
+                await self._retry(lambda _t: shard, call)
+
+            await self._each_shard(send, _by_shard(topo.shard_for(_id_of(m)) for m in msgs))
+            out.extend(cast("list[Receipt]", got))
+        return out
+
+    async def cancel(
+        self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> str:
+        """As :meth:`ShardedClient.cancel`."""
+        target = target if message_id is None else message_id
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
 
-    async def get(self, target: Target, timeout: float | None = None) -> Status:
+    async def cancel_many(
+        self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000
+    ) -> list[str]:
+        """As :meth:`ShardedClient.cancel_many`: grouped per shard, outcomes in the caller's order."""
+        items = list(targets)
+        topo = self.topology or await self.refresh()
+        out: list[str] = [""] * len(items)
+
+        async def cancel(shard: str, idx: list[int]) -> None:
+            got = await self._retry(
+                lambda _t: shard, lambda c: c.cancel_many([items[i] for i in idx], timeout, batch_size)
+            )
+            for i, outcome in zip(idx, got):
+                out[i] = outcome
+
+        await self._each_shard(cancel, _by_shard(shard_of_target(t, topo) for t in items))
+        return out
+
+    async def get(
+        self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> Status:
+        """As :meth:`ShardedClient.get`."""
+        target = target if message_id is None else message_id
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
 
     async def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
+        """As :meth:`ShardedClient.reschedule`."""
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
+
+    async def stats(self, timeout: float | None = 2.0, *, subject: str = "", group: str = "") -> dict:
+        """As :meth:`ShardedClient.stats` (every server asked at the same time)."""
+        topo = await self.refresh()
+
+        async def one(address: str) -> dict | Exception:
+            try:
+                return await self.client(address).stats(timeout, subject=subject, group=group)
+            except errors.QdelayError as e:
+                return e
+
+        addresses = topo.addresses()
+        answers = dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses))))
+        shards = {
+            name: _stats_entry(
+                s := topo.shards[name],
+                answers.get(s.master) if s.master else None,
+                {a: answers[a] for a in s.slaves},
+            )
+            for name in topo.names
+        }
+        return {"cluster": _stats_total(shards), "shards": shards}
+
+    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> AioShardedConsumer:
+        """Deliveries of ``subject``/``group`` from every shard as one consumer (see
+        :class:`AioShardedConsumer`); the streams open on first read or ``async with``."""
+        return AioShardedConsumer(self, subject, group, max_in_flight)
 
     async def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list:
         """One resubscribing consumer per server of every shard (only masters dispatch):
         read them concurrently (e.g. a task per consumer)."""
         topo = self.topology or await self.refresh()
         return [self.client(a).subscribe(subject, group, max_in_flight) for a in topo.addresses()]
+
+
+class AioShardedConsumer:
+    """The asyncio twin of :class:`ShardedConsumer`: one resubscribing ``qdelay.aio``
+    Consumer per server of every shard (only masters dispatch), read by a task each and
+    fanned into one inbox; an async iterator of deliveries (or of batches with
+    :meth:`batches`), ``receive``, and ``ack`` that sends each ack to the stream its delivery
+    came from. Servers that join are subscribed to when the topology is read again (every
+    ``REFRESH_S``); a server that refuses the subscription (a slave before the group exists
+    there) is tried again every ``RETRY_S``. Use it from one event loop."""
+
+    REFRESH_S = 2.0
+    RETRY_S = 1.0
+
+    def __init__(self, sc: AioShardedClient, subject: str, group: str, max_in_flight: int) -> None:
+        self.sc = sc
+        self.subject, self.group, self.max_in_flight = subject, group, max_in_flight
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._consumers: dict[str, Any] = {}  # address -> its current aio Consumer
+        self._acks = _AckRouter()
+        self._watch: asyncio.Task | None = None
+        self._closed = False
+
+    async def _start(self) -> None:
+        if self._watch is None and not self._closed:
+            topo = self.sc.topology or await self.sc.refresh()
+            self._add(topo.addresses())
+            self._watch = asyncio.get_running_loop().create_task(self._watch_topology(), name="qdelay-sharded-watch")
+
+    def _add(self, addresses: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        for address in addresses:
+            if address not in self._pumps and not self._closed:
+                self._pumps[address] = loop.create_task(self._pump(address), name=f"qdelay-sharded-{address}")
+
+    async def _pump(self, address: str) -> None:
+        """Keep a subscription on ``address`` (its Consumer resubscribes by itself when the
+        server goes away; a refusal ends it, and it is made again after ``RETRY_S``)."""
+        while not self._closed:
+            cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
+            self._consumers[address] = cons
+            tag = self._acks.register(cons)
+            try:
+                async for batch in cons.batches():
+                    self._inbox.put_nowait(self._acks.tag(tag, batch))
+            except errors.QdelayError:
+                pass
+            await cons.close(timeout=0.5)
+            self._acks.forget(tag)
+            if not self._closed:
+                await asyncio.sleep(self.RETRY_S)
+
+    async def _watch_topology(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.REFRESH_S)
+            try:
+                self._add((await self.sc.refresh()).addresses())
+            except errors.QdelayError:
+                pass
+
+    async def _next(self, timeout: float | None) -> list[Delivery] | None:
+        await self._start()
+        try:
+            item = await asyncio.wait_for(self._inbox.get(), timeout)
+        except TimeoutError:
+            return None
+        if item is None:  # closed
+            self._inbox.put_nowait(None)
+        return item
+
+    async def receive(self, count: int, timeout: float) -> list[Delivery]:
+        """Deliveries from any shard until ``count`` arrived or ``timeout`` seconds passed
+        (whole batches, so possibly more than ``count``)."""
+        got: list[Delivery] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(got) < count:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            batch = await self._next(left)
+            if batch is None:
+                break
+            got.extend(batch)
+        return got
+
+    async def batches(self) -> AsyncIterator[list[Delivery]]:
+        """Each batch of deliveries as it comes from any shard, until :meth:`close`."""
+        while True:
+            batch = await self._next(None)
+            if batch is None:
+                return
+            yield batch
+
+    async def __aiter__(self) -> AsyncIterator[Delivery]:
+        async for batch in self.batches():
+            for d in batch:
+                yield d
+
+    def ack(self, deliveries: Iterable) -> None:
+        """Acknowledge deliveries (Delivery objects or their ack ids), each on the stream it
+        came from."""
+        self._acks.ack(deliveries)
+
+    async def close(self) -> None:
+        """Close every stream (queued acks are sent first) and end the iterators."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+        await asyncio.gather(*(c.close() for c in self._consumers.values()), return_exceptions=True)
+        for task in self._pumps.values():
+            task.cancel()
+        await asyncio.gather(*self._pumps.values(), *([self._watch] if self._watch else []), return_exceptions=True)
+        self._inbox.put_nowait(None)
+
+    async def __aenter__(self) -> AioShardedConsumer:
+        await self._start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -21,7 +21,8 @@ from serverproc import ServerProc
 from test_replication import RPC_ERRORS, status
 
 from qdelay import errors
-from qdelay.client import Outgoing
+from qdelay.client import Client, Outgoing
+from qdelay.client.sharded import shard_of_target
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -405,6 +406,108 @@ def test_two_shards_clients_follow_rolling_restart(tmp_path, etcd):
             print(f"rolling restart of 4 nodes: {len(sent)} sends, 0 failed, {sc.retries} retries")
     finally:
         for p in nodes.values():
+            p.kill9()
+
+
+SURFACE = {"send", "send_many", "send_batch", "cancel", "cancel_many", "get", "reschedule", "stats", "subscribe"}
+
+
+def streams_open(stats: dict, subject: str, group: str) -> bool:
+    """Whether every shard's master has a consumer of ``subject``/``group`` (sharded stats)."""
+    return all(
+        any(g["subject"] == subject and g["group"] == group and g["consumers"] for g in entry.get("groups", []))
+        for entry in stats["shards"].values()
+    )
+
+
+def test_sharded_clients_have_the_clients_surface(tmp_path, etcd):
+    """Both sharded clients answer to the single-server client's method names: send_many and
+    send_batch spread messages by id hash (receipts in input order, each on its id's shard),
+    cancel_many groups its targets per shard and answers in the caller's order, stats narrows
+    to a subject and sums the cluster, subscribe merges every shard into one consumer whose
+    acks go back to the right stream (blocking and asyncio)."""
+    import asyncio
+
+    from qdelay.client import AioShardedClient, ShardedClient
+
+    assert SURFACE <= set(dir(Client)) and SURFACE <= set(dir(ShardedClient)) and SURFACE <= set(dir(AioShardedClient))
+    nodes = [node(tmp_path, "a", etcd.endpoint, shard="s1").start(), node(tmp_path, "b", etcd.endpoint, shard="s2")]
+    nodes[1].start()
+    try:
+        for shard in ("s1", "s2"):
+            wait_shard(nodes[0].address, shard, 0)
+        later = int(time.time() * 1000) + 3_600_000
+        with ShardedClient(nodes[1].address) as sc:
+            many = sc.send_many(
+                (Outgoing("surf", b"%d" % i, deliver_at_ms=later, message_id=f"m{i}") for i in range(300)),
+                batch_size=40,
+            )
+            assert [r.message_id for r in many] == [f"m{i}" for i in range(300)]
+            assert all(r.shard == sc.topology.shard_for(r.message_id) for r in many)
+            assert min(sum(r.shard == s for r in many) for s in ("s1", "s2")) > 100
+            batch = sc.send_batch([Outgoing("surf", b"b", delay_ms=3_600_000) for _ in range(30)])
+            assert {r.shard for r in batch} == {"s1", "s2"} and len({r.message_id for r in batch}) == 30
+            # every form of target, both shards, a repeat and an unknown id: outcomes in order
+            targets = [many[0], str(many[1]), many[2].message_id, "no-such-id", many[0], many[3].to_pb(), batch[0]]
+            assert {shard_of_target(t, sc.topology) for t in targets} == {"s1", "s2"}
+            out = sc.cancel_many(targets, batch_size=2)
+            assert out == ["CANCELLED", "CANCELLED", "CANCELLED", "NOT_FOUND", "ALREADY_CANCELLED", "CANCELLED"] + [
+                "CANCELLED"
+            ]
+            assert sc.cancel(message_id=many[4].message_id) == "CANCELLED"
+            assert sc.get(message_id=many[4].message_id).state == "CANCELLED"
+            assert sc.reschedule(many[5], delay_ms=7_200_000)[0] == "RESCHEDULED"
+            st = wait_until(
+                lambda: (x := sc.stats(subject="surf"))["cluster"]["pending"] == 330 - 6 and x, 10, "pending summed"
+            )
+            assert st["cluster"]["shards"] == 2 and st["cluster"]["pending"] == sum(
+                e["pending"] for e in st["shards"].values()
+            )
+
+            # a merged consumer: messages due now on both shards, acked through it
+            with sc.subscribe("surf.now", "g") as consumer:
+                wait_until(lambda: streams_open(sc.stats(subject="surf.now"), "surf.now", "g"), 10, "both streams")
+                sent = sc.send_many(Outgoing("surf.now", b"n", delay_ms=0) for _ in range(40))
+                want, seen = {r.message_id for r in sent}, set()
+                deadline = time.monotonic() + 20
+                while not want <= seen and time.monotonic() < deadline:
+                    got = consumer.receive(40, 0.5)
+                    seen |= {d.message_id for d in got}
+                    consumer.ack(got)
+                assert want <= seen and {d.shard for d in sent} == {"s1", "s2"}
+            wait_until(lambda: all(sc.get(r).state == "DELIVERED" for r in sent), 10, "every ack applied")
+
+        async def aio_round() -> None:
+            async with AioShardedClient(nodes[0].address) as ac:
+                rs = await ac.send_batch([Outgoing("surf.aio", b"x", delay_ms=3_600_000) for _ in range(20)])
+                more = await ac.send_many(Outgoing("surf.aio", b"y", delay_ms=3_600_000) for _ in range(60))
+                assert {r.shard for r in rs} == {r.shard for r in more} == {"s1", "s2"}
+                mixed = [more[5], rs[0].message_id, "nope", str(more[6]), rs[1]]
+                assert await ac.cancel_many(mixed) == ["CANCELLED", "CANCELLED", "NOT_FOUND", "CANCELLED", "CANCELLED"]
+                assert (await ac.get(message_id=rs[0].message_id)).state == "CANCELLED"
+                assert await ac.cancel(message_id=rs[2].message_id) == "CANCELLED"
+                st = await ac.stats(subject="surf.aio")
+                assert st["cluster"]["shards"] == 2
+                async with ac.subscribe("surf.aio.now", "g") as consumer:
+                    while not streams_open(await ac.stats(subject="surf.aio.now"), "surf.aio.now", "g"):
+                        await asyncio.sleep(0.05)
+                    sent = await ac.send_many(Outgoing("surf.aio.now", b"n", delay_ms=0) for _ in range(40))
+                    want, seen = {r.message_id for r in sent}, set()
+                    deadline = time.monotonic() + 20
+                    while not want <= seen and time.monotonic() < deadline:
+                        got = await consumer.receive(40, 0.5)
+                        seen |= {d.message_id for d in got}
+                        consumer.ack(got)
+                    assert want <= seen
+                for _ in range(100):
+                    if all([(await ac.get(r)).state == "DELIVERED" for r in sent]):
+                        break
+                    await asyncio.sleep(0.1)
+                assert all([(await ac.get(r)).state == "DELIVERED" for r in sent])
+
+        asyncio.run(asyncio.wait_for(aio_round(), 60))
+    finally:
+        for p in nodes:
             p.kill9()
 
 
