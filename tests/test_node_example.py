@@ -66,6 +66,30 @@ def test_node_module_batching_send_each_caller_its_receipt_invalid_fails_only_it
     assert "batching: OK" in result.stdout
 
 
+def test_node_module_receipt_text_reschedule_cancel_many(tmp_path, node_modules):
+    """The Node module writes and reads the Python clients' receipt text (each side parses
+    and acts on the other's), reschedules, and cancels many in the caller's order."""
+    from qdelay.client import Receipt
+
+    with ServerProc(tmp_path / "data") as srv, srv.client() as c:
+        mine = c.send("node.receipts", b"py", delay_ms=3_600_000)
+        result = subprocess.run(
+            ["node", "check_client.js", srv.address, "receipts", "node.receipts", str(mine)],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0 and "receipts: OK" in result.stdout, result.stdout + result.stderr
+        lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+        theirs, moved = Receipt.parse(lines["text"]), Receipt.parse(lines["rescheduled"])
+        assert str(theirs) == lines["text"] and str(moved) == lines["rescheduled"]
+        assert c.get(mine).state == "CANCELLED"
+        st = c.get(moved)
+        assert st.state == "PENDING" and st.payload == b"kept" and st.deliver_at_ms == moved.deliver_at_ms
+        assert moved.message_id == theirs.message_id and moved.deliver_at_ms > theirs.deliver_at_ms
+
+
 class NodeConsumer:
     """check_client.js in consume mode: its stdout lines read as they come."""
 

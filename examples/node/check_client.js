@@ -4,11 +4,15 @@
 //   node check_client.js HOST:PORT consume SUBJECT
 //       prints "ready" once subscribed, then "got <message_id>" per delivery (acked) and
 //       "reconnect <n>" when it subscribes again; runs until stdin closes.
+//   node check_client.js HOST:PORT receipts SUBJECT PYTHON_RECEIPT_TEXT
+//       receipt text both ways (cancels the Python client's receipt by its text, prints
+//       "text <its own receipt's text>" and "rescheduled <the new receipt's text>"),
+//       reschedule, cancelMany across batches, in the caller's order.
 'use strict';
 
-const { Client } = require('./qdelay');
+const { Client, parseReceipt } = require('./qdelay');
 
-const [target, mode, subject] = process.argv.slice(2);
+const [target, mode, subject, pythonText] = process.argv.slice(2);
 const client = new Client(target, { backoffMs: 50, retries: 30 });
 
 async function batching() {
@@ -28,6 +32,34 @@ async function batching() {
   console.log(`batching: OK (${client.sender.batches} batches, ${client.sender.streams} streams)`);
 }
 
+function expect(what, got, want) {
+  if (JSON.stringify(got) !== JSON.stringify(want)) throw new Error(`${what}: ${JSON.stringify(got)}, not ${JSON.stringify(want)}`);
+}
+
+async function receipts() {
+  expect('cancel by the Python text', await client.cancel(pythonText), 'CANCELLED');
+  const r = await client.send(subject, 'kept', { delayMs: 3600000 });
+  const text = String(r);
+  expect('text parses back', String(parseReceipt(text)), text);
+  console.log(`text ${text}`);
+  expect('get by text', (await client.get(text)).state, 'PENDING');
+  const moved = await client.reschedule(text, { delayMs: 7200000 });
+  expect('reschedule', moved.outcome, 'RESCHEDULED');
+  if (BigInt(moved.receipt.deliver_at_ms) <= BigInt(r.deliver_at_ms)) throw new Error('rescheduled earlier');
+  console.log(`rescheduled ${String(moved.receipt)}`);
+  expect('reschedule a cancelled one', (await client.reschedule(pythonText, { delayMs: 1 })).outcome, 'CANCELLED');
+  const rs = await Promise.all([0, 1, 2].map((i) => client.send(subject, `m${i}`, { delayMs: 3600000 })));
+  const outcomes = await client.cancelMany([rs[0], String(rs[1]), rs[2].message_id, 'no-such-id', rs[0]], { batchSize: 2 });
+  expect('cancelMany', outcomes, ['CANCELLED', 'CANCELLED', 'CANCELLED', 'NOT_FOUND', 'ALREADY_CANCELLED']);
+  try {
+    parseReceipt('qd1:x');
+    throw new Error('a bad text parsed');
+  } catch (err) {
+    expect('a bad text', err.code, 'INVALID_ARGUMENT');
+  }
+  console.log('receipts: OK');
+}
+
 function consume() {
   const consumer = client.subscribe(subject, { group: 'node-check', maxInFlight: 50 });
   consumer.on('batch', (deliveries) => {
@@ -43,6 +75,6 @@ function consume() {
   }).then(() => consumer.close()).then(() => console.log(`closed after ${consumer.reconnects} reconnects`));
 }
 
-(mode === 'batching' ? batching() : consume())
+({ batching, receipts }[mode] || consume)()
   .then(() => client.close()).then(() => process.exit(0))
   .catch((err) => { console.error(`check failed: ${err.message}`); process.exit(1); });

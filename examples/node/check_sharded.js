@@ -2,7 +2,9 @@
 // cluster (etcd + servers in cluster mode).
 //
 //   node check_sharded.js SEED spread    sends spread over the shards, cancel/get by receipt,
-//                                        a consumer receives from every shard
+//                                        cancelMany over both shards (caller's order),
+//                                        reschedule and get by receipt text, a consumer
+//                                        receives from every shard (acks to their stream)
 //   node check_sharded.js SEED follow    sends one after another until stdin closes, printing
 //                                        "acked <message_id> <shard>"; then "sent N failed F"
 'use strict';
@@ -24,6 +26,17 @@ async function spread() {
   }
   const st = await client.get(receipts[10]);
   if (st.message.payload.toString() !== 'n10') throw new Error('get: wrong message');
+  // more, due later: cancelMany grouped per shard, in the caller's order; the receipt text
+  // and reschedule routed to the receipt's shard
+  const later = await Promise.all([...Array(8).keys()].map((i) => client.send('failover.later', `l${i}`, { delayMs: 3600000 })));
+  if (new Set(later.map((r) => r.shard)).size < 2) throw new Error('later: one shard only');
+  const targets = [later[0], String(later[1]), later[2].message_id, 'no-such-id', later[3], later[0]];
+  const outcomes = await client.cancelMany(targets, { batchSize: 2 });
+  const want1 = ['CANCELLED', 'CANCELLED', 'CANCELLED', 'NOT_FOUND', 'CANCELLED', 'ALREADY_CANCELLED'];
+  if (outcomes.join() !== want1.join()) throw new Error(`cancelMany: ${outcomes}`);
+  const moved = await Promise.all(later.slice(4).map((r) => client.reschedule(String(r), { delayMs: 7200000 })));
+  if (moved.some((m) => m.outcome !== 'RESCHEDULED' || m.receipt.shard === undefined)) throw new Error('reschedule');
+  if ((await client.get(String(moved[0].receipt))).state !== 'PENDING') throw new Error('get by text');
   const want = new Set(receipts.slice(5).map((r) => r.message_id));
   const consumer = client.subscribe('failover', { group: 'node-sharded' });
   await new Promise((resolve, reject) => {
@@ -35,6 +48,13 @@ async function spread() {
     });
   });
   await consumer.close();
+  // every ack reached its own shard (two shards hand out the same ack ids)
+  for (let tries = 0; ; tries += 1) {
+    const states = await Promise.all(receipts.slice(5).map((r) => client.get(r).then((g) => g.state)));
+    if (states.every((x) => x === 'DELIVERED')) break;
+    if (tries > 100) throw new Error(`not acknowledged: ${states.filter((x) => x !== 'DELIVERED').length}`);
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
   console.log(`sharded: OK (${[...shards].sort().join(',')})`);
 }
 

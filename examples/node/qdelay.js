@@ -3,7 +3,10 @@
 //   const { Client } = require('./qdelay');
 //   const client = new Client('127.0.0.1:7600', { token: process.env.QDELAY_TOKEN });
 //   const receipt = await client.send('order.close', Buffer.from('42'), { delayMs: 30 * 60 * 1000 });
-//   await client.cancel(receipt);                 // or receipt.message_id alone
+//   await client.cancel(receipt);                 // or String(receipt), or receipt.message_id
+//   row.receipt = String(receipt);                // 'qd1:…', the Python clients' text too
+//   await client.reschedule(parseReceipt(row.receipt), { delayMs: 60000 });
+//   await client.cancelMany([r1, String(r2), 'some-id']);   // outcomes in order
 //   const consumer = client.subscribe('order.close', { group: 'billing', maxInFlight: 100 });
 //   consumer.on('batch', (deliveries) => { handle(deliveries); consumer.ack(deliveries); });
 //   ...
@@ -57,6 +60,47 @@ class QdelayError extends Error {
 }
 
 const backoff = (attempt, baseMs) => Math.min(baseMs * 2 ** (attempt - 1), MAX_BACKOFF_MS);
+
+// Receipts users can keep (a database column): the same text as the Python clients'
+// str(receipt) / Receipt.parse(text), qd1:<sequence>:<deliver_at_ms>:<shard>:<message_id>,
+// the shard percent-quoted as Python's quote(shard, safe='') does and the id last, as it is
+// (it may hold ':'). Receipts this module returns print that text (String(receipt)).
+const RECEIPT_TEXT = /^qd1:(\d+):(-?\d+):([^:]*):([\s\S]+)$/;
+const quote = (text) => encodeURIComponent(text)
+  .replace(/[!'()*]/g, (c) => `%${c.charCodeAt(0).toString(16).toUpperCase()}`);
+
+function receiptString(r) {
+  return `qd1:${BigInt(r.sequence)}:${BigInt(r.deliver_at_ms)}:${quote(r.shard || '')}:${r.message_id}`;
+}
+
+// A receipt object with its text as toString (not enumerable: not sent on the wire).
+function withText(r) {
+  Object.defineProperty(r, 'toString', { value() { return receiptString(this); }, enumerable: false });
+  return r;
+}
+
+function parseReceipt(text) {
+  const m = typeof text === 'string' ? RECEIPT_TEXT.exec(text) : null;
+  if (!m) {
+    throw new QdelayError('parseReceipt', {
+      code: grpc.status.INVALID_ARGUMENT,
+      details: `not a qdelay receipt string: ${JSON.stringify(text)} (expected ` +
+        "'qd1:<sequence>:<deliver_at_ms>:<shard>:<message_id>', as String(receipt) writes it)",
+    });
+  }
+  return withText({
+    message_id: m[4], deliver_at_ms: String(BigInt(m[2])), sequence: String(BigInt(m[1])), shard: decodeURIComponent(m[3]),
+  });
+}
+
+const isReceiptText = (text) => text.startsWith('qd1:') && RECEIPT_TEXT.test(text);
+
+// What names a message (cancel, get, reschedule take it): a receipt object, its text, or
+// the message id alone (the newest message with that id).
+function ref(target) {
+  if (typeof target === 'string') return isReceiptText(target) ? { receipt: parseReceipt(target) } : { message_id: target };
+  return { receipt: target };
+}
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 class Client {
@@ -126,23 +170,50 @@ class Client {
   send(subject, payload, opts = {}) {
     const message = this.message(subject, payload, opts);
     if (this.batching === null) {
-      return this.unary('Send', { message }).then((r) => r.receipt);
+      return this.unary('Send', { message }).then((r) => withText(r.receipt));
     }
     if (this.sender === null) this.sender = new SendBatcher(this);
     return this.sender.send(message);
   }
 
-  // Receipt object, or the message id alone (the newest message with that id).
-  static ref(receipt) {
-    return typeof receipt === 'string' ? { message_id: receipt } : { receipt };
+  // A receipt object, its text (String(receipt)), or the message id alone.
+  static ref(target) {
+    return ref(target);
   }
 
   async cancel(receipt) {
-    return (await this.unary('Cancel', Client.ref(receipt))).outcome;
+    return (await this.unary('Cancel', ref(receipt))).outcome;
+  }
+
+  // Cancel many in CancelBatch calls of up to batchSize targets (anything cancel takes);
+  // resolves to one outcome per target, in order.
+  async cancelMany(targets, opts = {}) {
+    const batchSize = opts.batchSize || 1000;
+    const out = [];
+    for (let i = 0; i < targets.length; i += batchSize) {
+      const requests = targets.slice(i, i + batchSize).map(ref);
+      const response = await this.unary('CancelBatch', { requests }, opts.timeoutMs);
+      out.push(...response.responses.map((r) => r.outcome));
+    }
+    return out;
+  }
+
+  // Move a pending message to a new due time (opts: deliverAtMs or delayMs); resolves to
+  // {outcome: 'RESCHEDULED', receipt} (its new receipt) or {outcome, receipt: null}
+  // ('ALREADY_DELIVERED', 'CANCELLED', 'NOT_FOUND').
+  async reschedule(target, opts = {}) {
+    const request = ref(target);
+    if ((opts.deliverAtMs === undefined) === (opts.delayMs === undefined)) {
+      throw new QdelayError('Reschedule', { code: grpc.status.INVALID_ARGUMENT, details: 'give one of deliverAtMs or delayMs' });
+    }
+    if (opts.deliverAtMs !== undefined) request.deliver_at_ms = String(opts.deliverAtMs);
+    else request.delay_ms = String(opts.delayMs);
+    const r = await this.unary('Reschedule', request, opts.timeoutMs);
+    return { outcome: r.outcome, receipt: r.outcome === 'RESCHEDULED' ? withText(r.receipt) : null };
   }
 
   async get(receipt) {
-    return this.unary('Get', Client.ref(receipt));
+    return this.unary('Get', ref(receipt));
   }
 
   async stats() {
@@ -248,16 +319,16 @@ class SendBatcher {
 
   answer(batch, response) {
     if (response.receipts.length) {
-      batch.forEach((e, i) => e.resolve(response.receipts[i]));
+      batch.forEach((e, i) => e.resolve(withText(response.receipts[i])));
       return;
     }
     const first = BigInt(response.first_sequence);
-    batch.forEach((e, i) => e.resolve({
+    batch.forEach((e, i) => e.resolve(withText({
       message_id: e.message.message_id,
       deliver_at_ms: response.deliver_at_ms[i],
       sequence: String(first + BigInt(i)),
       shard: response.shard || '',
-    }));
+    })));
   }
 
   // Send what can be sent now: re-sent batches first, then a batch of the queue.
@@ -466,9 +537,11 @@ class ShardedClient {
     return names[zlib.crc32(Buffer.from(messageId, 'utf8')) % names.length];
   }
 
+  // The shard a receipt (object or text) names, else the message id's shard.
   shardOf(target) {
-    if (typeof target === 'object' && target.shard && this.shards.has(target.shard)) return target.shard;
-    return this.shardFor(typeof target === 'string' ? target : target.message_id);
+    const r = ref(target);
+    if (r.receipt && r.receipt.shard && this.shards.has(r.receipt.shard)) return r.receipt.shard;
+    return this.shardFor(r.receipt ? r.receipt.message_id : r.message_id);
   }
 
   async retry(shardOf, call) {
@@ -504,29 +577,57 @@ class ShardedClient {
     return this.retry(() => this.shardOf(receipt), (c) => c.cancel(receipt));
   }
 
+  // Cancel many, grouped per shard (the shards' CancelBatch calls at the same time); one
+  // outcome per target, in the caller's order.
+  async cancelMany(targets, opts = {}) {
+    if (this.cluster === null) await this.refresh();
+    const byShard = new Map();
+    targets.forEach((t, i) => {
+      const shard = this.shardOf(t);
+      if (!byShard.has(shard)) byShard.set(shard, []);
+      byShard.get(shard).push(i);
+    });
+    const out = new Array(targets.length);
+    await Promise.all([...byShard].map(async ([shard, idx]) => {
+      const got = await this.retry(() => shard, (c) => c.cancelMany(idx.map((i) => targets[i]), opts));
+      idx.forEach((i, k) => { out[i] = got[k]; });
+    }));
+    return out;
+  }
+
+  reschedule(target, opts = {}) {
+    return this.retry(() => this.shardOf(target), (c) => c.reschedule(target, opts));
+  }
+
   get(receipt) {
     return this.retry(() => this.shardOf(receipt), (c) => c.get(receipt));
   }
 
   // One resubscribing Consumer per server; 'batch' events from all of them, each delivery
-  // acked on the stream it came from.
+  // acked on the stream it came from. Every server numbers its own deliveries, so two
+  // shards hand out the same ack ids: each delivery's ack_id is given its stream's tag
+  // ('<tag>|<ack id>', as the Python sharded consumers do) and an ack goes to that stream.
   subscribe(subject, opts = {}) {
     const fan = new EventEmitter();
-    const owners = new Map(); // ack id -> consumer
+    const streams = new Map(); // tag -> consumer
     const consumers = new Map();
+    let tags = 0;
     const add = () => {
       for (const address of this.addresses()) {
         if (consumers.has(address)) continue;
         const c = this.client(address).subscribe(subject, opts);
+        const tag = String(++tags);
+        streams.set(tag, c);
         consumers.set(address, c);
         c.on('batch', (deliveries) => {
-          for (const d of deliveries) owners.set(d.ack_id, c);
+          for (const d of deliveries) d.ack_id = `${tag}|${d.ack_id}`;
           fan.emit('batch', deliveries);
         });
         c.on('error', (err) => {
           // a slave refuses a subscription while the group does not exist there yet: try
           // again at the next Topology read (it may be master after a failover)
           consumers.delete(address);
+          streams.delete(tag);
           if (err.code !== 'FAILED_PRECONDITION') fan.emit('error', err);
         });
       }
@@ -537,9 +638,10 @@ class ShardedClient {
       const by = new Map();
       for (const d of deliveries) {
         const id = typeof d === 'string' ? d : d.ack_id;
-        const c = owners.get(id);
-        owners.delete(id);
-        if (c) by.set(c, [...(by.get(c) || []), id]);
+        const cut = id.indexOf('|');
+        if (cut < 0) throw new Error(`not an ack id of this sharded consumer: ${id}`);
+        const c = streams.get(id.slice(0, cut));
+        if (c) by.set(c, [...(by.get(c) || []), id.slice(cut + 1)]);
       }
       for (const [c, ids] of by) c.ack(ids);
     };
@@ -556,4 +658,4 @@ class ShardedClient {
   }
 }
 
-module.exports = { Client, Consumer, QdelayError, ShardedClient };
+module.exports = { Client, Consumer, QdelayError, ShardedClient, parseReceipt, receiptString };
