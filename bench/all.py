@@ -51,6 +51,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
             (["--sizes", "1000,10000", "--cancels", "300", "--gets", "100", "--reschedules", "100"] if quick else []),
             out("cancel"),
         ),
+        # send, re-send and lookups against the number of pending messages
+        ("pending", ["--levels", "0,100000", "--messages", "20000"] if quick else [], out("pending")),
         ("ingest", ["--messages", "20000", "--unary-messages", "2000"] if quick else [], out("ingest")),
         ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),
         ("replication", ["--seconds", "2"] if quick else [], out("replication")),

@@ -23,6 +23,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "scheduler",
             "compare",
             "cancel",
+            "pending",
             "ingest",
             "grpc_floor",
             "replication",

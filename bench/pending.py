@@ -1,0 +1,255 @@
+"""What a send, a re-send and a lookup cost against the number of pending messages.
+
+    python -m bench.pending [--levels 0,1000000,3000000] [--messages 100000] [--json FILE]
+
+One real server (``qdelay server``, sync flush, the defaults: id index and dedupe on) on a
+temporary folder. It is filled in steps with far-future messages (a day and more ahead,
+each with its own id, so the id index and the schedule log grow with them) up to each
+level N of ``--levels``; at each level, on the same server:
+
+- ``send_many`` of ``--messages`` new messages (Outgoing tuples, batches of 100, 16
+  unanswered: the bulk path), msgs/s and server CPU per message: a new id is a miss in the
+  id index, whose cost may grow with the index;
+- ``send_batch`` of 100, one call in flight (a generated client's shape), 1/5 of the count;
+- ``client.send()`` from 16 threads (the client gathers them into SendStream batches),
+  1/20 of the count;
+- a re-send of 10,000 ids already pending, in batches of 100 (every one a duplicate: the
+  index hit, the message's state read, the original receipt answered), per message;
+- Get by id, one call at a time on an idle server: p50/p99 (by receipt is bench.cancel's);
+- Topology, one call at a time: p50 (answered from memory);
+- the server's RSS.
+
+Cost per operation should be flat in N (docs/benchmarks.md, "Cost against the number of
+pending messages"). Writes bench/out/pending.json (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import threading
+import time
+
+import psutil
+
+from bench.common import Meter, machine, print_table, write_json
+from bench.peers import QdelayDriver
+from qdelay.client import Client, Outgoing
+from qdelay.v1 import qdelay_pb2 as pb
+
+DAY_MS = 86_400_000
+
+
+def _percentile(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def _until_idle(pid: int, timeout: float = 60.0) -> None:
+    """Until the server uses under 5 % of a core over 0.5 s: the fill's background work (the
+    iterate service catching up, the id index's compactions) is not charged to what follows."""
+    proc = psutil.Process(pid)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        before = sum(proc.cpu_times()[:2])
+        time.sleep(0.5)
+        if sum(proc.cpu_times()[:2]) - before < 0.025:
+            return
+
+
+def _threads(count: int, work, items: list) -> None:
+    """``work(item)`` over ``items`` from ``count`` threads."""
+    it = iter(items)
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                item = next(it, None)
+            if item is None:
+                return
+            work(item)
+
+    ts = [threading.Thread(target=run) for _ in range(count)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def _timed_calls(call, items: list) -> list[float]:
+    lat = []
+    for item in items:
+        t0 = time.perf_counter()
+        call(item)
+        lat.append((time.perf_counter() - t0) * 1000)
+    return lat
+
+
+def run(levels: list[int], messages: int) -> list[dict]:
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="qdelay-bench-pending-") as tmp:
+        server = QdelayDriver()
+        server.start(tmp)
+        try:
+            address = f"127.0.0.1:{server.port}"
+            proc = psutil.Process(server.pid)
+            with Client(address, timeout=300) as c:
+                c.wait_ready()
+                base = (int(time.time() * 1000) // 60_000 + 60) * 60_000 + DAY_MS
+                filled = 0
+                serial = 0  # ids of the measured sends, never reused
+
+                def fresh(n: int, tag: str) -> list[Outgoing]:
+                    nonlocal serial
+                    out = [
+                        Outgoing(
+                            "bench.pending",
+                            b"x" * 100,
+                            deliver_at_ms=base + 2 * DAY_MS,
+                            message_id=f"{tag}{serial + i}",
+                        )
+                        for i in range(n)
+                    ]
+                    serial += n
+                    return out
+
+                # warm-up (first calls, the id index's first files): not charged to level 0
+                warm = fresh(5_000, "w")
+                c.send_many(warm, batch_size=100, max_in_flight=16, timeout=300)
+                c.send_batch(
+                    [
+                        c.message(o.subject, o.payload, message_id=o.message_id, deliver_at_ms=o.deliver_at_ms)
+                        for o in warm[:100]
+                    ]
+                )
+                for level in levels:
+                    if level > filled:
+                        far = (
+                            Outgoing("bench.far", b"x" * 100, deliver_at_ms=base + i % DAY_MS, message_id=f"far{i}")
+                            for i in range(filled, level)
+                        )
+                        c.send_many(far, batch_size=1000, max_in_flight=8, timeout=900)
+                        filled = level
+                    _until_idle(server.pid)
+                    row: dict = {"pending": filled}
+
+                    stream = fresh(messages, "m")
+                    with Meter(server.pid) as m:
+                        c.send_many(stream, batch_size=100, max_in_flight=16, timeout=300)
+                    row["stream_msgs_per_s"] = messages / m.wall
+                    row["stream_cpu_us"] = m.cpu / messages * 1e6
+
+                    n = max(100, messages // 5 // 100 * 100)
+                    batch = fresh(n, "b")
+                    with Meter(server.pid) as m:
+                        for i in range(0, n, 100):
+                            c.send_batch(
+                                [
+                                    c.message(
+                                        o.subject, o.payload, deliver_at_ms=o.deliver_at_ms, message_id=o.message_id
+                                    )
+                                    for o in batch[i : i + 100]
+                                ]
+                            )
+                    row["batch_msgs_per_s"] = n / m.wall
+                    row["batch_cpu_us"] = m.cpu / n * 1e6
+
+                    n = max(160, messages // 20)
+                    batch = fresh(n, "t")
+                    with Meter(server.pid) as m:
+                        _threads(
+                            16,
+                            lambda o: c.send(
+                                o.subject, o.payload, deliver_at_ms=o.deliver_at_ms, message_id=o.message_id
+                            ),
+                            batch,
+                        )
+                    row["send16_msgs_per_s"] = n / m.wall
+                    row["send16_cpu_us"] = m.cpu / n * 1e6
+
+                    # re-sends of pending ids (from the fill when there is one): all duplicates
+                    rng = random.Random(level)
+                    # from the fill when there is one, else from this level's send_many
+                    pool = [f"far{i}" for i in rng.sample(range(filled), min(10_000, filled))] if filled else None
+                    picks = pool or [o.message_id for o in rng.sample(stream, min(10_000, len(stream)))]
+                    again = [
+                        Outgoing("bench.far", b"x" * 100, deliver_at_ms=base + 3 * DAY_MS, message_id=mid)
+                        for mid in picks
+                    ]
+                    with Meter(server.pid) as m:
+                        receipts = []
+                        for i in range(0, len(again), 100):
+                            receipts += c.send_batch(
+                                [
+                                    c.message(
+                                        o.subject, o.payload, deliver_at_ms=o.deliver_at_ms, message_id=o.message_id
+                                    )
+                                    for o in again[i : i + 100]
+                                ]
+                            )
+                    if not all(r.duplicate for r in receipts):
+                        raise SystemExit(f"{sum(not r.duplicate for r in receipts)} re-sends were not duplicates")
+                    row["resend_msgs_per_s"] = len(again) / m.wall
+                    row["resend_cpu_us"] = m.cpu / len(again) * 1e6
+
+                    _until_idle(server.pid)
+                    ids = [rng.choice(picks) for _ in range(500)]
+                    lat = _timed_calls(lambda mid: c.get(message_id=mid), ids)
+                    row["get_by_id_p50_ms"] = _percentile(lat, 50)
+                    row["get_by_id_p99_ms"] = _percentile(lat, 99)
+                    lat = _timed_calls(lambda _i: c.stub.Topology(pb.TopologyRequest(), timeout=5), range(200))
+                    row["topology_p50_ms"] = _percentile(lat, 50)
+                    row["rss_mb"] = proc.memory_info().rss / 2**20
+                    rows.append(row)
+                    print(row, flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.pending", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--levels", default="0,1000000,3000000", help="pending counts N, ascending, comma-separated")
+    ap.add_argument("--messages", type=int, default=100_000, help="new messages sent through send_many per level")
+    ap.add_argument("--json", default="pending", help="output name under bench/out, or a path")
+    args = ap.parse_args(argv)
+    levels = sorted(int(x) for x in args.levels.split(",") if x)
+    rows = run(levels, args.messages)
+    headers = [
+        "pending N",
+        "send_many msgs/s",
+        "µs CPU",
+        "batch 100 msgs/s",
+        "µs CPU",
+        "send() x16 msgs/s",
+        "µs CPU",
+        "re-send (dup) µs CPU",
+        "Get by id p50/p99 ms",
+        "Topology p50 ms",
+        "RSS MB",
+    ]
+    table = [
+        [
+            r["pending"],
+            r["stream_msgs_per_s"],
+            r["stream_cpu_us"],
+            r["batch_msgs_per_s"],
+            r["batch_cpu_us"],
+            r["send16_msgs_per_s"],
+            r["send16_cpu_us"],
+            r["resend_cpu_us"],
+            f"{r['get_by_id_p50_ms']:.2f} / {r['get_by_id_p99_ms']:.2f}",
+            r["topology_p50_ms"],
+            r["rss_mb"],
+        ]
+        for r in rows
+    ]
+    print_table(headers, table, title="send, re-send and lookups against the number of pending messages")
+    write_json(args.json, {"machine": machine(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
