@@ -460,8 +460,7 @@ def truncate_divergent(engine, offset: int, last_sequence: int) -> str:
                     break
                 keep, keep_seq = fr.offset + fr.size, fr.sequence
             if keep < seg.size:
-                engine.finder.forget(seg.path)
-                seg.truncate(keep)
+                engine.schedule.truncate(b, keep)  # its index is re-derived with it
             seg.last_sequence = keep_seq
         wal.truncate_to(offset, last_sequence)
         if it.offset > offset:

@@ -4,6 +4,11 @@ Both logs keep one segment per due bucket (``scale_minutes`` wide, named by its 
 start minute, in day folders; see ``segments.naming``). Segments are opened lazily
 through the shared handle pool, so far-future buckets cost a directory entry and a small
 Python object, not an open file.
+
+The schedule log (``indexed``) keeps an index file beside each segment
+(segments/schedule_index.py), written with every append, synced, truncated and deleted
+with its segment, and checked (re-derived where it does not match) by ``check_indexes``
+at open.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import numpy as np
 from qdelay.segments import framing, naming, records
 from qdelay.segments.framing import Frame
 from qdelay.segments.reader import Columns, columns_past_damage, gather, scan_columns
+from qdelay.segments.schedule_index import IndexFile
+from qdelay.segments.schedule_index import path_of as index_path
 from qdelay.segments.segment import CorruptionPolicy, HandlePool, Recovery, Segment, fsync_dir, recover
 
 log = logging.getLogger("qdelay.buckets")
@@ -97,17 +104,46 @@ def group_closes_of(data: bytes, group: str) -> np.ndarray:
 
 
 class BucketLog:
-    def __init__(self, root: str, suffix: str, pool: HandlePool) -> None:
+    def __init__(self, root: str, suffix: str, pool: HandlePool, indexed: bool = False) -> None:
         self.root = root
         self.suffix = suffix
         self.pool = pool
+        self.indexed = indexed  # an index file beside each segment (the schedule log)
         self._lock = threading.Lock()
         self._segments: dict[int, Segment] = {}
         self._dirty: set[int] = set()
         self._dirty_dirs: set[str] = set()
         os.makedirs(root, exist_ok=True)
         for bucket, path in naming.list_buckets(root, suffix):
-            self._segments[bucket] = Segment(path, bucket, pool)
+            seg = self._segments[bucket] = Segment(path, bucket, pool)
+            if indexed:
+                seg.index = IndexFile(index_path(path), pool)  # counted by check_indexes
+
+    def check_indexes(self, rebuild: set[int]) -> tuple[int, int]:
+        """At open: re-derive the index of each bucket in ``rebuild`` (segments a crash may
+        have left a tail in) and of every other segment whose index does not match it
+        (missing, torn, behind or ahead: ``IndexFile.matches``); (how many of those others,
+        entries written in all)."""
+        mismatched = entries = 0
+        for b, seg in sorted(self._segments.items()):
+            idx = seg.index
+            if idx is None:
+                continue
+            if b in rebuild:
+                entries += idx.rebuild(seg)
+            elif not idx.matches(seg):
+                entries += idx.rebuild(seg)
+                mismatched += 1
+        return mismatched, entries
+
+    def truncate(self, bucket: int, size: int) -> None:
+        """Cut a segment to ``size`` (a record boundary) and re-derive its index."""
+        seg = self._segments.get(bucket)
+        if seg is None:
+            return
+        seg.truncate(size)
+        if seg.index is not None:
+            seg.index.rebuild(seg)
 
     def get(self, bucket: int) -> Segment | None:
         return self._segments.get(bucket)
@@ -123,14 +159,16 @@ class BucketLog:
                 day = os.path.dirname(path)
                 new_day = not os.path.isdir(day)
                 os.makedirs(day, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                os.close(fd)
-                # the new entry becomes durable with the next sync(), before any checkpoint
+                for name in (path, index_path(path)) if self.indexed else (path,):
+                    os.close(os.open(name, os.O_RDWR | os.O_CREAT, 0o644))
+                # the new entries becomes durable with the next sync(), before any checkpoint
                 # relies on it: one directory fsync per batch, not one per new minute
                 self._dirty_dirs.add(day)  # self._lock is held
                 if new_day:
                     self._dirty_dirs.add(self.root)
                 seg = Segment(path, bucket, self.pool, size=0)
+                if self.indexed:
+                    seg.index = IndexFile(index_path(path), self.pool)
                 self._segments[bucket] = seg
         return seg
 
@@ -145,11 +183,18 @@ class BucketLog:
         rec = recover(seg.path, policy, on_frame)
         seg.size = seg.synced_size = rec.valid_size
         seg.last_sequence = rec.last_sequence
-        return rec
+        return rec  # its index is re-derived by check_indexes
 
     def append(self, bucket: int, data: bytes | bytearray) -> tuple[Segment, int]:
+        """Append whole frames to ``bucket``'s segment; (segment, offset they start at). An
+        indexed log writes their index entries first and publishes them after the bytes (a
+        failed try changes nothing a reader sees, and may be repeated)."""
         seg = self.get_or_create(bucket)
+        idx = seg.index
+        n = idx.write_ahead(data, seg.size) if idx is not None else 0
         offset = seg.append(data)
+        if idx is not None:
+            idx.publish(n)
         with self._lock:
             self._dirty.add(bucket)
         return seg, offset
@@ -185,6 +230,8 @@ class BucketLog:
             return False
         self._dirty.discard(bucket)
         self.pool.forget(seg.path)
+        if seg.index is not None:
+            seg.index.delete()
         try:
             os.unlink(seg.path)
         except FileNotFoundError:

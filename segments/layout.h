@@ -26,6 +26,7 @@
 #define SEQUENCE_AT 20
 #define TIMESTAMP_AT 28
 #define KIND_MESSAGE 1 /* RecordKind */
+#define KIND_CANCEL 2
 #define KIND_DISPATCH 3
 /* MESSAGE body: due i64, subject_len u16, message_id_len u16, headers_len u32, payload_len u32 */
 #define MESSAGE_FIXED 20
@@ -33,6 +34,12 @@
 #define MESSAGE_ID_LEN_AT 10
 #define MESSAGE_HEADERS_LEN_AT 12
 #define MESSAGE_PAYLOAD_LEN_AT 16
+/* CANCEL body: target due i64, target sequence u64, message_id_len u16, message_id */
+#define CANCEL_FIXED 18
+#define CANCEL_TARGET_SEQUENCE_AT 8
+/* schedule index entry (docs/formats.md, "Schedule index"; segments/schedule_index.py):
+ * sequence u64, offset u48 | kind u8 | flags u8, then two 8-byte fields by kind */
+#define SIDX_ENTRY 32
 /* DISPATCH body: due i64, dispatched_at i64, schedule_offset u64, attempt u32, outcome u8,
  * group_len u8, message_id_len u16 (segments/records.py DISPATCH_FIXED) */
 #define DISPATCH_FIXED 32

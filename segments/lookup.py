@@ -1,119 +1,47 @@
 """Finding one record in a bucket's segments, for Cancel and Get.
 
-Schedule segments are written in sequence order (the iterate service copies the message
-log in order and skips replays), so a sparse index of every 64th record's sequence and
-offset turns a lookup into a bisect and a short scan. Indexes are built lazily, extended
-as segments grow, and kept for a bounded number of buckets. Each also keeps every
-MESSAGE's sequence, due time and id (about 24 bytes plus the id a message, at most
-``max_bytes`` for all buckets kept), so that a batch of receipts (CancelBatch) is checked
-against its segment with one binary search and one byte comparison (``holds``).
+A schedule segment's records are found through the index file beside it
+(segments/schedule_index.py): a binary search over a memory map of fixed-width entries,
+so a lookup costs the same in a minute of a thousand records as in one of a million, cold
+or not, and nothing is kept in memory between lookups. A MESSAGE's entry carries its due
+time, a hash of its id and whether a tombstone of it follows, so a batch of receipts
+(CancelBatch) and their tombstones are checked without reading a record.
 """
 
 from __future__ import annotations
 
 import array
-import bisect
 import collections
+import logging
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 
-from qdelay.segments import framing, records
+from qdelay.errors import CorruptRecord, InvariantViolation
+from qdelay.segments import records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.reader import CORRUPT, SCAN_BYTES, Columns, Damage, read_columns, read_frames, walk_reads
+from qdelay.segments.schedule_index import CANCELLED, IndexFile, id_hashes
 from qdelay.segments.segment import Segment
 
-SPARSE_EVERY = 64
 _CANCEL_TARGET_AT = records.CANCEL_TARGET_SEQUENCE_AT  # CANCEL body: the target's sequence
 _DISPATCHED_AT = records.DISPATCH_DISPATCHED_AT
-# a MESSAGE's subject and id lengths and its subject, from the frame's start (the body's
-# offsets are named in segments/records.py)
-_SUBJECT_LEN_AT = framing.HEADER_SIZE + records.MESSAGE_SUBJECT_LEN_AT
-_ID_LEN_AT = framing.HEADER_SIZE + records.MESSAGE_ID_LEN_AT
-_SUBJECT_AT = framing.HEADER_SIZE + records.MESSAGE_FIXED.size
+_MESSAGE = int(RecordKind.MESSAGE)
 
 
-class SparseIndex:
-    """Every SPARSE_EVERY-th record's sequence and offset, and the targets of every CANCEL
-    seen, of one schedule segment up to ``upto``; and of every MESSAGE its sequence, due
-    time and id (``mseqs``, ``mdues``, the ids end to end in ``ids`` with ``id_ends``), so
-    that a batch of receipts is checked against the segment in a few vectorised steps."""
-
-    __slots__ = ("seqs", "offsets", "upto", "count", "cancelled", "mseqs", "mdues", "id_ends", "ids", "ordered")
-
-    def __init__(self) -> None:
-        self.seqs: list[int] = []
-        self.offsets: list[int] = []
-        self.upto = 0
-        self.count = 0
-        self.cancelled: set[int] = set()
-        self.mseqs = array.array("q")
-        self.mdues = array.array("q")
-        self.id_ends = array.array("q")
-        self.ids = bytearray()
-        self.ordered = True  # MESSAGE sequences ascending (as the iterate service writes them)
-
-    @property
-    def dense_bytes(self) -> int:
-        return len(self.ids) + 24 * len(self.mseqs)
+log = logging.getLogger("qdelay.lookup")
 
 
-def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The positions ``starts[i] .. starts[i] + lengths[i]`` of every row, end to end."""
-    total = int(lengths.sum())
-    offsets = np.cumsum(lengths) - lengths  # where each row begins in the output
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+def _index(seg: Segment) -> IndexFile:
+    if seg.index is None:
+        raise InvariantViolation(f"{seg.path} has no schedule index (the schedule log keeps one beside each)")
+    return seg.index
 
 
-def _add_messages(idx: SparseIndex, cols: Columns) -> None:
-    """Append the sequence, due time and id of every MESSAGE of ``cols`` to ``idx``."""
-    rows = np.flatnonzero(cols.kinds == RecordKind.MESSAGE)
-    if not len(rows):
-        return
-    st = cols.starts[rows]
-    seqs = cols.seqs[rows]
-    if (len(seqs) > 1 and bool((np.diff(seqs) <= 0).any())) or (idx.mseqs and int(seqs[0]) <= idx.mseqs[-1]):
-        idx.ordered = False  # never written so: callers then look records up one by one
-    raw = np.frombuffer(cols.data, dtype=np.uint8)
-    slen = raw[st + _SUBJECT_LEN_AT].astype(np.int64) | (raw[st + _SUBJECT_LEN_AT + 1].astype(np.int64) << 8)
-    ilen = raw[st + _ID_LEN_AT].astype(np.int64) | (raw[st + _ID_LEN_AT + 1].astype(np.int64) << 8)
-    base = len(idx.ids)
-    idx.ids += raw[_ragged(st + _SUBJECT_AT + slen, ilen)].tobytes()
-    idx.id_ends.frombytes((np.cumsum(ilen) + base).tobytes())
-    idx.mseqs.frombytes(seqs.astype(np.int64).tobytes())
-    idx.mdues.frombytes(cols.dues[rows].astype(np.int64).tobytes())
-
-
-# a lookup that would read more than this to bring an index up to date is not "ready"
-# (RecordFinder.ready, DispatchIndex.ready): it goes to a worker thread
+# a lookup that would read more than this to bring the dispatch index up to date is not
+# "ready" (DispatchIndex.ready): it goes to a worker thread
 READY_SLACK = 64 * 1024
-
-# up to this many receipts, ``holds`` checks them one by one: a binary search and a slice
-# comparison each cost ~2 us, while the vectorised form's ~20 numpy calls cost ~25 us
-# whatever the batch (a client gathering concurrent cancel() calls sends batches of a few)
-SCALAR_UPTO = 16
-
-
-def _holds_each(
-    idx: SparseIndex, sequences: np.ndarray | list[int], dues: np.ndarray | list[int], message_ids: list[str]
-) -> list[bool]:
-    """``RecordFinder.holds`` for a few receipts, one at a time (the same answers: the test
-    of the finder runs both forms on the same queries)."""
-    ms, md, ends, ids = idx.mseqs, idx.mdues, idx.id_ends, idx.ids
-    count = len(ms)
-    seqs = sequences.tolist() if isinstance(sequences, np.ndarray) else sequences
-    ats = dues.tolist() if isinstance(dues, np.ndarray) else dues
-    out = []
-    for seq, due, mid in zip(seqs, ats, message_ids):
-        pos = bisect.bisect_left(ms, seq)
-        if pos == count or ms[pos] != seq or md[pos] != due:
-            out.append(False)
-            continue
-        start = ends[pos - 1] if pos else 0
-        raw = mid.encode()
-        out.append(len(raw) > 0 and ends[pos] - start == len(raw) and ids[start : ends[pos]] == raw)
-    return out
 
 
 def _verified(seg: Segment, start: int, stop: int, chunk: int = SCAN_BYTES) -> Iterator[Columns | int]:
@@ -132,127 +60,62 @@ def _verified(seg: Segment, start: int, stop: int, chunk: int = SCAN_BYTES) -> I
 
 
 class RecordFinder:
-    """Finds a record and its tombstone in a schedule segment without walking the segment:
-    each segment's index is extended by the bytes appended since the last look (read as
-    columns, no object per record), so a Cancel or Get in a minute of N records costs the
-    same whatever N is."""
+    """Finds a record and its tombstone in a schedule segment through its index file
+    (no walk of the segment, no cache)."""
 
-    def __init__(self, capacity: int = 128, max_bytes: int = 64 * 1024 * 1024) -> None:
-        self.capacity = capacity
-        self.max_bytes = max_bytes  # the per-message columns of the indexes kept, at most
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._indexes: collections.OrderedDict[str, SparseIndex] = collections.OrderedDict()
-
-    def _index(self, seg: Segment) -> SparseIndex:
-        with self._lock:
-            idx = self._indexes.get(seg.path)
-            if idx is None:
-                idx = self._indexes[seg.path] = SparseIndex()
-                while len(self._indexes) > self.capacity:
-                    self._bytes -= self._indexes.popitem(last=False)[1].dense_bytes
-            else:
-                self._indexes.move_to_end(seg.path)
-            stop = seg.size
-            before = idx.dense_bytes
-            for cols in _verified(seg, idx.upto, stop):
-                if isinstance(cols, int):
-                    break  # a tail not whole: looked at again from there next time
-                n = len(cols)
-                first = (-idx.count) % SPARSE_EVERY  # the next row whose count is a multiple
-                idx.seqs.extend(cols.seqs[first::SPARSE_EVERY].tolist())
-                idx.offsets.extend((cols.starts[first::SPARSE_EVERY] + cols.base).tolist())
-                cancels = cols.kinds == RecordKind.CANCEL
-                if cancels.any():
-                    idx.cancelled.update(cols.u64_at(cancels, _CANCEL_TARGET_AT).tolist())
-                _add_messages(idx, cols)
-                idx.count += n
-                idx.upto = cols.base + cols.end
-            self._bytes += idx.dense_bytes - before
-            while self._bytes > self.max_bytes and len(self._indexes) > 1:
-                oldest = next(iter(self._indexes))
-                if oldest == seg.path:
-                    break
-                self._bytes -= self._indexes.pop(oldest).dense_bytes
-            return idx
-
-    def ready(self, seg: Segment, slack: int = READY_SLACK) -> bool:
-        """Whether a lookup in ``seg`` now reads at most ``slack`` bytes to bring its index up
-        to date, and nobody holds the finder (a look without waiting, for a caller deciding
-        whether a lookup can run on the event loop: Engine.get_now)."""
-        if not self._lock.acquire(blocking=False):
-            return False
+    def find(self, seg: Segment, sequence: int) -> Frame | None:
+        """The frame with ``sequence`` in a schedule segment, or None."""
+        idx = _index(seg)
+        found = idx.lookup([sequence])
+        if not found.hit[0]:
+            return None
         try:
-            idx = self._indexes.get(seg.path)
-            return idx is not None and seg.size - idx.upto <= slack
-        finally:
-            self._lock.release()
+            frame = seg.read_frame(int(found.offsets[0]))
+        except CorruptRecord as err:
+            # rotted after it was indexed: never served, as the loader skips it (rows 5b, 14d)
+            log.warning("a looked-up record is damaged", extra={"path": err.path, "offset": err.offset})
+            return None
+        if frame.sequence != sequence:
+            raise CorruptRecord(idx.path, 0, f"the index places sequence {sequence} where {frame.sequence} is")
+        return frame
+
+    def ready(self, seg: Segment) -> bool:
+        """Whether a lookup in ``seg`` can run without waiting or reading much (Engine.get_now):
+        always, for a segment with its index (a lookup reads ~log2(n) entries and one
+        record, and takes no lock)."""
+        return seg.index is not None
 
     def holds(
         self, seg: Segment, sequences: np.ndarray | list[int], dues: np.ndarray | list[int], message_ids: list[str]
     ) -> list[bool]:
         """Whether ``seg`` holds, for each (sequence, due, id), a MESSAGE with exactly that
-        sequence, due time and id (as far as it is written): a batch of receipts checked in
-        one binary search and one byte comparison, instead of a record read each."""
-        idx = self._index(seg)
+        sequence and due time and an id of that 64-bit hash (as far as it is written): a
+        batch of receipts checked in one search of the index, no record read."""
         n = len(sequences)
-        with self._lock:  # the arrays may not grow while numpy looks at them
-            if not idx.ordered or not idx.mseqs or n == 0:
-                return [False] * n
-            if n <= SCALAR_UPTO:
-                return _holds_each(idx, sequences, dues, message_ids)
-            ms = np.frombuffer(idx.mseqs, dtype=np.int64)
-            q = np.asarray(sequences, dtype=np.int64)
-            pos = np.minimum(np.searchsorted(ms, q), len(ms) - 1)
-            ok = (ms[pos] == q) & (np.frombuffer(idx.mdues, dtype=np.int64)[pos] == np.asarray(dues, dtype=np.int64))
-            ends = np.frombuffer(idx.id_ends, dtype=np.int64)
-            rec_end = ends[pos]
-            rec_start = np.where(pos > 0, ends[pos - 1], 0)
-            raw = [m.encode() for m in message_ids]
-            q_len = np.fromiter(map(len, raw), dtype=np.int64, count=n)
-            ok &= (rec_end - rec_start == q_len) & (q_len > 0)
-            rows = np.flatnonzero(ok)
-            if len(rows):
-                lens = q_len[rows]
-                want = np.frombuffer(b"".join([raw[i] for i in rows.tolist()]), dtype=np.uint8)
-                have = np.frombuffer(idx.ids, dtype=np.uint8)[_ragged(rec_start[rows], lens)]
-                first = np.cumsum(lens) - lens
-                ok[rows] = np.minimum.reduceat(want == have, first)
-            return ok.tolist()
-
-    def forget(self, path: str) -> None:
-        with self._lock:
-            idx = self._indexes.pop(path, None)
-            if idx is not None:
-                self._bytes -= idx.dense_bytes
-
-    def find(self, seg: Segment, sequence: int) -> Frame | None:
-        """The frame with ``sequence`` in a schedule segment, or None."""
-        idx = self._index(seg)
-        i = bisect.bisect_right(idx.seqs, sequence) - 1
-        if i < 0:
-            return None
-        pos = idx.offsets[i]
-        # the record is before the next sparse entry: read at most SPARSE_EVERY records
-        stop = idx.offsets[i + 1] if i + 1 < len(idx.offsets) else idx.upto
-        for cols in _verified(seg, pos, stop, 64 * 1024):
-            if isinstance(cols, int):
-                return None
-            hits = np.flatnonzero(cols.seqs == sequence)
-            if len(hits):
-                return seg.read_frame(cols.base + int(cols.starts[hits[0]]))
-            if len(cols.seqs) and cols.seqs[-1] > sequence:
-                return None
-        return None
+        if n == 0:
+            return []
+        found = _index(seg).lookup(sequences)
+        ok = np.zeros(n, dtype=bool)
+        rows = np.flatnonzero(found.hit)
+        if len(rows):
+            want_due = np.asarray(dues, dtype=np.int64)[rows]
+            ids = [message_ids[i] for i in rows.tolist()]
+            good = (found.kinds == _MESSAGE) & (found.a == want_due) & (found.b == id_hashes(ids))
+            good &= np.fromiter((len(m) > 0 for m in ids), dtype=bool, count=len(ids))
+            ok[rows[good]] = True
+        return ok.tolist()
 
     def cancelled(self, seg: Segment, target: int) -> bool:
-        """Whether ``seg`` holds a CANCEL for ``target`` (as far as the segment is written)."""
-        return target in self._index(seg).cancelled
+        """Whether ``seg`` holds a CANCEL for its MESSAGE ``target`` (as far as it is written)."""
+        return bool(self.cancelled_among(seg, np.array([target], dtype=np.int64))[0])
 
-    def tombstones(self, seg: Segment) -> set[int]:
-        """The targets of every CANCEL in ``seg`` as far as it is written (the index's own
-        set: read it, never change it), for a batch of lookups in one bucket."""
-        return self._index(seg).cancelled
+    def cancelled_among(self, seg: Segment, targets: np.ndarray) -> np.ndarray:
+        """For each of ``targets``, whether ``seg`` holds that MESSAGE and a CANCEL of it (a
+        bool each): one search of the index for a batch of lookups in one bucket."""
+        found = _index(seg).lookup(targets)
+        out = np.zeros(len(targets), dtype=bool)
+        out[np.flatnonzero(found.hit)] = (found.kinds == _MESSAGE) & ((found.flags & CANCELLED) != 0)
+        return out
 
     @staticmethod
     def cancel_stamp(seg: Segment, target: int, start: int = 0) -> int | None:
@@ -322,8 +185,10 @@ class DispatchIndex:
         return entry
 
     def ready(self, seg: Segment | None, slack: int = READY_SLACK) -> bool:
-        """As ``RecordFinder.ready``: whether a lookup in ``seg`` (None: no dispatch log, nothing
-        to read) reads at most ``slack`` bytes and nobody holds the index."""
+        """Whether a lookup in ``seg`` (None: no dispatch log, nothing to read) now reads at
+        most ``slack`` bytes to bring its arrays up to date, and nobody holds the index (a
+        look without waiting, for a caller deciding whether a lookup can run on the event
+        loop: Engine.get_now)."""
         if seg is None:
             return True
         if not self._lock.acquire(blocking=False):

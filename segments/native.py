@@ -24,7 +24,7 @@ codec: ModuleType | None = optional("qdelay.segments._codec")
 def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay.segments._codec`` and its Python twin (imported here, not at
     the top: the twins' modules use this one)."""
-    from qdelay.segments import framing, idfilter, idindex, reader, records
+    from qdelay.segments import framing, idfilter, idindex, reader, records, schedule_index
     from qdelay.server import ledger  # the ack ids' format is the ack ledger's
 
     return {
@@ -39,4 +39,6 @@ def twins() -> dict[str, Callable[..., Any]]:
         "id_entries": idindex.id_entries_py,
         "filter_add": idfilter.filter_add_py,
         "filter_maybe": idfilter.filter_maybe_py,
+        "index_entries": schedule_index.index_entries_py,
+        "index_find": schedule_index.index_find_py,
     }

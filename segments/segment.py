@@ -17,10 +17,14 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from qdelay.errors import CorruptRecord
 from qdelay.segments import reader
 from qdelay.segments.framing import Frame
+
+if TYPE_CHECKING:
+    from qdelay.segments.schedule_index import IndexFile
 
 log = logging.getLogger("qdelay.segments")
 
@@ -143,6 +147,8 @@ class Segment:
         # unwritten tail (docs/formats.md).
         self.prealloc = 0
         self.allocated = self.size
+        # a schedule segment's index file (segments/schedule_index.py), synced with it
+        self.index: IndexFile | None = None
 
     def append(self, data: bytes | bytearray | memoryview) -> int:
         """Write ``data`` at the end; return the offset it starts at (not yet durable)."""
@@ -192,7 +198,10 @@ class Segment:
         self.size = self.synced_size = self.allocated = size
 
     def sync(self) -> None:
-        """fdatasync if anything was appended since the last sync; errors propagate."""
+        """fdatasync if anything was appended since the last sync (and the index beside it,
+        if any, first: it is durable whenever its segment is); errors propagate."""
+        if self.index is not None:
+            self.index.sync()
         if self.synced_size == self.size:
             return
         size = self.size

@@ -111,9 +111,6 @@ class Cleaner:
                 engine.schedule.buckets(), lambda b: (b + scale) * MS_PER_MINUTE + keep_ms <= now_ms
             )
             for b in finished:
-                seg = engine.schedule.get(b)
-                if seg is not None:
-                    engine.finder.forget(seg.path)
                 dseg = engine.dispatch.get(b)
                 if dseg is not None:
                     engine.dispatched.forget(dseg.path)

@@ -223,7 +223,9 @@ class Engine:
             corruption=self.policy,
             min_next_sequence=int(state.get("sequence", 0)) + 1,
         )
-        self.schedule = BucketLog(os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool)
+        self.schedule = BucketLog(
+            os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool, indexed=True
+        )
         self.dispatch = BucketLog(os.path.join(root, naming.DISPATCH_DIR), naming.DISPATCH_SUFFIX, self.pool)
         start_offset, start_sequence = self._start_position(state)
         now = self.clock()
@@ -244,7 +246,17 @@ class Engine:
                 if b >= done_before or b in reopened:
                     seg = self.dispatch.get(b)
                     reopened_at[b] = seg.size if seg is not None else 0
-        for b in self._recover_touched(start_offset):
+        touched = self._recover_touched(start_offset)
+        # the schedule indexes: re-derived where a crash may have left a tail (the touched
+        # segments) and wherever one does not match its segment (docs/recovery.md row 15)
+        t0 = time.monotonic()
+        mismatched, entries = self.schedule.check_indexes(touched)
+        if mismatched:
+            self._note(
+                f"schedule indexes missing or not matching their segments: {mismatched} re-derived "
+                f"({entries} records indexed in {time.monotonic() - t0:.2f}s)"
+            )
+        for b in touched:
             if b < done_before and b not in reopened:
                 # reopened after the checkpoint: its closes so far are taken as counted in
                 # closed_retired (those made after that checkpoint are not: see stats())
@@ -868,12 +880,14 @@ class Engine:
             if buffered:
                 closed |= np.isin(seqs, reader.scan_columns(buffered).seqs)
             tombs = sched.known_tombstones(bucket)
-            if tombs is None:
-                tombs = self.finder.tombstones(seg) if seg is not None else set()
-            for k, seq, was_closed in zip(ks, seqs.tolist(), closed.tolist()):
+            if tombs is not None:
+                cancelled = [seq in tombs for seq in seqs.tolist()]
+            else:  # an unloaded bucket: its segment's index says (no walk of the segment)
+                cancelled = self.finder.cancelled_among(seg, seqs).tolist() if seg is not None else [False] * len(ks)
+            for k, seq, was_closed, was_cancelled in zip(ks, seqs.tolist(), closed.tolist(), cancelled):
                 if was_closed:
                     out[k] = self._closed_state(bucket, seq)[0]
-                elif seq in tombs:
+                elif was_cancelled:
                     out[k] = MessageState.CANCELLED
         return out
 

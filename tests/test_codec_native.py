@@ -280,6 +280,41 @@ def filter_maybe_cases(draw):
     return bytes(bits) if draw(st.booleans()) else bits, asked
 
 
+@st.composite
+def index_entries_cases(draw):
+    """MESSAGE, CANCEL and DISPATCH frames (the schedule log holds the first two), a frame
+    cut short or a body too short for its kind sometimes, and a base offset (near the 48-bit
+    limit sometimes)."""
+    data = bytearray()
+    for i in range(draw(st.integers(0, 8))):
+        kind = draw(st.sampled_from([RecordKind.MESSAGE, RecordKind.MESSAGE, RecordKind.CANCEL, RecordKind.DISPATCH]))
+        if kind == RecordKind.MESSAGE:
+            body = records.encode_message(
+                draw(st.binary(max_size=5)), draw(st.binary(max_size=12)), b"", draw(st.binary(max_size=9)), i * 7
+            )
+        elif kind == RecordKind.CANCEL:
+            body = records.encode_cancel(records.Cancel(draw(st.text("ab", max_size=6)), -i, 2**63 - 1 - i))
+        else:
+            body = draw(st.binary(max_size=40))
+        if draw(st.integers(0, 9)) == 0:
+            body = body[: draw(st.integers(0, len(body)))]  # too short for its kind
+        framing.encode_into(data, kind, draw(st.integers(0, 2**63 - 1)), 0, body)
+    cut = draw(st.one_of(st.just(len(data)), st.integers(0, len(data))))
+    base = draw(st.one_of(st.integers(0, 2**40), st.just(2**48 - 1 - len(data) // 2), st.just(-1)))
+    return bytes(data[:cut]), base
+
+
+@st.composite
+def index_find_cases(draw):
+    """Entries ascending by sequence (gaps, equal neighbours never) and sequences to find,
+    present or not; sometimes entries not whole."""
+    seqs = sorted(set(draw(st.lists(st.integers(-5, 60), max_size=20))))
+    raw = b"".join(struct.pack("<qQqQ", q, 7, 8, 9) for q in seqs)
+    if draw(st.integers(0, 9)) == 0:
+        raw = raw[: draw(st.integers(0, len(raw)))]
+    return raw, np.array(draw(st.lists(st.integers(-8, 64), max_size=12)), dtype=np.int64)
+
+
 def framing_scan(data: bytes) -> tuple:
     from qdelay.segments import reader
 
@@ -469,6 +504,8 @@ PAIRS: dict[tuple[str, str], Pair] = {
         outcome=lambda result, args: (result, bytes(args[0])),
     ),
     ("segments", "filter_maybe"): Pair(filter_maybe_cases()),
+    ("segments", "index_entries"): Pair(index_entries_cases()),
+    ("segments", "index_find"): Pair(index_find_cases(), outcome=lambda result, args: bytes(result)),
     ("segments", "dispatch_frames"): Pair(
         st.tuples(
             st.lists(

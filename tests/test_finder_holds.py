@@ -1,16 +1,17 @@
-"""RecordFinder.holds (segments/lookup.py): a batch of receipts checked against a schedule
-segment's columns (or, a few receipts, one by one) answers as reading each record does
-(RecordFinder.find + decode), while the segment grows and with tombstones between the
-messages."""
+"""RecordFinder.holds and cancelled_among (segments/lookup.py): a batch of receipts checked
+against a schedule segment's index (or one receipt at a time) answers as reading each
+record does (RecordFinder.find + decode), and the index's CANCELLED flags are exactly the
+tombstones written, while the segment grows."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 
+import numpy as np
 from simclock import MINUTE, T0, FakeClock, config, message
 
-from qdelay.segments import lookup, records
+from qdelay.segments import records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import Engine
@@ -33,6 +34,7 @@ def test_holds_answers_as_reading_each_record(tmp_path):
     bucket = bucket_of(due0)
     try:
         sent = []
+        cancelled: set[int] = set()
         for round_ in range(3):  # the segment grows between the checks
             batch = [
                 message("t.h", due0 + rnd.randrange(MINUTE), "i" * rnd.randrange(1, 40) + f"-{round_}-{k}")
@@ -57,13 +59,15 @@ def test_holds_answers_as_reading_each_record(tmp_path):
             got = engine.finder.holds(seg, [q[0] for q in queries], [q[1] for q in queries], [q[2] for q in queries])
             want = [_reference(engine, seg, *q) for q in queries]
             assert got == want
-            # a few at a time: checked one by one (_holds_each), the same answers
-            step = lookup.SCALAR_UPTO
+            # one at a time: the same answers
             each = []
-            for k in range(0, len(queries), step):
-                part = queries[k : k + step]
-                each += engine.finder.holds(seg, [q[0] for q in part], [q[1] for q in part], [q[2] for q in part])
+            for q in queries:
+                each += engine.finder.holds(seg, [q[0]], [q[1]], [q[2]])
             assert each == want
+            cancelled.update(r.sequence for r in victims)
+            seqs = np.array([r.sequence for r in sent] + [engine.wal.committed_sequence + 9], dtype=np.int64)
+            flags = engine.finder.cancelled_among(seg, seqs).tolist()
+            assert flags == [int(q) in cancelled for q in seqs.tolist()]
             assert sum(got) >= 60  # the right ones (and no more than the reference finds)
     finally:
         engine.close()

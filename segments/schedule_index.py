@@ -1,0 +1,337 @@
+"""The schedule index: a file of fixed-width entries beside each schedule segment
+(docs/formats.md, "Schedule index"), so that Cancel and Get find a record, and whether it
+was cancelled, without walking the segment (issue 13).
+
+A bucket's records are appended in sequence order (the iterate service copies the message
+log in order and skips replays), so an append-only file of one 32-byte entry per record
+is sorted by sequence for free: a lookup is a binary search over a memory map of it
+(``index_find``: ~log2(n) entries touched), whatever the minute's size, and nothing of it
+stays in memory between lookups (a far-future message costs disk, not RAM). A MESSAGE's
+entry carries its due time and a hash of its id (a batch of receipts is checked without
+reading a record) and a CANCELLED flag, set in place when its tombstone is copied into
+the bucket; a CANCEL's entry carries its target.
+
+It is derived state, never a second source of truth: written by the schedule log's one
+writer (``BucketLog.append``, under the iterate service's append lock) before the bytes
+it describes, published after them, fsynced with its segment before the iterate
+checkpoint, and re-derived from the segment at open when it is missing, torn, behind or
+ahead of it, and for every segment a crash may have left a tail in (docs/recovery.md).
+
+The codec is ``index_entries`` and ``index_find`` (segments/_codec.c), with their Python
+twins here (``index_entries_py``, ``index_find_py``; tests/test_codec_native.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from qdelay.errors import CorruptRecord
+from qdelay.segments import framing, native, records
+from qdelay.segments.framing import RecordKind
+from qdelay.segments.reader import columns_past_damage, frame_length, frame_spans, gather, header
+
+if TYPE_CHECKING:
+    from qdelay.segments.segment import HandlePool, Segment
+
+SUFFIX = ".sidx"  # beside ``<YYYYMMDDHHMM>.sched``: ``<YYYYMMDDHHMM>.sched.sidx``
+ENTRY_SIZE = 32
+# an entry: sequence; offset (48 bits) | kind << 48 | flags << 56; then by kind: a MESSAGE's
+# due time and the xxh3-64 of its id, a CANCEL's target sequence and target due time
+ENTRY = np.dtype([("seq", "<i8"), ("where", "<u8"), ("a", "<i8"), ("b", "<u8")])
+OFFSET_BITS = 48
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+FLAGS_AT = 15  # the flags byte of an entry
+CANCELLED = 1  # flags bit: a CANCEL of this MESSAGE follows in the segment
+if ENTRY.itemsize != ENTRY_SIZE:
+    raise AssertionError("the schedule index entry is 32 bytes (docs/formats.md)")
+
+_MESSAGE = int(RecordKind.MESSAGE)
+_CANCEL = int(RecordKind.CANCEL)
+_CANCELLED_WORD = np.uint64(CANCELLED << 56)
+
+
+def path_of(segment_path: str) -> str:
+    return segment_path + SUFFIX
+
+
+# --- the codec: native functions and their Python twins ---------------------------------------
+
+
+def index_entries(data: bytes | bytearray | memoryview, base: int) -> bytes:
+    """The entries of the whole frames at the start of ``data`` (file offset ``base``),
+    frames this process verified or wrote (native when built)."""
+    codec = native.codec
+    return (codec.index_entries if codec is not None else index_entries_py)(data, base)
+
+
+def index_entries_py(data: bytes | bytearray | memoryview, base: int) -> bytes:
+    """The Python twin of the native ``index_entries``: per whole frame (walked by the
+    headers' lengths), 32 bytes: sequence; offset | kind << 48 (flags 0); a MESSAGE's due
+    time and xxh3-64 of its id, a CANCEL's target sequence and target due time, zeros for
+    other kinds. ValueError for a MESSAGE or CANCEL body too short for its fields, or an
+    offset past 48 bits."""
+    data = bytes(data)
+    spans = frame_spans(data)
+    out = np.zeros(len(spans), dtype=ENTRY)
+    if not spans:
+        return out.tobytes()
+    starts = np.array([s[0] for s in spans], dtype=np.int64)
+    kinds = gather(data, starts, framing.KIND_AT, 1)
+    lengths = gather(data, starts, framing.LENGTH_AT, 4)
+    at = starts + base
+    for k, (start, kind, length, off) in enumerate(zip(starts.tolist(), kinds.tolist(), lengths.tolist(), at.tolist())):
+        if base < 0 or off > OFFSET_MASK:
+            raise ValueError(f"index_entries: an offset does not fit the index's 48 bits (frame at {off})")
+        body = start + framing.HEADER_SIZE
+        if kind == _MESSAGE:
+            if length < records.MESSAGE_FIXED.size:
+                raise ValueError(f"index_entries: a MESSAGE body is shorter than its fixed part (frame at {off})")
+            due, slen, ilen, _h, _p = records.MESSAGE_FIXED.unpack_from(data, body)
+            if records.MESSAGE_FIXED.size + slen + ilen > length:
+                raise ValueError(f"index_entries: a MESSAGE's id runs past its body (frame at {off})")
+            mid = body + records.MESSAGE_FIXED.size + slen
+            out[k]["a"] = due
+            out[k]["b"] = xxhash.xxh3_64_intdigest(data[mid : mid + ilen])
+        elif kind == _CANCEL:
+            if length < records.CANCEL_FIXED.size:
+                raise ValueError(f"index_entries: a CANCEL body is shorter than its fixed part (frame at {off})")
+            due, target, _n = records.CANCEL_FIXED.unpack_from(data, body)
+            out[k]["a"] = target
+            out[k]["b"] = due & 0xFFFF_FFFF_FFFF_FFFF
+    out["seq"] = gather(data, starts, framing.SEQUENCE_AT, 8)
+    out["where"] = at.astype(np.uint64) | (kinds.astype(np.uint64) << np.uint64(OFFSET_BITS))
+    return out.tobytes()
+
+
+def index_find(entries: bytes | bytearray | memoryview | mmap.mmap, seqs: np.ndarray) -> np.ndarray:
+    """The position of each of ``seqs`` among ``entries`` (ascending by sequence), or -1
+    (native when built)."""
+    codec = native.codec
+    q = np.ascontiguousarray(seqs, dtype=np.int64)
+    return np.frombuffer((codec.index_find if codec is not None else index_find_py)(entries, q), dtype=np.int64)
+
+
+def index_find_py(entries: bytes | bytearray | memoryview | mmap.mmap, seqs: np.ndarray | bytes) -> bytes:
+    """The Python twin of the native ``index_find``: a binary search per sequence over the
+    entries' first fields (only ~log2(n) entries read), -1 where absent; ValueError unless
+    ``entries`` holds whole entries and ``seqs`` int64s."""
+    view = memoryview(entries).cast("B")
+    q = np.frombuffer(seqs, dtype=np.uint8) if isinstance(seqs, bytes) else np.asarray(seqs)
+    if len(view) % ENTRY_SIZE or q.nbytes % 8:
+        raise ValueError("index_find: entries are not whole 32-byte entries or seqs not int64")
+    q = np.frombuffer(q.tobytes(), dtype=np.int64)
+    n = len(view) // ENTRY_SIZE
+
+    def seq_at(i: int) -> int:
+        return int.from_bytes(view[i * ENTRY_SIZE : i * ENTRY_SIZE + 8], "little", signed=True)
+
+    out = []
+    for want in q.tolist():
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if seq_at(mid) < want:
+                lo = mid + 1
+            else:
+                hi = mid
+        out.append(lo if lo < n and seq_at(lo) == want else -1)
+    return np.array(out, dtype=np.int64).tobytes()
+
+
+def _flag_targets(entries: np.ndarray) -> np.ndarray:
+    """Set CANCELLED on the MESSAGE entries of ``entries`` (contiguous, in sequence order)
+    that a CANCEL among them targets; return the targets not found among them."""
+    cancels = np.flatnonzero(entries["where"] >> np.uint64(OFFSET_BITS) & np.uint64(0xFF) == _CANCEL)
+    if not len(cancels):
+        return np.empty(0, dtype=np.int64)
+    targets = entries["a"][cancels]
+    pos = index_find(entries.tobytes(), targets)
+    hit = pos >= 0
+    rows = pos[hit]
+    is_msg = (entries["where"][rows] >> np.uint64(OFFSET_BITS) & np.uint64(0xFF)) == _MESSAGE
+    entries["where"][rows[is_msg]] |= _CANCELLED_WORD
+    return targets[~hit]
+
+
+# --- one segment's index file ---------------------------------------------------------------
+
+
+class Found:
+    """What the index says of a batch of sequences: per sequence, whether it has an entry,
+    and of those that have, the entries' fields."""
+
+    __slots__ = ("hit", "offsets", "kinds", "flags", "a", "b")
+
+    def __init__(self, hit: np.ndarray, rows: np.ndarray) -> None:
+        self.hit = hit  # bool per asked sequence
+        where = rows["where"]
+        self.offsets = (where & np.uint64(OFFSET_MASK)).astype(np.int64)
+        self.kinds = (where >> np.uint64(OFFSET_BITS) & np.uint64(0xFF)).astype(np.int64)
+        self.flags = (where >> np.uint64(56)).astype(np.int64)
+        self.a = rows["a"].astype(np.int64)  # MESSAGE: due time; CANCEL: target sequence
+        self.b = rows["b"]  # MESSAGE: id hash (uint64); CANCEL: target due time
+
+
+class IndexFile:
+    """The index of one schedule segment. ``count`` entries are published (they describe
+    records already in the segment); readers look at those only. One writer (the schedule
+    log's, under the iterate service's append lock); readers on any thread."""
+
+    __slots__ = ("path", "pool", "count", "_dirty")
+
+    def __init__(self, path: str, pool: HandlePool, count: int = 0) -> None:
+        self.path = path
+        self.pool = pool  # the segments' HandlePool
+        self.count = count
+        self._dirty = False
+
+    # -- writing --
+
+    def write_ahead(self, data: bytes | bytearray, base: int) -> int:
+        """Write the entries of ``data`` (whole frames about to be appended to the segment
+        at ``base``) past the published ones, and flag the targets of its cancels; return
+        how many entries to publish once the segment holds the bytes. Safe to repeat after
+        a failed write (the same place is written again)."""
+        raw = index_entries(data, base)
+        entries = np.frombuffer(raw, dtype=ENTRY).copy()
+        if not len(entries):
+            return 0
+        missing = _flag_targets(entries)
+        pool = self.pool
+        fd = pool.acquire(self.path, create=True)
+        try:
+            if len(missing) and self.count:
+                # targets copied in earlier appends: their flags set in place (a byte each;
+                # set before the tombstone reaches the segment, which is harmless: the
+                # tombstone is already durable in the message log, and the replay after a
+                # crash writes it again)
+                pos = self._positions(fd, missing)
+                for p in pos[pos >= 0].tolist():
+                    os.pwrite(fd, bytes([CANCELLED]), p * ENTRY_SIZE + FLAGS_AT)
+            _pwrite_all(fd, entries.tobytes(), self.count * ENTRY_SIZE)
+        finally:
+            pool.release(fd)
+        self._dirty = True
+        return len(entries)
+
+    def publish(self, n: int) -> None:
+        self.count += n
+
+    def sync(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        with self.pool.fd(self.path) as fd:
+            os.fdatasync(fd)
+
+    def rebuild(self, seg: Segment) -> int:
+        """Derive the whole index from the segment ``seg`` (verified frames; a corrupt one is
+        stepped over) and write it durably; return the entries written."""
+        parts = []
+        pos, stop = 0, seg.size
+        while pos < stop:
+            cols, pos = columns_past_damage(seg, pos, stop)
+            if cols is not None and len(cols):
+                parts.append(index_entries(memoryview(cols.data)[: cols.end], cols.base))
+        entries = np.frombuffer(b"".join(parts), dtype=ENTRY).copy()
+        _flag_targets(entries)
+        self.pool.forget(self.path)
+        with open(self.path, "wb") as f:
+            f.write(entries.tobytes())
+            f.flush()
+            os.fdatasync(f.fileno())
+        self.count = len(entries)
+        self._dirty = False
+        return self.count
+
+    def matches(self, seg: Segment) -> bool:
+        """Whether the file describes exactly the segment's records as far as its length and
+        last entries tell: whole entries, the last two ascending, and the last one's record
+        ends where the segment ends, with that sequence (a missing, torn, behind or ahead
+        file does not). Two small reads: cheap enough for every segment at open."""
+        try:
+            size = os.path.getsize(self.path)
+        except FileNotFoundError:
+            return False
+        if size % ENTRY_SIZE or (size == 0) != (seg.size == 0):
+            return False
+        if size == 0:
+            return True
+        with open(self.path, "rb") as f:
+            tail = np.frombuffer(os.pread(f.fileno(), 2 * ENTRY_SIZE, max(0, size - 2 * ENTRY_SIZE)), dtype=ENTRY)
+        last = tail[-1]
+        offset = int(last["where"]) & OFFSET_MASK
+        if len(tail) == 2 and not (tail[0]["seq"] < last["seq"] and int(tail[0]["where"]) & OFFSET_MASK < offset):
+            return False  # not ascending: not what the writer appends
+        head = seg.read(offset, framing.HEADER_SIZE) if offset < seg.size else b""
+        if len(head) < framing.HEADER_SIZE:
+            return False
+        h = header(head)
+        ok = h.sequence == int(last["seq"]) and offset + framing.HEADER_SIZE + frame_length(head) == seg.size
+        if ok:
+            self.count = size // ENTRY_SIZE
+        return ok
+
+    def delete(self) -> None:
+        self.pool.forget(self.path)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # -- reading --
+
+    def _positions(self, fd: int, seqs: np.ndarray) -> np.ndarray:
+        """Positions of ``seqs`` among the published entries (-1: absent), by a memory map
+        of the file for the search only (unmapped before returning: no memory kept)."""
+        n = self.count
+        if n == 0:
+            return np.full(len(seqs), -1, dtype=np.int64)
+        with mmap.mmap(fd, n * ENTRY_SIZE, access=mmap.ACCESS_READ) as mm:
+            return index_find(mm, seqs)
+
+    def lookup(self, seqs: np.ndarray | list[int]) -> Found:
+        """The published entries of ``seqs``: a binary search each over a memory map of the
+        file, then the found entries read (a few pages touched, whatever the file's size)."""
+        q = np.asarray(seqs, dtype=np.int64)
+        n = self.count
+        if n == 0 or not len(q):
+            return Found(np.zeros(len(q), dtype=bool), np.zeros(0, dtype=ENTRY))
+        pool = self.pool
+        try:
+            fd = pool.acquire(self.path)
+        except FileNotFoundError:
+            raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
+        try:
+            with mmap.mmap(fd, n * ENTRY_SIZE, access=mmap.ACCESS_READ) as mm:
+                pos = index_find(mm, q)
+                hit = pos >= 0
+                arr = np.frombuffer(mm, dtype=ENTRY, count=n)
+                try:
+                    rows = arr[pos[hit]]  # a copy: the map closes below
+                finally:
+                    del arr
+        finally:
+            pool.release(fd)
+        return Found(hit, rows)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n == 0:
+            raise OSError("pwrite wrote nothing")
+        view = view[n:]
+        offset += n
+
+
+def id_hashes(message_ids: list[str]) -> np.ndarray:
+    """The xxh3-64 of each id's bytes (what a MESSAGE's entry holds), as uint64."""
+    h = xxhash.xxh3_64_intdigest
+    return np.fromiter((h(m.encode()) for m in message_ids), dtype=np.uint64, count=len(message_ids))
