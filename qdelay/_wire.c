@@ -8,8 +8,8 @@
  * the same inputs, and the twins run when this optional extension is not built.
  *
  * This module needs no library beyond Python's headers (no xxHash: it frames nothing), so
- * the light client (`pip install qdelay`) builds it too; the MESSAGE body layout comes from
- * segments/layout.h, shared with the storage codec.
+ * the client distribution (packaging/client, qdelay-client) builds it too; the MESSAGE body
+ * layout comes from segments/layout.h, shared with the storage codec.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = importlib.import_module(SUBCOMMANDS[name][0])
         except ModuleNotFoundError as err:
-            # `pip install qdelay` is the client alone; the commands need the server's dependencies
+            # the base install (and qdelay-client) has the clients only; the commands need the
+            # server's dependencies
             print(f"qdelay {name}: {err.name} is not installed; pip install 'qdelay[server]'", file=sys.stderr)
             return 2
         module.add_arguments(sub.add_parser(name, help=SUBCOMMANDS[name][1]))

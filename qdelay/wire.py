@@ -17,7 +17,7 @@ are checked against the generated descriptors when this module is imported (the 
 and the clients' start-up) and in a test: a ``.proto`` change that the C code does not
 follow fails loudly instead of putting wrong bytes on the wire.
 
-This module is the light client's too (`pip install qdelay`): it imports no storage code
+This module is the client distribution's too (packaging/client): it imports no storage code
 at module level. The two server-side twins (:func:`encode_messages_py`,
 :func:`decode_batch_py`) import the server's validation, the reference they stand for, when
 they run.
