@@ -6,7 +6,8 @@ Run: ``python -m bench.cancel [--sizes 1000,10000,100000] [--cancels N] [--gets 
 flush) on a temporary folder; ``--pending`` messages spread over other minutes a day ahead first (once); then for
 each bucket size N, two minutes an hour ahead with N messages each:
 
-- in the first: Get p50/p99 of random receipts, one call at a time (an idle server);
+- in the first: Get p50/p99 of random receipts, one call at a time (an idle server), and
+  as many gRPC health checks right after (the floor of any call on the box at that moment);
   Reschedule of random receipts from 16 threads (an hour later): reschedules/s and CPU;
   ``client.cancel`` of random receipts from 16 threads (the client gathers concurrent
   cancels into CancelBatch calls, as it gathers sends): cancels/s and server CPU;
@@ -27,6 +28,7 @@ p99 <= 2 ms at any bucket size.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import threading
@@ -161,6 +163,13 @@ def run(
                         t0 = time.perf_counter()
                         c.get(r)
                         lat.append((time.perf_counter() - t0) * 1000)
+                    # the floor of a call on this box: the gRPC health check (no lookup, no
+                    # worker thread), as many, right after
+                    floor = []
+                    for _r in get_set:
+                        t0 = time.perf_counter()
+                        c.health()
+                        floor.append((time.perf_counter() - t0) * 1000)
 
                     moved: list[str] = []
                     with Meter(server.pid) as mr:
@@ -181,6 +190,9 @@ def run(
                         "bucket_size": n,
                         "get_p50_ms": _percentile(lat, 50),
                         "get_p99_ms": _percentile(lat, 99),
+                        "health_p50_ms": _percentile(floor, 50),
+                        "health_p99_ms": _percentile(floor, 99),
+                        "loadavg": round(os.getloadavg()[0], 2),
                         "idle_wait_s": round(idle_s, 1),
                         "unary_cancels_per_s": len(unary_set) / wall_u,
                         "unary_cpu_us": mu.cpu / len(unary_set) * 1e6,
@@ -262,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]
     print_table(headers, table, title=f"cancel and get against bucket size ({args.pending} other pending)")
+    for r in rows:
+        print(
+            f"N {r['bucket_size']:,}: Get p50/p99 {r['get_p50_ms']:.2f}/{r['get_p99_ms']:.2f} ms;"
+            f" a health check, same moment: {r['health_p50_ms']:.2f}/{r['health_p99_ms']:.2f} ms (load {r['loadavg']})"
+        )
     y = rows[0] if rows else {}
     if y:
         print(
