@@ -114,6 +114,8 @@ def test_a_clean_install_of_the_client_distribution_in_a_fresh_venv(tmp_path):
         env=env,
     )
     assert install.returncode == 0, install.stdout + install.stderr
+    strays = [p for p in CLIENT_DIST.rglob("*.o") if "build" not in p.relative_to(CLIENT_DIST).parts]
+    assert not strays, f"the build wrote outside build/: {strays}"
     listed = subprocess.run(
         [python, "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
         capture_output=True,
