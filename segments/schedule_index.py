@@ -23,8 +23,10 @@ twins here (``index_entries_py``, ``index_find_py``; tests/test_codec_native.py)
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -177,18 +179,55 @@ class Found:
         self.b = rows["b"]  # MESSAGE: id hash (uint64); CANCEL: target due time
 
 
+# Readers keep a memory map of the index files they looked up last, at most this many:
+# mapping and unmapping a file per lookup cost ~50-120 us (the syscalls, a page fault per
+# entry touched, and the unmap's TLB shootdown across the server's threads), more than the
+# search. A map holds only the pages a search touched (file-backed, clean: the kernel may
+# drop them), and a far-future minute nobody looks up is never mapped.
+MAX_MAPS = 64
+_maps: collections.OrderedDict[int, IndexFile] = collections.OrderedDict()
+_maps_lock = threading.Lock()
+
+
 class IndexFile:
     """The index of one schedule segment. ``count`` entries are published (they describe
     records already in the segment); readers look at those only. One writer (the schedule
     log's, under the iterate service's append lock); readers on any thread."""
 
-    __slots__ = ("path", "pool", "count", "_dirty")
+    __slots__ = ("path", "pool", "count", "_dirty", "_map")
 
     def __init__(self, path: str, pool: HandlePool, count: int = 0) -> None:
         self.path = path
         self.pool = pool  # the segments' HandlePool
         self.count = count
         self._dirty = False
+        # (a read-only map of the file, the entries it covers), kept while this file is among
+        # the MAX_MAPS last looked up; replaced (never closed under a reader: it closes when
+        # the last reader drops it) when the published entries outgrow it
+        self._map: tuple[mmap.mmap, int] | None = None
+
+    def _mapped(self, n: int) -> mmap.mmap:
+        """A map of the file covering at least its ``n`` published entries."""
+        m = self._map
+        if m is None or m[1] < n:
+            fd = self.pool.acquire(self.path)
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size - size % ENTRY_SIZE, access=mmap.ACCESS_READ)
+            finally:
+                self.pool.release(fd)
+            m = self._map = (mm, len(mm) // ENTRY_SIZE)
+        with _maps_lock:
+            _maps[id(self)] = self
+            _maps.move_to_end(id(self))
+            while len(_maps) > MAX_MAPS:
+                _maps.popitem(last=False)[1]._map = None
+        return m[0]
+
+    def _unmap(self) -> None:
+        self._map = None
+        with _maps_lock:
+            _maps.pop(id(self), None)
 
     # -- writing --
 
@@ -210,7 +249,7 @@ class IndexFile:
                 # set before the tombstone reaches the segment, which is harmless: the
                 # tombstone is already durable in the message log, and the replay after a
                 # crash writes it again)
-                pos = self._positions(fd, missing)
+                pos = self._positions(missing)
                 for p in pos[pos >= 0].tolist():
                     os.pwrite(fd, bytes([CANCELLED]), p * ENTRY_SIZE + FLAGS_AT)
             _pwrite_all(fd, entries.tobytes(), self.count * ENTRY_SIZE)
@@ -240,11 +279,16 @@ class IndexFile:
                 parts.append(index_entries(memoryview(cols.data)[: cols.end], cols.base))
         entries = np.frombuffer(b"".join(parts), dtype=ENTRY).copy()
         _flag_targets(entries)
+        self._unmap()
         self.pool.forget(self.path)
-        with open(self.path, "wb") as f:
+        # a new file renamed over the old one: a reader's map of the old one stays valid
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
             f.write(entries.tobytes())
             f.flush()
             os.fdatasync(f.fileno())
+        os.replace(tmp, self.path)
+        self.pool.forget(self.path)
         self.count = len(entries)
         self._dirty = False
         return self.count
@@ -278,6 +322,7 @@ class IndexFile:
         return ok
 
     def delete(self) -> None:
+        self._unmap()
         self.pool.forget(self.path)
         try:
             os.unlink(self.path)
@@ -286,14 +331,13 @@ class IndexFile:
 
     # -- reading --
 
-    def _positions(self, fd: int, seqs: np.ndarray) -> np.ndarray:
-        """Positions of ``seqs`` among the published entries (-1: absent), by a memory map
-        of the file for the search only (unmapped before returning: no memory kept)."""
+    def _positions(self, seqs: np.ndarray) -> np.ndarray:
+        """Positions of ``seqs`` among the published entries (-1: absent), by the readers'
+        memory map of the file (``_mapped``)."""
         n = self.count
         if n == 0:
             return np.full(len(seqs), -1, dtype=np.int64)
-        with mmap.mmap(fd, n * ENTRY_SIZE, access=mmap.ACCESS_READ) as mm:
-            return index_find(mm, seqs)
+        return index_find(memoryview(self._mapped(n))[: n * ENTRY_SIZE], seqs)
 
     def lookup(self, seqs: np.ndarray | list[int]) -> Found:
         """The published entries of ``seqs``: a binary search each over a memory map of the
@@ -302,22 +346,14 @@ class IndexFile:
         n = self.count
         if n == 0 or not len(q):
             return Found(np.zeros(len(q), dtype=bool), np.zeros(0, dtype=ENTRY))
-        pool = self.pool
         try:
-            fd = pool.acquire(self.path)
+            mm = self._mapped(n)
         except FileNotFoundError:
             raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
-        try:
-            with mmap.mmap(fd, n * ENTRY_SIZE, access=mmap.ACCESS_READ) as mm:
-                pos = index_find(mm, q)
-                hit = pos >= 0
-                arr = np.frombuffer(mm, dtype=ENTRY, count=n)
-                try:
-                    rows = arr[pos[hit]]  # a copy: the map closes below
-                finally:
-                    del arr
-        finally:
-            pool.release(fd)
+        view = memoryview(mm)[: n * ENTRY_SIZE]
+        pos = index_find(view, q)
+        hit = pos >= 0
+        rows = np.frombuffer(view, dtype=ENTRY, count=n)[pos[hit]]  # a copy
         return Found(hit, rows)
 
 
