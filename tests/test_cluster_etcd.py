@@ -7,6 +7,7 @@ Leases are short (TTL 2 s) so that a failover takes about 2.5 s.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import shutil
@@ -382,9 +383,15 @@ def test_two_shards_clients_follow_rolling_restart(tmp_path, etcd):
             stop = threading.Event()
 
             def produce() -> None:
-                while not stop.is_set():
+                for k in itertools.count():
+                    if stop.is_set():
+                        return
                     try:
-                        sent.append(sc.send(SUBJECT, b"r", delay_ms=60_000))
+                        if k % 20 == 19:  # streams too: a shard's stream broken by a restart goes on
+                            many = [Outgoing(SUBJECT, b"m", delay_ms=60_000) for _ in range(200)]
+                            sent.extend(sc.send_many(many, batch_size=20, max_in_flight=2))
+                        else:
+                            sent.append(sc.send(SUBJECT, b"r", delay_ms=60_000))
                     except errors.QdelayError as e:
                         failed.append(e)
 
@@ -401,7 +408,7 @@ def test_two_shards_clients_follow_rolling_restart(tmp_path, etcd):
             stop.set()
             t.join(30)
             assert not failed, failed[:3]
-            assert len({r.message_id for r in sent}) == len(sent)
+            assert len({r.message_id for r in sent}) == len(sent) and all(r is not None for r in sent)
             assert all(sc.get(r).state == "PENDING" for r in sent[-50:])
             print(f"rolling restart of 4 nodes: {len(sent)} sends, 0 failed, {sc.retries} retries")
     finally:
