@@ -16,6 +16,8 @@ from qdelay.server.wheel import Entries
 
 # (seq, offset, bucket, due, attempt): a retry waiting in a lane
 Retry = tuple[int, int, int, int, int]
+# items taken from a lane, as columns: (seqs, offsets, buckets, due times, attempts)
+Columns = tuple[list[int], list[int], list[int], list[int], list[int]]
 
 
 class Ready:
@@ -36,37 +38,54 @@ class Ready:
         self.retries.append(retry)
         self.count += 1
 
-    def take(self, n: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt)."""
-        seqs: list[int] = []
-        offs: list[int] = []
-        buckets: list[int] = []
-        dues: list[int] = []
-        attempts: list[int] = []
-        while self.retries and n > 0:
-            seq, off, bucket, due, attempt = self.retries.popleft()
-            seqs.append(seq)
-            offs.append(off)
-            buckets.append(bucket)
-            dues.append(due)
-            attempts.append(attempt)
-            n -= 1
+    def take(self, n: int, shared: dict | None = None) -> Columns:
+        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt).
+
+        ``shared`` (one dispatch round's): the columns of a stretch of a chunk, made once
+        for every lane that takes the same stretch of the same chunk in the round. The
+        groups of a subject get the same fired chunks and take them in step (fan-out), so
+        only the first pays for the lists; they are then the same list objects in every
+        group's columns, which nobody changes in place."""
+        pieces: list[Columns] = []
+        if self.retries and n > 0:
+            r: list[Retry] = []
+            while self.retries and n > 0:
+                r.append(self.retries.popleft())
+                n -= 1
+            seqs, offs, buckets, dues, attempts = (list(col) for col in zip(*r))
+            pieces.append((seqs, offs, buckets, dues, attempts))
         while self.chunks and n > 0:
             chunk = self.chunks[0]
             e, pos = chunk
             end = min(len(e), pos + n)
-            seqs += e.seq[pos:end].tolist()
-            offs += e.off[pos:end].tolist()
-            buckets += e.bucket[pos:end].tolist()
-            dues += e.due[pos:end].tolist()
-            attempts += [1] * (end - pos)
+            key = (id(e), pos, end)
+            got = shared.get(key) if shared is not None else None
+            cols = got[1] if got is not None and got[0] is e else None  # (the chunk itself: ids are reused)
+            if cols is None:
+                cols = (
+                    e.seq[pos:end].tolist(),
+                    e.off[pos:end].tolist(),
+                    e.bucket[pos:end].tolist(),
+                    e.due[pos:end].tolist(),
+                    [1] * (end - pos),
+                )
+                if shared is not None:
+                    shared[key] = (e, cols)
+            pieces.append(cols)
             n -= end - pos
             if end >= len(e):
                 self.chunks.popleft()
             else:
                 chunk[1] = end
-        self.count -= len(seqs)
-        return seqs, offs, buckets, dues, attempts
+        if len(pieces) == 1:
+            out = pieces[0]
+        else:
+            out = ([], [], [], [], [])
+            for piece in pieces:
+                for col, part in zip(out, piece):
+                    col += part
+        self.count -= len(out[0])
+        return out
 
     def in_memory(self) -> set[int]:
         """Sequences of every entry queued here (chunks from their position, and retries)."""

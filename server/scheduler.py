@@ -668,7 +668,8 @@ class Scheduler:
                 return False
             self._read_parts(taken)  # the disk reads, outside the lock
             with self.lock:
-                batches = [b for b in (self._hand_out(t, now) for t in taken) if b is not None]
+                ids: dict = {}  # ack ids made once for the groups taking the same entries
+                batches = [b for b in (self._hand_out(t, now, ids) for t in taken) if b is not None]
             for out in batches:
                 sink.deliver(out.subject, out.group, out)
             rounds += 1
@@ -686,7 +687,7 @@ class Scheduler:
         for t in taken:
             for part in t.parts:
                 key = (part.st.bucket, part.offs[0], len(part.offs))
-                same = next((p for p in done.get(key, ()) if p.offs == part.offs), None)
+                same = next((p for p in done.get(key, ()) if p.offs is part.offs or p.offs == part.offs), None)
                 if same is not None:
                     part.read = same.read
                     continue
@@ -732,29 +733,28 @@ class Scheduler:
                 part.keep(keep)
         return bool(part.seqs)
 
-    def _hand_out(self, t: _Taken, now: int) -> Deliveries | None:
+    def _hand_out(self, t: _Taken, now: int, ids: dict) -> Deliveries | None:
         """Turn parts read back into one batch of deliveries (lock held): drop what was
         cancelled while they were read, and unreadable records; register the rest as in
         flight for the group.
 
         This is the per-message hot path of a burst, so it works on columns: no object or
-        tuple per delivery except the in-flight entry an ack needs.
+        tuple per delivery except the in-flight entry an ack needs. A batch of one part
+        (the usual case) uses the part's columns as they are, and the groups of a subject
+        that took the same entries in the round (fan-out) share them, their records and
+        their ack ids (``ids``: the round's, by the columns' identity); nothing changes a
+        column in place.
         """
         lane, gid = t.lane, t.lane.gid
         if self.timer.live_lane(lane) is None:
             return None  # the group was deleted while its records were read
-        o_seqs: list[int] = []
-        o_dues: list[int] = []
-        o_attempts: list[int] = []
-        o_mids: list[bytes] = []
-        o_payloads: list[bytes] = []
-        o_headers: list[dict[str, str] | None] = []
         flights: list[Flight] = []
+        kept: list[_Part] = []
         for part in t.parts:
             st = part.st
             if not self._drop_cancelled(part, gid):  # cancelled while being read
                 continue
-            mids, payloads, headers = part.read
+            mids = part.read[0]
             if None in mids:  # unreadable records: reported by read_messages, never served
                 keep = [i for i, m in enumerate(mids) if m is not None]
                 bad = len(mids) - len(keep)
@@ -763,16 +763,31 @@ class Scheduler:
                 part.keep(keep)
                 if not part.seqs:
                     continue
-                mids, payloads, headers = part.read
+                mids = part.read[0]
             flights.append(Flight(st.bucket, lane.sid, gid, now, part.seqs, part.offs, part.dues, part.attempts, mids))
-            o_seqs += part.seqs
-            o_dues += part.dues
-            o_attempts += part.attempts
-            o_mids += mids
-            o_payloads += payloads
-            o_headers += headers
-        if not o_seqs:
+            kept.append(part)
+        if not kept:
             return None
+        if len(kept) == 1:  # one part (the usual case): its columns, not copies
+            (part,) = kept
+            o_seqs, o_dues, o_attempts = part.seqs, part.dues, part.attempts
+            o_mids, o_payloads, o_headers = part.read
+        else:
+            o_seqs, o_dues, o_attempts, o_mids, o_payloads, o_headers = [], [], [], [], [], []
+            for part in kept:
+                o_seqs += part.seqs
+                o_dues += part.dues
+                o_attempts += part.attempts
+                o_mids += part.read[0]
+                o_payloads += part.read[1]
+                o_headers += part.read[2]
+        key = (id(o_seqs), id(o_attempts))
+        made = ids.get(key)
+        if made is not None and made[0] is o_seqs and made[1] is o_attempts:
+            o_ids = made[2]
+        else:
+            o_ids = ack_ids(o_seqs, o_attempts)
+            ids[key] = (o_seqs, o_attempts, o_ids)
         self.ledger.hand_out(flights, now + self.cfg.ack_timeout_ms)
         self.dispatched += len(o_seqs)
         if self.on_dispatch is not None:
@@ -781,7 +796,7 @@ class Scheduler:
                 self.on_dispatch(lateness)
         return Deliveries(
             t.name,
-            ack_ids(o_seqs, o_attempts),
+            o_ids,
             o_mids,
             o_payloads,
             o_headers,

@@ -396,6 +396,7 @@ class Timer:
         items within its consumers' credit and the rate limit (``tokens``)."""
         out: list[Taken] = []
         rr = self.rr
+        shared: dict = {}  # a chunk's columns, made once for every lane taking them (fan-out)
         for _ in range(len(rr)):
             lane = rr.popleft()
             g = self.live_lane(lane)
@@ -406,7 +407,7 @@ class Timer:
             n = min(credit(name, g.name), quantum, q.count)
             n = tokens(n) if n > 0 else 0
             if n > 0:
-                cols = q.take(n)
+                cols = q.take(n, shared)
                 self.ready_total -= len(cols[0])
                 out.append((lane, g, name, cols))
             if q.count > 0:
