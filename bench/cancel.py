@@ -20,6 +20,8 @@ each bucket size N, two minutes an hour ahead with N messages each:
 
 The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
 
+The cold-minute scenario is described in ``COLD_DOC`` (``--cold``).
+
 Goals (issue 13): cost per operation flat across N; batched cancel >= 100,000/s with server
 CPU per cancel <= 2x a batched send's; unary cancel within 1.2x of unary Send's rate; Get
 p99 <= 2 ms at any bucket size.
@@ -245,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pending", type=int, default=0, help="far-future messages sent first (e.g. 1000000)")
     ap.add_argument("--aio-tasks", type=int, default=64, help="asyncio tasks cancelling (0: no asyncio phase)")
     ap.add_argument("--json", help="write the figures to this file (default: bench/out/cancel-*.json)")
+    ap.add_argument("--cold", default="", help="cold-minute shapes MxK (M minutes of K), e.g. 10x1000,500x2000")
+    ap.add_argument("--cold-ops", type=int, default=200, help="calls of each kind per cold shape")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of each cold shape (a fresh server each)")
+    ap.add_argument("--base-pythonpath", help="cold: also run a server whose qdelay package is in this folder")
     args = ap.parse_args(argv)
+    if args.cold:
+        return cold_main(args)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     rows = run(sizes, args.cancels, args.gets, args.pending, args.batch, args.reschedules, args.aio_tasks)
     headers = [
@@ -297,6 +305,129 @@ def main(argv: list[str] | None = None) -> int:
                 f" at {r.get('aio_unary_cpu_us', float('nan')):.0f} µs CPU"
             )
     write_json(args.json or "cancel", {"machine": machine(), "rows": rows})
+    return 0
+
+
+# --- cold minutes: operations at random over many minutes ---------------------------------------
+
+COLD_DOC = """Cold minutes (``--cold MxK,...``): M minutes of K messages each, a day ahead (never
+loaded by the scheduler: every lookup goes through the schedule log), then, one call at a
+time, at random over all the minutes: Get, Cancel and Reschedule by receipt and by id. Per
+operation: p50/p99 latency and the server's CPU. A minute is "cold" when nothing of it was
+looked at before; with M beyond a per-minute cache's size every call finds one.
+``--base-pythonpath DIR`` runs, in the same run and alternately, a second server whose
+``qdelay`` package comes from DIR (``pip install --no-deps --target DIR <checkout>`` of
+another commit): before/after on the same machine and load."""
+
+
+def _cold_fill(c: Client, minutes: int, per_minute: int, start: int) -> list:
+    msgs = (
+        Outgoing(
+            "bench.cold",
+            b"x" * 100,
+            deliver_at_ms=start + (i // per_minute) * BUCKET_MS + (i * 7919) % BUCKET_MS,
+            message_id=f"c{i}",
+        )
+        for i in range(minutes * per_minute)
+    )
+    return list(c.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=600))
+
+
+def _timed(pid: int, calls: list) -> dict:
+    """Run each zero-argument call in turn: p50/p99 ms and server CPU µs per call."""
+    lat = []
+    with Meter(pid) as m:
+        for call in calls:
+            t0 = time.perf_counter()
+            call()
+            lat.append((time.perf_counter() - t0) * 1000)
+    return {"p50_ms": _percentile(lat, 50), "p99_ms": _percentile(lat, 99), "cpu_us": m.cpu / len(calls) * 1e6}
+
+
+def _cold_round(server: QdelayDriver, minutes: int, per_minute: int, ops: int, seed: int) -> dict:
+    """One fill of ``minutes`` x ``per_minute`` on a running server, then ``ops`` calls of
+    each kind on distinct random targets."""
+    out: dict = {}
+    with Client(f"127.0.0.1:{server.port}", timeout=120, batching=False) as c:
+        c.wait_ready()
+        start = (int(time.time() * 1000) // BUCKET_MS + 24 * 60) * BUCKET_MS
+        receipts = _cold_fill(c, minutes, per_minute, start)
+        out["idle_wait_s"] = round(_until_idle(server.pid), 1)
+        rnd = random.Random(seed)
+        picks = rnd.sample(receipts, 6 * ops)
+        sets = [picks[k * ops : (k + 1) * ops] for k in range(6)]
+        later = 3 * 86_400_000
+
+        def check(want: str, got: str) -> None:
+            if got != want:
+                raise SystemExit(f"answered {got}, wanted {want}")
+
+        kinds = {
+            "get_receipt": [lambda r=r: check("PENDING", str(c.get(r).state)) for r in sets[0]],
+            "get_id": [lambda r=r: check("PENDING", str(c.get(message_id=r.message_id).state)) for r in sets[1]],
+            "cancel_receipt": [lambda r=r: check("CANCELLED", c.cancel(r)) for r in sets[2]],
+            "cancel_id": [lambda r=r: check("CANCELLED", c.cancel(message_id=r.message_id)) for r in sets[3]],
+            "reschedule_receipt": [
+                lambda r=r: check("RESCHEDULED", c.reschedule(r, delay_ms=later)[0]) for r in sets[4]
+            ],
+            "reschedule_id": [
+                lambda r=r: check("RESCHEDULED", c.reschedule(r.message_id, delay_ms=later)[0]) for r in sets[5]
+            ],
+        }
+        for name, calls in kinds.items():
+            out[name] = _timed(server.pid, calls)
+    return out
+
+
+def run_cold(shapes: list[tuple[int, int]], ops: int, rounds: int, base_pythonpath: str | None) -> list[dict]:
+    """Per shape and server ("new": this tree; "base": ``base_pythonpath``), the median over
+    ``rounds`` of each operation's figures; each round a fresh server and folder, the
+    servers alternating."""
+    import os
+
+    servers = [("new", None)] + ([("base", base_pythonpath)] if base_pythonpath else [])
+    rows = []
+    for minutes, per_minute in shapes:
+        got: dict[str, list[dict]] = {name: [] for name, _ in servers}
+        for k in range(rounds):
+            for name, path in servers:
+                with tempfile.TemporaryDirectory(prefix="qdelay-bench-cold-") as tmp:
+                    server = QdelayDriver()
+                    if path:
+                        server.env = dict(os.environ, PYTHONPATH=path)
+                    server.start(tmp)
+                    try:
+                        got[name].append(_cold_round(server, minutes, per_minute, ops, seed=k))
+                    finally:
+                        server.stop()
+        for name, runs in got.items():
+            row: dict = {"server": name, "minutes": minutes, "per_minute": per_minute, "rounds": rounds, "ops": ops}
+            row["idle_wait_s"] = [r.pop("idle_wait_s") for r in runs]
+            row["each_round"] = runs
+            for kind in runs[0]:
+                for field in runs[0][kind]:
+                    row[f"{kind}_{field}"] = median([r[kind][field] for r in runs])
+            rows.append(row)
+    return rows
+
+
+def cold_main(args: argparse.Namespace) -> int:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.cold.split(",") if s]
+    rows = run_cold(shapes, args.cold_ops, args.rounds, args.base_pythonpath)  # type: ignore[arg-type]
+    kinds = ["get_receipt", "get_id", "cancel_receipt", "cancel_id", "reschedule_receipt", "reschedule_id"]
+    headers = ["server", "minutes x N"] + [f"{k} p50 ms / µs CPU" for k in kinds]
+    table = [
+        [r["server"], f"{r['minutes']}x{r['per_minute']}"]
+        + [f"{r[k + '_p50_ms']:.2f} / {r[k + '_cpu_us']:.0f}" for k in kinds]
+        for r in rows
+    ]
+    print_table(headers, table, title=f"cold minutes: one call at a time, median of {args.rounds} rounds")
+    for r in rows:
+        print(
+            f"{r['server']} {r['minutes']}x{r['per_minute']}: p99 ms "
+            + ", ".join(f"{k} {r[k + '_p99_ms']:.2f}" for k in kinds)
+        )
+    write_json(args.json or "cancel-cold", {"machine": machine(), "rows": rows})
     return 0
 
 

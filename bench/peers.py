@@ -79,6 +79,7 @@ class Driver(abc.ABC):
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.env: dict[str, str] | None = None  # the server's environment (None: this one's)
 
     @abc.abstractmethod
     def argv(self) -> list[str]:
@@ -114,6 +115,7 @@ class Driver(abc.ABC):
             stderr=self._log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env=self.env,
         )
         _LIVE.add(self.proc.pid)
         deadline = t0 + 120

@@ -326,10 +326,11 @@ def child_memory(data_dir: str, n: int, window: str) -> dict:
     }
 
 
-def child_restart(data_dir: str, n: int, lose_index: bool = False) -> dict:
+def child_restart(data_dir: str, n: int, lose_index: bool = False, lose_schedule_indexes: bool = False) -> dict:
     """Fill a folder with n pending far-future messages, close, and time a reopen; with
     ``lose_index``, the message-id index is deleted first (rebuilt from the schedule log,
-    docs/recovery.md row 14)."""
+    docs/recovery.md row 14); with ``lose_schedule_indexes``, every schedule segment's
+    index file (re-derived from its segment at open, row 15)."""
     engine = Engine(engine_config(data_dir=data_dir, cleaner_enabled=False))
     engine.start()
     now = engine.now_ms()
@@ -340,6 +341,11 @@ def child_restart(data_dir: str, n: int, lose_index: bool = False) -> dict:
     engine.close()
     if lose_index:
         IdIndex.destroy(os.path.join(data_dir, "index", "ids"))
+    if lose_schedule_indexes:
+        for day, _dirs, names in os.walk(os.path.join(data_dir, "schedule")):
+            for name in names:
+                if name.endswith(".sidx"):
+                    os.unlink(os.path.join(day, name))
     t0 = time.perf_counter()
     engine = Engine(engine_config(data_dir=data_dir, cleaner_enabled=False))
     engine.start()
@@ -372,6 +378,7 @@ SCENARIOS = (
     "memory_near",
     "restart",
     "restart_rebuild",
+    "restart_reindex",
 )
 
 
@@ -531,8 +538,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         path = os.path.join(args.root, args.child)
-        if args.child in ("restart", "restart_rebuild"):
-            print(json.dumps(child_restart(path, args.n, lose_index=args.child == "restart_rebuild")))
+        if args.child in ("restart", "restart_rebuild", "restart_reindex"):
+            print(
+                json.dumps(
+                    child_restart(
+                        path,
+                        args.n,
+                        lose_index=args.child == "restart_rebuild",
+                        lose_schedule_indexes=args.child == "restart_reindex",
+                    )
+                )
+            )
         else:
             print(json.dumps(child_memory(path, args.n, args.child)))
         return
@@ -555,6 +571,7 @@ def main() -> None:
         "memory_near": lambda i: run_child("near", os.path.join(root, f"r{i}"), big),
         "restart": lambda i: run_child("restart", os.path.join(root, f"r{i}"), big),
         "restart_rebuild": lambda i: run_child("restart_rebuild", os.path.join(root, f"r{i}"), big),
+        "restart_reindex": lambda i: run_child("restart_reindex", os.path.join(root, f"r{i}"), big),
     }
     if len(wanted) > 1 and not args.json_part:
         # one process per scenario: an earlier scenario's engines, threads and heap in the
