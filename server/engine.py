@@ -720,7 +720,8 @@ class Engine:
         tombstone (or releases the claims if that write fails).
 
         Batched (issue 13): the targets are found with one multi-get of the id index, claimed
-        under one scheduler lock acquisition, and their closed state read once per bucket (the
+        by one request on the scheduler's queue (this worker thread waits for the answer; no
+        scheduler lock taken), and their closed state read once per bucket (the
         dispatch log as one vectorised membership test, the tombstones as one set), so that
         a target costs a few set lookups rather than a segment read. A receipt the index does
         not confirm (its id reused by a newer message, or no index) is read from its segment.

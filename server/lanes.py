@@ -116,6 +116,29 @@ class Pass:
         self.closed_size = 0  # ... as far as the file was read
         self.closed: set[int] = set()
 
+    def at(self, bucket: int) -> None:
+        """Read ``bucket`` next, from its start (the loaded bucket after the last one read)."""
+        if bucket != self.bucket:
+            self.bucket, self.offset = bucket, 0
+
+    def past(self, bucket_width: int) -> None:
+        """The current bucket is read to its loader's cursor: on to the next."""
+        self.bucket += bucket_width
+        self.offset = 0
+
+    def closes_from(self, bucket: int) -> int:
+        """Where the group's closes in the dispatch log of ``bucket`` are to be read from."""
+        return self.closed_size if self.closed_bucket == bucket else 0
+
+    def note_closes(self, bucket: int, size: int, closes: set[int]) -> None:
+        """The group's closes in the dispatch log of ``bucket`` up to ``size`` (read from
+        ``closes_from``): a close is final, so they are kept whatever comes next."""
+        if self.closed_bucket != bucket:
+            self.closed_bucket, self.closed_size, self.closed = bucket, size, closes
+        else:
+            self.closed_size = max(self.closed_size, size)
+            self.closed |= closes
+
 
 class Lane:
     """What one group of one subject has due: entries ready in memory, up to its bound

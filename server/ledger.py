@@ -256,6 +256,11 @@ class AckLedger:
             t = r if t is None else min(t, r)
         return t
 
+    def in_flight_maps(self) -> list[dict[int, Flight]]:
+        """The non-empty maps of sequence -> flight, one per group: to ask about many
+        sequences at once (``seq in m`` for each)."""
+        return [m for m in self.in_flight.values() if m]
+
     def is_in_flight(self, seq: int) -> bool:
         """Handed out to some group and not yet acknowledged."""
         return any(seq in flights for flights in self.in_flight.values())

@@ -1,95 +1,64 @@
-"""The scheduler: loader, timer and dispatcher, on one thread (``qdelay-scheduler``).
+"""The scheduler: the thread that owns the scheduling state (``qdelay-scheduler``), its
+queue, and the lock discipline around its pieces' I/O (see docs/internals.md).
 
-It composes pieces with one job each (see docs/internals.md):
+The pieces, one job each:
 
 - ``buckets.BucketBook``: which buckets are loaded, which are done (``done_before``,
   reopened buckets), the closes counted for ``pending``;
 - ``loader.Loader``: the disk reads of loading (schedule chunks, tombstones, dispatch
-  logs); the scheduler indexes what it read into the timer wheel (``wheel.TimerWheel``)
-  and streams a hot bucket in as it drains (at most ``max_loaded`` entries in memory);
-- ``lanes``: per subject and group, entries ready in memory up to a bound, then *spilled*
-  (left on disk and read back by passes when the group's consumers have credit);
+  logs), indexed by the timer (at most ``max_loaded`` entries in memory);
+- ``timer.Timer``: the wheel, the lanes per subject and group (ready in memory up to a
+  bound, then *spilled*), firing with fan-out, dispatch rounds within credit;
+- ``dispatcher.Dispatcher``: ready entries taken, their records read back, handed out;
+- ``readback.ReadBack``: a spilled lane's entries read again while its consumers have
+  credit;
 - ``ledger.AckLedger``: deliveries in flight, ack deadlines, retries;
-- ``dispatch_log.DispatchLogWriter``: DISPATCH records buffered, written, fsynced;
-- ``segments.messages``: records read back for delivery, checked column-wise.
+- ``claims.CancelClaims``: messages a Cancel claimed, never handed out;
+- ``dead_letters.DeadLetters``: copies to the dead-letter subject after ``max_attempts``;
+- ``dispatch_log.DispatchLogWriter``: DISPATCH records buffered, written, fsynced.
 
-The *timer* moves due entries from the wheel to the lanes of every group of their subject
-(fan-out). The *dispatcher* takes ready entries round-robin over lanes, within the sink's
-credit and the rate limit, reads the records back and hands batches to the sink. An
-acknowledged delivery gets a DISPATCH record; an unacknowledged one is offered again after
-the ack timeout plus a backoff, and after ``max_attempts`` it goes to the dead-letter
-subject.
+Other threads hand work over on the queue: the event loop posts acks and releases, Cancel
+claims arrive with a future their worker thread waits on, the WAL writer posts dead-letter
+completions. An acknowledged delivery gets a DISPATCH record; an unacknowledged one is
+offered again after the ack timeout plus a backoff, and after ``max_attempts`` it goes to
+the dead-letter subject.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import numpy as np
-
-from qdelay.errors import CorruptRecord, InvariantViolation, QdelayError
-from qdelay.segments import bucket_log, framing, records
+from qdelay.segments import records
 from qdelay.segments.bucket_log import BucketLog
-from qdelay.segments.framing import RecordKind
-from qdelay.segments.messages import read_messages
 from qdelay.segments.naming import bucket_of
-from qdelay.segments.reader import Columns, columns_past_damage
 from qdelay.segments.segment import CorruptionPolicy
+from qdelay.server import claims
 from qdelay.server.buckets import BucketBook, BucketState
+from qdelay.server.claims import CancelClaims
+from qdelay.server.dead_letters import DeadLetter, DeadLetters
 from qdelay.server.deliveries import DEAD_LETTER_HEADER, Deliveries, Delivery, DeliverySink
 from qdelay.server.dispatch_log import DispatchLogWriter
+from qdelay.server.dispatcher import Dispatcher
 from qdelay.server.groups import Group, GroupTable
 from qdelay.server.iterate import Written
-from qdelay.server.lanes import Lane, Pass
-from qdelay.server.ledger import AckLedger, Flight, Item, ack_attempts, ack_ids, ack_sequences
+from qdelay.server.ledger import AckLedger, Item, ack_attempts, ack_sequences
 from qdelay.server.loader import Loader
+from qdelay.server.readback import ReadBack
 from qdelay.server.timer import Timer
 
 log = logging.getLogger("qdelay.scheduler")
 
-__all__ = ["DEAD_LETTER_HEADER", "Deliveries", "Delivery", "DeliverySink", "Scheduler", "SchedulerConfig"]
+__all__ = ["DEAD_LETTER_HEADER", "DeadLetter", "Deliveries", "Delivery", "DeliverySink", "Scheduler", "SchedulerConfig"]
 
-DeadLetter = Callable[[records.Message, int, str, int, Callable[[Exception | None], None]], None]
-
-
-class _Part:
-    """Entries of one lane and one bucket taken for delivery, and their records once read
-    back (columns; ``keep`` narrows every column at once)."""
-
-    __slots__ = ("st", "seqs", "offs", "dues", "attempts", "read")
-
-    def __init__(self, st: BucketState, seqs: list[int], offs: list[int], dues: list[int], attempts: list[int]) -> None:
-        self.st = st
-        self.seqs = seqs
-        self.offs = offs
-        self.dues = dues
-        self.attempts = attempts
-        self.read: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
-
-    def keep(self, idx: list[int]) -> None:
-        self.seqs, self.offs, self.dues, self.attempts = (
-            [col[i] for i in idx] for col in (self.seqs, self.offs, self.dues, self.attempts)
-        )
-        if self.read[0]:
-            mids, payloads, headers = self.read
-            self.read = ([mids[i] for i in idx], [payloads[i] for i in idx], [headers[i] for i in idx])
-
-
-@dataclass(slots=True)
-class _Taken:
-    """What one lane gave in one dispatch round."""
-
-    lane: Lane
-    group: Group
-    name: str  # the subject
-    parts: list[_Part]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -134,16 +103,17 @@ class Scheduler:
         self.dispatch = dispatch
         self.cfg = config
         self.clock = clock
-        self.dead_letter = dead_letter
         # guards the scheduling state for short stretches, never across disk I/O; the
         # scheduler thread holds it most, other threads briefly (see docs/internals.md)
         self.lock = threading.RLock()  # apply_group -> add_group re-enter it
-        # acks and releases posted by the event loop, applied by whoever next takes the lock
-        # to look at deliveries (the scheduler thread at every turn, Cancel/Get, stats)
-        self._inbox: collections.deque[tuple[str, list[str], int | None]] = collections.deque()
-        self._wakeup = threading.Event()  # set: the scheduler thread goes round at once
-        # dead-letter copies decided under the lock, written outside it by the scheduler thread
-        self._to_dead_letter: list[tuple[int, Item, int]] = []
+        # the scheduler's queue: acks and releases posted by the event loop, Cancel claims
+        # and releases, dead-letter completions; applied in order by the scheduler thread
+        # (or, under the lock, by a caller that must see them before it looks: _drain)
+        self._inbox: collections.deque[tuple[str, Any, Any]] = collections.deque()
+        self._wakeup = threading.Event()  # set: the scheduler thread wakes up
+        # a turn is wanted (new work, credit, acks): set by wake(); a call() alone wakes the
+        # sleeping thread only to answer it, not for a whole turn (see _sleep)
+        self._turn = False
         self.book = BucketBook(
             schedule,
             dispatch,
@@ -153,18 +123,38 @@ class Scheduler:
             closed_retired=closed_retired,
             reopened_at=dict(reopened_at or {}),
         )
-        self.loader = Loader(dispatch, corruption)  # the engine's policy for damaged records
         self.ledger = AckLedger()
         self.writer = DispatchLogWriter(dispatch, config.dispatch_flush_ms)
         self.writer.on_synced = self._on_synced
-        self.dead_lettering: set[int] = set()  # dead-letter copy being written; cancel refused
         self.groups = groups if groups is not None else GroupTable()
         # the wheel, the lanes, what fired: the scheduling state with no I/O
         self.timer = Timer(config, self.book, self.groups, legacy_upto=legacy_upto, clock=clock)
-        self.cancelling: set[int] = set()  # cancel accepted, tombstone not yet through iterate
+        # the engine's policy for damaged records
+        self.loader = Loader(config, self.book, self.timer, dispatch, corruption)
+        self.claims = CancelClaims()  # cancel accepted, tombstone not yet through iterate
+        self.dead_letters = DeadLetters(
+            config,
+            self.book,
+            self.groups,
+            self.ledger,
+            self.loader,
+            dead_letter,
+            self._close_dead_lettered,
+            self.post,
+            clock,
+        )
+        self.dispatcher = Dispatcher(config, self.timer, self.book, self.ledger, self.claims, self.loader)
+        self.readback = ReadBack(
+            config,
+            self.timer,
+            self.book,
+            dispatch,
+            self.writer,
+            self.ledger,
+            self.claims,
+            self.dead_letters.writing,
+        )
         self.sink: DeliverySink | None = None
-        self._tokens = 0.0
-        self._tokens_at = time.monotonic()
         self._stop = False
         # False once stop() applied the last acks: a later ack is not recorded (the writer
         # is stopped) and its delivery stays in flight (offered again after a restart)
@@ -172,16 +162,11 @@ class Scheduler:
         self.acks_after_stop = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.load_blocked = False
         self._sleeping_until: float | None = None  # when the timer thread, waiting, wakes by itself
         self._last_done_check = 0
         # counters
-        self.dispatched = 0
         self.acked = 0
         self.redeliveries = 0
-        self.dead_lettered = 0
-        self.cancel_skipped = 0
-        self.on_dispatch: Callable[[list[int]], None] | None = None  # lateness observer (ms)
 
     # --- control --------------------------------------------------------------------------------
 
@@ -198,7 +183,7 @@ class Scheduler:
     def stop(self) -> None:
         with self.lock:
             self._stop = True
-        self._wakeup.set()
+        self.wake()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -209,11 +194,12 @@ class Scheduler:
 
     def wake(self) -> None:
         """Credit returned, or new work: the scheduler thread goes round now (no lock)."""
+        self._turn = True  # before the event: a sleeping thread that clears it still sees this
         self._wakeup.set()
 
     def set_sink(self, sink: DeliverySink | None) -> None:
         self.sink = sink
-        self._wakeup.set()
+        self.wake()
 
     @property
     def error(self) -> BaseException | None:
@@ -243,10 +229,12 @@ class Scheduler:
         try:
             while True:
                 # cleared before the work: a wake-up posted from here on ends the next wait
+                self._turn = False
                 self._wakeup.clear()
                 with self.lock:
                     if self._stop:
                         return
+                    self._drain()  # Cancel claims waiting for an answer do not wait for the loader's reads
                 now = self.clock()
                 loading = self._load_step(now)
                 with self.lock:
@@ -266,12 +254,26 @@ class Scheduler:
                     if timeout > 0:
                         self._sleeping_until = now + timeout * 1000  # read by on_written
                 if timeout > 0:
-                    self._wakeup.wait(timeout)
+                    self._sleep(timeout)
                     with self.lock:
                         self._sleeping_until = None
         except BaseException as err:
             self._error = err
             log.exception("scheduler stopped")
+
+    def _sleep(self, timeout: float) -> None:
+        """Wait until a turn is wanted or ``timeout`` seconds passed. Woken only for queued
+        calls (a Cancel's claims, a Get's question), apply them and sleep on: answering one
+        costs a drain, not a whole turn of loading, firing and dispatching."""
+        end = time.monotonic() + timeout
+        while not self._turn and not self._stop:
+            left = end - time.monotonic()
+            if left <= 0 or not self._wakeup.wait(left):
+                return
+            self._wakeup.clear()
+            if self._inbox:
+                with self.lock:
+                    self._drain()
 
     def _sleep_for(self, now: int, loading: bool) -> float:
         if loading:
@@ -292,65 +294,16 @@ class Scheduler:
     # --- loading ----------------------------------------------------------------------------------
 
     def _load_step(self, now: int) -> bool:
-        """Bring buckets into the wheel; return True if more loading is waiting."""
-        book = self.book
-        horizon = bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes)
+        """Bring one chunk of a bucket into the wheel (``server/loader.py``); True if more
+        loading is waiting. The chunk is read outside the lock."""
         with self.lock:
-            if horizon > book.horizon:
-                book.open_up_to(horizon)
-            pending = book.to_load()
-            if not pending:
-                self.load_blocked = False
-                return False
-            if self.timer.room() <= 0:
-                self.timer.relieve()
-            if self.timer.room() <= 0:
-                if not self.load_blocked:
-                    log.warning(
-                        "loading paused: in-memory index is full",
-                        extra={"entries": self.timer.in_memory(), "max": self.cfg.max_loaded},
-                    )
-                self.load_blocked = True
-                return False
-            self.load_blocked = False
-            st = min(pending, key=lambda s: s.bucket)
-            need_closed = not st.dispatch_ready
-            start, stop = st.cursor, st.seg.size
-            counted_below = book.reopened_at.get(st.bucket, 0)
-        if need_closed:
-            closed, counted = self.loader.read_closed(st.bucket, counted_below)
-            # A bucket loaded in several chunks fires its first entries before the loader
-            # reaches the tombstones behind them: collect those tombstones first.
-            chunk = self.cfg.load_chunk_bytes
-            tombstones = self.loader.read_tombstones(st.seg, start, stop, chunk) if stop - start > chunk else set()
-            with self.lock:
-                st.closed = closed
-                st.counted = counted
-                st.cancelled |= tombstones
-                st.dispatch_ready = True
-                st.tombstones_known = True
-        frames, nxt = (
-            self.loader.read_chunk(st.seg, start, stop, self.cfg.load_chunk_bytes) if start < stop else ([], start)
-        )
+            step = self.loader.next_step(now)
+        if step is None:
+            return False
+        self.loader.read(step)  # the disk reads, outside the lock
         with self.lock:
-            room = self.timer.room()
-            if len(frames) > room:
-                # no more entries than the budget has room for (at least one, to move on):
-                # the rest of the chunk is read again when there is room, so records
-                # appended to a loaded bucket (a burst into the loading window) cannot pass
-                # the bound by a chunk
-                cut = [i for i, f in enumerate(frames) if f.kind == RecordKind.MESSAGE][max(room, 1) :]
-                if cut:
-                    nxt = frames[cut[0]].offset
-                    frames = frames[: cut[0]]
-            if st.cursor != start:  # only this thread advances a loading cursor
-                raise InvariantViolation(f"bucket {st.bucket} cursor moved during load")
-            self.timer.index(st, frames)
-            st.cursor = nxt
-            if st.cursor >= st.seg.size:
-                st.complete = True
-                st.closed = st.counted = None
-                self._maybe_done(st, now)
+            if self.loader.apply(step):
+                self._maybe_done(step.st, now)
         return True
 
     def prime(self, now: int) -> None:
@@ -401,9 +354,13 @@ class Scheduler:
                 got = book.get(b)
                 if got is not None:
                     got.cancelled.add(target)
-                self.cancelling.discard(target)
+                for item in self.claims.settled(target):
+                    # set aside while claimed, cancelled now: no longer held by the bucket
+                    st = book.get(item[2])
+                    if st is not None and self.timer.has_lane(item[5], item[6]):
+                        st.owe(item[6], -1)
         if wake:
-            self._wakeup.set()
+            self.wake()
 
     # --- groups -----------------------------------------------------------------------------------
 
@@ -428,7 +385,7 @@ class Scheduler:
             if not created:
                 return False
             self.timer.group_created(g)
-            self._wakeup.set()
+            self.wake()
             return True
 
     def remove_group(self, subject: str, name: str, at_ms: int) -> bool:
@@ -440,7 +397,7 @@ class Scheduler:
                 return False
             self.timer.group_deleted(g)
             self.ledger.drop_group(g.gid)
-            self._wakeup.set()
+            self.wake()
             return True
 
     def group_stats(self, subject: str | None = None, group: str | None = None) -> list[dict[str, Any]]:
@@ -490,7 +447,8 @@ class Scheduler:
         self.redeliveries += 1
         attempt = item[4] - 1
         if attempt >= self.cfg.max_attempts:
-            self._dead_letter(seq, item, now)
+            self.dead_letters.add(seq, item, now)
+            self.wake()
             return
         backoff = min(self.cfg.max_backoff_ms, self.cfg.retry_backoff_ms * (2 ** (attempt - 1)))
         self.ledger.retry_at(now + backoff, seq, item)
@@ -498,336 +456,122 @@ class Scheduler:
     # --- reading back what spilled lanes keep on disk ----------------------------------------------
 
     def _reread(self) -> bool:
-        """One chunk of a spilled lane's pass over the loaded buckets; True if it did work.
-
-        A pass reads back the lane's entries due at or before the time the pass began with
-        (everything due then had fired) that are neither in memory, nor closed for the
-        group (dispatch log and the records still buffered), nor cancelled. It stops while
-        the lane is at half its bound and goes on when the consumers have taken them.
-        """
+        """One step of a spilled lane's pass (``server/readback.py``); True if it did work.
+        The chunk and the dispatch log are read outside the lock."""
         sink = self.sink
         if sink is None:
             return False
-        timer = self.timer
         with self.lock:
-            lane = timer.spilled_to_read(sink.credit)
-            if lane is None:
-                return False
-            g = timer.live_lane(lane)
-            if g is None:
-                timer.spilled.discard(lane)
-                return True
-            if lane.walk is None:
-                if lane.drop_from is None:
-                    # nothing forgotten since the last pass began: the lane is whole again
-                    lane.spilled = False
-                    timer.spilled.discard(lane)
-                    return True
-                lane.walk = Pass(lane.drop_from, timer.fired_to)
-                lane.drop_from = None
-            w = lane.walk
-            last = bucket_of(w.hi, self.cfg.scale_minutes)
-            nxt = min((b for b in self.book.loaded if w.bucket <= b <= last), default=None)
-            if nxt is None:
-                lane.walk = None  # the pass is over
-                return True
-            if nxt != w.bucket:
-                w.bucket, w.offset = nxt, 0
-            st = self.book.loaded[nxt]
-            start, stop = w.offset, st.cursor
-            closed_known = w.closed_bucket == nxt
-            closed_size = w.closed_size
-        if start >= stop:
-            with self.lock:
-                if lane.walk is w:
-                    w.bucket += self.cfg.scale_minutes
-                    w.offset = 0
-            return True
-        # the disk reads, outside the lock: the chunk, and the group's closes in the
-        # bucket's dispatch log (all of it on the first visit, what was appended since after)
-        cols, after = columns_past_damage(st.seg, start, stop, self.cfg.load_chunk_bytes)
-        picked = self._lane_rows(cols, timer.subjects[lane.sid].encode(), g.since, w.hi) if cols else None
-        size, closes = self._group_closes(nxt, g.stored, closed_size if closed_known else 0)
-        for tries in itertools.count():
-            with self.lock:
-                if lane.walk is not w:
-                    return True
-                dseg = self.dispatch.get(nxt)
-                grown = dseg is not None and dseg.size > size
-                if not grown or tries >= 3:
-                    if grown:  # appended again and again meanwhile: read the rest here (rare)
-                        size, more = self._group_closes(nxt, g.stored, size)
-                        closes |= more
-                    if not closed_known:
-                        w.closed_bucket, w.closed_size, w.closed = nxt, size, closes
-                    else:
-                        w.closed_size = max(w.closed_size, size)
-                        w.closed |= closes
-                    # closes written since the file was read are in the writer's buffers
-                    # (an ack moves a delivery into them under this lock)
-                    if picked is not None and len(picked[0]):
-                        self._take_back(lane, g, st, w, *picked)
-                    w.offset = after
-                    return True
-            # records were appended since the read (a flush): read them before applying,
-            # outside the lock
-            size, more = self._group_closes(nxt, g.stored, size)
-            closes |= more
+            step = self.readback.next_step(sink.credit)
+        if isinstance(step, bool):
+            return step
+        self.readback.read(step)  # the disk reads, outside the lock
+        with self.lock:
+            if self.readback.apply(step):
+                self.wake()
         return True
-
-    def _group_closes(self, bucket: int, stored: bytes, start: int) -> tuple[int, set[int]]:
-        """(size read, sequences closed for the group stored as ``stored``) of the dispatch
-        log of ``bucket`` from ``start`` (found column-wise)."""
-        seg = self.dispatch.get(bucket)
-        if seg is None:
-            return 0, set()
-        size = seg.size
-        name = stored.decode() or records.DEFAULT_GROUP
-        return size, set(bucket_log.group_closes_in(seg, start, size, name).tolist())
-
-    @staticmethod
-    def _lane_rows(cols: Columns, subject: bytes, since: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(seqs, file offsets, due times) of the MESSAGE frames of ``cols`` of ``subject``
-        due in [since, hi]: checked column-wise on the frames' bytes."""
-        rows = (cols.kinds == RecordKind.MESSAGE) & (cols.dues <= hi) & (cols.dues >= since)
-        idx = np.flatnonzero(rows)
-        if len(idx):
-            raw = np.frombuffer(cols.data, dtype=np.uint8)
-            body = cols.starts[idx] + framing.HEADER_SIZE
-            slen = raw[body + 8].astype(np.int64) | (raw[body + 9].astype(np.int64) << 8)
-            idx = idx[slen == len(subject)]
-            if len(idx) and subject:
-                at = (cols.starts[idx] + framing.HEADER_SIZE + records.MESSAGE_FIXED.size)[:, None] + np.arange(
-                    len(subject)
-                )
-                want = np.frombuffer(subject, dtype=np.uint8)
-                idx = idx[(raw[at] == want).all(axis=1)]
-        return cols.seqs[idx], cols.starts[idx] + cols.base, cols.dues[idx]
-
-    def _take_back(
-        self, lane: Lane, g: Group, st: BucketState, w: Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
-    ) -> None:
-        """Queue entries read back for a spilled lane (lock held), minus those held in
-        memory, closed or cancelled by now."""
-        # what is not to be read back: a membership test per set, on the entries read
-        # (unions of the sets cost their sizes per chunk: ``w.closed`` grows to the whole
-        # backlog while it drains, which made a 5 M-message drain quadratic)
-        pending = self.writer.pending(st.bucket)
-        held: set[int] = {item[0] for item in lane.ready.retries}
-        held |= self.ledger.held(lane.gid)
-        if pending:
-            held.update(bucket_log.group_closes_of(pending, g.name).tolist())
-        listed = seqs.tolist()
-        keep = np.ones(len(seqs), dtype=bool)
-        for skip in (held, w.closed, self.dead_lettering, st.cancelled, self.cancelling, st.partial.get(g.name)):
-            if skip:
-                keep &= np.fromiter((q not in skip for q in listed), dtype=bool, count=len(listed))
-        if not keep.all():
-            seqs, offs, dues = seqs[keep], offs[keep], dues[keep]
-        if len(seqs):
-            self.timer.take_back(lane, st, seqs, offs, dues)
-            self._wakeup.set()
 
     # --- dispatch ---------------------------------------------------------------------------------
 
-    def _take_tokens(self, want: int) -> int:
-        rate = self.cfg.dispatch_rate
-        if rate <= 0:
-            return want
-        now = time.monotonic()
-        self._tokens = min(max(rate * 0.1, 1.0), self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        n = min(want, int(self._tokens))
-        self._tokens -= n
-        return n
-
     def _dispatch(self, now: int) -> bool:
-        """Hand ready entries to the sink; True if it stopped at the round limit with
-        deliveries still flowing (the loop then goes round again without sleeping: no ack
-        or credit notification may come to wake it).
+        """Hand ready entries to the sink (``server/dispatcher.py``); True if it stopped at
+        the round limit with deliveries still flowing (the loop then goes round again
+        without sleeping: no ack or credit notification may come to wake it).
 
         Each round takes entries from the lanes under the lock, reads their records back
         outside it (the event loop, Cancel and Get never wait for that read), then under
-        the lock again drops what was cancelled or deleted meanwhile and registers the rest
-        as in flight before handing the batches over.
+        the lock again applies what was posted meanwhile (a Cancel's claims among it),
+        drops what was claimed, cancelled or deleted and registers the rest as in flight
+        before handing the batches over.
         """
         sink = self.sink
         if sink is None:
             return False
-        rounds = 0
-        while True:
-            taken: list[_Taken] = []
+        d = self.dispatcher
+        for _round in range(64):  # then let the loop flush dispatch records and fire new entries
             with self.lock:
                 if not self.timer.rr or self._stop:
-                    break
-                for lane, g, name, cols in self.timer.take(sink.credit, self._take_tokens, self.cfg.dispatch_quantum):
-                    parts = self._by_bucket(lane.gid, *cols)
-                    if parts:
-                        taken.append(_Taken(lane, g, name, parts))
+                    return False
+                self._drain()
+                taken = d.take(sink.credit)
             if not taken:
                 return False
-            self._read_parts(taken)  # the disk reads, outside the lock
+            d.read(taken)  # the disk reads, outside the lock
             with self.lock:
-                ids: dict = {}  # ack ids made once for the groups taking the same entries
-                batches = [b for b in (self._hand_out(t, now, ids) for t in taken) if b is not None]
+                self._drain()
+                batches = d.hand_out(taken, now)
             for out in batches:
                 sink.deliver(out.subject, out.group, out)
-            rounds += 1
-            if rounds >= 64:  # let the loop flush dispatch records and fire new entries
-                return True
-        return False
+        return True
 
-    @staticmethod
-    def _read_parts(taken: list[_Taken]) -> None:
-        """Read back the records of every part taken in a round (outside the lock). The
-        groups of one subject usually take the same entries in the same round (fan-out:
-        they fired together): a part whose entries another part of the round has already
-        read shares that read (the same bytes objects; nothing changes them in place)."""
-        done: dict[tuple[int, int, int], list[_Part]] = {}
-        for t in taken:
-            for part in t.parts:
-                key = (part.st.bucket, part.offs[0], len(part.offs))
-                same = next((p for p in done.get(key, ()) if p.offs is part.offs or p.offs == part.offs), None)
-                if same is not None:
-                    part.read = same.read
-                    continue
-                part.read = read_messages(part.st.seg, part.seqs, part.offs)
-                done.setdefault(key, []).append(part)
-
-    def _by_bucket(
-        self, gid: int, seqs: list[int], offs: list[int], buckets: list[int], dues: list[int], attempts: list[int]
-    ) -> list[_Part]:
-        """Ready items (columns, all of one lane) split by bucket, cancelled ones dropped
-        (lock held)."""
-        first = buckets[0]
-        if buckets.count(first) == len(buckets):
-            by_bucket = [(first, seqs, offs, dues, attempts)]
-        else:
-            where: dict[int, list[int]] = {}
-            for i, b in enumerate(buckets):
-                where.setdefault(b, []).append(i)
-            by_bucket = [
-                (b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx], [attempts[i] for i in idx])
-                for b, idx in where.items()
-            ]
-        parts = []
-        for bucket, g_seqs, g_offs, g_dues, g_attempts in by_bucket:
-            st = self.book.get(bucket)
-            if st is None:
-                continue  # cannot happen for indexed entries; guards against a dropped bucket
-            part = _Part(st, g_seqs, g_offs, g_dues, g_attempts)
-            if self._drop_cancelled(part, gid):
-                parts.append(part)
-        return parts
-
-    def _drop_cancelled(self, part: _Part, gid: int) -> bool:
-        """Drop the part's cancelled entries (lock held); False if none is left."""
-        st = part.st
-        if st.cancelled or self.cancelling:
-            cancelled, cancelling = st.cancelled, self.cancelling
-            keep = [i for i, q in enumerate(part.seqs) if q not in cancelled and q not in cancelling]
-            if len(keep) < len(part.seqs):
-                skipped = len(part.seqs) - len(keep)
-                st.owe(gid, -skipped)
-                self.cancel_skipped += skipped
-                part.keep(keep)
-        return bool(part.seqs)
-
-    def _hand_out(self, t: _Taken, now: int, ids: dict) -> Deliveries | None:
-        """Turn parts read back into one batch of deliveries (lock held): drop what was
-        cancelled while they were read, and unreadable records; register the rest as in
-        flight for the group.
-
-        This is the per-message hot path of a burst, so it works on columns: no object or
-        tuple per delivery except the in-flight entry an ack needs. A batch of one part
-        (the usual case) uses the part's columns as they are, and the groups of a subject
-        that took the same entries in the round (fan-out) share them, their records and
-        their ack ids (``ids``: the round's, by the columns' identity); nothing changes a
-        column in place.
-        """
-        lane, gid = t.lane, t.lane.gid
-        if self.timer.live_lane(lane) is None:
-            return None  # the group was deleted while its records were read
-        flights: list[Flight] = []
-        kept: list[_Part] = []
-        for part in t.parts:
-            st = part.st
-            if not self._drop_cancelled(part, gid):  # cancelled while being read
-                continue
-            mids = part.read[0]
-            if None in mids:  # unreadable records: reported by read_messages, never served
-                keep = [i for i, m in enumerate(mids) if m is not None]
-                bad = len(mids) - len(keep)
-                st.owe(gid, -bad)
-                self.loader.corrupt_skipped += bad
-                part.keep(keep)
-                if not part.seqs:
-                    continue
-                mids = part.read[0]
-            flights.append(Flight(st.bucket, lane.sid, gid, now, part.seqs, part.offs, part.dues, part.attempts, mids))
-            kept.append(part)
-        if not kept:
-            return None
-        if len(kept) == 1:  # one part (the usual case): its columns, not copies
-            (part,) = kept
-            o_seqs, o_dues, o_attempts = part.seqs, part.dues, part.attempts
-            o_mids, o_payloads, o_headers = part.read
-        else:
-            o_seqs, o_dues, o_attempts, o_mids, o_payloads, o_headers = [], [], [], [], [], []
-            for part in kept:
-                o_seqs += part.seqs
-                o_dues += part.dues
-                o_attempts += part.attempts
-                o_mids += part.read[0]
-                o_payloads += part.read[1]
-                o_headers += part.read[2]
-        key = (id(o_seqs), id(o_attempts))
-        made = ids.get(key)
-        if made is not None and made[0] is o_seqs and made[1] is o_attempts:
-            o_ids = made[2]
-        else:
-            o_ids = ack_ids(o_seqs, o_attempts)
-            ids[key] = (o_seqs, o_attempts, o_ids)
-        self.ledger.hand_out(flights, now + self.cfg.ack_timeout_ms)
-        self.dispatched += len(o_seqs)
-        if self.on_dispatch is not None:
-            lateness = [now - d for d, a in zip(o_dues, o_attempts) if a == 1]
-            if lateness:
-                self.on_dispatch(lateness)
-        return Deliveries(
-            t.name,
-            o_ids,
-            o_mids,
-            o_payloads,
-            o_headers,
-            o_dues,
-            now,
-            o_attempts,
-            t.group.name,
-        )
-
-    # --- acknowledgements ---------------------------------------------------------------------------
+    # --- the queue: work handed over by other threads -----------------------------------------------
 
     def post_ack(self, ack_ids: list[str], gid: int | None = None) -> None:
         """Acknowledge deliveries without waiting (the event loop): the ids are queued for
         the scheduler thread, which wakes for them; no lock is taken here."""
         self._inbox.append(("ack", ack_ids, gid))
-        self._wakeup.set()
+        self.wake()
 
     def post_release(self, ack_ids: list[str], gid: int | None = None) -> None:
         """``release`` without waiting (the event loop): queued like ``post_ack``."""
         self._inbox.append(("release", ack_ids, gid))
+        self.wake()
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the scheduler thread, with the scheduling state's lock held, in
+        order with everything posted before; not waited for (no lock taken here). When the
+        scheduler thread is not running (stopped, or a test driving ``run_once``), the
+        poster applies the queue itself, under the lock."""
+        self._inbox.append(("call", fn, None))
+        self.wake()
+        if not self._serving():
+            with self.lock:
+                self._drain()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` like ``post`` and wait for its result (or its exception): a question
+        or a change that needs an answer, from a thread that may wait (never the event
+        loop's hot paths nor the scheduler thread itself). When the scheduler thread is not
+        running (stopped, or a test driving ``run_once``) the caller applies the queue
+        itself, under the lock."""
+        fut: Future[T] = Future()
+        self._inbox.append(("call", fn, fut))
         self._wakeup.set()
+        while True:
+            if not self._serving():
+                with self.lock:
+                    self._drain()
+            if wait_for_future([fut], timeout=0.05).done:
+                return fut.result()
+
+    def queued(self) -> int:
+        """Work posted and not yet applied (no lock: a deque's length)."""
+        return len(self._inbox)
+
+    def _serving(self) -> bool:
+        """The scheduler thread runs and will apply the queue (read without the lock: a
+        stop() seen late only means one more wait of 50 ms)."""
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stop
 
     def _drain(self) -> None:
-        """Apply the acks and releases posted so far, in order (lock held)."""
+        """Apply what was posted so far, in order (lock held)."""
         inbox = self._inbox
         while inbox:
-            op, ids, gid = inbox.popleft()
+            op, arg, extra = inbox.popleft()
             if op == "ack":
-                self._ack(ids, gid)
+                self._ack(arg, extra)
+            elif op == "release":
+                self._release(arg, extra)
+            elif extra is None:
+                arg()
             else:
-                self._release(ids, gid)
+                try:
+                    extra.set_result(arg())
+                except BaseException as err:  # the caller raises it
+                    extra.set_exception(err)
+
+    # --- acknowledgements ---------------------------------------------------------------------------
 
     def ack(self, ack_ids: list[str], gid: int | None = None) -> int:
         """Close acknowledged deliveries of group ``gid`` (None: whichever group has them in
@@ -855,7 +599,7 @@ class Scheduler:
             n += len(got)
         if n:
             self.acked += n
-            self._wakeup.set()
+            self.wake()
         return n
 
     def in_flight_count(self) -> int:
@@ -890,11 +634,11 @@ class Scheduler:
         for seq, item in released:
             self.redeliveries += 1
             if item[4] - 1 >= self.cfg.max_attempts:
-                self._dead_letter(seq, item, now)
+                self.dead_letters.add(seq, item, now)
             else:
                 self.timer.requeue(item)
         if released:
-            self._wakeup.set()
+            self.wake()
         return len(released)
 
     def _record_many(
@@ -966,82 +710,26 @@ class Scheduler:
 
     # --- dead letters -------------------------------------------------------------------------------
 
-    def _dead_letter(self, seq: int, item: Item, now: int) -> None:
-        """A message failed ``max_attempts`` times for a group (lock held): it is marked as
-        being dead-lettered (Cancel refuses it from now on) and its copy is written by the
-        scheduler thread outside the lock (``_write_dead_letters``)."""
-        self.dead_lettering.add(seq)
-        self._to_dead_letter.append((seq, item, now))
-        self._wakeup.set()
-
     def _write_dead_letters(self) -> None:
-        """Move messages that failed ``max_attempts`` times to the dead-letter subject.
-
-        The copy goes through the message log like any send; only once it is durable is the
-        original closed for that group with a DEAD_LETTERED dispatch record, so a crash in
-        between delivers the original again rather than losing it.
-        """
+        """Write the dead-letter copies decided so far (``server/dead_letters.py``): taken
+        under the lock, read and submitted outside it."""
         with self.lock:
-            todo, self._to_dead_letter = self._to_dead_letter, []
-            work = []
-            for seq, item, now in todo:
-                st = self.book.get(item[2])
-                g = self.groups.by_gid(item[6])
-                if st is None or self.dead_letter is None or g is None:
-                    self.dead_lettering.discard(seq)
-                    continue
-                work.append((seq, item, now, st, g.name))
-        for seq, item, now, st, name in work:
-            self._write_dead_letter(seq, item, now, st, name)
+            work = self.dead_letters.take()
+        if work:
+            self.dead_letters.write(work)
 
-    def _write_dead_letter(self, seq: int, item: Item, now: int, st: BucketState, name: str) -> None:
+    def _close_dead_lettered(self, seq: int, item: Item, now: int, mid: bytes) -> bool:
+        """The dead-letter copy of ``seq`` is durable: close the original for its group
+        (lock held, scheduler thread); False if stopped meanwhile (the copy is written, the
+        original not closed: it is dead-lettered again after a restart, at least once)."""
+        if not self._accepting:
+            self.acks_after_stop += 1
+            return False
         _seq, off, bucket, due, attempt, _subj, gid = item
-        try:
-            msg = records.decode_message(st.seg.read_frame(off).body)  # outside the lock
-        except CorruptRecord as err:
-            log.error(
-                "corrupt schedule record; it cannot be dead-lettered", extra={"path": err.path, "offset": err.offset}
-            )
-            with self.lock:
-                self.dead_lettering.discard(seq)
-                st.owe(gid, -1)
-                self.loader.corrupt_skipped += 1
-            return
-
-        def done(error: Exception | None) -> None:
-            with self.lock:
-                self.dead_lettering.discard(seq)
-                if error is None and not self._accepting:
-                    # stopped meanwhile: the copy is written, the original not closed; it is
-                    # dead-lettered again after a restart (at least once)
-                    self.acks_after_stop += 1
-                elif error is None:
-                    self._record_many(
-                        bucket,
-                        [seq],
-                        [due],
-                        [now],
-                        [off],
-                        [attempt - 1],
-                        [msg.message_id.encode()],
-                        records.Outcome.DEAD_LETTERED,
-                        self.clock(),
-                        gid,
-                    )
-                    self.dead_lettered += 1
-                else:  # try again later; the message stays pending meanwhile
-                    self.ledger.retry_at(self.clock() + self.cfg.retry_backoff_ms, seq, item)
-            self._wakeup.set()
-
-        if self.dead_letter is None:
-            return
-        try:
-            self.dead_letter(msg, seq, name, attempt - 1, done)
-        except QdelayError as err:
-            log.warning("dead-letter write refused; will retry", extra={"error": str(err)})
-            with self.lock:
-                self.dead_lettering.discard(seq)
-                self.ledger.retry_at(now + self.cfg.retry_backoff_ms, seq, item)
+        self._record_many(
+            bucket, [seq], [due], [now], [off], [attempt - 1], [mid], records.Outcome.DEAD_LETTERED, self.clock(), gid
+        )
+        return True
 
     # --- for the engine, replication and the cleaner -------------------------------------------------
 
@@ -1101,39 +789,48 @@ class Scheduler:
                 out.append(b)
         return out
 
-    # claim_cancels answers, one per sequence
-    CLAIMED = 0
-    CLAIM_CANCELLING = 1  # another Cancel claimed it already (or an earlier entry of the list)
-    CLAIM_OUT = 2  # handed out and not acknowledged, or its dead-letter copy is being written
+    # claim_cancels answers, one per sequence (server/claims.py)
+    CLAIMED = claims.CLAIMED
+    CLAIM_CANCELLING = claims.CLAIM_CANCELLING  # another Cancel claimed it already (or an earlier entry)
+    CLAIM_OUT = claims.CLAIM_OUT  # handed out and not acknowledged, or its dead-letter copy is being written
 
     def claim_cancels(self, sequences: list[int]) -> list[int]:
-        """Claim each sequence for a Cancel, under one lock acquisition: a claimed message is
-        skipped by the dispatcher until its tombstone has passed the iterate service (see
-        on_written) or ``release_cancels``. One of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
-        out: list[int] = []
-        cancelling, dead = self.cancelling, self.dead_lettering
-        with self.lock:
-            self._drain()  # acks posted before this Cancel count
-            flights = [f for f in self.ledger.in_flight.values() if f]
-            for seq in sequences:
-                if seq in cancelling:
-                    out.append(self.CLAIM_CANCELLING)
-                elif seq in dead or any(seq in f for f in flights):
-                    out.append(self.CLAIM_OUT)
-                else:
-                    cancelling.add(seq)
-                    out.append(self.CLAIMED)
-        return out
+        """Claim each sequence for a Cancel: one of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each.
+
+        The claims go on the scheduler's queue as one request and the caller (a worker
+        thread) waits for the answer: the scheduler thread applies them in order with the
+        acks posted before (an ack before this Cancel counts), between two dispatch rounds,
+        so a claimed message is never handed out afterwards. It stays claimed until its
+        tombstone has passed the iterate service (``on_written``) or ``release_cancels``."""
+        return self.call(lambda: self._claim(sequences))
+
+    def _claim(self, sequences: list[int]) -> list[int]:
+        written = self.dead_letters.writing
+        flights = self.ledger.in_flight_maps()
+        return self.claims.claim(sequences, lambda q: q in written or any(q in f for f in flights))
 
     def release_cancels(self, sequences: list[int]) -> None:
-        """Give back claims whose tombstones will not be written (or were not needed)."""
-        with self.lock:
-            self.cancelling.difference_update(sequences)
+        """Give back claims whose tombstones will not be written (or were not needed): the
+        messages become deliverable again. Posted, not waited for (the event loop releases
+        the claims of a Cancel whose caller went away); whatever asks about claims later
+        (``claim_cancels``, ``cancel_claimed``) is answered after it."""
+        self.post(lambda: self._release_claims(sequences))
+
+    def _release_claims(self, sequences: list[int]) -> None:
+        """Entries set aside while claimed go back to their lanes (still held by their
+        buckets; a deleted group's are dropped with it)."""
+        for item in self.claims.release(sequences):
+            self.timer.requeue(item)
+        self.wake()
 
     def cancel_claimed(self, seq: int) -> bool:
-        """Whether a Cancel claimed ``seq`` and its tombstone has not passed yet."""
+        """Whether a Cancel claimed ``seq`` and its tombstone has not passed yet. Asked by
+        Get, also on the event loop (``Engine.get_now``), so not on the queue: a short hold
+        of the lock (never held across disk I/O), after applying what was posted before (a
+        release among it), as ``dispatch_view`` does."""
         with self.lock:
-            return seq in self.cancelling
+            self._drain()
+            return self.claims.holds(seq)
 
     def dispatch_view(self, bucket: int, seq: int) -> tuple[bytes, int, bool]:
         """(DISPATCH frames of ``bucket`` not yet in its file, the file's size then, whether
@@ -1156,6 +853,10 @@ class Scheduler:
     # --- introspection ------------------------------------------------------------------------------
 
     @property
+    def dead_lettered(self) -> int:
+        return self.dead_letters.dead_lettered
+
+    @property
     def corrupt_skipped(self) -> int:
         return self.loader.corrupt_skipped
 
@@ -1173,13 +874,13 @@ class Scheduler:
                 "loaded_buckets": len(self.book.loaded),
                 "done_before": self.book.done_before,
                 "reopened": len(self.book.reopened),
-                "dispatched": self.dispatched,
+                "dispatched": self.dispatcher.dispatched,
                 "acked": self.acked,
                 "redeliveries": self.redeliveries,
-                "dead_lettered": self.dead_lettered,
-                "cancel_skipped": self.cancel_skipped,
+                "dead_lettered": self.dead_letters.dead_lettered,
+                "cancel_skipped": self.dispatcher.cancel_skipped,
                 "corrupt_skipped": self.loader.corrupt_skipped,
-                "load_blocked": self.load_blocked,
+                "load_blocked": self.loader.blocked,
                 "dispatch_unsynced_buckets": self.writer.unsynced_count(),
                 "acks_after_stop": self.acks_after_stop,
             }

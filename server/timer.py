@@ -26,7 +26,7 @@ from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.server.buckets import BucketBook, BucketState
 from qdelay.server.groups import BEGINNING, Group, GroupTable
-from qdelay.server.lanes import Lane
+from qdelay.server.lanes import Lane, Pass
 from qdelay.server.ledger import Item
 from qdelay.server.wheel import Entries, TimerWheel
 
@@ -288,17 +288,22 @@ class Timer:
             if st is not None:
                 st.owe(gid, sign * c)
 
-    def requeue(self, item: Item) -> None:
-        """Put a retry at the front of its lane; a deleted group's is dropped."""
+    def requeue(self, item: Item) -> bool:
+        """Put a retry at the front of its lane; a deleted group's is dropped (False)."""
         seq, off, bucket, due, attempt, subj, gid = item
         lane = self.lanes.get((subj, gid))
         if lane is None:
-            return
+            return False
         q = lane.ready
         if q.count == 0:
             self.rr.append(lane)
         q.push_retry((seq, off, bucket, due, attempt))
         self.ready_total += 1
+        return True
+
+    def has_lane(self, sid: int, gid: int) -> bool:
+        """The lane exists (its group was not deleted since it was made)."""
+        return (sid, gid) in self.lanes
 
     # --- memory bounds: spills --------------------------------------------------------------------
 
@@ -361,6 +366,27 @@ class Timer:
             if g is None or credit(self.subjects[ln.sid], g.name) > 0 or (ln.walk is None and ln.drop_from is None):
                 return ln
         return None
+
+    def pass_of(self, lane: Lane) -> Pass | None:
+        """The spilled lane's pass over the loaded buckets, begun now (up to what has fired)
+        if none is under way; None if nothing was forgotten since the last pass began: then
+        the lane is whole again and takes its entries from the wheel."""
+        if lane.walk is None:
+            if lane.drop_from is None:
+                lane.spilled = False
+                self.spilled.discard(lane)
+                return None
+            lane.walk = Pass(lane.drop_from, self.fired_to)
+            lane.drop_from = None
+        return lane.walk
+
+    def end_pass(self, lane: Lane) -> None:
+        """The lane's pass read every loaded bucket up to its end."""
+        lane.walk = None
+
+    def forget_spill(self, lane: Lane) -> None:
+        """A spilled lane whose group was deleted: nothing to read back for it."""
+        self.spilled.discard(lane)
 
     def take_back(self, lane: Lane, st: BucketState, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray) -> None:
         """Queue entries of ``st`` a spilled lane's pass read back (the caller dropped those

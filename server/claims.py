@@ -1,0 +1,86 @@
+"""Cancel claims: messages a Cancel (or a Reschedule) has claimed and whose tombstone has
+not yet passed the iterate service.
+
+Owned by the scheduler thread (``server/scheduler.py``); no I/O. A Cancel's worker thread
+does not touch it: it posts its claims on the scheduler's queue and waits for the answer
+(``Scheduler.claim_cancels``). While a sequence is claimed the dispatcher never hands it
+out and a spilled lane's pass never reads it back; the claim ends when the tombstone has
+been appended (``settled``, from ``Scheduler.on_written``) or the Cancel gives it back
+(``release``: its tombstone write failed, or its caller went away), which makes the
+message deliverable again.
+
+An entry the dispatcher or a read-back pass met while its message was claimed is not
+dropped but set aside here (``skip``), still counted as held by its bucket (so the bucket
+cannot become done): a release hands it back to be queued again, the tombstone drops it
+for good. Without this, a claim released after its entry was skipped would leave the
+message undelivered with neither a tombstone nor a DISPATCH record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from qdelay.server.ledger import Item
+
+# claim answers, one per sequence
+CLAIMED = 0
+CLAIM_CANCELLING = 1  # another Cancel claimed it already (or an earlier entry of the list)
+CLAIM_OUT = 2  # handed out and not acknowledged, or its dead-letter copy is being written
+
+
+class CancelClaims:
+    def __init__(self) -> None:
+        # the set itself is read by the dispatcher and the read-back passes (membership
+        # tests per entry, lock held); only the methods below change it
+        self.claimed: set[int] = set()
+        # sequence -> group id -> the entry set aside while claimed
+        self._skipped: dict[int, dict[int, Item]] = {}
+
+    def claim(self, sequences: list[int], out_now: Callable[[int], bool]) -> list[int]:
+        """Claim each sequence unless it is claimed already or ``out_now`` (handed out, or
+        being dead-lettered); one of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each."""
+        answers: list[int] = []
+        claimed = self.claimed
+        for seq in sequences:
+            if seq in claimed:
+                answers.append(CLAIM_CANCELLING)
+            elif out_now(seq):
+                answers.append(CLAIM_OUT)
+            else:
+                claimed.add(seq)
+                answers.append(CLAIMED)
+        return answers
+
+    def skip(self, item: Item) -> bool:
+        """Set aside an entry of a claimed message for its group; False if one is set aside
+        for that group already (the caller drops this one)."""
+        seq, gid = item[0], item[6]
+        by_group = self._skipped.setdefault(seq, {})
+        if gid in by_group:
+            return False
+        by_group[gid] = item
+        return True
+
+    def release(self, sequences: list[int]) -> list[Item]:
+        """Give back claims whose tombstones will not be written (or were not needed); the
+        entries set aside meanwhile, to be queued again."""
+        self.claimed.difference_update(sequences)
+        out: list[Item] = []
+        for seq in sequences:
+            got = self._skipped.pop(seq, None)
+            if got:
+                out.extend(got.values())
+        return out
+
+    def settled(self, target: int) -> list[Item]:
+        """The tombstone of ``target`` passed the iterate service: its bucket knows it as
+        cancelled now, the claim is no longer needed; the entries set aside, dropped."""
+        self.claimed.discard(target)
+        got = self._skipped.pop(target, None)
+        return list(got.values()) if got else []
+
+    def holds(self, seq: int) -> bool:
+        return seq in self.claimed
+
+    def __bool__(self) -> bool:
+        return bool(self.claimed)

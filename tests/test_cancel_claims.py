@@ -1,0 +1,83 @@
+"""Cancel claims travel on the scheduler's queue (issue 14, item 3): the worker thread of a
+Cancel posts its claims and waits for the answer; the scheduler thread applies them
+between the steps of a dispatch round, so a claimed message is never handed out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from qdelay.server.engine import Engine
+from qdelay.server.scheduler import Scheduler
+from tests.conftest import wait_until
+from tests.simclock import CollectingSink, config, message
+
+
+def test_a_claim_posted_while_a_round_reads_its_records_wins_and_a_release_gives_it_back(tmp_path):
+    engine = Engine(config(tmp_path / "data"))
+    sink = CollectingSink()
+    engine.set_sink(sink)
+    engine.start()
+    sched = engine.scheduler
+    try:
+        due = int(time.time() * 1000) + 300
+        target, other = engine.send_sync([message("t.claim", due, "target"), message("t.claim", due, "other")])
+        answers: dict[str, list[int]] = {}
+        read = sched.dispatcher.read
+
+        def read_with_a_claim_arriving(taken) -> None:
+            """The round's records are being read (no lock held): a Cancel claims the
+            target now, and its claim waits on the queue until the round hands out."""
+            seqs = [q for t in taken for part in t.parts for q in part.seqs]
+            if target.sequence in seqs and "mid-round" not in answers:
+                claimer = threading.Thread(
+                    target=lambda: answers.__setitem__("mid-round", sched.claim_cancels([target.sequence]))
+                )
+                claimer.start()
+                assert wait_until(lambda: sched.queued() > 0, timeout=5)
+            read(taken)
+
+        sched.dispatcher.read = read_with_a_claim_arriving  # type: ignore[method-assign]
+        assert wait_until(lambda: "other" in sink.ids() and "mid-round" in answers, timeout=10)
+        assert answers["mid-round"] == [Scheduler.CLAIMED]
+        assert "target" not in sink.ids()  # taken for the round, dropped at its hand-out
+        assert sched.cancel_claimed(target.sequence)
+        assert sched.stats()["cancel_skipped"] == 1
+
+        # the tombstone write failed: the claim is given back (posted, not waited for) and
+        # the message is delivered after all
+        sched.release_cancels([target.sequence])
+        assert wait_until(lambda: "target" in sink.ids(), timeout=10)
+        assert not sched.cancel_claimed(target.sequence)
+        # handed out and not acknowledged: a claim is refused, and a second claim of an
+        # idle message is answered as already claimed, in one request
+        (third,) = engine.send_sync([message("t.claim", due + 3_600_000, "third")])
+        assert sched.claim_cancels([target.sequence, third.sequence, third.sequence]) == [
+            Scheduler.CLAIM_OUT,
+            Scheduler.CLAIMED,
+            Scheduler.CLAIM_CANCELLING,
+        ]
+        sched.release_cancels([third.sequence])
+        assert not sched.cancel_claimed(third.sequence)
+        assert other.sequence not in (target.sequence, third.sequence)
+    finally:
+        engine.close()
+
+
+def test_claims_are_answered_when_the_scheduler_thread_is_not_running(tmp_path):
+    """Before start() and after stop() the caller applies the queue itself."""
+    engine = Engine(config(tmp_path / "data"))
+    sched = engine.scheduler
+    try:
+        assert sched.claim_cancels([7, 7]) == [Scheduler.CLAIMED, Scheduler.CLAIM_CANCELLING]
+        sched.release_cancels([7])
+        assert not sched.cancel_claimed(7)
+        engine.start()
+        assert sched.claim_cancels([8]) == [Scheduler.CLAIMED]
+        sched.stop()
+        assert sched.cancel_claimed(8)
+        sched.release_cancels([8])
+        assert not sched.cancel_claimed(8)
+        assert sched.queued() == 0
+    finally:
+        engine.close()
