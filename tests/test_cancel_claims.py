@@ -7,10 +7,11 @@ from __future__ import annotations
 import threading
 import time
 
+from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import Engine
 from qdelay.server.scheduler import Scheduler
 from tests.conftest import wait_until
-from tests.simclock import CollectingSink, config, message
+from tests.simclock import MINUTE, CollectingSink, Driver, FakeClock, config, message
 
 
 def test_a_claim_posted_while_a_round_reads_its_records_wins_and_a_release_gives_it_back(tmp_path):
@@ -81,3 +82,34 @@ def test_claims_are_answered_when_the_scheduler_thread_is_not_running(tmp_path):
         assert sched.queued() == 0
     finally:
         engine.close()
+
+
+def test_a_claim_released_after_a_spill_pass_set_its_entry_aside_is_delivered(tmp_path):
+    """A spilled lane's read-back pass meets a claimed message: the entry is set aside, held
+    by its bucket (which cannot become done meanwhile), and a release (the tombstone write
+    failed) queues it again; without it the message would be lost with no tombstone."""
+    clock = FakeClock()
+    sink = CollectingSink(clock)
+    d = Driver(tmp_path, clock, sink, group_max_ready=4)
+    sched = d.engine.scheduler
+    rs = d.send([message("t.spill", clock.now + 10, f"m{i}") for i in range(12)])
+    d.catch_up()
+    target = rs[5]
+    assert sched.claim_cancels([target.sequence]) == [Scheduler.CLAIMED]
+    d.advance(100, passes=4)  # fired past the lane's bound: spilled, then read back
+    got = [s.message_id for s in sink.take()]
+    assert sorted(got) == sorted(r.message_id for r in rs if r is not target)
+    assert sched.stats()["cancel_skipped"] == 0  # set aside by the pass, not by the dispatcher
+    d.engine.ack([f"{r.sequence}.1" for r in rs if r is not target])
+    d.advance(2 * MINUTE, passes=2)
+    assert d.engine.stats()["pending"] == 1
+    bucket = bucket_of(target.deliver_at_ms)
+    assert not sched.is_done(bucket)  # the bucket holds the entry set aside
+    sched.release_cancels([target.sequence])
+    d.advance(1)
+    assert [s.message_id for s in sink.take()] == [target.message_id]
+    d.engine.ack([f"{target.sequence}.1"])
+    d.advance(2 * MINUTE, passes=2)
+    assert d.engine.stats()["pending"] == 0
+    assert sched.is_done(bucket)
+    d.close()
