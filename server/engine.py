@@ -688,16 +688,31 @@ class Engine:
         misses the index), so reading those records is affordable.
         """
         out: dict[int, Receipt] = {}
+        which = [k for k, hit in enumerate(hits) if hit is not None]
+        if not which:
+            return out
+        places = list(hits)
+        self._in_existing_buckets(places, which)  # cleaned away long ago: the id is free again
+        found = {k: p for k in which if (p := places[k]) is not None}
+        live = list(found)
+        # batched, as CancelBatch reads them: the segments hold exactly these messages (one
+        # column check per bucket), then their states (one dispatch-log test and one set of
+        # tombstones per bucket). A retry of a pending message, the common duplicate, costs
+        # no record read; a closed one, or one the columns do not confirm, is located alone
+        dues = np.array([found[k][0] for k in live], dtype=np.int64)
+        seqs = np.array([found[k][1] for k in live], dtype=np.int64)
+        held = self._held_by_segments([ids[k] for k in live], dues, seqs)
+        confirmed = [k for k, ok in zip(live, held) if ok]
+        states = dict(zip(confirmed, self._states_of([found[k] for k in confirmed])))
         now = self.clock()
-        for k, hit in enumerate(hits):
-            if hit is None:
-                continue
-            due, seq = hit
-            state, offset, _msg, _at, closes = self._locate(ids[k], due, seq, detail=True)
-            if state == MessageState.NOT_FOUND:
-                continue  # cleaned away long ago
-            if state != MessageState.PENDING and now - self._closed_at(due, seq, offset, state, closes) > window_ms:
-                continue  # closed before the window: the id may be used again
+        for k in live:
+            due, seq = found[k]
+            if states.get(k) != MessageState.PENDING:
+                state, offset, _msg, _at, closes = self._locate(ids[k], due, seq, detail=True)
+                if state == MessageState.NOT_FOUND:
+                    continue
+                if state != MessageState.PENDING and now - self._closed_at(due, seq, offset, state, closes) > window_ms:
+                    continue  # closed before the window: the id may be used again
             out[k] = Receipt(ids[k], due, seq)
         return out
 
