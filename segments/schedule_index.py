@@ -331,13 +331,31 @@ class IndexFile:
 
     # -- reading --
 
+    def _find(self, q: np.ndarray, n: int) -> tuple[memoryview, np.ndarray]:
+        """(a view of the mapped entries, the position of each of ``q`` in it or -1), ``n``
+        entries published. The map kept from an earlier lookup answers when it holds every
+        sequence asked for or they lie below its last entry: a tombstone appended since (each
+        Cancel appends one) does not make every reader map the file again, which cost a
+        fresh map's page faults and the old one's unmap per Cancel."""
+        m = self._map
+        if m is not None and 0 < m[1] < n:
+            k = m[1]
+            view = memoryview(m[0])[: k * ENTRY_SIZE]
+            pos = index_find(view, q)
+            last = int.from_bytes(view[(k - 1) * ENTRY_SIZE : (k - 1) * ENTRY_SIZE + 8], "little", signed=True)
+            if not bool(((pos < 0) & (q > last)).any()):
+                self._mapped(k)  # counted as looked up (kept among the last MAX_MAPS)
+                return view, pos
+        view = memoryview(self._mapped(n))[: n * ENTRY_SIZE]
+        return view, index_find(view, q)
+
     def _positions(self, seqs: np.ndarray) -> np.ndarray:
         """Positions of ``seqs`` among the published entries (-1: absent), by the readers'
         memory map of the file (``_mapped``)."""
         n = self.count
         if n == 0:
             return np.full(len(seqs), -1, dtype=np.int64)
-        return index_find(memoryview(self._mapped(n))[: n * ENTRY_SIZE], seqs)
+        return self._find(np.asarray(seqs, dtype=np.int64), n)[1]
 
     def lookup(self, seqs: np.ndarray | list[int]) -> Found:
         """The published entries of ``seqs``: a binary search each over a memory map of the
@@ -347,13 +365,11 @@ class IndexFile:
         if n == 0 or not len(q):
             return Found(np.zeros(len(q), dtype=bool), np.zeros(0, dtype=ENTRY))
         try:
-            mm = self._mapped(n)
+            view, pos = self._find(q, n)
         except FileNotFoundError:
             raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
-        view = memoryview(mm)[: n * ENTRY_SIZE]
-        pos = index_find(view, q)
         hit = pos >= 0
-        rows = np.frombuffer(view, dtype=ENTRY, count=n)[pos[hit]]  # a copy
+        rows = np.frombuffer(view, dtype=ENTRY, count=len(view) // ENTRY_SIZE)[pos[hit]]  # a copy
         return Found(hit, rows)
 
 
