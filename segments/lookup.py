@@ -66,11 +66,11 @@ class RecordFinder:
     def find(self, seg: Segment, sequence: int) -> Frame | None:
         """The frame with ``sequence`` in a schedule segment, or None."""
         idx = _index(seg)
-        found = idx.lookup([sequence])
-        if not found.hit[0]:
+        entry = idx.entry(sequence)
+        if entry is None:
             return None
         try:
-            frame = seg.read_frame(int(found.offsets[0]))
+            frame = seg.read_frame(entry[0])
         except CorruptRecord as err:
             # rotted after it was indexed: never served, as the loader skips it (rows 5b, 14d)
             log.warning("a looked-up record is damaged", extra={"path": err.path, "offset": err.offset})
@@ -107,7 +107,8 @@ class RecordFinder:
 
     def cancelled(self, seg: Segment, target: int) -> bool:
         """Whether ``seg`` holds a CANCEL for its MESSAGE ``target`` (as far as it is written)."""
-        return bool(self.cancelled_among(seg, np.array([target], dtype=np.int64))[0])
+        entry = _index(seg).entry(target)
+        return entry is not None and entry[1] == _MESSAGE and bool(entry[2] & CANCELLED)
 
     def cancelled_among(self, seg: Segment, targets: np.ndarray) -> np.ndarray:
         """For each of ``targets``, whether ``seg`` holds that MESSAGE and a CANCEL of it (a

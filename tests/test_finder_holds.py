@@ -68,6 +68,23 @@ def test_holds_answers_as_reading_each_record(tmp_path):
             seqs = np.array([r.sequence for r in sent] + [engine.wal.committed_sequence + 9], dtype=np.int64)
             flags = engine.finder.cancelled_among(seg, seqs).tolist()
             assert flags == [int(q) in cancelled for q in seqs.tolist()]
+            # one sequence at a time (IndexFile.entry, what Get uses): the same entries
+            assert [engine.finder.cancelled(seg, q) for q in seqs.tolist()] == flags
+            idx = seg.index
+            assert idx is not None
+            for q in seqs.tolist() + [q[0] for q in queries]:
+                found = idx.lookup([q])
+                one = idx.entry(q)
+                if not found.hit[0]:
+                    assert one is None
+                else:
+                    assert one == (
+                        int(found.offsets[0]),
+                        int(found.kinds[0]),
+                        int(found.flags[0]),
+                        int(found.a[0]),
+                        int(found.b[0]),
+                    )
             assert sum(got) >= 60  # the right ones (and no more than the reference finds)
     finally:
         engine.close()
