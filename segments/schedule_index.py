@@ -215,7 +215,9 @@ class IndexFile:
             fd = self.pool.acquire(self.path)
             try:
                 size = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, size - size % ENTRY_SIZE, access=mmap.ACCESS_READ)
+                # shared and writable: the writer sets CANCELLED flags through it (readers
+                # only read); its dirty pages are written back by ``sync``'s fdatasync
+                mm = mmap.mmap(fd, size - size % ENTRY_SIZE, access=mmap.ACCESS_WRITE)
             finally:
                 self.pool.release(fd)
             m = self._map = (mm, len(mm) // ENTRY_SIZE)
@@ -251,14 +253,21 @@ class IndexFile:
                 # set before the tombstone reaches the segment, which is harmless: the
                 # tombstone is already durable in the message log, and the replay after a
                 # crash writes it again)
-                pos = self._positions(missing)
-                for p in pos[pos >= 0].tolist():
-                    os.pwrite(fd, bytes([CANCELLED]), p * ENTRY_SIZE + FLAGS_AT)
+                self._set_flags(self._positions(missing))
             _pwrite_all(fd, entries.tobytes(), self.count * ENTRY_SIZE)
         finally:
             pool.release(fd)
         self._dirty = True
         return len(entries)
+
+    def _set_flags(self, positions: np.ndarray) -> None:
+        """CANCELLED into the flags byte of the published entries at ``positions`` (-1:
+        none), through the map: a pwrite each cost ~3 us, half the iterate thread's work
+        per tombstone."""
+        positions = positions[positions >= 0]
+        if len(positions):
+            flags = np.frombuffer(self._mapped(self.count), dtype=np.uint8)
+            flags[positions * ENTRY_SIZE + FLAGS_AT] = CANCELLED
 
     def publish(self, n: int) -> None:
         self.count += n
