@@ -66,6 +66,12 @@ class BucketState:
         # bucket is loaded, then one more per record written
         self.nclosed = 0
 
+    def written_on(self) -> None:
+        """Records were appended past what the loader read to the end: it reads on from
+        its cursor, and the bucket is not done before."""
+        self.complete = False
+        self.done = False
+
     def owe(self, gid: int, n: int) -> None:
         self.owed[gid] = self.owed.get(gid, 0) + n
 
@@ -121,6 +127,15 @@ class BucketBook:
                 if seg is not None:
                     self.loaded[b] = BucketState(b, seg)
         self.horizon = max(self.horizon, horizon)
+
+    def load_behind(self, bucket: int, seg: Segment, start: int) -> BucketState:
+        """A record was appended to a bucket behind the loading horizon that is not loaded
+        (finished, or created there after the loader passed it): it is loaded from where
+        the append began (nothing before it is outstanding) and, if finished, reopened."""
+        st = self.loaded[bucket] = BucketState(bucket, seg, start)
+        st.dispatch_ready = st.tombstones_known = True
+        self.reopen(bucket)
+        return st
 
     def reopen(self, bucket: int) -> None:
         """A record landed in a finished bucket: it is loaded again. The closes in its

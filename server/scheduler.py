@@ -339,15 +339,12 @@ class Scheduler:
                     seg = self.schedule.get(b)
                     if seg is None:
                         continue
-                    st = book.loaded[b] = BucketState(b, seg, w.start)
-                    st.dispatch_ready = st.tombstones_known = True
-                    book.reopen(b)
+                    book.load_behind(b, seg, w.start)
                     wake = True
                 elif st.complete:
                     if w.end <= st.cursor:
                         continue  # already read (the loader ran ahead of this notice)
-                    st.complete = False
-                    st.done = False
+                    st.written_on()
                 if sleeping_until is None or w.first_due < sleeping_until:
                     wake = True
             for b, target in cancels:
