@@ -56,6 +56,23 @@ _SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
 MAX_BACKOFF = 2.0  # seconds between two tries at most: a restarted server is found soon after
 
 
+def lost_status(error: grpc.RpcError | None) -> bool:
+    """grpc.aio's "Internal error from Core": it failed to write on a stream the server had
+    just ended (a refusal racing the client's next write), and the server's own status is
+    lost. No verdict: what was unanswered is sent again."""
+    return (
+        error is not None and error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core"
+    )
+
+
+def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:
+    """The retries a stream's unanswered requests get after ``error``: a lost status gets one
+    even with ``retries=0``, so that the caller sees the server's own status (an auth
+    refusal racing the first write surfaced as INTERNAL in fresh-clone runs, on SendStream
+    and on CancelStream)."""
+    return max(retries, 1) if lost_status(error) else retries
+
+
 @dataclass(frozen=True)
 class Batching:
     """How ``send()`` gathers messages (``Client(batching=Batching(...))``; ``batching=False``
@@ -311,22 +328,17 @@ class SendBatcher:
                         await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
                 continue
             code = error.code()
-            # "Internal error from Core": grpc.aio failed to write a batch on a call the server
-            # had just ended (a refusal racing our next write); the server's status is lost, and
-            # nothing from the refused batch on was written: sent again, as for a broken stream
-            lost_status = code == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core"
+            # a lost status (nothing from the refused batch on was written): sent again, as
+            # for a broken stream
             if (
                 code == grpc.StatusCode.UNAVAILABLE
-                or lost_status
+                or lost_status(error)
                 or code == grpc.StatusCode.CANCELLED
                 and not self._closing
             ):
                 self._resend.extendleft(reversed(unanswered))
                 attempt += 1
-                # a lost status is no verdict: it gets one more try even with retries=0, so
-                # that the caller sees the server's own status (an auth refusal racing the
-                # first write surfaced as INTERNAL once in a fresh-clone run)
-                if attempt > (max(self._retries, 1) if lost_status else self._retries):
+                if attempt > tries_allowed(self._retries, error):
                     self._fail(self._take_resend(), self._translate(error, attempt))
                     attempt = 0
                 else:
@@ -549,10 +561,9 @@ class _Stream:
     def _settle(self, error: grpc.RpcError | None) -> None:
         waiting, self.waiting = list(self.waiting), deque()
         code = error.code() if error is not None else None
-        # "Internal error from Core": grpc.aio failed to write on a call the server had just
-        # ended; its status is lost (as in SendBatcher): no verdict, sent again
-        lost = code == grpc.StatusCode.INTERNAL and error is not None and error.details() == "Internal error from Core"
-        transient = error is None or lost or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        transient = (
+            error is None or lost_status(error) or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        )
         for k, future in enumerate(waiting):
             if future.done():
                 continue
@@ -645,7 +656,7 @@ class CancelStreamCall:
                 if not again.counted:
                     continue
                 attempt += 1
-                if attempt > self._retries:
+                if attempt > tries_allowed(self._retries, again.error):
                     if again.error is None:
                         raise errors.Unavailable("CancelStream ended with the request unanswered") from None
                     raise self._translate(again.error, attempt) from None
