@@ -60,6 +60,9 @@ class _Written:
         return Receipt(message_id, self.dues[k], self.first + k)
 
 
+TIDY_AFTER = 1.0  # seconds: how soon ids are forgotten once sends stop coming
+
+
 class Deduper:
     def __init__(self, engine: Engine, window_ms: int) -> None:
         self.engine = engine
@@ -77,6 +80,7 @@ class Deduper:
         self._writing: dict[str, asyncio.Future] = {}
         self._active: dict[int, int] = {}  # lookup token -> indexed sequence when it began
         self._token = 0
+        self._tidy: asyncio.TimerHandle | None = None  # a prune once sends stop coming
         self._epoch: int | None = None
         self._floor = 0
         self.duplicates = 0
@@ -110,7 +114,7 @@ class Deduper:
             if hits.count(None) != len(hits):
                 found = await asyncio.to_thread(engine.duplicates_among, ids, hits, self.window_ms)
             writing = self._writing
-            while writing:  # a batch with one of these ids may be being written
+            while writing and not writing.keys().isdisjoint(ids):  # one of these ids is being written
                 busy = {writing[m] for m in writing.keys() & ids}
                 if not busy:
                     break
@@ -118,7 +122,7 @@ class Deduper:
         finally:
             del self._active[token]
         # (no await from here to the claim: no other batch can claim one of these ids between)
-        recent = self._recent.keys() & ids if self._recent else ()
+        recent = self._recent.keys() & ids if self._recent and not self._recent.keys().isdisjoint(ids) else ()
         dups: dict[int, Receipt] = {}
         if found or recent:
             for k, message_id in enumerate(ids):
@@ -163,6 +167,16 @@ class Deduper:
             self._again.update(recent.keys() & batch.ids)  # written again: see _prune
         recent.update(dict.fromkeys(batch.ids, batch))
         self._order.append(batch)
+        if self._tidy is None:
+            self._tidy = asyncio.get_running_loop().call_later(TIDY_AFTER, self._tidy_up)
+
+    def _tidy_up(self) -> None:
+        """Prune without a send to do it (after the last ones, the index catches up while
+        nobody checks): the ids of a burst would otherwise stay in memory until the next."""
+        self._tidy = None
+        self._prune()
+        if self._order:
+            self._tidy = asyncio.get_running_loop().call_later(TIDY_AFTER, self._tidy_up)
 
     def _prune(self) -> None:
         """Forget recent ids the index holds, unless a lookup begun before it got them runs."""
@@ -179,3 +193,5 @@ class Deduper:
                         again.discard(message_id)
             else:
                 collections.deque(map(recent.pop, batch.ids, itertools.repeat(None)), maxlen=0)
+        if not order and (recent or again):  # (every id in _recent belongs to a batch in _order)
+            self._recent, self._again = {}, set()  # a dict keeps its table however many keys leave
