@@ -33,19 +33,13 @@ import argparse
 import os
 import random
 import tempfile
-import threading
 import time
 
-from bench.common import Meter, cpu_seconds, machine, median, print_table, write_json
+from bench.common import Meter, machine, median, percentile, print_table, threads, until_idle, write_json
 from bench.peers import QdelayDriver
 from qdelay.client import Client, Outgoing
 
 BUCKET_MS = 60_000
-
-
-def _percentile(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 def _fill(client: Client, n: int, minute_start: int, tag: str) -> list:
@@ -57,28 +51,6 @@ def _fill(client: Client, n: int, minute_start: int, tag: str) -> list:
         for i in range(n)
     )
     return list(client.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=300))
-
-
-def _threads(count: int, work, items: list) -> float:
-    """Run ``work(item)`` over ``items`` from ``count`` threads; wall seconds."""
-    it = iter(items)
-    lock = threading.Lock()
-
-    def run() -> None:
-        while True:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return
-            work(item)
-
-    ts = [threading.Thread(target=run) for _ in range(count)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
 
 
 def _aio_cancels(address: str, targets: list, tasks: int, batching: bool, pid: int) -> tuple[float, float]:
@@ -107,19 +79,6 @@ def _aio_cancels(address: str, targets: list, tasks: int, batching: bool, pid: i
     if bad or len(outcomes) != len(targets):
         raise SystemExit(f"aio cancel answered {bad[:3]} ({len(bad)} not CANCELLED, {len(outcomes)} answers)")
     return wall, cpu
-
-
-def _until_idle(pid: int, timeout: float = 30.0) -> float:
-    """Wait until the server uses under 5 % of a core over 0.5 s (the fills' background work,
-    iterate catch-up and the id index's compactions, done): Get is measured on an idle
-    server. Returns the seconds waited."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        before = cpu_seconds(pid)
-        time.sleep(0.5)
-        if cpu_seconds(pid) - before < 0.025:
-            break
-    return time.perf_counter() - t0
 
 
 def run(
@@ -159,7 +118,7 @@ def run(
                     aio_sets = {"batched": rest[:a], "unary": rest[a : 2 * a]}
                     batch_set = random.sample(batch_pool, min(n, cancels))
 
-                    idle_s = _until_idle(server.pid)
+                    idle_s = until_idle(server.pid)
                     lat = []
                     for r in get_set:
                         t0 = time.perf_counter()
@@ -175,7 +134,7 @@ def run(
 
                     moved: list[str] = []
                     with Meter(server.pid) as mr:
-                        wall_r = _threads(
+                        wall_r = threads(
                             16, lambda r, out=moved: out.append(c.reschedule(r, delay_ms=7_200_000)[0]), resched_set
                         )
                     if any(o != "RESCHEDULED" for o in moved):
@@ -183,17 +142,17 @@ def run(
 
                     outcomes: list[str] = []
                     with Meter(server.pid) as mu:
-                        wall_u = _threads(16, lambda r, out=outcomes: out.append(c.cancel(r)), unary_set)
+                        wall_u = threads(16, lambda r, out=outcomes: out.append(c.cancel(r)), unary_set)
                     bad = [o for o in outcomes if o != "CANCELLED"]
                     if bad:
                         raise SystemExit(f"unary cancel answered {bad[:3]} ({len(bad)} not CANCELLED)")
 
                     row = {
                         "bucket_size": n,
-                        "get_p50_ms": _percentile(lat, 50),
-                        "get_p99_ms": _percentile(lat, 99),
-                        "health_p50_ms": _percentile(floor, 50),
-                        "health_p99_ms": _percentile(floor, 99),
+                        "get_p50_ms": percentile(lat, 50),
+                        "get_p99_ms": percentile(lat, 99),
+                        "health_p50_ms": percentile(floor, 50),
+                        "health_p99_ms": percentile(floor, 99),
                         "loadavg": round(os.getloadavg()[0], 2),
                         "idle_wait_s": round(idle_s, 1),
                         "unary_cancels_per_s": len(unary_set) / wall_u,
@@ -221,7 +180,7 @@ def run(
                 # yardsticks, same run: unary Send from 16 threads, batched send's CPU
                 sends = [hour + 3 * 86_400_000 + i for i in range(max(cancels, 500))]
                 with Meter(server.pid) as ms:
-                    wall_s = _threads(16, lambda at: c.send("bench.yard", b"x" * 100, deliver_at_ms=at), sends)
+                    wall_s = threads(16, lambda at: c.send("bench.yard", b"x" * 100, deliver_at_ms=at), sends)
                 with Meter(server.pid) as mbs:
                     _fill(c, 50_000, hour + 4 * 86_400_000, "yard")
                 yard = {
@@ -341,7 +300,7 @@ def _timed(pid: int, calls: list) -> dict:
             t0 = time.perf_counter()
             call()
             lat.append((time.perf_counter() - t0) * 1000)
-    return {"p50_ms": _percentile(lat, 50), "p99_ms": _percentile(lat, 99), "cpu_us": m.cpu / len(calls) * 1e6}
+    return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "cpu_us": m.cpu / len(calls) * 1e6}
 
 
 def _cold_round(server: QdelayDriver, minutes: int, per_minute: int, ops: int, seed: int) -> dict:
@@ -352,7 +311,7 @@ def _cold_round(server: QdelayDriver, minutes: int, per_minute: int, ops: int, s
         c.wait_ready()
         start = (int(time.time() * 1000) // BUCKET_MS + 24 * 60) * BUCKET_MS
         receipts = _cold_fill(c, minutes, per_minute, start)
-        out["idle_wait_s"] = round(_until_idle(server.pid), 1)
+        out["idle_wait_s"] = round(until_idle(server.pid), 1)
         rnd = random.Random(seed)
         picks = rnd.sample(receipts, 6 * ops)
         sets = [picks[k * ops : (k + 1) * ops] for k in range(6)]

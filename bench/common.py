@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -122,3 +123,44 @@ def write_json(name: str, data: dict[str, Any]) -> str:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
     return path
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile of ``values`` (nearest rank; nan when empty)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def threads(count: int, work: Any, items: Sequence[Any]) -> float:
+    """``work(item)`` over ``items`` from ``count`` threads; wall seconds."""
+    it = iter(items)
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                item = next(it, None)
+            if item is None:
+                return
+            work(item)
+
+    ts = [threading.Thread(target=run) for _ in range(count)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def until_idle(pid: int, timeout: float = 30.0) -> float:
+    """Wait until the process uses under 5 % of a core over 0.5 s (a fill's background work:
+    iterate catch-up, the id index's compactions), so that what follows is measured on an
+    idle server and not charged for it. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        before = cpu_seconds(pid)
+        time.sleep(0.5)
+        if cpu_seconds(pid) - before < 0.025:
+            break
+    return time.perf_counter() - t0

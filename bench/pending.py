@@ -28,54 +28,16 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-import threading
 import time
 
 import psutil
 
-from bench.common import Meter, machine, print_table, write_json
+from bench.common import Meter, machine, percentile, print_table, threads, until_idle, write_json
 from bench.peers import QdelayDriver
 from qdelay.client import Client, Outgoing
 from qdelay.v1 import qdelay_pb2 as pb
 
 DAY_MS = 86_400_000
-
-
-def _percentile(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
-
-
-def _until_idle(pid: int, timeout: float = 60.0) -> None:
-    """Until the server uses under 5 % of a core over 0.5 s: the fill's background work (the
-    iterate service catching up, the id index's compactions) is not charged to what follows."""
-    proc = psutil.Process(pid)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        before = sum(proc.cpu_times()[:2])
-        time.sleep(0.5)
-        if sum(proc.cpu_times()[:2]) - before < 0.025:
-            return
-
-
-def _threads(count: int, work, items: list) -> None:
-    """``work(item)`` over ``items`` from ``count`` threads."""
-    it = iter(items)
-    lock = threading.Lock()
-
-    def run() -> None:
-        while True:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return
-            work(item)
-
-    ts = [threading.Thread(target=run) for _ in range(count)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
 
 
 def _timed_calls(call, items: list) -> list[float]:
@@ -132,7 +94,7 @@ def run(levels: list[int], messages: int) -> list[dict]:
                         )
                         c.send_many(far, batch_size=1000, max_in_flight=8, timeout=900)
                         filled = level
-                    _until_idle(server.pid)
+                    until_idle(server.pid, 60.0)
                     row: dict = {"pending": filled}
 
                     stream = fresh(messages, "m")
@@ -159,7 +121,7 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     n = max(160, messages // 20)
                     batch = fresh(n, "t")
                     with Meter(server.pid) as m:
-                        _threads(
+                        threads(
                             16,
                             lambda o: c.send(
                                 o.subject, o.payload, deliver_at_ms=o.deliver_at_ms, message_id=o.message_id
@@ -194,13 +156,13 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     row["resend_msgs_per_s"] = len(again) / m.wall
                     row["resend_cpu_us"] = m.cpu / len(again) * 1e6
 
-                    _until_idle(server.pid)
+                    until_idle(server.pid, 60.0)
                     ids = [rng.choice(picks) for _ in range(500)]
                     lat = _timed_calls(lambda mid: c.get(message_id=mid), ids)
-                    row["get_by_id_p50_ms"] = _percentile(lat, 50)
-                    row["get_by_id_p99_ms"] = _percentile(lat, 99)
+                    row["get_by_id_p50_ms"] = percentile(lat, 50)
+                    row["get_by_id_p99_ms"] = percentile(lat, 99)
                     lat = _timed_calls(lambda _i: c.stub.Topology(pb.TopologyRequest(), timeout=5), range(200))
-                    row["topology_p50_ms"] = _percentile(lat, 50)
+                    row["topology_p50_ms"] = percentile(lat, 50)
                     row["rss_mb"] = proc.memory_info().rss / 2**20
                     rows.append(row)
                     print(row, flush=True)

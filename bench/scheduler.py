@@ -38,6 +38,7 @@ import time
 import numpy as np
 import psutil
 
+from bench.common import percentile
 from qdelay.segments.idindex import IdIndex
 from qdelay.server import allocator
 from qdelay.server.config import engine_config
@@ -77,11 +78,6 @@ class AckingSink:
             self.acked += self.engine.ack(ids)
             if self.expect and self.acked >= self.expect:
                 self.all_acked.set()
-
-
-def percentile(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 def send_all(
