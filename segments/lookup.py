@@ -3,9 +3,10 @@
 A schedule segment's records are found through the index file beside it
 (segments/schedule_index.py): a binary search over a memory map of fixed-width entries,
 so a lookup costs the same in a minute of a thousand records as in one of a million, cold
-or not, and nothing is kept in memory between lookups. A MESSAGE's entry carries its due
-time, a hash of its id and whether a tombstone of it follows, so a batch of receipts
-(CancelBatch) and their tombstones are checked without reading a record.
+or not; only the maps of the last few index files looked up are kept (their touched
+pages). A MESSAGE's entry carries its due time, a hash of its id and whether a tombstone
+of it follows, so a batch of receipts (CancelBatch) and their tombstones are checked
+without reading a record.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _verified(seg: Segment, start: int, stop: int, chunk: int = SCAN_BYTES) -> I
 
 class RecordFinder:
     """Finds a record and its tombstone in a schedule segment through its index file
-    (no walk of the segment, no cache)."""
+    (no walk of the segment)."""
 
     def find(self, seg: Segment, sequence: int) -> Frame | None:
         """The frame with ``sequence`` in a schedule segment, or None."""
