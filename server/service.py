@@ -9,6 +9,7 @@ answered only once its records are durable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -250,51 +251,20 @@ class DelayService(pb_grpc.DelayServiceServicer):
         The first refused batch ends the stream with its status; every batch before it has
         its response, nothing from it or after it is written.
         """
-        pending: asyncio.Queue = asyncio.Queue(maxsize=STREAM_PIPELINE)
 
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    try:
-                        batch, compact = self._validate_request(request)
-                        task = asyncio.ensure_future(self._write(batch))
-                    except Exception as error:  # noqa: BLE001 - reported in order by the writer below
-                        await pending.put(error)
-                        return
-                    await pending.put((batch, task, compact))
-            finally:
-                await pending.put(None)
+        def start(request) -> tuple[asyncio.Future, tuple]:
+            batch, compact = self._validate_request(request)
+            return asyncio.ensure_future(self._write(batch)), (batch, compact)
 
-        reader = asyncio.ensure_future(read())
-        self._streams.add(pending)
-        try:
-            while True:
-                item = await pending.get()
-                if item is None:
-                    break
-                if item is _CLOSING:
-                    if pending.empty():
-                        break
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                batch, task, compact = item
-                first, dups = await task
-                yield _batch_response(batch, first, compact, dups, self.shard)
-                if self.closing and pending.empty():
-                    break  # shutting down: every batch read is answered
-        finally:
-            self._streams.discard(pending)
-            if not reader.done():
-                reader.cancel()
-            # let batches already handed to the engine settle (they may still become durable)
-            while not pending.empty():
-                item = pending.get_nowait()
-                if isinstance(item, tuple):
-                    try:
-                        await item[1]
-                    except Exception:  # noqa: BLE001 - the stream already failed
-                        pass
+        def answer(written: tuple[int, dict[int, Receipt]], ctx: tuple):
+            (first, dups), (batch, compact) = written, ctx
+            return _batch_response(batch, first, compact, dups, self.shard)
+
+        # aclosing: a stream the client ends closes the pipeline at once (its finally lets
+        # the engine's work settle), not whenever the inner generator is collected
+        async with contextlib.aclosing(self._pipelined(request_iterator, start, answer)) as responses:
+            async for response in responses:
+                yield response
 
     @status.unary
     async def Cancel(self, request, context):
@@ -335,21 +305,43 @@ class DelayService(pb_grpc.DelayServiceServicer):
         already under way when a later one fails finish (their tombstones may be written)
         without a response: a client sends them again, and cancelling again is safe.
         """
+
+        def start(request) -> tuple[asyncio.Future, None]:
+            targets = self._cancel_targets(request)
+            if self.closing:
+                raise ShuttingDown("the server is shutting down; retry later")
+            self.guard.check(cancel=True)
+            # once handed to the engine, a cancel settles even if the stream ends: its claims
+            # are released or its tombstones written (see Engine.cancel_many)
+            return asyncio.ensure_future(self.engine.cancel_many(targets)), None
+
+        def answer(outcomes: list, _ctx: None) -> bytes:
+            return wire.encode_cancel_batch_response(outcomes)
+
+        async with contextlib.aclosing(self._pipelined(request_iterator, start, answer)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _pipelined(self, request_iterator, start, answer):
+        """The ordered pipeline of SendStream and CancelStream: each request is started in
+        the order read (``start`` validates it and hands it to the engine: (a future, what
+        ``answer`` needs besides its result)), up to STREAM_PIPELINE at once, and answered
+        in that order (``answer(result, context)``). The first refused request ends the
+        stream with its status: every request before it has its response, nothing of it
+        or after it is started. On shutdown every request read is answered. Work already
+        handed to the engine when the stream ends is let settle (it may still become
+        durable)."""
         pending: asyncio.Queue = asyncio.Queue(maxsize=STREAM_PIPELINE)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     try:
-                        targets = self._cancel_targets(request)
-                        if self.closing:
-                            raise ShuttingDown("the server is shutting down; retry later")
-                        self.guard.check(cancel=True)
-                        task = asyncio.ensure_future(self.engine.cancel_many(targets))
+                        item = start(request)
                     except Exception as error:  # noqa: BLE001 - reported in order by the writer below
                         await pending.put(error)
                         return
-                    await pending.put(task)
+                    await pending.put(item)
             finally:
                 await pending.put(None)
 
@@ -366,20 +358,19 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     continue
                 if isinstance(item, Exception):
                     raise item
-                yield wire.encode_cancel_batch_response(await item)
+                future, context = item
+                yield answer(await future, context)
                 if self.closing and pending.empty():
                     break  # shutting down: every request read is answered
         finally:
             self._streams.discard(pending)
             if not reader.done():
                 reader.cancel()
-            # let cancels already handed to the engine settle (their claims are released or
-            # their tombstones written; see Engine.cancel_many)
             while not pending.empty():
                 item = pending.get_nowait()
-                if isinstance(item, asyncio.Future):
+                if isinstance(item, tuple):
                     try:
-                        await item
+                        await item[0]
                     except Exception:  # noqa: BLE001 - the stream already failed
                         pass
 
