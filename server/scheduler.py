@@ -18,8 +18,8 @@ The pieces, one job each:
 - ``dispatch_log.DispatchLogWriter``: DISPATCH records buffered, written, fsynced.
 
 Other threads hand work over on the queue: the event loop posts acks and releases, Cancel
-claims arrive with a future their worker thread waits on, the WAL writer posts dead-letter
-completions. An acknowledged delivery gets a DISPATCH record; an unacknowledged one is
+claims arrive as requests their worker thread gets an answer to (``call``), the WAL writer
+posts dead-letter completions. An acknowledged delivery gets a DISPATCH record; an unacknowledged one is
 offered again after the ack timeout plus a backoff, and after ``max_attempts`` it goes to
 the dead-letter subject.
 """
@@ -526,20 +526,33 @@ class Scheduler:
                 self._drain()
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` like ``post`` and wait for its result (or its exception): a question
-        or a change that needs an answer, from a thread that may wait (never the event
-        loop's hot paths nor the scheduler thread itself). When the scheduler thread is not
+        """Run ``fn`` in order with everything posted before, under the lock, and return its
+        result (or raise its exception): a change that needs an answer, from a thread that
+        may wait (never the event loop's hot paths nor the scheduler thread itself).
+
+        The request goes on the queue. If the lock is free at that moment, the caller
+        applies the queue itself (a non-blocking try: it never waits for the lock); else it
+        wakes the scheduler thread and waits on a future, which that thread (or the next
+        holder of the lock that applies the queue) answers. Always waiting for the
+        scheduler thread cost two thread switches per call: in process, a one-target
+        Cancel from 16 tasks 236-281 -> 432-513 us of CPU. When the scheduler thread is not
         running (stopped, or a test driving ``run_once``) the caller applies the queue
         itself, under the lock."""
         fut: Future[T] = Future()
         self._inbox.append(("call", fn, fut))
-        self._wakeup.set()
-        while True:
+        if self.lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self.lock.release()
+        else:
+            self._wakeup.set()
+        while not fut.done():
             if not self._serving():
                 with self.lock:
                     self._drain()
-            if wait_for_future([fut], timeout=0.05).done:
-                return fut.result()
+            wait_for_future([fut], timeout=0.05)
+        return fut.result()
 
     def queued(self) -> int:
         """Work posted and not yet applied (no lock: a deque's length)."""
@@ -794,11 +807,12 @@ class Scheduler:
     def claim_cancels(self, sequences: list[int]) -> list[int]:
         """Claim each sequence for a Cancel: one of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each.
 
-        The claims go on the scheduler's queue as one request and the caller (a worker
-        thread) waits for the answer: the scheduler thread applies them in order with the
-        acks posted before (an ack before this Cancel counts), between two dispatch rounds,
-        so a claimed message is never handed out afterwards. It stays claimed until its
-        tombstone has passed the iterate service (``on_written``) or ``release_cancels``."""
+        The claims go on the scheduler's queue as one request (``call``) and the caller (a
+        worker thread) gets the answer: they are applied under the lock in order with the
+        acks posted before (an ack before this Cancel counts), never inside a dispatch
+        round's hand-out, so a claimed message is never handed out afterwards. It stays
+        claimed until its tombstone has passed the iterate service (``on_written``) or
+        ``release_cancels``."""
         return self.call(lambda: self._claim(sequences))
 
     def _claim(self, sequences: list[int]) -> list[int]:

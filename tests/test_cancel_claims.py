@@ -28,14 +28,14 @@ def test_a_claim_posted_while_a_round_reads_its_records_wins_and_a_release_gives
 
         def read_with_a_claim_arriving(taken) -> None:
             """The round's records are being read (no lock held): a Cancel claims the
-            target now, and its claim waits on the queue until the round hands out."""
+            target now (the lock is free, so its worker applies the queue itself)."""
             seqs = [q for t in taken for part in t.parts for q in part.seqs]
             if target.sequence in seqs and "mid-round" not in answers:
                 claimer = threading.Thread(
                     target=lambda: answers.__setitem__("mid-round", sched.claim_cancels([target.sequence]))
                 )
                 claimer.start()
-                assert wait_until(lambda: sched.queued() > 0, timeout=5)
+                claimer.join(5)
             read(taken)
 
         sched.dispatcher.read = read_with_a_claim_arriving  # type: ignore[method-assign]
@@ -113,3 +113,24 @@ def test_a_claim_released_after_a_spill_pass_set_its_entry_aside_is_delivered(tm
     assert d.engine.stats()["pending"] == 0
     assert sched.is_done(bucket)
     d.close()
+
+
+def test_a_claim_made_while_the_lock_is_held_waits_for_the_scheduler_thread(tmp_path):
+    """The lock is busy (the scheduler thread in a short hold): the claim stays on the queue,
+    its worker waits on a future, and whoever next applies the queue under the lock (here
+    the scheduler thread) answers it, in order."""
+    engine = Engine(config(tmp_path / "data"))
+    engine.start()
+    sched = engine.scheduler
+    try:
+        answers: dict[str, list[int]] = {}
+        with sched.lock:
+            claimer = threading.Thread(target=lambda: answers.__setitem__("claim", sched.claim_cancels([42, 42])))
+            claimer.start()
+            assert wait_until(lambda: sched.queued() > 0, timeout=5)
+            assert "claim" not in answers
+        claimer.join(5)
+        assert answers["claim"] == [Scheduler.CLAIMED, Scheduler.CLAIM_CANCELLING]
+        assert sched.cancel_claimed(42)
+    finally:
+        engine.close()
