@@ -92,19 +92,34 @@ class RecordFinder:
         """Whether ``seg`` holds, for each (sequence, due, id), a MESSAGE with exactly that
         sequence and due time and an id of that 64-bit hash (as far as it is written): a
         batch of receipts checked in one search of the index, no record read."""
+        return self.holds_at(seg, sequences, dues, message_ids)[0].tolist()
+
+    def holds_at(
+        self, seg: Segment, sequences: np.ndarray | list[int], dues: np.ndarray | list[int], message_ids: list[str]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``holds`` as a bool array, and where each held MESSAGE's entry is in the index (-1
+        for the others), for ``cancelled_at``: CancelBatch searches the index once a target."""
         n = len(sequences)
-        if n == 0:
-            return []
-        found = _index(seg).lookup(sequences)
         ok = np.zeros(n, dtype=bool)
+        where = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return ok, where
+        found = _index(seg).lookup(sequences)
         rows = np.flatnonzero(found.hit)
         if len(rows):
             want_due = np.asarray(dues, dtype=np.int64)[rows]
-            ids = [message_ids[i] for i in rows.tolist()]
+            ids = message_ids if len(rows) == n else [message_ids[i] for i in rows.tolist()]
             good = (found.kinds == _MESSAGE) & (found.a == want_due) & (found.b == id_hashes(ids))
-            good &= np.fromiter((len(m) > 0 for m in ids), dtype=bool, count=len(ids))
+            good &= np.fromiter(map(bool, ids), dtype=bool, count=len(ids))  # an empty id is no receipt
             ok[rows[good]] = True
-        return ok.tolist()
+            where[rows[good]] = found.positions[good]
+        return ok, where
+
+    def cancelled_at(self, seg: Segment, positions: np.ndarray) -> np.ndarray:
+        """Whether the MESSAGE entries at ``positions`` of ``seg``'s index (from ``holds_at``)
+        are flagged CANCELLED now: the flags read again without a second search (an entry
+        never moves; a tombstone sets its target's flag in place)."""
+        return (_index(seg).flags_at(positions) & CANCELLED) != 0
 
     def cancelled(self, seg: Segment, target: int) -> bool:
         """Whether ``seg`` holds a CANCEL for its MESSAGE ``target`` (as far as it is written)."""

@@ -169,10 +169,12 @@ class Found:
     """What the index says of a batch of sequences: per sequence, whether it has an entry,
     and of those that have, the entries' fields."""
 
-    __slots__ = ("hit", "offsets", "kinds", "flags", "a", "b")
+    __slots__ = ("hit", "positions", "offsets", "kinds", "flags", "a", "b")
 
-    def __init__(self, hit: np.ndarray, rows: np.ndarray) -> None:
+    def __init__(self, hit: np.ndarray, rows: np.ndarray, positions: np.ndarray | None = None) -> None:
         self.hit = hit  # bool per asked sequence
+        # of those that have an entry, its place among the index's entries (IndexFile.flags_at)
+        self.positions = np.zeros(0, dtype=np.int64) if positions is None else positions
         where = rows["where"]
         self.offsets = (where & np.uint64(OFFSET_MASK)).astype(np.int64)
         self.kinds = (where >> np.uint64(OFFSET_BITS) & np.uint64(0xFF)).astype(np.int64)
@@ -390,8 +392,28 @@ class IndexFile:
         except FileNotFoundError:
             raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
         hit = pos >= 0
-        rows = np.frombuffer(view, dtype=ENTRY, count=len(view) // ENTRY_SIZE)[pos[hit]]  # a copy
-        return Found(hit, rows)
+        at = pos[hit]
+        rows = np.frombuffer(view, dtype=ENTRY, count=len(view) // ENTRY_SIZE)[at]  # a copy
+        return Found(hit, rows, at)
+
+    def flags_at(self, positions: np.ndarray) -> np.ndarray:
+        """The flags byte of the published entries at ``positions`` (from ``lookup``), read
+        now through the map: no search. Entries are only appended, so a position stays its
+        entry's; the writer sets a flag in place (``write_ahead``)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if not len(positions):
+            return np.zeros(0, dtype=np.int64)
+        kept = self._map
+        if kept is not None and int(positions.max()) < kept[1]:
+            # the map ``lookup`` found them in (or a later one): mapping the file afresh
+            # because tombstones were appended since would cost a page fault per entry read
+            m = self._mapped(kept[1])
+        else:
+            try:
+                m = self._mapped(self.count)
+            except FileNotFoundError:
+                raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
+        return np.frombuffer(m, dtype=np.uint8)[positions * ENTRY_SIZE + FLAGS_AT].astype(np.int64)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -406,5 +428,6 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 def id_hashes(message_ids: list[str]) -> np.ndarray:
     """The xxh3-64 of each id's bytes (what a MESSAGE's entry holds), as uint64."""
-    h = xxhash.xxh3_64_intdigest
-    return np.fromiter((h(m.encode()) for m in message_ids), dtype=np.uint64, count=len(message_ids))
+    # maps of C functions, no Python frame per id (a CancelBatch hashes a thousand)
+    hashes = map(xxhash.xxh3_64_intdigest, map(str.encode, message_ids))
+    return np.fromiter(hashes, dtype=np.uint64, count=len(message_ids))

@@ -188,6 +188,23 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+@dataclass(slots=True)
+class Places:
+    """Where each of a batch of Cancel targets' messages is (Engine._find_targets), as
+    arrays a row per target: due time and sequence (-1: no such message), the place of its
+    MESSAGE entry in its schedule segment's index (-1: not known), and the segment
+    searched per bucket (to which those places belong)."""
+
+    dues: np.ndarray
+    seqs: np.ndarray
+    where: np.ndarray
+    segs: dict[int, Segment]
+
+    def as_list(self) -> list[tuple[int, int] | None]:
+        """(deliver_at_ms, sequence) of each target's message, or None."""
+        return [(d, q) if q >= 0 else None for d, q in zip(self.dues.tolist(), self.seqs.tolist())]
+
+
 class Engine:
     def __init__(self, config: EngineConfig, clock: Callable[[], int] = _now_ms) -> None:
         config.validate()
@@ -701,7 +718,7 @@ class Engine:
         # no record read; a closed one, or one the columns do not confirm, is located alone
         dues = np.array([found[k][0] for k in live], dtype=np.int64)
         seqs = np.array([found[k][1] for k in live], dtype=np.int64)
-        held = self._held_by_segments([ids[k] for k in live], dues, seqs)
+        held = self._held_by_segments([ids[k] for k in live], dues, seqs)[0].tolist()
         confirmed = [k for k, ok in zip(live, held) if ok]
         states = dict(zip(confirmed, self._states_of([found[k] for k in confirmed])))
         now = self.clock()
@@ -734,90 +751,103 @@ class Engine:
         A claimed target's outcome is CANCELLED, which the caller makes true by writing its
         tombstone (or releases the claims if that write fails).
 
-        Batched (issue 13): the targets are found with one multi-get of the id index, claimed
-        by one request on the scheduler's queue (this worker thread waits for the answer; no
-        scheduler lock taken), and their closed state read once per bucket (the
-        dispatch log as one vectorised membership test, the tombstones as one set), so that
-        a target costs a few set lookups rather than a segment read. A receipt the index does
-        not confirm (its id reused by a newer message, or no index) is read from its segment.
-        The claim comes before the look at what closed the message: once claimed, the
-        dispatcher skips it, so nothing can close it between the look and the answer.
+        Batched (issue 13): the targets are found with one search of their minute's schedule
+        index (or one multi-get of the id index), claimed by one request on the scheduler's
+        queue (applied by this worker thread when the lock is free, else answered by the
+        scheduler thread: ``Scheduler.call``), and their
+        closed state read once per bucket (the dispatch log as one vectorised membership
+        test, the tombstones as one set, or the index entries' flags found by that search),
+        carried as arrays throughout, so that a target costs a few array elements rather
+        than a segment read or a Python loop. A receipt the schedule index does not confirm
+        (its id reused by a newer message) is read from its segment. The claim comes before
+        the look at what closed the message: once claimed, the dispatcher skips it, so
+        nothing can close it between the look and the answer.
         """
         sched = self.scheduler
         outcomes: list[CancelOutcome] = [CancelOutcome.NOT_FOUND] * len(targets)
-        found: list[tuple[int, tuple[int, int]]] = []
-        first_of: dict[int, int] = {}  # sequence -> the first target naming it
-        repeats: list[tuple[int, int]] = []  # (a target, the earlier one naming its message)
-        for i, p in enumerate(self._find_targets(targets)):
-            if p is None:
-                continue
-            if p[1] in first_of:  # named again (by id and by receipt, or twice): claimed once
-                repeats.append((i, first_of[p[1]]))
-            else:
-                first_of[p[1]] = i
-                found.append((i, p))
-        answers = sched.claim_cancels([seq for _i, (_due, seq) in found])
-        mine: list[tuple[int, tuple[int, int]]] = []
-        for (i, place), answer in zip(found, answers):
-            if answer == sched.CLAIMED:
-                mine.append((i, place))
-            elif answer == sched.CLAIM_CANCELLING:
+        places = self._find_targets(targets)
+        seqs = places.seqs
+        found = np.flatnonzero(seqs >= 0)
+        # a message named again (by id and by receipt, or twice) is claimed once, by the
+        # first target naming it; the repeats answer after it
+        _u, first, inverse = np.unique(seqs[found], return_index=True, return_inverse=True)
+        if len(first) == len(found):
+            keep = found
+            repeats: list[tuple[int, int]] = []
+        else:
+            keep = found[np.sort(first)]
+            again = np.ones(len(found), dtype=bool)
+            again[first] = False
+            repeats = list(zip(found[again].tolist(), found[first[inverse[again]]].tolist()))
+        answers = np.asarray(sched.claim_cancels(seqs[keep].tolist()), dtype=np.int64)
+        mine = keep[answers == sched.CLAIMED]
+        if len(mine) < len(keep):
+            for i in keep[answers == sched.CLAIM_CANCELLING].tolist():
                 outcomes[i] = CancelOutcome.ALREADY_CANCELLED
-            else:
+            for i in keep[answers == sched.CLAIM_OUT].tolist():
                 outcomes[i] = CancelOutcome.ALREADY_DELIVERED
         try:
-            states = self._states_of([place for _i, place in mine])
+            closed = self._closed_states(places.dues[mine], seqs[mine], places.where[mine], places.segs)
         except BaseException:
-            sched.release_cancels([seq for _i, (_due, seq) in mine])
+            sched.release_cancels(seqs[mine].tolist())
             raise
-        claimed: list[tuple[str, int, int]] = []
-        release: list[int] = []
-        for (i, (due, seq)), state in zip(mine, states):
-            if state == MessageState.PENDING:
-                claimed.append((targets[i][0], due, seq))
-                outcomes[i] = CancelOutcome.CANCELLED
-            else:
-                release.append(seq)
-                outcomes[i] = self._NOT_PENDING[state]
-        if release:
-            sched.release_cancels(release)
+        if closed:
+            rows = list(closed)
+            for k, state in closed.items():
+                outcomes[int(mine[k])] = self._NOT_PENDING[state]
+            sched.release_cancels(seqs[mine[rows]].tolist())
+            mine = np.delete(mine, rows)
+        mine_l = mine.tolist()
+        for i in mine_l:
+            outcomes[i] = CancelOutcome.CANCELLED
+        claimed = list(zip([targets[i][0] for i in mine_l], places.dues[mine].tolist(), seqs[mine].tolist()))
         for i, j in repeats:  # a repeat answers as a second Cancel after the first would
             outcomes[i] = CancelOutcome.ALREADY_CANCELLED if outcomes[j] == CancelOutcome.CANCELLED else outcomes[j]
         return outcomes, claimed
 
-    def _find_targets(self, targets: list[tuple[str, int | None, int | None]]) -> list[tuple[int, int] | None]:
-        """(deliver_at_ms, sequence) of each target's message if it exists, else None. By
-        id: the newest message with the id. By receipt: checked against its bucket's
-        schedule segment as a batch (``_held_by_segments``); one that check does not confirm
-        is looked up in the id index (exactly this due time and sequence for the id), then
-        by reading its record (``_locate``)."""
-        out: list[tuple[int, int] | None] = [None] * len(targets)
-        by_id: list[int] = []
+    def _find_targets(self, targets: list[tuple[str, int | None, int | None]]) -> Places:
+        """Where each target's message is, if it exists (``Places``). By id: the newest
+        message with the id. By receipt: checked against its bucket's schedule index as a
+        batch (``_held_by_segments``); one that check does not confirm is looked up in the
+        id index (exactly this due time and sequence for the id), then by reading its
+        record (``_locate``)."""
+        n = len(targets)
+        places = Places(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64), {})
         committed = self.wal.committed_sequence
+        by_id: list[int] = []
         rec: list[int] = []  # indexes of the receipts worth looking up
-        for i, (_m, due, seq) in enumerate(targets):
-            if due is None or seq is None:
-                by_id.append(i)
-            elif 0 < seq <= committed:
-                rec.append(i)
+        mids, tdues, tseqs = zip(*targets) if targets else ((), (), ())
+        if None not in tdues and None not in tseqs and 0 < min(tseqs) and max(tseqs) <= committed:
+            rec = list(range(n))  # receipts alone, all committed (CancelBatch's usual batch)
+        else:
+            for i, (due, seq) in enumerate(zip(tdues, tseqs)):
+                if due is None or seq is None:
+                    by_id.append(i)
+                elif 0 < seq <= committed:
+                    rec.append(i)
         unsure: list[int] = []  # found in a way that does not prove its segment is still there
         if by_id:
             for i, place in zip(by_id, self.resolve_ids([targets[i][0] for i in by_id])):
-                out[i] = place  # as the index says: that is its message's record
+                if place is not None:  # as the index says: that is its message's record
+                    places.dues[i], places.seqs[i] = place
             unsure = by_id
         if rec:
-            ids_l = [targets[i][0] for i in rec]
-            dues = np.array([targets[i][1] for i in rec], dtype=np.int64)
-            seqs = np.array([targets[i][2] for i in rec], dtype=np.int64)
+            if len(rec) == n:
+                ids_l = list(mids)
+                dues = np.array(tdues, dtype=np.int64)
+                seqs = np.array(tseqs, dtype=np.int64)
+            else:
+                ids_l = [targets[i][0] for i in rec]
+                dues = np.array([targets[i][1] for i in rec], dtype=np.int64)
+                seqs = np.array([targets[i][2] for i in rec], dtype=np.int64)
             if not self.iterate.wait_for(int(seqs.max()), timeout=5.0):
                 raise StorageError("the iterate service is behind; retry shortly")
-            held = self._held_by_segments(ids_l, dues, seqs)
-            rest: list[int] = []
-            for k, (i, ok, due, seq) in enumerate(zip(rec, held, dues.tolist(), seqs.tolist())):
-                if ok:
-                    out[i] = (due, seq)
-                else:
-                    rest.append(k)
+            at = np.asarray(rec, dtype=np.int64)
+            held, where = self._held_by_segments(ids_l, dues, seqs, places.segs)
+            places.dues[at[held]] = dues[held]
+            places.seqs[at[held]] = seqs[held]
+            places.where[at[held]] = where[held]
+            rest = np.flatnonzero(~held).tolist()
             if rest:
                 index = self.ids
                 if index is not None and index.failed is None:
@@ -827,36 +857,57 @@ class Engine:
                 for k, ok in zip(rest, again):
                     i, due, seq = rec[k], int(dues[k]), int(seqs[k])
                     if ok:
-                        out[i] = (due, seq)
+                        places.dues[i], places.seqs[i] = due, seq
                         unsure.append(i)
                     elif self._locate(ids_l[k], due, seq)[0] != MessageState.NOT_FOUND:
-                        out[i] = (due, seq)
+                        places.dues[i], places.seqs[i] = due, seq
         if unsure:
-            self._in_existing_buckets(out, unsure)
-        return out
+            listed = places.as_list()
+            self._in_existing_buckets(listed, unsure)
+            for i in unsure:
+                if listed[i] is None:
+                    places.seqs[i] = -1
+        return places
 
     def _buckets(self, dues: np.ndarray) -> np.ndarray:
         """``bucket_of`` of each due time."""
         minutes = dues // naming.MS_PER_MINUTE
         return minutes - minutes % self.config.scale_minutes
 
-    def _held_by_segments(self, ids: list[str], dues: np.ndarray, seqs: np.ndarray) -> list[bool]:
-        """Whether the schedule segment of each receipt's bucket holds exactly that MESSAGE
-        (sequence, due time and id), checked per bucket with the finder's columns
-        (RecordFinder.holds: no record read, no id-index lookup). False means "look further"
-        (``_find_targets`` asks the id index, then reads the record)."""
-        out = [False] * len(ids)
+    def _by_bucket(self, dues: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(bucket, the rows of ``dues`` in it) for each bucket among ``dues``: one group
+        without sorting when they all share a minute (a CancelBatch of a flash sale's)."""
         buckets = self._buckets(dues)
-        for bucket in np.unique(buckets).tolist():
-            ks = np.flatnonzero(buckets == bucket)
+        if not len(buckets):
+            return []
+        b0 = buckets[0]
+        if bool((buckets == b0).all()):
+            return [(int(b0), np.arange(len(buckets)))]
+        return [(b, np.flatnonzero(buckets == b)) for b in np.unique(buckets).tolist()]
+
+    def _held_by_segments(
+        self, ids: list[str], dues: np.ndarray, seqs: np.ndarray, segs: dict[int, Segment] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Whether the schedule segment of each receipt's bucket holds exactly that MESSAGE
+        (sequence, due time and id), checked per bucket with one search of the segment's
+        index (RecordFinder.holds_at: no record read, no id-index lookup), and where each
+        held one's entry is in that index (-1: not held). False means "look further"
+        (``_find_targets`` asks the id index, then reads the record). ``segs`` collects
+        the segment searched per bucket, to which those places belong."""
+        held = np.zeros(len(ids), dtype=bool)
+        where = np.full(len(ids), -1, dtype=np.int64)
+        for bucket, ks in self._by_bucket(dues):
             self.iterate.flush_bucket(bucket)  # a far-future message may still be written behind
             seg = self.schedule.get(bucket)
             if seg is None:
                 continue
-            held = self.finder.holds(seg, seqs[ks], dues[ks], [ids[k] for k in ks.tolist()])
-            for k, ok in zip(ks.tolist(), held):
-                out[k] = ok
-        return out
+            if segs is not None:
+                segs[bucket] = seg
+            bids = ids if len(ks) == len(ids) else [ids[k] for k in ks.tolist()]
+            ok, at = self.finder.holds_at(seg, seqs[ks], dues[ks], bids)
+            held[ks] = ok
+            where[ks] = at
+        return held, where
 
     def _in_existing_buckets(self, places: list[tuple[int, int] | None], which: list[int]) -> None:
         """Drop from ``places`` (at the indexes ``which``) those whose schedule segment the
@@ -874,36 +925,62 @@ class Engine:
 
     def _states_of(self, places: list[tuple[int, int]]) -> list[MessageState]:
         """The state of each message known to exist at (deliver_at_ms, sequence): PENDING,
-        CANCELLED, DELIVERED or DEAD_LETTERED, read once per bucket (``_closed_state`` is its
-        one-message form, which also gives the DISPATCH records; it answers the rare
-        messages some group closed)."""
+        CANCELLED, DELIVERED or DEAD_LETTERED (``_closed_states`` as a list)."""
         out = [MessageState.PENDING] * len(places)
-        if not places:
-            return out
-        all_seqs = np.array([seq for _due, seq in places], dtype=np.int64)
-        buckets = self._buckets(np.array([due for due, _seq in places], dtype=np.int64))
+        if places:
+            dues = np.array([due for due, _seq in places], dtype=np.int64)
+            seqs = np.array([seq for _due, seq in places], dtype=np.int64)
+            for k, state in self._closed_states(dues, seqs).items():
+                out[k] = state
+        return out
+
+    def _closed_states(
+        self,
+        dues: np.ndarray,
+        seqs: np.ndarray,
+        where: np.ndarray | None = None,
+        segs: dict[int, Segment] | None = None,
+    ) -> dict[int, MessageState]:
+        """Of the messages known to exist at (``dues``, ``seqs``), those no longer pending:
+        row -> CANCELLED, DELIVERED or DEAD_LETTERED, read once per bucket (``_closed_state``
+        is its one-message form, which also gives the DISPATCH records; it answers the rare
+        messages some group closed). ``where`` and ``segs`` (from ``_held_by_segments``)
+        let an unloaded bucket's tombstones be read from the index entries found then
+        rather than by a second search."""
+        out: dict[int, MessageState] = {}
         sched = self.scheduler
-        for bucket in np.unique(buckets).tolist():
-            rows = np.flatnonzero(buckets == bucket)
-            ks = rows.tolist()
-            seqs = all_seqs[rows]
+        for bucket, rows in self._by_bucket(dues):
+            bseqs = seqs[rows]
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
             # what the scheduler has not written yet, then the file (outside its lock): a
             # close is in one or the other (both while being written), never in neither
             buffered, _size, _out = sched.dispatch_view(bucket, 0)
-            closed = self.dispatched.closed_among(self.dispatch.get(bucket), seqs)
+            closed = self.dispatched.closed_among(self.dispatch.get(bucket), bseqs)
             if buffered:
-                closed |= np.isin(seqs, reader.scan_columns(buffered).seqs)
+                closed |= np.isin(bseqs, reader.scan_columns(buffered).seqs)
             tombs = sched.known_tombstones(bucket)
             if tombs is not None:
-                cancelled = [seq in tombs for seq in seqs.tolist()]
+                listed = bseqs.tolist()
+                if tombs.isdisjoint(listed):
+                    cancelled = np.zeros(len(rows), dtype=bool)
+                else:
+                    cancelled = np.fromiter((seq in tombs for seq in listed), dtype=bool, count=len(listed))
+            elif seg is None:
+                cancelled = np.zeros(len(rows), dtype=bool)
             else:  # an unloaded bucket: its segment's index says (no walk of the segment)
-                cancelled = self.finder.cancelled_among(seg, seqs).tolist() if seg is not None else [False] * len(ks)
-            for k, seq, was_closed, was_cancelled in zip(ks, seqs.tolist(), closed.tolist(), cancelled):
-                if was_closed:
-                    out[k] = self._closed_state(bucket, seq)[0]
-                elif was_cancelled:
+                at = where[rows] if where is not None and segs is not None and segs.get(bucket) is seg else None
+                if at is not None and bool((at >= 0).all()):
+                    cancelled = self.finder.cancelled_at(seg, at)
+                else:
+                    cancelled = self.finder.cancelled_among(seg, bseqs)
+            for r in np.flatnonzero(closed | cancelled).tolist():
+                k = int(rows[r])
+                if closed[r]:
+                    state = self._closed_state(bucket, int(bseqs[r]))[0]
+                    if state != MessageState.PENDING:
+                        out[k] = state
+                else:
                     out[k] = MessageState.CANCELLED
         return out
 

@@ -816,9 +816,7 @@ class Scheduler:
         return self.call(lambda: self._claim(sequences))
 
     def _claim(self, sequences: list[int]) -> list[int]:
-        written = self.dead_letters.writing
-        flights = self.ledger.in_flight_maps()
-        return self.claims.claim(sequences, lambda q: q in written or any(q in f for f in flights))
+        return self.claims.claim(sequences, [self.dead_letters.writing, *self.ledger.in_flight_maps()])
 
     def release_cancels(self, sequences: list[int]) -> None:
         """Give back claims whose tombstones will not be written (or were not needed): the

@@ -1,4 +1,4 @@
-"""RecordFinder.holds and cancelled_among (segments/lookup.py): a batch of receipts checked
+"""RecordFinder.holds, holds_at, cancelled_among and cancelled_at (segments/lookup.py): a batch of receipts checked
 against a schedule segment's index (or one receipt at a time) answers as reading each
 record does (RecordFinder.find + decode), and the index's CANCELLED flags are exactly the
 tombstones written, while the segment grows."""
@@ -35,6 +35,7 @@ def test_holds_answers_as_reading_each_record(tmp_path):
     try:
         sent = []
         cancelled: set[int] = set()
+        places: dict[int, int] = {}  # sequence -> its entry's place, as holds_at found it
         for round_ in range(3):  # the segment grows between the checks
             batch = [
                 message("t.h", due0 + rnd.randrange(MINUTE), "i" * rnd.randrange(1, 40) + f"-{round_}-{k}")
@@ -68,6 +69,19 @@ def test_holds_answers_as_reading_each_record(tmp_path):
             seqs = np.array([r.sequence for r in sent] + [engine.wal.committed_sequence + 9], dtype=np.int64)
             flags = engine.finder.cancelled_among(seg, seqs).tolist()
             assert flags == [int(q) in cancelled for q in seqs.tolist()]
+            # the places holds_at found in an earlier round (before these tombstones), read
+            # again by cancelled_at (CancelBatch's one search a target): the same flags
+            if places:
+                olds = np.array(list(places), dtype=np.int64)
+                got_flags = engine.finder.cancelled_at(seg, np.array([places[q] for q in olds.tolist()]))
+                assert got_flags.tolist() == [q in cancelled for q in olds.tolist()]
+            ok, at = engine.finder.holds_at(
+                seg, [r.sequence for r in sent], [r.deliver_at_ms for r in sent], [r.message_id for r in sent]
+            )
+            assert ok.all() and (at >= 0).all()
+            miss_ok, miss_at = engine.finder.holds_at(seg, [sent[0].sequence], [sent[0].deliver_at_ms + 1], ["x"])
+            assert miss_ok.tolist() == [False] and miss_at.tolist() == [-1]
+            places = dict(zip([r.sequence for r in sent], at.tolist()))
             # one sequence at a time (IndexFile.entry, what Get uses): the same entries
             assert [engine.finder.cancelled(seg, q) for q in seqs.tolist()] == flags
             idx = seg.index
