@@ -600,7 +600,9 @@ class Client:
         self, channel: grpc.aio.Channel, next_request: NextRequest, max_in_flight: int, timeout: float
     ) -> SentReceipts:
         """send_many on the bulk channel's loop: streams one after another until every
-        batch is answered; UNAVAILABLE opens a new stream that sends the unanswered again."""
+        batch is answered; UNAVAILABLE, or a stream the server ended before answering every
+        batch (a server shutting down answers what it read and ends its streams: the rest
+        was not written), opens a new stream that sends the unanswered again (same ids)."""
         stream = channel.stream_stream(
             _SEND_STREAM, request_serializer=None, response_deserializer=pb.SendBatchResponse.FromString
         )
@@ -609,8 +611,18 @@ class Client:
         attempt = 1
         while True:
             try:
-                if await self._stream_batches(stream, next_request, unanswered, receipts, max_in_flight, timeout):
+                done = await self._stream_batches(stream, next_request, unanswered, receipts, max_in_flight, timeout)
+                if done:
                     return receipts
+                if done is None:  # ended by the server with batches unanswered: as UNAVAILABLE
+                    if attempt > self.retries:
+                        # raised as is: the QdelayError clause below gives it the receipts
+                        raise errors.Unavailable(
+                            f"SendStream ended by the server with {len(unanswered)} batches unanswered"
+                        )
+                    await asyncio.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+                    attempt += 1
+                    continue
                 attempt = 1  # a stream ended on time: the next one starts a fresh count
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
@@ -648,11 +660,13 @@ class Client:
         receipts: SentReceipts,
         max_in_flight: int,
         timeout: float,
-    ) -> bool:
+    ) -> bool | None:
         """One SendStream: first the batches still unanswered from a broken one, then new
         ones. Returns True when every batch is answered, False when it ended on time
-        (``timeout``/2 after it started) with batches left to send. A message that cannot
-        be encoded ends the requests; the batches before it are answered, then it is raised."""
+        (``timeout``/2 after it started) with batches left to send, None when the server
+        ended it with batches unanswered (they stay in ``unanswered``). A message that
+        cannot be encoded ends the requests; the batches before it are answered, then it is
+        raised."""
         credit = asyncio.Semaphore(max_in_flight)
         state: dict = {"exhausted": False, "error": None}
         ends_at = time.monotonic() + timeout / 2
@@ -686,7 +700,7 @@ class Client:
         if state["error"] is not None:
             raise state["error"]
         if unanswered:
-            raise errors.InvariantViolation(f"SendStream ended with {len(unanswered)} batches unanswered")
+            return None
         return state["exhausted"]
 
     def cancel(
