@@ -742,6 +742,15 @@ static inline int filter_test(const unsigned char *b, uint64_t mask, const char 
     return 1;
 }
 
+/* The same probes as filter_test, set instead of tested. */
+static inline void filter_set(unsigned char *b, uint64_t mask, const char *key, Py_ssize_t len) {
+    uint64_t h = XXH3_64bits(key, (size_t)len), h1 = h & 0xffffffffu, h2 = (h >> 32) | 1;
+    for (int i = 0; i < FILTER_PROBES; i++) {
+        uint64_t at = (h1 + (uint64_t)i * h2) & mask;
+        b[at >> 3] |= (unsigned char)(1u << (at & 7));
+    }
+}
+
 /* filter_add(bits: bytearray, keys: list[bytes]) -> None: set each key's bits.
  * Python twin: segments/idfilter.py ``filter_add_py``. */
 static PyObject *filter_add(PyObject *self, PyObject *args) {
@@ -761,12 +770,7 @@ static PyObject *filter_add(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "filter_add: keys must be bytes");
             goto done;
         }
-        uint64_t h = XXH3_64bits(PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
-        uint64_t h1 = h & 0xffffffffu, h2 = (h >> 32) | 1;
-        for (int j = 0; j < FILTER_PROBES; j++) {
-            uint64_t at = (h1 + (uint64_t)j * h2) & mask;
-            b[at >> 3] |= (unsigned char)(1u << (at & 7));
-        }
+        filter_set(b, mask, PyBytes_AS_STRING(k), PyBytes_GET_SIZE(k));
     }
     out = Py_NewRef(Py_None);
 done:
