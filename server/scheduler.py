@@ -602,8 +602,9 @@ class Scheduler:
             return 0
         now = self.clock()
         n = 0
-        for fl, got in self.ledger.take_acked(ack_sequences(ack_ids), gid):
-            offs, dues, attempts, mids = fl.columns(got)
+        for acked in self.ledger.take_acked(ack_sequences(ack_ids), gid):
+            fl, got = acked.flight, acked.seqs
+            offs, dues, attempts, mids = acked.columns()
             at = [fl.at] * len(got)
             self._record_many(fl.bucket, got, dues, at, offs, attempts, mids, records.Outcome.DELIVERED, now, fl.gid)
             n += len(got)

@@ -1,0 +1,194 @@
+"""The ack ledger on its own (server/ledger.py) against a reference: a dictionary per group
+of the deliveries in flight, as the ledger kept them before it registered whole flights.
+
+Acks come as consumers send them (stretches of what was handed out, in order) and in every
+other shape (out of order, partly unknown, repeated, split across flights, without a
+group); releases, expiries, a deleted group and the questions a Cancel, a Get and a
+read-back pass ask are checked after every step.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from qdelay.server import ledger as ledger_mod
+from qdelay.server.ledger import AckLedger, Flight
+
+GROUPS = (1, 2, 3)
+TIMEOUT = 100
+
+
+def flight(gid: int, seqs: list[int], at: int, attempt: int = 1) -> Flight:
+    n = len(seqs)
+    return Flight(
+        7, 1, gid, at, seqs, [q * 10 for q in seqs], [q + 1000 for q in seqs], [attempt] * n, [b"m%d" % q for q in seqs]
+    )
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = AckLedger()
+        self.now = 0
+        self.next_seq = 1
+        # reference: gid -> seq -> (attempt, deadline, handed-out order)
+        self.ref: dict[int, dict[int, tuple[int, int]]] = {g: {} for g in GROUPS}
+        self.order: dict[int, list[list[int]]] = {g: [] for g in GROUPS}  # batches as handed out
+        self.dropped: set[int] = set()
+
+    def _in_flight(self, gid: int) -> dict[int, tuple[int, int]]:
+        return self.ref[gid]
+
+    @rule(
+        gids=st.lists(st.sampled_from(GROUPS), min_size=1, max_size=3, unique=True),
+        n=st.integers(1, 12),
+        reuse=st.booleans(),
+        split=st.integers(0, 12),
+    )
+    def hand_out(self, gids: list[int], n: int, reuse: bool, split: int) -> None:
+        """A dispatch round: the same entries to several groups (fan-out), sometimes in two
+        flights (two buckets), sometimes a redelivery of sequences no longer in flight."""
+        free = [q for q in range(1, self.next_seq) if all(q not in self.ref[g] for g in gids)]
+        if reuse and len(free) >= n:
+            seqs = free[-n:]
+        else:
+            seqs = list(range(self.next_seq, self.next_seq + n))
+            self.next_seq += n
+        parts = [seqs[:split], seqs[split:]] if 0 < split < n else [seqs]
+        flights = []
+        for g in gids:
+            if g in self.dropped:
+                continue
+            for part in parts:
+                flights.append(flight(g, part, self.now, attempt=1 + (seqs[0] % 3)))
+                for q in part:
+                    self.ref[g][q] = (1 + (seqs[0] % 3), self.now + TIMEOUT)
+                self.order[g].append(part)
+        if flights:
+            self.ledger.hand_out(flights, self.now + TIMEOUT)
+
+    @rule(gid=st.sampled_from(GROUPS), data=st.data())
+    def ack_stretches(self, gid: int, data: st.DataObject) -> None:
+        """What a consumer sends back: consecutive deliveries of one or more batches."""
+        batches = [b for b in self.order[gid] if b]
+        if not batches:
+            return
+        i = data.draw(st.integers(0, len(batches) - 1))
+        flat = [q for b in batches[i:] for q in b]
+        start = data.draw(st.integers(0, len(flat) - 1))
+        k = data.draw(st.integers(1, len(flat) - start))
+        self._ack(gid, flat[start : start + k])
+
+    @rule(gid=st.sampled_from(GROUPS), data=st.data())
+    def ack_any(self, gid: int, data: st.DataObject) -> None:
+        """Any ids: in flight or not, in any order, repeated, unknown."""
+        pool = sorted(self.ref[gid]) + [self.next_seq + 5, 1]
+        seqs = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=10))
+        self._ack(gid, seqs)
+
+    def _ack(self, gid: int, seqs: list[int]) -> None:
+        want = []
+        mine = self.ref[gid]
+        for q in seqs:
+            if q in mine and gid not in self.dropped:
+                del mine[q]
+                want.append(q)
+        got = self.ledger.take_acked(seqs, gid)
+        closed = [q for a in got for q in a.seqs]
+        assert closed == want
+        for a in got:
+            offs, dues, attempts, mids = a.columns()
+            assert offs == [q * 10 for q in a.seqs] and dues == [q + 1000 for q in a.seqs]
+            assert mids == [b"m%d" % q for q in a.seqs] and len(attempts) == len(a.seqs)
+            assert a.flight.gid == gid
+
+    @rule(data=st.data())
+    def ack_without_group(self, data: st.DataObject) -> None:
+        flying = sorted({q for g in GROUPS for q in self.ref[g]})
+        if not flying:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(flying), min_size=1, max_size=4, unique=True))
+        got = self.ledger.take_acked(seqs, None)
+        assert [q for a in got for q in a.seqs] == seqs  # each in flight in some group
+        for a in got:
+            (q,) = a.seqs
+            assert q in self.ref[a.flight.gid]
+            del self.ref[a.flight.gid][q]
+
+    @rule(gid=st.sampled_from(GROUPS), data=st.data(), wrong=st.booleans())
+    def release(self, gid: int, data: st.DataObject, wrong: bool) -> None:
+        mine = self.ref[gid]
+        if not mine:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(sorted(mine)), min_size=1, max_size=4, unique=True))
+        parsed = [(q, mine[q][0] + (1 if wrong else 0)) for q in seqs]
+        got = self.ledger.take_released(parsed, gid)
+        if wrong:
+            assert got == []
+            return
+        assert [q for q, _item in got] == seqs
+        for q, item in got:
+            assert item[0] == q and item[4] == mine[q][0] + 1 and item[6] == gid
+            del mine[q]
+
+    @rule(dt=st.integers(1, 60))
+    def expire(self, dt: int) -> None:
+        self.now += dt
+        got = sorted((item[6], q) for q, item in self.ledger.expired(self.now))
+        want = []
+        for g in GROUPS:
+            for q, (_attempt, deadline) in list(self.ref[g].items()):
+                if deadline <= self.now:
+                    want.append((g, q))
+                    del self.ref[g][q]
+        assert got == sorted(want)
+
+    @precondition(lambda self: len(self.dropped) < 2)
+    @rule(gid=st.sampled_from(GROUPS))
+    def drop_group(self, gid: int) -> None:
+        self.ledger.drop_group(gid)
+        self.ref[gid].clear()
+        self.order[gid].clear()
+        self.dropped.add(gid)
+
+    @rule(small=st.booleans())
+    def index_threshold(self, small: bool) -> None:
+        """Kept indexes dropped early or late: both must answer the same."""
+        ledger_mod._INDEX_IDLE_MIN = 4 if small else 65536
+
+    @invariant()
+    def questions_agree(self) -> None:
+        led = self.ledger
+        assert led.count() == sum(len(self.ref[g]) for g in GROUPS)
+        for g in GROUPS:
+            assert led.count_of(g) == len(self.ref[g])
+            assert led.held(g) == set(self.ref[g])
+        flying = {q for g in GROUPS for q in self.ref[g]}
+        for q in range(1, self.next_seq + 1):
+            assert led.is_in_flight(q) == (q in flying)
+        maps = led.in_flight_maps()
+        assert {q for m in maps for q in m} == flying
+
+    def teardown(self) -> None:
+        ledger_mod._INDEX_IDLE_MIN = 65536
+
+
+LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestLedger = LedgerMachine.TestCase
+
+
+def test_a_burst_acknowledged_as_handed_out_needs_no_index():
+    """Whole batches and in-order stretches of them are matched as columns: no
+    per-delivery index is built (the cost a fan-out burst paid per group)."""
+    led = AckLedger()
+    a = flight(1, list(range(1, 513)), 0)
+    b = flight(1, list(range(513, 1025)), 0)
+    led.hand_out([a, b], TIMEOUT)
+    got = led.take_acked(list(range(1, 513)), 1)  # one whole batch
+    assert [(x.flight, x.start, len(x.seqs)) for x in got] == [(a, 0, 512)]
+    got = led.take_acked(list(range(513, 600)), 1)  # a response's stretch ...
+    got += led.take_acked(list(range(600, 1025)), 1)  # ... and the next
+    assert [(x.flight, x.start) for x in got] == [(b, 0), (b, 87)]
+    assert led.count() == 0 and led._groups[1].index is None and not led._groups[1].starts
