@@ -59,6 +59,20 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),
         # etcd cluster mode (issue 16): needs the etcd binary (make etcd-deps)
         ("cluster", ["--seconds", "1", "--trials", "2"] if quick else [], out("cluster")),
+        # the sharded and cluster clients' calls against the number of shards (etcd too)
+        (
+            "shards",
+            ["--shards", "1,2", "--nodes", "1,2", "--messages", "2000", "--calls", "30", "--rounds", "1"]
+            if quick
+            else [],
+            out("shards"),
+        ),
+        # qdelay admin's commands against pending messages and groups
+        (
+            "admin",
+            ["--levels", "0,10000", "--groups", "0,10", "--rounds", "1", "--calls", "5"] if quick else [],
+            out("admin"),
+        ),
     ]
 
 

@@ -29,6 +29,8 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "replication",
             "spark",
             "cluster",
+            "shards",
+            "admin",
         ]
         for name, extra, out in steps:
             assert out.endswith(os.path.join("bench", "out", f"{name}.json"))

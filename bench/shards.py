@@ -1,0 +1,307 @@
+"""What each call of the sharded and cluster clients costs against the number of shards.
+
+    python -m bench.shards [--shards 1,2,4] [--messages 20000] [--calls 300] [--rounds 3]
+                           [--nodes 1,2,4] [--json FILE]
+
+Part 1, the sharded clients (``ShardedClient`` and ``AioShardedClient``, client/sharded.py):
+for each S of ``--shards``, one etcd (Debian ``etcd-server``) and S shards of one node each
+in cluster mode on 127.0.0.1 (temporary folders, sync flush, the defaults), and the clients
+seeded with one server's address. Per round, on the same cluster:
+
+- ``send_many`` of ``--messages`` far-future messages (Outgoing tuples, a day ahead: nothing
+  fires), which routes each message to its id's shard and streams to the shards at once;
+- ``cancel_many`` of half of them (grouped per shard, CancelBatch calls at the same time);
+- ``get`` of ``--calls`` receipts one call at a time (routed by the receipt's shard), and
+  of as many bare message ids (routed by the id's CRC-32);
+- ``stats`` (every master's figures, the cluster's sums), ``--calls``/3 calls;
+- ``refresh()`` (one Topology call: what every failover retry and the consumers' watch do).
+
+For each operation: calls (or messages) per second, the client's CPU per operation (this
+process, all threads: the bench holds only the client) and the servers' CPU per operation
+(every server process, user + system; etcd not counted), the median of ``--rounds`` rounds.
+A cost that grows with S where the work does not (a lookup that asks every shard, a
+topology read per call) shows as a per-op cost rising from S=1 to S=4.
+
+Part 2, the cluster client (``ClusterClient``, client/cluster.py: one master and its
+slaves, no etcd): for each k of ``--nodes``, a master with k-1 slaves (async
+replication), ``send_batch`` of 100, ``get``, ``cancel`` and ``stats`` from a client given
+all k addresses, the same figures.
+
+Writes bench/out/shards.json (or ``--json``); docs/benchmarks.md, "Sharded and cluster
+clients against the number of shards", records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from bench.common import machine, median, print_table, until_idle, write_json
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from etcdproc import EtcdProc  # noqa: E402
+from serverproc import ServerProc  # noqa: E402
+
+from bench.cluster import start_shards  # noqa: E402
+from qdelay.client import AioShardedClient, Outgoing, ShardedClient  # noqa: E402
+from qdelay.client.cluster import ClusterClient  # noqa: E402
+
+DAY_MS = 86_400_000
+
+
+class Cost:
+    """Wall time, this process's CPU and the servers' CPU of a block."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.procs = [psutil.Process(p) for p in pids]
+
+    def settle(self) -> None:
+        """Wait until every server is idle (a write's background work: the iterate service,
+        the id index's compactions, replication), so that lookups are not charged for it."""
+        for p in self.procs:
+            until_idle(p.pid, 60.0)
+
+    def idle(self, seconds: float = 2.0) -> dict[str, float]:
+        """The servers' and this process's CPU use with no call made (% of a core): lease
+        renewals, timers; charged to every operation measured, more so with more servers."""
+        self.settle()
+        me = psutil.Process()
+        c0, s0 = sum(me.cpu_times()[:2]), self._servers()
+        time.sleep(seconds)
+        return {
+            "servers_pct": (self._servers() - s0) / seconds * 100,
+            "client_pct": (sum(me.cpu_times()[:2]) - c0) / seconds * 100,
+        }
+
+    def _servers(self) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self.procs))
+
+    def measure(self, ops: int, work: Callable[[], Any]) -> dict[str, float]:
+        me = psutil.Process()
+        c0, s0 = sum(me.cpu_times()[:2]), self._servers()
+        t0 = time.perf_counter()
+        work()
+        wall = time.perf_counter() - t0
+        c1, s1 = sum(me.cpu_times()[:2]), self._servers()
+        return {
+            "ops_per_s": ops / wall,
+            "client_us": (c1 - c0) / ops * 1e6,
+            "server_us": (s1 - s0) / ops * 1e6,
+        }
+
+
+def _far(n: int, base: int, tag: str) -> list[Outgoing]:
+    return [Outgoing("bench.shards", b"x" * 100, deliver_at_ms=base + i, message_id=f"{tag}-{i}") for i in range(n)]
+
+
+def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base: int, tag: str) -> dict:
+    rng = random.Random(tag)
+    out: dict[str, dict] = {}
+    msgs = _far(messages, base, tag)
+    receipts: list = []
+    out["send_many"] = cost.measure(messages, lambda: receipts.extend(sc.send_many(msgs)))
+    doomed = receipts[::2]
+    outcomes: list[str] = []
+    out["cancel_many"] = cost.measure(len(doomed), lambda: outcomes.extend(sc.cancel_many(doomed)))
+    if outcomes.count("CANCELLED") != len(doomed):
+        raise SystemExit(f"cancel_many: {len(doomed) - outcomes.count('CANCELLED')} not CANCELLED")
+    cost.settle()
+    picks = rng.sample(receipts, min(calls, len(receipts)))
+    out["get by receipt"] = cost.measure(len(picks), lambda: [sc.get(r) for r in picks])
+    ids = [r.message_id for r in rng.sample(receipts, min(calls, len(receipts)))]
+    out["get by id"] = cost.measure(len(ids), lambda: [sc.get(message_id=m) for m in ids])
+    n = max(10, calls // 3)
+    out["stats"] = cost.measure(n, lambda: [sc.stats() for _ in range(n)])
+    out["topology (refresh)"] = cost.measure(calls, lambda: [sc.refresh() for _ in range(calls)])
+    return out
+
+
+def aio_round(seed: str, cost: Cost, messages: int, calls: int, base: int, tag: str) -> dict:
+    rng = random.Random(tag)
+    out: dict[str, dict] = {}
+
+    async def go() -> None:
+        async with AioShardedClient(seed) as sc:
+            await sc.send_many(_far(2_000, base, "w" + tag))  # this client's first calls, channels
+            await sc.get(message_id="w" + tag + "-0")
+            msgs = _far(messages, base, tag)
+            receipts: list = []
+
+            async def send() -> None:
+                receipts.extend(await sc.send_many(msgs))
+
+            async def each(fn, items) -> None:
+                for x in items:
+                    await fn(x)
+
+            out["send_many"] = await ameasure(cost, messages, send())
+            doomed = receipts[::2]
+            out["cancel_many"] = await ameasure(cost, len(doomed), sc.cancel_many(doomed))
+            await asyncio.to_thread(cost.settle)
+            picks = rng.sample(receipts, min(calls, len(receipts)))
+            out["get by receipt"] = await ameasure(cost, len(picks), each(sc.get, picks))
+            ids = [r.message_id for r in rng.sample(receipts, min(calls, len(receipts)))]
+            out["get by id"] = await ameasure(cost, len(ids), each(lambda m: sc.get(message_id=m), ids))
+            n = max(10, calls // 3)
+            out["stats"] = await ameasure(cost, n, each(lambda _i: sc.stats(), range(n)))
+            out["topology (refresh)"] = await ameasure(cost, calls, each(lambda _i: sc.refresh(), range(calls)))
+
+    asyncio.run(go())
+    return out
+
+
+async def ameasure(cost: Cost, ops: int, coro) -> dict[str, float]:
+    me = psutil.Process()
+    c0, s0 = sum(me.cpu_times()[:2]), cost._servers()
+    t0 = time.perf_counter()
+    await coro
+    wall = time.perf_counter() - t0
+    c1, s1 = sum(me.cpu_times()[:2]), cost._servers()
+    return {"ops_per_s": ops / wall, "client_us": (c1 - c0) / ops * 1e6, "server_us": (s1 - s0) / ops * 1e6}
+
+
+def cluster_round(cc: ClusterClient, cost: Cost, messages: int, calls: int, base: int, tag: str) -> dict:
+    rng = random.Random(tag)
+    out: dict[str, dict] = {}
+    batches = [
+        [
+            cc.message("bench.cc", b"x" * 100, deliver_at_ms=base + i + j, message_id=f"{tag}-{i + j}")
+            for j in range(100)
+        ]
+        for i in range(0, max(100, messages // 4), 100)
+    ]
+    receipts: list = []
+    out["send_batch (100)"] = cost.measure(
+        sum(map(len, batches)), lambda: [receipts.extend(cc.send_batch(b)) for b in batches]
+    )
+    cost.settle()
+    picks = rng.sample(receipts, min(calls, len(receipts)))
+    out["get"] = cost.measure(len(picks), lambda: [cc.get(r) for r in picks])
+    doomed = rng.sample(receipts, min(calls, len(receipts)))
+    out["cancel"] = cost.measure(len(doomed), lambda: [cc.cancel(r) for r in doomed])
+    n = max(10, calls // 3)
+    out["stats"] = cost.measure(n, lambda: [cc.stats() for _ in range(n)])
+    return out
+
+
+def medians(rounds: list[dict]) -> dict[str, dict[str, float]]:
+    return {
+        op: {k: median([r[op][k] for r in rounds]) for k in rounds[0][op]}
+        for op in rounds[0]  # every round measures the same operations
+    }
+
+
+def part_sharded(counts: list[int], messages: int, calls: int, rounds: int) -> tuple[dict, dict]:
+    results: dict = {}
+    idle: dict = {}
+    base = (int(time.time() * 1000) // 60_000 + 60) * 60_000 + DAY_MS
+    for s in counts:
+        with tempfile.TemporaryDirectory(prefix="qdelay-bench-shards-") as root:
+            with EtcdProc(os.path.join(root, "etcd")) as etcd:
+                procs = start_shards(root, etcd.endpoint, {f"s{i}": 1 for i in range(s)}, [])
+                try:
+                    cost = Cost([p.pid for p in procs])
+                    blocking, aio = [], []
+                    with ShardedClient(procs[0].address) as sc:
+                        sharded_round(sc, cost, 2_000, 20, base, f"warm{s}")  # first calls, channels
+                        idle[str(s)] = cost.idle()
+                        for r in range(rounds):
+                            blocking.append(sharded_round(sc, cost, messages, calls, base, f"b{s}.{r}"))
+                            aio.append(aio_round(procs[0].address, cost, messages, calls, base, f"a{s}.{r}"))
+                            print(f"shards={s} round {r + 1}: done", flush=True)
+                finally:
+                    for p in procs:
+                        p.stop()
+        results[str(s)] = {"ShardedClient": medians(blocking), "AioShardedClient": medians(aio)}
+    return results, idle
+
+
+def part_cluster(counts: list[int], messages: int, calls: int, rounds: int) -> tuple[dict, dict]:
+    results: dict = {}
+    idle: dict = {}
+    base = (int(time.time() * 1000) // 60_000 + 60) * 60_000 + DAY_MS
+    for k in counts:
+        with tempfile.TemporaryDirectory(prefix="qdelay-bench-cc-") as root:
+            master = ServerProc(os.path.join(root, "m")).start()
+            slaves = [
+                ServerProc(os.path.join(root, f"s{i}"), args=["--role", "slave", "--master", master.address]).start()
+                for i in range(k - 1)
+            ]
+            procs = [master, *slaves]
+            try:
+                cost = Cost([p.pid for p in procs])
+                done = []
+                with ClusterClient([p.address for p in procs]) as cc:
+                    cluster_round(cc, cost, 400, 20, base, f"warm{k}")
+                    idle[str(k)] = cost.idle()
+                    for r in range(rounds):
+                        done.append(cluster_round(cc, cost, messages, calls, base, f"c{k}.{r}"))
+                        print(f"nodes={k} round {r + 1}: done", flush=True)
+            finally:
+                for p in procs:
+                    p.stop()
+        results[str(k)] = {"ClusterClient": medians(done)}
+    return results, idle
+
+
+def table(results: dict, what: str, title: str) -> str:
+    rows = []
+    for n, by_client in results.items():
+        for client, ops in by_client.items():
+            for op, v in ops.items():
+                rows.append([client, op, int(n), v["ops_per_s"], v["client_us"], v["server_us"]])
+    rows.sort(key=lambda r: (r[0], r[1], r[2]))
+    return print_table(["client", "operation", what, "ops/s", "client µs/op", "servers µs/op"], rows, title=title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.shards", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", default="1,2,4", help="shard counts S for the sharded clients (etcd cluster mode)")
+    ap.add_argument("--nodes", default="1,2,4", help="server counts for ClusterClient (a master and its slaves)")
+    ap.add_argument("--messages", type=int, default=20_000, help="messages sent per round (half are cancelled)")
+    ap.add_argument("--calls", type=int, default=300, help="get calls per kind per round (stats: a third)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per count; medians are printed")
+    ap.add_argument("--json", default="shards", help="output name under bench/out, or a path")
+    args = ap.parse_args(argv)
+    started = machine()
+    sharded, sharded_idle = part_sharded(
+        [int(x) for x in args.shards.split(",") if x], args.messages, args.calls, args.rounds
+    )
+    cluster, cluster_idle = part_cluster(
+        [int(x) for x in args.nodes.split(",") if x], args.messages, args.calls, args.rounds
+    )
+    table(sharded, "shards", "sharded clients against the number of shards (medians of the rounds)")
+    print()
+    table(cluster, "servers", "ClusterClient against the number of servers (a master and its slaves)")
+    print()
+    print_table(
+        ["layout", "count", "servers idle CPU %", "client idle CPU %"],
+        [["shards", int(n), v["servers_pct"], v["client_pct"]] for n, v in sharded_idle.items()]
+        + [["master + slaves", int(n), v["servers_pct"], v["client_pct"]] for n, v in cluster_idle.items()],
+        title="CPU with no call made (charged to every operation above; etcd not counted)",
+    )
+    write_json(
+        args.json,
+        {
+            "machine": started,
+            "machine_end": machine(),
+            "params": vars(args),
+            "sharded": sharded,
+            "cluster": cluster,
+            "idle": {"sharded": sharded_idle, "cluster": cluster_idle},
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
