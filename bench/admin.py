@@ -26,9 +26,10 @@ minute, each its own id), B catches up, then:
   (every group, and one subject's; ``--calls`` each).
 
 For each: wall time per command (median of its calls or rounds) and the servers' CPU per
-command (A and B, user + system; the mean over the calls, as CPU times tick by 10 ms). Flat in N is the expectation except where a command
-copies or lists what N counts (resync copies every pending minute; an unfiltered group
-list lists every group). Writes bench/out/admin.json (or ``--json``).
+command (A and B, user + system; the mean over the calls, as CPU times tick by 10 ms).
+Flat in N is the expectation except where a command copies or lists what N counts (resync
+copies every pending minute; an unfiltered group list lists every group). Writes
+bench/out/admin.json (or ``--json``).
 """
 
 from __future__ import annotations
