@@ -11,8 +11,8 @@ seeded with one server's address. Per round, on the same cluster:
 - ``send_many`` of ``--messages`` far-future messages (Outgoing tuples, a day ahead: nothing
   fires), which routes each message to its id's shard and streams to the shards at once;
 - ``cancel_many`` of half of them (grouped per shard, CancelBatch calls at the same time);
-- ``get`` of ``--calls`` receipts one call at a time (routed by the receipt's shard), and
-  of as many bare message ids (routed by the id's CRC-32);
+- ``get`` of ``--calls`` receipts one call at a time (routed by the receipt's shard), of
+  as many bare message ids (routed by the id's CRC-32), and of receipts all of one shard;
 - ``stats`` (every master's figures, the cluster's sums), ``--calls``/3 calls;
 - ``refresh()`` (one Topology call: what every failover retry and the consumers' watch do).
 
@@ -119,6 +119,10 @@ def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base
     out["get by receipt"] = cost.measure(len(picks), lambda: [sc.get(r) for r in picks])
     ids = [r.message_id for r in rng.sample(receipts, min(calls, len(receipts)))]
     out["get by id"] = cost.measure(len(ids), lambda: [sc.get(message_id=m) for m in ids])
+    # the same calls all to one shard: what a call costs when its server stays busy, against
+    # the spread calls above, each server asked in turn (processes taking turns on the cores)
+    one = [r for r in receipts if r.shard == receipts[0].shard][: len(picks)]
+    out["get by receipt, one shard"] = cost.measure(len(one), lambda: [sc.get(r) for r in one])
     n = max(10, calls // 3)
     out["stats"] = cost.measure(n, lambda: [sc.stats() for _ in range(n)])
     out["topology (refresh)"] = cost.measure(calls, lambda: [sc.refresh() for _ in range(calls)])
@@ -253,14 +257,18 @@ def part_cluster(counts: list[int], messages: int, calls: int, rounds: int) -> t
     return results, idle
 
 
-def table(results: dict, what: str, title: str) -> str:
+def table(results: dict, idle: dict, what: str, title: str) -> str:
+    """The medians per client, operation and count; the servers' CPU also net of what they
+    use idle (``idle``: % of a core per count, spread over the operations of the time)."""
     rows = []
     for n, by_client in results.items():
         for client, ops in by_client.items():
             for op, v in ops.items():
-                rows.append([client, op, int(n), v["ops_per_s"], v["client_us"], v["server_us"]])
+                net = v["server_us"] - idle[n]["servers_pct"] * 1e4 / v["ops_per_s"]
+                rows.append([client, op, int(n), v["ops_per_s"], v["client_us"], v["server_us"], net])
     rows.sort(key=lambda r: (r[0], r[1], r[2]))
-    return print_table(["client", "operation", what, "ops/s", "client µs/op", "servers µs/op"], rows, title=title)
+    headers = ["client", "operation", what, "ops/s", "client µs/op", "servers µs/op", "net of idle"]
+    return print_table(headers, rows, title=title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster, cluster_idle = part_cluster(
         [int(x) for x in args.nodes.split(",") if x], args.messages, args.calls, args.rounds
     )
-    table(sharded, "shards", "sharded clients against the number of shards (medians of the rounds)")
+    table(sharded, sharded_idle, "shards", "sharded clients against the number of shards (medians of the rounds)")
     print()
-    table(cluster, "servers", "ClusterClient against the number of servers (a master and its slaves)")
+    table(cluster, cluster_idle, "servers", "ClusterClient against the number of servers (a master and its slaves)")
     print()
     print_table(
         ["layout", "count", "servers idle CPU %", "client idle CPU %"],
