@@ -1,7 +1,7 @@
 """What each call of the sharded and cluster clients costs against the number of shards.
 
     python -m bench.shards [--shards 1,2,4] [--messages 20000] [--calls 300] [--rounds 3]
-                           [--nodes 1,2,4] [--json FILE]
+                           [--nodes 1,2,4] [--node 1] [--json FILE]
 
 Part 1, the sharded clients (``ShardedClient`` and ``AioShardedClient``, client/sharded.py):
 for each S of ``--shards``, one etcd (Debian ``etcd-server``) and S shards of one node each
@@ -22,6 +22,12 @@ process, all threads: the bench holds only the client) and the servers' CPU per 
 A cost that grows with S where the work does not (a lookup that asks every shard, a
 topology read per call) shows as a per-op cost rising from S=1 to S=4.
 
+With ``--node 1`` (the default; skipped, saying why, without node or the module's npm
+packages) the Node module's ``ShardedClient`` (examples/node/qdelay.js) is measured on the
+same clusters through bench/shards_node.js: batched ``send`` of ``--messages``,
+``cancelMany`` of half, ``get`` by receipt and by id, ``refresh`` (its CPU from
+``process.cpuUsage``).
+
 Part 2, the cluster client (``ClusterClient``, client/cluster.py: one master and its
 slaves, no etcd): for each k of ``--nodes``, a master with k-1 slaves (async
 replication), ``send_batch`` of 100, ``get``, ``cancel`` and ``stats`` from a client given
@@ -35,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -173,6 +182,60 @@ async def ameasure(cost: Cost, ops: int, coro) -> dict[str, float]:
     return {"ops_per_s": ops / wall, "client_us": (c1 - c0) / ops * 1e6, "server_us": (s1 - s0) / ops * 1e6}
 
 
+NODE_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shards_node.js")
+NODE_MODULES = os.path.join(os.path.dirname(os.path.dirname(NODE_DRIVER)), "examples", "node", "node_modules")
+
+
+def node_available() -> str:
+    """'' when the Node part can run, else why not (node, or the module's npm packages)."""
+    if shutil.which("node") is None:
+        return "node is not installed"
+    if not os.path.isdir(os.path.join(NODE_MODULES, "@grpc", "grpc-js")):
+        return "examples/node has no node_modules (make node-deps)"
+    return ""
+
+
+class NodeDriver:
+    """bench/shards_node.js: the Node ShardedClient, one command a line (see its header)."""
+
+    def __init__(self, seed: str) -> None:
+        self.proc = subprocess.Popen(
+            ["node", NODE_DRIVER, seed], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+
+    def call(self, cost: Cost, command: str) -> dict[str, float]:
+        """One command; its rate, the Node process's CPU and the servers' CPU per operation."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        s0 = cost._servers()
+        self.proc.stdin.write(command + "\n")
+        line = self.proc.stdout.readline()
+        s1 = cost._servers()
+        if not line:
+            raise RuntimeError(f"the Node driver ended (exit {self.proc.wait()}) at {command!r}")
+        got = json.loads(line)
+        ops = got["ops"]
+        return {
+            "ops_per_s": ops / got["wall_s"],
+            "client_us": got["cpu_s"] / ops * 1e6,
+            "server_us": (s1 - s0) / ops * 1e6,
+        }
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def node_round(node: NodeDriver, cost: Cost, messages: int, calls: int, base: int) -> dict:
+    out = {"send (batched)": node.call(cost, f"send {messages} {base}")}
+    out["cancelMany"] = node.call(cost, "cancelMany")
+    cost.settle()
+    out["get by receipt"] = node.call(cost, f"getReceipt {calls}")
+    out["get by id"] = node.call(cost, f"getId {calls}")
+    out["topology (refresh)"] = node.call(cost, f"refresh {calls}")
+    return out
+
+
 def cluster_round(cc: ClusterClient, cost: Cost, messages: int, calls: int, base: int, tag: str) -> dict:
     rng = random.Random(tag)
     out: dict[str, dict] = {}
@@ -204,7 +267,7 @@ def medians(rounds: list[dict]) -> dict[str, dict[str, float]]:
     }
 
 
-def part_sharded(counts: list[int], messages: int, calls: int, rounds: int) -> tuple[dict, dict]:
+def part_sharded(counts: list[int], messages: int, calls: int, rounds: int, node_part: bool) -> tuple[dict, dict]:
     results: dict = {}
     idle: dict = {}
     base = (int(time.time() * 1000) // 60_000 + 60) * 60_000 + DAY_MS
@@ -214,7 +277,7 @@ def part_sharded(counts: list[int], messages: int, calls: int, rounds: int) -> t
                 procs = start_shards(root, etcd.endpoint, {f"s{i}": 1 for i in range(s)}, [])
                 try:
                     cost = Cost([p.pid for p in procs])
-                    blocking, aio = [], []
+                    blocking, aio, nodes = [], [], []
                     with ShardedClient(procs[0].address) as sc:
                         sharded_round(sc, cost, 2_000, 20, base, f"warm{s}")  # first calls, channels
                         idle[str(s)] = cost.idle()
@@ -222,10 +285,20 @@ def part_sharded(counts: list[int], messages: int, calls: int, rounds: int) -> t
                             blocking.append(sharded_round(sc, cost, messages, calls, base, f"b{s}.{r}"))
                             aio.append(aio_round(procs[0].address, cost, messages, calls, base, f"a{s}.{r}"))
                             print(f"shards={s} round {r + 1}: done", flush=True)
+                    if node_part:
+                        node = NodeDriver(procs[0].address)
+                        try:
+                            node_round(node, cost, 2_000, 20, base + 10 * DAY_MS)  # first calls, channels
+                            for r in range(rounds):
+                                nodes.append(node_round(node, cost, messages, calls, base + (11 + r) * DAY_MS))
+                        finally:
+                            node.close()
                 finally:
                     for p in procs:
                         p.stop()
         results[str(s)] = {"ShardedClient": medians(blocking), "AioShardedClient": medians(aio)}
+        if nodes:
+            results[str(s)]["Node ShardedClient"] = medians(nodes)
     return results, idle
 
 
@@ -278,11 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages", type=int, default=20_000, help="messages sent per round (half are cancelled)")
     ap.add_argument("--calls", type=int, default=300, help="get calls per kind per round (stats: a third)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per count; medians are printed")
+    ap.add_argument(
+        "--node", type=int, default=1, help="1: also the Node module's ShardedClient (needs node, make node-deps)"
+    )
     ap.add_argument("--json", default="shards", help="output name under bench/out, or a path")
     args = ap.parse_args(argv)
     started = machine()
+    why_not = "" if args.node else "--node 0"
+    why_not = why_not or node_available()
+    if why_not:
+        print(f"the Node sharded client is not measured: {why_not}", flush=True)
     sharded, sharded_idle = part_sharded(
-        [int(x) for x in args.shards.split(",") if x], args.messages, args.calls, args.rounds
+        [int(x) for x in args.shards.split(",") if x], args.messages, args.calls, args.rounds, not why_not
     )
     cluster, cluster_idle = part_cluster(
         [int(x) for x in args.nodes.split(",") if x], args.messages, args.calls, args.rounds
