@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from qdelay import errors
@@ -56,11 +57,30 @@ class ClusterClient:
         self.failovers = 0  # how many times writes moved to another server
         self.retries = 0  # writes repeated (same message ids)
         self.epoch = 0
+        self._executor: ThreadPoolExecutor | None = None
 
     # --- plumbing --------------------------------------------------------------------------------
     def close(self) -> None:
+        with self._lock:
+            pool, self._executor = self._executor, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for c in self.clients:
             c.close()
+
+    def _each_server(self, fn: Callable[[Client], object]) -> list:
+        """``fn(client)`` for every server at the same time (stats, finding the master): a
+        call waits for the slowest server once, not for each in turn (a server that does not
+        answer costs its timeout once per call, not once per server behind it)."""
+        if len(self.clients) == 1:
+            return [fn(self.clients[0])]
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=min(16, len(self.clients)), thread_name_prefix="qdelay-cluster"
+                )
+            pool = self._executor
+        return list(pool.map(fn, self.clients))
 
     def __enter__(self) -> ClusterClient:
         return self
@@ -74,13 +94,16 @@ class ClusterClient:
 
     def find_master(self, timeout: float = 2.0) -> int | None:
         """Index of the server that says it is master with the highest epoch (None: none)."""
-        best = None
-        for i, c in enumerate(self.clients):
+
+        def one(c: Client) -> dict | None:
             try:
-                s = c.stats(timeout=timeout)
+                return c.stats(timeout=timeout)
             except errors.QdelayError:
-                continue
-            if s["role"] == "master" and (best is None or s["epoch"] > best[1]):
+                return None
+
+        best = None
+        for i, s in enumerate(self._each_server(one)):
+            if s is not None and s["role"] == "master" and (best is None or s["epoch"] > best[1]):
                 best = (i, s["epoch"])
         if best is not None:
             self.epoch = max(self.epoch, best[1])
@@ -134,13 +157,15 @@ class ClusterClient:
         return self._retry(lambda c: c.get(receipt, timeout))
 
     def stats(self) -> dict[str, dict | str]:
-        out: dict[str, dict | str] = {}
-        for t, c in zip(self.targets, self.clients):
+        """Every server's stats (or its error), the servers asked at the same time."""
+
+        def one(c: Client) -> dict | str:
             try:
-                out[t] = c.stats(timeout=2.0)
+                return c.stats(timeout=2.0)
             except errors.QdelayError as e:
-                out[t] = str(e)
-        return out
+                return str(e)
+
+        return dict(zip(self.targets, self._each_server(one)))
 
     def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list[Consumer]:
         """One consumer per server (only the master delivers)."""

@@ -420,7 +420,8 @@ class ShardedClient(_Sharded):
         ``subject``/``group`` as ``Client.stats`` narrows them, with ``master``, ``epoch`` and
         each slave's stats or error under ``slaves``) and for the whole cluster (``cluster``:
         pending, wheel_size and iterate_lag_bytes summed over the masters; shards without a
-        master counted)."""
+        master counted). Every server is asked at the same time (as the asyncio client
+        does): a call takes about one server's answer, not the sum of them."""
         topo = self.refresh()
 
         def one(address: str) -> dict | Exception:
@@ -429,11 +430,19 @@ class ShardedClient(_Sharded):
             except errors.QdelayError as e:
                 return e
 
-        shards: dict[str, dict] = {}
-        for name in topo.names:
-            s = topo.shards[name]
-            master = one(s.master) if s.master else None
-            shards[name] = _stats_entry(s, master, {a: one(a) for a in s.slaves})
+        addresses = topo.addresses()
+        if len(addresses) == 1:
+            answers = {addresses[0]: one(addresses[0])}
+        else:
+            answers = dict(zip(addresses, self._pool().map(one, addresses)))
+        shards = {
+            name: _stats_entry(
+                s := topo.shards[name],
+                answers.get(s.master) if s.master else None,
+                {a: answers[a] for a in s.slaves},
+            )
+            for name in topo.names
+        }
         return {"cluster": _stats_total(shards), "shards": shards}
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:

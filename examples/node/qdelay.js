@@ -484,6 +484,7 @@ class ShardedClient {
     this.failoverMs = options.failoverMs || 30000;
     this.clients = new Map();
     this.shards = new Map(); // name -> {name, master, slaves, epoch}
+    this.names = []; // the shards' names, sorted: kept by refresh(), read for every message routed
     this.cluster = null;
     this.retries = 0;
     this.closed = false;
@@ -522,6 +523,7 @@ class ShardedClient {
           const have = this.shards.get(s.name);
           if (!have || BigInt(s.epoch) >= BigInt(have.epoch)) this.shards.set(s.name, s);
         }
+        this.names = [...this.shards.keys()].sort();
         return this;
       } catch (err) {
         last = err;
@@ -532,7 +534,7 @@ class ShardedClient {
   }
 
   shardFor(messageId) {
-    const names = [...this.shards.keys()].sort();
+    const names = this.names;
     if (!names.length) throw new Error('the cluster has no shard yet');
     return names[zlib.crc32(Buffer.from(messageId, 'utf8')) % names.length];
   }

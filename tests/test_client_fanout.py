@@ -1,0 +1,63 @@
+"""The blocking sharded and cluster clients ask every server at the same time where a call
+needs all of them (stats, finding the master): a call waits for the slowest server once,
+not for each in turn (bench.shards measured stats at 1 / 2 / 4 shards: the sequential
+form's latency grew with every server)."""
+
+from __future__ import annotations
+
+import threading
+
+from qdelay.client.cluster import ClusterClient
+from qdelay.client.sharded import ShardedClient, Topology
+from qdelay.v1 import qdelay_pb2 as pb
+
+
+class BarrierServer:
+    """A stand-in for one server's client whose ``stats`` returns only once every server
+    of the call is being asked (a ``threading.Barrier``): asked one after another, the
+    first waits until the barrier's timeout and the call fails."""
+
+    def __init__(self, barrier: threading.Barrier, role: str = "slave", epoch: int = 0) -> None:
+        self.barrier, self.role, self.epoch = barrier, role, epoch
+
+    def stats(self, timeout=None, *, subject: str = "", group: str = "") -> dict:
+        self.barrier.wait()
+        return {"role": self.role, "epoch": self.epoch, "pending": 1, "wheel_size": 0, "iterate_lag_bytes": 0}
+
+    def close(self) -> None:
+        pass
+
+
+def test_sharded_stats_asks_every_server_at_once():
+    shards = {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", slaves=[f"r{i}:1"], epoch=1) for i in range(3)}
+    barrier = threading.Barrier(6, timeout=5)
+    fakes = {a: BarrierServer(barrier) for s in shards.values() for a in [s.master, *s.slaves]}
+
+    class Fake(ShardedClient):
+        def refresh(self) -> Topology:
+            self.topology = Topology("c", shards)
+            return self.topology
+
+        def client(self, address: str):  # type: ignore[override]
+            return fakes[address]
+
+    with Fake("seed:1") as sc:
+        st = sc.stats()
+    assert not barrier.broken
+    assert st["cluster"]["pending"] == 3 and st["cluster"]["shards"] == 3
+    assert set(st["shards"]["s1"]["slaves"]) == {"r1:1"} and st["shards"]["s1"]["pending"] == 1
+
+
+def test_cluster_client_stats_and_find_master_ask_every_server_at_once():
+    targets = [f"127.0.0.1:{port}" for port in (1, 2, 3, 4)]
+    with ClusterClient(targets) as cc:
+        real = cc.clients
+        try:
+            barrier = threading.Barrier(4, timeout=5)
+            cc.clients = [BarrierServer(barrier, "master" if i == 2 else "slave", epoch=7) for i in range(4)]
+            st = cc.stats()
+            assert not barrier.broken and list(st) == targets and st[targets[2]]["role"] == "master"
+            assert cc.find_master() == 2 and cc.epoch == 7
+            assert not barrier.broken
+        finally:
+            cc.clients = real
