@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import gc
-import itertools
 import json
 import os
 import queue
@@ -42,6 +40,7 @@ from bench.common import percentile
 from qdelay.segments.idindex import IdIndex
 from qdelay.server import allocator
 from qdelay.server.config import engine_config
+from qdelay.server.consumers import ConsumerRegistry
 from qdelay.server.engine import Engine, NewMessage
 
 
@@ -154,17 +153,19 @@ def scenario_burst(root: str, n: int) -> dict:
 
 
 class GroupSink:
-    """Per (subject, group): counts and acknowledges deliveries from a consumer thread
-    (posting the acks, as the server's Subscribe streams do);
-    a group in ``blocked`` has no credit (a consumer that is gone or stuck).
+    """Per (subject, group): counts deliveries and acknowledges them from a consumer thread
+    (posting the acks, as the server's Subscribe streams do); a group in ``blocked`` has no
+    credit (a consumer that is gone or stuck).
 
-    Per delivery it does what the server's gRPC sink and stream do (server/consumers.py,
-    service.py), no more: the scheduler thread registers each ack id as outstanding (one
-    dict entry) and hands the batch over; the consumer thread drops the acked ids from it
-    and posts the acks. Lateness is kept as one array per batch (the bench's own
+    Credit, hand-over and acks go through the server's own consumer registry
+    (``server/consumers.py``: one subscriber per group, a window of 1,000,000), with this
+    object standing in for the event loop: the slices the registry passes to the loop go
+    to the consumer thread, which tells the registry what it acknowledged and posts the
+    acks to the engine. So the scheduler thread does per delivery what it does in a
+    server, no more and no less (it used to be a dict entry per ack id here, mirroring the
+    registry by hand). Lateness is kept as one array per batch (the bench's own
     measurement: a Python expression per delivery, as it was, cost the scheduler thread
-    about as much as the server's own per-delivery work, and more per group than one
-    group's share)."""
+    about as much as the server's own per-delivery work)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -173,12 +174,23 @@ class GroupSink:
         self.first: dict[tuple[str, str], float] = {}
         self.last: dict[tuple[str, str], float] = {}
         self._late: dict[tuple[str, str], list[np.ndarray]] = {}
-        self._outstanding: dict[tuple[str, str], dict[str, float]] = {}
+        self.registry = ConsumerRegistry(self, ack_timeout_ms=30_000)  # type: ignore[arg-type]
+        self._subscribed: set[tuple[str, str]] = set()
         self._acks: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._ack_loop, name="bench-acker", daemon=True).start()
 
+    def call_soon_threadsafe(self, push, part) -> None:
+        """The registry handing a subscriber's slice to the event loop."""
+        self._acks.put((push.__self__, part))
+
     def credit(self, subject: str, group: str) -> int:
-        return 0 if (subject, group) in self.blocked else 1_000_000
+        key = (subject, group)
+        if key in self.blocked:
+            return 0
+        if key not in self._subscribed:
+            self._subscribed.add(key)
+            self.registry.register(subject, group, 1_000_000, "bench")
+        return self.registry.credit(subject, group)
 
     def deliver(self, subject: str, group: str, deliveries) -> None:
         now = time.time()
@@ -187,8 +199,7 @@ class GroupSink:
         self.last[key] = now
         self.counts[key] = self.counts.get(key, 0) + len(deliveries)
         self._late.setdefault(key, []).append(now * 1000 - np.asarray(deliveries.deliver_at_ms, dtype=np.float64))
-        self._outstanding.setdefault(key, {}).update(zip(deliveries.ack_ids, itertools.repeat(now + 30)))
-        self._acks.put((deliveries.ack_ids, subject, group))
+        self.registry.deliver(subject, group, deliveries)
 
     def lateness(self, key: tuple[str, str]) -> list[float]:
         """Received - due of every delivery to ``key`` so far (ms)."""
@@ -199,10 +210,9 @@ class GroupSink:
         # acks are posted, as the server's event loop posts a stream's acks (post_ack):
         # applied by the scheduler thread, without this thread waiting for its lock
         while True:
-            ids, subject, group = self._acks.get()
-            outstanding = self._outstanding[(subject, group)]
-            collections.deque(map(outstanding.pop, ids, itertools.repeat(None)), maxlen=0)
-            self.engine.post_ack(ids, subject, group)
+            sub, part = self._acks.get()
+            self.registry.acked(sub, part.ack_ids)
+            self.engine.post_ack(part.ack_ids, sub.subject, sub.group)
 
     def wait(self, key: tuple[str, str], n: int, timeout: float) -> bool:
         deadline = time.time() + timeout

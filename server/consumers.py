@@ -11,7 +11,11 @@ Groups: the engine hands each (subject, group) its own deliveries (every group g
 message: fan-out); the subscribers of one group compete for them.
 
 An unacknowledged delivery stops counting against its subscriber's window once the
-engine's ack timeout has passed (the engine offers it again, possibly elsewhere).
+engine's ack timeout has passed (the engine offers it again, possibly elsewhere). What a
+subscriber has unacknowledged is kept per slice handed to it (a ``Lease``), not per
+delivery: acks that return what a response carried, in order, are matched as stretches of
+leases (``server/stretches.py``); each group of a fan-out pays this per batch, not a
+dictionary entry per delivery.
 
 Locking: ``credit`` is called by the engine with the engine's lock held, so this
 registry never calls into the engine while holding its own lock.
@@ -28,11 +32,23 @@ import time
 from typing import TYPE_CHECKING
 
 from qdelay import wire
+from qdelay.server.stretches import Batch, Stretches
 
 if TYPE_CHECKING:
     from qdelay.server.scheduler import Deliveries
 
 log = logging.getLogger("qdelay.consumers")
+
+
+class Lease(Batch[str]):
+    """The ack ids of one slice of deliveries handed to a subscriber, and when the engine's
+    ack timeout passes for them."""
+
+    __slots__ = ("expiry",)
+
+    def __init__(self, ack_ids: list[str], expiry: float) -> None:
+        super().__init__(ack_ids)
+        self.expiry = expiry
 
 
 class Subscription:
@@ -42,7 +58,8 @@ class Subscription:
         "group",
         "peer",
         "max_in_flight",
-        "outstanding",
+        "out",
+        "leases",
         "inbox",
         "event",
         "closed",
@@ -57,8 +74,10 @@ class Subscription:
         self.group = group
         self.peer = peer
         self.max_in_flight = max_in_flight
-        # ack_id -> monotonic expiry; insertion order is hand-over order, so expiry order too
-        self.outstanding: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # the ack ids handed out and not acknowledged, per lease; the leases in hand-over
+        # order, so in expiry order too (every lease with ids out is in it)
+        self.out: Stretches[Lease, str] = Stretches()
+        self.leases: collections.deque[Lease] = collections.deque()
         self.inbox: collections.deque = collections.deque()  # Deliveries batches, oldest first
         self.event = asyncio.Event()
         self.closed = False
@@ -68,14 +87,32 @@ class Subscription:
 
     def available(self, now: float) -> int:
         """Free credit (lock held): drops deliveries whose ack timeout has passed."""
-        out = self.outstanding
-        while out:
-            ack_id, expiry = next(iter(out.items()))
-            if expiry > now:
+        leases = self.leases
+        while leases:
+            lease = leases[0]
+            if lease.left and lease.expiry > now:
                 break
-            del out[ack_id]
-            self.expired += 1
-        return self.max_in_flight - len(out)
+            leases.popleft()
+            if lease.left:
+                self.expired += len(self.out.expire(lease))
+        return self.max_in_flight - self.out.live
+
+    def unacknowledged(self) -> int:
+        return self.out.live
+
+    def hand_over(self, ack_ids: list[str], expiry: float) -> None:
+        """Count deliveries handed to this subscriber against its window (lock held)."""
+        if ack_ids:
+            lease = Lease(ack_ids, expiry)
+            self.out.add(lease)
+            self.leases.append(lease)
+
+    def forget(self) -> list[str]:
+        """Every ack id still out, in hand-over order; none is out afterwards (lock held)."""
+        left = [q for lease in self.leases for q in lease.live_keys()]
+        self.out = Stretches()
+        self.leases.clear()
+        return left
 
     def push(self, deliveries) -> None:
         """On the loop thread: queue a batch of deliveries (``scheduler.Deliveries``) for
@@ -124,8 +161,7 @@ class ConsumerRegistry:
                 subs.remove(sub)
             if not subs:
                 self._by_subject.pop((sub.subject, sub.group), None)
-            left = list(sub.outstanding)
-            sub.outstanding.clear()
+            left = sub.forget()
             sub.closed = True
         sub.event.set()
         log.info(
@@ -150,7 +186,7 @@ class ConsumerRegistry:
     def acked(self, sub: Subscription, ack_ids) -> None:
         """Forget acknowledged deliveries of ``sub`` (frees its credit)."""
         with self._lock:
-            collections.deque(map(sub.outstanding.pop, ack_ids, itertools.repeat(None)), maxlen=0)
+            sub.out.take(ack_ids)
             sub.acked += len(ack_ids)
 
     def subscriptions(self) -> list[Subscription]:
@@ -164,7 +200,7 @@ class ConsumerRegistry:
             for subs in self._by_subject.values():
                 for s in subs:
                     s.available(now)
-                    total += len(s.outstanding)
+                    total += s.unacknowledged()
             return total
 
     def pause(self) -> None:
@@ -224,17 +260,19 @@ class ConsumerRegistry:
                     k = min(share, free[i], remaining)
                     if k <= 0:
                         continue
-                    plan.append((order[i], deliveries[pos : pos + k]))
+                    # a subscriber taking the whole batch takes it as it is (no copies)
+                    whole = pos == 0 and k == len(deliveries)
+                    plan.append((order[i], deliveries if whole else deliveries[pos : pos + k]))
                     free[i] -= k
                     pos += k
                     remaining -= k
             if remaining > 0:
                 # credit shrank since the dispatcher asked (a window change): the least loaded
                 # subscriber takes the rest rather than letting them wait for the ack timeout
-                target = min(order, key=lambda s: len(s.outstanding))
+                target = min(order, key=lambda s: s.unacknowledged())
                 plan.append((target, deliveries[pos:]))
             for sub, part in plan:
-                sub.outstanding.update(zip(part.ack_ids, itertools.repeat(expiry)))
+                sub.hand_over(part.ack_ids, expiry)
                 sub.delivered += len(part)
         for sub, part in plan:
             self.loop.call_soon_threadsafe(sub.push, part)

@@ -603,8 +603,8 @@ class Scheduler:
         now = self.clock()
         n = 0
         for acked in self.ledger.take_acked(ack_sequences(ack_ids), gid):
-            fl, got = acked.flight, acked.seqs
-            offs, dues, attempts, mids = acked.columns()
+            fl, got = acked.batch, acked.keys
+            offs, dues, attempts, mids = fl.columns(got, acked.start)
             at = [fl.at] * len(got)
             self._record_many(fl.bucket, got, dues, at, offs, attempts, mids, records.Outcome.DELIVERED, now, fl.gid)
             n += len(got)

@@ -128,7 +128,7 @@ def test_a_flight_gives_the_columns_of_any_of_its_sequences():
     from qdelay.server.ledger import Flight as _Flight
 
     fl = _Flight(7, 0, 1, 99, [10, 11, 12, 13], [0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
-    assert fl.columns([10, 11, 12, 13]) == ([0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
-    assert fl.columns([11, 12]) == ([5, 9], [2, 3], [1, 2], [b"b", b"c"])
-    assert fl.columns([13, 10]) == ([14, 0], [4, 1], [1, 1], [b"d", b"a"])
-    assert fl.item(12) == (12, 9, 7, 3, 3, 0, 1) and fl.attempt_of(12) == 2
+    assert fl.columns([10, 11, 12, 13], 0) == ([0, 5, 9, 14], [1, 2, 3, 4], [1, 1, 2, 1], [b"a", b"b", b"c", b"d"])
+    assert fl.columns([11, 12], 1) == ([5, 9], [2, 3], [1, 2], [b"b", b"c"])  # a stretch
+    assert fl.columns([13, 10], None) == ([14, 0], [4, 1], [1, 1], [b"d", b"a"])  # looked up
+    assert fl.item_at(fl.index(12)) == (12, 9, 7, 3, 3, 0, 1)

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from qdelay.server import ledger as ledger_mod
+from qdelay.server import stretches as stretches_mod
 from qdelay.server.ledger import AckLedger, Flight
 
 GROUPS = (1, 2, 3)
@@ -96,13 +96,13 @@ class LedgerMachine(RuleBasedStateMachine):
                 del mine[q]
                 want.append(q)
         got = self.ledger.take_acked(seqs, gid)
-        closed = [q for a in got for q in a.seqs]
+        closed = [q for a in got for q in a.keys]
         assert closed == want
         for a in got:
-            offs, dues, attempts, mids = a.columns()
-            assert offs == [q * 10 for q in a.seqs] and dues == [q + 1000 for q in a.seqs]
-            assert mids == [b"m%d" % q for q in a.seqs] and len(attempts) == len(a.seqs)
-            assert a.flight.gid == gid
+            offs, dues, attempts, mids = a.batch.columns(a.keys, a.start)
+            assert offs == [q * 10 for q in a.keys] and dues == [q + 1000 for q in a.keys]
+            assert mids == [b"m%d" % q for q in a.keys] and len(attempts) == len(a.keys)
+            assert a.batch.gid == gid
 
     @rule(data=st.data())
     def ack_without_group(self, data: st.DataObject) -> None:
@@ -111,11 +111,11 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         seqs = data.draw(st.lists(st.sampled_from(flying), min_size=1, max_size=4, unique=True))
         got = self.ledger.take_acked(seqs, None)
-        assert [q for a in got for q in a.seqs] == seqs  # each in flight in some group
+        assert [q for a in got for q in a.keys] == seqs  # each in flight in some group
         for a in got:
-            (q,) = a.seqs
-            assert q in self.ref[a.flight.gid]
-            del self.ref[a.flight.gid][q]
+            (q,) = a.keys
+            assert q in self.ref[a.batch.gid]
+            del self.ref[a.batch.gid][q]
 
     @rule(gid=st.sampled_from(GROUPS), data=st.data(), wrong=st.booleans())
     def release(self, gid: int, data: st.DataObject, wrong: bool) -> None:
@@ -156,7 +156,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(small=st.booleans())
     def index_threshold(self, small: bool) -> None:
         """Kept indexes dropped early or late: both must answer the same."""
-        ledger_mod._INDEX_IDLE_MIN = 4 if small else 65536
+        stretches_mod.INDEX_IDLE_MIN = 4 if small else 65536
 
     @invariant()
     def questions_agree(self) -> None:
@@ -172,7 +172,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert {q for m in maps for q in m} == flying
 
     def teardown(self) -> None:
-        ledger_mod._INDEX_IDLE_MIN = 65536
+        stretches_mod.INDEX_IDLE_MIN = 65536
 
 
 LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -187,8 +187,8 @@ def test_a_burst_acknowledged_as_handed_out_needs_no_index():
     b = flight(1, list(range(513, 1025)), 0)
     led.hand_out([a, b], TIMEOUT)
     got = led.take_acked(list(range(1, 513)), 1)  # one whole batch
-    assert [(x.flight, x.start, len(x.seqs)) for x in got] == [(a, 0, 512)]
+    assert [(x.batch, x.start, len(x.keys)) for x in got] == [(a, 0, 512)]
     got = led.take_acked(list(range(513, 600)), 1)  # a response's stretch ...
     got += led.take_acked(list(range(600, 1025)), 1)  # ... and the next
-    assert [(x.flight, x.start) for x in got] == [(b, 0), (b, 87)]
-    assert led.count() == 0 and led._groups[1].index is None and not led._groups[1].starts
+    assert [(x.batch, x.start) for x in got] == [(b, 0), (b, 87)]
+    assert led.count() == 0 and not led.has_index(1)
