@@ -13,10 +13,18 @@ How a send travels:
 
 - ``send(entry)`` waits for room in a bounded queue (``max_queued`` messages: backpressure,
   never unbounded memory), appends its message and waits for its own receipt.
-- One sender task owns the stream. It cuts a batch of what is queued (at most
-  ``max_batch``) as soon as the stream has credit (``max_in_flight`` batches unanswered).
-  While a batch is unanswered, a new one may wait up to ``linger`` seconds to fill;
-  with nothing unanswered it goes at once, so a lone send pays no linger.
+- One sender task owns the stream and cuts batches of what is queued (at most
+  ``max_batch``, at most ``max_in_flight`` unanswered) by natural batching: with the
+  stream idle a message goes at once (a lone send pays no linger); while a batch is
+  unanswered the next one gathers until it is answered, or until as many messages as the
+  last batch carried are queued (the load grew: one batch more in the air); just after an
+  answer, the batch waits up to ``linger`` for that batch's callers to come back, so that
+  callers sending in a loop (16 threads, 64 tasks) ride one batch a round instead of a
+  batch of the first few and one of the rest. Callers wake the sender only once the
+  queue reaches the size it waits for (see ``SendBatcher._due``), not once per message.
+- Threads (the blocking client) hand their messages over with :mod:`handoff`: a
+  pre-acquired lock per call instead of a ``concurrent.futures.Future``, room in the
+  queue given back once per batch.
 - Each batch asks for compact receipts; every message carries its client-made id, so a
   batch sent again after a broken stream repeats the same ids (the server answers a
   repeated id with the original receipt once it deduplicates).
@@ -39,7 +47,6 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,6 +56,7 @@ from typing import Any, cast
 import grpc
 
 from qdelay import errors
+from qdelay.client.handoff import Inbox, Room, Waiter
 from qdelay.client.types import Receipt
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -78,10 +86,12 @@ class Batching:
     """How ``send()`` gathers messages (``Client(batching=Batching(...))``; ``batching=False``
     sends one unary Send per message).
 
-    ``max_batch``: messages per SendStream batch. ``linger``: seconds a batch may wait for
-    more messages while another is unanswered (≤ 1 ms keeps the added latency below the
-    server's group commit). ``max_in_flight``: batches unanswered at once. ``max_queued``:
-    messages waiting in the client before ``send()`` blocks (backpressure)."""
+    ``max_batch``: messages per SendStream batch. ``linger``: seconds a batch may wait, just
+    after an answer, for that batch's callers to come back (≤ 1 ms keeps the added latency
+    below the server's group commit; with the stream idle a message never waits; while a
+    batch is unanswered the next gathers until the answer). ``max_in_flight``: batches
+    unanswered at once. ``max_queued``: messages waiting in the client before ``send()``
+    blocks (backpressure)."""
 
     max_batch: int = 1000
     linger: float = 0.001
@@ -95,8 +105,8 @@ class Batching:
             )
 
 
-# a task's send waits on an asyncio.Future, a thread's on a concurrent.futures.Future
-AnyFuture = asyncio.Future | concurrent.futures.Future
+# a task's send waits on an asyncio.Future, a thread's on a handoff.Waiter
+AnyFuture = asyncio.Future | Waiter
 
 
 class _Entry:
@@ -104,7 +114,7 @@ class _Entry:
 
     def __init__(self, message: tuple, future: AnyFuture, threaded: bool = False) -> None:
         self.message = message  # an Outgoing tuple with its message id set
-        # an asyncio.Future (a task's send) or a concurrent.futures.Future (a thread's)
+        # an asyncio.Future (a task's send) or a Waiter (a thread's)
         self.future = future
         self.threaded = threaded
 
@@ -167,32 +177,6 @@ class _Deadlines:
             self._timer = loop.call_at(self._timer_at, self._expire)
 
 
-class _Inbox:
-    """What other threads (the blocking client's callers) hand over to one event loop: one
-    ``call_soon_threadsafe`` per burst, then ``take(items)`` runs on the loop with them all."""
-
-    def __init__(self, take: Callable[[list], None]) -> None:
-        self._take = take
-        self._items: deque = deque()
-        self._scheduled = False
-
-    def put(self, loop: asyncio.AbstractEventLoop, item: object) -> None:
-        self._items.append(item)
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon_threadsafe(self._pull)
-
-    def _pull(self) -> None:
-        self._scheduled = False  # first: an item appended from now on schedules again
-        items, inbox = [], self._items
-        while inbox:
-            items.append(inbox.popleft())
-        self._take(items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class SendBatcher:
     """The batching path of ``send()`` on one event loop (see the module's docstring).
 
@@ -222,11 +206,18 @@ class SendBatcher:
         self._waiting: deque[_Entry] = deque()
         self._resend: deque[_Batch] = deque()  # unanswered batches of a broken stream, in order
         self._space = asyncio.Semaphore(config.max_queued)
-        # threads (the blocking client) hand messages over through _inbox, with a threading
-        # semaphore for their backpressure; one call_soon_threadsafe wakes the loop per burst
-        self._tspace = threading.Semaphore(config.max_queued)
-        self._inbox = _Inbox(self._take_handed)
+        # threads (the blocking client) hand messages over through _inbox, with a Room for
+        # their backpressure; one call_soon_threadsafe wakes the loop per burst
+        self._tspace = Room(config.max_queued)
+        self._inbox = Inbox(self._take_handed)
         self._wakeup = asyncio.Event()
+        # natural batching (see _due): the queue size that makes a batch due, callers wake
+        # the sender only once it is reached; the callers of the batches answered last and
+        # until when they are waited for; the size of the last batch cut
+        self._wake_total = 1
+        self._back_count = 0
+        self._back_by = 0.0
+        self._last_cut = 1
         self._task: asyncio.Task | None = None
         self._closing = False
         self.streams = 0  # SendStream calls opened (a figure for tests and benchmarks)
@@ -255,23 +246,25 @@ class SendBatcher:
         future = loop.create_future()
         if timeout is not None:
             self._timers.arm(loop, future, deadline, timeout)
-        self._waiting.append(_Entry(message, future))
-        if len(self._waiting) > self.peak_queued:
-            self.peak_queued = len(self._waiting)
-        self._wakeup.set()
+        waiting = self._waiting
+        waiting.append(_Entry(message, future))
+        if len(waiting) > self.peak_queued:
+            self.peak_queued = len(waiting)
+        if len(waiting) >= self._wake_total:  # else the sender sleeps on: it gathers
+            self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
         return await future
 
-    def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, message: tuple) -> concurrent.futures.Future:
-        """From any thread: queue one message on ``loop`` (the batcher's); a future of its
+    def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, message: tuple) -> Waiter:
+        """From any thread: queue one message on ``loop`` (the batcher's); the Waiter of its
         Receipt. Blocks while ``max_queued`` messages wait (backpressure)."""
         if self._closing:
             raise errors.FailedPrecondition("the client is closed")
-        self._tspace.acquire()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(loop, _Entry(message, future, True))
-        return future
+        self._tspace.take()
+        waiter = Waiter()
+        self._inbox.put(loop, _Entry(message, waiter, True))
+        return waiter
 
     def _take_handed(self, entries: list[_Entry]) -> None:
         """On the loop: what threads handed over joins the queue."""
@@ -292,16 +285,85 @@ class SendBatcher:
 
     # ------------------------------------------------------------------ the sender task
     def _has_work(self) -> bool:
+        self._pull_inbox()
         return bool(self._resend) or any(not e.future.done() for e in self._waiting)
+
+    def _pull_inbox(self) -> None:
+        """On the loop: what threads handed over and did not wake it for joins the queue."""
+        if self._inbox:
+            handed = self._inbox.drain()
+            waiting = self._waiting
+            waiting.extend(handed)
+            if len(waiting) > self.peak_queued:
+                self.peak_queued = len(waiting)
+
+    def _set_wake(self, total: int) -> None:
+        """Callers wake the sender once ``total`` messages are queued (threads' included)."""
+        self._wake_total = total
+        self._inbox.wake_at = max(1, total - len(self._waiting))
+
+    def _due(self, busy: bool) -> float | None:
+        """Natural batching: 0 when a batch should be cut now from what is queued; else how
+        long the sender may sleep (None: until woken), having told callers when to wake it.
+
+        - ``max_batch`` queued, or closing: now.
+        - A batch unanswered (``busy``): gather until it is answered, or until as many as
+          the last batch carried are queued (the load grew: a batch more in the air).
+        - The callers of the batches answered less than ``linger`` ago are coming back (a
+          thread or task that sends in a loop: 16 threads, 64 tasks): gather until they
+          all are, for at most ``linger`` after the answer, so that they ride one batch
+          again instead of splitting into a batch of the first few and one of the rest.
+        - Otherwise (an idle stream, a lone sender): now, no linger; with nothing queued,
+          sleep until the first message comes."""
+        n = len(self._waiting)
+        config = self.config
+        if n >= config.max_batch or (n and self._closing):
+            return 0.0
+        if busy:
+            if n and n >= self._last_cut:
+                return 0.0
+            self._set_wake(min(self._last_cut, config.max_batch))
+            return None
+        left = self._back_by - asyncio.get_running_loop().time()
+        if left > 0 and n < self._back_count:
+            self._set_wake(min(self._back_count, config.max_batch))
+            return left
+        if n:
+            return 0.0
+        self._set_wake(1)
+        return None
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Until woken (``_wakeup``, cleared by the caller before it looked), or ``timeout``."""
+        if timeout is None:
+            await self._wakeup.wait()
+            return
+        timer = asyncio.get_running_loop().call_later(timeout, self._wakeup.set)
+        try:
+            await self._wakeup.wait()
+        finally:
+            timer.cancel()
+
+    def _answered(self, count: int) -> None:
+        """A batch of ``count`` was answered: its callers are likely coming back (see _due)."""
+        now = asyncio.get_running_loop().time()
+        self._back_count = count + (self._back_count if now < self._back_by else 0)
+        self._back_by = now + self.config.linger
+        self._wakeup.set()
 
     async def _run(self) -> None:
         attempt = 0
         while True:
-            while not self._has_work():
+            while True:
+                self._wakeup.clear()
+                if self._has_work():
+                    break
                 self._release_done()
                 if self._closing:
                     return
-                self._wakeup.clear()
+                self._set_wake(1)
+                if self._inbox:  # handed over before wake_at fell to 1
+                    continue
                 await self._wakeup.wait()
             unanswered: deque[_Batch] = deque()
             error: grpc.RpcError | None = None
@@ -366,18 +428,28 @@ class SendBatcher:
         between the queue and a batch across an await)."""
         out: list[_Entry] = []
         waiting = self._waiting
+        threaded = 0
         while waiting and len(out) < count:
             e = waiting.popleft()
-            (self._tspace if e.threaded else self._space).release()
+            if e.threaded:
+                threaded += 1  # the threads' room is given back once, below
+            else:
+                self._space.release()
             if not e.future.done():
                 out.append(e)
+        self._tspace.give(threaded)
         return out
 
     def _release_done(self) -> None:
         waiting = self._waiting
+        threaded = 0
         while waiting and waiting[0].future.done():
             e = waiting.popleft()
-            (self._tspace if e.threaded else self._space).release()
+            if e.threaded:
+                threaded += 1
+            else:
+                self._space.release()
+        self._tspace.give(threaded)
 
     def _take_resend(self) -> list[_Batch]:
         out = list(self._resend)
@@ -404,24 +476,31 @@ class SendBatcher:
                     self.batches += 1
                     yield batch.request
                     continue
-                while not self._has_work():
-                    if self._closing:
-                        return
+                while True:  # until a batch is due (see _due), with no await once it is
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    self._pull_inbox()
+                    self._release_done()
+                    if self._resend:
+                        break
+                    if not self._waiting and self._closing:
+                        return
+                    sleep = self._due(bool(unanswered))
+                    if sleep == 0:
+                        break
+                    if self._inbox:  # handed over before wake_at was lowered: look again
+                        continue
+                    await self._sleep(sleep)
                     if finished:
                         return
                 if self._resend:
                     credit.release()
                     continue
-                if unanswered and config.linger and len(self._waiting) < config.max_batch:
-                    await asyncio.sleep(config.linger)  # gather while the stream is busy anyway
-                    if finished:
-                        return
                 entries = self._take(config.max_batch)
                 if not entries:
                     credit.release()
                     continue
+                self._last_cut = len(entries)
+                self._back_count = max(0, self._back_count - len(entries))
                 batch = _Batch(entries, self._encode([e.message for e in entries]))
                 unanswered.append(batch)  # before the yield: a broken stream sends it again
                 self.batches += 1
@@ -441,6 +520,7 @@ class SendBatcher:
                 credit.release()
                 answered += 1
                 self._answer(batch, response)
+                self._answered(len(batch.entries))
         finally:
             finished = True
             call.cancel()  # a no-op once the call ended; stops the request generator otherwise
@@ -481,7 +561,7 @@ class _Cancel:
 
     def __init__(self, request: pb.CancelRequest, future: AnyFuture, deadline: float | None) -> None:
         self.request = request
-        self.future = future  # asyncio.Future (a task's cancel) or concurrent.futures.Future (a thread's)
+        self.future = future  # asyncio.Future (a task's cancel) or Waiter (a thread's)
         self.deadline = deadline  # time.monotonic() at which its caller gives up; None: never
 
 
@@ -734,7 +814,7 @@ class CancelBatcher:
         self._timers = _Deadlines(timeout_error)
         self._queue: deque[_Cancel] = deque()
         # threads hand cancels over through _inbox; one call_soon_threadsafe wakes the loop per burst
-        self._inbox = _Inbox(self._take_handed)
+        self._inbox = Inbox(self._take_handed)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._carriers: set[asyncio.Task] = set()
@@ -763,14 +843,14 @@ class CancelBatcher:
 
     def submit_threadsafe(
         self, loop: asyncio.AbstractEventLoop, request: pb.CancelRequest, timeout: float | None
-    ) -> concurrent.futures.Future:
-        """From any thread: queue one target on ``loop`` (the batcher's); a future of its
-        outcome. The thread waits on it with its own timeout and cancels it when it gives up."""
+    ) -> Waiter:
+        """From any thread: queue one target on ``loop`` (the batcher's); the Waiter of its
+        outcome. The thread waits on it with its own timeout (and so gives up)."""
         if self._closing:
             raise errors.FailedPrecondition("the client is closed")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(loop, _Cancel(request, future, None if timeout is None else time.monotonic() + timeout))
-        return future
+        waiter = Waiter()
+        self._inbox.put(loop, _Cancel(request, waiter, None if timeout is None else time.monotonic() + timeout))
+        return waiter
 
     def _take_handed(self, targets: list[_Cancel]) -> None:
         self._queue.extend(targets)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -40,6 +39,7 @@ import grpc
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, SendBatcher
+from qdelay.client.handoff import WaitTimeout
 from qdelay.client.types import (
     KEEPALIVE_S,
     RECONNECT_OPTIONS,
@@ -521,16 +521,12 @@ class Client:
             _set_due(msg, o)
             return Receipt.from_pb(self._call(self.stub.Send, pb.SendRequest(message=msg), timeout).receipt)
         batcher = self._batcher or self._bulk.run(self._make_batcher)
-        future = batcher.submit_threadsafe(self._bulk.loop, o)
+        waiter = batcher.submit_threadsafe(self._bulk.loop, o)
         timeout = timeout or self.timeout
         try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # left out of its batch if it was not sent yet
+            return waiter.wait(timeout)  # gives up (left out of its batch if not sent yet) on timeout
+        except WaitTimeout:
             raise DeadlineExceeded(f"DEADLINE_EXCEEDED: no receipt within {timeout} s") from None
-        except BaseException:
-            future.cancel()
-            raise
 
     async def _make_batcher(self, channel: grpc.aio.Channel) -> SendBatcher:
         """The batcher of ``send()``, made once on the bulk loop (its owner)."""
@@ -724,15 +720,11 @@ class Client:
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
         canceller = self._canceller or self._bulk.run(self._make_canceller)
         timeout = timeout or self.timeout
-        future = canceller.submit_threadsafe(self._bulk.loop, request, timeout)
+        waiter = canceller.submit_threadsafe(self._bulk.loop, request, timeout)
         try:
-            outcome = future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # left out of its call if it was not cut into one yet
+            outcome = waiter.wait(timeout)  # gives up (left out of its call if not cut yet) on timeout
+        except WaitTimeout:
             raise deadline_exceeded(timeout) from None
-        except BaseException:
-            future.cancel()
-            raise
         return CANCEL_OUTCOMES.get(outcome, str(outcome))
 
     async def _make_canceller(self, channel: grpc.aio.Channel) -> CancelBatcher:

@@ -191,7 +191,7 @@ def test_many_threads_all_answered_and_an_unavailable_call_fails_its_callers():
 
     def one(seq: int):
         try:
-            return batcher.submit_threadsafe(loop, _request(seq), 30).result(30)
+            return batcher.submit_threadsafe(loop, _request(seq), 30).wait(30)
         except errors.Unavailable as err:
             return err
 

@@ -185,3 +185,42 @@ def test_cancel_and_get_by_the_id_alone(server):
         st = c.get("by-id-blocking-1")
         assert st.state == "PENDING" and st.payload == b"keep me"
         assert c.cancel(message_id="by-id-blocking-1") == "CANCELLED"
+
+
+def test_threads_sending_in_a_loop_ride_one_batch_a_round(server):
+    """Natural batching: 16 threads each sending in a loop come back from their receipts at
+    about the same time; the batch waits for them (at most a linger after the answer) instead
+    of going with the first few and leaving the rest to a second one, so a round is one
+    batch. (The earlier policy, a fixed linger only while a batch was unanswered, made two
+    batches a round: the first arrivals, then the rest.)"""
+    s = subject()
+    rounds = 30
+    with Client(server.address, batching=Batching(linger=0.2)) as c:
+        c.send(s, b"warm", delay_ms=HOUR_MS)
+        barrier = threading.Barrier(16)
+
+        def loop(t: int) -> list[Receipt]:
+            barrier.wait()
+            return [c.send(s, b"%d" % t, delay_ms=HOUR_MS, message_id=f"l{t}-{k}") for k in range(rounds)]
+
+        before = c._batcher.batches
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(loop, range(16)))
+        batches = c._batcher.batches - before
+    for t, receipts in enumerate(results):
+        assert [r.message_id for r in receipts] == [f"l{t}-{k}" for k in range(rounds)]
+    assert len({r.sequence for receipts in results for r in receipts}) == 16 * rounds
+    # a round is one batch once the threads are in step (the first rounds may split)
+    assert batches <= rounds + 8, batches
+
+
+def test_a_lone_sender_never_waits_for_the_linger(server):
+    """One thread sending one message after another: each finds the stream idle, or only its
+    own last batch answered, and goes at once (a linger of 0.5 s would cost 0.5 s a send)."""
+    s = subject()
+    with Client(server.address, batching=Batching(linger=0.5)) as c:
+        c.send(s, b"warm", delay_ms=HOUR_MS)
+        start = time.monotonic()
+        for k in range(20):
+            c.send(s, b"%d" % k, delay_ms=HOUR_MS)
+        assert time.monotonic() - start < 5.0  # 20 lingers would be 10 s
