@@ -800,7 +800,7 @@ class Client:
 
     def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
         """Consumer groups (every one, or narrowed as :meth:`stats` narrows them): subject,
-        group, consumers, backlog, in_flight, backlog_on_disk."""
+        group, consumers, backlog, in_flight, backlog_on_disk, backlog_on_disk_count."""
         return self.stats(timeout, subject=subject, group=group)["groups"]
 
     def health(self, timeout: float = 5.0) -> str:

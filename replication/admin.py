@@ -129,7 +129,7 @@ def _group(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(groups, indent=1))
                 for g in [] if args.json else groups:
-                    more = " (more waiting on disk)" if g["backlog_on_disk"] else ""
+                    more = f" ({g['backlog_on_disk_count']} of it on disk)" if g["backlog_on_disk"] else ""
                     print(
                         f"{g['subject']:<24} {g['group']:<16} consumers={g['consumers']} "
                         f"backlog={g['backlog']}{more} in_flight={g['in_flight']}"

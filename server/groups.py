@@ -91,6 +91,11 @@ class GroupTable:
     def get(self, subject: str, name: str) -> Group | None:
         return self._by_subject.get(subject, {}).get(name)
 
+    def kept_since(self, subject: str) -> int:
+        """From when a subject with no group keeps its due messages for its next first
+        group (that group's ``since``): when its last group was deleted, else always."""
+        return self._kept_since.get(subject, BEGINNING)
+
     def by_gid(self, gid: int) -> Group | None:
         return self._by_gid.get(gid)
 

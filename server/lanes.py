@@ -151,9 +151,16 @@ class Lane:
 
     This is what keeps one group without consumers (or with a slow one) from filling the
     scheduler's memory and stopping everyone else: it holds at most its bound.
+
+    ``on_disk`` counts what a spilled lane has waiting on disk (for Stats' backlog): the
+    entries it forgot (its queue when it spilled, what became due for it meanwhile, what
+    its subject kept for it while it had no group) less those read back; 0 when it is whole
+    again. A message cancelled (or claimed by a Cancel) while it waited on disk stays
+    counted until the lane is whole again: the read-back pass skips it without knowing
+    whether it was one of those counted.
     """
 
-    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent")
+    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk")
 
     def __init__(self, sid: int, gid: int, bound: int) -> None:
         self.sid = sid
@@ -166,8 +173,21 @@ class Lane:
         # sequences read back by the last pass step: entries still in the wheel with the
         # same sequences fire once more at most, and are skipped then
         self.recent: set[int] | None = None
+        self.on_disk = 0  # entries forgotten and not read back (see above)
 
     def dropped(self, buckets: np.ndarray) -> None:
+        """Entries of ``buckets`` (one per entry) forgotten: they wait on disk."""
         if len(buckets):
             low = int(buckets.min())
             self.drop_from = low if self.drop_from is None else min(self.drop_from, low)
+            self.on_disk += len(buckets)
+
+    def read_back(self, n: int) -> None:
+        """``n`` entries read back from disk into the ready queue."""
+        self.on_disk = max(0, self.on_disk - n)
+
+    def whole(self) -> None:
+        """Nothing forgotten any more: the lane takes its entries from the timer again."""
+        self.spilled = False
+        self.drop_from = None
+        self.on_disk = 0

@@ -151,7 +151,7 @@ class EngineCollector:
         reg = self.consumers
         backlog = GaugeMetricFamily(
             "qdelay_group_backlog",
-            f"Due deliveries waiting in memory for a consumer group (top {TOP_GROUPS} groups)",
+            f"Due deliveries waiting for a consumer group, in memory or on disk (top {TOP_GROUPS} groups)",
             labels=["subject", "group"],
         )
         flying = GaugeMetricFamily(
@@ -164,10 +164,10 @@ class EngineCollector:
             f"1 while a group holds more due messages than group_max_ready (top {TOP_GROUPS} groups)",
             labels=["subject", "group"],
         )
-        top = sorted(groups, key=lambda g: g["ready"] + g["in_flight"], reverse=True)[:TOP_GROUPS]
+        top = sorted(groups, key=lambda g: g["ready"] + g["on_disk"] + g["in_flight"], reverse=True)[:TOP_GROUPS]
         for g in top:
             labels = [g["subject"], g["group"]]
-            backlog.add_metric(labels, g["ready"])
+            backlog.add_metric(labels, g["ready"] + g["on_disk"])
             flying.add_metric(labels, g["in_flight"])
             on_disk.add_metric(labels, int(g["spilled"]))
         yield backlog

@@ -399,8 +399,9 @@ class Scheduler:
 
     def group_stats(self, subject: str | None = None, group: str | None = None) -> list[dict[str, Any]]:
         """Per group (every one, or those of ``subject``, those named ``group``, or both):
-        ready (due, in memory), whether it spilled to disk, in flight. Costs the groups
-        listed, not all of them."""
+        ready (due, in memory), whether it spilled to disk and how many due entries wait
+        there (``on_disk``, see ``Lane``), in flight. Costs the groups listed, not all of
+        them."""
         with self.lock:
             self._drain()
             out = []
@@ -412,6 +413,7 @@ class Scheduler:
                         "group": g.name,
                         "ready": sum(ln.ready.count for ln in lanes),
                         "spilled": any(ln.spilled for ln in lanes),
+                        "on_disk": sum(ln.on_disk for ln in lanes if ln.spilled),
                         "in_flight": self.ledger.count_of(g.gid),
                         "since": g.since,
                         "created_ms": g.created_ms,

@@ -65,6 +65,9 @@ class Timer:
         self._fired_due: dict[int, int] = {}
         # subject id -> lowest bucket with entries that became due while it had no group
         self.kept: dict[int, int] = {}
+        # subject id -> how many of them its first group is for (due at or after the time
+        # its last group was deleted, the first group's ``since``): on disk for that group
+        self.kept_count: dict[int, int] = {}
         self.ready_total = 0
         self.rr: collections.deque[Lane] = collections.deque()  # lanes with ready work
         self.spilled: set[Lane] = set()
@@ -119,13 +122,17 @@ class Timer:
         every bucket from its since on from becoming done until a consumer came.)"""
         sid = self.subject_id(g.subject.encode())
         read_from = self.kept.pop(sid, None)
+        kept = self.kept_count.pop(sid, 0)
         if self.fired_to >= g.since > BEGINNING and self._fired_due.get(sid, BEGINNING) >= g.since:
+            # (what fired for the subject's other groups in the very millisecond of its
+            # creation is read back for it too, but not counted in its ``on_disk``)
             b = bucket_of(g.since, self.cfg.scale_minutes)
             read_from = b if read_from is None else min(read_from, b)
         if read_from is not None:
             lane = self.lane(sid, g.gid)
             lane.spilled = True
             lane.drop_from = read_from
+            lane.on_disk += kept
             self.spilled.add(lane)
 
     def group_deleted(self, g: Group) -> None:
@@ -234,6 +241,9 @@ class Timer:
                 # nobody to deliver to: the entries wait on disk for the subject's first group
                 low = int(part.bucket.min())
                 self.kept[sid] = min(low, self.kept.get(sid, low))
+                since = self.groups.kept_since(self.subjects[sid])
+                n = len(part) if since <= int(part.due.min()) else int((part.due >= since).sum())
+                self.kept_count[sid] = self.kept_count.get(sid, 0) + n
                 continue
             for g in targets:
                 self._to_lane(self.lane(sid, g.gid), g, part)
@@ -373,7 +383,7 @@ class Timer:
         the lane is whole again and takes its entries from the wheel."""
         if lane.walk is None:
             if lane.drop_from is None:
-                lane.spilled = False
+                lane.whole()
                 self.spilled.discard(lane)
                 return None
             lane.walk = Pass(lane.drop_from, self.fired_to)
@@ -410,6 +420,7 @@ class Timer:
             ),
         )
         st.owe(lane.gid, n)
+        lane.read_back(n)
         if lane.recent is None:
             lane.recent = set(seqs.tolist())
         else:

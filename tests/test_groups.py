@@ -370,3 +370,70 @@ def test_a_consumer_that_reconnects_every_second_delays_no_other_group(tmp_path)
             late = sorted(col.lateness_ms)
             assert late[len(late) // 2] <= 50 and late[-1] <= 1000, (late[len(late) // 2], late[-10:])
         c.close()
+
+
+def test_stats_count_the_backlog_a_spilled_group_keeps_on_disk(tmp_path):
+    """A group over its in-memory bound (``[engine.group_max_ready_of]``, 50 here) keeps
+    its due messages on disk: Stats' backlog counts them (``backlog_on_disk_count``) as it
+    spills, as they are read back a bucket at a time, as it drains, and after a restart."""
+    subj = "spill.count"
+    args = ["--set", f'engine.group_max_ready_of={{"{subj}/slow" = 50}}', "--set", "engine.ack_timeout_ms=60000"]
+    with ServerProc(tmp_path / "data", args=args) as srv:
+        c = srv.client(timeout=30)
+        c.create_group(subj, "slow")  # the subject's first group: for messages due before it too
+
+        def figures() -> tuple[int, int, bool, int]:
+            (g,) = c.groups(subject=subj, group="slow")
+            return g["backlog"], g["in_flight"], g["backlog_on_disk"], g["backlog_on_disk_count"]
+
+        now = int(time.time() * 1000)
+        for minutes_ago in (3, 2, 1):  # three buckets of 100, due already
+            c.send_batch([c.message(subj, b"x", deliver_at_ms=now - minutes_ago * 60_000) for _ in range(100)])
+        assert wait_until(lambda: figures() == (300, 0, True, 300)), figures()  # spilled: all on disk
+
+        # a consumer taking 20 at a time: with credit, the read-back fills the group's memory
+        # a bucket at a time, and every figure adds up at each step
+        sub = c.subscribe(subj, group="slow", max_in_flight=20)
+        acked = 0
+        seen_on_disk = []
+        try:
+            while acked < 300:
+                got: list = []
+
+                def twenty(got: list = got) -> bool:
+                    got.extend(sub.receive(20 - len(got), timeout=0.2))
+                    return len(got) == 20
+
+                assert wait_until(twenty)
+                want = (300 - acked - 20, 20)  # backlog, in flight
+                assert wait_until(lambda want=want: figures()[:2] == want), (acked, figures())
+                seen_on_disk.append(figures()[3])
+                sub.ack(got)
+                acked += 20
+                if acked == 140:
+                    break
+        finally:
+            sub.close()
+        assert seen_on_disk[0] == 200 and 100 in seen_on_disk, seen_on_disk  # read back per bucket
+        assert seen_on_disk == sorted(seen_on_disk, reverse=True)
+
+        # a restart forgets the lanes: the 160 left fire again, spill again and are counted again
+        assert wait_until(lambda: c.stats()["dispatch_unsynced_buckets"] == 0)
+        c.close()
+        srv.restart()
+        c = srv.client(timeout=30)
+        assert wait_until(lambda: figures() == (160, 0, True, 160), timeout=30), figures()
+
+        sub = c.subscribe(subj, group="slow", max_in_flight=50)
+        try:
+            while acked < 300:
+                got = sub.receive(50, timeout=0.5)
+                if got:
+                    sub.ack(got)
+                    acked += len(got)
+        finally:
+            sub.close()
+        assert acked == 300
+        # drained: the lane is whole again, nothing counted on disk
+        assert wait_until(lambda: figures() == (0, 0, False, 0)), figures()
+        c.close()

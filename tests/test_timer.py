@@ -82,6 +82,48 @@ def test_a_lane_over_its_bound_spills_and_holds_its_bucket_until_read_back():
     assert lane.ready.count == 3, "entries already queued are not queued twice"
 
 
+def test_a_spilled_lane_counts_what_waits_on_disk():
+    """``Lane.on_disk`` (Stats' backlog of a spilled group): its queue when it spilled, what
+    became due for it meanwhile, less what was read back; 0 once it is whole again."""
+    timer, st, groups = rig(group_max_ready=5)
+    g, _ = groups.create("s", "slow", 0)
+    load(timer, st, b"s", list(range(1, 9)), T)
+    timer.fire(T)
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.spilled and lane.on_disk == 8  # 8 > 5: its queue spilled
+    load(timer, st, b"s", [20, 21], T + 1)
+    timer.fire(T + 1)
+    assert lane.on_disk == 10 and lane.ready.count == 0
+    w = timer.pass_of(lane)
+    assert w is not None
+    seqs = np.array([1, 2, 3], dtype=np.int64)
+    timer.take_back(lane, st, seqs, seqs * 100, np.full(3, T, dtype=np.int64))
+    assert lane.on_disk == 7 and lane.ready.count == 3
+    timer.take_back(lane, st, seqs, seqs * 100, np.full(3, T, dtype=np.int64))  # queued already
+    assert lane.on_disk == 7
+    timer.end_pass(lane)
+    assert timer.pass_of(lane) is None and not lane.spilled and lane.on_disk == 0  # whole again
+
+
+def test_the_first_group_of_a_subject_counts_what_the_subject_kept_for_it():
+    timer, st, groups = rig()
+    load(timer, st, b"s", [1, 2, 3], T)
+    timer.fire(T)
+    g, _ = groups.create("s", "first", T + 10)
+    timer.group_created(g)
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.spilled and lane.on_disk == 3 and timer.kept_count == {}
+    groups.delete("s", "first", T + 20)  # kept again from T + 20 on: the next first group's since
+    timer.group_deleted(g)
+    load(timer, st, b"s", [4, 5], T + 15)
+    load(timer, st, b"s", [6], T + 25)
+    timer.fire(T + 30)
+    g2, _ = groups.create("s", "again", T + 40)
+    timer.group_created(g2)
+    (lane,) = timer.lanes_of(g2.gid)
+    assert g2.since == T + 20 and lane.on_disk == 1  # only 6 is due at or after its since
+
+
 def test_a_group_with_its_own_bound_spills_at_it_and_the_others_at_the_default():
     """``group_max_ready_of``: "SUBJECT/GROUP" -> entries, for the one group that needs
     another bound (issue 14 item 2: the bound is per group); capped at a quarter of
