@@ -4,6 +4,7 @@ vs beanstalkd (binlog, -f 0), on the same disk, with the goals of issue #4 as ra
     make bench-deps                      # apt-installs redis-server and beanstalkd
     python -m bench.compare [--drivers qdelay,redis-always,beanstalkd-f0]
                             [--scenarios ingest,lateness,burst,memory,crash] [--scale 1.0] [--repeat 1]
+                            [--shapes threads16]   # with --scenarios shapes: only these (and their Redis peers)
 
 Scenarios (sizes at --scale 1):
   ingest   200,000 messages of 100 bytes due 1-60 min ahead, batches of 100, one producer
@@ -446,11 +447,21 @@ def crash(name, tmp, scale=1.0, seed=4, lo_s=1.0, hi_s=6.0, kill_after_s=2.0):
     )
 
 
-def shapes(name, tmp, scale=1.0):
+# the Redis shape each qdelay shape is held to (bench.compare --shapes)
+SHAPE_PEERS = {
+    "concurrent_aio": "one_per_call8",
+    "threads16": "one_per_call8",
+    "unary8": "one_per_call8",
+    "stub_batch100": "stub_batch100",
+}
+
+
+def shapes(name, tmp, scale=1.0, only=None):
     """Issue 15's producer shapes (bench.shapes), each against a fresh server: qdelay's
     batching clients, a plain generated stub and unary Send (with the bare grpc.aio floor);
     Redis one ZADD per call from 8 processes and a pipeline of 100. Keys pair each qdelay
-    shape with the Redis shape it is compared with."""
+    shape with the Redis shape it is compared with. ``only``: the qdelay shapes to run (and
+    the Redis shapes they are held to); None runs them all."""
     from bench import shapes as sh
     from bench.grpc_floor import start_bare
     from bench.peers import free_port
@@ -467,6 +478,9 @@ def shapes(name, tmp, scale=1.0):
     else:
         n1 = int(24_000 * scale)
         plan = [("one_per_call8", "redis1", n1, 8), ("stub_batch100", "redis100", int(100_000 * scale), 1)]
+    if only is not None:
+        keep = set(only) | {SHAPE_PEERS[k] for k in only if k in SHAPE_PEERS}
+        plan = [p for p in plan if p[0] in keep]
     first = 0
     for key, kind, n, procs in plan:
         with Server(name, tmp) as d:
@@ -481,7 +495,13 @@ def shapes(name, tmp, scale=1.0):
         for k, v in res.items():
             if k != "n":
                 out[f"{key}_{k}"] = v
-    if name.startswith("qdelay"):  # unary Send's floor: a bare grpc.aio server, same 8 processes
+    if not name.startswith("qdelay"):
+        if "one_per_call8_msgs_per_s" in out:
+            # Redis's one-per-call figure is what each single-message qdelay shape is held to
+            for key in ("concurrent_aio", "threads16", "unary8"):
+                out[f"{key}_msgs_per_s"] = out["one_per_call8_msgs_per_s"]
+                out[f"{key}_srv_cpu_us_per_msg"] = out["one_per_call8_srv_cpu_us_per_msg"]
+    elif only is None or "unary8" in only:  # unary Send's floor: a bare grpc.aio server, same 8 processes
         address = f"127.0.0.1:{free_port()}"
         bare = start_bare(address)
         try:
@@ -492,10 +512,6 @@ def shapes(name, tmp, scale=1.0):
         for k, v in res.items():
             if k != "n":
                 out[f"unary8_floor_{k}"] = v
-    else:  # Redis's one-per-call figure is what each single-message qdelay shape is held to
-        for key in ("concurrent_aio", "threads16", "unary8"):
-            out[f"{key}_msgs_per_s"] = out["one_per_call8_msgs_per_s"]
-            out[f"{key}_srv_cpu_us_per_msg"] = out["one_per_call8_srv_cpu_us_per_msg"]
     out["load1"] = load1()
     return out
 
@@ -635,7 +651,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--tmp", default=None, help="folder for the servers' data (default: system temp)")
     parser.add_argument("--out", default="compare")
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="the shapes scenario's qdelay shapes to run, comma-separated (e.g. threads16; "
+        f"of {','.join(SHAPE_PEERS)}), with the Redis shapes they are held to; default all",
+    )
     args = parser.parse_args(argv)
+    only_shapes = [k for k in args.shapes.split(",") if k] or None
+    if only_shapes is not None and set(only_shapes) - set(SHAPE_PEERS):
+        parser.error(f"--shapes: unknown {sorted(set(only_shapes) - set(SHAPE_PEERS))}")
     results: dict = {}
     info = {"machine": machine(), "args": vars(args), "skipped": {}}
     drivers = [d for d in args.drivers.split(",") if d]
@@ -652,7 +677,10 @@ def main(argv=None) -> int:
                 t = time.time()
                 counters = cpu_counters()
                 try:
-                    res = SCENARIOS[scen](name, args.tmp, scale=args.scale)
+                    if scen == "shapes":
+                        res = shapes(name, args.tmp, scale=args.scale, only=only_shapes)
+                    else:
+                        res = SCENARIOS[scen](name, args.tmp, scale=args.scale)
                 except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
                     res = {"error": repr(e)}
                 res["wall_s"] = round(time.time() - t, 1)
