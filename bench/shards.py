@@ -10,6 +10,7 @@ seeded with one server's address. Per round, on the same cluster:
 
 - ``send_many`` of ``--messages`` far-future messages (Outgoing tuples, a day ahead: nothing
   fires), which routes each message to its id's shard and streams to the shards at once;
+  and as many whose ids all belong to one shard (what the spreading itself costs);
 - ``cancel_many`` of half of them (grouped per shard, CancelBatch calls at the same time);
 - ``get`` of ``--calls`` receipts one call at a time (routed by the receipt's shard), of
   as many bare message ids (routed by the id's CRC-32), and of receipts all of one shard;
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -118,6 +120,12 @@ def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base
     msgs = _far(messages, base, tag)
     receipts: list = []
     out["send_many"] = cost.measure(messages, lambda: receipts.extend(sc.send_many(msgs)))
+    # the same count, every id of one shard: one stream at a time, the other servers idle
+    topo = sc.topology or sc.refresh()
+    first = topo.names[0]
+    same = (o for o in _far(messages * len(topo.names) * 3, base, tag + "one") if topo.shard_for(o.message_id) == first)
+    alone = list(itertools.islice(same, messages))
+    out["send_many, one shard"] = cost.measure(len(alone), lambda: sc.send_many(alone))
     doomed = receipts[::2]
     outcomes: list[str] = []
     out["cancel_many"] = cost.measure(len(doomed), lambda: outcomes.extend(sc.cancel_many(doomed)))
