@@ -149,9 +149,19 @@ def _chunks(messages: Iterable, size: int) -> Iterator[list]:
         yield chunk
 
 
-# send_many routes this many messages at a time (its memory bound: a generator of any
-# length is read chunk by chunk, each chunk's shards sent at the same time)
+# send_many routes this many messages per shard at a time (its memory bound: a generator of
+# any length is read chunk by chunk, each chunk's shards sent at the same time). Per shard:
+# a chunk of a fixed total gave each shard's stream 1/S of it, so with more shards each
+# stream carried fewer batches (at 4 shards, 2,500 messages: 3 batches, never the 4 in
+# flight) and more streams were opened and drained per message (bench.shards).
 SEND_MANY_CHUNK = 10_000
+
+
+def _chunk_size(batch_size: int, max_in_flight: int, topology: Topology) -> int:
+    """How many messages send_many routes at a time: ``SEND_MANY_CHUNK`` (or a pipeline's
+    worth) for every shard."""
+    return max(SEND_MANY_CHUNK, batch_size * max_in_flight) * max(1, len(topology.names))
+
 
 _CLUSTER_SUMS = ("pending", "wheel_size", "iterate_lag_bytes")
 
@@ -328,14 +338,15 @@ class ShardedClient(_Sharded):
     ) -> list[Receipt]:
         """As ``Client.send_many`` (pipelined SendStream batches; ``Outgoing`` tuples are the
         cheap form), over the shards: each message goes to its id's shard, the shards'
-        streams at the same time, ``SEND_MANY_CHUNK`` messages routed at a time; receipts in
+        streams at the same time, ``SEND_MANY_CHUNK`` messages per shard routed at a time; receipts in
         input order. A shard's stream that fails over is retried on its new master with the
         messages it had not acknowledged (same ids). Raises the first error that is not
         retried, or the last one after ``failover_timeout``."""
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
         out: list[Receipt] = []
-        for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
+        size = _chunk_size(batch_size, max_in_flight, self.topology or self.refresh())
+        for chunk in _chunks(messages, size):
             msgs = [_with_id(m, self._ids) for m in chunk]
             topo = self.topology or self.refresh()
             got: list[Receipt | None] = [None] * len(msgs)
@@ -693,7 +704,8 @@ class AioShardedClient(_Sharded):
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
         out: list[Receipt] = []
-        for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
+        size = _chunk_size(batch_size, max_in_flight, self.topology or await self.refresh())
+        for chunk in _chunks(messages, size):
             msgs = [_with_id(m, self._ids) for m in chunk]
             topo = self.topology or await self.refresh()
             got: list[Receipt | None] = [None] * len(msgs)

@@ -1,12 +1,13 @@
 """The blocking sharded and cluster clients ask every server at the same time where a call
 needs all of them (stats, finding the master): a call waits for the slowest server once,
 not for each in turn (bench.shards measured stats at 1 / 2 / 4 shards: the sequential
-form's latency grew with every server)."""
+form's latency grew with every server). send_many routes a chunk per shard at a time."""
 
 from __future__ import annotations
 
 import threading
 
+from qdelay.client import Outgoing, Receipt
 from qdelay.client.cluster import ClusterClient
 from qdelay.client.sharded import ShardedClient, Topology
 from qdelay.v1 import qdelay_pb2 as pb
@@ -61,3 +62,45 @@ def test_cluster_client_stats_and_find_master_ask_every_server_at_once():
             assert not barrier.broken
         finally:
             cc.clients = real
+
+
+class RecordingShard:
+    """A stand-in for one shard master's client: records the size of every send_many call."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.calls = name, []
+
+    def send_many(self, messages, batch_size=1000, max_in_flight=4, timeout=None):
+        self.calls.append(len(messages))
+        return [Receipt(m.message_id, m.deliver_at_ms, i, self.name) for i, m in enumerate(messages)]
+
+    def close(self) -> None:
+        pass
+
+
+def test_sharded_send_many_routes_a_chunk_per_shard(monkeypatch):
+    """send_many routes SEND_MANY_CHUNK messages per shard at a time: with more shards each
+    shard's stream still carries a chunk's worth per call (a fixed total split S ways gave
+    each stream 1/S of it: fewer batches in flight, more streams opened per message)."""
+    from qdelay.client import sharded
+
+    monkeypatch.setattr(sharded, "SEND_MANY_CHUNK", 100)
+    shards = {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", epoch=1) for i in range(4)}
+    fakes = {s.master: RecordingShard(name) for name, s in shards.items()}
+
+    class Fake(ShardedClient):
+        def refresh(self) -> Topology:
+            self.topology = Topology("c", shards)
+            return self.topology
+
+        def client(self, address: str):  # type: ignore[override]
+            return fakes[address]
+
+    msgs = [Outgoing("s", b"", deliver_at_ms=10**13 + i, message_id=f"id{i}") for i in range(800)]
+    with Fake("seed:1") as sc:
+        receipts = sc.send_many(msgs, batch_size=10, max_in_flight=2)
+    assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
+    assert all(r.shard == sc.topology.shard_for(r.message_id) for r in receipts)
+    for fake in fakes.values():
+        # two chunks of 400 (100 per shard): two calls of ~100 each, not eight of ~25
+        assert len(fake.calls) == 2 and min(fake.calls) > 50, fake.calls
