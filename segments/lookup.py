@@ -23,7 +23,7 @@ from qdelay.errors import CorruptRecord, InvariantViolation
 from qdelay.segments import records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.reader import CORRUPT, SCAN_BYTES, Columns, Damage, read_columns, read_frames, walk_reads
-from qdelay.segments.schedule_index import CANCELLED, IndexFile, id_hashes
+from qdelay.segments.schedule_index import CANCELLED, FLAGS_SHIFT, OFFSET_BITS, IndexFile, id_hashes
 from qdelay.segments.segment import Segment
 
 _CANCEL_TARGET_AT = records.CANCEL_TARGET_SEQUENCE_AT  # CANCEL body: the target's sequence
@@ -99,21 +99,59 @@ class RecordFinder:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``holds`` as a bool array, and where each held MESSAGE's entry is in the index (-1
         for the others), for ``cancelled_at``: CancelBatch searches the index once a target."""
+        ok, where, _cancelled = self.holds_across([(seg, np.arange(len(sequences)))], sequences, dues, message_ids)
+        return ok, where
+
+    def holds_across(
+        self,
+        parts: list[tuple[Segment, np.ndarray]],
+        sequences: np.ndarray | list[int],
+        dues: np.ndarray | list[int],
+        message_ids: list[str],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``holds_at`` for a batch spread over several segments: ``parts`` names each
+        segment and the rows of the batch to look for in it (rows in no part are not held);
+        (held, where, and whether each held one's entry was flagged CANCELLED as this search
+        read it). One index search per segment; the entries' fields are compared once for
+        the whole batch, so that a segment costs its search and little else (a batch of
+        retried sends can touch a different minute per message)."""
         n = len(sequences)
         ok = np.zeros(n, dtype=bool)
         where = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return ok, where
-        found = _index(seg).lookup(sequences)
-        rows = np.flatnonzero(found.hit)
-        if len(rows):
-            want_due = np.asarray(dues, dtype=np.int64)[rows]
-            ids = message_ids if len(rows) == n else [message_ids[i] for i in rows.tolist()]
-            good = (found.kinds == _MESSAGE) & (found.a == want_due) & (found.b == id_hashes(ids))
-            good &= np.fromiter(map(bool, ids), dtype=bool, count=len(ids))  # an empty id is no receipt
-            ok[rows[good]] = True
-            where[rows[good]] = found.positions[good]
-        return ok, where
+        cancelled = np.zeros(n, dtype=bool)
+        seqs = np.asarray(sequences, dtype=np.int64)
+        rows_l: list[np.ndarray] = []
+        pos_l: list[np.ndarray] = []
+        words_l: list[np.ndarray] = []
+        for seg, rows in parts:
+            pos, words = _index(seg).entries(seqs[rows])
+            if len(words):
+                hit = pos >= 0
+                rows_l.append(rows[hit])
+                pos_l.append(pos[hit])
+                words_l.append(words)
+        if not rows_l:
+            return ok, where, cancelled
+        if len(rows_l) == 1:
+            rows, pos, words = rows_l[0], pos_l[0], words_l[0]
+        else:
+            rows, pos, words = np.concatenate(rows_l), np.concatenate(pos_l), np.concatenate(words_l)
+        if len(rows) == n:  # every row found (the usual batch): the batch's own order, no list made
+            if not bool((rows[1:] > rows[:-1]).all()):
+                order = np.argsort(rows, kind="stable")
+                rows, pos, words = rows[order], pos[order], words[order]
+            ids = message_ids
+        else:
+            ids = [message_ids[i] for i in rows.tolist()]
+        kinds = words[:, 1] >> np.uint64(OFFSET_BITS) & np.uint64(0xFF)
+        good = (kinds == _MESSAGE) & (words[:, 2].view(np.int64) == np.asarray(dues, dtype=np.int64)[rows])
+        good &= words[:, 3] == id_hashes(ids)
+        good &= np.fromiter(map(bool, ids), dtype=bool, count=len(ids))  # an empty id is no receipt
+        held = rows[good]
+        ok[held] = True
+        where[held] = pos[good]
+        cancelled[held] = (words[good, 1] >> np.uint64(FLAGS_SHIFT) & np.uint64(CANCELLED)) != 0
+        return ok, where, cancelled
 
     def cancelled_at(self, seg: Segment, positions: np.ndarray) -> np.ndarray:
         """Whether the MESSAGE entries at ``positions`` of ``seg``'s index (from ``holds_at``)

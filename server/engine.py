@@ -713,14 +713,21 @@ class Engine:
         found = {k: p for k in which if (p := places[k]) is not None}
         live = list(found)
         # batched, as CancelBatch reads them: the segments hold exactly these messages (one
-        # column check per bucket), then their states (one dispatch-log test and one set of
-        # tombstones per bucket). A retry of a pending message, the common duplicate, costs
-        # no record read; a closed one, or one the columns do not confirm, is located alone
+        # search of each minute's index, the entries compared together), then their states
+        # (one dispatch-log test and one set of tombstones per minute, the CANCELLED flags
+        # at the places that search found). A retry of a pending message, the common
+        # duplicate, costs no record read; a closed one, or one the index does not confirm,
+        # is located alone. A batch's cost grows with the minutes it touches, not with N
         dues = np.array([found[k][0] for k in live], dtype=np.int64)
         seqs = np.array([found[k][1] for k in live], dtype=np.int64)
-        held = self._held_by_segments([ids[k] for k in live], dues, seqs)[0].tolist()
-        confirmed = [k for k, ok in zip(live, held) if ok]
-        states = dict(zip(confirmed, self._states_of([found[k] for k in confirmed])))
+        segs: dict[int, Segment] = {}
+        held, where, flagged = self._held_by_segments([ids[k] for k in live], dues, seqs, segs)
+        rows = np.flatnonzero(held)
+        # the flags that search read (no second look at each minute's index)
+        closed = self._closed_states(dues[rows], seqs[rows], where[rows], segs, flagged[rows])
+        states = {live[r]: MessageState.PENDING for r in rows.tolist()}
+        for j, state in closed.items():
+            states[live[int(rows[j])]] = state
         now = self.clock()
         for k in live:
             due, seq = found[k]
@@ -843,7 +850,7 @@ class Engine:
             if not self.iterate.wait_for(int(seqs.max()), timeout=5.0):
                 raise StorageError("the iterate service is behind; retry shortly")
             at = np.asarray(rec, dtype=np.int64)
-            held, where = self._held_by_segments(ids_l, dues, seqs, places.segs)
+            held, where, _flagged = self._held_by_segments(ids_l, dues, seqs, places.segs)
             places.dues[at[held]] = dues[held]
             places.seqs[at[held]] = seqs[held]
             places.where[at[held]] = where[held]
@@ -883,19 +890,24 @@ class Engine:
         b0 = buckets[0]
         if bool((buckets == b0).all()):
             return [(int(b0), np.arange(len(buckets)))]
-        return [(b, np.flatnonzero(buckets == b)) for b in np.unique(buckets).tolist()]
+        # one sort, then slices: a comparison per bucket cost ~5 us a minute touched (a batch
+        # of retried sends over many minutes); rows stay ascending within their bucket
+        order = np.argsort(buckets, kind="stable")
+        ordered = buckets[order]
+        cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+        return [(int(ordered[a]), order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)])]
 
     def _held_by_segments(
         self, ids: list[str], dues: np.ndarray, seqs: np.ndarray, segs: dict[int, Segment] | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Whether the schedule segment of each receipt's bucket holds exactly that MESSAGE
         (sequence, due time and id), checked per bucket with one search of the segment's
         index (RecordFinder.holds_at: no record read, no id-index lookup), and where each
         held one's entry is in that index (-1: not held). False means "look further"
         (``_find_targets`` asks the id index, then reads the record). ``segs`` collects
-        the segment searched per bucket, to which those places belong."""
-        held = np.zeros(len(ids), dtype=bool)
-        where = np.full(len(ids), -1, dtype=np.int64)
+        the segment searched per bucket, to which those places belong. Third: the CANCELLED
+        flag of each held one as that search read it."""
+        parts: list[tuple[Segment, np.ndarray]] = []
         for bucket, ks in self._by_bucket(dues):
             self.iterate.flush_bucket(bucket)  # a far-future message may still be written behind
             seg = self.schedule.get(bucket)
@@ -903,11 +915,8 @@ class Engine:
                 continue
             if segs is not None:
                 segs[bucket] = seg
-            bids = ids if len(ks) == len(ids) else [ids[k] for k in ks.tolist()]
-            ok, at = self.finder.holds_at(seg, seqs[ks], dues[ks], bids)
-            held[ks] = ok
-            where[ks] = at
-        return held, where
+            parts.append((seg, ks))
+        return self.finder.holds_across(parts, seqs, dues, ids)
 
     def _in_existing_buckets(self, places: list[tuple[int, int] | None], which: list[int]) -> None:
         """Drop from ``places`` (at the indexes ``which``) those whose schedule segment the
@@ -923,65 +932,69 @@ class Engine:
                 if gone[b]:
                     places[i] = None
 
-    def _states_of(self, places: list[tuple[int, int]]) -> list[MessageState]:
-        """The state of each message known to exist at (deliver_at_ms, sequence): PENDING,
-        CANCELLED, DELIVERED or DEAD_LETTERED (``_closed_states`` as a list)."""
-        out = [MessageState.PENDING] * len(places)
-        if places:
-            dues = np.array([due for due, _seq in places], dtype=np.int64)
-            seqs = np.array([seq for _due, seq in places], dtype=np.int64)
-            for k, state in self._closed_states(dues, seqs).items():
-                out[k] = state
-        return out
-
     def _closed_states(
         self,
         dues: np.ndarray,
         seqs: np.ndarray,
         where: np.ndarray | None = None,
         segs: dict[int, Segment] | None = None,
+        flagged: np.ndarray | None = None,
     ) -> dict[int, MessageState]:
         """Of the messages known to exist at (``dues``, ``seqs``), those no longer pending:
         row -> CANCELLED, DELIVERED or DEAD_LETTERED, read once per bucket (``_closed_state``
         is its one-message form, which also gives the DISPATCH records; it answers the rare
         messages some group closed). ``where`` and ``segs`` (from ``_held_by_segments``)
         let an unloaded bucket's tombstones be read from the index entries found then
-        rather than by a second search."""
+        rather than by a second search; ``flagged`` (the CANCELLED flags that search read)
+        spares even that read, for a caller that needs no look after a claim (a retried
+        send: a message cancelled meanwhile was closed within the window, a duplicate all
+        the same)."""
         out: dict[int, MessageState] = {}
         sched = self.scheduler
+        closed = np.zeros(len(seqs), dtype=bool)
+        cancelled = np.zeros(len(seqs), dtype=bool)
+        placed = where >= 0 if where is not None and segs is not None else None
+        from_flags: list[np.ndarray] = []  # rows whose tombstone flag ``flagged`` gives
+        # per bucket only what a minute with something to say needs (a batch of retries can
+        # touch a minute per message): no array work for a minute nothing was dispatched from
         for bucket, rows in self._by_bucket(dues):
-            bseqs = seqs[rows]
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
             # what the scheduler has not written yet, then the file (outside its lock): a
             # close is in one or the other (both while being written), never in neither
             buffered, _size, _out = sched.dispatch_view(bucket, 0)
-            closed = self.dispatched.closed_among(self.dispatch.get(bucket), bseqs)
-            if buffered:
-                closed |= np.isin(bseqs, reader.scan_columns(buffered).seqs)
+            dseg = self.dispatch.get(bucket)
+            if dseg is not None or buffered:
+                bseqs = seqs[rows]
+                got = self.dispatched.closed_among(dseg, bseqs)
+                if buffered:
+                    got |= np.isin(bseqs, reader.scan_columns(buffered).seqs)
+                closed[rows] = got
             tombs = sched.known_tombstones(bucket)
             if tombs is not None:
-                listed = bseqs.tolist()
-                if tombs.isdisjoint(listed):
-                    cancelled = np.zeros(len(rows), dtype=bool)
+                if tombs:
+                    listed = seqs[rows].tolist()
+                    if not tombs.isdisjoint(listed):
+                        cancelled[rows] = np.fromiter((seq in tombs for seq in listed), dtype=bool, count=len(listed))
+            elif seg is not None:  # an unloaded bucket: its segment's index says (no walk of the segment)
+                if placed is not None and segs is not None and segs.get(bucket) is seg and bool(placed[rows].all()):
+                    if flagged is not None:
+                        from_flags.append(rows)
+                    else:
+                        cancelled[rows] = self.finder.cancelled_at(seg, where[rows])
                 else:
-                    cancelled = np.fromiter((seq in tombs for seq in listed), dtype=bool, count=len(listed))
-            elif seg is None:
-                cancelled = np.zeros(len(rows), dtype=bool)
-            else:  # an unloaded bucket: its segment's index says (no walk of the segment)
-                at = where[rows] if where is not None and segs is not None and segs.get(bucket) is seg else None
-                if at is not None and bool((at >= 0).all()):
-                    cancelled = self.finder.cancelled_at(seg, at)
-                else:
-                    cancelled = self.finder.cancelled_among(seg, bseqs)
-            for r in np.flatnonzero(closed | cancelled).tolist():
-                k = int(rows[r])
-                if closed[r]:
-                    state = self._closed_state(bucket, int(bseqs[r]))[0]
-                    if state != MessageState.PENDING:
-                        out[k] = state
-                else:
-                    out[k] = MessageState.CANCELLED
+                    cancelled[rows] = self.finder.cancelled_among(seg, seqs[rows])
+        if from_flags and flagged is not None:
+            at = from_flags[0] if len(from_flags) == 1 else np.concatenate(from_flags)
+            cancelled[at] = flagged[at]
+        scale = self.config.scale_minutes
+        for k in np.flatnonzero(closed | cancelled).tolist():
+            if closed[k]:
+                state = self._closed_state(bucket_of(int(dues[k]), scale), int(seqs[k]))[0]
+                if state != MessageState.PENDING:
+                    out[k] = state
+            else:
+                out[k] = MessageState.CANCELLED
         return out
 
     def _release_claims(self, sequences: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""RecordFinder.holds, holds_at, cancelled_among and cancelled_at (segments/lookup.py): a batch of receipts checked
+"""RecordFinder.holds, holds_at, holds_across, cancelled_among and cancelled_at (segments/lookup.py): a batch of receipts checked
 against a schedule segment's index (or one receipt at a time) answers as reading each
 record does (RecordFinder.find + decode), and the index's CANCELLED flags are exactly the
 tombstones written, while the segment grows."""
@@ -100,5 +100,70 @@ def test_holds_answers_as_reading_each_record(tmp_path):
                         int(found.b[0]),
                     )
             assert sum(got) >= 60  # the right ones (and no more than the reference finds)
+    finally:
+        engine.close()
+
+
+def test_a_batch_over_many_minutes_answers_as_one_minute_at_a_time(tmp_path):
+    """holds_across (rows of several segments, in any order) and Engine.duplicates_among (a
+    batch of retried sends over many minutes) answer as their one-segment, one-id forms."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    rnd = random.Random(7)
+    try:
+        sent = engine.send_sync(
+            [
+                message("t.m", T0 + (90 + rnd.randrange(6)) * MINUTE + rnd.randrange(MINUTE), f"m-{k}")
+                for k in range(120)
+            ]
+        )
+        victims = rnd.sample(sent, 15)
+        asyncio.run(engine.cancel_many([(r.message_id, r.deliver_at_ms, r.sequence) for r in victims]))
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        queries = [(r.sequence, r.deliver_at_ms, r.message_id) for r in sent]
+        queries += [(r.sequence, r.deliver_at_ms, r.message_id + "x") for r in rnd.sample(sent, 20)]  # wrong id
+        queries += [(r.sequence + 1, r.deliver_at_ms, r.message_id) for r in rnd.sample(sent, 20)]  # wrong place
+        rnd.shuffle(queries)
+        seqs = np.array([q[0] for q in queries], dtype=np.int64)
+        dues = np.array([q[1] for q in queries], dtype=np.int64)
+        ids = [q[2] for q in queries]
+        buckets = [bucket_of(d) for d in dues.tolist()]
+        parts = []
+        for b in rnd.sample(sorted(set(buckets)), len(set(buckets))):  # segments in any order
+            engine.iterate.flush_bucket(b)
+            parts.append((engine.schedule.get(b), np.array([k for k, x in enumerate(buckets) if x == b])))
+        assert len(parts) == 6
+        ok, at, flagged = engine.finder.holds_across(parts, seqs, dues, ids)
+        for k, q in enumerate(queries):
+            seg = engine.schedule.get(buckets[k])
+            one_ok, one_at = engine.finder.holds_at(seg, [q[0]], [q[1]], [q[2]])
+            assert (bool(ok[k]), int(at[k])) == (bool(one_ok[0]), int(one_at[0]))
+            # the CANCELLED flag as read by the search: the tombstones written, for held rows
+            want = bool(one_ok[0]) and bool(engine.finder.cancelled_at(seg, one_at)[0])
+            assert bool(flagged[k]) == want
+        assert int(ok.sum()) == len(sent) and int(flagged.sum()) == len(victims)
+        # every row found (the rows of the parts, taken together, a permutation of the batch)
+        mine = [k for k, q in enumerate(queries) if q[2] in {r.message_id for r in sent} and ok[k]]
+        sub = [(seg, np.array([mine.index(k) for k in rows.tolist() if k in mine])) for seg, rows in parts]
+        ok2, at2, flagged2 = engine.finder.holds_across(sub, seqs[mine], dues[mine], [ids[k] for k in mine])
+        assert ok2.all() and at2.tolist() == at[mine].tolist() and flagged2.tolist() == flagged[mine].tolist()
+        # retried sends: the pending ones and the cancelled ones (closed within the window)
+        # are duplicates, each with its original receipt; an unknown id is none
+        asked = [r.message_id for r in rnd.sample(sent, len(sent))] + ["unknown-1"]
+        hits = engine.ids.get_many(asked)
+        batch = engine.duplicates_among(asked, hits, 600_000)
+        one_by_one = {}
+        for k, (mid, hit) in enumerate(zip(asked, hits)):
+            for receipt in engine.duplicates_among([mid], [hit], 600_000).values():
+                one_by_one[k] = receipt
+        assert batch == one_by_one
+        by_id = {r.message_id: r for r in sent}
+        assert {k: (r.message_id, r.deliver_at_ms, r.sequence) for k, r in batch.items()} == {
+            k: (mid, by_id[mid].deliver_at_ms, by_id[mid].sequence) for k, mid in enumerate(asked[:-1])
+        }
+        clock.advance(11 * MINUTE)  # the cancelled ones' window has passed: their ids are free
+        later = engine.duplicates_among(asked, hits, 600_000)
+        assert sorted(later) == sorted(k for k, mid in enumerate(asked[:-1]) if by_id[mid] not in victims)
     finally:
         engine.close()
