@@ -953,7 +953,8 @@ class Engine:
         sched = self.scheduler
         closed = np.zeros(len(seqs), dtype=bool)
         cancelled = np.zeros(len(seqs), dtype=bool)
-        placed = where >= 0 if where is not None and segs is not None else None
+        # where the caller's search found each row (-1: not found), with the segments searched
+        placed = (where, where >= 0, segs) if where is not None and segs is not None else None
         from_flags: list[np.ndarray] = []  # rows whose tombstone flag ``flagged`` gives
         # per bucket only what a minute with something to say needs (a batch of retries can
         # touch a minute per message): no array work for a minute nothing was dispatched from
@@ -977,11 +978,11 @@ class Engine:
                     if not tombs.isdisjoint(listed):
                         cancelled[rows] = np.fromiter((seq in tombs for seq in listed), dtype=bool, count=len(listed))
             elif seg is not None:  # an unloaded bucket: its segment's index says (no walk of the segment)
-                if placed is not None and segs is not None and segs.get(bucket) is seg and bool(placed[rows].all()):
+                if placed is not None and placed[2].get(bucket) is seg and bool(placed[1][rows].all()):
                     if flagged is not None:
                         from_flags.append(rows)
                     else:
-                        cancelled[rows] = self.finder.cancelled_at(seg, where[rows])
+                        cancelled[rows] = self.finder.cancelled_at(seg, placed[0][rows])
                 else:
                     cancelled[rows] = self.finder.cancelled_among(seg, seqs[rows])
         if from_flags and flagged is not None:

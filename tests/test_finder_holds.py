@@ -1,6 +1,7 @@
-"""RecordFinder.holds, holds_at, holds_across, cancelled_among and cancelled_at (segments/lookup.py): a batch of receipts checked
-against a schedule segment's index (or one receipt at a time) answers as reading each
-record does (RecordFinder.find + decode), and the index's CANCELLED flags are exactly the
+"""RecordFinder.holds, holds_at, holds_across, cancelled_among and cancelled_at
+(segments/lookup.py): a batch of receipts checked against a schedule segment's index (or
+one receipt at a time, or a batch over several segments) answers as reading each record
+does (RecordFinder.find + decode), and the index's CANCELLED flags are exactly the
 tombstones written, while the segment grows."""
 
 from __future__ import annotations
