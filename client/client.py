@@ -272,6 +272,9 @@ class _BulkSender:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The private loop (started on first use)."""
+        loop = self._loop
+        if loop is not None:  # no lock once it runs: every send() from every thread asks
+            return loop
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
