@@ -15,7 +15,9 @@ seeded with one server's address. Per round, on the same cluster:
 - ``get`` of ``--calls`` receipts one call at a time (routed by the receipt's shard), of
   as many bare message ids (routed by the id's CRC-32), and of receipts all of one shard;
 - ``stats`` (every master's figures, the cluster's sums), ``--calls``/3 calls;
-- ``refresh()`` (one Topology call: what every failover retry and the consumers' watch do).
+- ``refresh()`` (one Topology call: what every failover retry and the consumers' watch do);
+- ``qdelay admin status --servers SEED`` (``--calls``/10 times, at least 10): in cluster
+  mode it asks every server of every shard.
 
 For each operation: calls (or messages) per second, the client's CPU per operation (this
 process, all threads: the bench holds only the client) and the servers' CPU per operation
@@ -244,6 +246,16 @@ def node_round(node: NodeDriver, cost: Cost, messages: int, calls: int, base: in
     return out
 
 
+def admin_round(seed: str, cost: Cost, n: int) -> dict:
+    """``qdelay admin status --servers SEED``: in cluster mode it reads the Topology and asks
+    every server of every shard for its replication status (a channel each, in turn)."""
+    from bench.admin import run_admin
+
+    return {
+        "status (every server)": cost.measure(n, lambda: [run_admin("status", "--servers", seed) for _ in range(n)])
+    }
+
+
 def cluster_round(cc: ClusterClient, cost: Cost, messages: int, calls: int, base: int, tag: str) -> dict:
     rng = random.Random(tag)
     out: dict[str, dict] = {}
@@ -285,13 +297,14 @@ def part_sharded(counts: list[int], messages: int, calls: int, rounds: int, node
                 procs = start_shards(root, etcd.endpoint, {f"s{i}": 1 for i in range(s)}, [])
                 try:
                     cost = Cost([p.pid for p in procs])
-                    blocking, aio, nodes = [], [], []
+                    blocking, aio, nodes, admin = [], [], [], []
                     with ShardedClient(procs[0].address) as sc:
                         sharded_round(sc, cost, 2_000, 20, base, f"warm{s}")  # first calls, channels
                         idle[str(s)] = cost.idle()
                         for r in range(rounds):
                             blocking.append(sharded_round(sc, cost, messages, calls, base, f"b{s}.{r}"))
                             aio.append(aio_round(procs[0].address, cost, messages, calls, base, f"a{s}.{r}"))
+                            admin.append(admin_round(procs[0].address, cost, max(10, calls // 10)))
                             print(f"shards={s} round {r + 1}: done", flush=True)
                     if node_part:
                         node = NodeDriver(procs[0].address)
@@ -304,7 +317,11 @@ def part_sharded(counts: list[int], messages: int, calls: int, rounds: int, node
                 finally:
                     for p in procs:
                         p.stop()
-        results[str(s)] = {"ShardedClient": medians(blocking), "AioShardedClient": medians(aio)}
+        results[str(s)] = {
+            "ShardedClient": medians(blocking),
+            "AioShardedClient": medians(aio),
+            "qdelay admin": medians(admin),
+        }
         if nodes:
             results[str(s)]["Node ShardedClient"] = medians(nodes)
     return results, idle
