@@ -199,6 +199,17 @@ class BucketLog:
             self._dirty.add(bucket)
         return seg, offset
 
+    def append_many(self, bucket: int, chunks: list[bytes]) -> tuple[Segment, int]:
+        """``append`` of whole frames given as chunks, written without joining them (an
+        indexed log joins them: its index is written from one buffer)."""
+        seg = self.get_or_create(bucket)
+        if seg.index is not None:
+            return self.append(bucket, b"".join(chunks))
+        offset = seg.append_many(list(chunks))
+        with self._lock:
+            self._dirty.add(bucket)
+        return seg, offset
+
     def take_dirty(self) -> list[Segment]:
         """The segments appended to since the last call (their data may not be durable)."""
         with self._lock:

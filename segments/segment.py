@@ -129,6 +129,23 @@ class HandlePool:
         return len(self._fds) + len(self._orphans)
 
 
+_WRITE_PIECE = 256 * 1024  # the most one pwrite of an append writes (see Segment.append_many)
+
+
+def _nbytes(data: bytes | bytearray | memoryview) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``, ``_WRITE_PIECE`` bytes at a time at most."""
+    written, size = 0, view.nbytes
+    while written < size:
+        more = os.pwrite(fd, view[written : written + _WRITE_PIECE], offset + written)
+        if more == 0:
+            raise OSError("pwrite wrote nothing")
+        written += more
+
+
 class Segment:
     """An append-only file of frames. Not thread-safe for appends: one writer per segment."""
 
@@ -152,24 +169,45 @@ class Segment:
 
     def append(self, data: bytes | bytearray | memoryview) -> int:
         """Write ``data`` at the end; return the offset it starts at (not yet durable)."""
+        return self.append_many([data])
+
+    def append_many(self, chunks: list[bytes | bytearray | memoryview]) -> int:
+        """Write ``chunks`` back to back at the end, without joining them first; return the
+        offset they start at (not yet durable). Written ``_WRITE_PIECE`` bytes at a time at
+        most (pwritev of several chunks, or pieces of a large one): one pwrite of several
+        MB cost 3-7x the CPU of the same bytes written 256 KiB at a time (22 MB in 3 writes:
+        19-43 ms, in 256 KiB pieces: 6-7 ms, ext4 on the 2-core VM; a fan-out burst's
+        DISPATCH records, flushed as one joined write per bucket, were a quarter of the
+        scheduler thread's time)."""
         offset = self.size
         pool = self.pool
         fd = pool.acquire(self.path, create=True)
+        pos = offset
         try:
-            written = os.pwrite(fd, data, offset)
-            while written < len(data):  # short writes happen on signals and near ENOSPC
-                more = os.pwrite(fd, memoryview(data)[written:], offset + written)
-                if more == 0:
-                    raise OSError("pwrite wrote nothing")
-                written += more
-            end = offset + len(data)
+            i, n = 0, len(chunks)
+            while i < n:
+                group = [chunks[i]]
+                size = _nbytes(chunks[i])
+                i += 1
+                while i < n and len(group) < 1024 and size + _nbytes(chunks[i]) <= _WRITE_PIECE:
+                    group.append(chunks[i])
+                    size += _nbytes(chunks[i])
+                    i += 1
+                if size <= _WRITE_PIECE:
+                    written = os.pwritev(fd, group, pos) if len(group) > 1 else os.pwrite(fd, group[0], pos)
+                    if written < size:  # short writes happen on signals and near ENOSPC
+                        _pwrite_all(fd, memoryview(b"".join(group))[written:], pos + written)
+                else:  # one chunk larger than a piece
+                    _pwrite_all(fd, memoryview(group[0]).cast("B"), pos)
+                pos += size
+            end = pos
             if end > self.allocated:
                 self.allocated = end
                 if self.prealloc:
                     self._extend(fd, end)
         finally:
             pool.release(fd)
-        self.size = offset + len(data)
+        self.size = pos
         return offset
 
     def _extend(self, fd: int, end: int) -> None:

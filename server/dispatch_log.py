@@ -33,9 +33,9 @@ class DispatchLogWriter:
         self.dispatch = dispatch
         self.flush_ms = flush_ms
         self._lock = threading.Lock()
-        # DISPATCH frames not yet handed to a write, per bucket as the chunks added (joined
-        # once, at the write: a bytearray grown by every ack's frames copied them over and
-        # over as it grew, ~70 ns a frame in a burst, as much as encoding them)
+        # DISPATCH frames not yet handed to a write, per bucket as the chunks added (written
+        # as they are, BucketLog.append_many: a bytearray grown by every ack's frames copied
+        # them over and over as it grew, ~70 ns a frame in a burst, as much as encoding them)
         self._buf: dict[int, list[bytes]] = {}
         self._writing: dict[int, list[bytes]] = {}  # ... being appended to their files
         self._first = 0.0  # when the oldest buffered frame came (monotonic)
@@ -113,7 +113,7 @@ class DispatchLogWriter:
             # outside any lock: appending to a page that the syncer's fdatasync has under
             # writeback can block for milliseconds
             for bucket, buf in bufs.items():
-                self.dispatch.append(bucket, buf[0] if len(buf) == 1 else b"".join(buf))
+                self.dispatch.append_many(bucket, buf)
                 written.append(bucket)
         except OSError as err:
             if not disk_full(err):

@@ -290,3 +290,36 @@ def test_handle_pool_keeps_pinned_handles_and_forgets_safely(tmp_path):
     assert open_fds() == baseline
     with pytest.raises(ValueError):
         HandlePool(1)
+
+
+def test_append_many_writes_chunks_back_to_back_in_pieces_and_survives_short_writes(tmp_path, monkeypatch):
+    """``Segment.append_many`` (the dispatch log's flush): chunks written as if joined,
+    grouped into writes of at most 256 KiB, a chunk larger than that in pieces, and a
+    short write finished by the rest."""
+    from qdelay.segments import segment as segment_mod
+
+    pool = HandlePool(4)
+    seg = Segment(str(tmp_path / "s"), 0, pool, size=0)
+    rng = random.Random(7)
+    chunks = [rng.randbytes(rng.choice((0, 10, 37_000, 300_000, 700_000))) for _ in range(40)]
+    calls = []
+    real_pwritev, real_pwrite = os.pwritev, os.pwrite
+
+    def pwritev(fd, bufs, offset):
+        calls.append(sum(map(len, bufs)))
+        if len(calls) % 3 == 0:  # now and then a short write
+            return real_pwrite(fd, b"".join(bufs)[: max(1, calls[-1] // 2)], offset)
+        return real_pwritev(fd, bufs, offset)
+
+    def pwrite(fd, data, offset):
+        calls.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(segment_mod.os, "pwritev", pwritev)
+    monkeypatch.setattr(segment_mod.os, "pwrite", pwrite)
+    assert seg.append(b"head") == 0
+    assert seg.append_many(chunks) == 4
+    monkeypatch.undo()
+    assert seg.size == 4 + sum(map(len, chunks))
+    assert open(tmp_path / "s", "rb").read() == b"head" + b"".join(chunks)
+    assert max(calls) <= segment_mod._WRITE_PIECE
