@@ -126,6 +126,31 @@ def test_concurrent_tasks_share_batches_each_gets_its_own_receipt(server):
     run(main())
 
 
+def test_tasks_sending_in_a_loop_ride_one_batch_a_round(server):
+    """Natural batching with tasks: 64 tasks each awaiting send() in a loop share one batch a
+    round (the batch waits, at most a linger after the answer, for the callers it answered)."""
+
+    async def main():
+        rounds = 20
+        async with Client(server.address, batching=Batching(linger=0.2)) as c:
+            s = subject()
+            await c.send(s, b"warm", delay_ms=HOUR_MS)
+            before = c._batcher.batches
+
+            async def loop(t):
+                return [
+                    await c.send(s, b"%d" % t, delay_ms=HOUR_MS, message_id=f"a{t}-{k}") for k in range(rounds)
+                ]
+
+            results = await asyncio.gather(*(loop(t) for t in range(64)))
+            batches = c._batcher.batches - before
+        for t, receipts in enumerate(results):
+            assert [r.message_id for r in receipts] == [f"a{t}-{k}" for k in range(rounds)]
+        assert batches <= rounds + 8, batches
+
+    run(main())
+
+
 def test_a_task_cancelled_mid_send_leaves_the_client_working(server):
     async def main():
         async with Client(server.address, batching=Batching(max_in_flight=1, max_batch=8, linger=0.01)) as c:
