@@ -138,9 +138,7 @@ def test_tasks_sending_in_a_loop_ride_one_batch_a_round(server):
             before = c._batcher.batches
 
             async def loop(t):
-                return [
-                    await c.send(s, b"%d" % t, delay_ms=HOUR_MS, message_id=f"a{t}-{k}") for k in range(rounds)
-                ]
+                return [await c.send(s, b"%d" % t, delay_ms=HOUR_MS, message_id=f"a{t}-{k}") for k in range(rounds)]
 
             results = await asyncio.gather(*(loop(t) for t in range(64)))
             batches = c._batcher.batches - before
