@@ -705,12 +705,9 @@ class Engine:
         misses the index), so reading those records is affordable.
         """
         out: dict[int, Receipt] = {}
-        which = [k for k, hit in enumerate(hits) if hit is not None]
-        if not which:
+        found = {k: hit for k, hit in enumerate(hits) if hit is not None}
+        if not found:
             return out
-        places = list(hits)
-        self._in_existing_buckets(places, which)  # cleaned away long ago: the id is free again
-        found = {k: p for k in which if (p := places[k]) is not None}
         live = list(found)
         # batched, as CancelBatch reads them: the segments hold exactly these messages (one
         # search of each minute's index, the entries compared together), then their states
@@ -729,9 +726,12 @@ class Engine:
         for j, state in closed.items():
             states[live[int(rows[j])]] = state
         now = self.clock()
+        scale = self.config.scale_minutes
         for k in live:
             due, seq = found[k]
             if states.get(k) != MessageState.PENDING:
+                if bucket_of(due, scale) not in segs:
+                    continue  # its minute was cleaned away long ago: the id is free again
                 state, offset, _msg, _at, closes = self._locate(ids[k], due, seq, detail=True)
                 if state == MessageState.NOT_FOUND:
                     continue

@@ -17,7 +17,7 @@ import time
 from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, files, message
 
 from qdelay.segments.naming import bucket_of
-from qdelay.server.engine import CancelOutcome, MessageState
+from qdelay.server.engine import CancelOutcome, MessageState, Receipt
 
 
 def make(tmp_path, **cfg):
@@ -172,6 +172,13 @@ def test_schedule_segment_deleted_only_when_done_and_kept_long_enough(tmp_path):
     # after the keep time, Get and Cancel no longer know the message
     assert d.get(done).state == MessageState.NOT_FOUND
     assert d.get(open_).state == MessageState.PENDING
+    # and a retried send of its id is new again (the id index still maps it; whatever the
+    # window), while the open one's is a duplicate
+    hits = d.engine.ids.get_many(["done", "open"])
+    assert hits[0] is not None
+    assert d.engine.duplicates_among(["done", "open"], hits, 10**12) == {
+        1: Receipt("open", open_.deliver_at_ms, open_.sequence)
+    }
     d.close()
 
 
