@@ -184,6 +184,16 @@ def _open_files_allowed(wanted: int) -> int:
     return wanted
 
 
+# a Cancel's claim is made on the event loop (``Engine._claims``) up to this many targets
+# (a few us each there), so that a batch never holds the loop for long
+CLAIM_NOW_MAX = 64
+
+
+class _NotNow(Exception):
+    """A claim on the event loop (``Engine._claims``) would wait or read: it is made on a
+    worker thread instead."""
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -578,7 +588,7 @@ class Engine:
         named twice is CANCELLED once and ALREADY_CANCELLED after.
         """
         self._check_writable()
-        outcomes, claimed = await self._off_loop_claims(self._claim_cancels, targets)
+        outcomes, claimed = await self._claims(self._claim_cancels, targets, targets)
         if not claimed:
             return outcomes
         try:
@@ -606,7 +616,8 @@ class Engine:
         duplicate, as at-least-once allows) but never neither.
         """
         self._check_writable()
-        outcomes, claimed, msg = await self._off_loop_claims(self._claim_to_move, message_id, deliver_at_ms, sequence)
+        target = [(message_id, deliver_at_ms, sequence)]
+        outcomes, claimed, msg = await self._claims(self._claim_to_move, target, message_id, deliver_at_ms, sequence)
         if not claimed:
             return {
                 CancelOutcome.NOT_FOUND: RescheduleOutcome.NOT_FOUND,
@@ -650,12 +661,58 @@ class Engine:
             work.add_done_callback(release)
             raise
 
+    async def _claims(self, claim: Callable, targets: list[tuple[str, int | None, int | None]], *args):
+        """``claim(*args)`` (``_claim_cancels`` or ``_claim_to_move``, whose claims are the
+        ``targets``') on the calling thread, the event loop's, when it would neither wait
+        nor read much (``_claimable_now``; ``claim`` is then called with ``now=True`` and
+        may still decline, raising _NotNow before it claims anything), else on a worker
+        thread (``_off_loop_claims``).
+
+        The claim of a few receipts costs tens of us on the loop; handing it to a worker
+        thread and back cost more than that (the thread's wake-up, the loop's, and each one
+        waiting for the GIL and a core): Cancels from 16 threads, gathered into batches of
+        ~8-16, paid ~250 us of worker-thread CPU a batch."""
+        if self._claimable_now(targets):
+            try:
+                return claim(*args, now=True)
+            except _NotNow:
+                pass
+        return await self._off_loop_claims(claim, *args)
+
+    def _claimable_now(self, targets: list[tuple[str, int | None, int | None]]) -> bool:
+        """Whether the claim of ``targets`` may run on the event loop, as ``get_now`` decides
+        for a Get: at most CLAIM_NOW_MAX receipts (no id: the id index may wait), each of a
+        message the iterate service has copied, in a bucket with nothing written behind,
+        its schedule index there and its dispatch index current."""
+        if len(targets) > CLAIM_NOW_MAX:
+            return False
+        ready = min(self.wal.committed_sequence, self.iterate.sequence)
+        scale = self.config.scale_minutes
+        seen: set[int] = set()
+        for _mid, due, seq in targets:
+            if due is None or seq is None or not 0 < seq <= ready:
+                return False
+            bucket = bucket_of(due, scale)
+            if bucket in seen:
+                continue
+            seen.add(bucket)
+            seg = self.schedule.get(bucket)
+            if (
+                seg is None
+                or self.iterate.written_behind(bucket)
+                or not self.finder.ready(seg)
+                or not self.dispatched.ready(self.dispatch.get(bucket))
+            ):
+                return False
+        return True
+
     def _claim_to_move(
-        self, message_id: str, deliver_at_ms: int | None, sequence: int | None
+        self, message_id: str, deliver_at_ms: int | None, sequence: int | None, now: bool = False
     ) -> tuple[list[CancelOutcome], list, records.Message | None]:
-        """Reschedule's look-up on one worker thread: the claim (as a Cancel's) and, if
-        claimed, the message's record to write again (None if it vanished meanwhile)."""
-        outcomes, claimed = self._claim_cancels([(message_id, deliver_at_ms, sequence)])
+        """Reschedule's look-up (on the event loop or a worker thread: ``_claims``): the
+        claim (as a Cancel's) and, if claimed, the message's record to write again (None if
+        it vanished meanwhile)."""
+        outcomes, claimed = self._claim_cancels([(message_id, deliver_at_ms, sequence)], now)
         if not claimed:
             return outcomes, claimed, None
         mid, due, seq = claimed[0]
@@ -752,7 +809,9 @@ class Engine:
         stamp = self.finder.cancel_stamp(seg, seq, offset) if seg is not None else None
         return self.clock() if stamp is None else stamp
 
-    def _claim_cancels(self, targets: list[tuple[str, int | None, int | None]]) -> tuple[list[CancelOutcome], list]:
+    def _claim_cancels(
+        self, targets: list[tuple[str, int | None, int | None]], now: bool = False
+    ) -> tuple[list[CancelOutcome], list]:
         """Look every target up and claim the pending ones; (outcomes, claimed targets).
 
         A claimed target's outcome is CANCELLED, which the caller makes true by writing its
@@ -769,24 +828,39 @@ class Engine:
         (its id reused by a newer message) is read from its segment. The claim comes before
         the look at what closed the message: once claimed, the dispatcher skips it, so
         nothing can close it between the look and the answer.
+
+        ``now`` (on the event loop, ``_claims``): raise _NotNow, before anything is claimed,
+        where the look-up would read a record or the claim would wait for the scheduler's
+        lock.
         """
+        if now and len(targets) == 1:
+            return self._claim_one(*targets[0])
         sched = self.scheduler
         outcomes: list[CancelOutcome] = [CancelOutcome.NOT_FOUND] * len(targets)
-        places = self._find_targets(targets)
+        places = self._find_targets(targets, now)
         seqs = places.seqs
         found = np.flatnonzero(seqs >= 0)
         # a message named again (by id and by receipt, or twice) is claimed once, by the
-        # first target naming it; the repeats answer after it
-        _u, first, inverse = np.unique(seqs[found], return_index=True, return_inverse=True)
-        if len(first) == len(found):
+        # first target naming it; the repeats answer after it (a set tells there is none,
+        # the common case, for a tenth of np.unique's cost on a batch of a few)
+        found_seqs = seqs[found].tolist()
+        repeats: list[tuple[int, int]] = []
+        if len(set(found_seqs)) == len(found_seqs):
             keep = found
-            repeats: list[tuple[int, int]] = []
         else:
+            _u, first, inverse = np.unique(seqs[found], return_index=True, return_inverse=True)
             keep = found[np.sort(first)]
             again = np.ones(len(found), dtype=bool)
             again[first] = False
             repeats = list(zip(found[again].tolist(), found[first[inverse[again]]].tolist()))
-        answers = np.asarray(sched.claim_cancels(seqs[keep].tolist()), dtype=np.int64)
+        asked = found_seqs if keep is found else seqs[keep].tolist()
+        if now:
+            got = sched.claim_cancels_now(asked)
+            if got is None:
+                raise _NotNow
+        else:
+            got = sched.claim_cancels(asked)
+        answers = np.asarray(got, dtype=np.int64)
         mine = keep[answers == sched.CLAIMED]
         if len(mine) < len(keep):
             for i in keep[answers == sched.CLAIM_CANCELLING].tolist():
@@ -812,12 +886,43 @@ class Engine:
             outcomes[i] = CancelOutcome.ALREADY_CANCELLED if outcomes[j] == CancelOutcome.CANCELLED else outcomes[j]
         return outcomes, claimed
 
-    def _find_targets(self, targets: list[tuple[str, int | None, int | None]]) -> Places:
+    def _claim_one(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> tuple[list, list]:
+        """``_claim_cancels`` of one receipt on the event loop (a unary Cancel, a Reschedule,
+        a lone ``cancel()``): the same steps with the one-record forms of each (the index
+        entry, the claim, ``_closed_state``), since the arrays of a batch cost ~150 us of
+        numpy calls for one target (in process: ~150 -> ~25 us a claim). _NotNow where
+        ``_claim_cancels`` would look further than the minute's schedule index, or the lock
+        is busy; nothing is claimed then."""
+        if deliver_at_ms is None or sequence is None:
+            raise _NotNow
+        bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
+        seg = self.schedule.get(bucket)
+        if seg is None or not self.finder.holds_one(seg, sequence, deliver_at_ms, message_id):
+            raise _NotNow  # NOT_FOUND or an id reused: the id index and the record decide
+        sched = self.scheduler
+        got = sched.claim_cancels_now([sequence])
+        if got is None:
+            raise _NotNow
+        if got[0] == sched.CLAIM_CANCELLING:
+            return [CancelOutcome.ALREADY_CANCELLED], []
+        if got[0] == sched.CLAIM_OUT:
+            return [CancelOutcome.ALREADY_DELIVERED], []
+        try:
+            state = self._closed_state(bucket, sequence, seg)[0]
+        except BaseException:
+            sched.release_cancels([sequence])
+            raise
+        if state != MessageState.PENDING:
+            sched.release_cancels([sequence])
+            return [self._NOT_PENDING[state]], []
+        return [CancelOutcome.CANCELLED], [(message_id, deliver_at_ms, sequence)]
+
+    def _find_targets(self, targets: list[tuple[str, int | None, int | None]], now: bool = False) -> Places:
         """Where each target's message is, if it exists (``Places``). By id: the newest
         message with the id. By receipt: checked against its bucket's schedule index as a
         batch (``_held_by_segments``); one that check does not confirm is looked up in the
         id index (exactly this due time and sequence for the id), then by reading its
-        record (``_locate``)."""
+        record (``_locate``): with ``now``, _NotNow instead."""
         n = len(targets)
         places = Places(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64), {})
         committed = self.wal.committed_sequence
@@ -855,6 +960,8 @@ class Engine:
             places.seqs[at[held]] = seqs[held]
             places.where[at[held]] = where[held]
             rest = np.flatnonzero(~held).tolist()
+            if rest and now:
+                raise _NotNow
             if rest:
                 index = self.ids
                 if index is not None and index.failed is None:

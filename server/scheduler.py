@@ -818,6 +818,18 @@ class Scheduler:
         ``release_cancels``."""
         return self.call(lambda: self._claim(sequences))
 
+    def claim_cancels_now(self, sequences: list[int]) -> list[int] | None:
+        """``claim_cancels`` for the event loop (``Engine._claims``): applied at once if the
+        lock is free, after what was posted before (as ``call`` applies it), else None and
+        nothing claimed (the caller claims from a worker thread). Never waits for the lock."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            self._drain()
+            return self._claim(sequences)
+        finally:
+            self.lock.release()
+
     def _claim(self, sequences: list[int]) -> list[int]:
         return self.claims.claim(sequences, [self.dead_letters.writing, *self.ledger.in_flight_maps()])
 

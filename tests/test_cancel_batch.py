@@ -79,7 +79,7 @@ def test_a_cancel_given_up_mid_claim_releases_its_claims(tmp_path):
     import asyncio
     import threading
 
-    from qdelay.server.engine import CancelOutcome, Engine
+    from qdelay.server.engine import CancelOutcome, Engine, _NotNow
     from tests.simclock import config, message
 
     engine = Engine(config(tmp_path / "data"))
@@ -91,7 +91,9 @@ def test_a_cancel_given_up_mid_claim_releases_its_claims(tmp_path):
         claimed, go_on = threading.Event(), threading.Event()
         claim = engine._claim_cancels
 
-        def slow_claim(targets):
+        def slow_claim(targets, now=False):
+            if now:  # the claim on the event loop cannot be given up midway: the worker's can
+                raise _NotNow
             out = claim(targets)
             claimed.set()
             go_on.wait(5)  # the caller gives up while the thread still holds the claims

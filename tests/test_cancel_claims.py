@@ -134,3 +134,98 @@ def test_a_claim_made_while_the_lock_is_held_waits_for_the_scheduler_thread(tmp_
         assert sched.cancel_claimed(42)
     finally:
         engine.close()
+
+
+def test_cancels_and_reschedules_claim_on_the_event_loop_when_nothing_would_wait(tmp_path):
+    """Engine._claims: receipts of copied messages in an indexed bucket are claimed on the
+    calling thread (the event loop), one target through the one-record forms, a batch
+    through the arrays; by id, a receipt the index does not confirm, or the scheduler's lock
+    busy go to a worker thread from the start (nothing claimed on the loop then), with the
+    same answers."""
+    import asyncio
+
+    from qdelay.server.engine import CancelOutcome, RescheduleOutcome
+
+    engine = Engine(config(tmp_path / "data"))
+    engine.start()
+    sched = engine.scheduler
+    off_loop: list[int] = []
+    off = engine._off_loop_claims
+
+    async def counted(claim, *args):
+        off_loop.append(len(args))
+        return await off(claim, *args)
+
+    engine._off_loop_claims = counted  # type: ignore[method-assign]
+    try:
+        due = int(time.time() * 1000) + 3_600_000  # beyond the loading horizon: written behind
+        rs = engine.send_sync([message("t.now", due + k, f"n{k}") for k in range(12)])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        target = [(r.message_id, r.deliver_at_ms, r.sequence) for r in rs]
+
+        def run(call):
+            return asyncio.run(call)
+
+        # one target, then a batch (a repeat inside it, one already cancelled): on the loop
+        assert run(engine.cancel_many(target[:1])) == [CancelOutcome.CANCELLED]
+        assert run(engine.cancel_many(target[:4] + target[1:2])) == [
+            CancelOutcome.ALREADY_CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.ALREADY_CANCELLED,
+        ]
+        assert run(engine.cancel_many(target[:1])) == [CancelOutcome.ALREADY_CANCELLED]
+        moved, receipt = run(engine.reschedule(*target[4], due + 120_000))
+        assert moved == RescheduleOutcome.RESCHEDULED and receipt is not None
+        assert off_loop == []
+        assert not any(sched.cancel_claimed(seq) for _m, _d, seq in target[5:])  # nothing else claimed
+
+        # by id; an id that does not match its receipt: the worker thread, same answers
+        assert run(engine.cancel_many([(rs[5].message_id, None, None)])) == [CancelOutcome.CANCELLED]
+        assert run(engine.cancel_many([("other", rs[6].deliver_at_ms, rs[6].sequence)])) == [CancelOutcome.NOT_FOUND]
+        assert len(off_loop) == 2
+        assert not sched.cancel_claimed(rs[6].sequence)
+
+        # the lock busy (another thread in a hold): declined on the loop without claiming (a
+        # try, never a wait); the worker's claim waits for the lock and answers after it
+        held, leave = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with sched.lock:
+                held.set()
+                leave.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        answers: dict[str, object] = {}
+        try:
+            assert held.wait(5)
+            assert sched.claim_cancels_now([rs[7].sequence]) is None
+            calls = {
+                "one": lambda: engine.cancel_many(target[7:8]),
+                "batch": lambda: engine.cancel_many(target[8:10]),
+                "move": lambda: engine.reschedule(*target[10], due + 180_000),
+            }
+            workers = [
+                threading.Thread(target=lambda k=k, c=c: answers.__setitem__(k, run(c()))) for k, c in calls.items()
+            ]
+            for w in workers:
+                w.start()
+            assert wait_until(lambda: len(off_loop) == 5, timeout=5)  # all three went to workers
+            assert not answers
+        finally:
+            leave.set()
+            holder.join(5)
+        for w in workers:
+            w.join(10)
+        assert answers["one"] == [CancelOutcome.CANCELLED]
+        assert answers["batch"] == [CancelOutcome.CANCELLED] * 2
+        assert answers["move"][0] == RescheduleOutcome.RESCHEDULED  # type: ignore[index]
+        # every answer holds: each cancelled or moved message is known as cancelled
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        for k, (mid, d, seq) in enumerate(target):
+            assert engine.get_sync(mid, d, seq).state.name == ("PENDING" if k in (6, 11) else "CANCELLED"), k
+    finally:
+        engine.close()
