@@ -352,6 +352,14 @@ class SendBatcher:
         self._wakeup.set()
 
     async def _run(self) -> None:
+        try:
+            await self._send_all()
+        finally:
+            # however the sender ended, the next message must wake the loop (and make a new
+            # sender): a wake_at left from a gathering would leave a thread's send unseen
+            self._set_wake(1)
+
+    async def _send_all(self) -> None:
         attempt = 0
         while True:
             while True:
