@@ -316,11 +316,18 @@ class MessageLog:
         """Append from asyncio code; resolves once durable, without blocking the loop."""
         return await self._append_async(lambda cb: self.submit(entries, cb))
 
-    async def append_bodies_async(self, kind: int, timestamp: int, bodies: list[bytes]) -> Appended:
-        """:meth:`append_async` for records of one kind and timestamp."""
-        return await self._append_async(lambda cb: self.submit_bodies(kind, timestamp, bodies, cb))
+    async def append_bodies_async(
+        self,
+        kind: int,
+        timestamp: int,
+        bodies: list[bytes],
+        queued: Callable[[Appended], None] | None = None,
+    ) -> Appended:
+        """:meth:`append_async` for records of one kind and timestamp; ``queued(appended)``
+        runs once they are queued (their sequences known), before they are durable."""
+        return await self._append_async(lambda cb: self.submit_bodies(kind, timestamp, bodies, cb), queued)
 
-    async def _append_async(self, submit: Callable) -> Appended:
+    async def _append_async(self, submit: Callable, queued: Callable[[Appended], None] | None = None) -> Appended:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -338,7 +345,9 @@ class MessageLog:
             except RuntimeError:
                 pass  # the loop is closed: nobody is waiting any more
 
-        submit(cb)
+        appended = submit(cb)
+        if queued is not None:
+            queued(appended)
         return await fut
 
     # --- the writer thread ----------------------------------------------------------------

@@ -287,6 +287,7 @@ ENGINE_KEYS: dict[str, tuple[str | None, str]] = {
     "open_files": (None, "open_files"),
     "checkpoint_interval_ms": (None, "checkpoint_interval_ms"),
     "iterate_gather_ms": (None, "iterate_gather_ms"),
+    "iterate_gather_far_ms": (None, "iterate_gather_far_ms"),
     "id_index": (None, "id_index"),
     "dedupe_window_ms": (None, "dedupe_window_ms"),
     "scale_minutes": ("scheduler", "scale_minutes"),

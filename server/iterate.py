@@ -20,8 +20,12 @@ is left for the next one.
 
 When it is not behind, the service lets the commits of ``gather`` seconds (2 ms by default,
 ``iterate_gather_ms``) share one step: a step costs about the same for one group commit
-as for several, and a busy server commits every millisecond or so. Callers that wait for
-its progress (``wait_for``) wake it at once.
+as for several, and a busy server commits every millisecond or so. While everything
+committed since its last step is known to be due beyond the loading horizon (the engine
+says so as it queues a send: ``expect_far``), nobody needs those records soon (they would
+be written behind), and it lets them gather up to ``gather_far`` (20 ms,
+``iterate_gather_far_ms``), looking every ``gather`` whether something else came. Callers
+that wait for its progress (``wait_for``) wake it at once.
 
 Records of buckets beyond the scheduler's loading horizon are written behind: they
 collect in one buffer per bucket and reach their segment with the next checkpoint (at
@@ -105,6 +109,7 @@ class IterateService:
         write_behind_bytes: int = 8 * 1024 * 1024,
         ids: IdIndex | None = None,
         gather: float = 0.0,
+        gather_far: float = 0.0,
     ) -> None:
         self.wal = wal
         self.ids = ids  # message id -> (due, sequence) of each MESSAGE copied
@@ -149,6 +154,11 @@ class IterateService:
         # appends), and a busy server commits every millisecond or so. Whoever waits for
         # progress (wait_for: Get, Cancel, the dedupe catch-up) ends the wait at once.
         self.gather = gather
+        # ... and up to ``gather_far`` while every record committed since the last step is in
+        # the newest run of sequences declared far (expect_far): (first, last), one tuple so
+        # that it is read and replaced whole, without a lock, across threads
+        self.gather_far = max(gather, gather_far)
+        self._far: tuple[int, int] = (0, -1)
         self._hurry = threading.Event()
         self.steps = 0
         self._trim_due = False  # write-behind buffers of several MiB were freed
@@ -177,6 +187,19 @@ class IterateService:
     def lag_records(self) -> int:
         return max(0, self.wal.committed_sequence - self.sequence)
 
+    def expect_far(self, first: int, last: int) -> None:
+        """Records ``first``..``last``, just queued in the message log, are all due beyond
+        the loading horizon: they will be written behind, so no reader needs them soon and
+        they may wait up to ``gather_far`` for a step (a hint: records nobody declared are
+        copied within ``gather``). Declarations of runs that follow on extend the newest."""
+        f0, f1 = self._far
+        self._far = (f0, last) if first == f1 + 1 else (first, last)
+
+    def _only_far(self) -> bool:
+        """Whether every record committed beyond those copied was declared far."""
+        first, last = self._far
+        return first <= self.sequence + 1 and last >= self.wal.committed_sequence
+
     def wait_for(self, sequence: int, timeout: float) -> bool:
         """Block until every record up to ``sequence`` is in the schedule log."""
         deadline = time.monotonic() + timeout
@@ -204,11 +227,21 @@ class IterateService:
                         self._trim()
                     self.wal.wait_commit(self.offset, 0.05)
                 elif self.gather > 0 and self.lag_bytes() < self.read_bytes // 2:
-                    self._hurry.wait(self.gather)
-                    self._hurry.clear()  # (a wait_for begun just now is served by the next step)
+                    self._gather()
         except BaseException as err:  # surfaced through stats and health, never swallowed
             self.error = err
             log.exception("iterate service stopped")
+
+    def _gather(self) -> None:
+        """Let more commits share the next step: ``gather``, then, while everything committed
+        since is declared far (and not much of it), ``gather`` again up to ``gather_far`` in
+        all. A ``wait_for`` ends it at once."""
+        waited = 0.0
+        while not self._hurry.wait(self.gather):
+            waited += self.gather
+            if waited >= self.gather_far or not self._only_far() or self.lag_bytes() >= self.read_bytes // 2:
+                break
+        self._hurry.clear()  # (a wait_for begun just now is served by the next step)
 
     def step(self) -> bool:
         """Copy one batch; return False when there was nothing to copy."""

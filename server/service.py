@@ -208,7 +208,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.active_writes += 1
         started = time.perf_counter()
         try:
-            first = await self.engine.send_bodies(bodies)
+            # (the batch's earliest due time: the iterate service may copy a far-future
+            # batch later, in a larger step)
+            first = await self.engine.send_bodies(bodies, min(batch.dues))
         finally:
             self.gate.leave(count, size)
             self.active_writes -= 1

@@ -11,6 +11,7 @@ import os
 import random
 
 import pytest
+from conftest import wait_until
 
 from qdelay.segments import checkpoint, framing, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
@@ -31,6 +32,8 @@ class Rig:
         read_bytes: int = 64 * 1024,
         start_offset=None,
         write_behind_bytes: int = 8 * 1024 * 1024,
+        gather: float = 0.0,
+        gather_far: float = 0.0,
     ) -> None:
         self.root = str(root)
         self.pool = HandlePool(64)
@@ -49,6 +52,8 @@ class Rig:
             read_bytes=read_bytes,
             horizon=lambda: self.horizon,
             write_behind_bytes=write_behind_bytes,
+            gather=gather,
+            gather_far=gather_far,
         )
         self.it.on_written = self._on_written
 
@@ -78,6 +83,14 @@ class Rig:
     def catch_up(self):
         while self.it.step():
             pass
+
+    def send_far(self, dues):
+        """``send`` of records declared far before they are queued (as the engine declares
+        a send whose every due time is beyond the horizon); their last sequence."""
+        first = self.wal.committed_sequence + 1
+        self.it.expect_far(first, first + len(dues) - 1)
+        self.send(dues)
+        return first + len(dues) - 1
 
     def close(self):
         self.wal.close()
@@ -233,4 +246,37 @@ def test_a_corrupt_message_log_record_stops_the_copy(tmp_path):
     with pytest.raises(Exception) as info:
         rig.catch_up()
     assert getattr(info.value, "offset", None) == rig.wal.first_offset + second
+    rig.close()
+
+
+def test_records_declared_far_gather_longer_until_something_else_comes(tmp_path):
+    # gather_far of a minute: any step before it is over was ended by something else
+    rig = Rig(tmp_path, gather=0.002, gather_far=60.0)
+    far = naming.bucket_of(T0) + 30
+    rig.it.start()
+    first = rig.send_far([far * MIN + 1] * 10)
+    wait_until(lambda: rig.it.sequence >= first, what="the first commit woke the idle service")
+    steps = rig.it.steps
+    second = rig.send_far([far * MIN + 2] * 10)  # follows on: one run declared far
+    assert rig.it._only_far()
+    rig.cancel(far * MIN + 1, 1)  # not declared: ends the long wait within a gather
+    assert not rig.it._only_far()
+    wait_until(lambda: rig.it.sequence == second + 1, what="copied with the record after it")
+    assert rig.it.steps == steps + 1  # the far ones waited for it, then one step took both
+    third = rig.send_far([far * MIN + 3])
+    assert rig.it.wait_for(third, timeout=10)  # a reader waiting for them wakes the service
+    rig.it.stop()
+    rig.close()
+
+
+def test_records_declared_far_are_copied_within_gather_far(tmp_path):
+    rig = Rig(tmp_path, gather=0.002, gather_far=0.05)
+    far = naming.bucket_of(T0) + 30
+    rig.it.start()
+    first = rig.send_far([far * MIN + 1])
+    wait_until(lambda: rig.it.sequence >= first)
+    second = rig.send_far([far * MIN + 2] * 5)
+    wait_until(lambda: rig.it.sequence >= second, what="copied once gather_far was over")
+    assert rig.it.counts["messages"] == 6
+    rig.it.stop()
     rig.close()
