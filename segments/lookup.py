@@ -24,7 +24,7 @@ from qdelay.errors import CorruptRecord, InvariantViolation
 from qdelay.segments import records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.reader import CORRUPT, SCAN_BYTES, Columns, Damage, read_columns, read_frames, walk_reads
-from qdelay.segments.schedule_index import CANCELLED, FLAGS_SHIFT, OFFSET_BITS, IndexFile, id_hashes
+from qdelay.segments.schedule_index import CANCELLED, FLAGS_SHIFT, OFFSET_BITS, IndexFile, id_hashes, index_gather
 from qdelay.segments.segment import Segment
 
 _CANCEL_TARGET_AT = records.CANCEL_TARGET_SEQUENCE_AT  # CANCEL body: the target's sequence
@@ -120,23 +120,22 @@ class RecordFinder:
         ok = np.zeros(n, dtype=bool)
         where = np.full(n, -1, dtype=np.int64)
         cancelled = np.zeros(n, dtype=bool)
-        seqs = np.asarray(sequences, dtype=np.int64)
-        rows_l: list[np.ndarray] = []
-        pos_l: list[np.ndarray] = []
-        words_l: list[np.ndarray] = []
-        for seg, rows in parts:
-            pos, words = _index(seg).entries(seqs[rows])
-            if len(words):
-                hit = pos >= 0
-                rows_l.append(rows[hit])
-                pos_l.append(pos[hit])
-                words_l.append(words)
-        if not rows_l:
+        parts = [(seg, rows) for seg, rows in parts if len(rows)]
+        if not parts:
             return ok, where, cancelled
-        if len(rows_l) == 1:
-            rows, pos, words = rows_l[0], pos_l[0], words_l[0]
-        else:
-            rows, pos, words = np.concatenate(rows_l), np.concatenate(pos_l), np.concatenate(words_l)
+        seqs = np.asarray(sequences, dtype=np.int64)
+        order = parts[0][1] if len(parts) == 1 else np.concatenate([rows for _seg, rows in parts])
+        q = seqs[order]
+        counts = np.fromiter((len(rows) for _seg, rows in parts), dtype=np.int64, count=len(parts))
+        highest = np.maximum.reduceat(q, np.cumsum(counts) - counts).tolist()
+        # one native call searches every segment's index (index_gather): per segment only
+        # its map is fetched here
+        views = [_index(seg).searchable(top) for (seg, _rows), top in zip(parts, highest)]
+        pos, words = index_gather(views, q, counts)
+        hit = pos >= 0
+        if not len(words):
+            return ok, where, cancelled
+        rows, pos = order[hit], pos[hit]
         if len(rows) == n:  # every row found (the usual batch): the batch's own order, no list made
             if not bool((rows[1:] > rows[:-1]).all()):
                 order = np.argsort(rows, kind="stable")

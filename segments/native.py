@@ -41,4 +41,5 @@ def twins() -> dict[str, Callable[..., Any]]:
         "filter_maybe": idfilter.filter_maybe_py,
         "index_entries": schedule_index.index_entries_py,
         "index_find": schedule_index.index_find_py,
+        "index_gather": schedule_index.index_gather_py,
     }

@@ -148,6 +148,45 @@ def index_find_py(entries: bytes | bytearray | memoryview | mmap.mmap, seqs: np.
     return np.array(out, dtype=np.int64).tobytes()
 
 
+def index_gather(views: list[memoryview], seqs: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``index_find`` over several indexes at once (native when built): ``seqs`` grouped by
+    index, ``counts[i]`` of them searched in ``views[i]``; (each one's position in its index
+    or -1, the entries found, in order, as rows of four uint64 words)."""
+    codec = native.codec
+    fn = codec.index_gather if codec is not None else index_gather_py
+    q = np.ascontiguousarray(seqs, dtype=np.int64)
+    positions, found = fn(views, q, np.ascontiguousarray(counts, dtype=np.int64))
+    return np.frombuffer(positions, dtype=np.int64), np.frombuffer(found, dtype="<u8").reshape(-1, 4)
+
+
+def index_gather_py(views: list, seqs: np.ndarray | bytes, counts: np.ndarray | bytes) -> tuple[bytes, bytes]:
+    """The Python twin of the native ``index_gather``: ``index_find_py`` in each view for its
+    share of ``seqs`` (int64, grouped by view, ``counts`` int64 one per view), then the
+    entries found; ValueError unless the counts add up to the sequences, one per view, and
+    each view holds whole entries."""
+    raw_q, raw_c = (a.tobytes() if isinstance(a, np.ndarray) else bytes(a) for a in (seqs, counts))
+    if len(raw_q) % 8 or len(raw_c) % 8:
+        raise ValueError("index_gather: seqs and counts are not int64")
+    q, c = np.frombuffer(raw_q, dtype=np.int64), np.frombuffer(raw_c, dtype=np.int64)
+    views = list(views)
+    if len(c) != len(views):
+        raise ValueError("index_gather: not one count per view")
+    if bool((c < 0).any()) or int(c.sum()) != len(q):
+        raise ValueError("index_gather: the counts do not add up to the sequences")
+    positions: list[bytes] = []
+    found: list[bytes] = []
+    at = 0
+    for view, k in zip(views, c.tolist()):
+        entries = memoryview(view).cast("B")
+        if len(entries) % ENTRY_SIZE:
+            raise ValueError("index_gather: a view is not whole 32-byte entries")
+        pos = np.frombuffer(index_find_py(entries, q[at : at + k].tobytes()), dtype=np.int64)
+        positions.append(pos.tobytes())
+        found += [bytes(entries[p * ENTRY_SIZE : (p + 1) * ENTRY_SIZE]) for p in pos.tolist() if p >= 0]
+        at += k
+    return b"".join(positions), b"".join(found)
+
+
 def _flag_targets(entries: np.ndarray) -> np.ndarray:
     """Set CANCELLED on the MESSAGE entries of ``entries`` (contiguous, in sequence order)
     that a CANCEL among them targets; return the targets not found among them."""
@@ -363,6 +402,28 @@ class IndexFile:
                 return view, pos
         view = memoryview(self._mapped(n))[: n * ENTRY_SIZE]
         return view, index_find(view, q)
+
+    def searchable(self, highest: int) -> memoryview:
+        """The published entries to search for sequences up to ``highest`` (``_find``'s view
+        without the search, for ``index_gather``): the map kept from an earlier lookup when
+        every entry appended since has a higher sequence (a tombstone each Cancel appends
+        does not make every reader map the file again), else a map of them all."""
+        n = self.count
+        if n == 0:
+            return memoryview(b"")
+        try:
+            m = self._map
+            if m is not None and 0 < m[1] < n:
+                k = m[1]
+                view = memoryview(m[0])[: k * ENTRY_SIZE]
+                if highest <= int.from_bytes(
+                    view[(k - 1) * ENTRY_SIZE : (k - 1) * ENTRY_SIZE + 8], "little", signed=True
+                ):
+                    self._mapped(k)  # counted as looked up (kept among the last MAX_MAPS)
+                    return view
+            return memoryview(self._mapped(n))[: n * ENTRY_SIZE]
+        except FileNotFoundError:
+            raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
 
     def entry(self, seq: int) -> tuple[int, int, int, int, int] | None:
         """``lookup`` of one sequence without arrays of results: its published entry as

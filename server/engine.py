@@ -1082,12 +1082,14 @@ class Engine:
         from_flags: list[np.ndarray] = []  # rows whose tombstone flag ``flagged`` gives
         # per bucket only what a minute with something to say needs (a batch of retries can
         # touch a minute per message): no array work for a minute nothing was dispatched from
-        for bucket, rows in self._by_bucket(dues):
+        groups = self._by_bucket(dues)
+        # what the scheduler has not written yet (every bucket's, one hold of its lock), then
+        # the files (outside it): a close is in one or the other (both while being written),
+        # never in neither
+        buffers = sched.dispatch_buffered([bucket for bucket, _rows in groups])
+        for (bucket, rows), buffered in zip(groups, buffers):
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
-            # what the scheduler has not written yet, then the file (outside its lock): a
-            # close is in one or the other (both while being written), never in neither
-            buffered, _size, _out = sched.dispatch_view(bucket, 0)
             dseg = self.dispatch.get(bucket)
             if dseg is not None or buffered:
                 bseqs = seqs[rows]

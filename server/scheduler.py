@@ -868,6 +868,16 @@ class Scheduler:
             size = dseg.size if dseg is not None else 0
             return pending, size, self.ledger.is_in_flight(seq)
 
+    def dispatch_buffered(self, buckets: list[int]) -> list[bytes]:
+        """``dispatch_view``'s first part for several buckets under one hold of the lock (a
+        batch of retried sends can touch a minute per message): each bucket's DISPATCH
+        frames not yet in its file. Every close made before is in them or in the file
+        (looked at after this), or both."""
+        with self.lock:
+            self._drain()
+            pending = self.writer.pending
+            return [pending(bucket) for bucket in buckets]
+
     def known_tombstones(self, bucket: int) -> set[int] | None:
         """Every cancelled sequence of ``bucket`` if it is loaded with its tombstones all
         known (the set itself: read it, never change it); None otherwise."""

@@ -315,6 +315,22 @@ def index_find_cases(draw):
     return raw, np.array(draw(st.lists(st.integers(-8, 64), max_size=12)), dtype=np.int64)
 
 
+@st.composite
+def index_gather_cases(draw):
+    """Several indexes (as index_find_cases draws one) and sequences grouped by index, with
+    their counts; sometimes counts that do not add up, or not one per index."""
+    views = [draw(index_find_cases()) for _ in range(draw(st.integers(0, 4)))]
+    entries = [raw for raw, _q in views]
+    groups = [q for _raw, q in views]
+    seqs = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+    counts = [len(q) for q in groups]
+    if counts and draw(st.integers(0, 9)) == 0:
+        counts[draw(st.integers(0, len(counts) - 1))] += draw(st.sampled_from([-1, 1, -(10**6)]))
+    if draw(st.integers(0, 19)) == 0:
+        counts.append(0)
+    return entries, seqs, np.array(counts, dtype=np.int64)
+
+
 def framing_scan(data: bytes) -> tuple:
     from qdelay.segments import reader
 
@@ -506,6 +522,9 @@ PAIRS: dict[tuple[str, str], Pair] = {
     ("segments", "filter_maybe"): Pair(filter_maybe_cases()),
     ("segments", "index_entries"): Pair(index_entries_cases()),
     ("segments", "index_find"): Pair(index_find_cases(), outcome=lambda result, args: bytes(result)),
+    ("segments", "index_gather"): Pair(
+        index_gather_cases(), outcome=lambda result, args: (bytes(result[0]), bytes(result[1]))
+    ),
     ("segments", "dispatch_frames"): Pair(
         st.tuples(
             st.lists(
