@@ -181,13 +181,25 @@ class AckLedger:
         per flight, the sequences acknowledged of it. Ids already acknowledged, expired or
         from another server find nothing."""
         if gid is None:
+            # each group in turn takes what it has of those not taken yet: a whole request
+            # per group (stretches matched as columns), not a lookup per sequence per group
+            # (that cost the burst bench, whose sink acks this way, 2.5 -> 7 us a message)
             out: list[Acked] = []
-            for q in seqs:
-                for g in self._groups.values():
-                    got = g.take([q])
-                    if got:
-                        out += got
-                        break
+            rest = seqs
+            for g in self._groups.values():
+                if not rest:
+                    break
+                if not g.live:
+                    continue
+                got = g.take(rest)
+                if got:
+                    out += got
+                    n = sum(len(a.keys) for a in got)
+                    if n == len(rest):
+                        rest = []
+                    else:
+                        taken = {q for a in got for q in a.keys}
+                        rest = [q for q in rest if q not in taken]
             return out
         grp = self._groups.get(gid)
         if grp is None or not seqs:
