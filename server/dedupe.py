@@ -89,10 +89,27 @@ class Deduper:
     def enabled(self) -> bool:
         return self.window_ms > 0 and self.engine.ids is not None
 
-    async def check(self, ids: list[str]) -> tuple[dict[int, Receipt], Claim]:
+    async def check(self, ids: list[str], generated: set[str] | None = None) -> tuple[dict[int, Receipt], Claim]:
         """(duplicates: batch index -> original receipt, claim on the other ids).
 
-        ``ids`` are distinct (validation refuses a batch that repeats one)."""
+        ``ids`` are distinct (validation refuses a batch that repeats one). ``generated``
+        are the ones the server made for this batch: never a re-send, so not looked up.
+        Looking them up would be wrong as well as slow: a client may have chosen, before,
+        an id of the same shape (copied from a receipt), and the server's new message would
+        then be answered as that one's duplicate and never written."""
+        if generated:
+            if len(generated) == len(ids):
+                return {}, self._claim(ids)
+            chosen = [k for k, m in enumerate(ids) if m not in generated]
+            some, claim = await self.check([ids[k] for k in chosen])
+            # (no await since that claim) the generated ids join it, and its ids are put
+            # back in batch order: ``written`` gives them sequences in that order
+            dups = {chosen[k]: r for k, r in some.items()}
+            claim.ids = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
+            if claim.future is None:
+                claim.future = asyncio.get_running_loop().create_future()
+            self._writing.update(dict.fromkeys(generated, claim.future))
+            return dups, claim
         engine = self.engine
         if self._epoch != engine.epoch:  # first use, or a new role: the index must catch up
             self._epoch, self._floor = engine.epoch, engine.wal.committed_sequence
@@ -132,11 +149,14 @@ class Deduper:
                 if hit is not None:
                     dups[k] = hit
         claimed = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
+        self.duplicates += len(dups)
+        return dups, self._claim(claimed)
+
+    def _claim(self, claimed: list[str]) -> Claim:
         fut = asyncio.get_running_loop().create_future() if claimed else None
         if fut is not None:
             self._writing.update(dict.fromkeys(claimed, fut))
-        self.duplicates += len(dups)
-        return dups, Claim(claimed, fut)
+        return Claim(claimed, fut)
 
     def written(self, claim: Claim, first: int, dues: list[int]) -> None:
         """The claimed ids were written with sequences from ``first``, due at ``dues``."""

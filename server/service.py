@@ -155,11 +155,21 @@ class DelayService(pb_grpc.DelayServiceServicer):
     def _validate(self, messages, single: bool = False, ids_required: bool = False) -> EncodedBatch:
         if self.closing:
             raise ShuttingDown("the server is shutting down; retry on another server or later")
+        before = self.new_id.issued
         try:
-            return encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single, ids_required)
+            batch = encode_messages(messages, self.limits, self.engine.now_ms(), self.new_id, single, ids_required)
         except InvalidArgument:
             self.metrics.refused.labels("invalid").inc(len(messages) or 1)
             raise
+        return self._mark_generated(batch, before)
+
+    def _mark_generated(self, batch: EncodedBatch, before: int) -> EncodedBatch:
+        """Name the ids generated while ``batch`` was validated (validation is synchronous:
+        no other batch's ids in between)."""
+        after = self.new_id.issued
+        if after != before:
+            batch.generated = self.new_id.made(before, after)
+        return batch
 
     def _validate_request(self, request) -> tuple[EncodedBatch, bool]:
         """A SendBatchRequest as wire bytes (how app.py registers SendBatch and SendStream:
@@ -169,11 +179,13 @@ class DelayService(pb_grpc.DelayServiceServicer):
             return self._validate(request.messages, ids_required=compact), compact
         if self.closing:
             raise ShuttingDown("the server is shutting down; retry on another server or later")
+        before = self.new_id.issued
         try:
-            return decode_batch(request, self.limits, self.engine.now_ms(), self.new_id)
+            batch, compact = decode_batch(request, self.limits, self.engine.now_ms(), self.new_id)
         except InvalidArgument:
             self.metrics.refused.labels("invalid").inc()
             raise
+        return self._mark_generated(batch, before), compact
 
     async def _write(self, batch: EncodedBatch) -> tuple[int, dict[int, Receipt]]:
         """Append a validated batch, leaving out the messages whose id is a duplicate
@@ -181,7 +193,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         dedupe = self.dedupe
         if not dedupe.enabled:
             return await self._append(batch, batch.bodies), {}
-        dups, claim = await dedupe.check(batch.ids)
+        dups, claim = await dedupe.check(batch.ids, batch.generated)
         keep = [k for k in range(len(batch.ids)) if k not in dups] if dups else None
         try:
             bodies = batch.bodies if keep is None else [batch.bodies[k] for k in keep]

@@ -31,14 +31,25 @@ _MESSAGE_ID_CHARS = re.compile(r"[\x20-\x7e]+")
 
 
 class IdGenerator:
-    """Unique message ids: a random per-process prefix and a counter (cheap, never reused)."""
+    """Unique message ids: a random per-process prefix and a counter (cheap, never reused).
+
+    ``issued`` is how many it has made; the ids made between two readings are
+    ``made(before, after)``, so the server can tell the ids it generated for a batch from
+    ids its client chose, even a client that chose one of the same shape."""
 
     def __init__(self) -> None:
         self._prefix = os.urandom(8).hex() + "-"
         self._count = itertools.count(1)
+        self.issued = 0
 
     def __call__(self) -> str:
-        return f"{self._prefix}{next(self._count):x}"
+        self.issued = n = next(self._count)
+        return f"{self._prefix}{n:x}"
+
+    def made(self, before: int, after: int) -> set[str]:
+        """The ids this generator made after it had made ``before`` and up to ``after``."""
+        prefix = self._prefix
+        return {f"{prefix}{n:x}" for n in range(before + 1, after + 1)}
 
 
 def _where(index: int | None, field: str) -> str:
@@ -121,6 +132,9 @@ class EncodedBatch:
     ids: list[str]
     dues: list[int]
     payload_bytes: int
+    # ids the server generated for this batch (the client left them empty): they cannot be
+    # a re-send, so the duplicate check skips them (set by the service after validation)
+    generated: set[str] | None = None
 
 
 def encode_messages(

@@ -128,3 +128,36 @@ def test_the_window_runs_from_the_close_not_the_send(tmp_path):
         assert min(r.sequence for r in new) > delivered.sequence
         assert wait_until(lambda: _pending(c) == 2)
         c.close()
+
+
+def test_generated_ids_are_never_taken_for_a_re_send(tmp_path):
+    """A client may choose an id of the server's generated shape (copied from a receipt, or
+    guessed): a message the server later gives that same id is still written, while a re-send
+    of an id the server generated is still a duplicate. (A plain generated stub leaves ids
+    empty; the project's clients choose their own.)"""
+
+    def send(c, ids):
+        request = pb.SendBatchRequest(
+            messages=[pb.Message(subject="t.g", payload=b"p", delay_ms=HOUR, message_id=m) for m in ids]
+        )
+        return list(c._call(c.stub.SendBatch, request, 10).receipts)
+
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        made = send(c, [""])[0]
+        prefix, count = made.message_id.rsplit("-", 1)
+        ahead = [f"{prefix}-{int(count, 16) + n:x}" for n in (2, 5)]
+        # chosen before the server makes them, one alone and one beside a generated id
+        assert not send(c, [ahead[0]])[0].duplicate
+        mixed = send(c, [ahead[1], ""])
+        assert not any(r.duplicate for r in mixed)
+        later = send(c, [""] * 8)
+        assert not any(r.duplicate for r in later)
+        assert set(ahead) <= {r.message_id for r in later} | {mixed[1].message_id}
+        assert wait_until(lambda: _pending(c) == 1 + 1 + 2 + 8)
+        # a re-send of a generated id, beside a new generated one: the original's receipt
+        again = send(c, ["", made.message_id])
+        assert (again[1].duplicate, again[1].sequence) == (True, made.sequence)
+        assert not again[0].duplicate
+        assert wait_until(lambda: _pending(c) == 13)
+        c.close()
