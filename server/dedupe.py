@@ -104,12 +104,12 @@ class Deduper:
             some, claim = await self.check([ids[k] for k in chosen])
             # (no await since that claim) the generated ids join it, and its ids are put
             # back in batch order: ``written`` gives them sequences in that order
-            dups = {chosen[k]: r for k, r in some.items()}
-            claim.ids = [m for k, m in enumerate(ids) if k not in dups] if dups else ids
+            known = {chosen[k]: r for k, r in some.items()}
+            claim.ids = [m for k, m in enumerate(ids) if k not in known] if known else ids
             if claim.future is None:
                 claim.future = asyncio.get_running_loop().create_future()
             self._writing.update(dict.fromkeys(generated, claim.future))
-            return dups, claim
+            return known, claim
         engine = self.engine
         if self._epoch != engine.epoch:  # first use, or a new role: the index must catch up
             self._epoch, self._floor = engine.epoch, engine.wal.committed_sequence
