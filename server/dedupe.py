@@ -29,6 +29,7 @@ import collections
 import itertools
 from dataclasses import dataclass
 
+from qdelay.server import allocator
 from qdelay.server.engine import Engine, Receipt
 
 
@@ -197,6 +198,10 @@ class Deduper:
         self._prune()
         if self._order:
             self._tidy = asyncio.get_running_loop().call_later(TIDY_AFTER, self._tidy_up)
+        elif self._writing or self._recent:
+            return
+        else:  # a burst forgotten: its ids were many small blocks glibc would keep (RSS)
+            allocator.trim()
 
     def _prune(self) -> None:
         """Forget recent ids the index holds, unless a lookup begun before it got them runs."""
