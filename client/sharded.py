@@ -166,6 +166,19 @@ def _chunk_size(batch_size: int, max_in_flight: int, topology: Topology) -> int:
 _CLUSTER_SUMS = ("pending", "wheel_size", "iterate_lag_bytes")
 
 
+def _stats_of(topo: Topology, answers: dict[str, dict | Exception]) -> dict:
+    """The sharded stats from each server's answer (or its error), by address."""
+    shards = {
+        name: _stats_entry(
+            s := topo.shards[name],
+            answers.get(s.master) if s.master else None,
+            {a: answers[a] for a in s.slaves},
+        )
+        for name in topo.names
+    }
+    return {"cluster": _stats_total(shards), "shards": shards}
+
+
 def _stats_entry(s: pb.Shard, master: dict | Exception | None, slaves: dict[str, dict | Exception]) -> dict:
     entry: dict = {"master": s.master, "epoch": s.epoch, "slaves": {}}
     if isinstance(master, dict):
@@ -446,15 +459,7 @@ class ShardedClient(_Sharded):
             answers = {addresses[0]: one(addresses[0])}
         else:
             answers = dict(zip(addresses, self._pool().map(one, addresses)))
-        shards = {
-            name: _stats_entry(
-                s := topo.shards[name],
-                answers.get(s.master) if s.master else None,
-                {a: answers[a] for a in s.slaves},
-            )
-            for name in topo.names
-        }
-        return {"cluster": _stats_total(shards), "shards": shards}
+        return _stats_of(topo, answers)
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:
         return ShardedConsumer(self, subject, group, max_in_flight)
@@ -780,15 +785,7 @@ class AioShardedClient(_Sharded):
 
         addresses = topo.addresses()
         answers = dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses))))
-        shards = {
-            name: _stats_entry(
-                s := topo.shards[name],
-                answers.get(s.master) if s.master else None,
-                {a: answers[a] for a in s.slaves},
-            )
-            for name in topo.names
-        }
-        return {"cluster": _stats_total(shards), "shards": shards}
+        return _stats_of(topo, answers)
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> AioShardedConsumer:
         """Deliveries of ``subject``/``group`` from every shard as one consumer (see

@@ -907,6 +907,22 @@ static PyObject *index_entries(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The position of the entry whose sequence (its first 8 bytes) is ``want`` among ``n``
+ * 32-byte entries ascending by sequence, or -1: a binary search, shared by index_find and
+ * index_gather. */
+static inline int64_t sidx_search(const unsigned char *e, Py_ssize_t n, int64_t want)
+{
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)get_u64(e + mid * SIDX_ENTRY) < want)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return (lo < n && (int64_t)get_u64(e + lo * SIDX_ENTRY) == want) ? (int64_t)lo : -1;
+}
+
 /* index_find(entries, seqs) -> bytes
  *
  * Where each sequence of ``seqs`` (int64) is among ``entries`` (a schedule index's entries,
@@ -931,18 +947,8 @@ static PyObject *index_find(PyObject *self, PyObject *args) {
     const int64_t *q = qb.buf;
     int64_t *pos = (int64_t *)PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Py_ssize_t lo = 0, hi = n;
-        int64_t want = q[i];
-        while (lo < hi) {
-            Py_ssize_t mid = lo + (hi - lo) / 2;
-            if ((int64_t)get_u64(e + mid * SIDX_ENTRY) < want)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        pos[i] = (lo < n && (int64_t)get_u64(e + lo * SIDX_ENTRY) == want) ? (int64_t)lo : -1;
-    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        pos[i] = sidx_search(e, n, q[i]);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&eb);
@@ -1006,21 +1012,10 @@ static PyObject *index_gather(PyObject *self, PyObject *args) {
         const unsigned char *e = eb.buf;
         Py_ssize_t n = eb.len / SIDX_ENTRY;
         for (int64_t i = 0; i < counts[v]; i++, at++) {
-            Py_ssize_t lo = 0, hi = n;
-            int64_t want = q[at];
-            while (lo < hi) {
-                Py_ssize_t mid = lo + (hi - lo) / 2;
-                if ((int64_t)get_u64(e + mid * SIDX_ENTRY) < want)
-                    lo = mid + 1;
-                else
-                    hi = mid;
-            }
-            if (lo < n && (int64_t)get_u64(e + lo * SIDX_ENTRY) == want) {
-                pos[at] = (int64_t)lo;
+            int64_t lo = pos[at] = sidx_search(e, n, q[at]);
+            if (lo >= 0) {
                 memcpy(out + found * SIDX_ENTRY, e + lo * SIDX_ENTRY, SIDX_ENTRY);
                 found++;
-            } else {
-                pos[at] = -1;
             }
         }
         PyBuffer_Release(&eb);
