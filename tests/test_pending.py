@@ -90,29 +90,46 @@ def test_late_records_into_finished_buckets_keep_pending_exact(tmp_path, clock):
     d.close()
 
 
-def test_cancel_racing_an_ack_is_not_counted_twice(tmp_path, clock):
+@pytest.mark.parametrize("path", ["worker", "loop"])
+def test_cancel_racing_an_ack_is_not_counted_twice(tmp_path, clock, path):
     """Cancel finds the message, then it is delivered and acknowledged, then Cancel claims
-    it: the answer is ALREADY_DELIVERED and no tombstone is written."""
+    it: the answer is ALREADY_DELIVERED and no tombstone is written. Both ways a claim runs
+    (Engine._claims): on a worker thread (``_find_targets``, then the claim) and on the
+    event loop (``finder.holds_one``, then ``claim_cancels_now``); each is forced, since
+    which one a Cancel takes depends on timing."""
     sink = CollectingSink(clock)
     d = Driver(tmp_path, clock, sink)
     r, other = d.send([message("s", clock.now, "x"), message("s", clock.now + 10 * MINUTE, "y")])
     d.catch_up()
     engine = d.engine
-    original = engine._find_targets
     calls = []
 
-    def find(*a, **kw):
-        out = original(*a, **kw)
-        if not calls:  # between finding it and the claim: delivered and acknowledged
-            engine.scheduler.run_once(clock())
-            engine.ack([s.ack_id for s in sink.take()])
-        calls.append(out)
-        return out
+    def racing(original):
+        def find(*a, **kw):
+            out = original(*a, **kw)
+            if not calls:  # between finding it and the claim: delivered and acknowledged
+                engine.scheduler.run_once(clock())
+                engine.ack([s.ack_id for s in sink.take()])
+            calls.append(out)
+            return out
 
-    engine._find_targets = find
+        return find
+
+    if path == "worker":
+        engine._claimable_now = lambda targets: False
+        engine._find_targets = racing(engine._find_targets)
+    else:
+        assert engine._claimable_now([(r.message_id, r.deliver_at_ms, r.sequence)])
+        engine._claimable_now = lambda targets: True
+        engine.finder.holds_one = racing(engine.finder.holds_one)
     outcome = asyncio.run(engine.cancel(r.message_id, r.deliver_at_ms, r.sequence))
-    engine._find_targets = original
-    assert [c.as_list() for c in calls] == [[(r.deliver_at_ms, r.sequence)]]  # it was found, pending
+    del engine._claimable_now
+    if path == "worker":
+        del engine._find_targets
+        assert [c.as_list() for c in calls] == [[(r.deliver_at_ms, r.sequence)]]  # it was found, pending
+    else:
+        del engine.finder.holds_one
+        assert calls == [True]  # it was found, pending
     assert outcome == CancelOutcome.ALREADY_DELIVERED
     d.catch_up()
     assert engine.iterate.counts["cancels"] == 0
