@@ -29,10 +29,8 @@ class BarrierServer:
         pass
 
 
-def test_sharded_stats_asks_every_server_at_once():
-    shards = {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", slaves=[f"r{i}:1"], epoch=1) for i in range(3)}
-    barrier = threading.Barrier(6, timeout=5)
-    fakes = {a: BarrierServer(barrier) for s in shards.values() for a in [s.master, *s.slaves]}
+def _sharded(shards: dict[str, pb.Shard], fakes: dict) -> ShardedClient:
+    """A ShardedClient over ``shards`` whose per-address clients are ``fakes``."""
 
     class Fake(ShardedClient):
         def refresh(self) -> Topology:
@@ -42,7 +40,15 @@ def test_sharded_stats_asks_every_server_at_once():
         def client(self, address: str):  # type: ignore[override]
             return fakes[address]
 
-    with Fake("seed:1") as sc:
+    return Fake("seed:1")
+
+
+def test_sharded_stats_asks_every_server_at_once():
+    shards = {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", slaves=[f"r{i}:1"], epoch=1) for i in range(3)}
+    barrier = threading.Barrier(6, timeout=5)
+    fakes = {a: BarrierServer(barrier) for s in shards.values() for a in [s.master, *s.slaves]}
+
+    with _sharded(shards, fakes) as sc:
         st = sc.stats()
     assert not barrier.broken
     assert st["cluster"]["pending"] == 3 and st["cluster"]["shards"] == 3
@@ -88,16 +94,8 @@ def test_sharded_send_many_routes_a_chunk_per_shard(monkeypatch):
     shards = {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", epoch=1) for i in range(4)}
     fakes = {s.master: RecordingShard(name) for name, s in shards.items()}
 
-    class Fake(ShardedClient):
-        def refresh(self) -> Topology:
-            self.topology = Topology("c", shards)
-            return self.topology
-
-        def client(self, address: str):  # type: ignore[override]
-            return fakes[address]
-
     msgs = [Outgoing("s", b"", deliver_at_ms=10**13 + i, message_id=f"id{i}") for i in range(800)]
-    with Fake("seed:1") as sc:
+    with _sharded(shards, fakes) as sc:
         receipts = sc.send_many(msgs, batch_size=10, max_in_flight=2)
     assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
     assert all(r.shard == sc.topology.shard_for(r.message_id) for r in receipts)
