@@ -713,15 +713,21 @@ class Engine:
             if bucket in seen:
                 continue
             seen.add(bucket)
-            seg = self.schedule.get(bucket)
-            if (
-                seg is None
-                or self.iterate.written_behind(bucket)
-                or not self.finder.ready(seg)
-                or not self.dispatched.ready(self.dispatch.get(bucket))
-            ):
+            if not self._readable_now(bucket):
                 return False
         return True
+
+    def _readable_now(self, bucket: int) -> bool:
+        """Whether a look at ``bucket`` reads only what is in memory or a few KiB: its
+        schedule segment exists, nothing of it is written behind, and the finder's and the
+        dispatch index of it are built (``get_now`` and ``_claimable_now`` decide with it)."""
+        seg = self.schedule.get(bucket)
+        return (
+            seg is not None
+            and not self.iterate.written_behind(bucket)
+            and self.finder.ready(seg)
+            and self.dispatched.ready(self.dispatch.get(bucket))
+        )
 
     def _claim_to_move(
         self, message_id: str, deliver_at_ms: int | None, sequence: int | None, now: bool = False
@@ -1149,14 +1155,8 @@ class Engine:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found
         if 0 < sequence <= self.wal.committed_sequence:
-            bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
-            seg = self.schedule.get(bucket)
-            if (
-                iterate.sequence < sequence
-                or iterate.written_behind(bucket)
-                or seg is None
-                or not self.finder.ready(seg)
-                or not self.dispatched.ready(self.dispatch.get(bucket))
+            if iterate.sequence < sequence or not self._readable_now(
+                bucket_of(deliver_at_ms, self.config.scale_minutes)
             ):
                 return None
         return self.get_sync(message_id, deliver_at_ms, sequence)
