@@ -786,7 +786,10 @@ class CancelBatcher:
     under way goes at once, with everything queued (at most ``max_batch``); the others
     wait for a call to come back. A new call lingers up to ``linger`` seconds to fill only
     while another is unanswered, or while the callers of the last one (just answered) are
-    likely coming back: a lone cancel never waits.
+    likely coming back: a lone cancel never waits. Lingering for those callers ends as soon
+    as as many targets as the last call carried are queued (16 threads cancelling in a loop
+    are back within a fraction of ``linger``); callers wake the runner only then, not once
+    each.
 
     Each caller gets its own outcome, or its own error, within its own timeout: a caller
     that gives up (its timeout, its task cancelled) before its target was cut into a call
@@ -828,6 +831,9 @@ class CancelBatcher:
         self._carriers: set[asyncio.Task] = set()
         self._under_way = 0  # calls made and not yet answered
         self._last = 0  # targets the last call carried
+        # while the runner gathers (``_gather``), the queue size that wakes it: callers wake
+        # it once that many are queued, not once each (1: every cancel wakes it)
+        self._want = 1
         self._closing = False
         self.calls = 0  # CancelBatch calls made (a figure for tests and benchmarks)
         self.batches = 0  # calls made, single Cancels included
@@ -865,7 +871,8 @@ class CancelBatcher:
         self._wake(asyncio.get_running_loop())
 
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._wakeup.set()
+        if len(self._queue) >= self._want:  # else the runner gathers on
+            self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run(), name="qdelay-cancel-batcher")
 
@@ -898,7 +905,9 @@ class CancelBatcher:
                 await self._wakeup.wait()
             waiting = len(queue)
             if self.linger and waiting < self.max_batch and (self._under_way or waiting < self._last):
-                await asyncio.sleep(self.linger)
+                # while a call is unanswered, fill the next for ``linger`` (up to max_batch);
+                # else gather the last call's callers, who are coming back, until they are
+                await self._gather(self.max_batch if self._under_way else min(self._last, self.max_batch))
             batch: list[_Cancel] = []
             while queue and len(batch) < self.max_batch:  # no await: nothing is between queue and call
                 e = queue.popleft()
@@ -911,6 +920,37 @@ class CancelBatcher:
             task = loop.create_task(self._carry(batch))
             self._carriers.add(task)
             task.add_done_callback(self._carriers.discard)
+
+    async def _gather(self, target: int) -> None:
+        """Until ``target`` targets are queued, for at most ``linger`` seconds. Threads wake
+        the loop only once enough are handed over (the inbox's ``wake_at``, set before the
+        last look at it: none is left unseen), tasks only once enough are queued (``_want``)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.linger
+        queue, inbox = self._queue, self._inbox
+        try:
+            while True:
+                if inbox:
+                    queue.extend(inbox.drain())
+                need = target - len(queue)
+                left = end - loop.time()
+                if need <= 0 or left <= 0 or self._closing:
+                    return
+                inbox.wake_at = need
+                if inbox:  # handed over before wake_at was set: look again
+                    continue
+                self._want = target
+                self._wakeup.clear()
+                timer = loop.call_later(left, self._wakeup.set)
+                try:
+                    await self._wakeup.wait()
+                finally:
+                    timer.cancel()
+        finally:
+            self._want = 1
+            inbox.wake_at = 1
+            if inbox:  # handed over while wake_at was above 1 and not enough to wake the loop
+                queue.extend(inbox.drain())
 
     @staticmethod
     def _left(batch: list[_Cancel]) -> float | None:

@@ -266,3 +266,57 @@ def test_cancel_batches_of_receipts_match_the_messages_ref_makes():
     assert cancel_batches(targets, 4) == [
         pb.CancelBatchRequest(requests=made[i : i + 4]) for i in range(0, len(made), 4)
     ]
+
+
+def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
+    """A linger of 1 s, far above a round trip: 16 threads (then 16 tasks) cancelling in a
+    loop ride one call a round, and each next call goes as soon as the last one's 16
+    callers are back, not when the linger ends (25 rounds would take 25 s); only the
+    last call, short of callers, waits it out."""
+    fake = _FakeServer()
+    batcher = CancelBatcher(fake.batch, fake.single, max_batch=1000, max_in_flight=1, linger=1.0)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    seqs = iter(range(100, 500))  # 400 targets (none is 13, which the fake fails)
+    lock = threading.Lock()
+    got: dict[int, int] = {}
+
+    def worker(_k: int) -> None:
+        while True:
+            with lock:
+                seq = next(seqs, None)
+            if seq is None:
+                return
+            got[seq] = batcher.submit_threadsafe(loop, _request(seq), 30).wait(30)
+
+    try:
+        started = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(worker, range(16)))
+        assert time.monotonic() - started < 5.0
+        assert got == {seq: seq % 5 + 1 for seq in range(100, 500)}
+        assert sum(fake.sizes) == 400 and fake.sizes.count(16) >= 15  # ~one call a round
+        assert batcher._want == 1 and batcher._inbox.wake_at == 1  # gathering leaves no threshold behind
+    finally:
+        asyncio.run_coroutine_threadsafe(batcher.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()
+
+    async def tasks() -> None:
+        fake.sizes.clear()
+        aio = CancelBatcher(fake.batch, fake.single, max_batch=1000, max_in_flight=1, linger=1.0)
+        todo = iter(range(100, 500))
+
+        async def one() -> None:
+            for seq in todo:
+                assert await aio.cancel(_request(seq), 30) == seq % 5 + 1
+
+        started = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(16)))
+        assert time.monotonic() - started < 5.0
+        assert sum(fake.sizes) == 400 and fake.sizes.count(16) >= 15
+        await aio.close()
+
+    asyncio.run(asyncio.wait_for(tasks(), 30))
