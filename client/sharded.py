@@ -34,6 +34,7 @@ group by shard, call the shards at the same time and answer in the caller's orde
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import itertools
 import queue
@@ -141,6 +142,107 @@ def _as_message(m: pb.Message | Outgoing) -> pb.Message:
     msg = pb.Message(subject=m.subject, payload=m.payload, headers=m.headers or {}, message_id=m.message_id)
     _set_due(msg, m)
     return msg
+
+
+class Joined(Sequence):
+    """Sequences one after another as one (send_many's receipts of a shard that failed over
+    part-way, or of several chunks), without copying them: an index finds its part by
+    bisection."""
+
+    def __init__(self, parts: Sequence[Sequence[Receipt]] = ()) -> None:
+        self._parts: list[Sequence[Receipt]] = []
+        self._ends: list[int] = []
+        for part in parts:
+            self.add(part)
+
+    def add(self, part: Sequence[Receipt]) -> None:
+        if len(part):
+            self._parts.append(part)
+            self._ends.append(len(self) + len(part))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("receipt index out of range")
+        k = bisect.bisect_right(self._ends, index)
+        return self._parts[k][index - (self._ends[k] - len(self._parts[k]))]
+
+    def __iter__(self) -> Iterator[Receipt]:
+        for part in self._parts:
+            yield from part
+
+    def __repr__(self) -> str:
+        return f"<receipts of {len(self)} messages>"
+
+
+class Spread(Sequence):
+    """send_many's receipts over the shards in the caller's order, each made when it is read
+    (as the single-server client's ``SentReceipts``): a ``Receipt`` object per message, put
+    in place as the shards answered, cost the producer more CPU than sending the message
+    (bench.shards). ``route[i]`` is the shard (its number) of the caller's message ``i``,
+    ``positions[s]`` the caller's positions sent to shard ``s`` (ascending) and
+    ``parts[s]`` their receipts in that order."""
+
+    def __init__(self, route: Sequence[int], positions: list[list[int]], parts: list[Sequence[Receipt]]) -> None:
+        self._route = route
+        self._positions = positions
+        self._parts = parts
+
+    def __len__(self) -> int:
+        return len(self._route)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("receipt index out of range")
+        s = self._route[index]
+        return self._parts[s][bisect.bisect_left(self._positions[s], index)]
+
+    def __iter__(self) -> Iterator[Receipt]:
+        parts = [iter(p) for p in self._parts]
+        for s in self._route:
+            yield next(parts[s])
+
+    def __repr__(self) -> str:
+        return f"<receipts of {len(self)} messages over {len(self._parts)} shards>"
+
+
+def route(topology: Topology, ids: Iterable[str]) -> tuple[Sequence[int], list[list[int]]]:
+    """Each id's shard (its number in ``topology.names``) and the positions per shard, in
+    one pass (``Topology.shard_for`` per message, inlined: this runs once per message)."""
+    n = len(topology.names)
+    if not n:
+        raise errors.Unavailable("the cluster has no shard yet")
+    crc = zlib.crc32
+    shards = [crc(i.encode()) % n for i in ids]
+    positions: list[list[int]] = [[] for _ in range(n)]
+    for i, s in enumerate(shards):
+        positions[s].append(i)
+    return (bytes(shards) if n <= 256 else shards), positions
+
+
+def _per_name(topology: Topology, positions: list[list[int]]) -> dict[str, list[int]]:
+    """The positions per shard name, shards that got none left out."""
+    return {topology.names[s]: idx for s, idx in enumerate(positions) if idx}
+
+
+def _placed(
+    topology: Topology, where: Sequence[int], positions: list[list[int]], parts: dict[str, Joined]
+) -> Sequence[Receipt]:
+    """A chunk's receipts in the caller's order: the one shard's own when all went to one."""
+    used = [name for name, idx in zip(topology.names, positions) if idx]
+    if len(used) == 1:
+        return parts[used[0]]
+    return Spread(where, positions, [parts[name] for name in topology.names])
 
 
 def _chunks(messages: Iterable, size: int) -> Iterator[list]:
@@ -348,23 +450,25 @@ class ShardedClient(_Sharded):
         batch_size: int = 1000,
         max_in_flight: int = 4,
         timeout: float | None = None,
-    ) -> list[Receipt]:
+    ) -> Sequence[Receipt]:
         """As ``Client.send_many`` (pipelined SendStream batches; ``Outgoing`` tuples are the
         cheap form), over the shards: each message goes to its id's shard, the shards'
-        streams at the same time, ``SEND_MANY_CHUNK`` messages per shard routed at a time; receipts in
-        input order. A shard's stream that fails over is retried on its new master with the
-        messages it had not acknowledged (same ids). Raises the first error that is not
-        retried, or the last one after ``failover_timeout``."""
+        streams at the same time, ``SEND_MANY_CHUNK`` messages per shard routed at a time;
+        receipts in input order, each made when it is read (as ``SentReceipts``). A shard's
+        stream that fails over is retried on its new master with the messages it had not
+        acknowledged (same ids). Raises the first error that is not retried, or the last one
+        after ``failover_timeout``."""
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
-        out: list[Receipt] = []
+        out = Joined()
         size = _chunk_size(batch_size, max_in_flight, self.topology or self.refresh())
         for chunk in _chunks(messages, size):
             msgs = [_with_id(m, self._ids) for m in chunk]
             topo = self.topology or self.refresh()
-            got: list[Receipt | None] = [None] * len(msgs)
+            where, positions = route(topo, [_id_of(m) for m in msgs])
+            parts = {name: Joined() for name in topo.names}
 
-            def send(shard: str, idx: list[int], msgs: list = msgs, got: list = got) -> None:
+            def send(shard: str, idx: list[int], msgs: list = msgs, parts: dict = parts) -> None:
                 done = 0  # acknowledged so far: a retry sends the rest
 
                 def call(c: Client) -> None:
@@ -376,14 +480,13 @@ class ShardedClient(_Sharded):
                         rs = getattr(err, "receipts", None) or []
                         raise
                     finally:
-                        for k, r in enumerate(rs):
-                            got[idx[done + k]] = r
+                        parts[shard].add(rs)
                         done += len(rs)
 
                 self._retry(lambda _t: shard, call)
 
-            self._each_shard(send, _by_shard(topo.shard_for(_id_of(m)) for m in msgs))
-            out.extend(cast("list[Receipt]", got))
+            self._each_shard(send, _per_name(topo, positions))
+            out.add(_placed(topo, where, positions, parts))
         return out
 
     def _each_shard(self, fn: Callable[[str, list[int]], None], by_shard: dict[str, list[int]]) -> None:
@@ -704,18 +807,19 @@ class AioShardedClient(_Sharded):
         batch_size: int = 1000,
         max_in_flight: int = 4,
         timeout: float | None = None,
-    ) -> list[Receipt]:
+    ) -> Sequence[Receipt]:
         """As :meth:`ShardedClient.send_many`, awaited."""
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
-        out: list[Receipt] = []
+        out = Joined()
         size = _chunk_size(batch_size, max_in_flight, self.topology or await self.refresh())
         for chunk in _chunks(messages, size):
             msgs = [_with_id(m, self._ids) for m in chunk]
             topo = self.topology or await self.refresh()
-            got: list[Receipt | None] = [None] * len(msgs)
+            where, positions = route(topo, [_id_of(m) for m in msgs])
+            parts = {name: Joined() for name in topo.names}
 
-            async def send(shard: str, idx: list[int], msgs: list = msgs, got: list = got) -> None:
+            async def send(shard: str, idx: list[int], msgs: list = msgs, parts: dict = parts) -> None:
                 done = 0  # acknowledged so far: a retry sends the rest
 
                 async def call(c: AioClient) -> None:
@@ -727,14 +831,13 @@ class AioShardedClient(_Sharded):
                         rs = getattr(err, "receipts", None) or []
                         raise
                     finally:
-                        for k, r in enumerate(rs):
-                            got[idx[done + k]] = r
+                        parts[shard].add(rs)
                         done += len(rs)
 
                 await self._retry(lambda _t: shard, call)
 
-            await self._each_shard(send, _by_shard(topo.shard_for(_id_of(m)) for m in msgs))
-            out.extend(cast("list[Receipt]", got))
+            await self._each_shard(send, _per_name(topo, positions))
+            out.add(_placed(topo, where, positions, parts))
         return out
 
     async def cancel(

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from qdelay import errors
 from qdelay.client import Outgoing, Receipt
 from qdelay.client.cluster import ClusterClient
 from qdelay.client.sharded import ShardedClient, Topology
@@ -102,3 +105,65 @@ def test_sharded_send_many_routes_a_chunk_per_shard(monkeypatch):
     for fake in fakes.values():
         # two chunks of 400 (100 per shard): two calls of ~100 each, not eight of ~25
         assert len(fake.calls) == 2 and min(fake.calls) > 50, fake.calls
+
+
+class FlakyShard(RecordingShard):
+    """A shard master's stand-in whose first send_many acknowledges ``first`` messages and
+    then fails over (UNAVAILABLE carrying those receipts, as ``Client.send_many`` raises)."""
+
+    def __init__(self, name: str, first: int) -> None:
+        super().__init__(name)
+        self.first = first
+
+    def send_many(self, messages, batch_size=1000, max_in_flight=4, timeout=None):
+        got = super().send_many(messages, batch_size, max_in_flight, timeout)
+        if len(self.calls) == 1:
+            err = errors.Unavailable("UNAVAILABLE: the master went away")
+            err.receipts = got[: self.first]
+            raise err
+        return got
+
+
+def test_sharded_send_many_receipts_in_order_across_a_failover(monkeypatch):
+    """The receipts are made when read (no Receipt object per message while sending) and
+    are the caller's order whatever the shards answered, also for a shard whose stream failed
+    over part-way (its receipts come from two calls: the acknowledged ones, then the rest sent
+    again with the same ids); indexing, negative indices, slices and iteration agree."""
+    from qdelay.client import sharded
+
+    monkeypatch.setattr(sharded, "SEND_MANY_CHUNK", 100)  # 400 routed at a time: 3 chunks
+    shards = {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", epoch=1) for i in range(4)}
+    fakes = {s.master: RecordingShard(name) for name, s in shards.items()}
+    fakes["m2:1"] = FlakyShard("s2", first=7)
+
+    msgs = [Outgoing("s", b"", deliver_at_ms=10**13 + i, message_id=f"id{i}") for i in range(1000)]
+    with _sharded(shards, fakes) as sc:
+        sc.backoff = 0.001
+        receipts = sc.send_many(msgs, batch_size=10, max_in_flight=2)
+        topo = sc.topology
+    assert not isinstance(receipts, list) and len(receipts) == 1000
+    ids = [m.message_id for m in msgs]
+    assert [r.message_id for r in receipts] == ids
+    assert [receipts[i].message_id for i in range(1000)] == ids
+    assert receipts[-1].message_id == "id999" and receipts[-1000].message_id == "id0"
+    assert [r.message_id for r in receipts[10:20:3]] == ids[10:20:3]
+    assert all(
+        r.shard == topo.shard_for(r.message_id) and r.deliver_at_ms == 10**13 + i for i, r in enumerate(receipts)
+    )
+    flaky = fakes["m2:1"]
+    # the failed call's 7 acknowledged messages were not sent again: the retry sent the rest
+    assert flaky.calls[1] == flaky.calls[0] - 7 and sc.retries == 1
+    for bad in (1000, -1001):
+        with pytest.raises(IndexError):
+            receipts[bad]
+
+
+def test_sharded_send_many_one_shard_returns_its_receipts():
+    """All messages of one shard (or a cluster of one shard): that shard's own receipts, no
+    routing table kept."""
+    shards = {"s0": pb.Shard(name="s0", master="m0:1", epoch=1)}
+    fakes = {"m0:1": RecordingShard("s0")}
+    msgs = [Outgoing("s", b"", deliver_at_ms=10**13 + i, message_id=f"id{i}") for i in range(50)]
+    with _sharded(shards, fakes) as sc:
+        receipts = sc.send_many(msgs)
+    assert [r.message_id for r in receipts] == [m.message_id for m in msgs] and fakes["m0:1"].calls == [50]
