@@ -229,3 +229,60 @@ def test_cancels_and_reschedules_claim_on_the_event_loop_when_nothing_would_wait
             assert engine.get_sync(mid, d, seq).state.name == ("PENDING" if k in (6, 11) else "CANCELLED"), k
     finally:
         engine.close()
+
+
+def test_tombstones_of_far_messages_may_wait_for_the_iterate_service_the_claim_answers_meanwhile(tmp_path):
+    """A Cancel of messages all due beyond the loading horizon declares its tombstones far
+    (the iterate service may let them gather, as far-future sends): until they pass it the
+    claim alone answers for them. Here the service does not run at all (a driven engine):
+    after CANCELLED, Get says CANCELLED, a second Cancel ALREADY_CANCELLED, a Reschedule
+    CANCELLED, and the clock moved past the due time with the tombstone still uncopied
+    delivers the rest of its minute but not it. A Cancel of a message due soon is not
+    declared far."""
+    import asyncio
+
+    from qdelay.server.engine import CancelOutcome, MessageState, RescheduleOutcome
+
+    clock = FakeClock()
+    sink = CollectingSink()
+    d = Driver(tmp_path / "data", clock=clock, sink=sink)
+    engine = d.engine
+    try:
+        due = clock() + 60 * MINUTE
+        target, kept = d.send([message("t.far", due, "target"), message("t.far", due + 1, "kept")])
+        (near,) = d.send([message("t.far", clock() + 20_000, "near")])
+        d.catch_up()
+        it = engine.iterate
+        assert asyncio.run(engine.cancel(near.message_id, near.deliver_at_ms, near.sequence)) == (
+            CancelOutcome.CANCELLED
+        )
+        assert it.sequence < engine.wal.committed_sequence and not it._only_far()  # due soon: not far
+        d.catch_up()
+        assert asyncio.run(engine.cancel(target.message_id, target.deliver_at_ms, target.sequence)) == (
+            CancelOutcome.CANCELLED
+        )
+        tomb = engine.wal.committed_sequence
+        assert it.sequence < tomb and it._only_far()  # committed, declared far, not copied
+        assert engine.get_sync(target.message_id, target.deliver_at_ms, target.sequence).state == (
+            MessageState.CANCELLED
+        )
+        again = asyncio.run(engine.cancel_many([(target.message_id, target.deliver_at_ms, target.sequence)]))
+        assert again == [CancelOutcome.ALREADY_CANCELLED]
+        moved = asyncio.run(engine.reschedule(target.message_id, target.deliver_at_ms, target.sequence, due + MINUTE))
+        assert moved == (RescheduleOutcome.CANCELLED, None)
+        assert it.sequence < tomb and engine.scheduler.cancel_claimed(target.sequence)
+
+        # the due time passes before the tombstone is copied: the loader reads the minute
+        # from its segment (the message there, its tombstone not), the claim keeps it back
+        for step in range(1, 4):
+            clock.set(due + step * 1000)
+            engine.scheduler.run_once(clock())
+        assert wait_until(lambda: "kept" in sink.ids(), timeout=10)
+        assert "target" not in sink.ids() and it.sequence < tomb
+        d.catch_up()  # now it passes: the claim is settled, the bucket knows the tombstone
+        assert not engine.scheduler.cancel_claimed(target.sequence)
+        d.advance(1000, passes=2)
+        assert "target" not in sink.ids()
+        assert d.get(target).state == MessageState.CANCELLED
+    finally:
+        d.close()
