@@ -51,6 +51,7 @@ from qdelay.server.scheduler import DEAD_LETTER_HEADER, Delivery, DeliverySink, 
 log = logging.getLogger("qdelay.engine")
 
 TWO_YEARS_MS = 2 * 365 * 24 * 3600 * 1000
+FAR_AHEAD_MIN_MS = 1000  # see Engine.far_ahead_ms
 
 __all__ = [
     "Engine",
@@ -87,9 +88,10 @@ class EngineConfig:
     # behind (server/iterate.py): fewer, larger steps; a message reaches the timer and the
     # id index up to this much later (Get, Cancel and dedupe do not wait for it)
     iterate_gather_ms: float = 2.0
-    # ... and up to this long while all it would copy is due beyond the loading horizon
-    # (written behind: nobody reads it soon); ingest of far-future messages costs the
-    # iterate thread less (bench.ingest's generated stub: ~1 us a message)
+    # ... and up to this long while all it would copy is due at least max(1 s, ten times
+    # this) ahead (nobody reads it soon: Engine.far_ahead_ms); ingest of such messages
+    # costs the iterate thread less (bench.ingest's generated stub: ~1 us a message,
+    # bench.compare's ingest: ~0.35)
     iterate_gather_far_ms: float = 20.0
     # the on-disk message-id index behind Cancel/Get by id (segments/idindex.py); off saves
     # its ingest cost (with dedupe, about 1.7 us of server CPU a message) and turns by-id calls away
@@ -318,6 +320,15 @@ class Engine:
             gather=config.iterate_gather_ms / 1000,
             gather_far=config.iterate_gather_far_ms / 1000,
         )
+        # How far ahead a send's every message must be due for the iterate service to let
+        # it wait up to ``iterate_gather_far_ms`` for a step (IterateService.expect_far): a
+        # record copied that much later still reaches the timer long before it is due (a
+        # second, and ten times the wait, is far more than a step takes on a loaded host).
+        # Sends used the cancels' rule (``_far``: beyond the loading horizon + 2 buckets,
+        # minutes) before: a producer whose batches mix due times from a minute on
+        # (bench.compare's ingest) never qualified. Cancels keep ``_far``: their argument
+        # is the claim, not the timer (see cancel_many).
+        self.far_ahead_ms = max(FAR_AHEAD_MIN_MS, 10 * config.iterate_gather_far_ms)
         self.scheduler = Scheduler(
             self.schedule,
             self.dispatch,
@@ -537,10 +548,12 @@ class Engine:
     async def send_bodies(self, bodies: list[bytes], soonest_due: int | None = None) -> int:
         """Append MESSAGE bodies (already validated and encoded); return the first one's
         sequence once durable (and replicated, in sync mode). ``soonest_due``, the earliest
-        due time among them, lets the iterate service copy them later when they are all due
-        well beyond the loading horizon (IterateService.expect_far)."""
+        due time among them, lets the iterate service copy them later when none is due
+        within ``far_ahead_ms`` (IterateService.expect_far)."""
         self._check_writable()
-        queued = self._expect_far if soonest_due is not None and self._far(soonest_due) else None
+        queued = None
+        if soonest_due is not None and soonest_due - self.clock() >= self.far_ahead_ms:
+            queued = self._expect_far
         appended = await self.wal.append_bodies_async(RecordKind.MESSAGE, self.clock(), bodies, queued)
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)

@@ -21,11 +21,12 @@ is left for the next one.
 When it is not behind, the service lets the commits of ``gather`` seconds (2 ms by default,
 ``iterate_gather_ms``) share one step: a step costs about the same for one group commit
 as for several, and a busy server commits every millisecond or so. While everything
-committed since its last step is known to be due beyond the loading horizon (the engine
-says so as it queues a send: ``expect_far``), nobody needs those records soon (they would
-be written behind), and it lets them gather up to ``gather_far`` (20 ms,
-``iterate_gather_far_ms``), looking every ``gather`` whether something else came. Callers
-that wait for its progress (``wait_for``) wake it at once.
+committed since its last step is known to be due well ahead (at least a second, and ten
+times ``gather_far``: the engine says so as it queues a send, ``expect_far``), nobody needs
+those records soon (a step that late still puts them in the timer long before they are
+due), and it lets them gather up to ``gather_far`` (20 ms, ``iterate_gather_far_ms``),
+looking every ``gather`` whether something else came. Callers that wait for its progress
+(``wait_for``: Get, Cancel, dedupe's catch-up) wake it at once.
 
 Records of buckets beyond the scheduler's loading horizon are written behind: they
 collect in one buffer per bucket and reach their segment with the next checkpoint (at
@@ -188,10 +189,10 @@ class IterateService:
         return max(0, self.wal.committed_sequence - self.sequence)
 
     def expect_far(self, first: int, last: int) -> None:
-        """Records ``first``..``last``, just queued in the message log, are all due beyond
-        the loading horizon: they will be written behind, so no reader needs them soon and
-        they may wait up to ``gather_far`` for a step (a hint: records nobody declared are
-        copied within ``gather``). Declarations of runs that follow on extend the newest."""
+        """Records ``first``..``last``, just queued in the message log, are all due well
+        ahead (Engine.far_ahead_ms): no reader needs them soon, so they may wait up to
+        ``gather_far`` for a step (a hint: records nobody declared are copied within
+        ``gather``). Declarations of runs that follow on extend the newest."""
         f0, f1 = self._far
         self._far = (f0, last) if first == f1 + 1 else (first, last)
 

@@ -7,6 +7,7 @@ and the lifecycle of an engine that was never started.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -17,7 +18,7 @@ from simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, mess
 from qdelay.segments import framing, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
-from qdelay.server.engine import CancelOutcome, Engine, MessageState
+from qdelay.server.engine import FAR_AHEAD_MIN_MS, CancelOutcome, Engine, MessageState
 from qdelay.server.scheduler import DEAD_LETTER_HEADER
 
 
@@ -78,6 +79,29 @@ def test_close_of_a_never_started_engine_with_iterate_lag_does_not_hang(tmp_path
     assert d.get(r[0]).state == MessageState.PENDING
     d.close()
     assert took < 2.0, f"close() of a never-started engine with iterate lag took {took:.1f} s"
+
+
+@pytest.mark.parametrize(
+    ("gather_far_ms", "ahead_ms", "far"),
+    [
+        (20.0, FAR_AHEAD_MIN_MS, True),  # a second ahead: copied up to 20 ms later
+        (20.0, 90 * MINUTE, True),
+        (20.0, FAR_AHEAD_MIN_MS - 1, False),  # sooner: copied within iterate_gather_ms
+        (20.0, 0, False),
+        (500.0, FAR_AHEAD_MIN_MS, False),  # a longer wait needs them due further ahead (10x)
+        (500.0, 5_000, True),
+    ],
+)
+def test_sends_due_well_ahead_are_declared_far(tmp_path, clock, gather_far_ms, ahead_ms, far):
+    """A send whose every message is due at least far_ahead_ms ahead (max(1 s, ten times
+    iterate_gather_far_ms)) lets the iterate service gather it longer; the soonest due time
+    decides. Declared at once, as the records are queued."""
+    e = Engine(config(tmp_path, iterate_gather_far_ms=gather_far_ms), clock=clock)
+    bodies = [records.encode_message(b"s", f"m{i}".encode(), b"", b"p", clock.now + ahead_ms + i) for i in range(3)]
+    first = asyncio.run(e.send_bodies(bodies, clock.now + ahead_ms))
+    assert (e.iterate._far == (first, first + 2)) is far
+    assert e.iterate._only_far() is far  # nothing else was committed since
+    e.close()
 
 
 # --- dead letters ------------------------------------------------------------------------------------
