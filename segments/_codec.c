@@ -1032,6 +1032,172 @@ done:
     return result;
 }
 
+/* The recent-id table (server/recent_ids.py): ids written and not yet in the id index, in
+ * a bytearray of slots (a power of two of them), RECENT_SLOT bytes each, little-endian:
+ * XXH3_64 of the id's UTF-8 bytes with the table's seed u64, its sequence i64 (0: an empty
+ * slot), its due time i64, the first sequence of its batch i64. Linear probing from
+ * hash mod the number of slots. A slot whose sequence is at most ``floor`` (the index holds
+ * it) is dead: a lookup walks past it, a put may take it. */
+#define RECENT_SLOT 32
+
+static int recent_slots(Py_buffer *t, uint64_t *mask) {
+    Py_ssize_t n = t->len / RECENT_SLOT;
+    if (t->len % RECENT_SLOT || n < 1 || (n & (n - 1))) {
+        PyErr_SetString(PyExc_ValueError, "recent ids: the table is not a power of two of 32-byte slots");
+        return -1;
+    }
+    *mask = (uint64_t)n - 1;
+    return 0;
+}
+
+/* Every item of ``ids`` a str (as UTF-8, else a TypeError naming ``what``). */
+static int all_str(PyObject *ids, const char *what) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++)
+        if (!PyUnicode_Check(PyList_GET_ITEM(ids, i))) {
+            PyErr_Format(PyExc_TypeError, "%s: ids must be str", what);
+            return -1;
+        }
+    return 0;
+}
+
+/* recent_put(table: bytearray, seed, floor, ids: list[str], first, dues: list[int]) -> int:
+ * ids[i] written with sequence first + i, due at dues[i]; returns how many empty slots were
+ * taken (the others reused dead ones). ValueError when no slot is free (the caller grows
+ * the table before that). Python twin: server/recent_ids.py ``recent_put_py``. */
+static PyObject *recent_put(PyObject *self, PyObject *args) {
+    Py_buffer t;
+    unsigned long long seed;
+    long long floor, first;
+    PyObject *ids, *dues;
+    if (!PyArg_ParseTuple(args, "w*KLO!LO!", &t, &seed, &floor, &PyList_Type, &ids, &first, &PyList_Type, &dues))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t mask;
+    Py_ssize_t n = PyList_GET_SIZE(ids), filled = 0;
+    if (recent_slots(&t, &mask) < 0 || all_str(ids, "recent_put") < 0)
+        goto done;
+    if (PyList_GET_SIZE(dues) != n || first < 1 || floor < 0 || first > LLONG_MAX - n) {
+        PyErr_SetString(PyExc_ValueError, "recent_put: one due time per id, sequences from 1, floor >= 0");
+        goto done;
+    }
+    unsigned char *b = t.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(ids, i), &len);
+        if (!utf8)
+            goto done;
+        long long due = PyLong_AsLongLong(PyList_GET_ITEM(dues, i));
+        if (due == -1 && PyErr_Occurred())
+            goto done;
+        uint64_t h = XXH3_64bits_withSeed(utf8, (size_t)len, (XXH64_hash_t)seed), at = h & mask, probes = 0;
+        unsigned char *s = b + at * RECENT_SLOT;
+        while ((int64_t)get_u64(s + 8) > floor) {
+            if (probes++ == mask) {
+                PyErr_SetString(PyExc_ValueError, "recent_put: the table is full");
+                goto done;
+            }
+            at = (at + 1) & mask;
+            s = b + at * RECENT_SLOT;
+        }
+        filled += get_u64(s + 8) == 0;
+        put_u64(s, h);
+        put_u64(s + 8, (uint64_t)(first + i));
+        put_u64(s + 16, (uint64_t)due);
+        put_u64(s + 24, (uint64_t)first);
+    }
+    out = PyLong_FromSsize_t(filled);
+done:
+    PyBuffer_Release(&t);
+    return out;
+}
+
+/* recent_find(table, seed, floor, ids: list[str]) -> list[tuple[int, int, int, int]]:
+ * (i, sequence, due, first) of every live slot whose hash is that of ids[i], ids in order,
+ * each id's slots in probe order (a hash match; the caller confirms the id itself).
+ * Python twin: server/recent_ids.py ``recent_find_py``. */
+static PyObject *recent_find(PyObject *self, PyObject *args) {
+    Py_buffer t;
+    unsigned long long seed;
+    long long floor;
+    PyObject *ids;
+    if (!PyArg_ParseTuple(args, "y*KLO!", &t, &seed, &floor, &PyList_Type, &ids))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t mask;
+    if (recent_slots(&t, &mask) < 0 || all_str(ids, "recent_find") < 0 || !(out = PyList_New(0)))
+        goto done;
+    const unsigned char *b = t.buf;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
+        Py_ssize_t len;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(ids, i), &len);
+        if (!utf8) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        uint64_t h = XXH3_64bits_withSeed(utf8, (size_t)len, (XXH64_hash_t)seed), at = h & mask;
+        for (uint64_t probes = 0; probes <= mask; probes++, at = (at + 1) & mask) {
+            const unsigned char *s = b + at * RECENT_SLOT;
+            int64_t seq = (int64_t)get_u64(s + 8);
+            if (seq == 0)
+                break;
+            if (seq <= floor || get_u64(s) != h)
+                continue;
+            PyObject *hit = Py_BuildValue("(nLLL)", i, (long long)seq, (long long)get_u64(s + 16),
+                                          (long long)get_u64(s + 24));
+            if (!hit || PyList_Append(out, hit) < 0) {
+                Py_XDECREF(hit);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(hit);
+        }
+    }
+done:
+    PyBuffer_Release(&t);
+    return out;
+}
+
+/* recent_rehash(old, new: bytearray, floor) -> int: copy the live slots of ``old`` into the
+ * empty table ``new`` (by their stored hash); returns how many. ValueError if they do not fit.
+ * Python twin: server/recent_ids.py ``recent_rehash_py``. */
+static PyObject *recent_rehash(PyObject *self, PyObject *args) {
+    Py_buffer o, t;
+    long long floor;
+    if (!PyArg_ParseTuple(args, "y*w*L", &o, &t, &floor))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t omask, mask;
+    Py_ssize_t live = 0;
+    if (recent_slots(&o, &omask) < 0 || recent_slots(&t, &mask) < 0)
+        goto done;
+    if (floor < 0) {
+        PyErr_SetString(PyExc_ValueError, "recent_rehash: floor >= 0");
+        goto done;
+    }
+    const unsigned char *ob = o.buf;
+    unsigned char *b = t.buf;
+    for (uint64_t k = 0; k <= omask; k++) {
+        const unsigned char *src = ob + k * RECENT_SLOT;
+        if ((int64_t)get_u64(src + 8) <= floor)
+            continue;
+        uint64_t at = get_u64(src) & mask, probes = 0;
+        while (get_u64(b + at * RECENT_SLOT + 8) != 0) {
+            if (probes++ == mask) {
+                PyErr_SetString(PyExc_ValueError, "recent_rehash: the new table is full");
+                goto done;
+            }
+            at = (at + 1) & mask;
+        }
+        memcpy(b + at * RECENT_SLOT, src, RECENT_SLOT);
+        live++;
+    }
+    out = PyLong_FromSsize_t(live);
+done:
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&t);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
@@ -1044,6 +1210,9 @@ static PyMethodDef methods[] = {
     {"id_entries", id_entries, METH_VARARGS, "The id index's keys and values of MESSAGE frames."},
     {"filter_add", filter_add, METH_VARARGS, "Set the id filter's bits of each key."},
     {"filter_maybe", filter_maybe, METH_VARARGS, "The positions of the ids the id filter may hold."},
+    {"recent_put", recent_put, METH_VARARGS, "Put written ids into the recent-id table."},
+    {"recent_find", recent_find, METH_VARARGS, "The live slots of the recent-id table whose hash is an id's."},
+    {"recent_rehash", recent_rehash, METH_VARARGS, "Copy the live slots of a recent-id table into a new one."},
     {"index_entries", index_entries, METH_VARARGS, "The schedule index's entries of whole frames."},
     {"index_find", index_find, METH_VARARGS, "Binary searches of sequences among a schedule index's entries."},
     {"index_gather", index_gather, METH_VARARGS, "index_find over several indexes, with the entries found."},

@@ -25,7 +25,8 @@ def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay.segments._codec`` and its Python twin (imported here, not at
     the top: the twins' modules use this one)."""
     from qdelay.segments import framing, idfilter, idindex, reader, records, schedule_index
-    from qdelay.server import ledger  # the ack ids' format is the ack ledger's
+    from qdelay.server import ledger, recent_ids  # the ack ids' format is the ack ledger's; the
+    # recent-id table is the deduper's
 
     return {
         "frame_bodies": framing.frame_bodies_py,
@@ -39,6 +40,9 @@ def twins() -> dict[str, Callable[..., Any]]:
         "id_entries": idindex.id_entries_py,
         "filter_add": idfilter.filter_add_py,
         "filter_maybe": idfilter.filter_maybe_py,
+        "recent_put": recent_ids.recent_put_py,
+        "recent_find": recent_ids.recent_find_py,
+        "recent_rehash": recent_ids.recent_rehash_py,
         "index_entries": schedule_index.index_entries_py,
         "index_find": schedule_index.index_find_py,
         "index_gather": schedule_index.index_gather_py,

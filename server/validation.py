@@ -46,10 +46,31 @@ class IdGenerator:
         self.issued = n = next(self._count)
         return f"{self._prefix}{n:x}"
 
-    def made(self, before: int, after: int) -> set[str]:
+    def made(self, before: int, after: int) -> Made:
         """The ids this generator made after it had made ``before`` and up to ``after``."""
-        prefix = self._prefix
-        return {f"{prefix}{n:x}" for n in range(before + 1, after + 1)}
+        return Made(self._prefix, before, after)
+
+
+class Made:
+    """Ids an IdGenerator made, as the range of its counter (no string made again per id:
+    a batch whose ids the server generated costs the duplicate check nothing per id)."""
+
+    __slots__ = ("prefix", "before", "after")
+
+    def __init__(self, prefix: str, before: int, after: int) -> None:
+        self.prefix, self.before, self.after = prefix, before, after
+
+    def __len__(self) -> int:
+        return self.after - self.before
+
+    def __contains__(self, message_id: object) -> bool:
+        if not isinstance(message_id, str) or not message_id.startswith(self.prefix):
+            return False
+        count = message_id[len(self.prefix) :]
+        if not count or not all(c in "0123456789abcdef" for c in count):
+            return False
+        n = int(count, 16)
+        return self.before < n <= self.after and count == f"{n:x}"  # (as written: no leading zero)
 
 
 def _where(index: int | None, field: str) -> str:
@@ -134,7 +155,7 @@ class EncodedBatch:
     payload_bytes: int
     # ids the server generated for this batch (the client left them empty): they cannot be
     # a re-send, so the duplicate check skips them (set by the service after validation)
-    generated: set[str] | None = None
+    generated: Made | None = None
 
 
 def encode_messages(

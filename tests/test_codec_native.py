@@ -30,6 +30,7 @@ from qdelay import errors, wire
 from qdelay.client.types import Delivery
 from qdelay.segments import framing, idfilter, native, records
 from qdelay.segments.framing import RecordKind
+from qdelay.server import recent_ids
 from qdelay.server.config import Limits
 from qdelay.server.validation import encode_messages, encode_messages_py
 from qdelay.v1 import qdelay_pb2 as pb
@@ -280,6 +281,56 @@ def filter_maybe_cases(draw):
     return bytes(bits) if draw(st.booleans()) else bits, asked
 
 
+recent_ids_drawn = st.lists(st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=4), max_size=8)
+
+
+@st.composite
+def recent_tables(draw):
+    """A recent-id table (sometimes of a wrong size) holding some ids put by the twin, with
+    its seed, and a floor that leaves some of them dead."""
+    table = bytearray(draw(st.sampled_from([32, 64, 128, 256, 512, 96, 0])))
+    seed = draw(st.integers(0, 2**64 - 1))
+    held = draw(recent_ids_drawn)
+    try:
+        recent_ids.recent_put_py(table, seed, 0, held, draw(st.integers(1, 20)), list(range(len(held))))
+    except ValueError:
+        pass  # a table of a wrong size, or too small for them: both sides refuse it below too
+    return table, seed, draw(st.integers(0, 30)), held
+
+
+@st.composite
+def recent_put_cases(draw):
+    table, seed, floor, held = draw(recent_tables())
+    ids = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=4)), max_size=8))
+    dues = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=len(ids), max_size=len(ids)))
+    odd = draw(st.integers(0, 11))
+    if odd == 0:
+        ids = [*ids, draw(st.sampled_from([b"id", 3, None]))]  # not a str
+        dues = [*dues, 0]
+    elif odd == 1:
+        dues = [*dues, draw(st.sampled_from([2**63, 1.5, "1"]))]  # beyond 64 bits, or not an int
+        ids = [*ids, "late"]
+    elif odd == 2:
+        dues = dues[1:]  # one short
+    first = draw(st.one_of(st.integers(1, 40), st.sampled_from([0, 2**63 - 2])))
+    return table, seed, floor, ids, first, dues
+
+
+@st.composite
+def recent_find_cases(draw):
+    table, seed, floor, held = draw(recent_tables())
+    asked = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=4)), max_size=10))
+    if draw(st.integers(0, 9)) == 0:
+        asked = [*asked, 7]  # not a str
+    return bytes(table) if draw(st.booleans()) else table, seed, floor, asked
+
+
+@st.composite
+def recent_rehash_cases(draw):
+    table, _seed, floor, _held = draw(recent_tables())
+    return table, bytearray(draw(st.sampled_from([32, 64, 256, 1024, 96]))), floor
+
+
 @st.composite
 def index_entries_cases(draw):
     """MESSAGE, CANCEL and DISPATCH frames (the schedule log holds the first two), a frame
@@ -520,6 +571,9 @@ PAIRS: dict[tuple[str, str], Pair] = {
         outcome=lambda result, args: (result, bytes(args[0])),
     ),
     ("segments", "filter_maybe"): Pair(filter_maybe_cases()),
+    ("segments", "recent_put"): Pair(recent_put_cases(), outcome=lambda result, args: (result, bytes(args[0]))),
+    ("segments", "recent_find"): Pair(recent_find_cases()),
+    ("segments", "recent_rehash"): Pair(recent_rehash_cases(), outcome=lambda result, args: (result, bytes(args[1]))),
     ("segments", "index_entries"): Pair(index_entries_cases()),
     ("segments", "index_find"): Pair(index_find_cases(), outcome=lambda result, args: bytes(result)),
     ("segments", "index_gather"): Pair(

@@ -1,0 +1,107 @@
+"""The deduper's table of recent ids (server/recent_ids.py) against the dict of id -> newest
+write it replaced, through adds (batches and single reschedules, ids written again),
+lookups at floors, forgetting, growing and shrinking, with the native codec and with the
+Python twins; and the generated-id ranges of server/validation.py against the strings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qdelay.segments import native
+from qdelay.server import recent_ids
+from qdelay.server.engine import Receipt
+from qdelay.server.recent_ids import RecentIds
+from qdelay.server.validation import IdGenerator
+
+ID = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=6)
+# add a batch of distinct ids | look some up | the index catches up by some sequences
+STEP = st.one_of(
+    st.tuples(st.just("add"), st.lists(ID, min_size=1, max_size=40, unique=True)),
+    st.tuples(st.just("find"), st.lists(ID, max_size=12)),
+    st.tuples(st.just("index"), st.integers(0, 60)),
+)
+
+
+class Model:
+    """What the deduper held before: id -> its newest write; a write leaves once indexed."""
+
+    def __init__(self) -> None:
+        self.newest: dict[str, Receipt] = {}
+
+    def add(self, first: int, ids: list[str], dues: list[int]) -> None:
+        for k, m in enumerate(ids):
+            self.newest[m] = Receipt(m, dues[k], first + k)
+
+    def find(self, ids: list[str], floor: int) -> dict[int, Receipt]:
+        return {k: r for k, m in enumerate(ids) if (r := self.newest.get(m)) is not None and r.sequence > floor}
+
+
+@pytest.mark.parametrize("side", ["native", "twin"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(STEP, max_size=60), small=st.booleans())
+def test_the_table_answers_as_the_dict_it_replaced(side, steps, small, monkeypatch):
+    if side == "twin":
+        monkeypatch.setattr(native, "codec", None)
+    elif native.codec is None:
+        pytest.skip("the native codec is not built")
+    if small:  # grow, rebuild and shrink within a few batches
+        monkeypatch.setattr(recent_ids, "MIN_SLOTS", 4)
+    table, model = RecentIds(), Model()
+    written = indexed = 0  # sequences: the last written, and the last the index holds
+    for op, arg in steps:
+        if op == "add":
+            dues = [written * 7 + k for k in range(len(arg))]
+            table.add(written + 1, arg, dues, indexed)
+            model.add(written + 1, arg, dues)
+            written += len(arg)
+        elif op == "find":
+            assert table.find(arg, indexed) == model.find(arg, indexed)
+        else:
+            indexed = min(written, indexed + arg)
+            table.forget(indexed)
+        everything = list(model.newest)
+        assert table.find(everything, indexed) == model.find(everything, indexed)
+    table.forget(written)
+    assert len(table) == 0 and table.slots == recent_ids.MIN_SLOTS
+
+
+def test_a_hash_match_of_another_id_is_not_a_hit(monkeypatch):
+    """A slot matches on a 64-bit hash; the id itself is confirmed from its batch's line."""
+    monkeypatch.setattr(native, "codec", None)
+    monkeypatch.setattr(recent_ids.xxhash, "xxh3_64_intdigest", lambda key, seed: 5)  # every id collides
+    twin = RecentIds()
+    twin.add(1, ["a", "b"], [10, 20], 0)
+    assert twin.find(["b", "c", "a"], 0) == {0: Receipt("b", 20, 2), 2: Receipt("a", 10, 1)}
+
+
+def test_a_lookup_begun_before_the_index_caught_up_still_finds_its_ids():
+    """Puts reuse only slots dead for every running lookup (the caller's floor): a slot at or
+    below a later floor is still found by a lookup at its own, earlier floor."""
+    table = RecentIds()
+    table.add(1, ["a"], [1], 0)
+    table.add(2, ["b"], [2], 0)  # a lookup that began when the index held nothing runs
+    assert table.find(["a", "b"], 0) == {0: Receipt("a", 1, 1), 1: Receipt("b", 2, 2)}
+    assert table.find(["a", "b"], 1) == {1: Receipt("b", 2, 2)}
+
+
+def test_generated_id_ranges_match_the_strings():
+    gen = IdGenerator()
+    before = gen.issued
+    ids = [gen() for _ in range(300)]
+    made = gen.made(before, gen.issued)
+    assert len(made) == 300 and all(m in made for m in ids)
+    prefix, first = ids[0].rsplit("-", 1)
+    n = int(first, 16)
+    outside = [
+        f"{prefix}-{n - 1:x}",  # made before
+        f"{prefix}-{n + 300:x}",  # not made yet
+        f"{prefix}-0{n:x}",  # a leading zero: not how the generator writes it
+        f"{prefix}-{n:X}" if f"{n:x}" != f"{n:X}" else f"{prefix}-+{n:x}",
+        f"{prefix}-",
+        f"{prefix}-{n:x} ",
+        f"other-{n:x}",
+        ids[0][:-1] + "g",
+    ]
+    assert not any(m in made for m in outside)
