@@ -33,12 +33,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from qdelay.server import allocator
 from qdelay.server.engine import Engine, Receipt
 from qdelay.server.recent_ids import RecentIds
+from qdelay.server.validation import Made
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class Deduper:
     def enabled(self) -> bool:
         return self.window_ms > 0 and self.engine.ids is not None
 
-    async def check(self, ids: list[str], generated: Collection[str] | None = None) -> tuple[dict[int, Receipt], Claim]:
+    async def check(self, ids: list[str], generated: Made | None = None) -> tuple[dict[int, Receipt], Claim]:
         """(duplicates: batch index -> original receipt, claim on the other ids).
 
         ``ids`` are distinct (validation refuses a batch that repeats one). ``generated``
