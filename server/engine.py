@@ -304,6 +304,9 @@ class Engine:
             n = self.ids.rebuild(self.schedule)
             if n:
                 self._note(f"id index rebuilt from the schedule log: {n} messages in {time.monotonic() - t0:.2f}s")
+        if self.ids is not None:
+            # now, whatever the role: a slave keeps it ready for its promotion (see start_filter)
+            self.ids.start_filter()
         self.iterate = IterateService(
             self.wal,
             self.schedule,
@@ -1379,6 +1382,7 @@ class Engine:
             schedule_segments=len(self.schedule),
             open_files=self.pool.open_count,
             disk_full_waits=self.iterate.disk_full_waits + self.scheduler.dispatch_disk_full_total,
+            id_filter_keys=self.ids.filter_keys if self.ids is not None else 0,
             healthy=self.healthy(),
         )
         s.update(self.replication_stats())

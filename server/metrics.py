@@ -42,6 +42,11 @@ ENGINE_STATS = {
         "counter",
     ),
     "epoch": ("qdelay_epoch", "Replication epoch of this server", "gauge"),
+    "id_filter_keys": (
+        "qdelay_id_filter_keys",
+        "Message ids in the id filter in front of the id index (0 until its scan at start-up is done)",
+        "gauge",
+    ),
     "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)", "gauge"),
     "replication_lag_ms": (
         "qdelay_replication_lag_ms",

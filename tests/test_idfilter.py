@@ -76,6 +76,24 @@ def test_a_full_filter_is_replaced_by_a_larger_one_that_misses_nothing(tmp_path,
         index.close()
 
 
+def test_start_filter_builds_it_without_a_lookup_once(tmp_path):
+    """The server opens the index and starts the filter's scan at once (a slave never looks
+    ids up); asked again, it neither scans again nor replaces the filter."""
+    index = IdIndex(str(tmp_path / "ids"))
+    try:
+        ids = _put(index, 0, 5_000)
+        assert index.filter_keys == 0
+        index.start_filter()
+        wait_until(lambda: index.filter_keys == 5_000, timeout=30, what="the id filter, with no lookup")
+        built = index._filter
+        index.start_filter()
+        ids += _put(index, 5_000, 100)
+        assert index._filter is built and index.filter_keys == 5_100
+        assert None not in index.get_many(ids)
+    finally:
+        index.close()
+
+
 @pytest.mark.parametrize("size", [0, 7, 12])
 def test_a_filter_of_a_wrong_size_is_refused(size):
     with pytest.raises(ValueError):
