@@ -19,6 +19,7 @@ message in flight is not claimed).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class Part:
     """Entries of one lane and one bucket taken for delivery, and their records once read
     back (columns; ``keep`` narrows every column at once)."""
 
-    __slots__ = ("st", "seqs", "offs", "dues", "attempts", "read")
+    __slots__ = ("st", "seqs", "offs", "dues", "attempts", "read", "clean")
 
     def __init__(self, st: BucketState, seqs: list[int], offs: list[int], dues: list[int], attempts: list[int]) -> None:
         self.st = st
@@ -51,6 +52,7 @@ class Part:
         self.dues = dues
         self.attempts = attempts
         self.read: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+        self.clean = False  # every record read back could be served (no None among the ids)
 
     def keep(self, idx: list[int]) -> None:
         self.seqs, self.offs, self.dues, self.attempts = (
@@ -97,8 +99,9 @@ class Dispatcher:
     def take(self, credit: Callable[[str, str], int]) -> list[Taken]:
         """One round's entries, per lane and bucket, claimed and cancelled ones dropped."""
         taken: list[Taken] = []
+        split: dict = {}  # columns split by bucket once for the lanes taking the same ones (fan-out)
         for lane, g, name, cols in self.timer.take(credit, self._take_tokens, self.cfg.dispatch_quantum):
-            parts = self._by_bucket(lane.sid, lane.gid, *cols)
+            parts = self._by_bucket(lane.sid, lane.gid, *cols, split=split)
             if parts:
                 taken.append(Taken(lane, g, name, parts))
         return taken
@@ -123,19 +126,36 @@ class Dispatcher:
         buckets: list[int],
         dues: list[int],
         attempts: list[int],
+        split: dict | None = None,
     ) -> list[Part]:
-        """Ready items (columns, all of one lane) split by bucket, cancelled ones dropped."""
-        first = buckets[0]
-        if buckets.count(first) == len(buckets):
-            by_bucket = [(first, seqs, offs, dues, attempts)]
+        """Ready items (columns, all of one lane) split by bucket, cancelled ones dropped.
+        ``split`` (one round's): the split of columns already made for another lane that
+        took the very same column objects (the groups of a subject take a fired chunk in
+        step: ``Ready.take`` shares its columns), made once for all of them."""
+        cols = (seqs, offs, buckets, dues, attempts)
+        got = split.get(id(seqs)) if split is not None else None
+        if got is not None and all(map(operator.is_, got[0], cols)):
+            by_bucket = got[1]
         else:
-            where: dict[int, list[int]] = {}
-            for i, b in enumerate(buckets):
-                where.setdefault(b, []).append(i)
-            by_bucket = [
-                (b, [seqs[i] for i in idx], [offs[i] for i in idx], [dues[i] for i in idx], [attempts[i] for i in idx])
-                for b, idx in where.items()
-            ]
+            first = buckets[0]
+            if buckets.count(first) == len(buckets):
+                by_bucket = [(first, seqs, offs, dues, attempts)]
+            else:
+                where: dict[int, list[int]] = {}
+                for i, b in enumerate(buckets):
+                    where.setdefault(b, []).append(i)
+                by_bucket = [
+                    (
+                        b,
+                        [seqs[i] for i in idx],
+                        [offs[i] for i in idx],
+                        [dues[i] for i in idx],
+                        [attempts[i] for i in idx],
+                    )
+                    for b, idx in where.items()
+                ]
+            if split is not None:
+                split[id(seqs)] = (cols, by_bucket)
         parts = []
         for bucket, g_seqs, g_offs, g_dues, g_attempts in by_bucket:
             st = self.book.get(bucket)
@@ -182,9 +202,10 @@ class Dispatcher:
                 key = (part.st.bucket, part.offs[0], len(part.offs))
                 same = next((p for p in done.get(key, ()) if p.offs is part.offs or p.offs == part.offs), None)
                 if same is not None:
-                    part.read = same.read
+                    part.read, part.clean = same.read, same.clean
                     continue
                 part.read = read_messages(part.st.seg, part.seqs, part.offs)
+                part.clean = None not in part.read[0]  # (a scan of the column: once per read)
                 done.setdefault(key, []).append(part)
 
     # --- 3. hand out (lock held) ------------------------------------------------------------------
@@ -216,12 +237,13 @@ class Dispatcher:
             if not self._drop_cancelled(part, lane.sid, gid):  # cancelled while being read
                 continue
             mids = part.read[0]
-            if None in mids:  # unreadable records: reported by read_messages, never served
+            if not part.clean and None in mids:  # unreadable records: reported by read_messages, never served
                 keep = [i for i, m in enumerate(mids) if m is not None]
                 bad = len(mids) - len(keep)
                 st.owe(gid, -bad)
                 self.loader.count_corrupt(bad)
                 part.keep(keep)
+                part.clean = True
                 if not part.seqs:
                     continue
                 mids = part.read[0]
