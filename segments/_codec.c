@@ -614,6 +614,28 @@ done:
     return out;
 }
 
+/* The sequence of a well-formed ack id (a str): 1-18 ASCII digits, a dot, 1-9 ASCII digits
+ * (at most 18 digits: no int64 overflow). 0 if it is not well formed. */
+static int parse_ack_id(PyObject *id, long long *seq) {
+    if (PyUnicode_KIND(id) != PyUnicode_1BYTE_KIND)
+        return 0;
+    const unsigned char *p = PyUnicode_1BYTE_DATA(id);
+    Py_ssize_t len = PyUnicode_GET_LENGTH(id), k = 0;
+    long long v = 0;
+    while (k < len && k < 18 && p[k] >= '0' && p[k] <= '9')
+        v = v * 10 + (p[k++] - '0');
+    if (k < 1 || k >= len || p[k] != '.')
+        return 0;
+    Py_ssize_t tail = len - k - 1;
+    if (tail < 1 || tail > 9)
+        return 0;
+    for (Py_ssize_t j = k + 1; j < len; j++)
+        if (p[j] < '0' || p[j] > '9')
+            return 0;
+    *seq = v;
+    return 1;
+}
+
 /* ack_sequences(ids) -> list[int] | None
  *
  * The sequence of each ack id when every id is well formed: 1-18 ASCII digits, a dot, 1-9
@@ -639,19 +661,8 @@ static PyObject *ack_sequences(PyObject *self, PyObject *args) {
             Py_CLEAR(out);
             goto done;
         }
-        int well = PyUnicode_KIND(it[i]) == PyUnicode_1BYTE_KIND;
-        const unsigned char *p = well ? PyUnicode_1BYTE_DATA(it[i]) : NULL;
-        Py_ssize_t len = PyUnicode_GET_LENGTH(it[i]), k = 0;
-        long long seq = 0;
-        while (well && k < len && k < 18 && p[k] >= '0' && p[k] <= '9')
-            seq = seq * 10 + (p[k++] - '0');
-        Py_ssize_t digits = k;
-        well = well && digits >= 1 && k < len && p[k] == '.';
-        Py_ssize_t tail = well ? len - k - 1 : 0;
-        well = well && tail >= 1 && tail <= 9;
-        for (Py_ssize_t j = k + 1; well && j < len; j++)
-            well = p[j] >= '0' && p[j] <= '9';
-        if (!well) {
+        long long seq;
+        if (!parse_ack_id(it[i], &seq)) {
             Py_CLEAR(out);
             Py_XDECREF(f);
             Py_RETURN_NONE;
@@ -666,6 +677,59 @@ static PyObject *ack_sequences(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(f);
     return out;
+}
+
+/* ack_match(ids, i, keys, p, k) -> bool
+ *
+ * Whether ack ids ``ids[i:i+k]`` are all well formed (as ack_sequences takes them) and name
+ * the sequences ``keys[p:p+k]`` (ints), in order; False if either range runs past its
+ * list. Items of the range that are not str raise TypeError. The ack ledger matches an
+ * ack request against the flights it has out with this, a stretch at a time, without
+ * making an int per id (parsing them into a list and comparing it with the flight's was
+ * ~45 ns a delivery per group, the largest part of an ack). Python twin: server/ledger.py
+ * ``ack_match_py``.
+ */
+static PyObject *ack_match(PyObject *self, PyObject *args) {
+    PyObject *ids, *keys;
+    Py_ssize_t i, p, k;
+    if (!PyArg_ParseTuple(args, "OnOnn", &ids, &i, &keys, &p, &k))
+        return NULL;
+    PyObject *fi = PySequence_Fast(ids, "ack_match: ids must be a sequence");
+    if (!fi)
+        return NULL;
+    PyObject *fk = PySequence_Fast(keys, "ack_match: keys must be a sequence");
+    if (!fk) {
+        Py_DECREF(fi);
+        return NULL;
+    }
+    PyObject *result = Py_False;
+    if (i < 0 || p < 0 || k < 0 || i > PySequence_Fast_GET_SIZE(fi) - k || p > PySequence_Fast_GET_SIZE(fk) - k)
+        goto done;
+    PyObject **it = PySequence_Fast_ITEMS(fi) + i, **kt = PySequence_Fast_ITEMS(fk) + p;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (!PyUnicode_Check(it[j])) {
+            PyErr_Format(PyExc_TypeError, "ack_match: ids[%zd] is not a str", i + j);
+            result = NULL;
+            goto done;
+        }
+        long long seq;
+        if (!parse_ack_id(it[j], &seq) || !PyLong_Check(kt[j]))
+            goto done;
+        int overflow;
+        long long key = PyLong_AsLongLongAndOverflow(kt[j], &overflow); /* (loops over digits: fast) */
+        if (key == -1 && PyErr_Occurred()) {
+            result = NULL;
+            goto done;
+        }
+        if (overflow || key != seq)
+            goto done;
+    }
+    result = Py_True;
+done:
+    Py_DECREF(fi);
+    Py_DECREF(fk);
+    Py_XINCREF(result);
+    return result;
 }
 
 /* id_entries(data, starts, dues, seqs) -> (keys: list[bytes], values: list[bytes])
@@ -1220,6 +1284,7 @@ static PyMethodDef methods[] = {
     {"read_messages", read_messages, METH_VARARGS, "Check and split MESSAGE records read back for dispatch."},
     {"ack_ids", ack_ids, METH_VARARGS, "The ack id \"seq.attempt\" of each delivery."},
     {"ack_sequences", ack_sequences, METH_VARARGS, "The sequences of well-formed ack ids, or None."},
+    {"ack_match", ack_match, METH_VARARGS, "Whether a stretch of ack ids names a stretch of sequences."},
     {"id_entries", id_entries, METH_VARARGS, "The id index's keys and values of MESSAGE frames."},
     {"filter_add", filter_add, METH_VARARGS, "Set the id filter's bits of each key."},
     {"filter_maybe", filter_maybe, METH_VARARGS, "The positions of the ids the id filter may hold."},

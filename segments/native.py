@@ -37,6 +37,7 @@ def twins() -> dict[str, Callable[..., Any]]:
         "dispatch_frames": records.encode_dispatch_frames_py,
         "ack_ids": ledger.ack_ids_py,
         "ack_sequences": ledger.ack_sequences_py,
+        "ack_match": ledger.ack_match_py,
         "id_entries": idindex.id_entries_py,
         "filter_add": idfilter.filter_add_py,
         "filter_maybe": idfilter.filter_maybe_py,

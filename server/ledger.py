@@ -74,6 +74,30 @@ def ack_sequences_py(ack_ids: list[str]) -> list[int] | None:
     return parsed
 
 
+def ack_match_py(ids: list[str], i: int, keys: list[int], p: int, k: int) -> bool:
+    """The Python twin of ``native.codec.ack_match``: whether ``ids[i:i+k]`` are well formed
+    ("digits.digits", as :func:`ack_sequences_py` takes them) and name the sequences
+    ``keys[p:p+k]`` in order; False if either range runs past its list. A non-str id met
+    before the first mismatch raises TypeError."""
+    if i < 0 or p < 0 or k < 0 or i + k > len(ids) or p + k > len(keys):
+        return False
+    for j in range(k):
+        ack_id = ids[i + j]
+        if not isinstance(ack_id, str):
+            raise TypeError(f"ack_match: ids[{i + j}] is not a str")
+        seq = ack_sequences_py([ack_id])
+        if seq is None or seq[0] != keys[p + j]:
+            return False
+    return True
+
+
+def _ack_seq_at(ids: list[str], i: int) -> int | None:
+    """The sequence ``ids[i]`` names if it is well formed, else None."""
+    codec = native.codec
+    got = codec.ack_sequences(ids[i : i + 1]) if codec is not None else ack_sequences_py(ids[i : i + 1])
+    return got[0] if got else None
+
+
 def ack_attempts(ack_ids: list[str]) -> list[tuple[int, int]]:
     """(sequence, attempt) of each well-formed "seq.attempt" id; others are skipped."""
     parsed = []
@@ -205,6 +229,24 @@ class AckLedger:
         if grp is None or not seqs:
             return []
         return grp.take(seqs)
+
+    def take_acked_ids(self, ack_ids: list[str], gid: int | None) -> list[Acked]:
+        """``take_acked`` of the sequences ``ack_ids`` name (as ``ack_sequences`` reads them),
+        with the same results: what a consumer sends back, stretches of what was handed out
+        in order, is matched id by id against the flights' sequences in C (``ack_match``),
+        without an int made per id and a list compared; the ids after the first that is
+        not such a stretch are parsed and taken as ``take_acked`` takes them."""
+        codec = native.codec
+        if gid is None or codec is None:
+            return self.take_acked(ack_sequences(ack_ids), gid)
+        grp = self._groups.get(gid)
+        if grp is None or not ack_ids:
+            return []
+        out: list[Acked] = []
+        i = grp.take_stretches(ack_ids, _ack_seq_at, codec.ack_match, out)
+        if i < len(ack_ids):
+            out += grp.take(ack_sequences(ack_ids[i:] if i else ack_ids))
+        return out
 
     def take_released(self, parsed: list[tuple[int, int]], gid: int | None) -> list[tuple[int, Item]]:
         """Remove deliveries still in flight *with that attempt* (others are ignored); their

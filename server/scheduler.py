@@ -49,7 +49,7 @@ from qdelay.server.dispatch_log import DispatchLogWriter
 from qdelay.server.dispatcher import Dispatcher
 from qdelay.server.groups import Group, GroupTable
 from qdelay.server.iterate import Written
-from qdelay.server.ledger import AckLedger, Item, ack_attempts, ack_sequences
+from qdelay.server.ledger import AckLedger, Item, ack_attempts
 from qdelay.server.loader import Loader
 from qdelay.server.readback import ReadBack
 from qdelay.server.timer import Timer
@@ -604,7 +604,7 @@ class Scheduler:
             return 0
         now = self.clock()
         n = 0
-        for acked in self.ledger.take_acked(ack_sequences(ack_ids), gid):
+        for acked in self.ledger.take_acked_ids(ack_ids, gid):
             fl, got = acked.batch, acked.keys
             offs, dues, attempts, mids = fl.columns(got, acked.start)
             at = [fl.at] * len(got)

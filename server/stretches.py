@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Hashable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -93,6 +93,13 @@ class Batch(Generic[K]):
 
 
 B = TypeVar("B", bound=Batch)
+
+
+def _same_keys(keys: list[K], i: int, batch_keys: list[K], p: int, k: int) -> bool:
+    """``keys[i:i+k]`` are ``batch_keys[p:p+k]`` (no slices when both are whole)."""
+    if i == 0 and p == 0 and k == len(keys) == len(batch_keys):
+        return keys == batch_keys
+    return batch_keys[p : p + k] == keys[i : i + k]
 
 
 class Taken(Generic[B, K]):
@@ -182,28 +189,43 @@ class Stretches(Generic[B, K]):
         """Take the keys still out among ``keys`` (others are ignored); per batch, the keys
         taken of it, in the order given."""
         out: list[Taken[B, K]] = []
-        n = len(keys)
+        i = self.take_stretches(keys, list.__getitem__, _same_keys, out)
+        if i < len(keys):
+            self._take_indexed(keys[i:] if i else keys, out)
+        return out
+
+    def take_stretches(
+        self,
+        ids: list[Any],
+        key_at: Callable[[list[Any], int], K | None],
+        same: Callable[[list[Any], int, list[K], int, int], bool],
+        out: list[Taken[B, K]],
+    ) -> int:
+        """Take stretches of batches, in order, from the start of ``ids``, as long as they
+        are: ``key_at(ids, i)`` is the key ``ids[i]`` names (None: none), ``same(ids, i,
+        keys, p, k)`` whether ``ids[i:i+k]`` name ``keys[p:p+k]``. Per stretch, one lookup
+        and one comparison of lists (in C), no lookup per key; the keys taken are the
+        batch's own (its list when the stretch is all of it). Returns how many ids were
+        taken; the caller takes the rest otherwise (``take``). ``ids`` are the keys
+        themselves for ``take``; the ack ledger passes ack ids as consumers sent them,
+        without making an int per id first."""
+        n = len(ids)
         i = 0
         starts = self.starts
-        # stretches of batches, in order: compared as lists, no lookup per key
         while i < n:
-            got = starts.get(keys[i])
+            key = key_at(ids, i)
+            if key is None:
+                break
+            got = starts.get(key)
             if got is None:
                 break
             b, p = got
             size = len(b.keys)
             k = min(n - i, size - p)
-            if i == 0 and k == n and p == 0 and k == size:
-                if keys != b.keys:  # (the whole request is the whole batch: no slices)
-                    break
-                part = keys
-            else:
-                part = keys[i : i + k]
-                if b.keys[p : p + k] != part:
-                    break
-            if not b.stretch_live(p, k):
+            if not same(ids, i, b.keys, p, k) or not b.stretch_live(p, k):
                 break
-            del starts[keys[i]]
+            part = b.keys if p == 0 and k == size else b.keys[p : p + k]
+            del starts[key]
             b.resume = -1
             self._gone(b, p, k)
             if p + k < size and b.live_at(p + k):
@@ -214,9 +236,7 @@ class Stretches(Generic[B, K]):
                 collections.deque(map(idx.pop, part, itertools.repeat(None)), maxlen=0)
             out.append(Taken(b, part, p))
             i += k
-        if i < n:
-            self._take_indexed(keys[i:] if i else keys, out)
-        return out
+        return i
 
     def _take_indexed(self, keys: list[K], out: list[Taken[B, K]]) -> None:
         """Keys that are not stretches of batches: each looked up in the index."""

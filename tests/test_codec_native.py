@@ -538,6 +538,44 @@ class Pair:
     outcome: Callable[[Any, tuple], Any] = lambda result, args: result
 
 
+@st.composite
+def ack_match_cases(draw):
+    """(ids, i, keys, p, k) for ack_match: ids naming a stretch of the keys as the ledger
+    hands them out ("seq.attempt"), some altered (another sequence, malformed, bare, not a
+    str, 18/19 digits), and ranges inside and past either list."""
+    keys = draw(
+        st.lists(
+            st.one_of(st.integers(0, 10**6), st.integers(10**17, 10**18 + 5), st.integers(-3, -1), st.just(2**64)),
+            max_size=10,
+        )
+    )
+    ids: list = [f"{q}.{draw(st.integers(0, 10**9 - 1))}" for q in keys]
+    for j in draw(st.lists(st.integers(0, max(0, len(ids) - 1)), max_size=3)) if ids else []:
+        ids[j] = draw(
+            st.one_of(
+                st.integers(0, 10**6).map(lambda q: f"{q}.1"),
+                st.sampled_from(
+                    ["", ".", "1.", ".1", "1", "1..2", "+1.1", " 1.1", "١.1", "1" * 19 + ".1", "1.1234567890"]
+                ),
+                st.text(max_size=5),
+                st.just(7),
+            )
+        )
+    lead = draw(st.lists(st.sampled_from(["1.1", "x"]), max_size=2))
+    if draw(st.booleans()):  # the ids of a stretch against the keys they were made of
+        start = draw(st.integers(0, len(keys)))
+        k = draw(st.integers(0, len(keys) - start))
+        return lead + ids, len(lead) + start, keys, start, k
+    n = max(len(ids), len(keys)) + 2
+    return (
+        lead + ids,
+        draw(st.integers(-1, n)),
+        keys,
+        draw(st.integers(-1, n)),
+        draw(st.integers(-1, n)),
+    )
+
+
 PAIRS: dict[tuple[str, str], Pair] = {
     ("segments", "frame_bodies"): Pair(
         st.tuples(
@@ -620,6 +658,7 @@ PAIRS: dict[tuple[str, str], Pair] = {
             max_size=12,
         ).map(lambda ids: (ids,)),
     ),
+    ("segments", "ack_match"): Pair(ack_match_cases()),
     ("wire", "encode_send_batch"): Pair(
         st.tuples(
             st.just(bytearray()),

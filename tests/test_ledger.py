@@ -18,6 +18,8 @@ from qdelay.server.ledger import AckLedger, Flight
 
 GROUPS = (1, 2, 3)
 TIMEOUT = 100
+# how an ack comes: sequences (take_acked), ack ids (take_acked_ids), ack ids with odd ones
+ACK_FORMS = st.tuples(st.sampled_from(["seqs", "ids", "odd"]), st.integers(0, 20))
 
 
 def flight(gid: int, seqs: list[int], at: int, attempt: int = 1) -> Flight:
@@ -79,23 +81,36 @@ class LedgerMachine(RuleBasedStateMachine):
         flat = [q for b in batches[i:] for q in b]
         start = data.draw(st.integers(0, len(flat) - 1))
         k = data.draw(st.integers(1, len(flat) - start))
-        self._ack(gid, flat[start : start + k])
+        self._ack(gid, flat[start : start + k], data.draw(ACK_FORMS))
 
     @rule(gid=st.sampled_from(GROUPS), data=st.data())
     def ack_any(self, gid: int, data: st.DataObject) -> None:
         """Any ids: in flight or not, in any order, repeated, unknown."""
         pool = sorted(self.ref[gid]) + [self.next_seq + 5, 1]
         seqs = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=10))
-        self._ack(gid, seqs)
+        self._ack(gid, seqs, data.draw(ACK_FORMS))
 
-    def _ack(self, gid: int, seqs: list[int]) -> None:
+    def _ack(self, gid: int, seqs: list[int], form: tuple[str, int]) -> None:
         want = []
         mine = self.ref[gid]
+        attempts = [mine.get(q, (1, 0))[0] for q in seqs]
         for q in seqs:
             if q in mine and gid not in self.dropped:
                 del mine[q]
                 want.append(q)
-        got = self.ledger.take_acked(seqs, gid)
+        how, at = form
+        if how == "seqs":
+            got = self.ledger.take_acked(seqs, gid)
+        else:
+            # as a consumer sends them: "seq.attempt" ids (take_acked_ids); "odd": one id bare
+            # ("seq", read as its sequence) and a malformed one inserted (skipped), which
+            # end the stretches matched in C
+            ids = [f"{q}.{a}" for q, a in zip(seqs, attempts)]
+            if how == "odd":
+                j = at % len(ids)
+                ids[j] = str(seqs[j])
+                ids.insert(at % (len(ids) + 1), "x.1")
+            got = self.ledger.take_acked_ids(ids, gid)
         closed = [q for a in got for q in a.keys]
         assert closed == want
         for a in got:
@@ -192,3 +207,20 @@ def test_a_burst_acknowledged_as_handed_out_needs_no_index():
     got += led.take_acked(list(range(600, 1025)), 1)  # ... and the next
     assert [(x.batch, x.start) for x in got] == [(b, 0), (b, 87)]
     assert led.count() == 0 and not led.has_index(1)
+
+
+def test_ack_ids_sent_back_as_handed_out_are_matched_as_stretches():
+    """Ack ids ("seq.attempt") returning whole flights and in-order stretches of them are
+    matched against the flights' sequences without an index (take_acked_ids); the same
+    stretches as take_acked would take, the flights' own sequence lists."""
+    led = AckLedger()
+    a = flight(1, list(range(1, 513)), 0)
+    b = flight(1, list(range(513, 1025)), 0, attempt=2)
+    led.hand_out([a, b], TIMEOUT)
+    got = led.take_acked_ids([f"{q}.1" for q in range(1, 513)], 1)
+    assert [(x.batch, x.start, x.keys) for x in got] == [(a, 0, a.seqs)]
+    got = led.take_acked_ids([f"{q}.2" for q in range(513, 600)], 1)
+    got += led.take_acked_ids([f"{q}.2" for q in range(600, 1025)], 1)
+    assert [(x.batch, x.start, x.keys[0], len(x.keys)) for x in got] == [(b, 0, 513, 87), (b, 87, 600, 425)]
+    assert led.count() == 0 and not led.has_index(1)
+    assert led.take_acked_ids(["600.2", "5.1", "x"], 1) == []  # acknowledged already, or not ids
