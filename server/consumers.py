@@ -243,39 +243,51 @@ class ConsumerRegistry:
                 return
             now = time.monotonic()
             expiry = now + self.ack_timeout_s
-            n = len(subs)
-            start = self._rr % n
-            self._rr += 1
-            order = subs[start:] + subs[:start]
-            free = [max(0, s.available(now)) for s in order]
-            pos = 0
-            remaining = len(deliveries)
-            # spread evenly by free credit: each round gives every subscriber with credit an equal share
-            while remaining > 0:
-                takers = [i for i in range(n) if free[i] > 0]
-                if not takers:
-                    break
-                share = -(-remaining // len(takers))
-                for i in takers:
-                    k = min(share, free[i], remaining)
-                    if k <= 0:
-                        continue
-                    # a subscriber taking the whole batch takes it as it is (no copies)
-                    whole = pos == 0 and k == len(deliveries)
-                    plan.append((order[i], deliveries if whole else deliveries[pos : pos + k]))
-                    free[i] -= k
-                    pos += k
-                    remaining -= k
-            if remaining > 0:
-                # credit shrank since the dispatcher asked (a window change): the least loaded
-                # subscriber takes the rest rather than letting them wait for the ack timeout
-                target = min(order, key=lambda s: s.unacknowledged())
-                plan.append((target, deliveries[pos:]))
+            if len(subs) == 1:
+                # the one subscriber takes the whole batch as it is (what the spread gives it
+                # too, in one or two slices), without the spread's lists: paid per batch per
+                # group of a fan-out
+                sub = subs[0]
+                sub.available(now)  # (drops leases whose ack timeout passed, as the spread does)
+                plan.append((sub, deliveries))
+            else:
+                self._spread(subs, deliveries, now, plan)
             for sub, part in plan:
                 sub.hand_over(part.ack_ids, expiry)
                 sub.delivered += len(part)
         for sub, part in plan:
             self.loop.call_soon_threadsafe(sub.push, part)
+
+    def _spread(self, subs: list[Subscription], deliveries, now: float, plan: list) -> None:
+        """Plan the slices of a batch for several subscribers of a group (lock held)."""
+        n = len(subs)
+        start = self._rr % n
+        self._rr += 1
+        order = subs[start:] + subs[:start]
+        free = [max(0, s.available(now)) for s in order]
+        pos = 0
+        remaining = len(deliveries)
+        # spread evenly by free credit: each round gives every subscriber with credit an equal share
+        while remaining > 0:
+            takers = [i for i in range(n) if free[i] > 0]
+            if not takers:
+                break
+            share = -(-remaining // len(takers))
+            for i in takers:
+                k = min(share, free[i], remaining)
+                if k <= 0:
+                    continue
+                # a subscriber taking the whole batch takes it as it is (no copies)
+                whole = pos == 0 and k == len(deliveries)
+                plan.append((order[i], deliveries if whole else deliveries[pos : pos + k]))
+                free[i] -= k
+                pos += k
+                remaining -= k
+        if remaining > 0:
+            # credit shrank since the dispatcher asked (a window change): the least loaded
+            # subscriber takes the rest rather than letting them wait for the ack timeout
+            target = min(order, key=lambda s: s.unacknowledged())
+            plan.append((target, deliveries[pos:]))
 
 
 def take_for_response(inbox: collections.deque, max_n: int, max_bytes: int) -> list:

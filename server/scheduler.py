@@ -192,6 +192,11 @@ class Scheduler:
             self._accepting = False  # ... later ones are not (see _ack)
         self.writer.stop()
 
+    def thread_id(self) -> int | None:
+        """The scheduler thread's native id while it runs (per-thread CPU figures)."""
+        t = self._thread
+        return t.native_id if t is not None else None
+
     def wake(self) -> None:
         """Credit returned, or new work: the scheduler thread goes round now (no lock)."""
         self._turn = True  # before the event: a sleeping thread that clears it still sees this
