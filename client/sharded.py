@@ -107,6 +107,9 @@ class Topology:
 def shard_of_target(target: Target | None, topology: Topology) -> str:
     """The shard a receipt (object, string form, protobuf, dict, tuple) names, else the id's
     shard; InvalidArgument for what names no message (as ``Client.cancel`` says)."""
+    if type(target) is Receipt:  # the usual target: its fields, without the protobuf ref() makes
+        shard, mid = target.shard, target.message_id
+        return shard if shard in topology.shards else topology.shard_for(mid)
     r, mid = ref(target)
     if r is not None:
         return r.shard if r.shard in topology.shards else topology.shard_for(r.message_id)

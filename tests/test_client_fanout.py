@@ -167,3 +167,18 @@ def test_sharded_send_many_one_shard_returns_its_receipts():
     with _sharded(shards, fakes) as sc:
         receipts = sc.send_many(msgs)
     assert [r.message_id for r in receipts] == [m.message_id for m in msgs] and fakes["m0:1"].calls == [50]
+
+
+def test_shard_of_target_is_the_same_for_every_form_of_a_receipt():
+    """A Receipt is routed from its fields (no protobuf made per target: cancel_many routes
+    every target); its string form, protobuf and dict go the same way: to the shard it names,
+    or by its id when the cluster has no such shard (a receipt from a single server)."""
+    from qdelay.client.sharded import shard_of_target
+
+    topo = Topology("c", {f"s{i}": pb.Shard(name=f"s{i}", master=f"m{i}:1", epoch=1) for i in range(4)})
+    for k in range(40):
+        for shard in ("s2", "", "gone"):
+            r = Receipt(f"id-{k}", 10**13 + k, k + 1, shard)
+            forms = [r, str(r), r.to_pb(), {"message_id": r.message_id, "sequence": k + 1, "shard": shard}]
+            want = shard if shard in topo.shards else topo.shard_for(r.message_id)
+            assert [shard_of_target(t, topo) for t in forms] == [want] * 4
