@@ -16,7 +16,8 @@ each bucket size N, two minutes an hour ahead with N messages each:
 - ``qdelay.aio`` ``client.cancel`` of random receipts from ``--aio-tasks`` asyncio tasks (64),
   gathered into CancelBatch calls and, same run, unary (``batching=False``): cancels/s and
   server CPU per cancel, ``--cancels`` of each (fewer when the minute is small);
-- ``client.send`` from 16 threads and a batched send of 50,000, same run, as yardsticks.
+- ``client.send`` from 16 threads and a batched send of 50,000, same run, as yardsticks;
+  for both 16-thread phases, how many targets or messages a gathered call carried.
 
 The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
 
@@ -51,6 +52,18 @@ def _fill(client: Client, n: int, minute_start: int, tag: str) -> list:
         for i in range(n)
     )
     return list(client.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=300))
+
+
+def _calls(client: Client) -> tuple[int, int]:
+    """(calls of the blocking client's ``cancel()`` batcher, batches of its ``send()`` batcher)
+    made so far, read from the batchers' counters (0 before the first): how many targets or
+    messages a gathered call carried in a phase (each phase's rate is one call's cycle
+    times that)."""
+    canceller, sender = getattr(client, "_canceller", None), getattr(client, "_batcher", None)
+    return (
+        canceller.batches if canceller is not None else 0,
+        sender.batches if sender is not None else 0,
+    )
 
 
 def _aio_cancels(address: str, targets: list, tasks: int, batching: bool, pid: int) -> tuple[float, float]:
@@ -141,8 +154,10 @@ def run(
                         raise SystemExit(f"reschedule answered {sorted(set(moved))}")
 
                     outcomes: list[str] = []
+                    calls0 = _calls(c)[0]
                     with Meter(server.pid) as mu:
                         wall_u = threads(16, lambda r, out=outcomes: out.append(c.cancel(r)), unary_set)
+                    cancel_calls = _calls(c)[0] - calls0
                     bad = [o for o in outcomes if o != "CANCELLED"]
                     if bad:
                         raise SystemExit(f"unary cancel answered {bad[:3]} ({len(bad)} not CANCELLED)")
@@ -157,6 +172,7 @@ def run(
                         "idle_wait_s": round(idle_s, 1),
                         "unary_cancels_per_s": len(unary_set) / wall_u,
                         "unary_cpu_us": mu.cpu / len(unary_set) * 1e6,
+                        "unary_cancels_a_call": len(unary_set) / max(1, cancel_calls),
                         "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
                         "reschedule_cpu_us": mr.cpu / len(resched_set) * 1e6 if resched_set else 0,
                     }
@@ -179,13 +195,16 @@ def run(
 
                 # yardsticks, same run: unary Send from 16 threads, batched send's CPU
                 sends = [hour + 3 * 86_400_000 + i for i in range(max(cancels, 500))]
+                calls0 = _calls(c)[1]
                 with Meter(server.pid) as ms:
                     wall_s = threads(16, lambda at: c.send("bench.yard", b"x" * 100, deliver_at_ms=at), sends)
+                send_calls = _calls(c)[1] - calls0
                 with Meter(server.pid) as mbs:
                     _fill(c, 50_000, hour + 4 * 86_400_000, "yard")
                 yard = {
                     "unary_sends_per_s": len(sends) / wall_s,
                     "unary_send_cpu_us": ms.cpu / len(sends) * 1e6,
+                    "unary_sends_a_batch": len(sends) / max(1, send_calls),
                     "batched_send_cpu_us": mbs.cpu / 50_000 * 1e6,
                     "pending_fill_cpu_us": pending_cpu_us,  # the --pending send_many, a batched send too
                 }
@@ -254,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             f" ({y['pending_fill_cpu_us']:.1f} for the --pending fill);"
             f" unary cancel/send rate (median over sizes): "
             f"{median([r['unary_cancels_per_s'] for r in rows]) / y['unary_sends_per_s']:.2f}"
+            f" (gathered: {y['unary_sends_a_batch']:.1f} sends a batch,"
+            f" {median([r['unary_cancels_a_call'] for r in rows]):.1f} cancels a call)"
         )
     for r in rows:
         if "aio_batched_cancels_per_s" in r:
