@@ -26,7 +26,7 @@ native-deps:
 		echo "libxxhash-dev not installed: the native codec will not be built (Python twins run)"
 
 # the install also builds the native codecs (segments/_codec.c, qdelay/_wire.c) next to their sources
-$(STAMP): pyproject.toml segments/_codec.c qdelay/_wire.c segments/layout.h | native-deps
+$(STAMP): pyproject.toml segments/_codec.c qdelay/_wire.c segments/layout.h segments/pyint.h | native-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[server,dev,test,spark,bench]'

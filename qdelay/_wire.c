@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "layout.h"
+#include "pyint.h"
 
 /* The protobuf field numbers this codec reads and writes (proto/qdelay/v1/qdelay.proto).
  * Named once here and exported as WIRE_FIELDS: qdelay/wire.py checks them against the
@@ -163,7 +164,7 @@ static PyObject *encode_messages(PyObject *self, PyObject *args) {
                 failed = 1;
                 break;
             }
-            long long v = PyLong_AsLongLong(when);
+            long long v = AS_I64(when);
             if (v == -1 && PyErr_Occurred()) {
                 failed = 1;
                 break;
@@ -632,8 +633,8 @@ static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
         }
         pp = PyBytes_AS_STRING(payload);
         pn = PyBytes_GET_SIZE(payload);
-        long long due = PyLong_AsLongLong(PyList_GET_ITEM(dues, i));
-        long long attempt = PyLong_AsLongLong(PyList_GET_ITEM(attempts, i));
+        long long due = AS_I64(PyList_GET_ITEM(dues, i));
+        long long attempt = AS_I64(PyList_GET_ITEM(attempts, i));
         if (PyErr_Occurred())
             return NULL;
         /* size of the Delivery message */
@@ -711,7 +712,7 @@ static PyObject *encode_send_batch(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "give deliver_at_ms or delay_ms, not both");
             return NULL;
         }
-        long long at_v = has_at ? PyLong_AsLongLong(at) : 0, delay_v = has_delay ? PyLong_AsLongLong(delay) : 0;
+        long long at_v = has_at ? AS_I64(at) : 0, delay_v = has_delay ? AS_I64(delay) : 0;
         if (PyErr_Occurred())
             return NULL;
         Py_ssize_t hsize = headers_size(hd);
@@ -799,13 +800,13 @@ static int receipt_of(ReceiptOut *r, PyObject *ids, PyObject *dues, PyObject *du
         }
         if (utf8_of(PyTuple_GET_ITEM(dup, 0), &r->id, &r->id_len) < 0)
             return -1;
-        r->due = PyLong_AsLongLong(PyTuple_GET_ITEM(dup, 1));
-        r->sequence = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dup, 2));
+        r->due = AS_I64(PyTuple_GET_ITEM(dup, 1));
+        r->sequence = AS_U64(PyTuple_GET_ITEM(dup, 2));
         r->duplicate = 1;
     } else {
         if (utf8_of(PyList_GET_ITEM(ids, k), &r->id, &r->id_len) < 0)
             return -1;
-        r->due = PyLong_AsLongLong(PyList_GET_ITEM(dues, k));
+        r->due = AS_I64(PyList_GET_ITEM(dues, k));
         r->sequence = (*next)++;
         r->duplicate = 0;
     }
@@ -849,7 +850,7 @@ static PyObject *encode_send_batch_response(PyObject *self, PyObject *args) {
     if (compact && (dups == Py_None || PyDict_GET_SIZE(dups) == 0)) {
         Py_ssize_t packed = 0;
         for (Py_ssize_t k = 0; k < n; k++) {
-            long long due = PyLong_AsLongLong(PyList_GET_ITEM(dues, k));
+            long long due = AS_I64(PyList_GET_ITEM(dues, k));
             if (due == -1 && PyErr_Occurred())
                 return NULL;
             packed += varint_size((uint64_t)due);
@@ -863,7 +864,7 @@ static PyObject *encode_send_batch_response(PyObject *self, PyObject *args) {
             *w++ = TAG(F_BATCH_RESPONSE_DELIVER_AT, WIRE_LEN);
             w = put_varint(w, (uint64_t)packed);
             for (Py_ssize_t k = 0; k < n; k++)
-                w = put_varint(w, (uint64_t)PyLong_AsLongLong(PyList_GET_ITEM(dues, k)));
+                w = put_varint(w, (uint64_t)AS_I64(PyList_GET_ITEM(dues, k)));
         }
         put_bytes(w, TAG(F_BATCH_RESPONSE_SHARD, WIRE_LEN), sp, sn);
         return result;

@@ -27,19 +27,7 @@
 #include <xxhash.h>
 
 #include "layout.h"
-
-/* A Python int as a C integer in the per-record loops. CPython 3.11's PyLong_AsLongLong and
- * PyLong_AsUnsignedLongLong take a slow general path (_PyLong_AsByteArray) for any value of
- * more than one 30-bit digit, which every due time in milliseconds is: ~12 ns each, half of
- * what a DISPATCH frame cost to encode. PyLong_AsLong and PyLong_AsUnsignedLong loop over
- * the digits; where long is 64 bits (LP64) they give the same results and errors. */
-#if LONG_MAX == LLONG_MAX
-#define AS_I64(o) ((long long)PyLong_AsLong(o))
-#define AS_U64(o) ((unsigned long long)PyLong_AsUnsignedLong(o))
-#else
-#define AS_I64(o) PyLong_AsLongLong(o)
-#define AS_U64(o) PyLong_AsUnsignedLongLong(o)
-#endif
+#include "pyint.h"
 
 /* Write one frame header (checksum over [CHECKED_FROM, HEADER_SIZE + length) computed from
  * the body in place). */
@@ -227,7 +215,7 @@ static PyObject *route(PyObject *self, PyObject *args) {
         goto done;
     }
     if (near_obj != Py_None) {
-        near = PyLong_AsLongLong(near_obj);
+        near = AS_I64(near_obj);
         if (near == -1 && PyErr_Occurred())
             goto done;
     }
@@ -266,7 +254,7 @@ static PyObject *route(PyObject *self, PyObject *args) {
             if (!seg)
                 goto done;
             PyObject *last = PyObject_GetAttrString(seg, "last_sequence");
-            long long lastv = last ? PyLong_AsLongLong(last) : -1;
+            long long lastv = last ? AS_I64(last) : -1;
             Py_XDECREF(last);
             if (!last || (lastv == -1 && PyErr_Occurred())) {
                 Py_DECREF(seg);
@@ -1163,7 +1151,7 @@ static PyObject *recent_put(PyObject *self, PyObject *args) {
         const char *utf8 = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(ids, i), &len);
         if (!utf8)
             goto done;
-        long long due = PyLong_AsLongLong(PyList_GET_ITEM(dues, i));
+        long long due = AS_I64(PyList_GET_ITEM(dues, i));
         if (due == -1 && PyErr_Occurred())
             goto done;
         uint64_t h = XXH3_64bits_withSeed(utf8, (size_t)len, (XXH64_hash_t)seed), at = h & mask, probes = 0;

@@ -37,7 +37,7 @@ setup(
             "qdelay._wire",
             sources=["../../qdelay/_wire.c"],
             include_dirs=["../../segments"],
-            depends=["../../segments/layout.h"],
+            depends=["../../segments/layout.h", "../../segments/pyint.h"],
             extra_compile_args=["-O2"],
             optional=True,
         )
