@@ -32,7 +32,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import (
+    BlockBasedOptions,
+    Cache,
+    DBCompressionType,
+    Options,
+    Rdict,
+    ReadOptions,
+    WriteBatch,
+    WriteOptions,
+)
 
 from qdelay.errors import Unavailable
 from qdelay.segments import framing, native, records
@@ -60,6 +69,13 @@ BUILT_MARK = "BUILT"  # written once the index covers every schedule segment
 # ~12 % faster a lookup than 32 MiB (docs/benchmarks.md, "Cost against the number of
 # pending messages").
 CACHE_BYTES = 32 * 1024 * 1024
+# The memtable: keys put since the last flush to an SST file, in RAM (skip list and arena);
+# two at most (one flushing). RocksDB's default 64 MiB, or the 16 MiB used until 26 Nov,
+# was most of the server's RSS growth over 1 M far-future messages (~15 MB of memtable at
+# the end of bench.compare's memory scenario); 4 MiB flushes every ~130,000 ids (a short
+# background write) at no measured cost to ingest or to by-id lookups (docs/benchmarks.md,
+# "Memory per pending message and the dedupe bookkeeping").
+MEMTABLE_BYTES = 4 * 1024 * 1024
 
 
 def _get_many(db: Rdict, keys: list[bytes]) -> list[bytes | None]:
@@ -103,7 +119,7 @@ class IdIndex:
         os.makedirs(path, exist_ok=True)
         opt = Options(raw_mode=True)
         opt.create_if_missing(True)
-        opt.set_write_buffer_size(16 * 1024 * 1024)
+        opt.set_write_buffer_size(MEMTABLE_BYTES)
         opt.set_max_write_buffer_number(2)
         table = BlockBasedOptions()
         table.set_bloom_filter(10, False)
@@ -223,8 +239,12 @@ class IdIndex:
 
     def _fill(self, building: IdFilter) -> None:
         try:
+            # a scan reads every block once: kept out of the block cache, which it would fill
+            # (32 MiB, 3 B a message at 10 M) with blocks no lookup asked for
+            scan = ReadOptions()
+            scan.fill_cache(False)
             with self._filter_lock:  # after the last put that did not add to ``building``
-                keys = iter(cast("Iterable[bytes]", self._db.keys()))  # raw mode: bytes
+                keys = iter(cast("Iterable[bytes]", self._db.keys(read_opt=scan)))  # raw mode: bytes
             # chunks gathered by islice, the loop in C: 250 -> 170 ns a key (it holds the GIL)
             while chunk := list(itertools.islice(keys, 4096)):
                 if self._closing:
