@@ -242,7 +242,7 @@ class IdIndex:
             # a scan reads every block once: kept out of the block cache, which it would fill
             # (32 MiB, 3 B a message at 10 M) with blocks no lookup asked for
             scan = ReadOptions()
-            scan.fill_cache(False)
+            scan.fill_cache(False)  # type: ignore[call-arg]  # (rocksdict's stub leaves out its bool)
             with self._filter_lock:  # after the last put that did not add to ``building``
                 keys = iter(cast("Iterable[bytes]", self._db.keys(read_opt=scan)))  # raw mode: bytes
             # chunks gathered by islice, the loop in C: 250 -> 170 ns a key (it holds the GIL)
