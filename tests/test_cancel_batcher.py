@@ -272,7 +272,8 @@ def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
     """A linger of 1 s, far above a round trip: 16 threads (then 16 tasks) cancelling in a
     loop ride one call a round, and each next call goes as soon as the last one's 16
     callers are back, not when the linger ends (25 rounds would take 25 s); only the
-    last call, short of callers, waits it out."""
+    last call, short of callers, waits it out. (~1 s here; the bound leaves room for a
+    loaded machine.)"""
     fake = _FakeServer()
     batcher = CancelBatcher(fake.batch, fake.single, max_batch=1000, max_in_flight=1, linger=1.0)
     loop = asyncio.new_event_loop()
@@ -294,7 +295,7 @@ def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
         started = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(worker, range(16)))
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 12.0
         assert got == {seq: seq % 5 + 1 for seq in range(100, 500)}
         assert sum(fake.sizes) == 400 and fake.sizes.count(16) >= 15  # ~one call a round
         assert batcher._want == 1 and batcher._inbox.wake_at == 1  # gathering leaves no threshold behind
@@ -315,7 +316,7 @@ def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
 
         started = time.monotonic()
         await asyncio.gather(*(one() for _ in range(16)))
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 12.0
         assert sum(fake.sizes) == 400 and fake.sizes.count(16) >= 15
         await aio.close()
 
