@@ -297,7 +297,7 @@ def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
             list(pool.map(worker, range(16)))
         assert time.monotonic() - started < 12.0
         assert got == {seq: seq % 5 + 1 for seq in range(100, 500)}
-        assert sum(fake.sizes) == 400 and fake.sizes.count(16) >= 15  # ~one call a round
+        assert sum(fake.sizes) == 400 and len(fake.sizes) <= 50  # ~one call a round once all 16 are going
         assert batcher._want == 1 and batcher._inbox.wake_at == 1  # gathering leaves no threshold behind
     finally:
         asyncio.run_coroutine_threadsafe(batcher.close(), loop).result(10)
@@ -317,7 +317,7 @@ def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
         started = time.monotonic()
         await asyncio.gather(*(one() for _ in range(16)))
         assert time.monotonic() - started < 12.0
-        assert sum(fake.sizes) == 400 and fake.sizes.count(16) >= 15
+        assert sum(fake.sizes) == 400 and len(fake.sizes) <= 50
         await aio.close()
 
     asyncio.run(asyncio.wait_for(tasks(), 30))
