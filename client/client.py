@@ -45,6 +45,7 @@ from qdelay.client.types import (
     RECONNECT_OPTIONS,
     STATES,
     Delivery,
+    LazyReceipts,
     Receipt,
     Status,
     Target,
@@ -317,7 +318,7 @@ class _Ids:
 SentReceipt = Receipt
 
 
-class SentReceipts(Sequence):
+class SentReceipts(LazyReceipts):
     """What ``send_many`` returns: every message's receipt, in input order, as
     :class:`~qdelay.client.types.Receipt`, made when read. A receipt object per message would cost the
     producer more CPU than sending it (they are built from the compact answers)."""
@@ -344,13 +345,7 @@ class SentReceipts(Sequence):
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            raise IndexError("receipt index out of range")
+    def _at(self, index: int) -> Receipt:
         k = bisect.bisect_right(self._ends, index)
         ids, first, dues, shard = self._chunks[k]
         j = index - (self._ends[k] - len(dues))

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
 from qdelay.client.failover import RETRYABLE, Backoff
-from qdelay.client.types import Delivery, Receipt, Status, Target, ref
+from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, ref
 from qdelay.v1 import qdelay_pb2 as pb
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def _as_message(m: pb.Message | Outgoing) -> pb.Message:
     return msg
 
 
-class Joined(Sequence):
+class Joined(LazyReceipts):
     """Sequences one after another as one (send_many's receipts of a shard that failed over
     part-way, or of several chunks), without copying them: an index finds its part by
     bisection."""
@@ -166,13 +166,7 @@ class Joined(Sequence):
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError("receipt index out of range")
+    def _at(self, index: int) -> Receipt:
         k = bisect.bisect_right(self._ends, index)
         return self._parts[k][index - (self._ends[k] - len(self._parts[k]))]
 
@@ -184,7 +178,7 @@ class Joined(Sequence):
         return f"<receipts of {len(self)} messages>"
 
 
-class Spread(Sequence):
+class Spread(LazyReceipts):
     """send_many's receipts over the shards in the caller's order, each made when it is read
     (as the single-server client's ``SentReceipts``): a ``Receipt`` object per message, put
     in place as the shards answered, cost the producer more CPU than sending the message
@@ -200,13 +194,7 @@ class Spread(Sequence):
     def __len__(self) -> int:
         return len(self._route)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError("receipt index out of range")
+    def _at(self, index: int) -> Receipt:
         s = self._route[index]
         return self._parts[s][bisect.bisect_left(self._positions[s], index)]
 

@@ -17,7 +17,7 @@ the (receipt, message_id) pair a CancelRequest/GetRequest/RescheduleRequest carr
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
@@ -68,6 +68,26 @@ class Receipt:
         return pb.Receipt(
             message_id=self.message_id, deliver_at_ms=self.deliver_at_ms, sequence=self.sequence, shard=self.shard
         )
+
+
+class LazyReceipts(Sequence):
+    """A read-only sequence of receipts made when read (send_many's answers): a ``Receipt``
+    object per message, made as the server answered, would cost the producer more CPU than
+    sending it. Subclasses give ``__len__`` and ``_at(i)`` for 0 <= i < len; indexing by
+    negatives and slices is done here once for all of them."""
+
+    def _at(self, index: int) -> Receipt:
+        raise NotImplementedError
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self._at(i) for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("receipt index out of range")
+        return self._at(index)
 
 
 @dataclass(slots=True)
