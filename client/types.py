@@ -79,7 +79,7 @@ class LazyReceipts(Sequence):
     def _at(self, index: int) -> Receipt:
         raise NotImplementedError
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self._at(i) for i in range(*index.indices(len(self)))]
         n = len(self)
