@@ -29,6 +29,16 @@
 #include "layout.h"
 #include "pyint.h"
 
+/* Append a new reference to ``list`` and give it up (the list keeps its own): -1 if ``item``
+ * is NULL (its maker failed) or the append failed, with the exception set. */
+static int append_new(PyObject *list, PyObject *item) {
+    if (!item)
+        return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
 /* Write one frame header (checksum over [CHECKED_FROM, HEADER_SIZE + length) computed from
  * the body in place). */
 static void write_frame(unsigned char *p, unsigned kind, uint64_t seq, int64_t ts, Py_ssize_t length) {
@@ -227,12 +237,9 @@ static PyObject *route(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned kind = kinds[i];
         if (kind != 1 && kind != 2) {
-            PyObject *ix = PyLong_FromSsize_t(i);
-            if (!ix || PyList_Append(unknown, ix) < 0) {
-                Py_XDECREF(ix);
+            if (append_new(unknown, PyLong_FromSsize_t(i)) < 0) {
                 goto done;
             }
-            Py_DECREF(ix);
             continue;
         }
         if (kind == 1)
@@ -310,12 +317,9 @@ static PyObject *route(PyObject *self, PyObject *args) {
         copied++;
         added += stop - start;
         if (kind == 2 || bucket <= near) {
-            PyObject *h = Py_BuildValue("(nLn)", i, bucket, at);
-            if (!h || PyList_Append(handed, h) < 0) {
-                Py_XDECREF(h);
+            if (append_new(handed, Py_BuildValue("(nLn)", i, bucket, at)) < 0) {
                 goto done;
             }
-            Py_DECREF(h);
         }
     }
     result = Py_BuildValue("(OLLLOLL)", handed, messages, cancels, dups, unknown, copied, added);
@@ -402,12 +406,9 @@ static PyObject *read_messages(PyObject *self, PyObject *args) {
                 goto done;
             }
         } else {
-            PyObject *ix = PyLong_FromSsize_t(i);
-            if (!ix || PyList_Append(failed, ix) < 0) {
-                Py_XDECREF(ix);
+            if (append_new(failed, PyLong_FromSsize_t(i)) < 0) {
                 goto done;
             }
-            Py_DECREF(ix);
             mid = Py_NewRef(Py_None);
             payload = Py_NewRef(Py_None);
             hdr = Py_NewRef(Py_None);
@@ -871,13 +872,10 @@ static PyObject *filter_maybe(PyObject *self, PyObject *args) {
             goto done;
         }
         if (filter_test(b, mask, utf8, len)) {
-            PyObject *ix = PyLong_FromSsize_t(i);
-            if (!ix || PyList_Append(out, ix) < 0) {
-                Py_XDECREF(ix);
+            if (append_new(out, PyLong_FromSsize_t(i)) < 0) {
                 Py_CLEAR(out);
                 goto done;
             }
-            Py_DECREF(ix);
         }
     }
 done:
@@ -1207,14 +1205,11 @@ static PyObject *recent_find(PyObject *self, PyObject *args) {
                 break;
             if (seq <= floor || get_u64(s) != h)
                 continue;
-            PyObject *hit = Py_BuildValue("(nLLL)", i, (long long)seq, (long long)get_u64(s + 16),
-                                          (long long)get_u64(s + 24));
-            if (!hit || PyList_Append(out, hit) < 0) {
-                Py_XDECREF(hit);
+            if (append_new(out, Py_BuildValue("(nLLL)", i, (long long)seq, (long long)get_u64(s + 16),
+                                          (long long)get_u64(s + 24))) < 0) {
                 Py_CLEAR(out);
                 goto done;
             }
-            Py_DECREF(hit);
         }
     }
 done:
