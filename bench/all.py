@@ -54,6 +54,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         # send, re-send and lookups against the number of pending messages
         ("pending", ["--levels", "0,100000", "--messages", "20000"] if quick else [], out("pending")),
         ("ingest", ["--messages", "20000", "--unary-messages", "2000"] if quick else [], out("ingest")),
+        # the id filter in front of the id index as it grows past its capacity (in process)
+        ("idfilter", ["--up-to", "1200000", "--lookup-keys", "200000"] if quick else [], out("idfilter")),
         ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),
         ("replication", ["--seconds", "2"] if quick else [], out("replication")),
         ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),

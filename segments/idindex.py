@@ -138,14 +138,16 @@ class IdIndex:
         self.failed: str | None = None  # why the index stopped (a write error); restart rebuilds
         # The id filter (segments/idfilter.py) in front of lookups: None until a scan of the
         # keys has built it (started by start_filter() when the server opens, whatever its
-        # role, or else by the first lookup), replaced by a larger one built the same way
-        # once full. Every put adds its keys to it and to the one being built, under
-        # _filter_lock with the write, so that a scan's iterator, made under that lock, sees
-        # every key that was written before and not added to the new filter.
+        # role, or else by the first lookup); it grows by layers past its capacity, so that
+        # scan is the only one (``scans`` counts them). Every put adds its keys to it, or to
+        # the one being built, under _filter_lock with the write, so that the scan's
+        # iterator, made under that lock, sees every key that was written before and not
+        # added to the new filter.
         self._filter: IdFilter | None = None
         self._building: IdFilter | None = None
         self._filter_lock = threading.Lock()
         self._scan: threading.Thread | None = None
+        self.scans = 0
         self._closing = False
 
     @property
@@ -204,8 +206,6 @@ class IdIndex:
                 if f is not None:
                     f.add(keys)  # before the write: the filter may say "maybe", never "no", for a key
             self._db.write(wb, self._wo)
-            if self._filter is not None and self._filter.full and self._building is None:
-                self._start_scan(2 * self._filter.capacity)
         self.puts += len(starts)
         self._unsynced += len(starts)
 
@@ -224,15 +224,23 @@ class IdIndex:
 
     @property
     def filter_keys(self) -> int:
-        """Ids in the id filter (0 until its first scan is done)."""
+        """Ids in the id filter (0 until its scan at the start is done)."""
         f = self._filter
         return f.count if f is not None else 0
+
+    @property
+    def filter_layers(self) -> int:
+        """Layers of the id filter (0 until its scan at the start is done; one more each
+        time it passes a capacity)."""
+        f = self._filter
+        return f.layers if f is not None else 0
 
     def _start_scan(self, capacity: int) -> None:
         """Build a filter of ``capacity`` from a scan of the keys, in the background
         (_filter_lock held: the new filter gets every put from now on, the scan the rest)."""
         if self._closing:
             return
+        self.scans += 1
         building = self._building = IdFilter(capacity)
         self._scan = threading.Thread(target=self._fill, args=(building,), name="qdelay-id-filter", daemon=True)
         self._scan.start()
@@ -252,7 +260,7 @@ class IdIndex:
                 building.add(chunk)
             with self._filter_lock:
                 self._filter, self._building = building, None
-            log.info("id filter built", extra={"keys": building.count, "bytes": len(building.bits)})
+            log.info("id filter built", extra={"keys": building.count, "bytes": building.nbytes})
         except Exception as err:  # noqa: BLE001 - lookups go on through RocksDB alone
             with self._filter_lock:
                 self._building = None

@@ -1383,6 +1383,7 @@ class Engine:
             open_files=self.pool.open_count,
             disk_full_waits=self.iterate.disk_full_waits + self.scheduler.dispatch_disk_full_total,
             id_filter_keys=self.ids.filter_keys if self.ids is not None else 0,
+            id_filter_layers=self.ids.filter_layers if self.ids is not None else 0,
             healthy=self.healthy(),
         )
         s.update(self.replication_stats())

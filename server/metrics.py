@@ -47,6 +47,12 @@ ENGINE_STATS = {
         "Message ids in the id filter in front of the id index (0 until its scan at start-up is done)",
         "gauge",
     ),
+    "id_filter_layers": (
+        "qdelay_id_filter_layers",
+        "Layers of the id filter: 1 after its scan at start-up, one more (twice the bits of "
+        "the one before; no rescan) each time the newest is full",
+        "gauge",
+    ),
     "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)", "gauge"),
     "replication_lag_ms": (
         "qdelay_replication_lag_ms",

@@ -25,6 +25,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "cancel",
             "pending",
             "ingest",
+            "idfilter",
             "grpc_floor",
             "replication",
             "spark",
