@@ -113,6 +113,14 @@ def id_entries_py(data: bytes, starts: np.ndarray, dues: np.ndarray, seqs: np.nd
     return keys, values
 
 
+# IdIndex.memory(): stats key -> RocksDB property
+_MEMORY_PROPERTIES = {
+    "id_index_memtable_bytes": "rocksdb.cur-size-all-mem-tables",
+    "id_index_block_cache_bytes": "rocksdb.block-cache-usage",
+    "id_index_table_readers_bytes": "rocksdb.estimate-table-readers-mem",
+}
+
+
 class IdIndex:
     def __init__(self, path: str, cache_bytes: int = CACHE_BYTES) -> None:
         self.path = path
@@ -234,6 +242,19 @@ class IdIndex:
         time it passes a capacity)."""
         f = self._filter
         return f.layers if f is not None else 0
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the index holds in memory, by RocksDB's own figures (its memtables, block
+        cache and table readers: bounded, whatever the number of ids) and the id filter's
+        layers (~1-2 bytes an id): what a server's RSS owes the index."""
+        f = self._filter
+        out = {"id_filter_bytes": f.nbytes if f is not None else 0}
+        for key, prop in _MEMORY_PROPERTIES.items():
+            try:
+                out[key] = int(self._db.property_int_value(prop) or 0)
+            except Exception:  # noqa: BLE001 - a closed or failed index: figures only
+                out[key] = 0
+        return out
 
     def _start_scan(self, capacity: int) -> None:
         """Build a filter of ``capacity`` from a scan of the keys, in the background

@@ -162,6 +162,14 @@ class App:
             extra=lambda: {
                 "qdelay_consumers": ("Subscribe streams connected", len(consumers.subscriptions())),
                 "qdelay_ingest_queue_messages": ("Messages waiting to become durable", service.gate.messages),
+                "qdelay_dedupe_recent_ids": (
+                    "Ids idempotent send remembers that the id index may not hold yet",
+                    len(service.dedupe.recent),
+                ),
+                "qdelay_dedupe_recent_bytes": (
+                    "Bytes of those ids' table (server/recent_ids.py) and their batches' joined ids",
+                    service.dedupe.recent.nbytes,
+                ),
             },
             consumers=consumers,
         )

@@ -73,6 +73,11 @@ class Deduper:
         self.duplicates = 0
 
     @property
+    def recent(self) -> RecentIds:
+        """The ids written and maybe not yet indexed (read-only use: the metrics' sizes)."""
+        return self._recent
+
+    @property
     def enabled(self) -> bool:
         return self.window_ms > 0 and self.engine.ids is not None
 

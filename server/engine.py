@@ -1386,6 +1386,8 @@ class Engine:
             id_filter_layers=self.ids.filter_layers if self.ids is not None else 0,
             healthy=self.healthy(),
         )
+        if self.ids is not None:
+            s.update(self.ids.memory())
         s.update(self.replication_stats())
         return s
 

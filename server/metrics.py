@@ -53,6 +53,22 @@ ENGINE_STATS = {
         "the one before; no rescan) each time the newest is full",
         "gauge",
     ),
+    "id_filter_bytes": ("qdelay_id_filter_bytes", "Bytes of the id filter's layers", "gauge"),
+    "id_index_memtable_bytes": (
+        "qdelay_id_index_memtable_bytes",
+        "Bytes of the id index's RocksDB memtables (flushed to disk when full)",
+        "gauge",
+    ),
+    "id_index_block_cache_bytes": (
+        "qdelay_id_index_block_cache_bytes",
+        "Bytes of the id index's RocksDB block cache in use",
+        "gauge",
+    ),
+    "id_index_table_readers_bytes": (
+        "qdelay_id_index_table_readers_bytes",
+        "Bytes of the id index's RocksDB table readers (index and filter blocks of its files)",
+        "gauge",
+    ),
     "replication_lag_bytes": ("qdelay_replication_lag_bytes", "Bytes the slowest slave is behind (-1: none)", "gauge"),
     "replication_lag_ms": (
         "qdelay_replication_lag_ms",

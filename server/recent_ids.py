@@ -26,6 +26,7 @@ import collections
 import operator
 import os
 import struct
+import sys
 
 import xxhash
 
@@ -153,6 +154,12 @@ class RecentIds:
     @property
     def slots(self) -> int:
         return len(self._table) // SLOT
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the table, and each remembered batch's joined ids (a scrape's figure:
+        one pass over the batches)."""
+        return len(self._table) + sum(map(sys.getsizeof, list(self._lines.values())))
 
     def add(self, first: int, ids: list[str], dues: list[int], floor: int) -> None:
         """ids[i] written with sequence ``first + i``, due at ``dues[i]`` (ids printable

@@ -66,3 +66,11 @@ def test_a_slave_keeps_the_id_filter_ready_for_its_promotion(tmp_path):
             wait_until(lambda: gauge(a, "qdelay_id_filter_keys") == 300, 20, "the master's filter holds every id")
             # no lookup was made on the slave: its filter was built at its start and grows by its puts
             wait_until(lambda: gauge(b, "qdelay_id_filter_keys") == 300, 20, "the slave's filter holds every id")
+            # where the index's memory is, by the server's own figures (docs/benchmarks.md)
+            assert gauge(a, "qdelay_id_filter_layers") == 1
+            assert gauge(a, "qdelay_id_filter_bytes") >= 1 << 20  # 1 MiB at least
+            assert gauge(a, "qdelay_id_index_memtable_bytes") > 0
+            assert gauge(a, "qdelay_id_index_block_cache_bytes") >= 0
+            assert gauge(a, "qdelay_id_index_table_readers_bytes") >= 0
+            # idempotent send's recent ids: the server's own ids, forgotten once indexed
+            assert gauge(a, "qdelay_dedupe_recent_ids") >= 0 and gauge(a, "qdelay_dedupe_recent_bytes") > 0
