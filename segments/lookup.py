@@ -153,6 +153,34 @@ class RecordFinder:
         cancelled[held] = (words[good, 1] >> np.uint64(FLAGS_SHIFT) & np.uint64(CANCELLED)) != 0
         return ok, where, cancelled
 
+    def holds_few(
+        self, parts: list[tuple[Segment, list[int]]], sequences: list[int], dues: list[int], message_ids: list[str]
+    ) -> list[int]:
+        """``holds_across`` for a few receipts (a gathered ``cancel()`` batch claimed on the
+        event loop), as lists: where each held MESSAGE's entry is in its segment's index, -1
+        where not held. The same one native search (``index_gather``), then the fields of a
+        few entries compared in Python: for 16 targets holds_across's dozen array steps
+        cost ~50 us in process (~100 in a busy server), this ~15."""
+        n = len(sequences)
+        where = [-1] * n
+        parts = [(seg, rows) for seg, rows in parts if rows]
+        if not parts:
+            return where
+        order = [i for _seg, rows in parts for i in rows]
+        views = [_index(seg).searchable(max(sequences[i] for i in rows)) for seg, rows in parts]
+        q = np.array([sequences[i] for i in order], dtype=np.int64)
+        pos, words = index_gather(views, q, np.array([len(rows) for _seg, rows in parts], dtype=np.int64))
+        found = iter(words.tolist())
+        hash_of = xxhash.xxh3_64_intdigest
+        for i, p in zip(order, pos.tolist()):
+            if p < 0:
+                continue
+            _seq, word, due, id_hash = next(found)  # the entries found, in the order searched
+            mid = message_ids[i]
+            if word >> OFFSET_BITS & 0xFF == _MESSAGE and due == dues[i] and mid and id_hash == hash_of(mid.encode()):
+                where[i] = p
+        return where
+
     def holds_one(self, seg: Segment, sequence: int, due: int, message_id: str) -> bool:
         """``holds`` of one receipt without arrays (``IndexFile.entry``: the search, then the
         32 bytes unpacked): a one-target Cancel or Reschedule on the event loop, where a

@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -883,6 +884,10 @@ class Engine:
         """
         if now and len(targets) == 1:
             return self._claim_one(*targets[0])
+        if now:
+            few = self._claim_few(targets)
+            if few is not None:
+                return few
         sched = self.scheduler
         outcomes: list[CancelOutcome] = [CancelOutcome.NOT_FOUND] * len(targets)
         places = self._find_targets(targets, now)
@@ -964,6 +969,113 @@ class Engine:
             sched.release_cancels([sequence])
             return [self._NOT_PENDING[state]], []
         return [CancelOutcome.CANCELLED], [(message_id, deliver_at_ms, sequence)]
+
+    def _claim_few(self, targets: list[tuple[str, int | None, int | None]]) -> tuple[list, list] | None:
+        """``_claim_cancels`` of a few receipts on the event loop (a gathered ``cancel()``
+        batch, which ``_claimable_now`` let run there: receipts of copied messages, each
+        bucket readable now), with lists where the batch form carries arrays: the same
+        steps (the minute's index confirms each receipt, one claim request, then the
+        closed state read after the claim), at ~1/2 of the batch form's CPU for 16 targets
+        (its ~200 Python and numpy calls cost ~3x as much in a busy server as in process).
+
+        None, before anything is claimed, where the batch form has more to do: a receipt the
+        index does not confirm (NOT_FOUND, an id reused: looked further), a message named
+        twice, a segment gone. _NotNow when the scheduler's lock is busy. A bucket with
+        DISPATCH records (written or buffered) gets its closed state from
+        ``_closed_states``, as the batch form's."""
+        n = len(targets)
+        mids = [t[0] for t in targets]
+        dues = cast("list[int]", [t[1] for t in targets])
+        seqs = cast("list[int]", [t[2] for t in targets])
+        if len(set(seqs)) < n:
+            return None
+        scale = self.config.scale_minutes
+        groups: dict[int, list[int]] = {}
+        for i, due in enumerate(dues):
+            groups.setdefault(bucket_of(due, scale), []).append(i)
+        parts: list[tuple[Segment, list[int]]] = []
+        segs: dict[int, Segment] = {}
+        for bucket, rows in groups.items():
+            self.iterate.flush_bucket(bucket)  # as _held_by_segments: nothing is left behind
+            seg = self.schedule.get(bucket)
+            if seg is None:
+                return None
+            segs[bucket] = seg
+            parts.append((seg, rows))
+        where = self.finder.holds_few(parts, seqs, dues, mids)
+        if -1 in where:
+            return None
+        sched = self.scheduler
+        got = sched.claim_cancels_now(seqs)
+        if got is None:
+            raise _NotNow
+        outcomes = [CancelOutcome.CANCELLED] * n
+        mine: list[int] = []
+        for i, answer in enumerate(got):
+            if answer == sched.CLAIMED:
+                mine.append(i)
+            elif answer == sched.CLAIM_CANCELLING:
+                outcomes[i] = CancelOutcome.ALREADY_CANCELLED
+            else:
+                outcomes[i] = CancelOutcome.ALREADY_DELIVERED
+        try:
+            closed = self._closed_few(groups, segs, mine, dues, seqs, where)
+        except BaseException:
+            sched.release_cancels([seqs[i] for i in mine])
+            raise
+        if closed:
+            for i, state in closed.items():
+                outcomes[i] = self._NOT_PENDING[state]
+            sched.release_cancels([seqs[i] for i in closed])
+        return outcomes, [(mids[i], dues[i], seqs[i]) for i in mine if i not in closed]
+
+    def _closed_few(
+        self,
+        groups: dict[int, list[int]],
+        segs: dict[int, Segment],
+        mine: list[int],
+        dues: list[int],
+        seqs: list[int],
+        where: list[int],
+    ) -> dict[int, MessageState]:
+        """``_closed_states`` of the claimed rows ``mine`` of a ``_claim_few`` batch (row ->
+        state, for those no longer pending): a bucket's tombstones from the scheduler's set
+        when it is loaded, else from the flags of the index entries its search found. Any
+        DISPATCH record in a bucket (in its file or still buffered) hands the whole look to
+        ``_closed_states``, which reads them."""
+        if not mine:
+            return {}
+        claimed = set(mine)
+        buckets = [(bucket, [i for i in rows if i in claimed]) for bucket, rows in groups.items()]
+        buckets = [(bucket, rows) for bucket, rows in buckets if rows]
+        buffers = self.scheduler.dispatch_buffered([bucket for bucket, _rows in buckets])
+        if any(buffers) or any(self.dispatch.get(bucket) is not None for bucket, _rows in buckets):
+            at = np.asarray(mine, dtype=np.int64)
+            states = self._closed_states(
+                np.asarray(dues, dtype=np.int64)[at],
+                np.asarray(seqs, dtype=np.int64)[at],
+                np.asarray(where, dtype=np.int64)[at],
+                segs,
+            )
+            return {mine[k]: state for k, state in states.items()}
+        out: dict[int, MessageState] = {}
+        for bucket, rows in buckets:
+            self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
+            tombs = self.scheduler.known_tombstones(bucket)
+            if tombs is not None:
+                cancelled = [seqs[i] in tombs for i in rows]
+            else:
+                seg = self.schedule.get(bucket)
+                if seg is None:  # the cleaner removed it: nothing is pending there
+                    cancelled = [False] * len(rows)
+                elif seg is segs[bucket]:
+                    cancelled = self.finder.cancelled_at(seg, np.asarray([where[i] for i in rows])).tolist()
+                else:
+                    cancelled = self.finder.cancelled_among(seg, np.asarray([seqs[i] for i in rows])).tolist()
+            for i, c in zip(rows, cancelled):
+                if c:
+                    out[i] = MessageState.CANCELLED
+        return out
 
     def _find_targets(self, targets: list[tuple[str, int | None, int | None]], now: bool = False) -> Places:
         """Where each target's message is, if it exists (``Places``). By id: the newest

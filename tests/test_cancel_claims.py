@@ -286,3 +286,103 @@ def test_tombstones_of_far_messages_may_wait_for_the_iterate_service_the_claim_a
         assert d.get(target).state == MessageState.CANCELLED
     finally:
         d.close()
+
+
+def test_a_few_receipts_claimed_on_the_loop_answer_as_the_batch_form(tmp_path):
+    """Engine._claim_few (a gathered cancel() batch claimed on the event loop, lists instead
+    of arrays) answers every kind of target as the batch form (_claim_cancels off the loop)
+    does, claims the same ones, and leaves to the batch form what it does not handle (a
+    repeat, a receipt its minute's index does not confirm) before claiming anything."""
+    from qdelay.server.engine import CancelOutcome
+
+    engine = Engine(config(tmp_path / "data"))
+    sink = CollectingSink()
+    engine.set_sink(sink)
+    engine.start()
+    sched = engine.scheduler
+    try:
+        now = int(time.time() * 1000)
+        far = now + 3_600_000  # two unloaded minutes: the index flags give the tombstones
+        soon = now + 90_000  # a loaded minute: the scheduler's set gives them
+        rs = engine.send_sync(
+            [message("t.few", far + k, f"far{k}") for k in range(4)]
+            + [message("t.few", far + 60_000 + k, f"next{k}") for k in range(3)]
+            + [message("t.few", soon + k, f"soon{k}") for k in range(3)]
+            + [message("t.few", now + 200 + k, f"now{k}") for k in range(2)]
+        )
+        t = [(r.message_id, r.deliver_at_ms, r.sequence) for r in rs]
+        # delivered and acknowledged (DISPATCH records in its minute); handed out and unacked
+        assert wait_until(lambda: {"now0", "now1"} <= set(sink.ids()), timeout=10)
+        engine.ack([f"{rs[10].sequence}.1"])
+
+        def cancel(targets):
+            import asyncio
+
+            return asyncio.run(engine.cancel_many(targets))
+
+        # cancelled with their tombstones written: one far, one soon
+        assert cancel([t[1], t[8]]) == [CancelOutcome.CANCELLED] * 2
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        assert wait_until(lambda: not sched.cancel_claimed(rs[1].sequence) and not sched.cancel_claimed(rs[8].sequence))
+        # claimed by another Cancel, its tombstone not written yet
+        assert sched.claim_cancels([rs[2].sequence]) == [Scheduler.CLAIMED]
+        for bucket in {bucket_of(d) for _m, d, _s in t}:
+            engine.iterate.flush_bucket(bucket)
+        assert engine.scheduler.known_tombstones(bucket_of(soon)) is not None  # loaded
+        assert engine.scheduler.known_tombstones(bucket_of(far)) is None  # not loaded
+
+        looks: list[str] = []  # which closed-state look _claim_few took
+        closed_states, closed_few = engine._closed_states, engine._closed_few
+        engine._closed_states = lambda *a: looks.append("arrays") or closed_states(*a)  # type: ignore[method-assign]
+        engine._closed_few = lambda *a: looks.append("lists") or closed_few(*a)  # type: ignore[method-assign]
+
+        def both(targets):
+            """(outcomes, claimed) of _claim_few, then of the batch form, each claim given back."""
+            answers = []
+            for claim in (engine._claim_few, engine._claim_cancels):
+                looks.clear()
+                while True:
+                    try:
+                        got = claim(targets)
+                        break
+                    except Exception as err:  # noqa: BLE001 - _NotNow: the lock was busy, try again
+                        assert type(err).__name__ == "_NotNow"
+                answers.append(got)
+                if claim == engine._claim_few:
+                    answers.append(list(looks))
+                if got is not None:
+                    sched.release_cancels([seq for _m, _d, seq in got[1]])
+            return answers
+
+        batch = [t[0], t[1], t[2], t[3], t[4], t[6], t[7], t[8], t[9], t[10], t[11]]
+        few, took, arrays = both(batch)
+        assert took == ["lists", "arrays"]  # the DISPATCH records are read by _closed_states
+        assert few == arrays
+        assert few[0] == [
+            CancelOutcome.CANCELLED,
+            CancelOutcome.ALREADY_CANCELLED,
+            CancelOutcome.ALREADY_CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.ALREADY_CANCELLED,
+            CancelOutcome.CANCELLED,
+            CancelOutcome.ALREADY_DELIVERED,
+            CancelOutcome.ALREADY_DELIVERED,
+        ]
+        assert [seq for _m, _d, seq in few[1]] == [rs[k].sequence for k in (0, 3, 4, 6, 7, 9)]
+        # without the minute's DISPATCH records: the lists alone
+        few, took, arrays = both([t[0], t[1], t[5], t[8], t[9]])
+        assert took == ["lists"]
+        assert few == arrays
+        assert few[0] == [CancelOutcome.CANCELLED, CancelOutcome.ALREADY_CANCELLED] + [CancelOutcome.CANCELLED] + [
+            CancelOutcome.ALREADY_CANCELLED,
+            CancelOutcome.CANCELLED,
+        ]
+        # left to the batch form: a repeat, an id that does not match its receipt
+        assert both([t[0], t[3], t[0]])[0] is None
+        assert both([t[0], ("other", t[3][1], t[3][2])])[0] is None
+        assert not any(sched.cancel_claimed(seq) for k, (_m, _d, seq) in enumerate(t) if k != 2)
+    finally:
+        engine.close()
