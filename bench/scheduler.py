@@ -438,86 +438,186 @@ def _median_of(runs: list[dict]) -> dict:
     return out
 
 
-def scenario_isolation(root: str, backlog: int, idle_streams: int, live: int, span_ms: int) -> dict:
+def hold_idle_streams(address: str, n: int) -> None:
+    """Run in a child (``--idle-streams``): open ``n`` Subscribe streams on subjects that
+    get nothing, say ``open`` once the server counts them all as consumers, and hold them
+    until stdin closes. A process of their own, as other applications' consumers are: in
+    the bench's process their client-side tasks and the gRPC poller would share its GIL
+    with the live consumer whose receive time is measured."""
+    from qdelay.client import aio
+
+    async def run() -> None:
+        async with aio.Client(address) as ac:
+            consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(n)]
+            tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
+            while True:
+                groups = await ac.groups()
+                if sum(g["consumers"] for g in groups if g["subject"].startswith("bench.idle.")) >= n:
+                    break
+                await asyncio.sleep(0.2)
+            print("open", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+            for c in consumers:
+                await c.close()
+            for t in tasks:
+                t.cancel()
+
+    asyncio.run(run())
+
+
+def _open_idle_streams(address: str, n: int, in_process: bool) -> subprocess.Popen | threading.Event | None:
+    """``n`` idle Subscribe streams held open: by a child process (default), or by a thread
+    of this process (``in_process``, as the bench did up to 26 Nov: the live consumer's
+    receive time then includes their client-side cost). Returns what closes them."""
+    if n == 0:
+        return None
+    if not in_process:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bench.scheduler", "--idle-streams", f"{address},{n}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "open":
+            child.kill()
+            raise RuntimeError("the idle streams did not open")
+        return child
+    from qdelay.client import aio
+
+    stop = threading.Event()
+    opened = threading.Event()
+
+    def idle_loop() -> None:
+        async def run() -> None:
+            async with aio.Client(address) as ac:
+                consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(n)]
+                tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
+                while True:
+                    groups = await ac.groups()
+                    if sum(g["consumers"] for g in groups if g["subject"].startswith("bench.idle.")) >= n:
+                        break
+                    await asyncio.sleep(0.2)
+                opened.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.1)
+                for c in consumers:
+                    await c.close()
+                for t in tasks:
+                    t.cancel()
+
+        asyncio.run(run())
+
+    threading.Thread(target=idle_loop, daemon=True).start()
+    if not opened.wait(120):
+        raise RuntimeError("the idle streams did not open")
+    return stop
+
+
+def _close_idle_streams(holder: subprocess.Popen | threading.Event | None) -> None:
+    if isinstance(holder, subprocess.Popen):
+        assert holder.stdin is not None
+        holder.stdin.close()
+        try:
+            holder.wait(30)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
+    elif holder is not None:
+        holder.set()
+
+
+def _live_phase(client, driver, subject: str, live: int, span_ms: int) -> dict:
+    """A live consumer of ``subject`` receives ``live`` messages due over ``span_ms``:
+    lateness as the server saw it (dispatched - due, first attempts) and as received."""
+    from qdelay.client import Outgoing
+
+    server_lateness: list[float] = []
+    seen_lateness: list[float] = []
+    sub = client.subscribe(subject, "live", max_in_flight=2000)
+    sub.receive(1, timeout=0.5)  # the stream (and its group) exists before anything is due
+    start = int(time.time() * 1000) + 3000
+    client.send_many(
+        (Outgoing(subject, b"l" * 100, deliver_at_ms=start + i * span_ms // live) for i in range(live)),
+        batch_size=1000,
+    )
+    proc = psutil.Process(driver.pid)
+    cpu0 = proc.cpu_times()
+    got = 0
+    deadline = time.time() + span_ms / 1000 + 60
+    while got < live and time.time() < deadline:
+        batch = sub.receive(1, timeout=0.5)  # whatever arrived: one batch, as it comes
+        now = time.time() * 1000
+        for d in batch:
+            if d.attempt == 1:
+                server_lateness.append(d.dispatched_at_ms - d.deliver_at_ms)
+                seen_lateness.append(now - d.deliver_at_ms)
+        got += len(batch)
+        sub.ack(batch)
+    cpu1 = proc.cpu_times()
+    sub.close()
+    return {
+        "live_delivered": got,
+        "live_server_p50_ms": round(percentile(server_lateness, 50), 2),
+        "live_server_p99_ms": round(percentile(server_lateness, 99), 2),
+        "live_received_p50_ms": round(percentile(seen_lateness, 50), 2),
+        "live_received_p99_ms": round(percentile(seen_lateness, 99), 2),
+        "server_cpu_s_live_phase": round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 2),
+        "load_avg": round(os.getloadavg()[0], 2),
+    }
+
+
+def scenario_isolation(
+    root: str,
+    backlog: int,
+    idle_counts: tuple[int, ...],
+    live: int,
+    span_ms: int,
+    rounds: int = 1,
+    idle_in_process: bool = False,
+) -> dict:
     """A real server: a group ``idle`` of one subject holds ``backlog`` due messages it
-    never takes, ``idle_streams`` Subscribe streams wait on subjects that get nothing, and
-    a live consumer receives ``live`` messages due over ``span_ms``. Lateness is the
-    server's (dispatched - due, first attempts) and the consumer's (received - due)."""
+    never takes; then, for each N of ``idle_counts`` in turn (``rounds`` times over), N
+    Subscribe streams wait on subjects that get nothing while a live consumer receives
+    ``live`` messages due over ``span_ms`` (``_live_phase``): lateness against N, which
+    should not grow with it. ``isolation`` is the last N's figures (the issue's goal is
+    stated for 1,000); ``by_idle_streams`` has every N's runs and medians."""
     from bench.peers import QdelayDriver
-    from qdelay.client import Client, Outgoing, aio
+    from qdelay.client import Client, Outgoing
 
     os.makedirs(root, exist_ok=True)
     driver = QdelayDriver()
     driver.start(root)
     address = f"127.0.0.1:{driver.port}"
     client = Client(address, timeout=600)
-    stop_idle = threading.Event()
-    out: dict = {"backlog": backlog, "idle_streams": idle_streams, "live": live}
+    out: dict = {"backlog": backlog, "idle_streams_in_process": idle_in_process, "live": live}
+    runs: dict[int, list[dict]] = {n: [] for n in idle_counts}
     try:
         client.create_group("bench.stuck", "idle")
         t0 = time.time()
         msgs = (Outgoing("bench.stuck", b"x" * 20, delay_ms=0) for _ in range(backlog))
         client.send_many(msgs, batch_size=2000, max_in_flight=8, timeout=600)
         out["backlog_send_s"] = round(time.time() - t0, 1)
-        opened = threading.Event()
-
-        def idle_loop() -> None:
-            async def run() -> None:
-                async with aio.Client(address) as ac:
-                    consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(idle_streams)]
-                    tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
-                    while len([g for g in await ac.groups() if g["subject"].startswith("bench.idle.")]) < idle_streams:
-                        await asyncio.sleep(0.2)
-                    opened.set()
-                    while not stop_idle.is_set():
-                        await asyncio.sleep(0.1)
-                    for c in consumers:
-                        await c.close()
-                    for t in tasks:
-                        t.cancel()
-
-            asyncio.run(run())
-
-        idler = threading.Thread(target=idle_loop, daemon=True)
-        idler.start()
-        if not opened.wait(120):
-            raise RuntimeError("the idle streams did not open")
-        held = {g["group"]: g for g in client.groups() if g["subject"] == "bench.stuck"}["idle"]
-        out["idle_group_backlog_in_memory"] = held["backlog"]
-        out["idle_group_backlog_on_disk"] = held["backlog_on_disk"]
-        server_lateness: list[float] = []
-        seen_lateness: list[float] = []
-        sub = client.subscribe("bench.live", "live", max_in_flight=2000)
-        sub.receive(1, timeout=0.5)  # the stream (and its group) exists before anything is due
-        start = int(time.time() * 1000) + 3000
-        client.send_many(
-            (Outgoing("bench.live", b"l" * 100, deliver_at_ms=start + i * span_ms // live) for i in range(live)),
-            batch_size=1000,
-        )
-        cpu0 = psutil.Process(driver.pid).cpu_times()
-        got = 0
-        deadline = time.time() + span_ms / 1000 + 60
-        while got < live and time.time() < deadline:
-            batch = sub.receive(1, timeout=0.5)  # whatever arrived: one batch, as it comes
-            now = time.time() * 1000
-            for d in batch:
-                if d.attempt == 1:
-                    server_lateness.append(d.dispatched_at_ms - d.deliver_at_ms)
-                    seen_lateness.append(now - d.deliver_at_ms)
-            got += len(batch)
-            sub.ack(batch)
-        cpu1 = psutil.Process(driver.pid).cpu_times()
-        sub.close()
-        out["live_delivered"] = got
-        out["live_server_p50_ms"] = round(percentile(server_lateness, 50), 2)
-        out["live_server_p99_ms"] = round(percentile(server_lateness, 99), 2)
-        out["live_received_p50_ms"] = round(percentile(seen_lateness, 50), 2)
-        out["live_received_p99_ms"] = round(percentile(seen_lateness, 99), 2)
-        out["server_cpu_s_live_phase"] = round((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), 2)
+        for r in range(rounds):
+            for n in idle_counts:
+                holder = _open_idle_streams(address, n, idle_in_process)
+                try:
+                    held = {g["group"]: g for g in client.groups() if g["subject"] == "bench.stuck"}["idle"]
+                    got = _live_phase(client, driver, "bench.live", live, span_ms)
+                    got["idle_group_backlog"] = held["backlog"]
+                    got["idle_group_backlog_on_disk"] = held["backlog_on_disk_count"]
+                finally:
+                    _close_idle_streams(holder)
+                runs[n].append(got)
+                print(f"isolation round {r} idle_streams {n}: {got}", file=sys.stderr, flush=True)
+        out["by_idle_streams"] = {
+            str(n): {"runs": each, "median": _median_of(each)} for n, each in runs.items() if each
+        }
+        out.update(out["by_idle_streams"][str(idle_counts[-1])]["median"])
+        out["idle_streams"] = idle_counts[-1]
         out["server_rss_mb"] = round(driver.rss_bytes() / 2**20, 1)
         out["goal_live_p99_ms"] = 5.0
     finally:
-        stop_idle.set()
         client.close()
         driver.stop()
     return out
@@ -581,7 +681,23 @@ def main() -> None:
         default=1,
         help="run each chosen in-process scenario N times and add the median (burst, lateness, fanout)",
     )
+    ap.add_argument(
+        "--idle-counts",
+        default="",
+        help="isolation: numbers of idle Subscribe streams to measure against, in turn (0,100,1000; quick 0,100)",
+    )
+    ap.add_argument("--isolation-rounds", type=int, default=1, help="isolation: rounds over the idle counts")
+    ap.add_argument(
+        "--idle-in-process",
+        action="store_true",
+        help="isolation: hold the idle streams in a thread of the bench's process (as before 26 Nov), not a child",
+    )
+    ap.add_argument("--idle-streams", help=argparse.SUPPRESS)  # a child holding ADDRESS,N idle streams
     args = ap.parse_args()
+    if args.idle_streams:
+        address, n = args.idle_streams.rsplit(",", 1)
+        hold_idle_streams(address, int(n))
+        return
     if args.child:
         path = os.path.join(args.root, args.child)
         if args.child in ("restart", "restart_rebuild", "restart_reindex"):
@@ -599,6 +715,7 @@ def main() -> None:
             print(json.dumps(child_memory(path, args.n, args.child)))
         return
     big = args.pending or (100_000 if args.quick else 1_000_000)
+    idle_counts = tuple(int(x) for x in (args.idle_counts or ("0,100" if args.quick else "0,100,1000")).split(","))
     wanted = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = sorted(set(wanted) - set(SCENARIOS))
     if unknown:
@@ -611,7 +728,13 @@ def main() -> None:
         "backlog": lambda i: scenario_backlog(os.path.join(root, f"r{i}"), 5 * big, 20_000, 10_000),
         "group_ops": lambda i: scenario_group_ops(os.path.join(root, f"r{i}"), (10, 100 if args.quick else 1000)),
         "isolation": lambda i: scenario_isolation(
-            os.path.join(root, f"r{i}"), big, 100 if args.quick else 1000, 20_000, 10_000
+            os.path.join(root, f"r{i}"),
+            big,
+            idle_counts,
+            20_000,
+            10_000,
+            rounds=args.isolation_rounds,
+            idle_in_process=args.idle_in_process,
         ),
         "memory_far": lambda i: run_child("far", os.path.join(root, f"r{i}"), big),
         "memory_near": lambda i: run_child("near", os.path.join(root, f"r{i}"), big),
@@ -628,6 +751,9 @@ def main() -> None:
             with tempfile.NamedTemporaryFile("r", suffix=".json") as part:
                 cmd = [sys.executable, "-m", "bench.scheduler", "--only", name, "--repeat", str(args.repeat)]
                 cmd += (["--quick"] if args.quick else []) + (["--pending", str(args.pending)] if args.pending else [])
+                cmd += ["--idle-counts", ",".join(map(str, idle_counts))]
+                cmd += ["--isolation-rounds", str(args.isolation_rounds)]
+                cmd += ["--idle-in-process"] if args.idle_in_process else []
                 subprocess.run(cmd + ["--json-part", part.name], check=True, stdout=subprocess.DEVNULL)
                 results[name] = json.load(part)[name]
             print(f"{name:16s} {results[name]}", flush=True)
