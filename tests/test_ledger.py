@@ -224,3 +224,30 @@ def test_ack_ids_sent_back_as_handed_out_are_matched_as_stretches():
     assert [(x.batch, x.start, x.keys[0], len(x.keys)) for x in got] == [(b, 0, 513, 87), (b, 87, 600, 425)]
     assert led.count() == 0 and not led.has_index(1)
     assert led.take_acked_ids(["600.2", "5.1", "x"], 1) == []  # acknowledged already, or not ids
+
+
+def test_closed_flights_leave_at_once_not_at_their_deadline():
+    """Dispatched batches whose flights are all closed (acknowledged, released) leave the
+    ledger when they reach the front, not when their ack timeout passes: held 30 s, every
+    live subject's flights survived into the old generation and set off full garbage
+    collections, whose pause grew with each open Subscribe stream. A batch still partly
+    in flight keeps its deadline, and those behind it wait for it."""
+    led = AckLedger()
+    a, b = flight(1, [1, 2, 3], 0), flight(2, [1, 2, 3], 0)  # one round, two groups
+    c = flight(1, [4, 5], 0)
+    led.hand_out([a, b], TIMEOUT)
+    led.hand_out([c], TIMEOUT + 10)
+    led.take_acked_ids(["1.1", "2.1", "3.1"], 1)
+    assert led.next_wakeup() == TIMEOUT  # group 2 still has the round's sequences
+    led.take_acked([4, 5], 1)
+    assert led.next_wakeup() == TIMEOUT
+    led.take_released([(1, 1), (2, 1)], 2)
+    assert led.next_wakeup() == TIMEOUT
+    led.take_acked([3], 2)
+    assert led.next_wakeup() is None  # both rounds closed: nothing to wake for
+    d = flight(1, [6, 7], 1)
+    led.hand_out([d], TIMEOUT + 20)
+    led.take_acked([6], 1)
+    assert led.next_wakeup() == TIMEOUT + 20
+    assert [(item[6], q) for q, item in led.expired(TIMEOUT + 20)] == [(1, 7)]
+    assert led.next_wakeup() is None and led.count() == 0
