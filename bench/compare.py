@@ -23,6 +23,7 @@ bench/out/compare.json and prints Markdown tables (pasted into docs/benchmarks.m
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -501,17 +502,25 @@ def shapes(name, tmp, scale=1.0, only=None):
             for key in ("concurrent_aio", "threads16", "unary8"):
                 out[f"{key}_msgs_per_s"] = out["one_per_call8_msgs_per_s"]
                 out[f"{key}_srv_cpu_us_per_msg"] = out["one_per_call8_srv_cpu_us_per_msg"]
-    elif only is None or "unary8" in only:  # unary Send's floor: a bare grpc.aio server, same 8 processes
-        address = f"127.0.0.1:{free_port()}"
-        bare = start_bare(address)
-        try:
-            res = sh.run("unary", address, int(8_000 * scale), 8, payload, 0, lambda: cpu_seconds(bare.pid))
-        finally:
-            bare.kill()
-            bare.wait()
-        for k, v in res.items():
-            if k != "n":
-                out[f"unary8_floor_{k}"] = v
+    else:
+        # each shape's floor: the same producers against a bare grpc.aio server that stores
+        # nothing (bench.grpc_floor), so a run says how far gRPC and the client alone get
+        floors = [
+            (key, kind, n, procs)
+            for key, kind, n, procs in plan
+            if key in ("threads16", "stub_batch100", "unary8") and (only is None or key in only)
+        ]
+        for key, kind, n, procs in floors:
+            address = f"127.0.0.1:{free_port()}"
+            bare = start_bare(address)
+            try:
+                res = sh.run(kind, address, n, procs, payload, 0, functools.partial(cpu_seconds, bare.pid))
+            finally:
+                bare.kill()
+                bare.wait()
+            for k, v in res.items():
+                if k != "n":
+                    out[f"{key}_floor_{k}"] = v
     out["load1"] = load1()
     return out
 
@@ -592,7 +601,16 @@ COLUMNS = {
     "crash": ["lost", "duplicates", "received_before_kill", "recovery_s", "load0", "steal_pct"],
 }
 # the shapes scenario is printed one row per (server, shape)
-SHAPE_ROWS = ("concurrent_aio", "threads16", "stub_batch100", "unary8", "unary8_floor", "one_per_call8")
+SHAPE_ROWS = (
+    "concurrent_aio",
+    "threads16",
+    "threads16_floor",
+    "stub_batch100",
+    "stub_batch100_floor",
+    "unary8",
+    "unary8_floor",
+    "one_per_call8",
+)
 SHAPE_COLS = ("msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "secs")
 
 

@@ -43,8 +43,10 @@ def start_bare(address: str):
 
 
 def serve(address: str) -> None:
-    """The bare server: answers as the request's first message's subject says (a unary Send:
-    with its receipt)."""
+    """The bare server: answers as the request's first message's subject says, one of
+    ANSWERS; any other subject (bench.shapes' producers) gets what the request asks for, as
+    from qdelay: compact receipts when ``compact_receipts`` is set, else full ones (a unary
+    Send: its receipt)."""
     import grpc
 
     from qdelay.v1 import qdelay_pb2 as pb
@@ -53,6 +55,8 @@ def serve(address: str) -> None:
     def answer(request) -> pb.SendBatchResponse:
         resp = pb.SendBatchResponse()
         how = request.messages[0].subject if request.messages else "empty"
+        if how not in ANSWERS:  # a real producer (bench.shapes): what it asks for, as qdelay answers
+            how = "compact" if request.compact_receipts else "receipts"
         if how == "receipts":
             add = resp.receipts.add
             for seq, m in enumerate(request.messages, 1):
