@@ -18,10 +18,12 @@ import pytest
 from qdelay import errors
 from qdelay.aio import Client as AioClient
 from qdelay.client import Client, Outgoing
+from qdelay.client.client import DeadlineExceeded
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 HOUR_MS = 3_600_000
+HELD = 999  # the stand-in answers a request with this sequence only when told to
 CANCELLED, NOT_FOUND, ALREADY_CANCELLED = (
     pb.CancelResponse.CANCELLED,
     pb.CancelResponse.NOT_FOUND,
@@ -43,6 +45,7 @@ class _StandIn(pb_grpc.DelayServiceServicer):
         self.streams = 0
         self.batch_calls = 0
         self.unary_calls = 0
+        self.held = asyncio.Event()  # a request naming HELD is answered once this is set
 
     def _outcome(self, seq: int) -> int:
         if seq % 7 == 0:
@@ -65,6 +68,8 @@ class _StandIn(pb_grpc.DelayServiceServicer):
             response = pb.CancelBatchResponse(responses=[pb.CancelResponse(outcome=self._outcome(s)) for s in seqs])
             if number <= self.breaks:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost")
+            if HELD in seqs:
+                await self.held.wait()
             yield response
 
     async def CancelBatch(self, request, context):
@@ -123,6 +128,35 @@ def test_a_stream_broken_mid_way_sends_the_same_targets_again_and_callers_see_ca
         later = [seqs_ for n, seqs_ in stand_in.requests if n == 3]
         assert broken and all(b in later for b in broken)
         assert sorted(s for _n, part in stand_in.requests if _n == 3 for s in part) == seqs
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_request_past_its_deadline_fails_in_time_and_its_late_answer_is_no_one_elses():
+    """CancelStreamCall's deadline (a timer on the response's future): the request the
+    server holds fails with DEADLINE_EXCEEDED when its time is up, the stream stays open,
+    and the answer that comes later is dropped, not given to the next request."""
+
+    async def main() -> None:
+        stand_in = _StandIn()
+        server, address = await _serve(stand_in)
+        try:
+            async with AioClient(address) as c:
+                assert await c.cancel(_target(1)) == "CANCELLED"  # the stream is open
+                call = c._canceller._stream  # type: ignore[union-attr]
+                assert call is not None
+                held = pb.CancelBatchRequest(requests=[pb.CancelRequest(receipt=_target(HELD))])
+                t0 = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    await call(held, 0.3)
+                assert 0.25 <= time.monotonic() - t0 < 5
+                stand_in.held.set()  # the held answer goes out now, to no one
+                nxt = pb.CancelBatchRequest(requests=[pb.CancelRequest(receipt=_target(2))] * 2)
+                response = await call(nxt, 10)
+                assert [r.outcome for r in response.responses] == [CANCELLED, ALREADY_CANCELLED]
+                assert call.streams == 1 and call.resent == 0
+        finally:
+            await server.stop(None)
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
