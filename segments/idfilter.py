@@ -16,8 +16,9 @@ log.
 A layer's bits live in a writable buffer (an anonymous mmap) whose length is a power of
 two; an id sets ``PROBES`` bits: h = XXH3_64 of its UTF-8 bytes, h1 = the low 32 bits,
 h2 = the high 32 bits | 1, bit i = (h1 + i * h2) mod the number of bits (bit b is bit
-b % 8 of byte b // 8). ``filter_add`` and ``filter_maybe`` are the native codec's
-(segments/_codec.c; any writable buffer, any buffer), with their Python twins here.
+b % 8 of byte b // 8). ``filter_add`` (one layer, any writable buffer) and
+``filter_maybe_layers`` (every layer at once, any buffers) are the native codec's
+(segments/_codec.c), with their Python twins here.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ LAYER_TIGHTENING = 0.5  # each layer's false-positive rate at capacity against t
 _xxh = xxhash.xxh3_64_intdigest
 
 
-def _mask(bits: bytes | bytearray | mmap.mmap) -> int:
+def _mask(bits: bytes | bytearray | mmap.mmap | memoryview) -> int:
     n = len(bits)
     if n < 8 or n & (n - 1):
         raise ValueError("id filter: its length is not a power of two of at least 8 bytes")
@@ -64,18 +65,30 @@ def filter_add_py(bits: bytearray | mmap.mmap, keys: list[bytes]) -> None:
             bits[at >> 3] |= 1 << (at & 7)
 
 
-def filter_maybe_py(bits: bytes | bytearray | mmap.mmap, ids: list[str]) -> list[int]:
-    """The Python twin of the native ``filter_maybe``: the positions of the ids whose bits
-    are all set."""
-    if not isinstance(ids, list):
-        raise TypeError("filter_maybe: ids must be a list")
-    mask = _mask(bits)
+MAX_LAYERS = 64  # filter_maybe_layers' limit: 64 layers of ~1.7 times the ids each is far past any index
+
+
+def filter_maybe_layers_py(layers: list, ids: list[str]) -> list[int]:
+    """The Python twin of the native ``filter_maybe_layers``: the positions of the ids whose
+    bits are all set in at least one of ``layers`` (buffers, each a filter of its own size)."""
+    if not isinstance(layers, list) or not isinstance(ids, list):
+        raise TypeError("filter_maybe_layers: a list of layers and a list of ids")
+    if not 1 <= len(layers) <= MAX_LAYERS:
+        raise ValueError("filter_maybe_layers: 1 to 64 layers")
+    views, masks = [], []
+    for layer in layers:  # in order, as the native side: a non-buffer, then a wrong size
+        view = memoryview(layer).cast("B")
+        masks.append(_mask(view))
+        views.append(view)
     out = []
     for i, message_id in enumerate(ids):
         if not isinstance(message_id, str):
-            raise TypeError("filter_maybe: ids must be str")
-        if all(bits[at >> 3] & (1 << (at & 7)) for at in _positions(_xxh(message_id.encode()), mask)):
-            out.append(i)
+            raise TypeError("filter_maybe_layers: ids must be str")
+        h = _xxh(message_id.encode())
+        for view, mask in zip(views, masks, strict=True):
+            if all(view[at >> 3] & (1 << (at & 7)) for at in _positions(h, mask)):
+                out.append(i)
+                break
     return out
 
 
@@ -164,14 +177,8 @@ class IdFilter:
 
     def maybe(self, ids: list[str]) -> list[int]:
         """The positions in ``ids`` of those that may have been added (the others were not),
-        in order: the union of every layer's answer, one native call a layer (~3 µs per 100
-        ids each) and no Python work per id (new ids answer [] in each layer)."""
+        in order: those one of the layers may hold, in one native call (``filter_maybe_layers``:
+        each id hashed once, the layers' first probes prefetched a run of ids at a time)."""
         codec = native.codec
-        maybe = codec.filter_maybe if codec is not None else filter_maybe_py
-        layers = self._layers
-        if len(layers) == 1:
-            return maybe(layers[0].bits, ids)
-        hits = [found for found in (maybe(layer.bits, ids) for layer in layers) if found]
-        if len(hits) <= 1:
-            return hits[0] if hits else []
-        return sorted(set().union(*hits))
+        maybe = codec.filter_maybe_layers if codec is not None else filter_maybe_layers_py
+        return maybe([layer.bits for layer in self._layers], ids)

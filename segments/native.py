@@ -40,7 +40,7 @@ def twins() -> dict[str, Callable[..., Any]]:
         "ack_match": ledger.ack_match_py,
         "id_entries": idindex.id_entries_py,
         "filter_add": idfilter.filter_add_py,
-        "filter_maybe": idfilter.filter_maybe_py,
+        "filter_maybe_layers": idfilter.filter_maybe_layers_py,
         "recent_put": recent_ids.recent_put_py,
         "recent_find": recent_ids.recent_find_py,
         "recent_rehash": recent_ids.recent_rehash_py,

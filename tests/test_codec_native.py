@@ -267,18 +267,22 @@ filter_keys = st.lists(st.one_of(st.binary(max_size=12), st.text(max_size=6).map
 
 
 @st.composite
-def filter_maybe_cases(draw):
-    """A filter holding some ids (added by the twin), asked about those and others."""
-    bits = draw(filter_bits)
-    held = draw(st.lists(st.text(max_size=6), max_size=10))
-    try:
-        idfilter.filter_add_py(bits, [m.encode() for m in held])
-    except ValueError:
-        pass  # a filter of a wrong size: both sides refuse it
-    asked = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=6)), max_size=20))
+def filter_maybe_layers_cases(draw):
+    """Layers of the id filter (some of a wrong size or not a buffer), some holding ids
+    added by the twin, asked about those and others."""
+    layers = draw(st.lists(filter_bits, min_size=0, max_size=4))
+    held = draw(st.lists(st.text(max_size=6), max_size=12))
+    for k, layer in enumerate(layers):
+        try:
+            idfilter.filter_add_py(layer, [m.encode() for m in held[k :: len(layers)]])
+        except ValueError:
+            pass  # a layer of a wrong size: both sides refuse it
+    if layers and draw(st.integers(0, 9)) == 0:
+        layers[draw(st.integers(0, len(layers) - 1))] = draw(st.sampled_from(["bits", 3, None]))  # not a buffer
+    asked = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=6)), max_size=40))
     if draw(st.integers(0, 9)) == 0:
         asked = [*asked, draw(st.sampled_from([b"id", 3, None]))]  # not a str
-    return bytes(bits) if draw(st.booleans()) else bits, asked
+    return [bytes(x) if isinstance(x, bytearray) and draw(st.booleans()) else x for x in layers], asked
 
 
 recent_ids_drawn = st.lists(st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=4), max_size=8)
@@ -608,7 +612,7 @@ PAIRS: dict[tuple[str, str], Pair] = {
         st.tuples(filter_bits, filter_keys.map(lambda ks: ks + [3] if len(ks) == 7 else ks)),
         outcome=lambda result, args: (result, bytes(args[0])),
     ),
-    ("segments", "filter_maybe"): Pair(filter_maybe_cases()),
+    ("segments", "filter_maybe_layers"): Pair(filter_maybe_layers_cases()),
     ("segments", "recent_put"): Pair(recent_put_cases(), outcome=lambda result, args: (result, bytes(args[0]))),
     ("segments", "recent_find"): Pair(recent_find_cases()),
     ("segments", "recent_rehash"): Pair(recent_rehash_cases(), outcome=lambda result, args: (result, bytes(args[1]))),

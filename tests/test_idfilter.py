@@ -205,4 +205,4 @@ def test_start_filter_builds_it_without_a_lookup_once(tmp_path):
 @pytest.mark.parametrize("size", [0, 7, 12])
 def test_a_filter_of_a_wrong_size_is_refused(size):
     with pytest.raises(ValueError):
-        idfilter.filter_maybe_py(bytearray(size), ["a"])
+        idfilter.filter_maybe_layers_py([bytearray(size)], ["a"])
