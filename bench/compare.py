@@ -386,6 +386,29 @@ def burst(name, tmp, scale=1.0, min_lead_s=5.0):
     )
 
 
+# qdelay's gauges of where its memory is (docs/api.md), read with the RSS: MB each
+MEMORY_GAUGES = (
+    "qdelay_id_filter_bytes",
+    "qdelay_id_index_memtable_bytes",
+    "qdelay_id_index_table_readers_bytes",
+    "qdelay_id_index_block_cache_bytes",
+    "qdelay_dedupe_recent_bytes",
+)
+
+
+def _memory_parts(d) -> dict:
+    gauges = getattr(d, "gauges", None)
+    if gauges is None:
+        return {}
+    try:
+        got = gauges()
+    except OSError:
+        return {}
+    return {
+        g.removeprefix("qdelay_").replace("_bytes", "_mb"): round(got.get(g, 0.0) / 2**20, 2) for g in MEMORY_GAUGES
+    }
+
+
 def memory(name, tmp, scale=1.0, seed=3):
     n = int(1_000_000 * scale)
     rnd = random.Random(seed)
@@ -401,8 +424,10 @@ def memory(name, tmp, scale=1.0, seed=3):
         res = s.results()
         time.sleep(2.0)
         rss1 = d.rss_bytes()
+        parts = _memory_parts(d)
     _, _, t_start, t_end, sent = merge_sent(res)
     return dict(
+        **parts,
         n=sent,
         load_s=round(t_end - t_start, 1),
         rss_empty_mb=round(rss0 / 2**20, 1),

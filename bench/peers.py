@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import psutil
 
@@ -179,6 +180,7 @@ class QdelayDriver(Driver):
         super().__init__()
         self.flush = flush
         self.extra = list(extra or [])
+        self._metrics_port: int | None = None
         if flush != "sync":
             self.name = f"qdelay-{flush.replace(':', '')}"
         self._buf = b""
@@ -197,8 +199,24 @@ class QdelayDriver(Driver):
             self.flush,
             "--log-level",
             "warning",
+            # its gauges say where the memory is (bench.compare's memory scenario)
+            "--metrics-listen",
+            f"127.0.0.1:{self.metrics_port}",
             *self.extra,
         ]
+
+    @property
+    def metrics_port(self) -> int:
+        if self._metrics_port is None:
+            self._metrics_port = free_port()
+        return self._metrics_port
+
+    def gauges(self) -> dict[str, float]:
+        """The server's unlabelled ``qdelay_*`` metrics, scraped now."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(qdelay_\w+) (\S+)$", text, re.M)}
 
     def _stdout(self):
         return subprocess.PIPE
