@@ -164,9 +164,9 @@ class GroupSink:
 
     Credit, hand-over and acks go through the server's own consumer registry
     (``server/consumers.py``: one subscriber per group, a window of 1,000,000), with this
-    object standing in for the event loop: the slices the registry passes to the loop go
-    to the consumer thread, which tells the registry what it acknowledged and posts the
-    acks to the engine. So the scheduler thread does per delivery what it does in a
+    object standing in for the event loop: the registry's callbacks run on the consumer
+    thread, which takes what they pushed to the subscribers' inboxes, tells the registry
+    what it acknowledged and posts the acks to the engine. So the scheduler thread does per delivery what it does in a
     server, no more and no less (it used to be a dict entry per ack id here, mirroring the
     registry by hand). Lateness is the bench's own measurement, so the scheduler thread
     keeps only (received at, the batch's due-time column) per batch, and the arithmetic is
@@ -183,12 +183,13 @@ class GroupSink:
         self._late: dict[tuple[str, str], list[tuple[float, list[int]]]] = {}
         self.registry = ConsumerRegistry(self, ack_timeout_ms=30_000)  # type: ignore[arg-type]
         self._subscribed: set[tuple[str, str]] = set()
+        self._subs: list = []  # the registry's Subscriptions, one per (subject, group)
         self._acks: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._ack_loop, name="bench-acker", daemon=True).start()
 
-    def call_soon_threadsafe(self, push, part) -> None:
-        """The registry handing a subscriber's slice to the event loop."""
-        self._acks.put((push.__self__, part))
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        """The registry asking "the loop" to push the slices handed over to the streams."""
+        self._acks.put((fn, args))
 
     def credit(self, subject: str, group: str) -> int:
         key = (subject, group)
@@ -196,7 +197,7 @@ class GroupSink:
             return 0
         if key not in self._subscribed:
             self._subscribed.add(key)
-            self.registry.register(subject, group, 1_000_000, "bench")
+            self._subs.append(self.registry.register(subject, group, 1_000_000, "bench"))
         return self.registry.credit(subject, group)
 
     def deliver(self, subject: str, group: str, deliveries) -> None:
@@ -220,9 +221,13 @@ class GroupSink:
         # acks are posted, as the server's event loop posts a stream's acks (post_ack):
         # applied by the scheduler thread, without this thread waiting for its lock
         while True:
-            sub, part = self._acks.get()
-            self.registry.acked(sub, part.ack_ids)
-            self.engine.post_ack(part.ack_ids, sub.subject, sub.group)
+            fn, args = self._acks.get()
+            fn(*args)  # the registry pushes the slices to the streams' inboxes
+            for sub in list(self._subs):
+                while sub.inbox:
+                    part = sub.inbox.popleft()
+                    self.registry.acked(sub, part.ack_ids)
+                    self.engine.post_ack(part.ack_ids, sub.subject, sub.group)
 
     def wait(self, key: tuple[str, str], n: int, timeout: float) -> bool:
         deadline = time.time() + timeout

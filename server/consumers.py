@@ -132,6 +132,10 @@ class ConsumerRegistry:
         self._by_subject: dict[tuple[str, str], list[Subscription]] = {}  # (subject, group)
         self._ids = itertools.count(1)
         self._rr = 0
+        # slices handed over and not yet pushed to their streams, in hand-over order, and
+        # whether the loop has been asked to push them (``_to_streams``)
+        self._outbox: list[tuple[Subscription, Deliveries]] = []
+        self._outbox_asked = False
         self.paused = False
         self.dropped = 0  # deliveries that found no subscriber (the engine redelivers them)
 
@@ -234,7 +238,12 @@ class ConsumerRegistry:
 
     def deliver(self, subject: str, group: str, deliveries) -> None:
         """Spread a ``scheduler.Deliveries`` batch over the group's subscribers (a slice
-        of it each, by free credit) and pass each slice to the loop thread."""
+        of it each, by free credit) and pass the slices to the loop thread.
+
+        The slices go to an outbox that the loop empties in one callback; the loop is asked
+        only when no callback is pending already. A dispatch round hands out a batch per
+        group (fan-out) and per subject: one ``call_soon_threadsafe`` per batch woke the
+        loop (a write to its self-pipe, a turn of the loop) once per group per round."""
         plan: list[tuple[Subscription, Deliveries]] = []
         with self._lock:
             subs = self._by_subject.get((subject, group))
@@ -255,8 +264,22 @@ class ConsumerRegistry:
             for sub, part in plan:
                 sub.hand_over(part.ack_ids, expiry)
                 sub.delivered += len(part)
-        for sub, part in plan:
-            self.loop.call_soon_threadsafe(sub.push, part)
+            if not plan:
+                return
+            self._outbox += plan
+            if self._outbox_asked:
+                return  # the pending callback pushes these too
+            self._outbox_asked = True
+        self.loop.call_soon_threadsafe(self._to_streams)
+
+    def _to_streams(self) -> None:
+        """On the loop thread: push the slices handed over since the last call to their
+        streams, in hand-over order."""
+        with self._lock:
+            out, self._outbox = self._outbox, []
+            self._outbox_asked = False
+        for sub, part in out:
+            sub.push(part)
 
     def _spread(self, subs: list[Subscription], deliveries, now: float, plan: list) -> None:
         """Plan the slices of a batch for several subscribers of a group (lock held)."""
