@@ -66,3 +66,40 @@ def test_a_stream_that_ends_gives_back_its_ids_in_hand_over_order():
     for gone in ("12.1", "0.1", "31.1", "32.1"):
         want.remove(gone)
     assert reg.unregister(sub) == want and sub.unacknowledged() == 0
+
+
+class QueuedLoop:
+    """Stands in for a busy event loop: keeps the callbacks until ``run``."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        self.calls.append((fn, args))
+
+    def run(self) -> None:
+        calls, self.calls = self.calls, []
+        for fn, args in calls:
+            fn(*args)
+
+
+def test_batches_handed_over_before_the_loop_runs_reach_it_in_one_callback_in_order():
+    """A round's batches for several groups (fan-out) and several rounds' batches, handed
+    over while the loop is busy, ask the loop once and arrive in hand-over order; credit
+    counts them from the hand-over, not from the push."""
+    loop = QueuedLoop()
+    reg = ConsumerRegistry(loop, ack_timeout_ms=30_000)
+    a = reg.register("s", "g1", 100, "a")
+    b = reg.register("s", "g2", 100, "b")
+    reg.deliver("s", "g1", batch(["1.1", "2.1"]))
+    reg.deliver("s", "g2", batch(["1.1", "2.1"]))
+    reg.deliver("s", "g1", batch(["3.1"]))
+    assert len(loop.calls) == 1 and not a.inbox and not b.inbox
+    assert reg.credit("s", "g1") == 97 and reg.credit("s", "g2") == 98
+    loop.run()
+    assert [d.ack_ids for d in a.inbox] == [["1.1", "2.1"], ["3.1"]]
+    assert [d.ack_ids for d in b.inbox] == [["1.1", "2.1"]]
+    reg.deliver("s", "g2", batch(["4.1"]))  # the loop ran: the next hand-over asks again
+    assert len(loop.calls) == 1
+    assert reg.unregister(b) == ["1.1", "2.1", "4.1"]  # handed over, not yet pushed: given back too
+    loop.run()
