@@ -178,8 +178,11 @@ class Deduper:
         self._tidy = None
         self._prune()
         if len(self._recent):
+            self._recent.trim(self._floor_now())  # a table larger than this second's peak needs
             self._tidy = asyncio.get_running_loop().call_later(TIDY_AFTER, self._tidy_up)
-        elif not self._writing:  # a burst forgotten: hand the freed heap back (RSS)
+            return
+        self._recent.trim(self._floor_now(), idle=True)  # sends stopped: the smallest table
+        if not self._writing:  # a burst forgotten: hand the freed heap back (RSS)
             allocator.trim()
 
     def _floor_now(self) -> int:

@@ -17,7 +17,12 @@ codec's (segments/_codec.c ``recent_put`` / ``recent_find`` / ``recent_rehash``,
 A slot whose sequence is at most the caller's ``floor`` (the index holds it, and no lookup
 that began before is still running) is dead: lookups ignore it and puts reuse it. A batch's
 line leaves once its last sequence is at most the floor; the table is rebuilt (live slots
-only) when it is three quarters used, and smaller when it is mostly dead.
+only) when it is three quarters used, at the size the most ids held at once lately need.
+When every slot is dead (the index caught up) it is zeroed in place and kept: the iterate
+service catches up every few milliseconds under steady sends, and a new small table grown
+again by doublings each time cost ~7 us a SendBatch of 100 (a fresh zeroed buffer and a
+rehash per doubling). Memory goes back in :meth:`RecentIds.trim`, which the deduper calls
+about once a second: a table twice the size its recent peak needs or more is made smaller.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import struct
 import sys
 
+import numpy as np
 import xxhash
 
 from qdelay.segments import native
@@ -146,6 +152,7 @@ class RecentIds:
         self._lines: dict[int, str] = {}  # a batch's first sequence -> its ids joined by "\n"
         self._order: collections.deque[tuple[int, int, int]] = collections.deque()  # (last, first, count)
         self._count = 0  # ids of the batches in _order (at least the live slots)
+        self._peak = 0  # the most ids held at once since the last trim(): what a table is sized for
 
     def __len__(self) -> int:
         """How many ids are remembered (those of batches not yet forgotten)."""
@@ -166,12 +173,14 @@ class RecentIds:
         ASCII, distinct); slots at or below ``floor`` may be reused."""
         codec = native.codec
         if 4 * (self._used + len(ids)) > 3 * self.slots:
-            self._rebuild(_size_for(self._count + len(ids)), floor)
+            self._rebuild(_size_for(max(self._count + len(ids), self._peak)), floor)
         put = codec.recent_put if codec is not None else recent_put_py
         self._used += put(self._table, self._seed, floor, ids, first, dues)
         self._lines[first] = "\n".join(ids)
         self._order.append((first + len(ids) - 1, first, len(ids)))
         self._count += len(ids)
+        if self._count > self._peak:
+            self._peak = self._count
 
     def find(self, ids: list[str], floor: int) -> dict[int, Receipt]:
         """ids position -> the receipt of that id's newest write above ``floor``."""
@@ -194,19 +203,33 @@ class RecentIds:
         return found
 
     def forget(self, floor: int) -> None:
-        """Forget the batches wholly at or below ``floor``; give the table's memory back when
-        nothing is left, or when most of it is dead."""
+        """Forget the batches wholly at or below ``floor``; with nothing left, the table starts
+        over empty at its size (see the module's docstring; :meth:`trim` shrinks it)."""
         order, lines = self._order, self._lines
+        if not order or order[0][0] > floor:
+            return
         while order and order[0][0] <= floor:
             _last, first, count = order.popleft()
             del lines[first]
             self._count -= count
         if not order:
-            if self.slots > MIN_SLOTS:  # (a small one is kept: its slots are all dead, reused)
-                self._table, self._used = bytearray(MIN_SLOTS * SLOT), 0
+            # every slot is dead; zeroed, none is probed past again (lookups stop at an
+            # empty slot) and the used count starts over
+            np.frombuffer(self._table, dtype=np.uint8).fill(0)
+            self._used = 0
             self._lines = {}  # a dict keeps its table however many keys leave
-        elif self.slots > MIN_SLOTS and 8 * self._count < self.slots:
-            self._rebuild(_size_for(self._count), floor)
+
+    def trim(self, floor: int, idle: bool = False) -> None:
+        """Give memory back: a table at least twice the size that the most ids held at once
+        since the last trim need (``idle``: that are held now) is rebuilt at that size.
+        The deduper calls this about once a second, and with ``idle`` once sends stopped."""
+        want = _size_for(self._count if idle else max(self._count, self._peak))
+        self._peak = self._count
+        if self.slots >= 2 * want:
+            if self._order:
+                self._rebuild(want, floor)
+            else:
+                self._table, self._used = bytearray(want * SLOT), 0
 
     def _rebuild(self, slots: int, floor: int) -> None:
         codec = native.codec

@@ -64,6 +64,30 @@ def test_the_table_answers_as_the_dict_it_replaced(side, steps, small, monkeypat
         everything = list(model.newest)
         assert table.find(everything, indexed) == model.find(everything, indexed)
     table.forget(written)
+    assert len(table) == 0 and table.find(list(model.newest), written) == {}
+    table.trim(written, idle=True)  # memory back once sends stop (the deduper's tidy-up)
+    assert table.slots == recent_ids.MIN_SLOTS
+
+
+def test_an_emptied_table_keeps_its_size_until_trimmed():
+    """The index catching up empties the table every few milliseconds under steady sends:
+    it is kept at its size (zeroed), not grown again from the smallest; trim() shrinks a
+    table twice what the recent peak needs, and to the smallest once idle."""
+    table = RecentIds()
+    ids = [str(i) for i in range(3000)]
+    table.add(1, ids, list(range(3000)), 0)
+    big = table.slots
+    assert big >= 4 * recent_ids.MIN_SLOTS
+    table.forget(3000)
+    assert len(table) == 0 and table.slots == big and table.find(ids, 3000) == {}
+    table.add(3001, ["a"], [5], 3000)  # the next batch goes into the same table, found
+    assert table.slots == big and table.find(["a", "0"], 3000) == {0: Receipt("a", 5, 3001)}
+    table.trim(3000)  # the peak since the last trim (3,000 ids) still needs this size
+    assert table.slots == big
+    table.trim(3000)  # a quiet second: one id held, a table for 3,000 is given back
+    assert table.slots == recent_ids.MIN_SLOTS and table.find(["a"], 3000) == {0: Receipt("a", 5, 3001)}
+    table.forget(3001)
+    table.trim(3001, idle=True)
     assert len(table) == 0 and table.slots == recent_ids.MIN_SLOTS
 
 
