@@ -386,13 +386,16 @@ def burst(name, tmp, scale=1.0, min_lead_s=5.0):
     )
 
 
-# qdelay's gauges of where its memory is (docs/api.md), read with the RSS: MB each
+# qdelay's gauges of where its memory is (docs/api.md), read with the RSS: MB each (counts as they are)
 MEMORY_GAUGES = (
     "qdelay_id_filter_bytes",
     "qdelay_id_index_memtable_bytes",
     "qdelay_id_index_table_readers_bytes",
     "qdelay_id_index_block_cache_bytes",
     "qdelay_dedupe_recent_bytes",
+    # counts, not bytes: whether RSS was read while the iterate service still lagged
+    "qdelay_dedupe_recent_ids",
+    "qdelay_iterate_lag_records",
 )
 
 
@@ -405,7 +408,10 @@ def _memory_parts(d) -> dict:
     except OSError:
         return {}
     return {
-        g.removeprefix("qdelay_").replace("_bytes", "_mb"): round(got.get(g, 0.0) / 2**20, 2) for g in MEMORY_GAUGES
+        g.removeprefix("qdelay_").replace("_bytes", "_mb"): (
+            round(got.get(g, 0.0) / 2**20, 2) if g.endswith("_bytes") else int(got.get(g, 0))
+        )
+        for g in MEMORY_GAUGES
     }
 
 
