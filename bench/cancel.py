@@ -8,6 +8,9 @@ each bucket size N, two minutes an hour ahead with N messages each:
 
 - in the first: Get p50/p99 of random receipts, one call at a time (an idle server), and
   as many gRPC health checks right after (the floor of any call on the box at that moment);
+  for both, what the machine explains of the tail (``bench.common.timed_calls``): the p99
+  less each call's longest run-queue wait of one server or client thread, and the share of
+  the slowest 1 % that had such a wait of at least half their excess over the p50;
   Reschedule of random receipts from 16 threads (an hour later): reschedules/s and CPU;
   ``client.cancel`` of random receipts from 16 threads (the client gathers concurrent
   cancels into CancelBatch calls, as it gathers sends): cancels/s and server CPU;
@@ -19,7 +22,8 @@ each bucket size N, two minutes an hour ahead with N messages each:
 - ``client.send`` from 16 threads and a batched send of 50,000, same run, as yardsticks;
   for both 16-thread phases, how many targets or messages a gathered call carried.
 
-The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
+Get only: ``--cancels 0 --reschedules 0 --aio-tasks 0`` (the fills and the yardsticks
+still run: ~25 s for the three sizes). The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
 
 The cold-minute scenario is described in ``COLD_DOC`` (``--cold``).
 
@@ -36,7 +40,18 @@ import random
 import tempfile
 import time
 
-from bench.common import Meter, machine, median, percentile, print_table, threads, until_idle, write_json
+from bench.common import (
+    Meter,
+    RunQueueWait,
+    machine,
+    median,
+    percentile,
+    print_table,
+    threads,
+    timed_calls,
+    until_idle,
+    write_json,
+)
 from bench.peers import QdelayDriver
 from qdelay.client import Client, Outgoing
 
@@ -132,18 +147,14 @@ def run(
                     batch_set = random.sample(batch_pool, min(n, cancels))
 
                     idle_s = until_idle(server.pid)
-                    lat = []
-                    for r in get_set:
-                        t0 = time.perf_counter()
-                        c.get(r)
-                        lat.append((time.perf_counter() - t0) * 1000)
+                    # the run-queue waits of the server's and this process's threads around
+                    # each call: how much of the tail is the machine (issue 13: Get p99)
+                    probe = RunQueueWait([server.pid, os.getpid()])
+                    got = timed_calls(c.get, get_set, probe)
                     # the floor of a call on this box: the gRPC health check (no lookup, no
                     # worker thread), as many, right after
-                    floor = []
-                    for _r in get_set:
-                        t0 = time.perf_counter()
-                        c.health()
-                        floor.append((time.perf_counter() - t0) * 1000)
+                    floor = timed_calls(lambda _r: c.health(), get_set, probe)
+                    probe.close()
 
                     moved: list[str] = []
                     with Meter(server.pid) as mr:
@@ -164,14 +175,12 @@ def run(
 
                     row = {
                         "bucket_size": n,
-                        "get_p50_ms": percentile(lat, 50),
-                        "get_p99_ms": percentile(lat, 99),
-                        "health_p50_ms": percentile(floor, 50),
-                        "health_p99_ms": percentile(floor, 99),
+                        **{f"get_{k}": v for k, v in got.items()},
+                        **{f"health_{k}": v for k, v in floor.items()},
                         "loadavg": round(os.getloadavg()[0], 2),
                         "idle_wait_s": round(idle_s, 1),
-                        "unary_cancels_per_s": len(unary_set) / wall_u,
-                        "unary_cpu_us": mu.cpu / len(unary_set) * 1e6,
+                        "unary_cancels_per_s": len(unary_set) / wall_u if unary_set else 0,
+                        "unary_cpu_us": mu.cpu / len(unary_set) * 1e6 if unary_set else 0,
                         "unary_cancels_a_call": len(unary_set) / max(1, cancel_calls),
                         "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
                         "reschedule_cpu_us": mr.cpu / len(resched_set) * 1e6 if resched_set else 0,
@@ -218,7 +227,12 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000", help="bucket sizes N, comma-separated")
-    ap.add_argument("--cancels", type=int, default=2000, help="cancels per size, unary (16 threads) and batched (each)")
+    ap.add_argument(
+        "--cancels",
+        type=int,
+        default=2000,
+        help="cancels per size, unary (16 threads) and batched (each); 0 with --reschedules 0 --aio-tasks 0: Get only",
+    )
     ap.add_argument("--gets", type=int, default=500, help="Get calls per size (one at a time)")
     ap.add_argument("--reschedules", type=int, default=1000, help="Reschedule calls per size (16 threads)")
     ap.add_argument("--batch", type=int, default=1000, help="targets per CancelBatch call")
@@ -265,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             f"N {r['bucket_size']:,}: Get p50/p99 {r['get_p50_ms']:.2f}/{r['get_p99_ms']:.2f} ms;"
             f" a health check, same moment: {r['health_p50_ms']:.2f}/{r['health_p99_ms']:.2f} ms (load {r['loadavg']})"
         )
+        if "get_p99_less_wait_ms" in r:
+            print(
+                f"    less each call's longest run-queue wait (server or client thread): Get p99"
+                f" {r['get_p99_less_wait_ms']:.2f}, health {r['health_p99_less_wait_ms']:.2f} ms;"
+                f" slowest 1 % with such a wait >= half their excess over p50:"
+                f" Get {r['get_slow_waited']:.0%}, health {r['health_slow_waited']:.0%}"
+            )
     y = rows[0] if rows else {}
     if y:
         print(

@@ -153,6 +153,76 @@ def threads(count: int, work: Any, items: Sequence[Any]) -> float:
     return time.perf_counter() - t0
 
 
+class RunQueueWait:
+    """How long the threads of some processes sat runnable without a core: Linux's
+    ``/proc/<pid>/task/<tid>/schedstat`` (its second field, run-queue wait in ns), read
+    around a timed call (outside its window) to tell a call slowed by the machine (a thread
+    of the server or of the client waiting for one of the cores others use) from one slowed
+    by the server's own work. Threads started after construction are not watched; where
+    /proc has no schedstat, ``available`` is False and every wait reads 0."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self._files = []
+        for pid in pids:
+            base = f"/proc/{pid}/task"
+            try:
+                tids = os.listdir(base)
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    self._files.append(open(f"{base}/{tid}/schedstat", "rb", buffering=0))  # noqa: SIM115 - kept open
+                except OSError:
+                    pass
+        self.available = bool(self._files)
+
+    def read(self) -> list[int]:
+        """Each watched thread's run-queue wait so far, ns (an exited thread: -1)."""
+        out = []
+        for f in self._files:
+            try:
+                f.seek(0)
+                out.append(int(f.read().split()[1]))
+            except (OSError, IndexError, ValueError):
+                out.append(-1)
+        return out
+
+    @staticmethod
+    def most_ms(before: list[int], after: list[int]) -> float:
+        """The longest run-queue wait of one thread between two reads, ms."""
+        waits = [b - a for a, b in zip(before, after) if a >= 0 and b >= 0]
+        return max(waits, default=0) / 1e6
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files = []
+
+
+def timed_calls(call: Any, items: Sequence[Any], probe: RunQueueWait | None = None) -> dict[str, float]:
+    """``call(item)`` for each item, one at a time: p50/p99 ms and, with a ``probe``, what
+    the machine's scheduling explains of the tail: ``p99_less_wait_ms``, the p99 of each
+    call's time less the longest run-queue wait of one watched thread around it (an upper
+    bound of the OS's share: a runnable thread off the call's path is counted too), and
+    ``slow_waited``, the share of the slowest 1 % of calls (at least 5) in which a thread
+    waited at least half the call's excess over the p50."""
+    lat, waited = [], []
+    for item in items:
+        before = probe.read() if probe else None
+        t0 = time.perf_counter()
+        call(item)
+        lat.append((time.perf_counter() - t0) * 1000)
+        if probe and before is not None:
+            waited.append(RunQueueWait.most_ms(before, probe.read()))
+    out = {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
+    if waited:
+        p50 = out["p50_ms"]
+        out["p99_less_wait_ms"] = percentile([max(0.0, t - w) for t, w in zip(lat, waited)], 99)
+        slowest = sorted(range(len(lat)), key=lambda i: -lat[i])[: max(5, len(lat) // 100)]
+        out["slow_waited"] = sum(1 for i in slowest if waited[i] >= 0.5 * (lat[i] - p50)) / len(slowest)
+    return out
+
+
 def until_idle(pid: int, timeout: float = 30.0) -> float:
     """Wait until the process uses under 5 % of a core over 0.5 s (a fill's background work:
     iterate catch-up, the id index's compactions), so that what follows is measured on an
