@@ -23,7 +23,8 @@ each bucket size N, two minutes an hour ahead with N messages each:
   for both 16-thread phases, how many targets or messages a gathered call carried.
 
 Get only: ``--cancels 0 --reschedules 0 --aio-tasks 0`` (the fills and the yardsticks
-still run: ~25 s for the three sizes). The full run of issue 13: ``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
+still run: ~25 s for the three sizes). The full run of issue 13:
+``--pending 1000000 --sizes 1000,10000,100000 --cancels 50000``.
 
 The cold-minute scenario is described in ``COLD_DOC`` (``--cold``).
 
