@@ -18,11 +18,13 @@ A slot whose sequence is at most the caller's ``floor`` (the index holds it, and
 that began before is still running) is dead: lookups ignore it and puts reuse it. A batch's
 line leaves once its last sequence is at most the floor; the table is rebuilt (live slots
 only) when it is three quarters used, at the size the most ids held at once lately need.
-When every slot is dead (the index caught up) it is zeroed in place and kept: the iterate
-service catches up every few milliseconds under steady sends, and a new small table grown
-again by doublings each time cost ~7 us a SendBatch of 100 (a fresh zeroed buffer and a
-rehash per doubling). Memory goes back in :meth:`RecentIds.trim`, which the deduper calls
-about once a second: a table twice the size its recent peak needs or more is made smaller.
+When every slot is dead (the index caught up) a table of at most KEEP_SLOTS is zeroed in
+place and kept: the iterate service catches up every few milliseconds under steady sends,
+and a new small table grown again by doublings each time cost ~7 us a SendBatch of 100 (a
+fresh zeroed buffer and a rehash per doubling). A larger one (a burst's: 2 M slots, 64 MiB
+at 1 M ids behind) is given back at once, as before; and :meth:`RecentIds.trim`, which the
+deduper calls about once a second, makes a table twice the size its recent peak needs or
+more smaller.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from qdelay.server.engine import Receipt
 SLOT = 32  # bytes: hash u64, sequence i64 (0: empty), due i64, first sequence of its batch i64
 _SLOT = struct.Struct("<Qqqq")
 MIN_SLOTS = 1024
+KEEP_SLOTS = 1 << 16  # the largest table kept when it empties (2 MiB), and sized for by a past peak
 _I64_MAX = 2**63 - 1
 
 
@@ -173,7 +176,7 @@ class RecentIds:
         ASCII, distinct); slots at or below ``floor`` may be reused."""
         codec = native.codec
         if 4 * (self._used + len(ids)) > 3 * self.slots:
-            self._rebuild(_size_for(max(self._count + len(ids), self._peak)), floor)
+            self._rebuild(_size_for(max(self._count + len(ids), min(self._peak, KEEP_SLOTS // 2))), floor)
         put = codec.recent_put if codec is not None else recent_put_py
         self._used += put(self._table, self._seed, floor, ids, first, dues)
         self._lines[first] = "\n".join(ids)
@@ -214,8 +217,11 @@ class RecentIds:
             self._count -= count
         if not order:
             # every slot is dead; zeroed, none is probed past again (lookups stop at an
-            # empty slot) and the used count starts over
-            np.frombuffer(self._table, dtype=np.uint8).fill(0)
+            # empty slot) and the used count starts over. A burst's table goes back at once.
+            if self.slots <= KEEP_SLOTS:
+                np.frombuffer(self._table, dtype=np.uint8).fill(0)
+            else:
+                self._table = bytearray(MIN_SLOTS * SLOT)
             self._used = 0
             self._lines = {}  # a dict keeps its table however many keys leave
 

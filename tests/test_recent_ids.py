@@ -91,6 +91,21 @@ def test_an_emptied_table_keeps_its_size_until_trimmed():
     assert len(table) == 0 and table.slots == recent_ids.MIN_SLOTS
 
 
+def test_a_bursts_table_is_given_back_as_soon_as_it_empties(monkeypatch):
+    """Only a table of at most KEEP_SLOTS is kept when the index catches up: a burst's goes
+    back at once (RSS right after a burst), and its peak does not size the next one."""
+    monkeypatch.setattr(recent_ids, "KEEP_SLOTS", 4096)
+    table = RecentIds()
+    ids = [str(i) for i in range(5000)]
+    table.add(1, ids, list(range(5000)), 0)
+    assert table.slots > recent_ids.KEEP_SLOTS
+    table.forget(5000)
+    assert len(table) == 0 and table.slots == recent_ids.MIN_SLOTS
+    table.add(5001, [str(i) for i in range(800)], list(range(800)), 5000)  # a rebuild: sized by
+    assert table.slots <= recent_ids.KEEP_SLOTS  # the peak only up to KEEP_SLOTS
+    assert table.find(["5", "0"], 5000) == {0: Receipt("5", 5, 5006), 1: Receipt("0", 0, 5001)}
+
+
 def test_a_hash_match_of_another_id_is_not_a_hit(monkeypatch):
     """A slot matches on a 64-bit hash; the id itself is confirmed from its batch's line."""
     monkeypatch.setattr(native, "codec", None)
