@@ -22,7 +22,8 @@ When every slot is dead (the index caught up) a table of at most KEEP_SLOTS is z
 place and kept: the iterate service catches up every few milliseconds under steady sends,
 and a new small table grown again by doublings each time cost ~7 us a SendBatch of 100 (a
 fresh zeroed buffer and a rehash per doubling). A larger one (a burst's: 2 M slots, 64 MiB
-at 1 M ids behind) is given back at once, as before; and :meth:`RecentIds.trim`, which the
+at 1 M ids behind) is given back at once, and made smaller as soon as it is mostly dead, as
+before; and :meth:`RecentIds.trim`, which the
 deduper calls about once a second, makes a table twice the size its recent peak needs or
 more smaller.
 """
@@ -224,6 +225,8 @@ class RecentIds:
                 self._table = bytearray(MIN_SLOTS * SLOT)
             self._used = 0
             self._lines = {}  # a dict keeps its table however many keys leave
+        elif self.slots > KEEP_SLOTS and 8 * self._count < self.slots:
+            self._rebuild(_size_for(self._count), floor)  # a burst's table, mostly dead: smaller now
 
     def trim(self, floor: int, idle: bool = False) -> None:
         """Give memory back: a table at least twice the size that the most ids held at once

@@ -92,18 +92,30 @@ def test_an_emptied_table_keeps_its_size_until_trimmed():
 
 
 def test_a_bursts_table_is_given_back_as_soon_as_it_empties(monkeypatch):
-    """Only a table of at most KEEP_SLOTS is kept when the index catches up: a burst's goes
-    back at once (RSS right after a burst), and its peak does not size the next one."""
+    """Only a table of at most KEEP_SLOTS is kept when the index catches up: a burst's is
+    made smaller once mostly dead and goes back at once when empty (RSS right after a
+    burst), and its peak does not size the next one beyond KEEP_SLOTS."""
     monkeypatch.setattr(recent_ids, "KEEP_SLOTS", 4096)
     table = RecentIds()
-    ids = [str(i) for i in range(5000)]
-    table.add(1, ids, list(range(5000)), 0)
+
+    def burst(first: int) -> None:  # 5,000 ids in batches of 500, sequences from ``first``
+        for k in range(0, 5000, 500):
+            batch = [str(i) for i in range(k, k + 500)]
+            table.add(first + k, batch, list(range(k, k + 500)), first - 1)
+
+    burst(1)
     assert table.slots > recent_ids.KEEP_SLOTS
+    table.forget(4500)  # mostly dead: made smaller at once
+    assert len(table) == 500 and table.slots <= recent_ids.KEEP_SLOTS
+    assert table.find(["4999", "0"], 4500) == {0: Receipt("4999", 4999, 5000)}
     table.forget(5000)
+    burst(5001)
+    assert table.slots > recent_ids.KEEP_SLOTS
+    table.forget(10000)  # empty: back to the smallest at once
     assert len(table) == 0 and table.slots == recent_ids.MIN_SLOTS
-    table.add(5001, [str(i) for i in range(800)], list(range(800)), 5000)  # a rebuild: sized by
+    table.add(10001, [str(i) for i in range(800)], list(range(800)), 10000)  # a rebuild: sized by
     assert table.slots <= recent_ids.KEEP_SLOTS  # the peak only up to KEEP_SLOTS
-    assert table.find(["5", "0"], 5000) == {0: Receipt("5", 5, 5006), 1: Receipt("0", 0, 5001)}
+    assert table.find(["5", "0"], 10000) == {0: Receipt("5", 5, 10006), 1: Receipt("0", 0, 10001)}
 
 
 def test_a_hash_match_of_another_id_is_not_a_hit(monkeypatch):
