@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdelay.segments import framing, records
+from qdelay.segments import framing, idindex, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
 
@@ -33,5 +33,20 @@ def test_put_frames_indexes_ids_skips_empty_ones_and_keeps_newer_on_rebuild(tmp_
         index.put_frames(*_frames([("a", 50, 2), ("ccc", 900, 9), ("dd", 10, 1)]), keep_newer=True)
         assert index.get_many(["a", "ccc", "dd", "zz"]) == [(400, 4), (900, 9), (10, 1), None]
         assert index.holds(["a", "a", "dd"], [400, 100, 10], [4, 1, 1]) == [True, False, True]
+    finally:
+        index.close()
+
+
+def test_put_frames_in_chunks_indexes_every_frame_and_newest_wins_across_chunks(tmp_path, monkeypatch):
+    # a large read is put PUT_CHUNK frames at a time (bounded transient Python objects);
+    # an id repeated in a later chunk still maps to its newest message
+    monkeypatch.setattr(idindex, "PUT_CHUNK", 3)
+    index = IdIndex(str(tmp_path / "ids"))
+    try:
+        items = [(f"m{i}", 100 + i, i + 1) for i in range(10)] + [("m0", 999, 11)]
+        index.put_frames(*_frames(items))
+        assert index.puts == 11
+        assert index.get("m0") == (999, 11)
+        assert index.get_many([f"m{i}" for i in range(1, 10)]) == [(100 + i, i + 1) for i in range(1, 10)]
     finally:
         index.close()
