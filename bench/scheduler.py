@@ -449,25 +449,35 @@ def hold_idle_streams(address: str, n: int) -> None:
     until stdin closes. A process of their own, as other applications' consumers are: in
     the bench's process their client-side tasks and the gRPC poller would share its GIL
     with the live consumer whose receive time is measured."""
+
+    def opened() -> None:
+        print("open", flush=True)
+
+    async def until_stdin_closes() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(_hold_idle(address, n, opened, until_stdin_closes))
+
+
+async def _hold_idle(address: str, n: int, opened, until) -> None:
+    """Open ``n`` idle Subscribe streams, call ``opened()`` once the server counts them all
+    as consumers, hold them until ``until()`` returns, then close them."""
     from qdelay.client import aio
 
-    async def run() -> None:
-        async with aio.Client(address) as ac:
-            consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(n)]
-            tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
-            while True:
-                groups = await ac.groups()
-                if sum(g["consumers"] for g in groups if g["subject"].startswith("bench.idle.")) >= n:
-                    break
-                await asyncio.sleep(0.2)
-            print("open", flush=True)
-            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-            for c in consumers:
-                await c.close()
-            for t in tasks:
-                t.cancel()
-
-    asyncio.run(run())
+    async with aio.Client(address) as ac:
+        consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(n)]
+        tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
+        while True:
+            groups = await ac.groups()
+            if sum(g["consumers"] for g in groups if g["subject"].startswith("bench.idle.")) >= n:
+                break
+            await asyncio.sleep(0.2)
+        opened()
+        await until()
+        for c in consumers:
+            await c.close()
+        for t in tasks:
+            t.cancel()
 
 
 def _open_idle_streams(address: str, n: int, in_process: bool) -> subprocess.Popen | threading.Event | None:
@@ -488,30 +498,15 @@ def _open_idle_streams(address: str, n: int, in_process: bool) -> subprocess.Pop
             child.kill()
             raise RuntimeError("the idle streams did not open")
         return child
-    from qdelay.client import aio
-
     stop = threading.Event()
     opened = threading.Event()
 
-    def idle_loop() -> None:
-        async def run() -> None:
-            async with aio.Client(address) as ac:
-                consumers = [ac.subscribe(f"bench.idle.{k}", "waiting", 10) for k in range(n)]
-                tasks = [asyncio.ensure_future(c.receive(1, timeout=3600)) for c in consumers]
-                while True:
-                    groups = await ac.groups()
-                    if sum(g["consumers"] for g in groups if g["subject"].startswith("bench.idle.")) >= n:
-                        break
-                    await asyncio.sleep(0.2)
-                opened.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.1)
-                for c in consumers:
-                    await c.close()
-                for t in tasks:
-                    t.cancel()
+    async def until_stopped() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
 
-        asyncio.run(run())
+    def idle_loop() -> None:
+        asyncio.run(_hold_idle(address, n, opened.set, until_stopped))
 
     threading.Thread(target=idle_loop, daemon=True).start()
     if not opened.wait(120):

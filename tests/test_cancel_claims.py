@@ -14,11 +14,17 @@ from tests.conftest import wait_until
 from tests.simclock import MINUTE, CollectingSink, Driver, FakeClock, config, message
 
 
-def test_a_claim_posted_while_a_round_reads_its_records_wins_and_a_release_gives_it_back(tmp_path):
+def _started(tmp_path) -> tuple[Engine, CollectingSink]:
+    """A started engine in ``tmp_path`` whose deliveries are collected (the caller closes it)."""
     engine = Engine(config(tmp_path / "data"))
     sink = CollectingSink()
     engine.set_sink(sink)
     engine.start()
+    return engine, sink
+
+
+def test_a_claim_posted_while_a_round_reads_its_records_wins_and_a_release_gives_it_back(tmp_path):
+    engine, sink = _started(tmp_path)
     sched = engine.scheduler
     try:
         due = int(time.time() * 1000) + 300
@@ -295,10 +301,7 @@ def test_a_few_receipts_claimed_on_the_loop_answer_as_the_batch_form(tmp_path):
     repeat, a receipt its minute's index does not confirm) before claiming anything."""
     from qdelay.server.engine import CancelOutcome
 
-    engine = Engine(config(tmp_path / "data"))
-    sink = CollectingSink()
-    engine.set_sink(sink)
-    engine.start()
+    engine, sink = _started(tmp_path)
     sched = engine.scheduler
     try:
         now = int(time.time() * 1000)
