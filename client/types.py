@@ -17,6 +17,7 @@ the (receipt, message_id) pair a CancelRequest/GetRequest/RescheduleRequest carr
 from __future__ import annotations
 
 import re
+from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,8 +77,9 @@ class LazyReceipts(Sequence):
     sending it. Subclasses give ``__len__`` and ``_at(i)`` for 0 <= i < len; indexing by
     negatives and slices is done here once for all of them."""
 
+    @abstractmethod
     def _at(self, index: int) -> Receipt:
-        raise NotImplementedError
+        """The receipt at ``index``, 0 <= index < len(self)."""
 
     def __getitem__(self, index):
         if isinstance(index, slice):
