@@ -234,3 +234,13 @@ def until_idle(pid: int, timeout: float = 30.0) -> float:
         if cpu_seconds(pid) - before < 0.025:
             break
     return time.perf_counter() - t0
+
+
+# the server's figures of where the id index's memory is (engine.stats() keys; as metrics
+# they are prefixed ``qdelay_``): read next to the RSS by the memory benchmarks
+ID_INDEX_MEMORY = (
+    "id_filter_bytes",
+    "id_index_memtable_bytes",
+    "id_index_table_readers_bytes",
+    "id_index_block_cache_bytes",
+)

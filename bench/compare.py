@@ -34,7 +34,7 @@ import threading
 import time
 from array import array
 
-from bench.common import cpu_counters, cpu_seconds, machine, print_table, steal_percent, write_json
+from bench.common import ID_INDEX_MEMORY, cpu_counters, cpu_seconds, machine, print_table, steal_percent, write_json
 from bench.peers import DRIVERS, make_client, make_payload
 
 CTX = mp.get_context("spawn")
@@ -388,10 +388,7 @@ def burst(name, tmp, scale=1.0, min_lead_s=5.0):
 
 # qdelay's gauges of where its memory is (docs/api.md), read with the RSS: MB each (counts as they are)
 MEMORY_GAUGES = (
-    "qdelay_id_filter_bytes",
-    "qdelay_id_index_memtable_bytes",
-    "qdelay_id_index_table_readers_bytes",
-    "qdelay_id_index_block_cache_bytes",
+    *(f"qdelay_{k}" for k in ID_INDEX_MEMORY),
     "qdelay_dedupe_recent_bytes",
     # counts, not bytes: whether RSS was read while the iterate service still lagged
     "qdelay_dedupe_recent_ids",

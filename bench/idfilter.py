@@ -66,9 +66,16 @@ def _fill(index: IdIndex, first: int, last: int) -> None:
 
 def _wait_built(index: IdIndex) -> None:
     deadline = time.monotonic() + 120
-    while index.filter_keys == 0 and time.monotonic() < deadline:
-        index.get_many(["warm"])  # the first lookup also starts the scan
+    while index.filter_keys == 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the id filter was not built within 120 s")
+        index.get_many(["warm"])  # an index without start_filter (an older tree) starts its scan here
         time.sleep(0.01)
+
+
+def _mib(f) -> float:
+    """The filter's size in MiB: its layers' (``nbytes``), or an older tree's one bit array."""
+    return (getattr(f, "nbytes", None) or len(getattr(f, "bits", b""))) / 2**20
 
 
 def growth_points(up_to: int) -> list[int]:
@@ -142,7 +149,7 @@ def cross(up_to: int) -> dict[str, float]:
             out["layers"] = getattr(index, "filter_layers", 0)
             out["scans"] = getattr(index, "scans", -1)
             f = index._filter
-            out["filter_MiB"] = (getattr(f, "nbytes", None) or len(getattr(f, "bits", b""))) / 2**20
+            out["filter_MiB"] = _mib(f)
         finally:
             index.close()
     return out
@@ -159,10 +166,6 @@ def _median_us(look_up) -> float:
     return median(times) * 1e6
 
 
-def _lookup_us(index: IdIndex) -> float:
-    return _median_us(index.get_many)
-
-
 def lookup(keys: int) -> dict[str, float]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,7 +179,7 @@ def lookup(keys: int) -> dict[str, float]:
             _fill(index, 1, keys)
             time.sleep(1.0)  # a rescanning filter finishes its last scan
             out["grown_layers"] = getattr(index, "filter_layers", 0)
-            out["grown_us"] = _lookup_us(index)
+            out["grown_us"] = _median_us(index.get_many)
             index.close()
         finally:
             idfilter.MIN_CAPACITY = saved
@@ -185,14 +188,10 @@ def lookup(keys: int) -> dict[str, float]:
             index.start_filter()
             _wait_built(index)
             out["reopened_layers"] = getattr(index, "filter_layers", 0)
-            out["reopened_us"] = _lookup_us(index)
+            out["reopened_us"] = _median_us(index.get_many)
         finally:
             index.close()
     return out
-
-
-def _maybe_us(f: IdFilter) -> float:
-    return _median_us(f.maybe)
 
 
 def fp(capacity: int = 1 << 20) -> dict[str, float]:
@@ -200,13 +199,13 @@ def fp(capacity: int = 1 << 20) -> dict[str, float]:
     f = IdFilter(capacity)
     others = [f"other-{i}" for i in range(200_000)]
     f.add([f"id-{i}".encode() for i in range(capacity)])
-    out = {"fp_1x_pct": 100 * len(f.maybe(others)) / len(others), "maybe_1x_us": _maybe_us(f)}
+    out = {"fp_1x_pct": 100 * len(f.maybe(others)) / len(others), "maybe_1x_us": _median_us(f.maybe)}
     for k in range(1, 4):
         f.add([f"id-{i}".encode() for i in range(k * capacity, (k + 1) * capacity)])
     out["fp_4x_pct"] = 100 * len(f.maybe(others)) / len(others)
-    out["maybe_4x_us"] = _maybe_us(f)
+    out["maybe_4x_us"] = _median_us(f.maybe)
     out["layers_4x"] = getattr(f, "layers", 1)
-    out["MiB_4x"] = (getattr(f, "nbytes", None) or len(getattr(f, "bits", b""))) / 2**20
+    out["MiB_4x"] = _mib(f)
     return out
 
 

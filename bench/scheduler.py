@@ -39,7 +39,7 @@ import time
 import numpy as np
 import psutil
 
-from bench.common import percentile
+from bench.common import ID_INDEX_MEMORY, percentile
 from qdelay.segments.idindex import IdIndex
 from qdelay.server import allocator
 from qdelay.server.app import tune_runtime
@@ -364,15 +364,7 @@ def child_memory(data_dir: str, n: int, window: str) -> dict:
         "bytes_per_msg": round((rss - base) / n, 2),
         "bytes_per_msg_untrimmed": round((rss_untrimmed - base) / n, 2),
         # where the bytes are (engine.stats(): RocksDB's own figures, the filter's layers)
-        **{
-            k.replace("_bytes", "_mb"): round(stats.get(k, 0) / 2**20, 1)
-            for k in (
-                "id_filter_bytes",
-                "id_index_memtable_bytes",
-                "id_index_block_cache_bytes",
-                "id_index_table_readers_bytes",
-            )
-        },
+        **{k.replace("_bytes", "_mb"): round(stats.get(k, 0) / 2**20, 1) for k in ID_INDEX_MEMORY},
         "goal_bytes_per_msg": 8 if window == "far" else 64,
     }
 
