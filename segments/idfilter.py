@@ -142,9 +142,9 @@ class IdFilter:
     what it holds."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = max(MIN_CAPACITY, capacity)  # the first layer's
+        first = max(MIN_CAPACITY, capacity)  # the first layer's capacity
         # replaced, never mutated in place, so a lookup without the owner's lock sees a whole list
-        self._layers: list[_Layer] = [_Layer(first_layer_bits(self.capacity), self.capacity)]
+        self._layers: list[_Layer] = [_Layer(first_layer_bits(first), first)]
         self.count = 0
         # adds come from two threads while the owner's scan runs (its chunks, and the puts):
         # two of them making the next layer at once would drop one's layer and its ids

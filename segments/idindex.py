@@ -3,7 +3,9 @@ that carried it, for Cancel / Get by id and for idempotent send (issue 13).
 
 It lives on disk (a far-future message must cost disk, not RAM) in RocksDB, through
 ``rocksdict``: an LSM tree gives batched inserts at about a microsecond a key, point
-lookups that read a block or two (bloom filters skip the SST files without the key), and
+lookups that read a block or two (bloom filters skip the upper levels' files without the
+key; the last level, which holds most keys, has none, since the id filter in
+segments/idfilter.py turns new ids away first and a lookup that gets here is a hit), and
 crash safety, with memory bounded by the memtable and block cache rather than by the
 number of keys. Hand-writing sorted runs, compaction and filters would be that library
 again. Reads use pread, not mmap, so the index does not show up in the server's RSS.

@@ -61,6 +61,17 @@ def _verified(seg: Segment, start: int, stop: int, chunk: int = SCAN_BYTES) -> I
         yield part
 
 
+def _receipt_matches(kind: int, due: int, id_hash: int, want_due: int, message_id: str) -> bool:
+    """Whether a schedule-index entry (its kind, due time and id hash) is the MESSAGE a
+    receipt names: same due time and the xxh3-64 of the receipt's (non-empty) id."""
+    return (
+        kind == _MESSAGE
+        and due == want_due
+        and bool(message_id)
+        and id_hash == xxhash.xxh3_64_intdigest(message_id.encode())
+    )
+
+
 class RecordFinder:
     """Finds a record and its tombstone in a schedule segment through its index file
     (no walk of the segment)."""
@@ -171,13 +182,11 @@ class RecordFinder:
         q = np.array([sequences[i] for i in order], dtype=np.int64)
         pos, words = index_gather(views, q, np.array([len(rows) for _seg, rows in parts], dtype=np.int64))
         found = iter(words.tolist())
-        hash_of = xxhash.xxh3_64_intdigest
         for i, p in zip(order, pos.tolist()):
             if p < 0:
                 continue
             _seq, word, due, id_hash = next(found)  # the entries found, in the order searched
-            mid = message_ids[i]
-            if word >> OFFSET_BITS & 0xFF == _MESSAGE and due == dues[i] and mid and id_hash == hash_of(mid.encode()):
+            if _receipt_matches(word >> OFFSET_BITS & 0xFF, due, id_hash, dues[i], message_ids[i]):
                 where[i] = p
         return where
 
@@ -186,13 +195,7 @@ class RecordFinder:
         32 bytes unpacked): a one-target Cancel or Reschedule on the event loop, where a
         batch's arrays cost ~100 us of numpy calls for one row."""
         entry = _index(seg).entry(sequence)
-        return (
-            entry is not None
-            and entry[1] == _MESSAGE
-            and entry[3] == due
-            and bool(message_id)
-            and entry[4] == xxhash.xxh3_64_intdigest(message_id.encode())
-        )
+        return entry is not None and _receipt_matches(entry[1], entry[3], entry[4], due, message_id)
 
     def cancelled_at(self, seg: Segment, positions: np.ndarray) -> np.ndarray:
         """Whether the MESSAGE entries at ``positions`` of ``seg``'s index (from ``holds_at``)

@@ -1056,6 +1056,8 @@ class Engine:
                 np.asarray(seqs, dtype=np.int64)[at],
                 np.asarray(where, dtype=np.int64)[at],
                 segs,
+                # the same buckets: their buffers were read before the files, as it needs
+                buffered_by={bucket: b for (bucket, _rows), b in zip(buckets, buffers)},
             )
             return {mine[k]: state for k, state in states.items()}
         out: dict[int, MessageState] = {}
@@ -1206,6 +1208,7 @@ class Engine:
         where: np.ndarray | None = None,
         segs: dict[int, Segment] | None = None,
         flagged: np.ndarray | None = None,
+        buffered_by: dict[int, bytes] | None = None,
     ) -> dict[int, MessageState]:
         """Of the messages known to exist at (``dues``, ``seqs``), those no longer pending:
         row -> CANCELLED, DELIVERED or DEAD_LETTERED, read once per bucket (``_closed_state``
@@ -1229,7 +1232,10 @@ class Engine:
         # what the scheduler has not written yet (every bucket's, one hold of its lock), then
         # the files (outside it): a close is in one or the other (both while being written),
         # never in neither
-        buffers = sched.dispatch_buffered([bucket for bucket, _rows in groups])
+        given = buffered_by or {}  # read by the caller, also before the files (_closed_few)
+        unread = [bucket for bucket, _rows in groups if bucket not in given]
+        read = dict(zip(unread, sched.dispatch_buffered(unread))) if unread else {}
+        buffers = [given[bucket] if bucket in given else read[bucket] for bucket, _rows in groups]
         for (bucket, rows), buffered in zip(groups, buffers):
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)

@@ -22,10 +22,9 @@ When every slot is dead (the index caught up) a table of at most KEEP_SLOTS is z
 place and kept: the iterate service catches up every few milliseconds under steady sends,
 and a new small table grown again by doublings each time cost ~7 us a SendBatch of 100 (a
 fresh zeroed buffer and a rehash per doubling). A larger one (a burst's: 2 M slots, 64 MiB
-at 1 M ids behind) is given back at once, and made smaller as soon as it is mostly dead, as
-before; and :meth:`RecentIds.trim`, which the
-deduper calls about once a second, makes a table twice the size its recent peak needs or
-more smaller.
+at 1 M ids behind) is given back at once, and made smaller as soon as it is mostly dead.
+:meth:`RecentIds.trim`, which the deduper calls about once a second, also makes smaller a
+table twice the size its recent peak needs, or more.
 """
 
 from __future__ import annotations
