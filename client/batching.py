@@ -596,16 +596,6 @@ class _NoStream(Exception):
     """The server has no CancelStream (UNIMPLEMENTED): an older version."""
 
 
-class _Expired(Exception):
-    """A request's deadline passed before its response (:class:`CancelStreamCall`): the
-    response, if it comes, is dropped (its future is done)."""
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(_Expired())
-
-
 class _Stream:
     """One CancelStream call: requests go out in order, and the k-th response answers the
     k-th request (a future each, in ``waiting``). When the call ends, every request it did
@@ -721,6 +711,7 @@ class CancelStreamCall:
         self._backoff = backoff
         self._default_timeout = default_timeout
         self._timeout_error = timeout_error
+        self._deadlines = _Deadlines(timeout_error)  # one timer for the earliest, as SendBatcher's callers
         self._stream: _Stream | None = None
         self.unimplemented = False  # the server has no CancelStream: CancelBatch calls
         self.streams = 0  # CancelStream calls opened (a figure for tests and benchmarks)
@@ -741,13 +732,13 @@ class CancelStreamCall:
                 stream = self._stream = _Stream(self._open_call, self._translate)
                 self.streams += 1
             future = stream.submit(request)
-            # a timer on the response's own future rather than asyncio.wait_for, whose
-            # wrapper future and callback cost every batch a turn of the loop more
-            timer = asyncio.get_running_loop().call_later(max(0.001, deadline - time.monotonic()), _expire, future)
+            # the deadline on the response's own future (one timer for the earliest of them)
+            # rather than asyncio.wait_for, whose wrapper future and callback cost every batch
+            # a turn of the loop more; a late response finds its future done and is dropped
+            loop = asyncio.get_running_loop()
+            self._deadlines.arm(loop, future, loop.time() + max(0.001, deadline - time.monotonic()), timeout)
             try:
                 response = await future
-            except _Expired:
-                raise self._timeout_error(timeout) from None
             except _NoStream:
                 self.unimplemented = True
                 continue
@@ -763,8 +754,6 @@ class CancelStreamCall:
                     raise self._translate(again.error, attempt) from None
                 await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
                 continue
-            finally:
-                timer.cancel()
             return _as_first_try(response) if resent else response
 
     async def close(self) -> None:
