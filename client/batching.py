@@ -141,6 +141,19 @@ class _Batch:
         self.request = request
 
 
+async def _wait_set(event: asyncio.Event, timeout: float | None) -> None:
+    """Until ``event`` is set, or ``timeout`` seconds (None: no limit): one timer that sets
+    it, rather than asyncio.wait_for's task (a batcher's runner sleeps so every batch)."""
+    if timeout is None:
+        await event.wait()
+        return
+    timer = asyncio.get_running_loop().call_later(timeout, event.set)
+    try:
+        await event.wait()
+    finally:
+        timer.cancel()
+
+
 class _Deadlines:
     """Callers' deadlines on one event loop: one timer for the earliest instead of a wait_for
     task per call; a future still unanswered at its deadline gets ``error(timeout)``."""
@@ -335,14 +348,7 @@ class SendBatcher:
 
     async def _sleep(self, timeout: float | None) -> None:
         """Until woken (``_wakeup``, cleared by the caller before it looked), or ``timeout``."""
-        if timeout is None:
-            await self._wakeup.wait()
-            return
-        timer = asyncio.get_running_loop().call_later(timeout, self._wakeup.set)
-        try:
-            await self._wakeup.wait()
-        finally:
-            timer.cancel()
+        await _wait_set(self._wakeup, timeout)
 
     def _answered(self, count: int) -> None:
         """A batch of ``count`` was answered: its callers are likely coming back (see _due)."""
@@ -903,14 +909,12 @@ class CancelBatcher:
         queue, loop, inbox = self._queue, asyncio.get_running_loop(), self._inbox
         while True:
             while True:
-                if inbox:  # handed over while an answer's callers were awaited (``_coming``)
-                    queue.extend(inbox.drain())
+                self._pull_inbox()  # handed over while an answer's callers were awaited (``_coming``)
                 if self._under_way < self.max_in_flight and self._awaited():
                     break
                 if self._closing and not self._under_way and not self._awaited() and not inbox:
                     return
-                self._want = 1  # from here every cancel wakes the runner ...
-                inbox.wake_at = 1
+                self._set_wake(1)  # from here every cancel wakes the runner ...
                 if inbox:  # ... one handed over before this is looked at again
                     continue
                 self._wakeup.clear()
@@ -942,27 +946,18 @@ class CancelBatcher:
         queue, inbox = self._queue, self._inbox
         try:
             while True:
-                if inbox:
-                    queue.extend(inbox.drain())
-                need = target - len(queue)
+                self._pull_inbox()
                 left = end - loop.time()
-                if need <= 0 or left <= 0 or self._closing:
+                if len(queue) >= target or left <= 0 or self._closing:
                     return
-                inbox.wake_at = need
+                self._set_wake(target)
                 if inbox:  # handed over before wake_at was set: look again
                     continue
-                self._want = target
                 self._wakeup.clear()
-                timer = loop.call_later(left, self._wakeup.set)
-                try:
-                    await self._wakeup.wait()
-                finally:
-                    timer.cancel()
+                await _wait_set(self._wakeup, left)
         finally:
-            self._want = 1
-            inbox.wake_at = 1
-            if inbox:  # handed over while wake_at was above 1 and not enough to wake the loop
-                queue.extend(inbox.drain())
+            self._set_wake(1)
+            self._pull_inbox()  # handed over while wake_at was above 1 and not enough to wake the loop
 
     @staticmethod
     def _left(batch: list[_Cancel]) -> float | None:
@@ -1012,8 +1007,18 @@ class CancelBatcher:
         ~3 a call against ~2 for ``send()``'s batches, 16 threads). The runner is woken
         after the answer anyway; it drains what was handed over before it looks and lowers
         the threshold again before it sleeps (``_run``), so none is left unseen."""
-        self._want = count
-        self._inbox.wake_at = max(1, count - len(self._queue))
+        self._set_wake(count)
+
+    def _pull_inbox(self) -> None:
+        """On the loop: the targets threads handed over without waking it join the queue."""
+        if self._inbox:
+            self._queue.extend(self._inbox.drain())
+
+    def _set_wake(self, total: int) -> None:
+        """Callers wake the runner once ``total`` targets are queued (threads' included):
+        tasks by ``_want``, threads by the inbox's ``wake_at``."""
+        self._want = total
+        self._inbox.wake_at = max(1, total - len(self._queue))
 
     async def _one(self, e: _Cancel) -> None:
         try:
