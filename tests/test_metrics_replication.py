@@ -15,12 +15,13 @@ from qdelay import errors
 METRICS = ["--metrics-listen", "127.0.0.1:0"]
 
 
-def scrape(srv: ServerProc) -> dict[str, float]:
+def scrape(srv: ServerProc, prefix: str = "qdelay_replication") -> dict[str, float]:
+    """The server's metrics whose names start with ``prefix`` (labels kept in the name)."""
     port = int(srv.tail_log(100_000).split("metrics on 127.0.0.1:")[1].split()[0])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(qdelay_replication\w*(?:\{[^}]*\})?) (\S+)$", line)
+        m = re.match(rf"^({prefix}\w*(?:\{{[^}}]*\}})?) (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
@@ -48,10 +49,8 @@ def test_replication_stats_exported(tmp_path):
 
 
 def gauge(srv: ServerProc, name: str) -> float:
-    port = int(srv.tail_log(100_000).split("metrics on 127.0.0.1:")[1].split()[0])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else -1.0
+    """One unlabelled metric (-1 when the server does not export it)."""
+    return scrape(srv, name).get(name, -1.0)
 
 
 def test_a_slave_keeps_the_id_filter_ready_for_its_promotion(tmp_path):
