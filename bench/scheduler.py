@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -472,12 +473,13 @@ async def _hold_idle(address: str, n: int, opened, until) -> None:
             t.cancel()
 
 
-def _open_idle_streams(address: str, n: int, in_process: bool) -> subprocess.Popen | threading.Event | None:
+def _open_idle_streams(address: str, n: int, in_process: bool) -> Callable[[], None]:
     """``n`` idle Subscribe streams held open: by a child process (default), or by a thread
     of this process (``in_process``, as the bench did up to 26 Nov: the live consumer's
-    receive time then includes their client-side cost). Returns what closes them."""
+    receive time then includes their client-side cost). Returns what closes them, once
+    they are closed (so that the next round counts only its own streams)."""
     if n == 0:
-        return None
+        return lambda: None
     if not in_process:
         child = subprocess.Popen(
             [sys.executable, "-m", "bench.scheduler", "--idle-streams", f"{address},{n}"],
@@ -489,7 +491,17 @@ def _open_idle_streams(address: str, n: int, in_process: bool) -> subprocess.Pop
         if child.stdout.readline().strip() != "open":
             child.kill()
             raise RuntimeError("the idle streams did not open")
-        return child
+
+        def close_child() -> None:
+            assert child.stdin is not None
+            child.stdin.close()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+        return close_child
     stop = threading.Event()
     opened = threading.Event()
 
@@ -500,23 +512,16 @@ def _open_idle_streams(address: str, n: int, in_process: bool) -> subprocess.Pop
     def idle_loop() -> None:
         asyncio.run(_hold_idle(address, n, opened.set, until_stopped))
 
-    threading.Thread(target=idle_loop, daemon=True).start()
+    holder = threading.Thread(target=idle_loop, daemon=True)
+    holder.start()
     if not opened.wait(120):
         raise RuntimeError("the idle streams did not open")
-    return stop
 
+    def close_thread() -> None:
+        stop.set()
+        holder.join(30)
 
-def _close_idle_streams(holder: subprocess.Popen | threading.Event | None) -> None:
-    if isinstance(holder, subprocess.Popen):
-        assert holder.stdin is not None
-        holder.stdin.close()
-        try:
-            holder.wait(30)
-        except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.wait()
-    elif holder is not None:
-        holder.set()
+    return close_thread
 
 
 def _live_phase(client, driver, subject: str, live: int, span_ms: int) -> dict:
@@ -592,14 +597,14 @@ def scenario_isolation(
         out["backlog_send_s"] = round(time.time() - t0, 1)
         for r in range(rounds):
             for n in idle_counts:
-                holder = _open_idle_streams(address, n, idle_in_process)
+                close_idle = _open_idle_streams(address, n, idle_in_process)
                 try:
                     held = {g["group"]: g for g in client.groups() if g["subject"] == "bench.stuck"}["idle"]
                     got = _live_phase(client, driver, "bench.live", live, span_ms)
                     got["idle_group_backlog"] = held["backlog"]
                     got["idle_group_backlog_on_disk"] = held["backlog_on_disk_count"]
                 finally:
-                    _close_idle_streams(holder)
+                    close_idle()
                 runs[n].append(got)
                 print(f"isolation round {r} idle_streams {n}: {got}", file=sys.stderr, flush=True)
         out["by_idle_streams"] = {
