@@ -67,10 +67,13 @@ class Made:
         if not isinstance(message_id, str) or not message_id.startswith(self.prefix):
             return False
         count = message_id[len(self.prefix) :]
-        if not count or not all(c in "0123456789abcdef" for c in count):
+        try:
+            n = int(count, 16)
+        except ValueError:
             return False
-        n = int(count, 16)
-        return self.before < n <= self.after and count == f"{n:x}"  # (as written: no leading zero)
+        # written back as the generator writes it: this also refuses what int() lets through
+        # (a sign, "0x", "_", spaces, capitals, leading zeros)
+        return self.before < n <= self.after and count == f"{n:x}"
 
 
 def _where(index: int | None, field: str) -> str:
