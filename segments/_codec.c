@@ -1002,20 +1002,40 @@ static PyObject *index_entries(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* The position of the entry whose sequence (its first 8 bytes) is ``want`` among ``n``
- * 32-byte entries ascending by sequence, or -1: a binary search, shared by index_find and
- * index_gather. */
-static inline int64_t sidx_search(const unsigned char *e, Py_ssize_t n, int64_t want)
+/* The position of each of ``q[0..m)`` among ``n`` 32-byte entries ascending by sequence
+ * (their first 8 bytes), or -1, into ``pos``: binary searches, shared by index_find and
+ * index_gather, SIDX_LOCKSTEP of them at a time in step. A batch of targets (a
+ * CancelBatch of 1,000 in a minute of 100,000: a 3.2 MB index) misses the cache at nearly
+ * every one of a search's ~17 reads; one search after the other waits for each miss in
+ * turn (~0.25 us a search), while searches in step issue their reads together and wait
+ * for them at once (~3x fewer waits; measured 250 -> 80 us for 1,000 in such an index).
+ * Each step halves every search's range the same way (the lower bound without a branch
+ * on the comparison), so the searches of a group stay in step. */
+#define SIDX_LOCKSTEP 16
+static void sidx_search_many(const unsigned char *e, Py_ssize_t n, const int64_t *q, Py_ssize_t m, int64_t *pos)
 {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if ((int64_t)get_u64(e + mid * SIDX_ENTRY) < want)
-            lo = mid + 1;
-        else
-            hi = mid;
+    if (n <= 0) {
+        for (Py_ssize_t i = 0; i < m; i++)
+            pos[i] = -1;
+        return;
     }
-    return (lo < n && (int64_t)get_u64(e + lo * SIDX_ENTRY) == want) ? (int64_t)lo : -1;
+    for (Py_ssize_t i0 = 0; i0 < m; i0 += SIDX_LOCKSTEP) {
+        int g = (m - i0) < SIDX_LOCKSTEP ? (int)(m - i0) : SIDX_LOCKSTEP;
+        Py_ssize_t base[SIDX_LOCKSTEP];
+        for (int j = 0; j < g; j++)
+            base[j] = 0;
+        /* the first entry not below q: in [base, base + len] throughout */
+        for (Py_ssize_t len = n; len > 1;) {
+            Py_ssize_t half = len / 2;
+            for (int j = 0; j < g; j++)
+                base[j] += ((int64_t)get_u64(e + (base[j] + half) * SIDX_ENTRY) < q[i0 + j]) ? half : 0;
+            len -= half;
+        }
+        for (int j = 0; j < g; j++) {
+            Py_ssize_t b = base[j] + ((int64_t)get_u64(e + base[j] * SIDX_ENTRY) < q[i0 + j]);
+            pos[i0 + j] = (b < n && (int64_t)get_u64(e + b * SIDX_ENTRY) == q[i0 + j]) ? (int64_t)b : -1;
+        }
+    }
 }
 
 /* index_find(entries, seqs) -> bytes
@@ -1042,8 +1062,7 @@ static PyObject *index_find(PyObject *self, PyObject *args) {
     const int64_t *q = qb.buf;
     int64_t *pos = (int64_t *)PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m; i++)
-        pos[i] = sidx_search(e, n, q[i]);
+    sidx_search_many(e, n, q, m, pos);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&eb);
@@ -1106,10 +1125,10 @@ static PyObject *index_gather(PyObject *self, PyObject *args) {
         }
         const unsigned char *e = eb.buf;
         Py_ssize_t n = eb.len / SIDX_ENTRY;
+        sidx_search_many(e, n, q + at, counts[v], pos + at);
         for (int64_t i = 0; i < counts[v]; i++, at++) {
-            int64_t lo = pos[at] = sidx_search(e, n, q[at]);
-            if (lo >= 0) {
-                memcpy(out + found * SIDX_ENTRY, e + lo * SIDX_ENTRY, SIDX_ENTRY);
+            if (pos[at] >= 0) {
+                memcpy(out + found * SIDX_ENTRY, e + pos[at] * SIDX_ENTRY, SIDX_ENTRY);
                 found++;
             }
         }

@@ -362,12 +362,14 @@ def index_entries_cases(draw):
 @st.composite
 def index_find_cases(draw):
     """Entries ascending by sequence (gaps, equal neighbours never) and sequences to find,
-    present or not; sometimes entries not whole."""
-    seqs = sorted(set(draw(st.lists(st.integers(-5, 60), max_size=20))))
+    present or not; sometimes entries not whole. More sequences than the C code searches in
+    step (16) at times, so that its groups and their last, partial one are all compared."""
+    top = draw(st.sampled_from([60, 400]))
+    seqs = sorted(set(draw(st.lists(st.integers(-5, top), max_size=20 if top == 60 else 150))))
     raw = b"".join(struct.pack("<qQqQ", q, 7, 8, 9) for q in seqs)
     if draw(st.integers(0, 9)) == 0:
         raw = raw[: draw(st.integers(0, len(raw)))]
-    return raw, np.array(draw(st.lists(st.integers(-8, 64), max_size=12)), dtype=np.int64)
+    return raw, np.array(draw(st.lists(st.integers(-8, top + 4), max_size=40)), dtype=np.int64)
 
 
 @st.composite
