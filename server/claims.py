@@ -90,12 +90,20 @@ class CancelClaims:
                 out.extend(got.values())
         return out
 
-    def settled(self, target: int) -> list[Item]:
-        """The tombstone of ``target`` passed the iterate service: its bucket knows it as
-        cancelled now, the claim is no longer needed; the entries set aside, dropped."""
-        self.claimed.discard(target)
-        got = self._skipped.pop(target, None)
-        return list(got.values()) if got else []
+    def settled(self, targets: list[int]) -> list[Item]:
+        """The tombstones of ``targets`` passed the iterate service: their bucket knows them
+        as cancelled now, the claims are no longer needed; the entries set aside, dropped.
+        One set operation for a batch (a CancelBatch of 1,000 paid ~0.5 us a tombstone in
+        calls of one target each, under the scheduler's lock)."""
+        self.claimed.difference_update(targets)
+        if not self._skipped:
+            return []
+        out: list[Item] = []
+        for target in targets:
+            got = self._skipped.pop(target, None)
+            if got:
+                out.extend(got.values())
+        return out
 
     def holds(self, seq: int) -> bool:
         return seq in self.claimed

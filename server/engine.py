@@ -513,7 +513,7 @@ class Engine:
         now_bucket = bucket_of(self.clock(), self.config.scale_minutes) + self.config.scale_minutes
         return max(self.scheduler.loading_horizon(), now_bucket)
 
-    def _slave_on_written(self, written: dict[int, Written], _cancels: list[tuple[int, int]]) -> None:
+    def _slave_on_written(self, written: dict[int, Written], _cancels: dict[int, list[int]]) -> None:
         """Slave: remember past-due records; one in a finished bucket reopens it, so that a
         promotion loads that bucket again (the scheduler itself stays idle)."""
         sched = self.scheduler

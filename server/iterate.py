@@ -40,6 +40,7 @@ whose segments were written and fsynced.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import threading
@@ -87,9 +88,10 @@ class Written:
     last_sequence: int  # the highest sequence in them
 
 
-# on_written(appended, cancels): bucket -> what was appended to it; (bucket, cancelled
-# sequence) of each CANCEL written
-OnWritten = Callable[[dict[int, Written], list[tuple[int, int]]], None]
+# on_written(appended, cancels): bucket -> what was appended to it; bucket -> the
+# sequences its CANCELs written target (a batch of tombstones settles per bucket, not one
+# Python call a tombstone)
+OnWritten = Callable[[dict[int, Written], dict[int, list[int]]], None]
 
 
 class IterateService:
@@ -356,13 +358,14 @@ class IterateService:
         if freed >= TRIM_AFTER_BYTES:
             self._trim_due = True
         if self.on_written is not None:
-            self.on_written(written, [])
+            self.on_written(written, {})
 
-    def _copy(self, data: bytes, near: int | None) -> tuple[int, int, dict[int, Written], list[tuple[int, int]]]:
+    def _copy(self, data: bytes, near: int | None) -> tuple[int, int, dict[int, Written], dict[int, list[int]]]:
         """Copy the whole frames at the start of ``data`` (message-log bytes from ``offset``)
         to their schedule segments, byte for byte.
 
-        Returns (bytes used, last sequence, buckets written at once, the cancels written).
+        Returns (bytes used, last sequence, buckets written at once, the cancels written: per
+        bucket, their targets' sequences).
         Records of buckets up to ``near`` (all of them if None) and cancels are written at
         once; the others are written behind, and the loader reads them from disk when their
         time comes, so a far-future message costs no Python object here.
@@ -374,7 +377,7 @@ class IterateService:
         """
         data, pos, st, kind, seq, due = self._scan(data)
         if len(st) == 0:
-            return pos, self.sequence, {}, []
+            return pos, self.sequence, {}, {}
         if self.ids is not None:
             is_msg = kind == _MESSAGE
             if is_msg.any():
@@ -406,16 +409,15 @@ class IterateService:
             )
         last_seq = max(self.sequence, int(seq[-1]))
         if not handed:
-            return pos, last_seq, {}, []
+            return pos, last_seq, {}, {}
         # the buckets written at once: per bucket, a lower bound of the due times appended
         # and the highest sequence, as columns (a burst hands over ~100k records: no
         # object per record); a record that lands after bytes already in its bucket's
         # buffer may follow records written behind earlier (a cancel's target bucket), of
         # unknown due times in that bucket: the bucket's start bounds them
         n = len(handed)
-        idx = np.fromiter((i for i, _b, _at in handed), dtype=np.int64, count=n)
-        bks = np.fromiter((b for _i, b, _at in handed), dtype=np.int64, count=n)
-        behind_first = np.fromiter((at > 0 for _i, _b, at in handed), dtype=bool, count=n)
+        cols = np.fromiter(itertools.chain.from_iterable(handed), dtype=np.int64, count=3 * n).reshape(n, 3)
+        idx, bks, behind_first = cols[:, 0], cols[:, 1], cols[:, 2] > 0
         dues = due[idx].copy()
         dues[behind_first] = np.minimum(dues[behind_first], bks[behind_first] * MS_PER_MINUTE)
         buckets, inverse = np.unique(bks, return_inverse=True)
@@ -425,12 +427,17 @@ class IterateService:
         np.maximum.at(last_sequence, inverse, seq[idx])
         # the cancels' targets, read at their fixed place in the verified frames (no Cancel
         # object per tombstone: a batch of tombstones is thousands of them)
-        cancels: list[tuple[int, int]] = []
+        cancels: dict[int, list[int]] = {}
         is_cancel = kind[idx] == _CANCEL
         if is_cancel.any():
             u8 = np.frombuffer(data, dtype=np.uint8)
             targets = _gather_i64(u8, st[idx[is_cancel]] + _CANCEL_TARGET_AT)
-            cancels = list(zip(bks[is_cancel].tolist(), targets.tolist()))
+            cbks = bks[is_cancel]
+            if bool((cbks == cbks[0]).all()):  # a CancelBatch of one minute's messages
+                cancels[int(cbks[0])] = targets.tolist()
+            else:
+                for b, target in zip(cbks.tolist(), targets.tolist()):
+                    cancels.setdefault(b, []).append(target)
         written: dict[int, Written] = {}
         for b, fd, ls in zip(buckets.tolist(), first_due.tolist(), last_sequence.tolist()):
             buf = self._behind[b]

@@ -318,7 +318,7 @@ class Scheduler:
         with self.lock:
             self.book.open_up_to(bucket_of(now + self.cfg.load_ahead_ms, self.cfg.scale_minutes))
 
-    def on_written(self, written: dict[int, Written], cancels: list[tuple[int, int]]) -> None:
+    def on_written(self, written: dict[int, Written], cancels: dict[int, list[int]]) -> None:
         """The iterate service appended to schedule segments (called with its append lock
         held): the one route from the schedule log into the timer.
 
@@ -352,11 +352,11 @@ class Scheduler:
                     st.written_on()
                 if sleeping_until is None or w.first_due < sleeping_until:
                     wake = True
-            for b, target in cancels:
+            for b, targets in cancels.items():
                 got = book.get(b)
                 if got is not None:
-                    got.cancelled.add(target)
-                for item in self.claims.settled(target):
+                    got.cancelled.update(targets)
+                for item in self.claims.settled(targets):
                     # set aside while claimed, cancelled now: no longer held by the bucket
                     st = book.get(item[2])
                     if st is not None and self.timer.has_lane(item[5], item[6]):

@@ -41,7 +41,7 @@ class Rig:
         self.schedule = BucketLog(os.path.join(self.root, "schedule"), naming.SCHEDULE_SUFFIX, self.pool)
         self.horizon = naming.bucket_of(T0) + horizon_minutes
         self.published: list[tuple[int, Written]] = []  # (bucket, what was appended), in order
-        self.cancels: list[tuple[int, int]] = []
+        self.cancels: list[tuple[int, int]] = []  # (bucket, target) of each tombstone published
         self.ckpt = os.path.join(self.root, "iterate.ckpt")
         self.it = IterateService(
             self.wal,
@@ -62,7 +62,7 @@ class Rig:
             seg = self.schedule.get(b)
             assert w.end == seg.size, "published once the bytes are in the segment"
             self.published.append((b, w))
-        self.cancels.extend(cancels)
+        self.cancels.extend((b, t) for b, targets in cancels.items() for t in targets)
 
     def published_frames(self, bucket=None) -> list[framing.Frame]:
         """The frames of every published range (of ``bucket``), read back from the files."""
