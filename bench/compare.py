@@ -543,6 +543,11 @@ def shapes(name, tmp, scale=1.0, only=None):
         plan = [
             ("concurrent_aio", "aio64", int(60_000 * scale), 1),
             ("threads16", "threads16", int(30_000 * scale), 1),
+            # the same with the producer pinned to one CPU: what the GIL's cross-core handoffs cost
+            ("threads16_1cpu", "threads16_1cpu", int(30_000 * scale), 1),
+            # 16 messages in flight with no client threads: SendBatch of 16 from a generated
+            # stub, one call at a time (16 / the server's answer time: threads16's ceiling)
+            ("threads16_ceiling", "stub16", int(30_000 * scale), 1),
             ("stub_batch100", "stub100", int(100_000 * scale), 1),
             ("unary8", "unary", int(8_000 * scale), 8),
         ]
@@ -551,6 +556,7 @@ def shapes(name, tmp, scale=1.0, only=None):
         plan = [("one_per_call8", "redis1", n1, 8), ("stub_batch100", "redis100", int(100_000 * scale), 1)]
     if only is not None:
         keep = set(only) | {SHAPE_PEERS[k] for k in only if k in SHAPE_PEERS}
+        keep |= {"threads16_1cpu", "threads16_ceiling"} if "threads16" in keep else set()
         plan = [p for p in plan if p[0] in keep]
     first = 0
     for key, kind, n, procs in plan:
@@ -575,11 +581,7 @@ def shapes(name, tmp, scale=1.0, only=None):
     else:
         # each shape's floor: the same producers against a bare grpc.aio server that stores
         # nothing (bench.grpc_floor), so a run says how far gRPC and the client alone get
-        floors = [
-            (key, kind, n, procs)
-            for key, kind, n, procs in plan
-            if key in ("threads16", "stub_batch100", "unary8") and (only is None or key in only)
-        ]
+        floors = [p for p in plan if p[0] in ("threads16", "threads16_ceiling", "stub_batch100", "unary8")]
         for key, kind, n, procs in floors:
             address = f"127.0.0.1:{free_port()}"
             bare = start_bare(address)
@@ -683,14 +685,17 @@ COLUMNS = {
 SHAPE_ROWS = (
     "concurrent_aio",
     "threads16",
+    "threads16_1cpu",
     "threads16_floor",
+    "threads16_ceiling",
+    "threads16_ceiling_floor",
     "stub_batch100",
     "stub_batch100_floor",
     "unary8",
     "unary8_floor",
     "one_per_call8",
 )
-SHAPE_COLS = ("msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "secs")
+SHAPE_COLS = ("msgs_per_s", "srv_cpu_us_per_msg", "client_cpu_us_per_msg", "client_vcsw_per_msg", "secs")
 
 
 def median_of(runs, key):

@@ -6,8 +6,12 @@ qdelay:
 - ``aio64``: one asyncio process, 64 tasks each awaiting ``client.send(...)`` one message
   at a time (the batching path gathers them into SendStream batches);
 - ``threads16``: the blocking client's ``send()`` from 16 threads of one process;
+  ``threads16_1cpu`` the same with the producer process pinned to one CPU (its threads
+  then trade the GIL on one core instead of waking each other across two);
 - ``stub100``: a generated stub and nothing of the project's client: ``SendBatch`` of 100
   with full receipts, one call in flight;
+- ``stub16``: the same with batches of 16 and compact receipts: 16 messages in flight as
+  threads16 has, with no client threads (threads16's ceiling against the same server);
 - ``unary``: a generated stub's unary ``Send``, one call at a time per process (run with
   8 processes; also against the bare grpc.aio server of bench.grpc_floor, the floor).
 Redis (AOF appendfsync always):
@@ -18,10 +22,25 @@ Redis (AOF appendfsync always):
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import resource
 import time
 
 CTX = mp.get_context("spawn")
 DUE_AHEAD_MS = 600_000
+
+
+def _mark() -> tuple[float, float, int, int]:
+    """Wall time, this process's CPU seconds (all its threads) and its voluntary and
+    involuntary context switches so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.time(), ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw
+
+
+def _since(mark: tuple[float, float, int, int]) -> tuple[float, float, float, int, int]:
+    """(start, end, CPU seconds, voluntary and involuntary switches) since ``mark``."""
+    now = _mark()
+    return mark[0], now[0], now[1] - mark[1], now[2] - mark[2], now[3] - mark[3]
 
 
 def _qdelay_aio(address: str, n: int, first: int, body: bytes, concurrency: int = 64):
@@ -37,22 +56,25 @@ def _qdelay_aio(address: str, n: int, first: int, body: bytes, concurrency: int 
             await asyncio.get_running_loop().run_in_executor(None, wait_go)
             due = int(time.time() * 1000) + DUE_AHEAD_MS
             counter = iter(range(first, first + n))
-            start, cpu0 = time.time(), time.process_time()
+            mark = _mark()
 
             async def task():
                 for i in counter:  # the tasks share one counter: n in all
                     await c.send("bench", body, deliver_at_ms=due + i % 60_000, message_id=str(i))
 
             await asyncio.gather(*(task() for _ in range(concurrency)))
-            return start, time.time(), time.process_time() - cpu0
+            return _since(mark)
 
     return asyncio.run(main())
 
 
-def _qdelay_threads(address: str, n: int, first: int, body: bytes, threads: int = 16):
+def _qdelay_threads(address: str, n: int, first: int, body: bytes, threads: int = 16, one_cpu: bool = False):
     import threading
 
     from qdelay.client import Client
+
+    if one_cpu:  # before any thread starts (grpc's and the client's too): they inherit it
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
 
     with Client(address, retries=0, timeout=120) as c:
         c.wait_ready()
@@ -71,13 +93,13 @@ def _qdelay_threads(address: str, n: int, first: int, body: bytes, threads: int 
                     return
                 c.send("bench", body, deliver_at_ms=due + i % 60_000, message_id=str(i))
 
-        start, cpu0 = time.time(), time.process_time()
+        mark = _mark()
         ts = [threading.Thread(target=run) for _ in range(threads)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        return start, time.time(), time.process_time() - cpu0
+        return _since(mark)
 
 
 def _stub(address: str):
@@ -91,7 +113,7 @@ def _stub(address: str):
     return channel, pb_grpc.DelayServiceStub(channel), pb
 
 
-def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100):
+def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100, compact: bool = False):
     channel, stub, pb = _stub(address)
     due = int(time.time() * 1000) + DUE_AHEAD_MS
     requests = [
@@ -99,18 +121,19 @@ def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100)
             messages=[
                 pb.Message(subject="bench", payload=body, message_id=str(i), deliver_at_ms=due + i % 60_000)
                 for i in range(k, min(k + batch, first + n))
-            ]
+            ],
+            compact_receipts=compact,
         )
         for k in range(first, first + n, batch)
     ]
     stub.SendBatch(pb.SendBatchRequest(messages=[pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)]))
     yield_ready()
     wait_go()
-    start, cpu0 = time.time(), time.process_time()
+    mark = _mark()
     for request in requests:
         resp = stub.SendBatch(request, timeout=60)
-        assert len(resp.receipts) == len(request.messages)  # full receipts
-    out = start, time.time(), time.process_time() - cpu0
+        assert len(resp.deliver_at_ms if compact else resp.receipts) == len(request.messages)
+    out = _since(mark)
     channel.close()
     return out
 
@@ -125,10 +148,10 @@ def _unary(address: str, n: int, first: int, body: bytes):
     stub.Send(pb.SendRequest(message=pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)))
     yield_ready()
     wait_go()
-    start, cpu0 = time.time(), time.process_time()
+    mark = _mark()
     for request in requests:
         stub.Send(request, timeout=60)
-    out = start, time.time(), time.process_time() - cpu0
+    out = _since(mark)
     channel.close()
     return out
 
@@ -142,7 +165,7 @@ def _redis(port: int, n: int, first: int, body: bytes, batch: int = 1):
     members = [b"%d:" % i + body for i in range(first, first + n)]
     yield_ready()
     wait_go()
-    start, cpu0 = time.time(), time.process_time()
+    mark = _mark()
     if batch == 1:
         for i, m in enumerate(members):
             r.zadd("dq", {m: due + i % 60_000})
@@ -152,7 +175,7 @@ def _redis(port: int, n: int, first: int, body: bytes, batch: int = 1):
             for i, m in enumerate(members[k : k + batch]):
                 p.zadd("dq", {m: due + (k + i) % 60_000})
             p.execute()
-    out = start, time.time(), time.process_time() - cpu0
+    out = _since(mark)
     r.close()
     return out
 
@@ -160,7 +183,9 @@ def _redis(port: int, n: int, first: int, body: bytes, batch: int = 1):
 KINDS = {
     "aio64": _qdelay_aio,
     "threads16": _qdelay_threads,
+    "threads16_1cpu": lambda address, n, first, body: _qdelay_threads(address, n, first, body, one_cpu=True),
     "stub100": _stub_batch,
+    "stub16": lambda address, n, first, body: _stub_batch(address, n, first, body, 16, compact=True),
     "unary": _unary,
     "redis1": lambda port, n, first, body: _redis(port, n, first, body, 1),
     "redis100": lambda port, n, first, body: _redis(port, n, first, body, 100),
@@ -183,8 +208,8 @@ def _worker(kind, target, n, first, payload, q, go):
     global _q, _go
     _q, _go = q, go
     try:
-        start, end, cpu = KINDS[kind](target, n, first, b"p" * payload)
-        q.put(dict(start=start, end=end, cpu=cpu, n=n))
+        start, end, cpu, vcsw, ivcsw = KINDS[kind](target, n, first, b"p" * payload)
+        q.put(dict(start=start, end=end, cpu=cpu, vcsw=vcsw, ivcsw=ivcsw, n=n))
     except BaseException as e:  # noqa: BLE001 - report to the parent
         q.put(dict(error=repr(e)))
 
@@ -192,7 +217,8 @@ def _worker(kind, target, n, first, payload, q, go):
 def run(kind: str, target, n: int, procs: int, payload: int, first: int, server_cpu) -> dict:
     """``procs`` processes of ``kind`` sending ``n`` messages in all to ``target`` (an address,
     or Redis's port); ``server_cpu()`` gives the server's CPU seconds so far. Returns msgs/s,
-    server and producer CPU per message."""
+    server and producer CPU per message, and the producers' context switches per message
+    (voluntary: a thread blocked, on a lock, the GIL or a socket; involuntary: preempted)."""
     q, go = CTX.Queue(), CTX.Event()
     per = n // procs
     ps = [
@@ -222,4 +248,6 @@ def run(kind: str, target, n: int, procs: int, payload: int, first: int, server_
         msgs_per_s=round(total / secs),
         srv_cpu_us_per_msg=round(srv * 1e6 / total, 1),
         client_cpu_us_per_msg=round(sum(r["cpu"] for r in results) * 1e6 / total, 1),
+        client_vcsw_per_msg=round(sum(r["vcsw"] for r in results) / total, 2),
+        client_ivcsw_per_msg=round(sum(r["ivcsw"] for r in results) / total, 2),
     )
