@@ -27,6 +27,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "ingest",
             "idfilter",
             "grpc_floor",
+            "handoff",
             "replication",
             "spark",
             "cluster",
