@@ -82,8 +82,17 @@ MEMTABLE_BYTES = 4 * 1024 * 1024
 # Frames indexed per write: the keys and values of one write are small Python objects
 # (~100 B an id) in pymalloc's arenas, which go back to the kernel only when wholly free. A
 # 16 MiB read of the iterate service is ~200,000 ids: put at once, they spread ~10 MB of
-# arenas that a few survivors then pinned (RSS 3.7 B a pending message more at 1 M).
-PUT_CHUNK = 8192
+# arenas that a few survivors then pinned (RSS 3.7 B a pending message more at 1 M); 8,192
+# at a time still ~1 MB of them a write, 1,024 ~0.1 MB, at no ingest cost measured (one
+# WriteBatch and lock a thousand ids; docs/benchmarks.md, "RSS per pending message").
+PUT_CHUNK = 1024
+# A memtable holding at least this much when ingest goes idle is written out to an SST then
+# (flush_idle) and its memory handed back, instead of staying in RAM until ingest fills it:
+# at the end of a burst it held 0.5-3 MB, a quarter of the index's RSS at 1 M pending.
+# Smaller ones are kept: a server idling between trickles of sends would otherwise write
+# a tiny SST (a file, and compaction work) each time; with this floor an idle flush writes
+# at least a quarter of what a full memtable does, so at most 4x the files of full flushes.
+IDLE_FLUSH_BYTES = 1024 * 1024
 
 
 def _get_many(db: Rdict, keys: list[bytes]) -> list[bytes | None]:
@@ -232,6 +241,22 @@ class IdIndex:
             self._db.write(wb, self._wo)
         self.puts += len(starts)
         self._unsynced += len(starts)
+
+    def flush_idle(self) -> bool:
+        """Write the memtables out to an SST if they hold at least IDLE_FLUSH_BYTES (the
+        caller: nothing more to index for now), waiting for it; returns whether it did.
+        What they held stays durable either way (the WAL until now, the SST after). A
+        failed flush (a full disk) disables the index, as a failed put does."""
+        if self.failed is not None:
+            return False
+        try:
+            if int(self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0) < IDLE_FLUSH_BYTES:
+                return False
+            self._db.flush(True)
+        except Exception as err:  # noqa: BLE001 - any storage error of the library
+            self._fail(err)
+            return False
+        return True
 
     def start_filter(self) -> None:
         """Build the id filter in the background now, unless it is built or being built.

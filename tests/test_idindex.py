@@ -50,3 +50,26 @@ def test_put_frames_in_chunks_indexes_every_frame_and_newest_wins_across_chunks(
         assert index.get_many([f"m{i}" for i in range(1, 10)]) == [(100 + i, i + 1) for i in range(1, 10)]
     finally:
         index.close()
+
+
+def test_flush_idle_writes_a_large_enough_memtable_out_and_keeps_every_id(tmp_path, monkeypatch):
+    path = str(tmp_path / "ids")
+    index = IdIndex(path)
+    try:
+        empty = index.memory()["id_index_memtable_bytes"]  # a new memtable's first block
+        index.put_frames(*_frames([(f"m{i}", 100 + i, i + 1) for i in range(100)]))
+        held = index.memory()["id_index_memtable_bytes"]
+        assert 0 < held < idindex.IDLE_FLUSH_BYTES
+        assert not index.flush_idle()  # too small to be worth an SST: kept
+        assert index.memory()["id_index_memtable_bytes"] == held
+        monkeypatch.setattr(idindex, "IDLE_FLUSH_BYTES", held)
+        assert index.flush_idle()
+        assert index.memory()["id_index_memtable_bytes"] == empty
+        assert index.get_many(["m0", "m99"]) == [(100, 1), (199, 100)]
+    finally:
+        index.close()
+    index = IdIndex(path)
+    try:
+        assert index.get("m50") == (150, 51)
+    finally:
+        index.close()

@@ -18,6 +18,9 @@ from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import HandlePool
 from qdelay.segments.wal import MessageLog
+from qdelay.segments import idindex
+from qdelay.segments.idindex import IdIndex
+from qdelay.server import allocator, iterate
 from qdelay.server.iterate import IterateService, Written
 
 MIN = naming.MS_PER_MINUTE
@@ -34,6 +37,7 @@ class Rig:
         write_behind_bytes: int = 8 * 1024 * 1024,
         gather: float = 0.0,
         gather_far: float = 0.0,
+        **extra,
     ) -> None:
         self.root = str(root)
         self.pool = HandlePool(64)
@@ -54,6 +58,7 @@ class Rig:
             write_behind_bytes=write_behind_bytes,
             gather=gather,
             gather_far=gather_far,
+            **extra,
         )
         self.it.on_written = self._on_written
 
@@ -280,3 +285,43 @@ def test_records_declared_far_are_copied_within_gather_far(tmp_path):
     assert rig.it.counts["messages"] == 6
     rig.it.stop()
     rig.close()
+
+
+def test_going_idle_flushes_the_id_index_memtable_and_trims_the_heap(tmp_path, monkeypatch):
+    # after a burst the memtable (up to two of 4 MiB) would stay in RAM until ingest filled
+    # it; the first idle checkpoint writes it to an SST, then the heap is trimmed while idle
+    monkeypatch.setattr(idindex, "IDLE_FLUSH_BYTES", 1)
+    trims = []
+    monkeypatch.setattr(allocator, "trim", lambda: trims.append(1))
+    ids = IdIndex(str(tmp_path / "ids"))
+    rig = Rig(tmp_path, ids=ids, checkpoint_interval=0.01)
+    try:
+        empty = ids.memory()["id_index_memtable_bytes"]  # a new memtable's first block
+        rig.send([T0 + 30 * MIN + i for i in range(200)])
+        rig.it.start()
+        wait_until(lambda: rig.it.saved_offset == rig.it.offset == rig.wal.committed_offset, what="checkpointed")
+        wait_until(lambda: ids.memory()["id_index_memtable_bytes"] == empty, what="the memtable flushed")
+        wait_until(lambda: len(trims) >= iterate.IDLE_TRIMS, what="the heap trimmed after it")
+        assert ids.get(f"m{T0 + 30 * MIN + 1}-1") == (T0 + 30 * MIN + 1, 2)  # in an SST now
+    finally:
+        rig.it.stop()
+        ids.close()
+        rig.close()
+
+
+def test_a_small_memtable_is_kept_when_ingest_goes_idle(tmp_path):
+    # below IDLE_FLUSH_BYTES an idle flush would only make a tiny SST (a file, compaction)
+    ids = IdIndex(str(tmp_path / "ids"))
+    rig = Rig(tmp_path, ids=ids, checkpoint_interval=0.01)
+    try:
+        rig.send([T0 + 30 * MIN + i for i in range(20)])
+        rig.it.start()
+        wait_until(lambda: rig.it.saved_offset == rig.it.offset == rig.wal.committed_offset, what="checkpointed")
+        held = ids.memory()["id_index_memtable_bytes"]
+        assert 0 < held < idindex.IDLE_FLUSH_BYTES
+        assert not ids.flush_idle()
+        assert ids.memory()["id_index_memtable_bytes"] == held
+    finally:
+        rig.it.stop()
+        ids.close()
+        rig.close()
