@@ -13,13 +13,12 @@ import random
 import pytest
 from conftest import wait_until
 
-from qdelay.segments import checkpoint, framing, naming, reader, records
+from qdelay.segments import checkpoint, framing, idindex, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
+from qdelay.segments.idindex import IdIndex
 from qdelay.segments.segment import HandlePool
 from qdelay.segments.wal import MessageLog
-from qdelay.segments import idindex
-from qdelay.segments.idindex import IdIndex
 from qdelay.server import allocator, iterate
 from qdelay.server.iterate import IterateService, Written
 
