@@ -20,7 +20,10 @@ each bucket size N, two minutes an hour ahead with N messages each:
   gathered into CancelBatch calls and, same run, unary (``batching=False``): cancels/s and
   server CPU per cancel, ``--cancels`` of each (fewer when the minute is small);
 - ``client.send`` from 16 threads and a batched send of 50,000, same run, as yardsticks;
-  for both 16-thread phases, how many targets or messages a gathered call carried.
+  for both 16-thread phases, how many targets or messages a gathered call carried; and, right
+  after each size's ``cancel()`` phase, as many ``send()`` calls from 16 threads: the cancel
+  phase's own yardstick (the same length at the same moment: at 1,000 in the minute the
+  cancel phase is 500 calls, against the run's yardstick of ``--cancels`` sends at the end).
 
 Get only: ``--cancels 0 --reschedules 0 --aio-tasks 0`` (the fills and the yardsticks
 still run: ~25 s for the three sizes). The full run of issue 13:
@@ -173,6 +176,12 @@ def run(
                     bad = [o for o in outcomes if o != "CANCELLED"]
                     if bad:
                         raise SystemExit(f"unary cancel answered {bad[:3]} ({len(bad)} not CANCELLED)")
+                    # the same number of send() calls from 16 threads right after: the cancel
+                    # phase's own yardstick (same length, same moment of the run), beside the
+                    # run's one of --cancels sends at the end
+                    beside = [hour + 2 * 86_400_000 + k * 1_000_000 + i for i in range(len(unary_set))]
+                    with Meter(server.pid) as mbs:
+                        wall_bs = threads(16, lambda at: c.send("bench.yard", b"x" * 100, deliver_at_ms=at), beside)
 
                     row = {
                         "bucket_size": n,
@@ -183,6 +192,8 @@ def run(
                         "unary_cancels_per_s": len(unary_set) / wall_u if unary_set else 0,
                         "unary_cpu_us": mu.cpu / len(unary_set) * 1e6 if unary_set else 0,
                         "unary_cancels_a_call": len(unary_set) / max(1, cancel_calls),
+                        "beside_sends_per_s": len(beside) / wall_bs if beside else 0,
+                        "beside_send_cpu_us": mbs.cpu / len(beside) * 1e6 if beside else 0,
                         "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
                         "reschedule_cpu_us": mr.cpu / len(resched_set) * 1e6 if resched_set else 0,
                     }
@@ -298,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
             f" (gathered: {y['unary_sends_a_batch']:.1f} sends a batch,"
             f" {median([r['unary_cancels_a_call'] for r in rows]):.1f} cancels a call)"
         )
+    for r in rows:
+        if r.get("beside_sends_per_s"):
+            print(
+                f"N {r['bucket_size']:,}: cancel() x16 threads {r['unary_cancels_per_s']:,.0f}/s at"
+                f" {r['unary_cpu_us']:.0f} µs CPU; send() x16, as many right after:"
+                f" {r['beside_sends_per_s']:,.0f}/s at {r['beside_send_cpu_us']:.0f} µs:"
+                f" cancel/send {r['unary_cancels_per_s'] / r['beside_sends_per_s']:.2f}"
+                f" (against the run's yardstick: {r['unary_cancels_per_s'] / r['unary_sends_per_s']:.2f})"
+            )
     for r in rows:
         if "aio_batched_cancels_per_s" in r:
             print(
