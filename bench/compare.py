@@ -545,9 +545,9 @@ def shapes(name, tmp, scale=1.0, only=None):
             ("threads16", "threads16", int(30_000 * scale), 1),
             # the same with the producer pinned to one CPU: what the GIL's cross-core handoffs cost
             ("threads16_1cpu", "threads16_1cpu", int(30_000 * scale), 1),
-            # 16 messages in flight with no client threads: SendBatch of 16 from a generated
-            # stub, one call at a time (16 / the server's answer time: threads16's ceiling)
-            ("threads16_ceiling", "stub16", int(30_000 * scale), 1),
+            # 16 messages in flight with no client threads: batches of 16 on one SendStream
+            # from a generated stub, one unanswered (16 / the server's answer time: threads16's ceiling)
+            ("threads16_ceiling", "stream16", int(30_000 * scale), 1),
             ("stub_batch100", "stub100", int(100_000 * scale), 1),
             ("unary8", "unary", int(8_000 * scale), 8),
         ]

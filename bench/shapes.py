@@ -10,8 +10,9 @@ qdelay:
   then trade the GIL on one core instead of waking each other across two);
 - ``stub100``: a generated stub and nothing of the project's client: ``SendBatch`` of 100
   with full receipts, one call in flight;
-- ``stub16``: the same with batches of 16 and compact receipts: 16 messages in flight as
-  threads16 has, with no client threads (threads16's ceiling against the same server);
+- ``stream16``: a generated grpc.aio stub and nothing of the project's client: batches of
+  16 with compact receipts on one SendStream, the next written once the last is answered:
+  16 messages in flight as threads16 has, with no client threads (threads16's ceiling);
 - ``unary``: a generated stub's unary ``Send``, one call at a time per process (run with
   8 processes; also against the bare grpc.aio server of bench.grpc_floor, the floor).
 Redis (AOF appendfsync always):
@@ -138,6 +139,45 @@ def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100,
     return out
 
 
+def _stream16(address: str, n: int, first: int, body: bytes, batch: int = 16):
+    import asyncio
+
+    import grpc
+
+    from qdelay.v1 import qdelay_pb2 as pb
+    from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            stub = pb_grpc.DelayServiceStub(channel)
+            due = int(time.time() * 1000) + DUE_AHEAD_MS
+            requests = [
+                pb.SendBatchRequest(
+                    messages=[
+                        pb.Message(subject="bench", payload=body, message_id=str(i), deliver_at_ms=due + i % 60_000)
+                        for i in range(k, min(k + batch, first + n))
+                    ],
+                    compact_receipts=True,
+                )
+                for k in range(first, first + n, batch)
+            ]
+            warm = pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)
+            await stub.SendBatch(pb.SendBatchRequest(messages=[warm]))
+            yield_ready()
+            await asyncio.get_running_loop().run_in_executor(None, wait_go)
+            mark = _mark()
+            call = stub.SendStream()
+            for request in requests:  # one batch in flight: the next once this one is answered
+                await call.write(request)
+                resp = await call.read()
+                assert len(resp.deliver_at_ms) == len(request.messages)
+            await call.done_writing()
+            return _since(mark)
+
+    return asyncio.run(main())
+
+
 def _unary(address: str, n: int, first: int, body: bytes):
     channel, stub, pb = _stub(address)
     due = int(time.time() * 1000) + DUE_AHEAD_MS
@@ -185,7 +225,7 @@ KINDS = {
     "threads16": _qdelay_threads,
     "threads16_1cpu": lambda address, n, first, body: _qdelay_threads(address, n, first, body, one_cpu=True),
     "stub100": _stub_batch,
-    "stub16": lambda address, n, first, body: _stub_batch(address, n, first, body, 16, compact=True),
+    "stream16": _stream16,
     "unary": _unary,
     "redis1": lambda port, n, first, body: _redis(port, n, first, body, 1),
     "redis100": lambda port, n, first, body: _redis(port, n, first, body, 100),
