@@ -15,8 +15,17 @@ import logging
 
 log = logging.getLogger("qdelay.allocator")
 
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 256 * 1024
+# Each thread's arena (RocksDB's, gRPC's, the iterate and worker threads': six to ten of
+# them) kept up to glibc's default trim threshold and top pad (128 KiB each) of free memory
+# at its top, which malloc_trim does not release in a thread's arena: 2-3 MB of a server's
+# RSS after a burst (docs/benchmarks.md, "RSS per pending message"). A small threshold and no
+# pad give it back on free, at no ingest cost measured.
+TRIM_THRESHOLD = 32 * 1024
+TOP_PAD = 0
 _done = False
 
 
@@ -40,7 +49,12 @@ def tune() -> bool:
         return True
     try:
         libc = _libc()
-        ok = bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        ok = bool(
+            libc
+            and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            and libc.mallopt(M_TOP_PAD, TOP_PAD)
+        )
     except (OSError, AttributeError):
         ok = False
     _done = ok

@@ -69,11 +69,14 @@ _CANCEL = int(RecordKind.CANCEL)
 _TIMESTAMP = struct.Struct("<q")
 _CANCEL_TARGET_AT = framing.HEADER_SIZE + 8  # CANCEL body: target due i64, then its sequence u64
 _BYTE_OFFSETS = np.arange(8, dtype=np.int64)
-# After the id index's memtable is flushed on going idle, RocksDB frees it (and its flush's
-# and any compaction's buffers) in its own threads, after the flush call returns and at
-# times we cannot see: the heap is trimmed this many times, this many seconds apart, while
-# the service stays idle (a trim after the flush alone left ~1 MB of freed pages in RSS).
+# When ingest goes idle (the checkpoint that flushes the id index's memtable), the heap is
+# trimmed IDLE_TRIMS times while the service stays idle: the first IDLE_TRIM_FIRST s later,
+# then every IDLE_TRIM_EVERY s. RocksDB frees the memtable, and its flush's and compaction's
+# buffers, in its own threads after the flush call returns, at times we cannot see: a trim
+# right after the flush left ~1.0 MB of freed pages in RSS, one armed only by a flush left
+# the same in the rounds without one (docs/benchmarks.md, "RSS per pending message").
 IDLE_TRIMS = 3
+IDLE_TRIM_FIRST = 0.25
 IDLE_TRIM_EVERY = 1.0
 _T = TypeVar("_T")
 TRIM_AFTER_BYTES = 4 * 1024 * 1024  # a write-behind flush this large gives its memory back (_trim)
@@ -171,7 +174,7 @@ class IterateService:
         self._hurry = threading.Event()
         self.steps = 0
         self._trim_due = False  # write-behind buffers of several MiB were freed
-        # trims left after the id index's idle flush, and when the next is due (see _run)
+        # trims left since ingest went idle, and when the next is due (IDLE_TRIMS)
         self._idle_trims = 0
         self._idle_trim_at = 0.0
 
@@ -236,6 +239,8 @@ class IterateService:
                         and self.saved_offset != self.offset
                     ):
                         self._request_checkpoint(idle=True)
+                        self._idle_trims = IDLE_TRIMS
+                        self._idle_trim_at = time.monotonic() + IDLE_TRIM_FIRST
                     if self._idle_trims and time.monotonic() >= self._idle_trim_at:
                         self._idle_trims -= 1
                         self._idle_trim_at = time.monotonic() + IDLE_TRIM_EVERY
@@ -528,11 +533,8 @@ class IterateService:
         def run() -> None:
             try:
                 self._persist(state, dirty)
-                if idle and self.ids is not None and self.ids.flush_idle():
-                    # RocksDB frees the memtable, and the flush's and any compaction's
-                    # buffers, in its own threads after the flush returns
-                    self._idle_trim_at = time.monotonic()
-                    self._idle_trims = IDLE_TRIMS
+                if idle and self.ids is not None:
+                    self.ids.flush_idle()
             except BaseException as err:  # fsync failed: stop, as for any storage error
                 self.error = err
                 log.exception("iterate checkpoint failed")
