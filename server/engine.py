@@ -216,6 +216,7 @@ class Places:
     seqs: np.ndarray
     where: np.ndarray
     segs: dict[int, Segment]
+    receipts: bool = False  # every target a committed receipt (none by id): a found one is where it says
 
     def as_list(self) -> list[tuple[int, int] | None]:
         """(deliver_at_ms, sequence) of each target's message, or None."""
@@ -913,9 +914,10 @@ class Engine:
                 raise _NotNow
         else:
             got = sched.claim_cancels(asked)
-        answers = np.asarray(got, dtype=np.int64)
-        mine = keep[answers == sched.CLAIMED]
+        # every one claimed (the usual batch): counted in C, no array of the answers
+        mine = keep if got.count(sched.CLAIMED) == len(got) else keep[np.asarray(got, dtype=np.int64) == sched.CLAIMED]
         if len(mine) < len(keep):
+            answers = np.asarray(got, dtype=np.int64)
             for i in keep[answers == sched.CLAIM_CANCELLING].tolist():
                 outcomes[i] = CancelOutcome.ALREADY_CANCELLED
             for i in keep[answers == sched.CLAIM_OUT].tolist():
@@ -931,13 +933,25 @@ class Engine:
                 outcomes[int(mine[k])] = self._NOT_PENDING[state]
             sched.release_cancels(seqs[mine[rows]].tolist())
             mine = np.delete(mine, rows)
-        mine_l = mine.tolist()
-        for i in mine_l:
-            outcomes[i] = CancelOutcome.CANCELLED
-        claimed = list(zip([targets[i][0] for i in mine_l], places.dues[mine].tolist(), seqs[mine].tolist()))
+        if len(mine) == len(targets):
+            # every target claimed, each where its receipt says (no repeat, none by id): the
+            # targets are the claims, as they came
+            outcomes = [CancelOutcome.CANCELLED] * len(targets)
+            claimed = list(targets) if places.receipts else self._claimed_at(targets, mine, places)
+        else:
+            mine_l = mine.tolist()
+            for i in mine_l:
+                outcomes[i] = CancelOutcome.CANCELLED
+            claimed = self._claimed_at(targets, mine, places)
         for i, j in repeats:  # a repeat answers as a second Cancel after the first would
             outcomes[i] = CancelOutcome.ALREADY_CANCELLED if outcomes[j] == CancelOutcome.CANCELLED else outcomes[j]
         return outcomes, claimed
+
+    @staticmethod
+    def _claimed_at(targets: list[tuple[str, int | None, int | None]], mine: np.ndarray, places: Places) -> list:
+        """The claims of the rows ``mine``: (message_id as the target gave it, the due time
+        and sequence of the message found)."""
+        return list(zip([targets[i][0] for i in mine.tolist()], places.dues[mine].tolist(), places.seqs[mine].tolist()))
 
     def _claim_one(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> tuple[list, list]:
         """``_claim_cancels`` of one receipt on the event loop (a unary Cancel, a Reschedule,
@@ -1093,6 +1107,7 @@ class Engine:
         mids, tdues, tseqs = zip(*targets) if targets else ((), (), ())
         if None not in tdues and None not in tseqs and 0 < min(tseqs) and max(tseqs) <= committed:
             rec = list(range(n))  # receipts alone, all committed (CancelBatch's usual batch)
+            places.receipts = True
         else:
             for i, (due, seq) in enumerate(zip(tdues, tseqs)):
                 if due is None or seq is None:
@@ -1116,11 +1131,14 @@ class Engine:
                 seqs = np.array([targets[i][2] for i in rec], dtype=np.int64)
             if not self.iterate.wait_for(int(seqs.max()), timeout=5.0):
                 raise StorageError("the iterate service is behind; retry shortly")
-            at = np.asarray(rec, dtype=np.int64)
             held, where, _flagged = self._held_by_segments(ids_l, dues, seqs, places.segs)
-            places.dues[at[held]] = dues[held]
-            places.seqs[at[held]] = seqs[held]
-            places.where[at[held]] = where[held]
+            if len(rec) == n and bool(held.all()):  # every receipt confirmed (CancelBatch's usual batch)
+                places.dues, places.seqs, places.where = dues, seqs, where
+            else:
+                at = np.asarray(rec, dtype=np.int64)
+                places.dues[at[held]] = dues[held]
+                places.seqs[at[held]] = seqs[held]
+                places.where[at[held]] = where[held]
             rest = np.flatnonzero(~held).tolist()
             if rest and now:
                 raise _NotNow
