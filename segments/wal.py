@@ -6,8 +6,9 @@ are global: a segment named by its base offset holds the bytes [base, base + siz
 Group commit: appenders encode their records and queue them under a lock, which also
 hands out sequences and offsets, so file order is sequence order. One writer thread
 takes everything queued, writes it with one pwrite per segment and one fdatasync, then
-completes every appender whose records it covered. An append is acknowledged only once
-its bytes are durable (flush policy ``sync``); ``interval:N`` acknowledges after the write
+completes every appender whose records it covered (the async ones with one wake-up of
+their event loop per commit, ``_LoopSettler``). An append is acknowledged only once its
+bytes are durable (flush policy ``sync``); ``interval:N`` acknowledges after the write
 and fsyncs every N ms, which loses up to N ms of acknowledged writes on power loss. The
 segment being written is kept zero-filled a little ahead of its end (preallocation), so an
 fdatasync flushes data without a journal commit (docs/formats.md, "Preallocation").
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -112,6 +115,87 @@ class _Waiter:
         self.done.release()
 
 
+class _LoopSettler:
+    """Settles, on one event loop, the futures of the async appends a group commit
+    completed, with one wake-up of the loop for the whole commit (one
+    ``call_soon_threadsafe``: a write to the loop's self-pipe and a turn of the loop)
+    instead of one per appender: a commit carries several SendStream batches when sends
+    pipeline (bench.compare's ingest, ~3 a commit), and each wake-up is a syscall on the
+    writer thread, a thread switch and a read on the loop (docs/benchmarks.md).
+
+    ``put`` (the writer thread) queues a result; ``wake`` (the writer thread, after the
+    commit's last ``put``) schedules ``_run`` unless one is already scheduled and has not
+    started. ``_run`` clears that mark before it drains, so a result put after its last
+    look is drained by the run ``wake`` then schedules."""
+
+    __slots__ = ("loop", "_results", "_armed", "__weakref__")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._results: collections.deque[tuple[asyncio.Future, Appended | None, Exception | None]] = collections.deque()
+        self._armed = False
+
+    def put(self, fut: asyncio.Future, appended: Appended | None, error: Exception | None) -> None:
+        self._results.append((fut, appended, error))
+
+    def wake(self) -> None:
+        if self._armed:
+            return
+        self._armed = True
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            self._armed = False
+            self._results.clear()
+
+    def _run(self) -> None:
+        self._armed = False
+        results = self._results
+        while results:
+            fut, appended, error = results.popleft()
+            if fut.done():  # cancelled by its caller
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(appended)
+
+
+class _AsyncWaiter:
+    """Completion of one async append: its future, settled through its loop's settler."""
+
+    __slots__ = ("settler", "fut")
+
+    def __init__(self, settler: _LoopSettler, fut: asyncio.Future) -> None:
+        self.settler = settler
+        self.fut = fut
+
+    def __call__(self, appended: Appended | None, error: Exception | None) -> None:
+        self.settler.put(self.fut, appended, error)
+        self.settler.wake()
+
+
+def _complete(waiters: list[_Pending], error: Exception | None) -> None:
+    """Run the callbacks of appends the writer is done with (their records durable, or
+    ``error``): the async ones queue their results and each loop is woken once, after
+    the last (see _LoopSettler)."""
+    settlers: list[_LoopSettler] = []
+    for w in waiters:
+        callback = w.callback
+        try:
+            if type(callback) is _AsyncWaiter:
+                settler = callback.settler
+                settler.put(callback.fut, None if error else w.appended, error)
+                if not settlers or settlers[-1] is not settler:  # (one loop, nearly always)
+                    settlers.append(settler)
+            else:
+                callback(None if error else w.appended, error)
+        except Exception:  # a waiter's bug must not kill the log
+            log.exception("message log callback failed")
+    for settler in dict.fromkeys(settlers) if len(settlers) > 1 else settlers:
+        settler.wake()
+
+
 class MessageLog:
     def __init__(
         self,
@@ -143,6 +227,8 @@ class MessageLog:
         self._wake = threading.Condition(self._lock)
         self._queue: list[tuple[Segment, bytearray]] = []
         self._waiters: list[_Pending] = []
+        # the settler of each event loop that appends (_append_async), made on that loop
+        self._settlers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSettler] = weakref.WeakKeyDictionary()
         # planned tail: where the next queued record goes (ahead of what is written)
         tail = self._segments[-1]
         self._plan_segment = tail
@@ -329,23 +415,11 @@ class MessageLog:
 
     async def _append_async(self, submit: Callable, queued: Callable[[Appended], None] | None = None) -> Appended:
         loop = asyncio.get_running_loop()
+        settler = self._settlers.get(loop)
+        if settler is None:
+            settler = self._settlers[loop] = _LoopSettler(loop)
         fut = loop.create_future()
-
-        def settle(appended: Appended | None, error: Exception | None) -> None:
-            if fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(appended)
-
-        def cb(appended: Appended | None, error: Exception | None) -> None:
-            try:
-                loop.call_soon_threadsafe(settle, appended, error)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is waiting any more
-
-        appended = submit(cb)
+        appended = submit(_AsyncWaiter(settler, fut))
         if queued is not None:
             queued(appended)
         return await fut
@@ -388,11 +462,7 @@ class MessageLog:
                 self.committed_sequence = end.first_sequence + end.count - 1
                 self.records_appended += sum(w.appended.count for w in waiters)
                 self._commit.notify_all()
-        for w in waiters:
-            try:
-                w.callback(None if error else w.appended, error)
-            except Exception:  # a waiter's bug must not kill the log
-                log.exception("message log callback failed")
+        _complete(waiters, error)
 
     def _sync_idle(self) -> None:
         try:
@@ -472,11 +542,7 @@ class MessageLog:
             self._next_sequence = self.committed_sequence + 1
             if isinstance(failure, WalFailed):
                 self._failed = failure
-        for w in rejected:
-            try:
-                w.callback(None, failure)
-            except Exception:
-                log.exception("message log callback failed")
+        _complete(rejected, failure)
         log.warning("message log write failed", extra={"error": str(err)})
         return failure
 
@@ -491,11 +557,7 @@ class MessageLog:
             self._failed = failure
             rejected, self._waiters = self._waiters, []
             self._queue = []
-        for w in rejected:
-            try:
-                w.callback(None, failure)
-            except Exception:
-                log.exception("message log callback failed")
+        _complete(rejected, failure)
 
     # --- reading --------------------------------------------------------------------------
 

@@ -97,6 +97,57 @@ def test_append_async(wal_dir):
     log.close()
 
 
+def test_async_appends_of_one_commit_wake_their_loop_once(wal_dir, monkeypatch):
+    """The appends a group commit completes are settled with one wake-up of their loop (one
+    call_soon_threadsafe), each with its own result, a failed commit's with its error."""
+    log = MessageLog(wal_dir)
+    real_fdatasync = segment.os.fdatasync
+    in_sync, release = threading.Event(), threading.Event()
+    fail = False
+
+    def held_fdatasync(fd):
+        in_sync.set()
+        assert release.wait(10)
+        if fail:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(segment.os, "fdatasync", held_fdatasync)
+
+    async def main():
+        nonlocal fail
+        loop = asyncio.get_running_loop()
+        wakes = 0
+        real_call = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            nonlocal wakes
+            wakes += getattr(callback, "__qualname__", "") == "_LoopSettler._run"  # (to_thread's too go here)
+            return real_call(callback, *args)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+        first = asyncio.ensure_future(log.append_async(entries(1)))
+        await asyncio.to_thread(in_sync.wait, 10)  # the writer holds that commit in its fdatasync
+        rest = [asyncio.ensure_future(log.append_async(entries(2))) for _ in range(5)]
+        await asyncio.sleep(0)  # the five are queued behind it, for one commit
+        release.set()
+        done = await asyncio.gather(first, *rest)
+        assert [d.first_sequence for d in done] == [1, 2, 4, 6, 8, 10]
+        assert wakes == 2  # one a commit, not one an append
+        in_sync.clear()
+        release.clear()
+        fail = True
+        doomed = [asyncio.ensure_future(log.append_async(entries(1))) for _ in range(3)]
+        await asyncio.to_thread(in_sync.wait, 10)
+        release.set()
+        outcomes = await asyncio.gather(*doomed, return_exceptions=True)
+        assert all(isinstance(o, WalFailed) for o in outcomes)
+        assert wakes <= 4
+
+    asyncio.run(main())
+    log.close()
+
+
 def test_wait_commit(wal_dir):
     log = MessageLog(wal_dir)
     assert log.wait_commit(0, 0.01) == 0
