@@ -49,6 +49,7 @@ from qdelay.client.types import (
     Receipt,
     Status,
     Target,
+    by_id,
     cancel_batches,
     keepalive_options,
     ref,
@@ -711,7 +712,7 @@ class Client:
         ``timeout``: how long this caller waits (DeadlineExceeded after it, even when its
         target rides in a call that goes on for other callers: whether it was cancelled is
         then unknown, as for a unary call that timed out; cancelling again is safe)."""
-        r, mid = ref(receipt if message_id is None else message_id)
+        r, mid = ref(receipt) if message_id is None else by_id(message_id)
         request = pb.CancelRequest(receipt=r, message_id=mid)
         if self.batching is None:
             outcome = self._call(self.stub.Cancel, request, timeout).outcome
@@ -769,7 +770,7 @@ class Client:
     ) -> Status:
         """The message's :class:`Status` (``.state``: 'PENDING', 'DELIVERED', ...); takes what
         :meth:`cancel` takes."""
-        r, mid = ref(receipt if message_id is None else message_id)
+        r, mid = ref(receipt) if message_id is None else by_id(message_id)
         return Status.from_pb(self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
 
     @staticmethod

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
 from qdelay.client.failover import RETRYABLE, Backoff
-from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, ref
+from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, by_id, ref
 from qdelay.v1 import qdelay_pb2 as pb
 
 if TYPE_CHECKING:
@@ -502,7 +502,11 @@ class ShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
         """As ``Client.cancel``, on the master of the receipt's shard (by id alone: the id's)."""
-        target = target if message_id is None else message_id
+        if message_id is not None:  # by id: the id as it is (never read as a receipt's text)
+            by_id(message_id)
+            return self._retry(
+                lambda t: t.shard_for(message_id), lambda c: c.cancel(timeout=timeout, message_id=message_id)
+            )
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
@@ -526,7 +530,11 @@ class ShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> Status:
         """As ``Client.get``, on the master of the receipt's shard (by id alone: the id's)."""
-        target = target if message_id is None else message_id
+        if message_id is not None:
+            by_id(message_id)
+            return self._retry(
+                lambda t: t.shard_for(message_id), lambda c: c.get(timeout=timeout, message_id=message_id)
+            )
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
 
     def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
@@ -835,7 +843,11 @@ class AioShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
         """As :meth:`ShardedClient.cancel`."""
-        target = target if message_id is None else message_id
+        if message_id is not None:  # by id: the id as it is (never read as a receipt's text)
+            by_id(message_id)
+            return await self._retry(
+                lambda t: t.shard_for(message_id), lambda c: c.cancel(timeout=timeout, message_id=message_id)
+            )
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
 
     async def cancel_many(
@@ -860,7 +872,11 @@ class AioShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> Status:
         """As :meth:`ShardedClient.get`."""
-        target = target if message_id is None else message_id
+        if message_id is not None:
+            by_id(message_id)
+            return await self._retry(
+                lambda t: t.shard_for(message_id), lambda c: c.get(timeout=timeout, message_id=message_id)
+            )
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
 
     async def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:

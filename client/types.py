@@ -143,16 +143,27 @@ def is_receipt_text(text: str) -> bool:
 def ref(target: Target | None) -> tuple[pb.Receipt | None, str]:
     """(receipt, message_id) for a request that names a message: exactly one is set.
 
-    A string is a receipt's string form when it parses as one, else a bare message id (a
-    message id that itself looks like 'qd1:…' must be given as ``message_id=``)."""
+    A string is a receipt's string form when it starts with 'qd1:', else a bare message id.
+    A 'qd1:' text that does not parse (a receipt cut short in a too-narrow column) is
+    refused rather than sent as an id: as an id it would answer NOT_FOUND, and a cancel
+    that says NOT_FOUND while its message is still delivered is worse than an error. A
+    message id that itself starts with 'qd1:' is given as ``message_id=``."""
     if target is None:
-        raise errors.InvalidArgument("no message named: give a receipt or message_id=")
+        raise errors.InvalidArgument("receipt: required; give a Receipt, its string form or message_id=")
     if isinstance(target, Receipt):
         return target.to_pb(), ""
     if isinstance(target, str):
         if not target:
-            raise errors.InvalidArgument("an empty message id names no message")
-        if is_receipt_text(target):
+            raise errors.InvalidArgument(
+                "receipt: empty string; give a Receipt, its string form (qd1:…) or the message id"
+            )
+        if target.startswith(_PREFIX):
+            if not is_receipt_text(target):
+                raise errors.InvalidArgument(
+                    f"receipt: {target[:80]!r} starts like a receipt's string form but is not one "
+                    "(qd1:<sequence>:<deliver_at_ms>:<shard>:<message_id>, as str(receipt) writes it); "
+                    "a message id that starts with 'qd1:' goes as message_id="
+                )
             return Receipt.parse(target).to_pb(), ""
         return None, target
     if isinstance(target, pb.Receipt):
@@ -166,6 +177,14 @@ def ref(target: Target | None) -> tuple[pb.Receipt | None, str]:
         f"cannot name a message with a {type(target).__name__}: give a Receipt, its string form, "
         "the message id, or a qdelay.v1.Receipt"
     )
+
+
+def by_id(message_id: str) -> tuple[None, str]:
+    """(None, message_id) for a request by id (``message_id=``): the text is the id as it is,
+    never read as a receipt's string form, so an id that starts with 'qd1:' works."""
+    if not message_id:
+        raise errors.InvalidArgument("message_id: empty string; give the message's id (1-128 printable ASCII bytes)")
+    return None, message_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,31 @@ def test_cancel_and_get_by_id_right_after_send(tmp_path):
         c.close()
 
 
+def test_what_does_not_name_a_message_is_refused_and_message_id_is_the_id_as_it_is(tmp_path):
+    """A user's receipt column too narrow for the receipt text: the cut text ('qd1:…' that
+    does not parse) was sent as a message id, so cancel answered NOT_FOUND and the message
+    was still delivered. Now it is InvalidArgument naming the receipt and its form; an empty
+    target names the field. And ``message_id=`` is the id as it is: an id that starts with
+    'qd1:' (printable ASCII, allowed) used to be read as a receipt's text."""
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        r = c.send("t.cut", b"p", delay_ms=HOUR)
+        cut = str(r)[:20]  # e.g. a VARCHAR(20) column
+        for call in (c.cancel, c.get, lambda t: c.reschedule(t, delay_ms=HOUR)):
+            with pytest.raises(errors.InvalidArgument, match=r"^receipt: 'qd1:.*' starts like a receipt's string"):
+                call(cut)
+            with pytest.raises(errors.InvalidArgument, match=r"^receipt: empty string; give a Receipt"):
+                call("")
+        with pytest.raises(errors.InvalidArgument, match=r"^message_id: empty string"):
+            c.cancel(message_id="")
+        assert c.get(r).state == "PENDING"  # nothing was cancelled or moved
+        odd = "qd1:1:2::looks-like-a-receipt"
+        c.send("t.cut", b"p", delay_ms=HOUR, message_id=odd)
+        assert c.get(message_id=odd).message_id == odd
+        assert c.cancel(message_id=odd) == "CANCELLED"
+        c.close()
+
+
 def test_a_reused_id_names_the_newest_message(tmp_path):
     # a window of 1 ms: once delivered, the id may be sent again as a new message
     with ServerProc(tmp_path / "data", args=["--set", "engine.dedupe_window_ms=1"]) as srv:
