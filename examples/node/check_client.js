@@ -57,6 +57,15 @@ async function receipts() {
   } catch (err) {
     expect('a bad text', err.code, 'INVALID_ARGUMENT');
   }
+  for (const cut of [text.slice(0, 20), '']) { // a receipt cut short by a narrow column; nothing
+    try {
+      await client.cancel(cut);
+      throw new Error(`cancel(${JSON.stringify(cut)}) was sent`);
+    } catch (err) {
+      expect(`cancel(${JSON.stringify(cut)})`, err.code, 'INVALID_ARGUMENT');
+    }
+  }
+  expect('the cut text cancelled nothing', (await client.get(moved.receipt)).state, 'PENDING');
   console.log('receipts: OK');
 }
 

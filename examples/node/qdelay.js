@@ -93,12 +93,20 @@ function parseReceipt(text) {
   });
 }
 
-const isReceiptText = (text) => text.startsWith('qd1:') && RECEIPT_TEXT.test(text);
-
 // What names a message (cancel, get, reschedule take it): a receipt object, its text, or
-// the message id alone (the newest message with that id).
+// the message id alone (the newest message with that id). A text that starts with 'qd1:'
+// is a receipt's and must parse: one cut short (a narrow column) sent as an id would answer
+// NOT_FOUND while the message stays pending (docs/api.md, "Writing a client", 6).
 function ref(target) {
-  if (typeof target === 'string') return isReceiptText(target) ? { receipt: parseReceipt(target) } : { message_id: target };
+  if (typeof target === 'string') {
+    if (target === '') {
+      throw new QdelayError('ref', {
+        code: grpc.status.INVALID_ARGUMENT,
+        details: 'receipt: empty string; give a receipt, its text (qd1:…) or the message id',
+      });
+    }
+    return target.startsWith('qd1:') ? { receipt: parseReceipt(target) } : { message_id: target };
+  }
   return { receipt: target };
 }
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
