@@ -241,7 +241,9 @@ def encode_messages_py(
     if count == 0:
         raise InvalidArgument("messages: empty batch; send at least one message")
     if count > limits.max_batch:
-        raise InvalidArgument(f"messages: {count} in one batch, limit {limits.max_batch}")
+        raise InvalidArgument(
+            f"messages: {count} messages in one batch, limit {limits.max_batch} messages (limits.max_batch)"
+        )
     bodies: list[bytes] = []
     ids: list[str] = []
     dues: list[int] = []
@@ -361,7 +363,9 @@ def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int | None
     if count == 0:
         raise InvalidArgument("requests: empty; give 1 to max_batch CancelRequests")
     if count > limits.max_batch:
-        raise InvalidArgument(f"requests: {count} in one batch, limit {limits.max_batch} (limits.max_batch)")
+        raise InvalidArgument(
+            f"requests: {count} cancel requests in one batch, limit {limits.max_batch} requests (limits.max_batch)"
+        )
     fast = _receipts_at_once(request.requests, limits)
     if fast is not None:
         return fast

@@ -60,7 +60,10 @@ def test_bad_batches_are_refused_naming_the_field_and_write_nothing(tmp_path):
     with ServerProc(tmp_path / "data", args=["--set", "limits.max_batch=5"]) as srv:
         c = srv.client()
         rs = _one_minute(c, 6, "b")
-        with pytest.raises(errors.InvalidArgument, match=r"requests: 6 in one batch, limit 5"):
+        with pytest.raises(
+            errors.InvalidArgument,
+            match=r"requests: 6 cancel requests in one batch, limit 5 requests \(limits.max_batch\)",
+        ):
             c.cancel_many(rs, batch_size=6)
         req = pb.CancelBatchRequest(requests=[pb.CancelRequest(receipt=rs[0].to_pb()), pb.CancelRequest()])
         with pytest.raises(errors.InvalidArgument, match=r"requests\[1\]\.receipt"):

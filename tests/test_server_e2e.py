@@ -272,6 +272,41 @@ def test_bad_inputs_refused_whole_and_nothing_delivered(client):
     assert client.stats()["pending"] == pending_before
 
 
+def test_errors_a_new_user_meets_name_the_field_and_its_unit_in_words(client):
+    """What a user who breaks a limit reads: INVALID_ARGUMENT, the field, the figure with its
+    unit in words and the limit's config key. A SendBatch over the limit said only
+    'messages: 10001 in one batch, limit 10000' (10001 what? which setting?)."""
+    s = subject()
+    stub = pb_grpc.DelayServiceStub(client.channel)
+    cases = {
+        "batch over the limit": (
+            lambda: stub.SendBatch(pb.SendBatchRequest(messages=[pb.Message(subject=s, delay_ms=0)] * 10_001)),
+            "messages: 10001 messages in one batch, limit 10000 messages (limits.max_batch)",
+        ),
+        "cancel batch over the limit": (
+            lambda: stub.CancelBatch(pb.CancelBatchRequest(requests=[pb.CancelRequest(message_id="m")] * 10_001)),
+            "requests: 10001 cancel requests in one batch, limit 10000 requests (limits.max_batch)",
+        ),
+        "an empty receipt": (
+            lambda: stub.Cancel(pb.CancelRequest(receipt=pb.Receipt())),
+            "receipt.message_id: required",
+        ),
+        "no receipt": (
+            lambda: stub.Get(pb.GetRequest()),
+            "receipt or message_id: required",
+        ),
+        "a delay beyond 2 years": (
+            lambda: stub.Send(pb.SendRequest(message=pb.Message(subject=s, delay_ms=3 * 365 * 86_400_000))),
+            "message.delay_ms: 94608000000 ms (3 years) is beyond the limit of 2 years (max_delay_ms=63072000000)",
+        ),
+    }
+    for name, (call, want) in cases.items():
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert want in info.value.details(), (name, info.value.details())
+
+
 def test_max_payload_accepted(client):
     s = subject()
     payload = bytes(range(256)) * (4 * 1024 * 1024 // 256)

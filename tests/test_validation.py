@@ -133,7 +133,7 @@ def test_due_time():
 
 def test_batch_limits():
     refused([], "empty batch")
-    refused([msg()] * 10_001, "10001 in one batch, limit 10000")
+    refused([msg()] * 10_001, "10001 messages in one batch, limit 10000 messages (limits.max_batch)")
     run([msg()] * 10_000)
 
 
