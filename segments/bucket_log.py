@@ -35,10 +35,20 @@ _SYNC_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _SYNC_POOL_LOCK = threading.Lock()
 
 
+SYNC_THREADS = 8
+
+
 def sync_all(segments: list[Segment]) -> None:
     """fdatasync many segments, several at a time: a far-future ingest touches a thousand
     minute files between two checkpoints, and an SSD serves parallel flushes much faster
-    than the same flushes one after another."""
+    than the same flushes one after another.
+
+    SYNC_THREADS tasks take the segments from one shared iterator (its ``next`` is atomic
+    under the GIL), not a task a segment: a future per segment was ~700 B of Python
+    objects each (its condition and locks), ~2 MB a checkpoint at 2,880 minute files, in
+    pymalloc arenas that the burst's long-lived objects then pinned (docs/benchmarks.md,
+    "RSS per pending message"). A failing fsync ends its task; the others sync the rest,
+    and the first error (in task order) propagates to the caller."""
     global _SYNC_POOL
     if len(segments) <= 2:
         for seg in segments:
@@ -46,9 +56,15 @@ def sync_all(segments: list[Segment]) -> None:
         return
     with _SYNC_POOL_LOCK:
         if _SYNC_POOL is None:
-            _SYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="qdelay-fsync")
-    for fut in [_SYNC_POOL.submit(seg.sync) for seg in segments]:
-        fut.result()  # an fsync error propagates to the caller
+            _SYNC_POOL = concurrent.futures.ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="qdelay-fsync")
+    todo = iter(segments)
+
+    def run() -> None:
+        for seg in todo:
+            seg.sync()
+
+    for fut in [_SYNC_POOL.submit(run) for _ in range(min(SYNC_THREADS, len(segments)))]:
+        fut.result()
 
 
 def sync_dirs(dirs: list[str]) -> None:
