@@ -157,7 +157,7 @@ NextRequest = Callable[[], "tuple[bytes, list[str]] | None"]
 def outgoing(
     subject: str,
     payload: bytes,
-    delay: int | timedelta | None,
+    delay: timedelta | None,
     delay_ms: int | timedelta | None,
     deliver_at: datetime | None,
     deliver_at_ms: int | None,
@@ -167,10 +167,16 @@ def outgoing(
     """One message's fields, checked for their types (so that a batch never fails to encode
     for one caller's mistake) and with the due time as ms: ``delay`` / ``delay_ms`` take ms
     or a :class:`datetime.timedelta`, ``deliver_at`` an aware :class:`datetime.datetime`,
-    ``deliver_at_ms`` Unix epoch ms. At most one of them; none means "now" (delay 0)."""
+    ``deliver_at_ms`` Unix epoch ms. At most one of them; none means "now" (delay 0).
+    ``delay`` takes a timedelta only: an int there used to be taken as ms, so ``delay=30``
+    meant as 30 seconds made the message due at once; ms go as ``delay_ms``."""
     given = [x is not None for x in (delay, delay_ms, deliver_at, deliver_at_ms)]
     if sum(given) > 1:
         raise errors.InvalidArgument("give one of delay, delay_ms, deliver_at or deliver_at_ms, not several")
+    if delay is not None and not isinstance(delay, timedelta):
+        raise errors.InvalidArgument(
+            f"delay: a datetime.timedelta, not {type(delay).__name__} (for milliseconds use delay_ms={delay!r})"
+        )
     try:
         if deliver_at is not None:
             if not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None:
@@ -458,14 +464,14 @@ class Client:
         subject: str,
         payload: bytes = b"",
         *,
-        delay: int | timedelta | None = None,
+        delay: timedelta | None = None,
         delay_ms: int | timedelta | None = None,
         deliver_at: datetime | None = None,
         deliver_at_ms: int | None = None,
         headers: dict[str, str] | None = None,
         message_id: str | None = None,
     ) -> pb.Message:
-        """Build a Message; at most one of ``delay``/``delay_ms`` (ms or a timedelta),
+        """Build a Message; at most one of ``delay`` (a timedelta), ``delay_ms`` (ms or a timedelta),
         ``deliver_at`` (an aware datetime) and ``deliver_at_ms`` (default: delay 0)."""
         o = outgoing(subject, payload, delay, delay_ms, deliver_at, deliver_at_ms, headers, message_id or "")
         msg = pb.Message(
@@ -499,7 +505,7 @@ class Client:
         subject: str,
         payload: bytes = b"",
         *,
-        delay: int | timedelta | None = None,
+        delay: timedelta | None = None,
         delay_ms: int | timedelta | None = None,
         deliver_at: datetime | None = None,
         deliver_at_ms: int | None = None,
@@ -508,6 +514,10 @@ class Client:
         timeout: float | None = None,
     ) -> Receipt:
         """Schedule one message; its :class:`Receipt` once it is durable.
+
+        The due time: one of ``delay`` (a :class:`~datetime.timedelta`), ``delay_ms`` (ms, or
+        a timedelta), ``deliver_at`` (an aware datetime) or ``deliver_at_ms`` (Unix epoch ms);
+        none is "now".
 
         With batching (the default) concurrent calls from many threads share SendStream
         batches; each caller gets its own receipt or its own error. ``timeout``: how long
@@ -749,7 +759,7 @@ class Client:
         self,
         target: Target,
         *,
-        delay: int | timedelta | None = None,
+        delay: timedelta | None = None,
         delay_ms: int | timedelta | None = None,
         deliver_at: datetime | None = None,
         deliver_at_ms: int | None = None,

@@ -6,6 +6,7 @@ import itertools
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import grpc
 import pytest
@@ -305,6 +306,23 @@ def test_errors_a_new_user_meets_name_the_field_and_its_unit_in_words(client):
             call()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert want in info.value.details(), (name, info.value.details())
+
+
+def test_an_int_delay_is_refused_not_taken_as_milliseconds(client):
+    """``send(..., delay=30)`` meant as 30 seconds was taken as 30 ms: the message fell due at
+    once. ``delay`` takes a timedelta; ms go as ``delay_ms``. Nothing is written."""
+    s = subject()
+    with pytest.raises(
+        errors.InvalidArgument, match=r"^delay: a datetime.timedelta, not int \(for milliseconds use delay_ms=30\)"
+    ):
+        client.send(s, b"x", delay=30)
+    r = client.send(s, b"x", delay=timedelta(seconds=30))
+    assert r.deliver_at_ms >= now_ms() + 25_000
+    with pytest.raises(errors.InvalidArgument, match=r"^delay: a datetime.timedelta"):
+        client.reschedule(r, delay=60)
+    assert client.get(r).deliver_at_ms == r.deliver_at_ms  # not moved
+    assert client.cancel(r) == "CANCELLED"
+    assert client.get(message_id=r.message_id).state == "CANCELLED"  # the one message of the subject
 
 
 def test_max_payload_accepted(client):
