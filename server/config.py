@@ -308,6 +308,15 @@ ENGINE_KEYS: dict[str, tuple[str | None, str]] = {
 }
 
 
+# EngineConfig fields filled in from the server's top-level keys (build_engine_config), never
+# [engine] options: the key a user sets instead.
+DERIVED_ENGINE_KEYS = {
+    "data_dir": "the top-level data_dir (--data-dir)",
+    "role": "the top-level role (--role)",
+    "max_delay_ms": "limits.max_delay_ms",
+}
+
+
 def engine_config(**options: Any) -> EngineConfig:
     """An EngineConfig from flat ``[engine]`` keys (``ack_timeout_ms=500``, ...): each goes
     to its place (ENGINE_KEYS); the rest keep their defaults. Unknown keys are an error."""
@@ -315,7 +324,8 @@ def engine_config(**options: Any) -> EngineConfig:
 
     unknown = sorted(set(options) - set(ENGINE_KEYS))
     if unknown:
-        raise ConfigError(f"unknown [engine] option(s) {', '.join(unknown)} (known: {', '.join(sorted(ENGINE_KEYS))})")
+        known = sorted(set(ENGINE_KEYS) - set(DERIVED_ENGINE_KEYS))
+        raise ConfigError(f"unknown [engine] option(s) {', '.join(unknown)} (known: {', '.join(known)})")
     ecfg = EngineConfig()
     for key, value in options.items():
         section, name = ENGINE_KEYS[key]
@@ -351,6 +361,16 @@ def build_engine_config(cfg: ServerConfig) -> EngineConfig:
     # cluster mode: a server starts as a slave (no writes, no dispatch) until etcd makes it master
     role = "slave" if cfg.etcd else cfg.role
     derived = {"data_dir": cfg.data_dir, "role": role, "max_delay_ms": cfg.limits.max_delay_ms}
-    for key, value in derived.items():
-        options.setdefault(key, value)
+    # these come from the server's own keys only: an [engine] data_dir (or --set
+    # engine.data_dir) used to win over --data-dir, putting the logs in another folder than
+    # the rest, and an [engine] role = "master" started a cluster node as a master before etcd
+    # elected it
+    given = sorted(set(options) & set(DERIVED_ENGINE_KEYS))
+    if given:
+        raise ConfigError(
+            f"[engine] {', '.join(given)}: not an [engine] option; set "
+            + ", ".join(DERIVED_ENGINE_KEYS[k] for k in given)
+            + " instead"
+        )
+    options.update(derived)
     return engine_config(**options)

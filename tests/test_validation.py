@@ -284,6 +284,34 @@ def test_the_engine_keys_are_the_documented_ones():
     assert set(config_mod.ENGINE_KEYS) == documented | derived
 
 
+def test_engine_keys_the_server_fills_in_are_refused_in_engine(tmp_path):
+    """``--set engine.data_dir=...`` (or ``[engine] data_dir``) was accepted and won over
+    ``--data-dir``: a real server started so wrote its logs in that other folder. It, role and
+    max_delay_ms are filled in from the server's own keys; in [engine] they are refused at
+    start-up, naming the key to use."""
+    import subprocess
+    import sys
+
+    other = tmp_path / "other"
+    for key, value, want in (
+        ("data_dir", f'"{other}"', "the top-level data_dir (--data-dir)"),
+        ("role", '"master"', "the top-level role (--role)"),
+        ("max_delay_ms", "5", "limits.max_delay_ms"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(tmp_path / "data"), "--listen"]
+            + ["127.0.0.1:0", "--set", f"engine.{key}={value}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode != 0 and "qdelay listening" not in result.stdout, (key, result.stdout)
+        assert f"[engine] {key}: not an [engine] option; set {want} instead" in result.stderr, result.stderr
+    assert not other.exists()
+    with pytest.raises(ConfigError, match=r"known: ack_timeout_ms, checkpoint_interval_ms, cleaner_enabled, "):
+        config_mod.engine_config(ack_timeout=1)
+
+
 def test_main_flags_override_file(tmp_path):
     from qdelay.server import main
 
