@@ -58,6 +58,7 @@ from qdelay.client.types import (
     Target,
     by_id,
     cancel_batches,
+    cancel_request,
     keepalive_options,
     ref,
     reschedule_request,
@@ -238,8 +239,11 @@ class Client:
         was cancelled is then unknown, as for a unary call that timed out). A task cancelled
         before its target was sent leaves it out of the call. ``batching=False``: one unary
         Cancel per call."""
-        r, mid = ref(receipt) if message_id is None else by_id(message_id)
-        request = pb.CancelRequest(receipt=r, message_id=mid)
+        if message_id is None:
+            request = cancel_request(receipt)
+        else:
+            r, mid = by_id(message_id)
+            request = pb.CancelRequest(receipt=r, message_id=mid)
         if self.batching is None:
             resp = await self._call(self.stub.Cancel, request, timeout)
             return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))

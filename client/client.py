@@ -51,6 +51,7 @@ from qdelay.client.types import (
     Target,
     by_id,
     cancel_batches,
+    cancel_request,
     keepalive_options,
     ref,
     reschedule_request,
@@ -722,8 +723,11 @@ class Client:
         ``timeout``: how long this caller waits (DeadlineExceeded after it, even when its
         target rides in a call that goes on for other callers: whether it was cancelled is
         then unknown, as for a unary call that timed out; cancelling again is safe)."""
-        r, mid = ref(receipt) if message_id is None else by_id(message_id)
-        request = pb.CancelRequest(receipt=r, message_id=mid)
+        if message_id is None:
+            request = cancel_request(receipt)
+        else:
+            r, mid = by_id(message_id)
+            request = pb.CancelRequest(receipt=r, message_id=mid)
         if self.batching is None:
             outcome = self._call(self.stub.Cancel, request, timeout).outcome
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
