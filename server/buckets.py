@@ -13,7 +13,7 @@ replication adopting a master's progress); no I/O except reading file sizes.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.naming import MS_PER_MINUTE, bucket_of
@@ -38,6 +38,8 @@ class BucketState:
         "dispatch_ready",
         "tombstones_known",
         "nclosed",
+        "top_indexed",
+        "late_cancels",
     )
 
     def __init__(self, bucket: int, seg: Segment, cursor: int = 0, complete: bool = False) -> None:
@@ -65,6 +67,22 @@ class BucketState:
         # and not yet counted in closed_retired: read back from the dispatch log when the
         # bucket is loaded, then one more per record written
         self.nclosed = 0
+        # the highest MESSAGE sequence the timer has read of the segment (increasing in it),
+        # and the cancelled sequences at or below it: those may sit in the wheel, and the
+        # timer leaves them out when they fall due (else an idle group's backlog counted a
+        # cancelled message until a consumer came to drop it)
+        self.top_indexed = -1
+        self.late_cancels: set[int] = set()
+
+    def cancel(self, targets: Iterable[int]) -> None:
+        """Note cancelled sequences of this bucket (a tombstone read by the loader, or one the
+        iterate service reports)."""
+        cancelled, top = self.cancelled, self.top_indexed
+        for q in targets:
+            if q not in cancelled:
+                cancelled.add(q)
+                if q <= top:
+                    self.late_cancels.add(q)
 
     def written_on(self) -> None:
         """Records were appended past what the loader read to the end: it reads on from

@@ -355,7 +355,7 @@ class Scheduler:
             for b, targets in cancels.items():
                 got = book.get(b)
                 if got is not None:
-                    got.cancelled.update(targets)
+                    got.cancel(targets)
                 for item in self.claims.settled(targets):
                     # set aside while claimed, cancelled now: no longer held by the bucket
                     st = book.get(item[2])

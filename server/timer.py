@@ -169,6 +169,7 @@ class Timer:
         for f in frames:
             if f.kind == RecordKind.MESSAGE:
                 q = f.sequence
+                st.top_indexed = q  # increasing in a segment: a later cancel of q is "late"
                 if q in st.cancelled:
                     continue
                 d, subject, _mid = records.message_index_fields(f.body)
@@ -193,7 +194,7 @@ class Timer:
                 off.append(f.offset)
                 subj.append(sid)
             elif f.kind == RecordKind.CANCEL:
-                st.cancelled.add(records.decode_cancel(f.body).target_sequence)
+                st.cancel((records.decode_cancel(f.body).target_sequence,))
         st.unfired += len(due)
         if not due:
             return
@@ -221,10 +222,13 @@ class Timer:
         if len(due) == 0:
             return
         buckets, counts = np.unique(due.bucket, return_counts=True)
+        late: dict[int, BucketState] = {}
         for b, c in zip(buckets.tolist(), counts.tolist()):
             st = self.book.get(b)
             if st is not None:
                 st.unfired -= c
+                if st.late_cancels:
+                    late[b] = st
         # split by subject, keeping due order inside each subject
         order = np.argsort(due.subj, kind="stable")
         sorted_e = due.take(order)
@@ -237,6 +241,10 @@ class Timer:
             if last > fired_due.get(sid, BEGINNING):
                 fired_due[sid] = last
             targets = self.targets(sid, int(part.seq.min()))
+            if targets and late:
+                part = self._drop_late_cancels(part, late)
+                if not len(part):
+                    continue
             if not targets:
                 # nobody to deliver to: the entries wait on disk for the subject's first group
                 low = int(part.bucket.min())
@@ -247,6 +255,21 @@ class Timer:
                 continue
             for g in targets:
                 self._to_lane(self.lane(sid, g.gid), g, part)
+
+    @staticmethod
+    def _drop_late_cancels(part: Entries, late: dict[int, BucketState]) -> Entries:
+        """Leave out the entries cancelled after they were put in the wheel (the load skips
+        those cancelled before): queued, they counted in their groups' backlog until a
+        consumer's round dropped them, for ever in a group without consumers. Only buckets
+        that had such a cancel pay for the check."""
+        keep = np.ones(len(part), dtype=bool)
+        for b, st in late.items():
+            gone = np.fromiter(st.late_cancels, dtype=np.int64, count=len(st.late_cancels))
+            hit = (part.bucket == b) & np.isin(part.seq, gone)
+            if hit.any():
+                keep &= ~hit
+                st.late_cancels.difference_update(part.seq[hit].tolist())
+        return part if keep.all() else part.take(keep)
 
     def _to_lane(self, lane: Lane, g: Group, part: Entries) -> None:
         """Queue fired entries for one group: those it is for, not closed for it already

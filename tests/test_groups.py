@@ -197,6 +197,30 @@ def test_stats_narrowed_to_a_subject_a_group_name_or_one_group(client, server):
     assert [(g["subject"], g["group"]) for g in json.loads(cp.stdout)] == [(s1, notify)]
 
 
+def test_a_message_cancelled_while_in_the_timer_is_not_in_an_idle_groups_backlog(tmp_path):
+    """A message cancelled after the timer loaded it (any message due within load_ahead_ms,
+    2 minutes by default) still fell due into its groups' lanes, dropped only when a consumer's
+    round reached it: a group with no consumer showed it in Stats' backlog and in
+    qdelay_due_without_consumer for ever (the README's example left 'backlog': 1 behind, its
+    cancelled message). Now the timer leaves it out when it falls due."""
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        s = subject()
+        assert c.create_group(s, "idle") and c.create_group(s, "other")
+        gone = c.send(s, b"cancelled", delay_ms=1500)
+        wait_until(lambda: c.stats()["wheel_size"] == 1, 10, "the message loaded into the timer")
+        assert c.cancel(gone) == "CANCELLED"
+        kept = c.send(s, b"kept", delay_ms=1600)
+        wait_until(lambda: c.stats()["wheel_size"] == 0, 10, "both fell due")
+        backlog = {g["group"]: g["backlog"] for g in c.stats(subject=s)["groups"]}
+        assert backlog == {"idle": 1, "other": 1}  # the kept one only, in each group
+        with c.subscribe(s, group="idle") as consumer:
+            got = consumer.receive(1, timeout=10)
+            assert [d.message_id for d in got] == [kept.message_id]
+            consumer.ack(got)
+        c.close()
+
+
 def test_redelivery_and_dead_letters_are_per_group(tmp_path):
     args = [
         "--set",
