@@ -177,6 +177,7 @@ class IterateService:
         # trims left since ingest went idle, and when the next is due (IDLE_TRIMS)
         self._idle_trims = 0
         self._idle_trim_at = 0.0
+        self._idle_owed = False  # records copied since the last idle checkpoint
 
     # --- control ------------------------------------------------------------------------------
 
@@ -234,11 +235,16 @@ class IterateService:
         try:
             while not self._stop.is_set():
                 if not self.step():
+                    # an idle checkpoint is owed by the records copied since the last one, not
+                    # only by an unsaved offset (a checkpoint that failed for want of space):
+                    # the checkpoint a step asked for may already have saved every record, and
+                    # the idle flush of the id index's memtable would never come
                     if (
-                        time.monotonic() - self._last_checkpoint >= self.checkpoint_interval
-                        and self.saved_offset != self.offset
+                        (self._idle_owed or self.saved_offset != self.offset)
+                        and time.monotonic() - self._last_checkpoint >= self.checkpoint_interval
+                        and self._request_checkpoint(idle=True)
                     ):
-                        self._request_checkpoint(idle=True)
+                        self._idle_owed = False
                         self._idle_trims = IDLE_TRIMS
                         self._idle_trim_at = time.monotonic() + IDLE_TRIM_FIRST
                     if self._idle_trims and time.monotonic() >= self._idle_trim_at:
@@ -298,6 +304,7 @@ class IterateService:
             self.offset += used
             self.sequence = max(self.sequence, last_seq)
             self._progress.notify_all()
+        self._idle_owed = True
         if time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
             self._request_checkpoint()
         self._trim()
@@ -522,12 +529,12 @@ class IterateService:
             return
         self.saved_offset = state["offset"]
 
-    def _request_checkpoint(self, idle: bool = False) -> None:
-        """Start a background checkpoint unless one is still being written; ``idle``:
-        nothing was left to copy, so the id index's memtable is written out after it."""
+    def _request_checkpoint(self, idle: bool = False) -> bool:
+        """Start a background checkpoint unless one is still being written (then False);
+        ``idle``: nothing was left to copy, so the id index's memtable is written out after it."""
         self._last_checkpoint = time.monotonic()
         if not self._persist_lock.acquire(blocking=False):
-            return
+            return False
         state, dirty = self._snapshot()
 
         def run() -> None:
@@ -542,3 +549,4 @@ class IterateService:
                 self._persist_lock.release()
 
         threading.Thread(target=run, name="qdelay-iterate-checkpoint", daemon=True).start()
+        return True
