@@ -146,6 +146,24 @@ def test_dump_survives_a_closed_pipe(tmp_path):
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("flag", ["--from", "--to", "--now"])
+def test_a_bad_time_is_a_usage_error_not_a_traceback(folders, flag):
+    """`qdelay inspect stats --from yesterday` printed a Python traceback (ValueError:
+    Invalid isoformat string); now it is argparse's usage error, exit 2, saying what a time
+    looks like. The golden stats cases show that good times parse as before."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "inspect", "stats", "--data-dir", folders["clean"], flag, "yesterday"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"argument {flag}: 'yesterday' is not a time: give epoch ms or ISO 8601, e.g. 2026-01-01T00:00:00Z" in (
+        proc.stderr
+    )
+
+
 def test_limit_and_missing_folder(folders, capsys, tmp_path):
     code, out = _run(["dump", "--data-dir", folders["clean"], "--limit", "1", "--log", "dispatch"], capsys)
     assert code == 0 and len(out.splitlines()) == 1 and '"kind": "DISPATCH"' in out

@@ -722,16 +722,34 @@ def cmd_find(args) -> int:
 # --- stats -----------------------------------------------------------------------------------
 
 
-def parse_time(text: str | None) -> int | None:
-    """Epoch ms, or an ISO 8601 time (UTC unless it says otherwise)."""
-    if text is None:
-        return None
+def parse_time(text: str | int | None) -> int | None:
+    """Epoch ms, or an ISO 8601 time (UTC unless it says otherwise); ValueError naming the
+    accepted forms for anything else."""
+    if text is None or isinstance(text, int):
+        return text
     if text.lstrip("-").isdigit():
         return int(text)
-    t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    try:
+        t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time: give epoch ms or ISO 8601, e.g. 2026-01-01T00:00:00Z"
+            " (UTC unless it says otherwise)"
+        ) from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=_dt.UTC)
     return int(t.timestamp() * 1000)
+
+
+def time_arg(text: str) -> int:
+    """``parse_time`` as an argparse type: a bad time is a usage error (exit 2) that says what
+    a time looks like, not a traceback."""
+    try:
+        value = parse_time(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    assert value is not None
+    return value
 
 
 def minute_stats(
@@ -809,8 +827,8 @@ def minute_stats(
 
 
 def cmd_stats(args) -> int:
-    now_ms = parse_time(args.now)
-    rows, skipped = minute_stats(args.data_dir, parse_time(args.from_time), parse_time(args.to_time), now_ms=now_ms)
+    now_ms = args.now  # parsed by time_arg, as --from and --to
+    rows, skipped = minute_stats(args.data_dir, args.from_time, args.to_time, now_ms=now_ms)
     names = ["due", "pending", "overdue", "delivered", "cancelled", "dead_lettered"]
     totals = {n: sum(r[n] for r in rows.values()) for n in names}
     if args.json:
@@ -868,9 +886,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence", type=int, help="message-log sequence")
     p.add_argument("--scale-minutes", type=int, default=1, help="the server's bucket size")
     p = common(sub.add_parser("stats", help="per-minute pending / delivered / cancelled counts"))
-    p.add_argument("--from", dest="from_time", help="first due time (epoch ms or ISO 8601, UTC)")
-    p.add_argument("--to", dest="to_time", help="end of the due range, exclusive")
-    p.add_argument("--now", default=None, help="judge overdue at this time (epoch ms or ISO 8601; default now)")
+    p.add_argument("--from", dest="from_time", type=time_arg, help="first due time (epoch ms or ISO 8601, UTC)")
+    p.add_argument("--to", dest="to_time", type=time_arg, help="end of the due range, exclusive")
+    p.add_argument(
+        "--now", default=None, type=time_arg, help="judge overdue at this time (epoch ms or ISO 8601; default now)"
+    )
 
 
 COMMANDS = {"ls": cmd_ls, "dump": cmd_dump, "verify": cmd_verify, "find": cmd_find, "stats": cmd_stats}

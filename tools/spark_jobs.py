@@ -29,6 +29,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 
 from qdelay.tools import spark_source  # noqa: E402
+from qdelay.tools.inspect import time_arg  # noqa: E402
 
 JOBS = ("audit", "lateness", "forecast", "export", "import")
 EXAMPLES = 10  # rows of each finding printed on stdout
@@ -56,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         return p
 
     p = common(sub.add_parser("audit", help="lost, duplicated, delivered-after-cancel, early messages"))
-    p.add_argument("--now", default=None, help="judge 'past due' at this time (epoch ms or ISO; default now)")
+    p.add_argument(
+        "--now", default=None, type=time_arg, help="judge 'past due' at this time (epoch ms or ISO; default now)"
+    )
     p.add_argument(
         "--allow-duplicates",
         action="store_true",
@@ -70,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p = common(sub.add_parser("lateness", help="p50/p99/max of dispatched - due, per minute and per subject"))
     p = common(sub.add_parser("forecast", help="messages due per future minute (table + heat map)"))
-    p.add_argument("--now", default=None, help="start of the future (epoch ms or ISO; default now)")
+    p.add_argument("--now", default=None, type=time_arg, help="start of the future (epoch ms or ISO; default now)")
     p.add_argument("--hours", type=int, default=24, help="hours shown in the heat map (default 24)")
     p = common(sub.add_parser("export", help="a log to Parquet, partitioned by due day"))
     p.add_argument("--log", default="all", help="message, schedule, dispatch or all (default all)")
@@ -117,10 +120,9 @@ def _out_dir(args) -> str:
     return out
 
 
-def _now_ms(text: str | None) -> int:
-    from qdelay.tools.inspect import parse_time
-
-    return parse_time(text) if text else int(time.time() * 1000)
+def _now_ms(value: int | None) -> int:
+    """--now as time_arg parsed it, else the clock."""
+    return int(time.time() * 1000) if value is None else value
 
 
 # the columns the jobs read: payload and headers are never built (column pruning)
