@@ -325,6 +325,31 @@ def test_an_int_delay_is_refused_not_taken_as_milliseconds(client):
     assert client.get(message_id=r.message_id).state == "CANCELLED"  # the one message of the subject
 
 
+def test_an_address_in_use_is_said_in_words_not_a_traceback(server, tmp_path):
+    """A second server on a port already taken (a second `make run`) printed grpcio's
+    RuntimeError traceback; a metrics port taken printed '[Errno 98] Address already in use'
+    without the address. Both now exit 1 with 'qdelay server: cannot ... on HOST:PORT: ...'."""
+    import subprocess
+    import sys
+
+    metrics_port = int(server.log_path.read_text().split("metrics on 127.0.0.1:")[1].split()[0])
+    for args, want in (
+        (["--listen", server.address], f"qdelay server: cannot listen on {server.address}: the address is in use"),
+        (
+            ["--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{metrics_port}"],
+            f"qdelay server: cannot serve metrics on 127.0.0.1:{metrics_port}: Address already in use",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(tmp_path / "second"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 1 and "qdelay listening" not in proc.stdout, proc.stdout
+        assert "Traceback" not in proc.stderr and want in proc.stderr, proc.stderr
+
+
 def test_max_payload_accepted(client):
     s = subject()
     payload = bytes(range(256)) * (4 * 1024 * 1024 // 256)
