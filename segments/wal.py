@@ -355,36 +355,17 @@ class MessageLog:
     def _submit(
         self, frame: Callable[[bytearray, int], int], callback: Callable[[Appended | None, Exception | None], None]
     ) -> Appended:
+        buf = bytearray()
         with self._lock:
             if self._failed is not None:
                 raise self._failed
             if self._closing:
                 raise ShuttingDown("the message log is closing")
             first = self._next_sequence
-            queue = self._queue
-            # records queued behind a commit in progress are framed straight into the
-            # buffer already queued for their segment (no buffer of their own copied into
-            # it): under load, most appends after a commit's first
-            tail = queue[-1][1] if queue and queue[-1][0] is self._plan_segment else None
-            if tail is not None:
-                mark = len(tail)
-                try:
-                    seq = frame(tail, first)
-                except BaseException:
-                    del tail[mark:]  # (the native framers check every body before writing any)
-                    raise
-                size = len(tail) - mark
-            else:
-                buf = bytearray()
-                seq = frame(buf, first)
-                size = len(buf)
+            seq = frame(buf, first)
             if seq == first:
                 raise InvariantViolation("submit needs at least one record")
-            if self._plan_size > 0 and self._plan_size + size > self.segment_bytes:
-                if tail is not None:  # these records go to the next segment: their own buffer
-                    buf = tail[mark:]
-                    del tail[mark:]
-                    tail = None
+            if self._plan_size > 0 and self._plan_size + len(buf) > self.segment_bytes:
                 base = self._plan_segment.key + self._plan_size
                 try:
                     self._plan_segment = self._create_segment(base)
@@ -394,11 +375,13 @@ class MessageLog:
                     raise StorageError(f"cannot create a message-log segment: {err}") from err
                 self._plan_size = 0
             start = self._plan_segment.key + self._plan_size
-            if tail is None:
-                queue.append((self._plan_segment, buf))
-            self._plan_size += size
+            if self._queue and self._queue[-1][0] is self._plan_segment:
+                self._queue[-1][1].extend(buf)
+            else:
+                self._queue.append((self._plan_segment, buf))
+            self._plan_size += len(buf)
             self._next_sequence = seq
-            appended = Appended(first, seq - first, start, start + size)
+            appended = Appended(first, seq - first, start, start + len(buf))
             self._waiters.append(_Pending(appended, callback))
             self._wake.notify()
         return appended

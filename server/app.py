@@ -200,19 +200,26 @@ class App:
         reflection.enable_server_reflection(names, server)
 
         host, want_port = parse_hostport(cfg.listen, "listen")
-        if cfg.tls_cert and cfg.tls_key:  # the config has both or neither
-            port = server.add_secure_port(cfg.listen, auth.server_credentials(cfg.tls_cert, cfg.tls_key))
-        else:
-            port = server.add_insecure_port(cfg.listen)
+        try:
+            if cfg.tls_cert and cfg.tls_key:  # the config has both or neither
+                port = server.add_secure_port(cfg.listen, auth.server_credentials(cfg.tls_cert, cfg.tls_key))
+            else:
+                port = server.add_insecure_port(cfg.listen)
+        except RuntimeError:  # grpcio >= 1.60 raises where older ones returned 0
+            port = 0
         if not port:
-            raise OSError(f"cannot listen on {cfg.listen}")
+            # said in words: grpcio's RuntimeError reached the user as a traceback
+            raise OSError(f"cannot listen on {cfg.listen}: the address is in use (another server?) or not this host's")
         self.port = port
         await server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_listen:
             mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
-            self.metrics_port = self.metrics.serve(mhost, mport)
+            try:
+                self.metrics_port = self.metrics.serve(mhost, mport)
+            except OSError as e:
+                raise OSError(f"cannot serve metrics on {cfg.metrics_listen}: {e.strerror or e}") from None
             log.info("metrics on %s", format_address(mhost, self.metrics_port))
         self._watch = asyncio.ensure_future(self._watch_health())
         address = format_address(host, port)
