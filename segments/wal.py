@@ -128,10 +128,12 @@ class _LoopSettler:
     started. ``_run`` clears that mark before it drains, so a result put after its last
     look is drained by the run ``wake`` then schedules."""
 
-    __slots__ = ("loop", "_results", "_armed", "__weakref__")
+    __slots__ = ("_loop", "_results", "_armed", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # weakly: the log's settlers are keyed weakly by their loop, and a strong reference
+        # from the value kept every loop that ever appended alive (closed) for the log's life
+        self._loop = weakref.ref(loop)
         self._results: collections.deque[tuple[asyncio.Future, Appended | None, Exception | None]] = collections.deque()
         self._armed = False
 
@@ -141,9 +143,13 @@ class _LoopSettler:
     def wake(self) -> None:
         if self._armed:
             return
+        loop = self._loop()
+        if loop is None:  # the loop is gone: nobody is waiting any more
+            self._results.clear()
+            return
         self._armed = True
         try:
-            self.loop.call_soon_threadsafe(self._run)
+            loop.call_soon_threadsafe(self._run)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             self._armed = False
             self._results.clear()
@@ -444,6 +450,10 @@ class MessageLog:
                 self._commit_batch(queue, waiters)
             elif interval and self._unsynced():
                 self._sync_idle()
+            # not held while the log waits for the next append: the last commit's buffers
+            # (up to a commit's bytes) and its appenders (an async one's future, and through
+            # it its event loop)
+            queue = waiters = []
             if closing:
                 with self._lock:
                     if self._queue:

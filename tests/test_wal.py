@@ -148,6 +148,29 @@ def test_async_appends_of_one_commit_wake_their_loop_once(wal_dir, monkeypatch):
     log.close()
 
 
+def test_an_event_loop_that_appended_is_not_kept_alive_by_the_log(wal_dir):
+    """The log keeps a settler per event loop that appends (a weak dict keyed by the loop);
+    the settler held its loop strongly, so the weak key never died: every asyncio.run()
+    that appended stayed alive, closed, for the log's life. (The writer thread also held
+    the last commit's appenders, and their futures' loop, until the next commit.)"""
+    import gc
+    import weakref
+
+    log = MessageLog(wal_dir)
+    loops = []
+
+    async def main():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        await log.append_async(entries(1))
+
+    for _ in range(3):
+        asyncio.run(main())
+    gc.collect()
+    assert [r() for r in loops] == [None, None, None]
+    log.append(entries(1))  # the log goes on
+    log.close()
+
+
 def test_wait_commit(wal_dir):
     log = MessageLog(wal_dir)
     assert log.wait_commit(0, 0.01) == 0
