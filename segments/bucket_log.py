@@ -48,7 +48,9 @@ def sync_all(segments: list[Segment]) -> None:
     objects each (its condition and locks), ~2 MB a checkpoint at 2,880 minute files, in
     pymalloc arenas that the burst's long-lived objects then pinned (docs/benchmarks.md,
     "RSS per pending message"). A failing fsync ends its task; the others sync the rest,
-    and the first error (in task order) propagates to the caller."""
+    and the first error (in task order) propagates to the caller once every task is done
+    (raised at once, it let the caller stop the service and close segments that tasks
+    were still syncing)."""
     global _SYNC_POOL
     if len(segments) <= 2:
         for seg in segments:
@@ -63,7 +65,9 @@ def sync_all(segments: list[Segment]) -> None:
         for seg in todo:
             seg.sync()
 
-    for fut in [_SYNC_POOL.submit(run) for _ in range(min(SYNC_THREADS, len(segments)))]:
+    futures = [_SYNC_POOL.submit(run) for _ in range(min(SYNC_THREADS, len(segments)))]
+    concurrent.futures.wait(futures)
+    for fut in futures:
         fut.result()
 
 
