@@ -453,7 +453,7 @@ class MessageLog:
             # not held while the log waits for the next append: the last commit's buffers
             # (up to a commit's bytes) and its appenders (an async one's future, and through
             # it its event loop)
-            queue = waiters = []
+            queue, waiters = [], []
             if closing:
                 with self._lock:
                     if self._queue:
