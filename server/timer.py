@@ -241,7 +241,7 @@ class Timer:
             if last > fired_due.get(sid, BEGINNING):
                 fired_due[sid] = last
             targets = self.targets(sid, int(part.seq.min()))
-            if targets and late:
+            if late:  # (with no group too: what the subject keeps counts for its first group)
                 part = self._drop_late_cancels(part, late)
                 if not len(part):
                     continue

@@ -124,6 +124,28 @@ def test_the_first_group_of_a_subject_counts_what_the_subject_kept_for_it():
     assert g2.since == T + 20 and lane.on_disk == 1  # only 6 is due at or after its since
 
 
+def test_a_message_cancelled_in_the_wheel_is_left_out_when_it_falls_due_with_or_without_a_group():
+    """A late cancel (its target already in the wheel) is left out when it falls due: out of
+    the lanes of the subject's groups, and, for a subject with no group yet, out of what
+    the subject keeps for its first group (counted there, it was that group's backlog on
+    disk, and the late cancel itself stayed noted for the bucket's life)."""
+    timer, st, groups = rig()
+    g, _ = groups.create("s", "g", 0)
+    load(timer, st, b"s", [1, 2, 3], T)
+    load(timer, st, b"lonely", [4, 5, 6], T)
+    st.top_indexed = 6  # as the load read them
+    st.cancel([2, 5])
+    assert st.late_cancels == {2, 5}
+    timer.fire(T)
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.ready.count == 2 and st.owed[g.gid] == 2  # 1 and 3
+    g2, _ = groups.create("lonely", "first", T + 10)
+    timer.group_created(g2)
+    (lane2,) = timer.lanes_of(g2.gid)
+    assert lane2.spilled and lane2.on_disk == 2  # 4 and 6
+    assert st.late_cancels == set()
+
+
 def test_a_group_with_its_own_bound_spills_at_it_and_the_others_at_the_default():
     """``group_max_ready_of``: "SUBJECT/GROUP" -> entries, for the one group that needs
     another bound (issue 14 item 2: the bound is per group); capped at a quarter of
