@@ -255,6 +255,9 @@ class Timer:
                 continue
             for g in targets:
                 self._to_lane(self.lane(sid, g.gid), g, part)
+        for st in late.values():
+            if st.unfired <= 0:  # nothing of it left in the wheel: the rest targeted fired entries
+                st.late_cancels.clear()
 
     @staticmethod
     def _drop_late_cancels(part: Entries, late: dict[int, BucketState]) -> Entries:

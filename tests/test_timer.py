@@ -146,6 +146,22 @@ def test_a_message_cancelled_in_the_wheel_is_left_out_when_it_falls_due_with_or_
     assert st.late_cancels == set()
 
 
+def test_a_late_cancel_of_a_message_already_fired_is_forgotten_once_its_bucket_has_fired():
+    """A cancel of a message already out of the wheel (fired, waiting in a lane) is noted as
+    late too (nothing cheap tells the two apart); it was kept, and every later fire of the
+    bucket paid the check for it, for the bucket's life. Once nothing of the bucket is left
+    in the wheel, no late cancel can matter."""
+    timer, st, groups = rig()
+    groups.create("s", "g", 0)
+    load(timer, st, b"s", [1, 2], T)
+    load(timer, st, b"s", [3], T + 5)
+    st.top_indexed = 3
+    timer.fire(T)
+    st.cancel([1])  # fired already: in the lane
+    timer.fire(T + 5)
+    assert st.unfired == 0 and st.late_cancels == set()
+
+
 def test_a_group_with_its_own_bound_spills_at_it_and_the_others_at_the_default():
     """``group_max_ready_of``: "SUBJECT/GROUP" -> entries, for the one group that needs
     another bound (issue 14 item 2: the bound is per group); capped at a quarter of
