@@ -81,7 +81,7 @@ class BucketState:
         for q in targets:
             if q not in cancelled:
                 cancelled.add(q)
-                if q <= top:
+                if q <= top and self.unfired > 0:  # may be in the wheel (else it fired already)
                     self.late_cancels.add(q)
 
     def written_on(self) -> None:
