@@ -114,10 +114,13 @@ def _stub(address: str):
     return channel, pb_grpc.DelayServiceStub(channel), pb
 
 
-def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100, compact: bool = False):
-    channel, stub, pb = _stub(address)
+def _batch_requests(n: int, first: int, body: bytes, batch: int, compact: bool) -> list:
+    """SendBatchRequests of ``batch`` messages (ids ``first``.. ``first + n - 1``), due
+    DUE_AHEAD_MS ahead spread over a minute: built before the clock starts."""
+    from qdelay.v1 import qdelay_pb2 as pb
+
     due = int(time.time() * 1000) + DUE_AHEAD_MS
-    requests = [
+    return [
         pb.SendBatchRequest(
             messages=[
                 pb.Message(subject="bench", payload=body, message_id=str(i), deliver_at_ms=due + i % 60_000)
@@ -127,6 +130,11 @@ def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100,
         )
         for k in range(first, first + n, batch)
     ]
+
+
+def _stub_batch(address: str, n: int, first: int, body: bytes, batch: int = 100, compact: bool = False):
+    channel, stub, pb = _stub(address)
+    requests = _batch_requests(n, first, body, batch, compact)
     stub.SendBatch(pb.SendBatchRequest(messages=[pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)]))
     yield_ready()
     wait_go()
@@ -151,17 +159,7 @@ def _stream16(address: str, n: int, first: int, body: bytes, batch: int = 16):
         async with grpc.aio.insecure_channel(address) as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             stub = pb_grpc.DelayServiceStub(channel)
-            due = int(time.time() * 1000) + DUE_AHEAD_MS
-            requests = [
-                pb.SendBatchRequest(
-                    messages=[
-                        pb.Message(subject="bench", payload=body, message_id=str(i), deliver_at_ms=due + i % 60_000)
-                        for i in range(k, min(k + batch, first + n))
-                    ],
-                    compact_receipts=True,
-                )
-                for k in range(first, first + n, batch)
-            ]
+            requests = _batch_requests(n, first, body, batch, compact=True)
             warm = pb.Message(subject="bench.warm", delay_ms=DUE_AHEAD_MS)
             await stub.SendBatch(pb.SendBatchRequest(messages=[warm]))
             yield_ready()
