@@ -196,6 +196,11 @@ class IterateService:
                 self.checkpoint()
             except DiskFull:
                 log.warning("no space for the final checkpoint: a restart copies again from the last one")
+        else:
+            # no final checkpoint, but one in the background may still be syncing segments
+            # and the id index: the caller closes them once this returns
+            with self._persist_lock:
+                pass
 
     def lag_bytes(self) -> int:
         return max(0, self.wal.committed_offset - self.offset)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import pytest
 from conftest import wait_until
@@ -332,4 +333,41 @@ def test_a_small_memtable_is_kept_when_ingest_goes_idle_and_the_heap_trimmed_all
     finally:
         rig.it.stop()
         ids.close()
+        rig.close()
+
+
+def test_stop_after_an_error_waits_for_the_checkpoint_in_progress(tmp_path):
+    # with an error set, stop() wrote no final checkpoint and so never took the persist
+    # lock: it returned while a background checkpoint still fsynced segments and the id
+    # index (Engine.close then closes both under it); now it waits for that one to end
+    rig = Rig(tmp_path, checkpoint_interval=60.0)  # the one checkpoint: the test's
+    order: list[str] = []
+    release = threading.Event()
+    real_persist = rig.it._persist
+
+    def held_persist(state, dirty):
+        assert release.wait(10)
+        real_persist(state, dirty)
+        order.append("checkpoint done")
+
+    rig.it._persist = held_persist  # type: ignore[method-assign]
+    try:
+        rig.send([T0 + 30 * MIN])
+        rig.it.start()
+        wait_until(lambda: rig.it.offset == rig.wal.committed_offset, what="copied")
+        assert rig.it._request_checkpoint()
+        rig.it.error = RuntimeError("a step failed")
+
+        def let_go() -> None:
+            wait_until(lambda: rig.it._stop.is_set() and rig.it._thread is None, what="stop() joined the loop")
+            release.set()
+
+        helper = threading.Thread(target=let_go)
+        helper.start()
+        rig.it.stop()
+        order.append("stopped")
+        helper.join()
+        assert order == ["checkpoint done", "stopped"]
+    finally:
+        release.set()
         rig.close()
