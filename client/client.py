@@ -166,11 +166,11 @@ def outgoing(
     message_id: str,
 ) -> Outgoing:
     """One message's fields, checked for their types (so that a batch never fails to encode
-    for one caller's mistake) and with the due time as ms: ``delay`` / ``delay_ms`` take ms
-    or a :class:`datetime.timedelta`, ``deliver_at`` an aware :class:`datetime.datetime`,
-    ``deliver_at_ms`` Unix epoch ms. At most one of them; none means "now" (delay 0).
-    ``delay`` takes a timedelta only: an int there used to be taken as ms, so ``delay=30``
-    meant as 30 seconds made the message due at once; ms go as ``delay_ms``."""
+    for one caller's mistake) and with the due time as ms: ``delay`` takes a
+    :class:`datetime.timedelta`, ``delay_ms`` ms or a timedelta, ``deliver_at`` an aware
+    :class:`datetime.datetime`, ``deliver_at_ms`` Unix epoch ms. At most one of them; none
+    means "now" (delay 0). An int as ``delay`` is refused: it used to be taken as ms, so
+    ``delay=30`` meant as 30 seconds made the message due at once."""
     given = [x is not None for x in (delay, delay_ms, deliver_at, deliver_at_ms)]
     if sum(given) > 1:
         raise errors.InvalidArgument("give one of delay, delay_ms, deliver_at or deliver_at_ms, not several")
@@ -186,8 +186,10 @@ def outgoing(
         elif deliver_at_ms is not None:
             at, rel = to_ms(deliver_at_ms, "deliver_at_ms"), None
         else:
-            d = delay if delay is not None else delay_ms
-            at, rel = None, (0 if d is None else to_ms(d, "delay"))
+            if delay is not None:
+                at, rel = None, to_ms(delay, "delay")
+            else:
+                at, rel = None, (0 if delay_ms is None else to_ms(delay_ms, "delay_ms"))
         if not isinstance(subject, str):
             raise TypeError(f"subject: a str, not {type(subject).__name__}")
         if not isinstance(payload, bytes):

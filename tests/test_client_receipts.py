@@ -112,3 +112,6 @@ def test_durations_in_words_and_timedelta_delays():
         outgoing("s", b"p", 1, 2, None, None, None, "id")
     with pytest.raises(errors.InvalidArgument, match="payload"):
         outgoing("s", "text", None, None, None, None, None, "id")
+    # the error names the argument given: a float delay_ms was refused as "delay: ..."
+    with pytest.raises(errors.InvalidArgument, match=r"^delay_ms: an int of milliseconds"):
+        outgoing("s", b"p", None, 1.5, None, None, None, "id")
