@@ -184,7 +184,9 @@ def outgoing(
                 raise TypeError("deliver_at: an aware datetime.datetime (with a tzinfo), e.g. datetime.now(UTC)")
             at, rel = int(deliver_at.timestamp() * 1000), None
         elif deliver_at_ms is not None:
-            at, rel = to_ms(deliver_at_ms, "deliver_at_ms"), None
+            if isinstance(deliver_at_ms, bool) or not isinstance(deliver_at_ms, int):
+                raise TypeError(f"deliver_at_ms: an int of Unix epoch milliseconds, not {type(deliver_at_ms).__name__}")
+            at, rel = deliver_at_ms, None
         else:
             if delay is not None:
                 at, rel = None, to_ms(delay, "delay")

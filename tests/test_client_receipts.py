@@ -115,3 +115,7 @@ def test_durations_in_words_and_timedelta_delays():
     # the error names the argument given: a float delay_ms was refused as "delay: ..."
     with pytest.raises(errors.InvalidArgument, match=r"^delay_ms: an int of milliseconds"):
         outgoing("s", b"p", None, 1.5, None, None, None, "id")
+    # deliver_at_ms is a time, not a duration: a timedelta there was taken as ms since 1970
+    # (due at once)
+    with pytest.raises(errors.InvalidArgument, match=r"^deliver_at_ms: an int of Unix epoch milliseconds"):
+        outgoing("s", b"p", None, None, None, timedelta(minutes=5), None, "id")
