@@ -49,10 +49,12 @@ class Meter:
     """Wall and process-CPU time of a block: ``with Meter() as m: ...; m.wall, m.cpu``.
 
     The CPU time is the sum of the threads' own counters (ns) where Linux has them and no
-    thread ended inside the block (an ended thread's time is no longer listed), else the
-    process's user + system time, which moves in clock ticks (10 ms): a block of 0.1 s of
-    CPU read that way is +-10 % (bench.cancel's CancelBatch phases: 10,000 cancels at
-    ~3-5 us each read as whole microseconds)."""
+    thread listed at the start ended inside the block (an ended thread's time is no longer
+    listed), else the process's user + system time, which moves in clock ticks (10 ms): a
+    block of 0.1 s of CPU read that way is +-10 % (bench.cancel's CancelBatch phases:
+    10,000 cancels at ~3-5 us each read as whole microseconds). A thread that both starts
+    and ends inside the block is listed at neither end, so its time is left out: the
+    server's checkpoint thread (one a checkpoint, server/iterate.py) is such a thread."""
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid
