@@ -29,7 +29,9 @@ How a send travels:
   batch sent again after a broken stream repeats the same ids (the server answers a
   repeated id with the original receipt once it deduplicates).
 - A refused batch (INVALID_ARGUMENT: one bad message refuses the whole batch) is sent
-  again one message per batch, so the bad message refuses only its own caller. Any
+  again one message per batch, so the bad message refuses only its own caller, with the
+  error unary Send gives (``message.subject: ...``, not the server's ``messages[0]...``
+  of a batch the caller never made: :func:`own_field`). Any
   other refusal fails the callers of that batch. Batches behind it on the same stream
   were not written and are sent again on a new stream.
 - A stream broken with UNAVAILABLE (server gone, shutting down) is reopened with
@@ -79,6 +81,23 @@ def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:
     refusal racing the first write surfaced as INTERNAL in fresh-clone runs, on SendStream
     and on CancelStream)."""
     return max(retries, 1) if lost_status(error) else retries
+
+
+_BATCH_PREFIX = "messages[0]"
+
+
+def own_field(error: errors.QdelayError) -> errors.QdelayError:
+    """A refusal of a batch of one ``send()`` message, worded as unary Send words it: the
+    server names the field by its index in the batch (``messages[0].subject: ...``), a batch
+    the caller never made; ``send()``'s caller sees ``message.subject: ...``. Changed in
+    place (the error is this caller's alone); anything else is left as it is."""
+    details = getattr(error, "details", None)
+    if not isinstance(details, str) or not details.startswith(_BATCH_PREFIX + "."):
+        return error
+    error.details = details = "message" + details[len(_BATCH_PREFIX) :]
+    code = getattr(error, "code", None)
+    error.args = (f"{code.name}: {details}" if code is not None else details,)
+    return error
 
 
 @dataclass(frozen=True)
@@ -429,7 +448,10 @@ class SendBatcher:
                 singles = [e for e in refused.entries if not e.future.done()]
                 self._resend.extendleft(reversed([_Batch([e], self._encode([e.message])) for e in singles]))
             else:
-                self._fail([refused], self._translate(error, 1))
+                err = self._translate(error, 1)
+                if code == grpc.StatusCode.INVALID_ARGUMENT and len(refused.entries) == 1:
+                    err = own_field(err)
+                self._fail([refused], err)
 
     def _cut(self, batch: _Batch | None) -> _Batch:
         if batch is not None:

@@ -119,6 +119,11 @@ def test_concurrent_tasks_share_batches_each_gets_its_own_receipt(server):
 
             results = await asyncio.gather(*(one(i) for i in range(64)))
             assert isinstance(results[33], errors.InvalidArgument)
+            # the field of the task's own message, as unary Send names it: not messages[0]
+            assert str(results[33]).startswith("INVALID_ARGUMENT: message.subject: ")
+            assert results[33].details.startswith("message.subject: ")
+            with pytest.raises(errors.InvalidArgument, match=r"^INVALID_ARGUMENT: messages\[0\]\.subject: "):
+                await c.send_many([c.message("bad subject", b"x")])  # the user's batch: its index
             for i, r in enumerate(results):
                 if i != 33:
                     assert r.message_id == f"t-{i}"

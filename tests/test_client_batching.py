@@ -66,7 +66,27 @@ def test_an_invalid_message_fails_only_its_caller(server):
     assert failed == {5, 9, 17}
     assert "subject" in str(results[5]) and "max_delay_ms=" in str(results[9])
     assert "2 years" in str(results[9])
+    # each names the field of the caller's own message, not an index into a batch it never made
+    assert str(results[5]).startswith("INVALID_ARGUMENT: message.subject: ")
+    assert str(results[9]).startswith("INVALID_ARGUMENT: message.delay_ms: ")
+    assert results[5].details.startswith("message.subject: ")
     assert len({r.sequence for i, r in results.items() if i not in failed}) == 21
+
+
+def test_a_refused_send_names_its_field_as_the_unary_send_does_send_many_keeps_the_index(server):
+    """send() batches behind the API; its refusal reads as unary Send's (``message.subject``),
+    while send_many, whose batches the user made, names the index (``messages[0].subject``)."""
+    with Client(server.address, batching=False) as unary:
+        with pytest.raises(errors.InvalidArgument) as want:
+            unary.send("no spaces", b"x")
+    with Client(server.address) as c:
+        with pytest.raises(errors.InvalidArgument) as got:
+            c.send("no spaces", b"x")
+        assert str(got.value) == str(want.value)
+        assert str(got.value).startswith("INVALID_ARGUMENT: message.subject: character ' ' not allowed")
+        assert got.value.details == want.value.details and got.value.code == want.value.code
+        with pytest.raises(errors.InvalidArgument, match=r"^INVALID_ARGUMENT: messages\[0\]\.subject: "):
+            c.send_many([c.message("no spaces", b"x")])
 
 
 def test_batching_off_sends_one_call_per_message(server):
