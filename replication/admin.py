@@ -8,6 +8,7 @@
     qdelay admin group {create,delete} --server M --subject S --group G
     qdelay admin group list --server M [--subject S] [--group G]
                                                     consumer groups, backlog, in flight
+                                                    (none: "no groups ...", exit 0)
 
 Every command takes ``--token-file`` / ``--tls-ca`` / ``--tls-server-name`` like a client.
 """
@@ -115,6 +116,17 @@ def _to_dict(msg) -> dict:
     return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def _no_groups(subject: str | None, group: str | None) -> str:
+    """What ``group list`` prints when no group matched its narrowing."""
+    if subject and group:
+        return f"no group {group} of subject {subject}"
+    if subject:
+        return f"no groups of subject {subject}"
+    if group:
+        return f"no groups named {group}"
+    return "no groups"
+
+
 def _group(args: argparse.Namespace) -> int:
     from qdelay import errors
     from qdelay.client import Client
@@ -128,12 +140,15 @@ def _group(args: argparse.Namespace) -> int:
                 groups = c.groups(subject=args.subject or "", group=args.group or "")
                 if args.json:
                     print(json.dumps(groups, indent=1))
-                for g in [] if args.json else groups:
+                    return 0
+                for g in groups:
                     more = f" ({g['backlog_on_disk_count']} of it on disk)" if g["backlog_on_disk"] else ""
                     print(
                         f"{g['subject']:<24} {g['group']:<16} consumers={g['consumers']} "
                         f"backlog={g['backlog']}{more} in_flight={g['in_flight']}"
                     )
+                if not groups:  # a line rather than nothing, which reads as a hang or a failure
+                    print(_no_groups(args.subject, args.group))
                 return 0
             if not args.subject or not args.group:
                 print(f"qdelay admin group {args.group_command}: --subject and --group are required", file=sys.stderr)

@@ -461,3 +461,36 @@ def test_stats_count_the_backlog_a_spilled_group_keeps_on_disk(tmp_path):
         # drained: the lane is whole again, nothing counted on disk
         assert wait_until(lambda: figures() == (0, 0, False, 0)), figures()
         c.close()
+
+
+def test_admin_group_list_says_so_when_no_group_matches(tmp_path):
+    """``qdelay admin group list`` printed nothing at all when no group matched (or none
+    existed), which read as a hang or a broken command: it says so in one line, exit 0;
+    ``--json`` stays ``[]``."""
+    import subprocess
+    import sys
+
+    def group_list(srv: ServerProc, *narrow: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "admin", "group", "list", "--server", srv.address, *narrow],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    with ServerProc(tmp_path / "data") as srv:
+        for narrow, said in (
+            ((), "no groups\n"),
+            (("--subject", "orders.close"), "no groups of subject orders.close\n"),
+            (("--group", "billing"), "no groups named billing\n"),
+            (("--subject", "orders.close", "--group", "billing"), "no group billing of subject orders.close\n"),
+        ):
+            cp = group_list(srv, *narrow)
+            assert (cp.returncode, cp.stdout, cp.stderr) == (0, said, ""), narrow
+        cp = group_list(srv, "--json")
+        assert (cp.returncode, cp.stdout) == (0, "[]\n")
+        with srv.client() as c:
+            c.create_group("orders.close", "billing")
+        cp = group_list(srv, "--group", "billing")
+        assert cp.returncode == 0 and cp.stdout.split()[:2] == ["orders.close", "billing"]
+        assert "no group" not in cp.stdout
