@@ -115,3 +115,30 @@ def test_tls_with_token(tmp_path, token_file):
 def test_unreadable_token_file_refuses_to_start(tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
         ServerProc(tmp_path / "data", args=["--auth-token-file", str(tmp_path / "missing")], start_timeout=30).start()
+
+
+def test_python_example_without_the_token_says_how_to_pass_it(tmp_path, token_file):
+    """examples/python/example.py against a server that requires a token: without one (or
+    with a wrong one) it printed an Unauthenticated traceback; it says in one line that a
+    token is needed and how to pass it, and exits non-zero. With ``--token`` it runs."""
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python", "example.py")
+    with ServerProc(tmp_path / "data", args=["--auth-token-file", str(token_file)]) as srv:
+
+        def example(*extra: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, path, srv.address, *extra], capture_output=True, text=True, timeout=60
+            )
+
+        for extra in ((), ("--token", "wrong")):
+            cp = example(*extra)
+            assert cp.returncode == 1 and cp.stdout == "", (extra, cp.stdout, cp.stderr)
+            lines = cp.stderr.splitlines()
+            assert len(lines) == 1 and "Traceback" not in cp.stderr, cp.stderr
+            assert "--token TOKEN" in lines[0] and srv.address in lines[0], lines[0]
+            assert ("refused the token" if extra else "requires a token") in lines[0], lines[0]
+        cp = example("--token", TOKEN)
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        assert "received 1001 messages; cancelled one delivered: False" in cp.stdout

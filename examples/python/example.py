@@ -2,6 +2,9 @@
 
 qdelay server --data-dir ./data &            # listens on 127.0.0.1:7600
 python examples/python/example.py [HOST:PORT] [--token TOKEN] [--tls-ca FILE]
+
+A server started with --auth-token-file needs --token (one of the file's tokens); without
+it, or with a wrong one, the example says so in one line and exits with 1.
 """
 
 from __future__ import annotations
@@ -21,43 +24,54 @@ def main() -> int:
     parser.add_argument("--tls-ca", help="PEM certificate to trust (server started with --tls-cert)")
     args = parser.parse_args()
 
-    subject = f"py.example.{int(time.time())}"
-    with Client(args.address, token=args.token, tls_ca=args.tls_ca, timeout=10) as client:
-        # one message due in 500 ms, on the server's clock
-        keep = client.send(subject, b"close order 42", delay_ms=500, headers={"order": "42"})
-        print(f"sent {keep.message_id} due at {keep.deliver_at_ms}")
-
-        # many at once: pipelined batches, each acknowledged once durable (Outgoing tuples
-        # are the cheapest form; Message objects from client.message work too)
-        receipts = client.send_many(
-            (Outgoing(subject, b"bulk %d" % i, delay_ms=800) for i in range(1000)), batch_size=500
+    try:
+        with Client(args.address, token=args.token, tls_ca=args.tls_ca, timeout=10) as client:
+            return walk_through(client, f"py.example.{int(time.time())}")
+    except errors.Unauthenticated as e:
+        # the server was started with --auth-token-file: one line saying what to do, not a traceback
+        said = "refused the token given" if args.token else "requires a token"
+        print(
+            f"example.py: the server at {args.address} {said} ({e.details}); pass one of its tokens with --token TOKEN",
+            file=sys.stderr,
         )
-        print(f"sent {len(receipts)} more in batches")
+        return 1
 
-        # cancel one before it is due
-        drop = client.send(subject, b"never delivered", delay_ms=1000)
-        print(f"cancel {drop.message_id}: {client.cancel(drop)}")
 
-        # bad input is refused with a precise error, nothing is written
-        try:
-            client.send("not a subject!", b"", delay_ms=0)
-        except errors.InvalidArgument as e:
-            print(f"refused: {e}")
+def walk_through(client: Client, subject: str) -> int:
+    """Send, cancel, consume and ack on ``subject``; the exit code."""
+    # one message due in 500 ms, on the server's clock
+    keep = client.send(subject, b"close order 42", delay_ms=500, headers={"order": "42"})
+    print(f"sent {keep.message_id} due at {keep.deliver_at_ms}")
 
-        # consume: batches of deliveries, acknowledged in one request each
-        want = 1 + len(receipts)
-        seen: set[str] = set()
-        with client.subscribe(subject, group="example", max_in_flight=1000) as consumer:
-            for batch in consumer.batches():
-                now = time.time_ns() // 1_000_000
-                assert all(now >= d.deliver_at_ms for d in batch), "delivered early"
-                seen.update(d.message_id for d in batch)
-                consumer.ack(batch)
-                if len(seen) >= want:
-                    break
-        print(f"received {len(seen)} messages; cancelled one delivered: {drop.message_id in seen}")
-        print(f"state of the first: {client.state_name(client.get(keep))}")
-        print(f"stats: {client.stats()}")
+    # many at once: pipelined batches, each acknowledged once durable (Outgoing tuples
+    # are the cheapest form; Message objects from client.message work too)
+    receipts = client.send_many((Outgoing(subject, b"bulk %d" % i, delay_ms=800) for i in range(1000)), batch_size=500)
+    print(f"sent {len(receipts)} more in batches")
+
+    # cancel one before it is due
+    drop = client.send(subject, b"never delivered", delay_ms=1000)
+    print(f"cancel {drop.message_id}: {client.cancel(drop)}")
+
+    # bad input is refused with a precise error, nothing is written
+    try:
+        client.send("not a subject!", b"", delay_ms=0)
+    except errors.InvalidArgument as e:
+        print(f"refused: {e}")
+
+    # consume: batches of deliveries, acknowledged in one request each
+    want = 1 + len(receipts)
+    seen: set[str] = set()
+    with client.subscribe(subject, group="example", max_in_flight=1000) as consumer:
+        for batch in consumer.batches():
+            now = time.time_ns() // 1_000_000
+            assert all(now >= d.deliver_at_ms for d in batch), "delivered early"
+            seen.update(d.message_id for d in batch)
+            consumer.ack(batch)
+            if len(seen) >= want:
+                break
+    print(f"received {len(seen)} messages; cancelled one delivered: {drop.message_id in seen}")
+    print(f"state of the first: {client.state_name(client.get(keep))}")
+    print(f"stats: {client.stats()}")
     return 0
 
 
