@@ -59,6 +59,14 @@ class QdelayError extends Error {
   }
 }
 
+// A refusal of a batch of one send() message, worded as unary Send words it: the server
+// names the field by its index in the batch (messages[0].subject: ...), a batch the caller
+// never made; send()'s caller sees message.subject: ... (as the Python clients' own_field).
+function ownField(err) {
+  const details = err.details || '';
+  return details.startsWith('messages[0].') ? { code: err.code, details: `message${details.slice('messages[0]'.length)}` } : err;
+}
+
 const backoff = (attempt, baseMs) => Math.min(baseMs * 2 ** (attempt - 1), MAX_BACKOFF_MS);
 
 // Receipts users can keep (a database column): the same text as the Python clients'
@@ -319,7 +327,7 @@ class SendBatcher {
     if (refused && code === grpc.status.INVALID_ARGUMENT && refused.length > 1) {
       this.resend = refused.map((e) => [e]).concat(this.resend); // so it refuses only its caller
     } else if (refused) {
-      const error = new QdelayError('SendStream', err);
+      const error = new QdelayError('SendStream', refused.length === 1 && code === grpc.status.INVALID_ARGUMENT ? ownField(err) : err);
       for (const e of refused) e.reject(error);
     }
     this.pump();
