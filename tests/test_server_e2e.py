@@ -575,6 +575,24 @@ def test_python_example_runs(server):
     assert "received 1001 messages; cancelled one delivered: False" in result.stdout
 
 
+def test_python_example_with_no_server_says_so_in_a_line():
+    """examples/python/example.py run before the server (or at a wrong address) printed an
+    Unavailable traceback; it says in one line that nothing answers there and exits 1."""
+    import os
+    import subprocess
+    import sys
+
+    from etcdproc import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python", "example.py")
+    cp = subprocess.run([sys.executable, path, address], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 1 and cp.stdout == "", cp.stdout + cp.stderr
+    lines = cp.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in cp.stderr, cp.stderr
+    assert f"no qdelay server answers at {address}" in lines[0] and "make run" in lines[0], lines[0]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB tmpfs, so that ENOSPC is real."""

@@ -35,6 +35,11 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
+    except errors.Unavailable as e:
+        # nothing listening (the server not started yet, another address): say so in a line
+        said = f"no qdelay server answers at {args.address} ({e.details})"
+        print(f"example.py: {said}; start one with 'make run'", file=sys.stderr)
+        return 1
 
 
 def walk_through(client: Client, subject: str) -> int:
