@@ -92,11 +92,10 @@ def own_field(error: errors.QdelayError) -> errors.QdelayError:
     the caller never made; ``send()``'s caller sees ``message.subject: ...``. Changed in
     place (the error is this caller's alone); anything else is left as it is."""
     details = getattr(error, "details", None)
-    if not isinstance(details, str) or not details.startswith(_BATCH_PREFIX + "."):
-        return error
-    error.details = details = "message" + details[len(_BATCH_PREFIX) :]
     code = getattr(error, "code", None)
-    error.args = (f"{code.name}: {details}" if code is not None else details,)
+    if code is None or not isinstance(details, str) or not details.startswith(_BATCH_PREFIX + "."):
+        return error
+    error.said(code, "message" + details[len(_BATCH_PREFIX) :])
     return error
 
 

@@ -94,9 +94,7 @@ def translate(error: grpc.RpcError, attempts: int = 1) -> errors.QdelayError:
     details = error.details() if hasattr(error, "details") else str(error)
     cls = DeadlineExceeded if code == grpc.StatusCode.DEADLINE_EXCEEDED else _ERRORS.get(code.name, errors.QdelayError)
     exc = cls.__new__(cls)
-    Exception.__init__(exc, f"{code.name}: {details}")
-    exc.code = code
-    exc.details = details
+    exc.said(code, details)
     exc.attempts = attempts
     return exc
 

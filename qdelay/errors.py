@@ -21,6 +21,13 @@ class QdelayError(Exception):
     attempts: int
     receipts: Any  # send_many: the receipts of every batch acknowledged before the failure
 
+    def said(self, code: Any, details: str) -> None:
+        """Take a call's status as this error's (``CODE: details`` its message): one wording
+        for the clients' errors, whether translated from gRPC or reworded after."""
+        Exception.__init__(self, f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
 
 # --- Request errors: the caller can fix them -------------------------------------------------
 
