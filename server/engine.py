@@ -780,6 +780,19 @@ class Engine:
         MessageState.DEAD_LETTERED: CancelOutcome.DEAD_LETTERED,
     }
 
+    def _iterated(self, sequence: int) -> None:
+        """Wait (up to 5 s) until the schedule log and the id index hold every record up to
+        ``sequence``, the lookups' precondition. A service that stopped on an error is said
+        to have stopped, with the error: "behind; retry" would send users retrying against a
+        server whose log says it needs an operator."""
+        if self.iterate.wait_for(sequence, timeout=5.0):
+            return
+        if self.iterate.error is not None:
+            raise StorageError(
+                f"the iterate service stopped ({self.iterate.error!r}); the server needs a restart, see its log"
+            )
+        raise StorageError("the iterate service is behind; retry shortly")
+
     def resolve_id(self, message_id: str) -> tuple[int, int] | None:
         """(deliver_at_ms, sequence) of the newest message with ``message_id``, or None.
 
@@ -787,16 +800,14 @@ class Engine:
         before this call, so that an id just sent is found."""
         if self.ids is None:
             raise FailedPrecondition("by-id lookups are off on this server (engine.id_index = false); give the receipt")
-        if not self.iterate.wait_for(self.wal.committed_sequence, timeout=5.0):
-            raise StorageError("the iterate service is behind; retry shortly")
+        self._iterated(self.wal.committed_sequence)
         return self.ids.get(message_id)
 
     def resolve_ids(self, message_ids: list[str]) -> list[tuple[int, int] | None]:
         """``resolve_id`` of each id, with one wait and one multi-get."""
         if self.ids is None:
             raise FailedPrecondition("by-id lookups are off on this server (engine.id_index = false); give the receipt")
-        if not self.iterate.wait_for(self.wal.committed_sequence, timeout=5.0):
-            raise StorageError("the iterate service is behind; retry shortly")
+        self._iterated(self.wal.committed_sequence)
         return self.ids.get_many(message_ids)
 
     def duplicates_among(
@@ -1129,8 +1140,7 @@ class Engine:
                 ids_l = [targets[i][0] for i in rec]
                 dues = np.array([targets[i][1] for i in rec], dtype=np.int64)
                 seqs = np.array([targets[i][2] for i in rec], dtype=np.int64)
-            if not self.iterate.wait_for(int(seqs.max()), timeout=5.0):
-                raise StorageError("the iterate service is behind; retry shortly")
+            self._iterated(int(seqs.max()))
             held, where, _flagged = self._held_by_segments(ids_l, dues, seqs, places.segs)
             if len(rec) == n and bool(held.all()):  # every receipt confirmed (CancelBatch's usual batch)
                 places.dues, places.seqs, places.where = dues, seqs, where
@@ -1345,8 +1355,7 @@ class Engine:
 
         if sequence <= 0 or sequence > self.wal.committed_sequence:
             return answer(MessageState.NOT_FOUND)
-        if not self.iterate.wait_for(sequence, timeout=5.0):
-            raise StorageError("the iterate service is behind; retry shortly")
+        self._iterated(sequence)
         bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
         self.iterate.flush_bucket(bucket)  # a far-future record may still be written behind
         seg = self.schedule.get(bucket)

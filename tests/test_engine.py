@@ -81,6 +81,28 @@ def test_close_of_a_never_started_engine_with_iterate_lag_does_not_hang(tmp_path
     assert took < 2.0, f"close() of a never-started engine with iterate lag took {took:.1f} s"
 
 
+def test_a_lookup_after_the_iterate_service_stopped_on_an_error_says_so(tmp_path, clock):
+    """A Get or Cancel by id waits for the iterate service to have indexed what was sent;
+    once that service has stopped on an error (its data folder removed under it, a disk
+    error) the answer said "behind; retry shortly", sending users retrying against a server
+    that needs an operator. It names the stop and the error, at once."""
+    from qdelay.errors import StorageError
+
+    e = Engine(config(tmp_path), clock=clock)
+    try:
+        e.send_sync([message("a", clock.now + 1000, "m1")])  # not iterated: never started
+        e.iterate.error = OSError(2, "No such file or directory")  # what its loop sets on a failure
+        started = time.monotonic()
+        with pytest.raises(
+            StorageError, match=r"iterate service stopped \(.*No such file.*\); the server needs a restart"
+        ):
+            e.resolve_id("m1")
+        assert time.monotonic() - started < 1.0  # not after the 5 s wait
+    finally:
+        e.iterate.error = None
+        e.close()
+
+
 @pytest.mark.parametrize(
     ("gather_far_ms", "ahead_ms", "far"),
     [
