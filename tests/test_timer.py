@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from qdelay.segments import records
+from qdelay.segments.framing import Frame
 from qdelay.segments.naming import MS_PER_MINUTE
+from qdelay.segments.records import Cancel, RecordKind
 from qdelay.server.buckets import BucketBook, BucketState
 from qdelay.server.groups import GroupTable
 from qdelay.server.scheduler import SchedulerConfig
@@ -251,3 +254,21 @@ def test_group_changes_and_lookups_cost_the_group_not_all_of_them():
     assert groups.select("s1", "g8") == [made[8]] and groups.select("s2", "g8") == []
     assert groups.select(name="g3") == []  # deleted
     assert groups.select() == groups.all()
+
+
+def test_a_message_cancelled_later_in_the_same_loaded_chunk_never_enters_the_wheel():
+    """A bucket loaded in one chunk holding a message and then its tombstone: the message
+    was read first (not yet in the wheel, nothing of the bucket unfired), so the cancel was
+    not noted late, and the message fell due into its group's backlog."""
+    timer, st, groups = rig()
+    g, _ = groups.create("s", "g", 0)
+    frames = [
+        Frame(i * 100, int(RecordKind.MESSAGE), i, 0, records.encode_message(b"s", f"m{i}".encode(), b"", b"x", T))
+        for i in (1, 2, 3)
+    ]
+    frames.append(Frame(400, int(RecordKind.CANCEL), 4, 0, records.encode_cancel(Cancel("m2", T, 2))))
+    timer.index(st, frames)
+    assert st.unfired == 2 and 2 in st.cancelled
+    timer.fire(T)
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.ready.count == 2 and st.owed[g.gid] == 2  # 1 and 3
