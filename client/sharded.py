@@ -116,6 +116,17 @@ def shard_of_target(target: Target | None, topology: Topology) -> str:
     return topology.shard_for(mid)
 
 
+def _named_shard(target: Target | None, message_id: str | None) -> Callable[[Topology], str]:
+    """Where a cancel or get of ``target`` (or ``message_id=``) goes, for ``_retry``: by id
+    alone the id's shard, the id taken as it is (never read as a receipt's text, checked
+    now as the client checks it), else the shard the target names (:func:`shard_of_target`).
+    The client that is called takes ``message_id=`` over the target, as this does."""
+    if message_id is None:
+        return lambda t: shard_of_target(target, t)
+    by_id(message_id)
+    return lambda t: t.shard_for(message_id)
+
+
 def _by_shard(shards: Iterable[str]) -> dict[str, list[int]]:
     """Positions grouped by shard, in order within each."""
     out: dict[str, list[int]] = {}
@@ -502,12 +513,7 @@ class ShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
         """As ``Client.cancel``, on the master of the receipt's shard (by id alone: the id's)."""
-        if message_id is not None:  # by id: the id as it is (never read as a receipt's text)
-            by_id(message_id)
-            return self._retry(
-                lambda t: t.shard_for(message_id), lambda c: c.cancel(timeout=timeout, message_id=message_id)
-            )
-        return self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
+        return self._retry(_named_shard(target, message_id), lambda c: c.cancel(target, timeout, message_id=message_id))
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """As ``Client.cancel_many``: the targets grouped by shard (CancelBatch calls of up to
@@ -530,12 +536,7 @@ class ShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> Status:
         """As ``Client.get``, on the master of the receipt's shard (by id alone: the id's)."""
-        if message_id is not None:
-            by_id(message_id)
-            return self._retry(
-                lambda t: t.shard_for(message_id), lambda c: c.get(timeout=timeout, message_id=message_id)
-            )
-        return self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
+        return self._retry(_named_shard(target, message_id), lambda c: c.get(target, timeout, message_id=message_id))
 
     def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
         """As ``Client.reschedule``, on the master of the receipt's shard."""
@@ -843,12 +844,9 @@ class AioShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
         """As :meth:`ShardedClient.cancel`."""
-        if message_id is not None:  # by id: the id as it is (never read as a receipt's text)
-            by_id(message_id)
-            return await self._retry(
-                lambda t: t.shard_for(message_id), lambda c: c.cancel(timeout=timeout, message_id=message_id)
-            )
-        return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.cancel(target, timeout))
+        return await self._retry(
+            _named_shard(target, message_id), lambda c: c.cancel(target, timeout, message_id=message_id)
+        )
 
     async def cancel_many(
         self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000
@@ -872,12 +870,9 @@ class AioShardedClient(_Sharded):
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> Status:
         """As :meth:`ShardedClient.get`."""
-        if message_id is not None:
-            by_id(message_id)
-            return await self._retry(
-                lambda t: t.shard_for(message_id), lambda c: c.get(timeout=timeout, message_id=message_id)
-            )
-        return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.get(target, timeout))
+        return await self._retry(
+            _named_shard(target, message_id), lambda c: c.get(target, timeout, message_id=message_id)
+        )
 
     async def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
         """As :meth:`ShardedClient.reschedule`."""
