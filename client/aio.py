@@ -56,11 +56,10 @@ from qdelay.client.types import (
     Receipt,
     Status,
     Target,
-    by_id,
     cancel_batches,
     cancel_request,
     keepalive_options,
-    ref,
+    ref_or_id,
     reschedule_request,
     reschedule_result,
     stats_dict,
@@ -239,11 +238,7 @@ class Client:
         was cancelled is then unknown, as for a unary call that timed out). A task cancelled
         before its target was sent leaves it out of the call. ``batching=False``: one unary
         Cancel per call."""
-        if message_id is None:
-            request = cancel_request(receipt)
-        else:
-            r, mid = by_id(message_id)
-            request = pb.CancelRequest(receipt=r, message_id=mid)
+        request = cancel_request(receipt, message_id)
         if self.batching is None:
             resp = await self._call(self.stub.Cancel, request, timeout)
             return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
@@ -288,7 +283,7 @@ class Client:
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> Status:
         """The message's :class:`Status`; takes what :meth:`cancel` takes."""
-        r, mid = ref(receipt) if message_id is None else by_id(message_id)
+        r, mid = ref_or_id(receipt, message_id)
         return Status.from_pb(await self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
 
     async def stats(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> dict:

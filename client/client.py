@@ -49,11 +49,10 @@ from qdelay.client.types import (
     Receipt,
     Status,
     Target,
-    by_id,
     cancel_batches,
     cancel_request,
     keepalive_options,
-    ref,
+    ref_or_id,
     reschedule_request,
     reschedule_result,
     stats_dict,
@@ -725,11 +724,7 @@ class Client:
         ``timeout``: how long this caller waits (DeadlineExceeded after it, even when its
         target rides in a call that goes on for other callers: whether it was cancelled is
         then unknown, as for a unary call that timed out; cancelling again is safe)."""
-        if message_id is None:
-            request = cancel_request(receipt)
-        else:
-            r, mid = by_id(message_id)
-            request = pb.CancelRequest(receipt=r, message_id=mid)
+        request = cancel_request(receipt, message_id)
         if self.batching is None:
             outcome = self._call(self.stub.Cancel, request, timeout).outcome
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
@@ -786,7 +781,7 @@ class Client:
     ) -> Status:
         """The message's :class:`Status` (``.state``: 'PENDING', 'DELIVERED', ...); takes what
         :meth:`cancel` takes."""
-        r, mid = ref(receipt) if message_id is None else by_id(message_id)
+        r, mid = ref_or_id(receipt, message_id)
         return Status.from_pb(self._call(self.stub.Get, pb.GetRequest(receipt=r, message_id=mid), timeout))
 
     @staticmethod
