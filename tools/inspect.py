@@ -722,11 +722,9 @@ def cmd_find(args) -> int:
 # --- stats -----------------------------------------------------------------------------------
 
 
-def parse_time(text: str | int | None) -> int | None:
+def parse_time(text: str) -> int:
     """Epoch ms, or an ISO 8601 time (UTC unless it says otherwise); ValueError naming the
     accepted forms for anything else."""
-    if text is None or isinstance(text, int):
-        return text
     if text.lstrip("-").isdigit():
         return int(text)
     try:
@@ -745,11 +743,9 @@ def time_arg(text: str) -> int:
     """``parse_time`` as an argparse type: a bad time is a usage error (exit 2) that says what
     a time looks like, not a traceback."""
     try:
-        value = parse_time(text)
+        return parse_time(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    assert value is not None
-    return value
 
 
 def minute_stats(
