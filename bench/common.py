@@ -27,19 +27,25 @@ def cpu_seconds(pid: int | None = None) -> float:
     return times.user + times.system
 
 
-def thread_cpu_ns(pid: int | None = None) -> dict[int, int] | None:
-    """CPU time so far of each live thread of a process, in ns (Linux's
-    ``/proc/<pid>/task/<tid>/schedstat``, its first field); None where there is none."""
+def schedstat_paths(pid: int | None = None) -> dict[int, str]:
+    """Each live thread of a process (default: this one) and its Linux
+    ``/proc/<pid>/task/<tid>/schedstat`` (fields: CPU ns, run-queue wait ns, timeslices);
+    empty where /proc has none."""
     root = f"/proc/{pid or os.getpid()}/task"
     try:
-        tids = os.listdir(root)
+        return {int(tid): f"{root}/{tid}/schedstat" for tid in os.listdir(root)}
     except OSError:
-        return None
+        return {}
+
+
+def thread_cpu_ns(pid: int | None = None) -> dict[int, int] | None:
+    """CPU time so far of each live thread of a process, in ns (``schedstat``'s first
+    field); None where there is none."""
     out: dict[int, int] = {}
-    for tid in tids:
+    for tid, path in schedstat_paths(pid).items():
         try:
-            with open(f"{root}/{tid}/schedstat") as f:
-                out[int(tid)] = int(f.read().split()[0])
+            with open(path) as f:
+                out[tid] = int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             continue  # a thread that has just ended
     return out or None
@@ -194,16 +200,11 @@ class RunQueueWait:
     def __init__(self, pids: Sequence[int]) -> None:
         self._files = []
         for pid in pids:
-            base = f"/proc/{pid}/task"
-            try:
-                tids = os.listdir(base)
-            except OSError:
-                continue
-            for tid in tids:
+            for path in schedstat_paths(pid).values():
                 try:
-                    self._files.append(open(f"{base}/{tid}/schedstat", "rb", buffering=0))  # noqa: SIM115 - kept open
+                    self._files.append(open(path, "rb", buffering=0))  # noqa: SIM115 - kept open
                 except OSError:
-                    pass
+                    pass  # a thread that has just ended
         self.available = bool(self._files)
 
     def read(self) -> list[int]:
