@@ -9,7 +9,7 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -252,6 +252,27 @@ def timed_calls(call: Any, items: Sequence[Any], probe: RunQueueWait | None = No
         slowest = sorted(range(len(lat)), key=lambda i: -lat[i])[: max(5, len(lat) // 100)]
         out["slow_waited"] = sum(1 for i in slowest if waited[i] >= 0.5 * (lat[i] - p50)) / len(slowest)
     return out
+
+
+def until_steady(done: Callable[[], bool], hold: float, max_s: float = 30.0, step: float = 0.25) -> float:
+    """Seconds waited until ``done()`` (polled every ``step``) has held for ``hold`` seconds
+    in a row, at most ``max_s``; a ``done`` that raises OSError (a server gone) ends the wait
+    at once. The memory benchmarks read RSS once a burst's housekeeping is over this way."""
+    t0 = time.monotonic()
+    settled_at = None
+    while time.monotonic() - t0 < max_s:
+        try:
+            now_done = done()
+        except OSError:
+            break
+        if not now_done:
+            settled_at = None
+        elif settled_at is None:
+            settled_at = time.monotonic()
+        if settled_at is not None and time.monotonic() - settled_at >= hold:
+            break
+        time.sleep(step)
+    return round(time.monotonic() - t0, 2)
 
 
 def until_idle(pid: int, timeout: float = 30.0) -> float:

@@ -34,7 +34,16 @@ import threading
 import time
 from array import array
 
-from bench.common import ID_INDEX_MEMORY, cpu_counters, cpu_seconds, machine, print_table, steal_percent, write_json
+from bench.common import (
+    ID_INDEX_MEMORY,
+    cpu_counters,
+    cpu_seconds,
+    machine,
+    print_table,
+    steal_percent,
+    until_steady,
+    write_json,
+)
 from bench.peers import DRIVERS, make_client, make_payload
 
 CTX = mp.get_context("spawn")
@@ -428,26 +437,17 @@ def _settle(d, max_s: float = 30.0, step: float = 0.25) -> float:
     gauges = getattr(d, "gauges", None)
     if gauges is None:
         return 0.0
-    t0 = time.monotonic()
-    settled_at = None
-    while time.monotonic() - t0 < max_s:
-        try:
-            got = gauges()
-        except OSError:
-            break
-        done = (
+
+    def done() -> bool:
+        got = gauges()
+        return (
             got.get("qdelay_iterate_lag_records", 0) == 0
             and got.get("qdelay_dedupe_recent_ids", 0) == 0
             and got.get("qdelay_dedupe_recent_bytes", 0) <= RECENT_SETTLED_BYTES
         )
-        if done and settled_at is None:
-            settled_at = time.monotonic()
-        elif not done:
-            settled_at = None
-        if settled_at is not None and time.monotonic() - settled_at >= 1.2:
-            break  # one more tidy-up (the allocator's trim follows the table's)
-        time.sleep(step)
-    return round(time.monotonic() - t0, 2)
+
+    # held 1.2 s: one more tidy-up (the allocator's trim follows the table's)
+    return until_steady(done, 1.2, max_s, step)
 
 
 def memory(name, tmp, scale=1.0, seed=3):

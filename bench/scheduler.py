@@ -40,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
-from bench.common import ID_INDEX_MEMORY, percentile
+from bench.common import ID_INDEX_MEMORY, percentile, until_steady
 from qdelay.segments.idindex import IDLE_FLUSH_BYTES, IdIndex
 from qdelay.server import allocator
 from qdelay.server.app import tune_runtime
@@ -339,19 +339,8 @@ def settle_index(engine: Engine, max_s: float = 30.0, step: float = 0.25) -> flo
     steady-state figure; read before the idle flush it counted, in some runs, up to 3 MB of
     memtable that a second later is on disk. An engine that does not settle within
     ``max_s`` is read as it is."""
-    t0 = time.monotonic()
     hold = IDLE_TRIM_FIRST + (IDLE_TRIMS - 1) * IDLE_TRIM_EVERY + 0.25
-    settled_at = None
-    while time.monotonic() - t0 < max_s:
-        done = engine.stats().get("id_index_memtable_bytes", 0) < IDLE_FLUSH_BYTES
-        if done and settled_at is None:
-            settled_at = time.monotonic()
-        elif not done:
-            settled_at = None
-        if settled_at is not None and time.monotonic() - settled_at >= hold:
-            break
-        time.sleep(step)
-    return round(time.monotonic() - t0, 2)
+    return until_steady(lambda: engine.stats().get("id_index_memtable_bytes", 0) < IDLE_FLUSH_BYTES, hold, max_s, step)
 
 
 def child_memory(data_dir: str, n: int, window: str) -> dict:
