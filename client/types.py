@@ -136,10 +136,6 @@ class Delivery:
 Target = Receipt | str | pb.Receipt | dict[str, Any] | tuple[str, int, int]
 
 
-def is_receipt_text(text: str) -> bool:
-    return text.startswith(_PREFIX) and _TEXT.fullmatch(text) is not None
-
-
 def ref(target: Target | None) -> tuple[pb.Receipt | None, str]:
     """(receipt, message_id) for a request that names a message: exactly one is set.
 
@@ -158,13 +154,15 @@ def ref(target: Target | None) -> tuple[pb.Receipt | None, str]:
                 "receipt: empty string; give a Receipt, its string form (qd1:…) or the message id"
             )
         if target.startswith(_PREFIX):
-            if not is_receipt_text(target):
+            try:
+                receipt = Receipt.parse(target)  # one match of the text (a cut one is refused here)
+            except errors.InvalidArgument:
                 raise errors.InvalidArgument(
                     f"receipt: {target[:80]!r} starts like a receipt's string form but is not one "
                     "(qd1:<sequence>:<deliver_at_ms>:<shard>:<message_id>, as str(receipt) writes it); "
                     "a message id that starts with 'qd1:' goes as message_id="
-                )
-            return Receipt.parse(target).to_pb(), ""
+                ) from None
+            return receipt.to_pb(), ""
         return None, target
     if isinstance(target, pb.Receipt):
         return target, ""
