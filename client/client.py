@@ -184,11 +184,10 @@ def outgoing(
             if isinstance(deliver_at_ms, bool) or not isinstance(deliver_at_ms, int):
                 raise TypeError(f"deliver_at_ms: an int of Unix epoch milliseconds, not {type(deliver_at_ms).__name__}")
             at, rel = deliver_at_ms, None
+        elif delay is not None:
+            at, rel = None, to_ms(delay, "delay")
         else:
-            if delay is not None:
-                at, rel = None, to_ms(delay, "delay")
-            else:
-                at, rel = None, (0 if delay_ms is None else to_ms(delay_ms, "delay_ms"))
+            at, rel = None, (0 if delay_ms is None else to_ms(delay_ms, "delay_ms"))
         if not isinstance(subject, str):
             raise TypeError(f"subject: a str, not {type(subject).__name__}")
         if not isinstance(payload, bytes):
