@@ -65,7 +65,10 @@ class FlushPolicy:
         if text == "sync":
             return cls(0)
         if text.startswith("interval:"):
-            ms = int(text.split(":", 1)[1].removesuffix("ms").strip())
+            try:
+                ms = int(text.split(":", 1)[1].removesuffix("ms").strip())
+            except ValueError:
+                raise ValueError(f"flush policy {text!r}: interval:N needs N in whole ms, e.g. interval:5") from None
             if ms <= 0:
                 raise ValueError("interval flush needs a positive number of ms")
             return cls(ms)

@@ -48,6 +48,7 @@ silently)::
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from qdelay.server.engine import EngineConfig
 
 DEFAULT_LISTEN = "127.0.0.1:7600"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_DATA_DIR = "./data"
 YEAR_MS = 365 * 86400 * 1000
 
@@ -163,6 +165,11 @@ class ServerConfig:
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        if os.path.exists(self.data_dir) and not os.path.isdir(self.data_dir):
+            raise ConfigError(f"data_dir {self.data_dir} is not a folder")
+        self._validate_files()
         for name in (
             "min_free_bytes",
             "min_free_bytes_hard",
@@ -192,7 +199,26 @@ class ServerConfig:
             raise ConfigError("subject and message_id limits must fit the record format (65535 bytes)")
         if self.limits.max_payload_bytes >= 2**31:
             raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
+        check_engine_options(self)
         return self
+
+    def _validate_files(self) -> None:
+        """Every file the server reads at start-up is readable now: a missing TLS key or token
+        file is a configuration error (exit 2, the key named) before the data folder is
+        opened, not an ``[Errno 2]`` without the key once the engine has started."""
+        for key in ("auth_token_file", "replication_token_file", "tls_cert", "tls_key", "replication_tls_ca"):
+            path = getattr(self, key)
+            if not path:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ConfigError(f"{key} {path}: cannot read it: {e.strerror}") from None
+            if key.endswith("token_file") and not any(
+                line.strip() and not line.lstrip().startswith(b"#") for line in text.splitlines()
+            ):
+                raise ConfigError(f"{key} {path} holds no token (one per line; blank lines and # comments are skipped)")
 
     def _validate_cluster(self, etcd: str) -> None:
         for e in etcd.split(","):
@@ -353,6 +379,42 @@ def _group_bounds(value: Any) -> dict[str, int]:
             raise ConfigError(f"engine.group_max_ready_of.{key}: {bound!r} is not a positive number of entries")
         out[key] = bound
     return out
+
+
+def check_engine_options(cfg: ServerConfig) -> None:
+    """The ``[engine]`` options have the types and ranges the engine needs. Checked with the
+    rest of the configuration, so that ``--set engine.ack_timeout_ms=abc`` (a bare word is a
+    string) or ``--flush sometimes`` is a configuration error naming the key (exit 2), not a
+    TypeError traceback once the data folder is open."""
+    from qdelay.segments.wal import FlushPolicy
+    from qdelay.server.engine import EngineConfig
+
+    ecfg = build_engine_config(cfg)  # unknown and server-filled keys are refused here
+    defaults = EngineConfig()
+    for key, value in cfg.engine_options.items():
+        section, name = ENGINE_KEYS[key]
+        default = getattr(defaults if section is None else getattr(defaults, section), name)
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "a non-negative integer"
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+            want = "a non-negative number"
+        elif isinstance(default, str):
+            ok, want = isinstance(value, str), "a string"
+        else:
+            continue  # group_max_ready_of: checked by _group_bounds
+        if not ok:
+            raise ConfigError(f"engine.{key} must be {want}, not {value!r}")
+    try:
+        FlushPolicy.parse(ecfg.flush)
+    except ValueError as e:
+        raise ConfigError(f"engine.flush (--flush): {e}") from None
+    try:
+        ecfg.validate()
+    except InvalidArgument as e:
+        raise ConfigError(f"engine.{e}") from None
 
 
 def build_engine_config(cfg: ServerConfig) -> EngineConfig:

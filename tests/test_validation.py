@@ -341,6 +341,44 @@ def test_main_flags_override_file(tmp_path):
     assert cfg.listen == "127.0.0.1:7600" and cfg.data_dir == "./data" and cfg.role == "master"
 
 
+def test_bad_settings_are_refused_before_the_folder_is_opened(tmp_path):
+    """Walking the operator's side: ``--set engine.ack_timeout_ms=abc`` (a bare word is a
+    string) and ``--flush sometimes`` ended in a TypeError / ValueError traceback once the
+    engine was opening the folder; an unknown [engine] key, a missing TLS key and a missing
+    token file exited 1 after opening it (docs/api.md: a bad configuration exits 2), the TLS
+    one as a bare ``[Errno 2] ... '/x'``; ``--log-level loud`` was taken silently. Each is
+    now one line naming the key, exit 2, and the data folder is not created."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    cert = tmp_path / "cert.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    empty_tokens = tmp_path / "tokens"
+    empty_tokens.write_text("# no token yet\n\n")
+    for args, want in (
+        (["--set", "engine.ack_timeout_ms=abc"], "engine.ack_timeout_ms must be a non-negative integer, not 'abc'"),
+        (["--set", "engine.cleaner_enabled=1"], "engine.cleaner_enabled must be true or false, not 1"),
+        (["--flush", "sometimes"], "engine.flush (--flush): unknown flush policy 'sometimes'"),
+        (["--set", "engine.scale_minutes=7"], "engine.scale_minutes must divide a day"),
+        (["--set", "engine.nope=1"], "unknown [engine] option(s) nope"),
+        (["--tls-cert", str(cert), "--tls-key", str(tmp_path / "gone.key")], "tls_key "),
+        (["--auth-token-file", str(empty_tokens)], f"auth_token_file {empty_tokens} holds no token"),
+        (["--log-level", "loud"], "log_level must be one of debug, info, warning, error, not 'loud'"),
+    ):
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(data), "--listen", "127.0.0.1:0", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cp.returncode == 2 and cp.stdout == "", (args, cp.returncode, cp.stdout, cp.stderr)
+        lines = cp.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("qdelay server: "), (args, cp.stderr)
+        assert want in cp.stderr and "Traceback" not in cp.stderr, (args, cp.stderr)
+        assert not data.exists(), args
+
+
 def test_compact_receipts_need_every_message_id():
     batch = encode_messages([msg(message_id="a"), msg(message_id="b")], LIMITS, NOW, IdGenerator(), ids_required=True)
     assert batch.ids == ["a", "b"]
