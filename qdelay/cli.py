@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "server": ("qdelay.server.main", "run a qdelay server"),
     "inspect": ("qdelay.tools.inspect", "read-only inspection of a data folder"),
     "spark": ("qdelay.tools.spark_jobs", "offline jobs on Spark (audit, lateness, forecast, export, import)"),
-    "admin": ("qdelay.replication.admin", "cluster administration (promote, status)"),
+    "admin": ("qdelay.replication.admin", "cluster administration (status, promote, fence, group, resync)"),
     "cluster": ("qdelay.replication.cluster_up", "run etcd + a sharded cluster on loopback (cluster up)"),
 }
 

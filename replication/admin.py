@@ -165,13 +165,38 @@ def _group(args: argparse.Namespace) -> int:
             return 1
 
 
+def _unreadable(args: argparse.Namespace) -> str | None:
+    """Why a file named on the command line cannot be used (None when all can): checked
+    before any call, so a wrong path is a usage error naming the flag, not a
+    FileNotFoundError traceback (nor, for a token file with no token, a call sent without
+    one and refused UNAUTHENTICATED)."""
+    for flag, path in (("--token-file", args.token_file), ("--tls-ca", args.tls_ca)):
+        if not path:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            return f"{flag} {path}: cannot read it: {e.strerror}"
+        if flag == "--token-file" and common.read_token(path) is None:
+            return f"{flag} {path} holds no token (its first line that is not blank or a # comment is the token)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.admin_command
+    problem = _unreadable(args)
+    if problem:
+        print(f"qdelay admin {cmd}: {problem}", file=sys.stderr)
+        return 2
     try:
         if cmd == "status":
             code = 0
             out = {}
             targets = [s.strip() for s in args.servers.split(",") if s.strip()]
+            if not targets:  # printed nothing and exited 0: read as "all fine"
+                print(f"qdelay admin status: --servers {args.servers!r} names no HOST:PORT", file=sys.stderr)
+                return 2
             shards = _cluster_shards(targets, args)
             if shards:
                 # cluster mode: every server of every shard, as the cluster's Topology names them

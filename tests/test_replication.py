@@ -477,3 +477,31 @@ def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
         for p in (a, b):
             if p.alive():
                 p.stop()
+
+
+def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
+    """Walking the operator's side: ``qdelay admin status --token-file`` (or ``--tls-ca``) with
+    a path that is not there printed a FileNotFoundError traceback (exit 1), a token file
+    holding only comments sent no token and came back UNAUTHENTICATED "missing ...", and
+    ``--servers ,`` printed nothing and exited 0. Each is a usage error (exit 2) naming
+    the flag, before any call."""
+    empty = tmp_path / "tokens"
+    empty.write_text("# rotate here\n\n")
+    for args, want in (
+        (
+            ("status", "--servers", "127.0.0.1:1", "--token-file", str(tmp_path / "gone")),
+            f"qdelay admin status: --token-file {tmp_path / 'gone'}: cannot read it: No such file or directory",
+        ),
+        (
+            ("group", "list", "--server", "127.0.0.1:1", "--token-file", str(empty)),
+            f"qdelay admin group: --token-file {empty} holds no token",
+        ),
+        (
+            ("promote", "--target", "127.0.0.1:1", "--tls-ca", str(tmp_path / "ca.pem")),
+            f"qdelay admin promote: --tls-ca {tmp_path / 'ca.pem'}: cannot read it",
+        ),
+        (("status", "--servers", " , "), "qdelay admin status: --servers ' , ' names no HOST:PORT"),
+    ):
+        cp = admin(*args, check=False)
+        assert cp.returncode == 2 and cp.stdout == "", (args, cp.returncode, cp.stdout, cp.stderr)
+        assert cp.stderr.startswith(want) and len(cp.stderr.splitlines()) == 1, (args, cp.stderr)
