@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -84,29 +85,29 @@ def run(args: argparse.Namespace) -> int:
         procs.append(("etcd", etcd))
         port = args.base_port
         seeds = []
+        commands: dict[str, list[str]] = {}
         for s in range(1, args.shards + 1):
             for k in range(1, args.nodes + 1):
                 name = f"s{s}-{k}"
+                commands[name] = [
+                    "qdelay",
+                    "server",
+                    "--data-dir",
+                    os.path.join(root, name),
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--etcd",
+                    endpoint,
+                    "--cluster",
+                    "local",
+                    "--shard",
+                    f"s{s}",
+                    "--replication",
+                    args.replication,
+                ]
                 with open(os.path.join(root, f"{name}.log"), "ab") as log:
                     p = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "qdelay.cli",
-                            "server",
-                            "--data-dir",
-                            os.path.join(root, name),
-                            "--listen",
-                            f"127.0.0.1:{port}",
-                            "--etcd",
-                            endpoint,
-                            "--cluster",
-                            "local",
-                            "--shard",
-                            f"s{s}",
-                            "--replication",
-                            args.replication,
-                        ],
+                        [sys.executable, "-m", "qdelay.cli", *commands[name][1:]],
                         stdout=subprocess.PIPE,
                         stderr=log,
                     )
@@ -116,11 +117,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"qdelay cluster 'local' ({args.shards} shards x {args.nodes} nodes, etcd {endpoint}, data {root})")
         print(f"seed address: {seeds[0]}   (any of {', '.join(seeds)})")
         print(f"status: qdelay admin status --servers {seeds[0]}    stop: Ctrl-C", flush=True)
+        # a server that exits is reported once and the rest go on: killing a master to watch
+        # its shard fail over is what this command is for (it used to stop everything);
+        # without etcd, or with no server left, there is nothing to try
+        gone: set[str] = set()
         while not stop["now"]:
             for name, p in procs:
-                if p.poll() is not None:
-                    print(f"{name} exited with {p.returncode}; see {root}/{name}.log", file=sys.stderr)
+                if name in gone or p.poll() is None:
+                    continue
+                gone.add(name)
+                if name == "etcd":
+                    print(f"etcd exited with {p.returncode}; see {root}/etcd.log; stopping", file=sys.stderr)
                     stop["now"] = True
+                else:
+                    print(
+                        f"{name} exited with {p.returncode}; see {root}/{name}.log (its shard fails over by "
+                        f"itself; to bring it back: {shlex.join(commands[name])})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            if len(gone) == len(procs) - 1 and "etcd" not in gone:
+                print("every server exited; stopping", file=sys.stderr)
+                stop["now"] = True
             time.sleep(0.2)
     finally:
         for _name, p in reversed(procs):

@@ -659,3 +659,62 @@ def test_node_sharded_client(tmp_path, etcd):
     finally:
         for p in nodes:
             p.kill9()
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (``qdelay cluster up`` takes consecutive ones)."""
+    import socket
+
+    from etcdproc import free_port
+
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def test_cluster_up_goes_on_when_a_master_dies(tmp_path):
+    """``make run-cluster`` (``qdelay cluster up``) is how the docs let a user try cluster
+    mode, and watching a shard fail over is the thing to try; but when one server exited,
+    cluster up stopped every process, so killing a master stopped the whole cluster. A
+    server that exits is now reported (its log, the command that brings it back) and the
+    rest go on: the shard's slave takes over; Ctrl-C still stops everything."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    from etcdproc import require_etcd
+
+    require_etcd()
+    base, etcd_port = _two_free_ports(), _two_free_ports()
+    root = tmp_path / "cluster"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", str(root), "--shards", "1"]
+        + ["--nodes", "2", "--base-port", str(base), "--etcd-port", str(etcd_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seeds = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+        shard = wait_shard(seeds[0], "s1", slaves=1, timeout=60)
+        old = shard.master
+        victim = next(p for p in psutil.Process(up.pid).children() if old in p.cmdline())
+        victim.kill()
+        survivor = next(s for s in seeds if s != old)
+        wait_until(lambda: new_master(survivor, old), 30, "the slave to take over", ignore=RPC_ERRORS)
+        assert up.poll() is None, "cluster up stopped when one server died"
+        with Client(survivor) as c:
+            assert c.send("after.failover", b"x", delay_ms=60_000).sequence > 0
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=60)
+    assert up.returncode == 0 and "stopped" in out, (out, err)
+    name = "s1-1" if old == seeds[0] else "s1-2"
+    assert f"{name} exited with -9; see {root}/{name}.log (its shard fails over by itself" in err, err
+    assert f"to bring it back: qdelay server --data-dir {root}/{name} --listen {old} --etcd " in err, err
