@@ -164,6 +164,32 @@ def test_a_bad_time_is_a_usage_error_not_a_traceback(folders, flag):
     )
 
 
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["dump", "--limit", "-1"], "argument --limit: '-1' is not a positive number of records"),
+        (["dump", "--limit", "0"], "argument --limit: '0' is not a positive number of records"),
+        (["verify", "--scale-minutes", "7"], "argument --scale-minutes: '7' minutes does not divide a day"),
+        (["find"], "one of the arguments --id --sequence is required"),
+        (["find", "--id", "msg-0003", "--sequence", "3"], "argument --sequence: not allowed with argument --id"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(folders, argv, want):
+    """Walking the operator's side: ``dump --limit -1`` (or 0) printed nothing and exited 0,
+    as on an empty folder; ``verify --scale-minutes 7`` (not a bucket width a server
+    accepts) reported every good schedule record as in the wrong minute, exit 1; ``find``
+    with neither or both of --id/--sequence exited 1, the code for "nothing matches". Each
+    is argparse's usage error now (exit 2, nothing on stdout)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "inspect", argv[0], "--data-dir", folders["clean"], *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
+    assert want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_limit_and_missing_folder(folders, capsys, tmp_path):
     code, out = _run(["dump", "--data-dir", folders["clean"], "--limit", "1", "--log", "dispatch"], capsys)
     assert code == 0 and len(out.splitlines()) == 1 and '"kind": "DISPATCH"' in out

@@ -687,8 +687,6 @@ def find_life(
 
 
 def cmd_find(args) -> int:
-    if (args.id is None) == (args.sequence is None):
-        raise SystemExit("qdelay inspect find: give exactly one of --id or --sequence")
     lives = find_life(args.data_dir, args.id, args.sequence, args.scale_minutes)
     if args.json:
         _emit_json({"query": {"message_id": args.id, "sequence": args.sequence}, "matches": lives})
@@ -858,6 +856,31 @@ def cmd_stats(args) -> int:
 # --- command line ----------------------------------------------------------------------------
 
 
+def limit_arg(text: str) -> int:
+    """``--limit``: a positive count (0 or -1 printed nothing and exited 0, read as an empty
+    folder)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of records")
+    return value
+
+
+def scale_arg(text: str) -> int:
+    """``--scale-minutes``: a bucket width the server accepts (it must divide a day; 7 made
+    verify report records of good segments as in the wrong minute)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or 1440 % value:
+        raise argparse.ArgumentTypeError(f"{text!r} minutes does not divide a day (1, 2, 5, 10, 15, 30, 60 ...)")
+    return value
+
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="inspect_command", required=True)
 
@@ -872,15 +895,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = common(sub.add_parser("dump", help="records as JSON lines"))
     p.add_argument("segments", nargs="*", help="segment files (default: every segment of --log)")
     p.add_argument("--log", choices=("all",) + LOGS, default="all")
-    p.add_argument("--limit", type=int, default=None, help="stop after N records")
+    p.add_argument("--limit", type=limit_arg, default=None, help="stop after N records")
     p = common(sub.add_parser("verify", help="checksums and sequences; non-zero exit when bad"))
     p.add_argument("segments", nargs="*", help="segment files (default: the whole folder)")
     p.add_argument("--log", choices=("all",) + LOGS, default="all")
-    p.add_argument("--scale-minutes", type=int, default=1, help="the server's bucket size")
+    p.add_argument("--scale-minutes", type=scale_arg, default=1, help="the server's bucket size")
     p = common(sub.add_parser("find", help="the full life of one message"))
-    p.add_argument("--id", help="message id")
-    p.add_argument("--sequence", type=int, help="message-log sequence")
-    p.add_argument("--scale-minutes", type=int, default=1, help="the server's bucket size")
+    which = p.add_mutually_exclusive_group(required=True)  # neither, or both: a usage error (exit 2)
+    which.add_argument("--id", help="message id")
+    which.add_argument("--sequence", type=int, help="message-log sequence")
+    p.add_argument("--scale-minutes", type=scale_arg, default=1, help="the server's bucket size")
     p = common(sub.add_parser("stats", help="per-minute pending / delivered / cancelled counts"))
     p.add_argument("--from", dest="from_time", type=time_arg, help="first due time (epoch ms or ISO 8601, UTC)")
     p.add_argument("--to", dest="to_time", type=time_arg, help="end of the due range, exclusive")
