@@ -880,7 +880,6 @@ def scale_arg(text: str) -> int:
     return value
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="inspect_command", required=True)
 
