@@ -347,19 +347,29 @@ def test_lateness_forecast_export(spark, folders, tmp_path, capsys):
 # --- import then audit, through a real server -----------------------------------------------
 
 
+TOKEN = "imp-secret"
+
+
 @pytest.fixture
 def server(tmp_path):
-    """A real server of its own (this module's tests read its data folder)."""
-    with ServerProc(tmp_path / "server-data") as srv:
-        yield srv.address, str(srv.data_dir), srv.proc
+    """A real server of its own (this module's tests read its data folder), requiring a token
+    whose file starts with a comment, as an operator's shared token file may
+    (docs/operations.md: one token file for every member and tool)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# the cluster's token; add the next one below to rotate\n{TOKEN}\n")
+    with ServerProc(tmp_path / "server-data", args=["--auth-token-file", str(tokens)]) as srv:
+        yield srv.address, str(srv.data_dir), srv.proc, str(tokens)
 
 
 def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     """A CSV dataset scheduled through gRPC (resumably), delivered by the server to a real
-    consumer, then audited from the server's data folder: nothing lost, early or doubled."""
+    consumer, then audited from the server's data folder: nothing lost, early or doubled.
+    ``--token-file`` is the server's own file: the job sent its first line, a comment, as
+    the token (every row UNAUTHENTICATED) until it read tokens as the server and ``qdelay
+    admin`` do."""
     from qdelay.tools import spark_jobs
 
-    target, data_dir, proc = server
+    target, data_dir, proc, tokens = server
     now = int(time.time() * 1000)
     n = 120
     csv = tmp_path / "in.csv"
@@ -376,10 +386,13 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     half = tmp_path / "half.csv"
     lines = open(csv).read().splitlines()
     half.write_text("\n".join(lines[: 1 + n // 2]) + "\n")
-    r1 = spark_jobs.import_dataset(spark, str(half), target, out, "csv", batch_size=16)
+    r1 = spark_jobs.import_dataset(spark, str(half), target, out, "csv", token=TOKEN, batch_size=16)
     assert (r1["rows"], r1["already_accepted"], r1["accepted"], r1["rejected"]) == (n // 2, 0, n // 2, 0)
     assert (
-        _job(["import", "--input", str(csv), "--format", "csv", "--target", target, "--out", out, "--batch-size", "16"])
+        _job(
+            ["import", "--input", str(csv), "--format", "csv", "--target", target, "--out", out, "--batch-size", "16"]
+            + ["--token-file", tokens]
+        )
         == 1
     )  # one row rejected
     assert (
@@ -414,7 +427,7 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
         )
 
     got = set()
-    with Client(target) as c, c.subscribe("imp.t") as consumer:
+    with Client(target, token=TOKEN) as c, c.subscribe("imp.t") as consumer:
         deadline = time.monotonic() + 30
         while len(got) < n and time.monotonic() < deadline:
             batch = consumer.receive(n - len(got), timeout=2.0)
@@ -436,3 +449,39 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     life = capsys.readouterr().out
     assert "imp-0007" in life and ": DELIVERED" in life and "scheduled" in life
     assert proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["audit", "--data-dir", "{tmp}/absent"], "argument --data-dir: '{tmp}/absent' is not a folder"),
+        (["export", "--data-dir", "{tmp}", "--log", "bogus"], "argument --log: option log='bogus': use message,"),
+        (["import", "--input", "{tmp}/absent.csv"], "argument --input: '{tmp}/absent.csv': no such file or folder"),
+        (
+            ["import", "--input", "{tmp}", "--token-file", "{tmp}/gone"],
+            "argument --token-file: {tmp}/gone: cannot read",
+        ),
+        (["audit", "--data-dir", "{tmp}", "--grace-ms", "-5"], "argument --grace-ms: '-5' is not a whole number"),
+        (
+            ["forecast", "--data-dir", "{tmp}", "--hours", "0"],
+            "argument --hours: '0' is not a whole number of at least 1",
+        ),
+    ],
+)
+def test_bad_arguments_are_usage_errors_before_spark_starts(tmp_path, argv, want):
+    """Walking the Spark CLI: a --data-dir that is not there, ``export --log bogus`` and
+    ``import --input`` of a missing file each started Spark, then died in a Python-in-Java
+    traceback (exit 1); a missing --token-file in a FileNotFoundError one; ``--grace-ms -5``
+    and ``--hours 0`` were taken. Each is argparse's usage error now: exit 2, one line
+    naming the flag, and no JVM started (the run takes a second, not a minute)."""
+    import subprocess
+    import sys
+
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "spark", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert want.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 30  # no Spark session was started

@@ -35,6 +35,56 @@ JOBS = ("audit", "lateness", "forecast", "export", "import")
 EXAMPLES = 10  # rows of each finding printed on stdout
 
 
+# Argument types: a wrong folder, log name, dataset path, token file or count is argparse's
+# usage error (exit 2) before Spark starts, not a Python-in-Java traceback a minute later.
+
+
+def folder_arg(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder (give a server's data folder)")
+    return text
+
+
+def logs_arg(text: str) -> str:
+    try:
+        spark_source.parse_logs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("qdelay source: ")) from None
+    return text
+
+
+def dataset_arg(text: str) -> str:
+    # a URL (hdfs://, s3a://, file://) is Spark's to resolve; a plain path must be there
+    if "://" not in text and not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file or folder")
+    return text
+
+
+def token_file_arg(text: str) -> str:
+    from qdelay.replication.common import read_token
+
+    try:
+        token = read_token(text)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {e.strerror}") from None
+    if token is None:
+        raise argparse.ArgumentTypeError(f"{text} holds no token (blank lines and # comments are skipped)")
+    return text
+
+
+def count_arg(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="spark_job", required=True)
 
@@ -44,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "--data-dir",
                 action="append",
                 required=True,
+                type=folder_arg,
                 metavar="DIR",
                 help="a server's data folder (repeat for several servers)",
             )
@@ -67,16 +118,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grace-ms",
-        type=int,
+        type=count_arg(0),
         default=60_000,
         help="a message is lost only when due more than this long before --now (default 60000)",
     )
     p = common(sub.add_parser("lateness", help="p50/p99/max of dispatched - due, per minute and per subject"))
     p = common(sub.add_parser("forecast", help="messages due per future minute (table + heat map)"))
     p.add_argument("--now", default=None, type=time_arg, help="start of the future (epoch ms or ISO; default now)")
-    p.add_argument("--hours", type=int, default=24, help="hours shown in the heat map (default 24)")
+    p.add_argument("--hours", type=count_arg(1), default=24, help="hours shown in the heat map (default 24)")
     p = common(sub.add_parser("export", help="a log to Parquet, partitioned by due day"))
-    p.add_argument("--log", default="all", help="message, schedule, dispatch or all (default all)")
+    p.add_argument("--log", default="all", type=logs_arg, help="message, schedule, dispatch or all (default all)")
     p.add_argument(
         "--corrupt",
         default="row",
@@ -84,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="unreadable records: rows with an error (default) or skipped",
     )
     p = common(sub.add_parser("import", help="schedule a Parquet/CSV dataset through the gRPC API"), data=False)
-    p.add_argument("--input", required=True, help="a Parquet or CSV file or folder")
+    p.add_argument("--input", required=True, type=dataset_arg, help="a Parquet or CSV file or folder")
     p.add_argument(
         "--format",
         choices=("parquet", "csv"),
@@ -92,8 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: from the file extension (csv when it ends in .csv)",
     )
     p.add_argument("--target", default="127.0.0.1:7600", help="qdelay server HOST:PORT")
-    p.add_argument("--token-file", default=None, help="file holding the bearer token")
-    p.add_argument("--batch-size", type=int, default=500, help="messages per SendBatch (default 500)")
+    p.add_argument("--token-file", default=None, type=token_file_arg, help="file holding the bearer token")
+    p.add_argument("--batch-size", type=count_arg(1), default=500, help="messages per SendBatch (default 500)")
 
 
 # --- session and data -----------------------------------------------------------------------
@@ -925,10 +976,11 @@ def import_dataset(
 
 def _import_cmd(spark, args) -> int:
     out = _out_dir(args)
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.readline().strip()
+    from qdelay.replication.common import read_token
+
+    # the server's token file as it is (docs/operations.md: one file for every member):
+    # its first token, past blank lines and # comments; the first line itself was sent before
+    token = read_token(args.token_file)
     r = import_dataset(spark, args.input, args.target, out, args.format, token, args.batch_size)
     print(
         f"{r['rows']} rows: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
