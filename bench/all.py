@@ -76,6 +76,16 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
             ["--levels", "0,10000", "--groups", "0,10", "--rounds", "1", "--calls", "5"] if quick else [],
             out("admin"),
         ),
+        # Stats, metrics, health, Subscribe, acks, group delete and qdelay inspect against
+        # groups, subjects, backlog, in-flight count and records (what no other bench varies)
+        (
+            "ops",
+            ["--groups", "10,100", "--subjects", "10,100", "--backlogs", "0,2000", "--records", "2000,10000"]
+            + ["--calls", "20"]
+            if quick
+            else [],
+            out("ops"),
+        ),
     ]
 
 

@@ -16,6 +16,9 @@ level N of ``--levels``; at each level, on the same server:
 - a re-send of 10,000 ids already pending, in batches of 100 (every one a duplicate: the
   index hit, the message's state read, the original receipt answered), per message;
 - Get by id, one call at a time on an idle server: p50/p99 (by receipt is bench.cancel's);
+- Reschedule by id and Cancel by id (``cancel(message_id=...)``: the client gathers
+  concurrent cancels, here one at a time), 200 each of pending ids not otherwise touched,
+  one call at a time: p50 and the server's CPU per call;
 - Topology, one call at a time: p50 (answered from memory);
 - the server's RSS.
 
@@ -161,6 +164,21 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     lat = _timed_calls(lambda mid: c.get(message_id=mid), ids)
                     row["get_by_id_p50_ms"] = percentile(lat, 50)
                     row["get_by_id_p99_ms"] = percentile(lat, 99)
+                    # Reschedule and Cancel by id, one call at a time, of ids not yet touched: the
+                    # id index's lookup, then the message's minute (by receipt is bench.cancel's)
+                    touched = set(ids)
+                    fresh_ids = [mid for mid in picks if mid not in touched][:400]
+                    half = len(fresh_ids) // 2
+                    with Meter(server.pid) as m:
+                        lat = _timed_calls(
+                            lambda mid, at=base + 4 * DAY_MS: c.reschedule(mid, deliver_at_ms=at), fresh_ids[:half]
+                        )
+                    row["reschedule_by_id_p50_ms"] = percentile(lat, 50)
+                    row["reschedule_by_id_cpu_us"] = m.cpu / max(1, half) * 1e6
+                    with Meter(server.pid) as m:
+                        lat = _timed_calls(lambda mid: c.cancel(message_id=mid), fresh_ids[half:])
+                    row["cancel_by_id_p50_ms"] = percentile(lat, 50)
+                    row["cancel_by_id_cpu_us"] = m.cpu / max(1, len(fresh_ids) - half) * 1e6
                     lat = _timed_calls(lambda _i: c.stub.Topology(pb.TopologyRequest(), timeout=5), range(200))
                     row["topology_p50_ms"] = percentile(lat, 50)
                     row["rss_mb"] = proc.memory_info().rss / 2**20
@@ -189,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         "µs CPU",
         "re-send (dup) µs CPU",
         "Get by id p50/p99 ms",
+        "Reschedule by id p50 ms",
+        "µs CPU",
+        "Cancel by id p50 ms",
+        "µs CPU",
         "Topology p50 ms",
         "RSS MB",
     ]
@@ -203,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             r["send16_cpu_us"],
             r["resend_cpu_us"],
             f"{r['get_by_id_p50_ms']:.2f} / {r['get_by_id_p99_ms']:.2f}",
+            r["reschedule_by_id_p50_ms"],
+            r["reschedule_by_id_cpu_us"],
+            r["cancel_by_id_p50_ms"],
+            r["cancel_by_id_cpu_us"],
             r["topology_p50_ms"],
             r["rss_mb"],
         ]

@@ -33,6 +33,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "cluster",
             "shards",
             "admin",
+            "ops",
         ]
         for name, extra, out in steps:
             assert out.endswith(os.path.join("bench", "out", f"{name}.json"))

@@ -1,0 +1,453 @@
+"""The operations no other benchmark varies against what could make them grow.
+
+    python -m bench.ops [--only observe,consumer,inspect] [--groups 10,1000,5000]
+                        [--subjects 10,1000,5000] [--backlogs 0,20000,200000]
+                        [--records 10000,100000,300000] [--calls 100] [--json FILE]
+
+Real servers (``qdelay server``, sync flush, the defaults) on 127.0.0.1 with temporary
+folders; every figure is one call at a time unless said otherwise. Per scenario:
+
+- ``observe``: Stats (every group; and narrowed to one group), a scrape of the metrics
+  endpoint (``--metrics-listen``: its bytes too) and the gRPC health check, ``--calls``
+  each, p50/p99 and the server's CPU per call, (a) against G groups existing (over G/10
+  subjects; ``--groups``), on one server, and (b) on a fresh server, against K subjects
+  each holding one due message for their first group (no group yet: what the timer keeps
+  per subject; ``--subjects``).
+- ``consumer``: for each backlog B of ``--backlogs``, on one server, a subject with two
+  groups, ``g`` and ``h``, and B + 5,000 messages due at once (both groups hold them):
+  the Subscribe's setup (open to first delivery, credit 10) on ``g`` against its backlog,
+  and on an unrelated subject with one due message (the yardstick); then a consumer of
+  ``g`` takes B deliveries and holds them unacknowledged, and a second consumer of ``g``
+  receives and acknowledges the 5,000 others (credit 100, one ack request a batch):
+  deliveries/s and the server's CPU per delivery against B in flight in the same group;
+  the health check's p50/p99 during that drain against an idle server's; then
+  ``ChangeGroup`` DELETE of ``h`` (holding B + 5,000 due, on disk past
+  ``group_max_ready``) and of ``g`` (B in flight): the call, its server CPU, and how
+  long the server stays busy after it (0.5 s is the floor of that wait).
+- ``inspect``: for each N of ``--records``, a fresh server given N messages due in one
+  minute a day ahead, stopped; then ``qdelay inspect`` (its code, in process, output to
+  /dev/null) on the folder: ``ls``, ``verify``, ``stats``, ``find --id`` (a message in
+  the middle), ``find --sequence`` and ``dump --limit 10``: seconds, and µs per record
+  where the command reads them all.
+
+A cost that grows with N where the work does not is printed as the ratio of the largest
+level's figure to the smallest's, same run. Writes bench/out/ops.json (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import Meter, machine, percentile, print_table, until_idle, write_json
+from bench.peers import QdelayDriver
+from qdelay.client import Client, Outgoing
+from qdelay.tools import inspect as inspect_tool
+from qdelay.v1 import qdelay_pb2 as pb
+
+DAY_MS = 86_400_000
+DRAIN = 5_000  # deliveries acknowledged in the consumer scenario, whatever B
+
+
+def _calls(pid: int, call: Callable[[], object], n: int) -> dict[str, float]:
+    """``call()`` ``n`` times, one at a time: p50/p99 ms and the server's CPU µs a call."""
+    lat = []
+    with Meter(pid) as m:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            call()
+            lat.append((time.perf_counter() - t0) * 1000)
+    return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "cpu_us": m.cpu / n * 1e6}
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench.ops: timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class _Server:
+    """A QdelayDriver in a temporary folder, with a client and its metrics URL."""
+
+    def __init__(self, tmp: str, extra: list[str] | None = None) -> None:
+        self.driver = QdelayDriver(extra=extra)
+        self.driver.start(tmp)
+        self.pid = self.driver.pid
+        self.address = f"127.0.0.1:{self.driver.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.driver.metrics_port}/metrics"
+        self.client = Client(self.address, timeout=300)
+        self.client.wait_ready()
+        self.data_dir = os.path.join(tmp, "data")
+
+    def scrape(self) -> int:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            return len(r.read())
+
+    def stop(self) -> None:
+        self.client.close()
+        self.driver.stop()
+
+
+# --- observe ---------------------------------------------------------------------------------
+
+
+def _observe_row(s: _Server, axis: str, n: int, calls: int, one: tuple[str, str]) -> dict:
+    until_idle(s.pid, 60.0)
+    c = s.client
+    row: dict = {"axis": axis, "n": n}
+    stats_all = _calls(s.pid, lambda: c.stub.Stats(pb.StatsRequest(), timeout=30), calls)
+    stats_one = _calls(s.pid, lambda: c.stub.Stats(pb.StatsRequest(subject=one[0], group=one[1]), timeout=30), calls)
+    scrape = _calls(s.pid, s.scrape, calls)
+    health = _calls(s.pid, c.health, calls)
+    for name, fig in (("stats_all", stats_all), ("stats_one", stats_one), ("scrape", scrape), ("health", health)):
+        for k, v in fig.items():
+            row[f"{name}_{k}"] = v
+    row["scrape_bytes"] = s.scrape()
+    row["groups_listed"] = len(c.stub.Stats(pb.StatsRequest(), timeout=30).groups)
+    print(row, flush=True)
+    return row
+
+
+def observe(group_levels: list[int], subject_levels: list[int], calls: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="qdelay-bench-ops-") as tmp:
+        s = _Server(tmp)
+        try:
+            made = 0
+            s.client.create_group("ops.obs.0", "g0")
+            made = 1
+            for level in group_levels:
+                for k in range(made, level):  # G groups over G/10 subjects
+                    s.client.create_group(f"ops.obs.{k // 10}", f"g{k}")
+                made = max(made, level)
+                rows.append(_observe_row(s, "groups", made, calls, ("ops.obs.0", "g0")))
+        finally:
+            s.stop()
+    with tempfile.TemporaryDirectory(prefix="qdelay-bench-ops-") as tmp:
+        s = _Server(tmp)
+        try:
+            s.client.create_group("ops.keep", "g")  # the narrowed Stats has a group to find
+            made = 0
+            for level in subject_levels:
+                if level > made:
+                    # one message due now to each new subject: no group takes it, the
+                    # server keeps it for the subject's first group
+                    s.client.send_many(
+                        (Outgoing(f"ops.sub.{k}", b"x" * 100, delay_ms=0) for k in range(made, level)),
+                        batch_size=1000,
+                        max_in_flight=4,
+                    )
+                    made = level
+                rows.append(_observe_row(s, "subjects", made, calls, ("ops.keep", "g")))
+        finally:
+            s.stop()
+    return rows
+
+
+# --- consumer --------------------------------------------------------------------------------
+
+
+def _setup_ms(c: Client, subject: str, group: str) -> float:
+    """Open a Subscribe (credit 10) and wait for its first delivery; ms. Closed after
+    (what it held goes back to the group)."""
+    t0 = time.perf_counter()
+    sub = c.subscribe(subject, group, max_in_flight=10)
+    try:
+        got = sub.receive(1, timeout=30)
+        took = (time.perf_counter() - t0) * 1000
+        if not got:
+            raise SystemExit(f"bench.ops: no delivery on {subject}/{group} within 30 s")
+    finally:
+        sub.close()
+    return took
+
+
+def _health_during(c: Client, stop: threading.Event) -> list[float]:
+    lat = []
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        c.health()
+        lat.append((time.perf_counter() - t0) * 1000)
+        time.sleep(0.002)
+    return lat
+
+
+def _consumer_level(s: _Server, b: int, calls: int) -> dict:
+    c = s.client
+    subject = f"ops.con.{b}"
+    live = f"ops.live.{b}"
+    c.create_group(subject, "g")
+    c.create_group(subject, "h")
+    total = b + DRAIN
+    c.send_many(
+        (Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"c{b}.{i}") for i in range(total)),
+        batch_size=1000,
+        max_in_flight=8,
+    )
+    c.send(live, b"x" * 100, delay_ms=0)
+    c.create_group(live, "g")
+
+    def group(name: str) -> dict:
+        got = c.groups(subject=subject, group=name)
+        return got[0] if got else {}
+
+    _wait(lambda: group("h").get("backlog") == total, 120, f"{total} due in {subject}")
+    until_idle(s.pid, 60.0)
+    row: dict = {"backlog": b, "on_disk": group("g").get("backlog_on_disk_count", 0)}
+    row["setup_ms"] = min(_setup_ms(c, subject, "g") for _ in range(3))
+    row["setup_other_ms"] = min(_setup_ms(c, live, "g") for _ in range(3))
+    idle = _calls(s.pid, c.health, calls)
+    row["health_idle_p50_ms"], row["health_idle_p99_ms"] = idle["p50_ms"], idle["p99_ms"]
+    # B deliveries of g taken and held unacknowledged by one consumer
+    holder = c.subscribe(subject, "g", max_in_flight=b) if b else None
+    if holder is not None:
+        held, deadline = 0, time.monotonic() + 120
+        while held < b and time.monotonic() < deadline:
+            held += len(holder.receive(b - held, timeout=5))
+        _wait(lambda: group("g").get("in_flight", 0) >= b, 60, f"{b} in flight")
+    row["in_flight"] = in_flight = group("g").get("in_flight", 0)
+    until_idle(s.pid, 60.0)
+    # the other DRAIN received and acknowledged by a second consumer of g, health probed meanwhile
+    drainer = c.subscribe(subject, "g", max_in_flight=100)
+    stop = threading.Event()
+    health: list[float] = []
+    prober = threading.Thread(target=lambda: health.extend(_health_during(c, stop)))
+    got = 0
+    with Meter(s.pid) as m:
+        prober.start()
+        deadline = time.monotonic() + 120
+        while got < DRAIN and time.monotonic() < deadline:
+            batch = drainer.receive(1, timeout=5)
+            drainer.ack(batch)
+            got += len(batch)
+        _wait(lambda: group("g").get("in_flight", 0) <= in_flight, 60, "acks applied")
+        stop.set()
+        prober.join()
+    row["drained"] = got
+    row["drain_per_s"] = got / m.wall
+    row["drain_cpu_us"] = m.cpu / max(1, got) * 1e6
+    row["health_busy_p50_ms"] = percentile(health, 50)
+    row["health_busy_p99_ms"] = percentile(health, 99)
+    drainer.close()
+    until_idle(s.pid, 60.0)
+    for name, key in (("h", "delete_backlog"), ("g", "delete_in_flight")):
+        with Meter(s.pid) as m:
+            if not c.delete_group(subject, name):
+                raise SystemExit(f"bench.ops: {subject}/{name} was not deleted")
+        row[f"{key}_ms"], row[f"{key}_cpu_ms"] = m.wall * 1000, m.cpu * 1000
+        # what the server does after answering (0.5 s of idle is the floor of this wait)
+        row[f"{key}_settle_s"] = until_idle(s.pid, 60.0)
+    if holder is not None:
+        holder.close(timeout=10)
+    c.delete_group(live, "g")
+    print(row, flush=True)
+    return row
+
+
+def consumer(backlogs: list[int], calls: int) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="qdelay-bench-ops-") as tmp:
+        s = _Server(tmp)
+        try:
+            return [_consumer_level(s, b, calls) for b in backlogs]
+        finally:
+            s.stop()
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+_INSPECT = argparse.ArgumentParser(prog="qdelay inspect")
+inspect_tool.add_arguments(_INSPECT)
+
+
+def _inspect(argv: list[str]) -> float:
+    args = _INSPECT.parse_args(argv)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        t0 = time.perf_counter()
+        code = inspect_tool.run(args)
+        took = time.perf_counter() - t0
+    if code not in (0, None):
+        raise SystemExit(f"bench.ops: qdelay inspect {' '.join(argv)} exited {code}")
+    return took
+
+
+def _filled_folder(tmp: str, n: int) -> tuple[str, Any]:
+    """A server's data folder holding ``n`` messages due in one minute a day ahead, the
+    server stopped; and the receipt of the message in the middle."""
+    s = _Server(tmp)
+    try:
+        due = (int(time.time() * 1000) // 60_000 + 1) * 60_000 + DAY_MS
+        receipts = s.client.send_many(
+            (Outgoing("ops.ins", b"x" * 100, deliver_at_ms=due + i % 60_000, message_id=f"i{i}") for i in range(n)),
+            batch_size=1000,
+            max_in_flight=8,
+        )
+        middle = receipts[n // 2]
+        _wait(lambda: s.client.stats()["iterate_lag_bytes"] == 0, 120, "the schedule log")
+        until_idle(s.pid, 60.0)
+    finally:
+        s.stop()
+    return s.data_dir, middle
+
+
+def inspect(levels: list[int]) -> list[dict]:
+    rows = []
+    for n in levels:
+        with tempfile.TemporaryDirectory(prefix="qdelay-bench-ops-") as tmp:
+            data_dir, middle = _filled_folder(tmp, n)
+            d = ["--data-dir", data_dir]
+            size = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(data_dir) for f in fs)
+            row: dict = {"records": n, "folder_mb": size / 1e6}
+            for name, argv in (
+                ("ls", ["ls", *d]),
+                ("verify", ["verify", *d]),
+                ("stats", ["stats", *d]),
+                ("find_id", ["find", *d, "--id", middle.message_id]),
+                ("find_sequence", ["find", *d, "--sequence", str(middle.sequence)]),
+                ("dump10", ["dump", *d, "--limit", "10"]),
+            ):
+                row[f"{name}_s"] = min(_inspect(argv) for _ in range(2))
+                row[f"{name}_us"] = row[f"{name}_s"] / n * 1e6
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return sorted(int(x) for x in text.split(",") if x)
+
+
+def _ratio(rows: list[dict], key: str) -> float:
+    lo, hi = rows[0].get(key), rows[-1].get(key)
+    return hi / lo if lo else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ops", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="observe,consumer,inspect", help="comma-separated: observe,consumer,inspect")
+    ap.add_argument("--groups", default="10,1000,5000", help="observe: groups G, ascending")
+    ap.add_argument("--subjects", default="10,1000,5000", help="observe: subjects K holding a due message, ascending")
+    ap.add_argument("--backlogs", default="0,20000,200000", help="consumer: due backlog B per group, ascending")
+    ap.add_argument("--records", default="10000,100000,300000", help="inspect: records N in the folder, ascending")
+    ap.add_argument("--calls", type=int, default=100, help="calls of each kind per level (observe, health)")
+    ap.add_argument("--json", default="ops", help="output name under bench/out, or a path")
+    args = ap.parse_args(argv)
+    wanted = [w for w in args.only.split(",") if w]
+    unknown = set(wanted) - {"observe", "consumer", "inspect"}
+    if unknown:
+        ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    out: dict = {"machine": machine()}
+    load0 = os.getloadavg()
+    if "observe" in wanted:
+        rows = out["observe"] = observe(_ints(args.groups), _ints(args.subjects), args.calls)
+        print_table(
+            [
+                "axis",
+                "N",
+                "Stats all p50 ms",
+                "µs CPU",
+                "Stats one p50 ms",
+                "scrape p50 ms",
+                "µs CPU",
+                "scrape KB",
+                "health p50 ms",
+            ],
+            [
+                [
+                    r["axis"],
+                    r["n"],
+                    r["stats_all_p50_ms"],
+                    r["stats_all_cpu_us"],
+                    r["stats_one_p50_ms"],
+                    r["scrape_p50_ms"],
+                    r["scrape_cpu_us"],
+                    r["scrape_bytes"] / 1000,
+                    r["health_p50_ms"],
+                ]
+                for r in rows
+            ],
+            title="Stats, the metrics scrape and health against groups and subjects",
+        )
+        for axis in ("groups", "subjects"):
+            sel = [r for r in rows if r["axis"] == axis]
+            if len(sel) > 1:
+                print(
+                    f"{axis} {sel[0]['n']:,} -> {sel[-1]['n']:,}: Stats all x{_ratio(sel, 'stats_all_cpu_us'):.2f},"
+                    f" Stats one x{_ratio(sel, 'stats_one_cpu_us'):.2f}, scrape x{_ratio(sel, 'scrape_cpu_us'):.2f},"
+                    f" health x{_ratio(sel, 'health_cpu_us'):.2f} (server CPU a call)"
+                )
+    if "consumer" in wanted:
+        rows = out["consumer"] = consumer(_ints(args.backlogs), args.calls)
+        print_table(
+            [
+                "backlog B",
+                "on disk",
+                "setup ms",
+                "setup, other subject ms",
+                "drain /s (B in flight)",
+                "µs CPU",
+                "health idle p50/p99",
+                "health in drain p50/p99",
+                "delete h ms (CPU ms, settle s)",
+                "delete g ms (CPU ms, settle s)",
+            ],
+            [
+                [
+                    r["backlog"],
+                    r["on_disk"],
+                    r["setup_ms"],
+                    r["setup_other_ms"],
+                    r["drain_per_s"],
+                    r["drain_cpu_us"],
+                    f"{r['health_idle_p50_ms']:.2f} / {r['health_idle_p99_ms']:.2f}",
+                    f"{r['health_busy_p50_ms']:.2f} / {r['health_busy_p99_ms']:.2f}",
+                    f"{r['delete_backlog_ms']:.1f} ({r['delete_backlog_cpu_ms']:.1f},"
+                    f" {r['delete_backlog_settle_s']:.1f})",
+                    f"{r['delete_in_flight_ms']:.1f} ({r['delete_in_flight_cpu_ms']:.1f},"
+                    f" {r['delete_in_flight_settle_s']:.1f})",
+                ]
+                for r in rows
+            ],
+            title="Subscribe, ack, health and group delete against a group's backlog and in-flight count",
+        )
+        if len(rows) > 1:
+            print(
+                f"backlog {rows[0]['backlog']:,} -> {rows[-1]['backlog']:,}: setup x{_ratio(rows, 'setup_ms'):.2f},"
+                f" drain CPU a delivery x{_ratio(rows, 'drain_cpu_us'):.2f},"
+                f" delete h x{_ratio(rows, 'delete_backlog_ms'):.2f},"
+                f" delete g x{_ratio(rows, 'delete_in_flight_ms'):.2f}"
+            )
+    if "inspect" in wanted:
+        rows = out["inspect"] = inspect(_ints(args.records))
+        names = ["ls", "verify", "stats", "find_id", "find_sequence", "dump10"]
+        print_table(
+            ["records N", "folder MB"] + [f"{n} s" for n in names],
+            [[r["records"], r["folder_mb"]] + [r[f"{n}_s"] for n in names] for r in rows],
+            title="qdelay inspect against the records in the folder",
+        )
+        if len(rows) > 1:
+            print(
+                f"records {rows[0]['records']:,} -> {rows[-1]['records']:,}"
+                f" (x{rows[-1]['records'] / rows[0]['records']:.0f}): "
+                + ", ".join(f"{n} x{_ratio(rows, n + '_s'):.1f}" for n in names)
+            )
+    out["loadavg_before"] = [round(x, 2) for x in load0]
+    out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average before {out['loadavg_before']}, after {out['loadavg_after']}")
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
