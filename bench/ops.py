@@ -15,10 +15,12 @@ folders; every figure is one call at a time unless said otherwise. Per scenario:
   per subject; ``--subjects``).
 - ``consumer``: for each backlog B of ``--backlogs``, on one server, a subject with two
   groups, ``g`` and ``h``, and B + 5,000 messages due at once (both groups hold them):
-  the Subscribe's setup (open to first delivery, credit 10) on ``g`` against its backlog,
-  and on an unrelated subject with one due message (the yardstick); then a consumer of
-  ``g`` takes B deliveries and holds them unacknowledged, and a second consumer of ``g``
-  receives and acknowledges the 5,000 others (credit 100, one ack request a batch):
+  a consumer of ``g`` takes B deliveries and holds them unacknowledged; with those in
+  flight, Get and Cancel (``--calls`` each, one at a time) of far-future messages of
+  another subject (each asks whether its message is in flight); the Subscribe's setup
+  (open to first delivery, credit 10) on ``h`` against its backlog of B + 5,000, and on
+  an unrelated subject with one due message (the yardstick); then a second consumer of
+  ``g`` receives and acknowledges the 5,000 others (credit 100, one ack request a batch):
   deliveries/s and the server's CPU per delivery against B in flight in the same group;
   the health check's p50/p99 during that drain against an idle server's; then
   ``ChangeGroup`` DELETE of ``h`` (holding B + 5,000 due, on disk past
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import tempfile
 import threading
@@ -46,9 +49,10 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import Meter, machine, percentile, print_table, until_idle, write_json
+from bench.common import Meter, cpu_seconds, machine, percentile, print_table, until_idle, write_json
 from bench.peers import QdelayDriver
 from qdelay.client import Client, Outgoing
+from qdelay.server.service import MAX_IN_FLIGHT_CAP
 from qdelay.tools import inspect as inspect_tool
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -56,15 +60,21 @@ DAY_MS = 86_400_000
 DRAIN = 5_000  # deliveries acknowledged in the consumer scenario, whatever B
 
 
-def _calls(pid: int, call: Callable[[], object], n: int) -> dict[str, float]:
-    """``call()`` ``n`` times, one at a time: p50/p99 ms and the server's CPU µs a call."""
+def _calls(pid: int, call: Callable[[], object], n: int, whole_process: bool = False) -> dict[str, float]:
+    """``call()`` ``n`` times, one at a time: p50/p99 ms and the server's CPU µs a call.
+
+    ``whole_process``: the CPU from the process's counters (10 ms ticks: ±100 µs a call
+    over 100 calls) instead of its threads' (``Meter``), which leave out a thread that
+    starts and ends inside the block, as the metrics endpoint's thread per request does."""
     lat = []
+    cpu0 = cpu_seconds(pid)
     with Meter(pid) as m:
         for _ in range(n):
             t0 = time.perf_counter()
             call()
             lat.append((time.perf_counter() - t0) * 1000)
-    return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "cpu_us": m.cpu / n * 1e6}
+    cpu = cpu_seconds(pid) - cpu0 if whole_process else m.cpu
+    return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "cpu_us": cpu / n * 1e6}
 
 
 def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -106,7 +116,7 @@ def _observe_row(s: _Server, axis: str, n: int, calls: int, one: tuple[str, str]
     row: dict = {"axis": axis, "n": n}
     stats_all = _calls(s.pid, lambda: c.stub.Stats(pb.StatsRequest(), timeout=30), calls)
     stats_one = _calls(s.pid, lambda: c.stub.Stats(pb.StatsRequest(subject=one[0], group=one[1]), timeout=30), calls)
-    scrape = _calls(s.pid, s.scrape, calls)
+    scrape = _calls(s.pid, s.scrape, calls, whole_process=True)
     health = _calls(s.pid, c.health, calls)
     for name, fig in (("stats_all", stats_all), ("stats_one", stats_one), ("scrape", scrape), ("health", health)):
         for k, v in fig.items():
@@ -181,7 +191,7 @@ def _health_during(c: Client, stop: threading.Event) -> list[float]:
     return lat
 
 
-def _consumer_level(s: _Server, b: int, calls: int) -> dict:
+def _consumer_level(s: _Server, b: int, calls: int, far: list) -> dict:
     c = s.client
     subject = f"ops.con.{b}"
     live = f"ops.live.{b}"
@@ -202,20 +212,42 @@ def _consumer_level(s: _Server, b: int, calls: int) -> dict:
 
     _wait(lambda: group("h").get("backlog") == total, 120, f"{total} due in {subject}")
     until_idle(s.pid, 60.0)
-    row: dict = {"backlog": b, "on_disk": group("g").get("backlog_on_disk_count", 0)}
-    row["setup_ms"] = min(_setup_ms(c, subject, "g") for _ in range(3))
-    row["setup_other_ms"] = min(_setup_ms(c, live, "g") for _ in range(3))
+    row: dict = {"backlog": b, "on_disk": group("h").get("backlog_on_disk_count", 0)}
     idle = _calls(s.pid, c.health, calls)
     row["health_idle_p50_ms"], row["health_idle_p99_ms"] = idle["p50_ms"], idle["p99_ms"]
-    # B deliveries of g taken and held unacknowledged by one consumer
-    holder = c.subscribe(subject, "g", max_in_flight=b) if b else None
-    if holder is not None:
+    # B deliveries of g taken and held unacknowledged (a stream's credit is capped at
+    # MAX_IN_FLIGHT_CAP: as many streams as that takes)
+    holders = []
+    for start in range(0, b, MAX_IN_FLIGHT_CAP):
+        want = min(MAX_IN_FLIGHT_CAP, b - start)
+        holder = c.subscribe(subject, "g", max_in_flight=want)
+        holders.append(holder)
         held, deadline = 0, time.monotonic() + 120
-        while held < b and time.monotonic() < deadline:
-            held += len(holder.receive(b - held, timeout=5))
+        while held < want and time.monotonic() < deadline:
+            held += len(holder.receive(want - held, timeout=5))
+    if b:
         _wait(lambda: group("g").get("in_flight", 0) >= b, 60, f"{b} in flight")
     row["in_flight"] = in_flight = group("g").get("in_flight", 0)
     until_idle(s.pid, 60.0)
+    # Get and Cancel of far-future messages (nothing to do with g) while B are in flight:
+    # each asks whether its message is in flight
+    targets = itertools.cycle(far[:calls])
+    got_far = _calls(s.pid, lambda: c.get(next(targets)), calls)
+    row["get_far_p50_ms"], row["get_far_cpu_us"] = got_far["p50_ms"], got_far["cpu_us"]
+    lat = []
+    with Meter(s.pid) as m:
+        for r in far[calls : 2 * calls]:
+            t0 = time.perf_counter()
+            if c.cancel(r) != "CANCELLED":
+                raise SystemExit("bench.ops: a far-future message was not cancelled")
+            lat.append((time.perf_counter() - t0) * 1000)
+    del far[calls : 2 * calls]
+    row["cancel_far_first_ms"], row["cancel_far_p50_ms"] = lat[0], percentile(lat, 50)
+    row["cancel_far_cpu_us"] = m.cpu / len(lat) * 1e6
+    # Subscribe setup on h, which holds all B + DRAIN (after the Get and Cancel above: a
+    # consumer's close gives back what it held, which builds g's in-flight index if on g)
+    row["setup_ms"] = min(_setup_ms(c, subject, "h") for _ in range(3))
+    row["setup_other_ms"] = min(_setup_ms(c, live, "g") for _ in range(3))
     # the other DRAIN received and acknowledged by a second consumer of g, health probed meanwhile
     drainer = c.subscribe(subject, "g", max_in_flight=100)
     stop = threading.Event()
@@ -239,6 +271,14 @@ def _consumer_level(s: _Server, b: int, calls: int) -> dict:
     row["health_busy_p99_ms"] = percentile(health, 99)
     drainer.close()
     until_idle(s.pid, 60.0)
+    # the yardstick: deleting an empty group of another subject, same moment (median of 5)
+    empty = []
+    for k in range(5):
+        c.create_group(f"ops.empty.{b}", f"e{k}")
+        with Meter(s.pid) as m:
+            c.delete_group(f"ops.empty.{b}", f"e{k}")
+        empty.append(m.wall * 1000)
+    row["delete_empty_ms"] = percentile(empty, 50)
     for name, key in (("h", "delete_backlog"), ("g", "delete_in_flight")):
         with Meter(s.pid) as m:
             if not c.delete_group(subject, name):
@@ -246,7 +286,7 @@ def _consumer_level(s: _Server, b: int, calls: int) -> dict:
         row[f"{key}_ms"], row[f"{key}_cpu_ms"] = m.wall * 1000, m.cpu * 1000
         # what the server does after answering (0.5 s of idle is the floor of this wait)
         row[f"{key}_settle_s"] = until_idle(s.pid, 60.0)
-    if holder is not None:
+    for holder in holders:
         holder.close(timeout=10)
     c.delete_group(live, "g")
     print(row, flush=True)
@@ -257,7 +297,14 @@ def consumer(backlogs: list[int], calls: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="qdelay-bench-ops-") as tmp:
         s = _Server(tmp)
         try:
-            return [_consumer_level(s, b, calls) for b in backlogs]
+            due = int(time.time() * 1000) + DAY_MS
+            far = list(
+                s.client.send_many(
+                    (Outgoing("ops.far", b"x" * 100, deliver_at_ms=due) for _ in range(calls * (1 + len(backlogs)))),
+                    batch_size=1000,
+                )
+            )
+            return [_consumer_level(s, b, calls, far) for b in backlogs]
         finally:
             s.stop()
 
@@ -395,10 +442,15 @@ def main(argv: list[str] | None = None) -> int:
                 "on disk",
                 "setup ms",
                 "setup, other subject ms",
+                "Get far p50 ms",
+                "µs CPU",
+                "Cancel far first / p50 ms",
+                "µs CPU",
                 "drain /s (B in flight)",
                 "µs CPU",
                 "health idle p50/p99",
                 "health in drain p50/p99",
+                "delete empty ms",
                 "delete h ms (CPU ms, settle s)",
                 "delete g ms (CPU ms, settle s)",
             ],
@@ -408,10 +460,15 @@ def main(argv: list[str] | None = None) -> int:
                     r["on_disk"],
                     r["setup_ms"],
                     r["setup_other_ms"],
+                    r["get_far_p50_ms"],
+                    r["get_far_cpu_us"],
+                    f"{r['cancel_far_first_ms']:.2f} / {r['cancel_far_p50_ms']:.2f}",
+                    r["cancel_far_cpu_us"],
                     r["drain_per_s"],
                     r["drain_cpu_us"],
                     f"{r['health_idle_p50_ms']:.2f} / {r['health_idle_p99_ms']:.2f}",
                     f"{r['health_busy_p50_ms']:.2f} / {r['health_busy_p99_ms']:.2f}",
+                    r["delete_empty_ms"],
                     f"{r['delete_backlog_ms']:.1f} ({r['delete_backlog_cpu_ms']:.1f},"
                     f" {r['delete_backlog_settle_s']:.1f})",
                     f"{r['delete_in_flight_ms']:.1f} ({r['delete_in_flight_cpu_ms']:.1f},"
@@ -424,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(rows) > 1:
             print(
                 f"backlog {rows[0]['backlog']:,} -> {rows[-1]['backlog']:,}: setup x{_ratio(rows, 'setup_ms'):.2f},"
+                f" Get (far) CPU x{_ratio(rows, 'get_far_cpu_us'):.2f},"
+                f" Cancel (far) CPU x{_ratio(rows, 'cancel_far_cpu_us'):.2f},"
                 f" drain CPU a delivery x{_ratio(rows, 'drain_cpu_us'):.2f},"
                 f" delete h x{_ratio(rows, 'delete_backlog_ms'):.2f},"
                 f" delete g x{_ratio(rows, 'delete_in_flight_ms'):.2f}"
