@@ -871,7 +871,7 @@ class Scheduler:
             pending = self.writer.pending(bucket)
             dseg = self.dispatch.get(bucket)
             size = dseg.size if dseg is not None else 0
-            return pending, size, self.ledger.is_in_flight(seq)
+            return pending, size, self.ledger.is_in_flight(seq, bucket)
 
     def dispatch_buffered(self, buckets: list[int]) -> list[bytes]:
         """``dispatch_view``'s first part for several buckets under one hold of the lock (a

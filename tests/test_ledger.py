@@ -9,6 +9,8 @@ read-back pass ask are checked after every step.
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -22,10 +24,23 @@ TIMEOUT = 100
 ACK_FORMS = st.tuples(st.sampled_from(["seqs", "ids", "odd"]), st.integers(0, 20))
 
 
+def bucket_of(seq: int) -> int:
+    """The test's bucket of a sequence (fixed, as a message's due minute is): runs of 5."""
+    return 7 + (seq - 1) // 5 % 2
+
+
 def flight(gid: int, seqs: list[int], at: int, attempt: int = 1) -> Flight:
     n = len(seqs)
     return Flight(
-        7, 1, gid, at, seqs, [q * 10 for q in seqs], [q + 1000 for q in seqs], [attempt] * n, [b"m%d" % q for q in seqs]
+        bucket_of(seqs[0]),
+        1,
+        gid,
+        at,
+        seqs,
+        [q * 10 for q in seqs],
+        [q + 1000 for q in seqs],
+        [attempt] * n,
+        [b"m%d" % q for q in seqs],
     )
 
 
@@ -59,6 +74,8 @@ class LedgerMachine(RuleBasedStateMachine):
             seqs = list(range(self.next_seq, self.next_seq + n))
             self.next_seq += n
         parts = [seqs[:split], seqs[split:]] if 0 < split < n else [seqs]
+        # a flight holds one bucket's deliveries: each part cut where the bucket changes
+        parts = [list(run) for part in parts for _b, run in itertools.groupby(part, key=bucket_of)]
         flights = []
         for g in gids:
             if g in self.dropped:
@@ -183,6 +200,9 @@ class LedgerMachine(RuleBasedStateMachine):
         flying = {q for g in GROUPS for q in self.ref[g]}
         for q in range(1, self.next_seq + 1):
             assert led.is_in_flight(q) == (q in flying)
+            # asked with the message's bucket (as Get asks): only that bucket's flights
+            assert led.is_in_flight(q, bucket_of(q)) == (q in flying)
+            assert not led.is_in_flight(q, 99)
         maps = led.in_flight_maps()
         assert {q for m in maps for q in m} == flying
 
@@ -251,3 +271,33 @@ def test_closed_flights_leave_at_once_not_at_their_deadline():
     assert led.next_wakeup() == TIMEOUT + 20
     assert [(item[6], q) for q, item in led.expired(TIMEOUT + 20)] == [(1, 7)]
     assert led.next_wakeup() is None and led.count() == 0
+
+
+def test_a_get_looks_at_the_flights_of_its_bucket_only():
+    """ "Is it in flight?" with the message's bucket (Get's question) answers from that
+    bucket's flights: right for every shape of close, and the lists leave with the flights
+    (acknowledged, released, expired, of a deleted group), so they do not grow with what
+    was ever handed out."""
+    led = AckLedger()
+    a = Flight(7, 1, 1, 0, [1, 2, 3], [0] * 3, [0] * 3, [1] * 3, [b""] * 3)
+    b = Flight(8, 1, 1, 0, [4, 5], [0] * 2, [0] * 2, [1] * 2, [b""] * 2)
+    c = Flight(8, 1, 2, 0, [4, 5], [0] * 2, [0] * 2, [1] * 2, [b""] * 2)  # another group
+    led.hand_out([a, b, c], TIMEOUT)
+    assert led.flights_listed() == 3
+    assert led.is_in_flight(2, 7) and not led.is_in_flight(2, 8) and led.is_in_flight(4, 8)
+    led.take_acked([4], 1)
+    assert led.is_in_flight(4, 8)  # group 2 still has it
+    led.take_released([(4, 1)], 2)
+    assert not led.is_in_flight(4, 8) and led.is_in_flight(5, 8)
+    led.drop_group(2)
+    led.take_acked([5], 1)
+    assert not led.is_in_flight(5, 8)
+    led.take_acked([1, 2, 3], 1)
+    # the deleted group's flight is still out: the round leaves at its deadline
+    assert led.flights_listed() == 3
+    assert list(led.expired(TIMEOUT)) == []
+    assert led.flights_listed() == 0
+    d = Flight(7, 1, 1, 1, [6, 7], [0] * 2, [0] * 2, [1] * 2, [b""] * 2)
+    led.hand_out([d], TIMEOUT + 1)
+    assert [q for q, _item in led.expired(TIMEOUT + 1)] == [6, 7]
+    assert led.flights_listed() == 0 and not led.is_in_flight(6, 7)
