@@ -42,6 +42,7 @@ class Node:
         self.token, self.ca, self.tls = common.slave_credentials(cfg)
         self._tasks: list[asyncio.Task] = []
         self.promoted_note = ""
+        self.fenced_master = ""  # the newer master named when this one was fenced ("" unknown)
         self.agent = None  # cluster mode (--etcd): replication/cluster.py
         if cfg.etcd:
             from qdelay.replication.cluster import ClusterAgent
@@ -146,9 +147,12 @@ class Node:
         engine = self.engine
         if epoch <= engine.epoch:
             return
+        if master:
+            self.fenced_master = master
         if engine.role == "master":
             log.error(
-                "fenced: a newer master exists; refusing writes and stopping dispatch",
+                "fenced: a newer master exists; refusing writes and stopping dispatch; %s",
+                self.fenced_advice(),
                 extra={"epoch": engine.epoch, "new_epoch": epoch, "reason": reason},
             )
             engine.set_role("fenced", epoch)
@@ -156,6 +160,15 @@ class Node:
             engine.set_role("slave", epoch)
         elif engine.role == "fenced":
             engine.set_role("fenced", epoch)
+
+    def fenced_advice(self) -> str:
+        """What the operator does with a fenced server (docs/operations.md §4.3): it stays
+        fenced until restarted as a slave of the new master. In cluster mode etcd
+        re-attaches it by itself."""
+        if self.agent is not None:
+            return "it follows the shard's master by itself (cluster mode)"
+        master = self.fenced_master or "NEW_MASTER:PORT"
+        return f"to re-attach it, restart it with --role slave --master {master} (docs/operations.md 4.3)"
 
     async def fence(self, epoch: int, master: str, reason: str) -> None:
         await asyncio.to_thread(self._do_fence, epoch, master, reason)
@@ -275,6 +288,9 @@ class Node:
             st.error = p.error
             st.delay_p99_ms = p.delay_p99()
             st.note = p.note
+        elif engine.role == "fenced":
+            # the status said only "fenced": not why, nor what to do
+            st.note = f"fenced: a newer master exists (epoch {engine.epoch}); {self.fenced_advice()}"
         elif self.promoted_note:
             st.note = self.promoted_note
         now = time.monotonic()

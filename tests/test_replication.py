@@ -274,6 +274,12 @@ def test_dispatch_progress_replicated_and_promotion_delivers_the_rest(tmp_path):
         a.start()
         sa = status(a.address)
         assert sa.role == "fenced" and sa.epoch == 1
+        # ... and its status says what to do (it said only "fenced")
+        advice = f"to re-attach it, restart it with --role slave --master {b.address} (docs/operations.md 4.3)"
+        assert sa.note == f"fenced: a newer master exists (epoch 1); {advice}", sa.note
+        assert (
+            f"note: fenced: a newer master exists (epoch 1); {advice}" in admin("status", "--servers", a.address).stdout
+        )
         assert_refuses_writes(a.address)
         # runbook: re-attach the old master as a slave of the new one
         a.stop()
