@@ -407,9 +407,13 @@ class MessageLog:
             raise InvariantViolation("message log append finished without a result")
         return waiter.appended
 
-    async def append_async(self, entries: Iterable[Entry]) -> Appended:
-        """Append from asyncio code; resolves once durable, without blocking the loop."""
-        return await self._append_async(lambda cb: self.submit(entries, cb))
+    async def append_async(
+        self, entries: Iterable[Entry], queued: Callable[[Appended], None] | None = None
+    ) -> Appended:
+        """Append from asyncio code; resolves once durable, without blocking the loop.
+        ``queued(appended)`` runs once they are queued (their sequences known), before they
+        are durable."""
+        return await self._append_async(lambda cb: self.submit(entries, cb), queued)
 
     async def append_bodies_async(
         self,

@@ -650,43 +650,71 @@ class Engine:
     async def reschedule(
         self, message_id: str, deliver_at_ms: int | None, sequence: int | None, new_due_ms: int
     ) -> tuple[RescheduleOutcome, Receipt | None]:
-        """Move a pending message to ``new_due_ms``: (outcome, its new receipt).
+        """Move a pending message to ``new_due_ms``: (outcome, its new receipt). A
+        ``reschedule_many`` of one."""
+        return (await self.reschedule_many([(message_id, deliver_at_ms, sequence, new_due_ms)]))[0]
 
-        The message is claimed as a Cancel claims it (the dispatcher skips it from then on,
-        so it is never delivered at the old time after this answer), then one message-log
-        append writes the message again, same id, subject, headers and payload, at the new
-        time, followed by the tombstone of the old one: one group commit, one fsync. The
-        new MESSAGE comes first so that a write torn by a power loss can leave both (a
-        duplicate, as at-least-once allows) but never neither.
+    _MOVE_OUTCOME = {
+        CancelOutcome.NOT_FOUND: RescheduleOutcome.NOT_FOUND,
+        CancelOutcome.ALREADY_DELIVERED: RescheduleOutcome.ALREADY_DELIVERED,
+        CancelOutcome.DEAD_LETTERED: RescheduleOutcome.ALREADY_DELIVERED,
+        CancelOutcome.ALREADY_CANCELLED: RescheduleOutcome.CANCELLED,
+    }
+
+    async def reschedule_many(
+        self, moves: list[tuple[str, int | None, int | None, int]]
+    ) -> list[tuple[RescheduleOutcome, Receipt | None]]:
+        """Move each (message_id, deliver_at_ms, sequence, new_due_ms) to its new due time;
+        (outcome, the new receipt when RESCHEDULED) each, in order. A target with no due time
+        and sequence is found by its id (the newest message that has it).
+
+        The targets are claimed as CancelBatch claims them (``_claims``: on the event loop
+        for a few copied receipts, else on a worker thread; a claimed message is skipped by
+        the dispatcher from then on, so it is never delivered at the old time after this
+        answer), then one message-log append writes each claimed message again (same id,
+        subject, headers and payload) at its new time, followed by the tombstones of the old
+        ones: one group commit, one fsync for the whole batch. Every new MESSAGE comes before
+        every tombstone, so that a write torn by a power loss can leave both of a message (a
+        duplicate, as at-least-once allows) but never neither. A message named twice is
+        moved once, by its first target; a repeat answers CANCELLED, as its old receipt
+        would after the move.
         """
         self._check_writable()
-        target = [(message_id, deliver_at_ms, sequence)]
-        outcomes, claimed, msg = await self._claims(self._claim_to_move, target, message_id, deliver_at_ms, sequence)
+        targets = [(mid, due, seq) for mid, due, seq, _new in moves]
+        outcomes, claimed, msgs = await self._claims(self._claim_to_move, targets, targets)
+        out: list[tuple[RescheduleOutcome, Receipt | None]] = [
+            (self._MOVE_OUTCOME.get(o, RescheduleOutcome.RESCHEDULED), None) for o in outcomes
+        ]
         if not claimed:
-            return {
-                CancelOutcome.NOT_FOUND: RescheduleOutcome.NOT_FOUND,
-                CancelOutcome.ALREADY_DELIVERED: RescheduleOutcome.ALREADY_DELIVERED,
-                CancelOutcome.DEAD_LETTERED: RescheduleOutcome.ALREADY_DELIVERED,
-                CancelOutcome.ALREADY_CANCELLED: RescheduleOutcome.CANCELLED,
-            }[outcomes[0]], None
-        mid, due, seq = claimed[0]
+            return out
+        rows = [i for i, o in enumerate(outcomes) if o == CancelOutcome.CANCELLED]  # claimed, in order
         try:
-            if msg is None:  # the record was there a moment ago: a cleaner race, say so
-                raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
+            enc, hdr = records.encode_message, records.encode_headers
             now = self.clock()
-            body = records.encode_message(
-                msg.subject.encode(), mid.encode(), records.encode_headers(msg.headers), msg.payload, new_due_ms
+            entries = [
+                (RecordKind.MESSAGE, now, enc(m.subject.encode(), mid.encode(), hdr(m.headers), m.payload, moves[i][3]))
+                for i, (mid, _due, _seq), m in zip(rows, claimed, msgs)
+            ]
+            entries += [(RecordKind.CANCEL, now, body) for body in records.cancel_bodies(claimed)]
+            # all due beyond the loading horizon (the old minutes' tombstones) and the new
+            # times beyond far_ahead_ms (as a far-future send): the iterate service may
+            # gather them (expect_far), as CancelBatch's tombstones and such sends; the
+            # claims hold until the tombstones pass its step (see cancel_many)
+            far = self._far(min(due for _mid, due, _seq in claimed)) and (
+                min(moves[i][3] for i in rows) - now >= self.far_ahead_ms
             )
-            tomb = records.encode_cancel(records.Cancel(mid, due, seq))
-            appended = await self.wal.append_async([(RecordKind.MESSAGE, now, body), (RecordKind.CANCEL, now, tomb)])
+            appended = await self.wal.append_async(entries, self._expect_far if far else None)
         except BaseException:
-            self._release_claims([seq])
+            self._release_claims([seq for _mid, _due, seq in claimed])
             raise
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
             self.write_guard()
-        return RescheduleOutcome.RESCHEDULED, Receipt(mid, new_due_ms, appended.first_sequence)
+        first = appended.first_sequence
+        for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed)):
+            out[i] = (RescheduleOutcome.RESCHEDULED, Receipt(mid, moves[i][3], first + k))
+        return out
 
     async def _off_loop_claims(self, claim: Callable, *args):
         """``claim(*args)`` on a worker thread; its result, whose second item is the claimed
@@ -740,7 +768,9 @@ class Engine:
             if bucket in seen:
                 continue
             seen.add(bucket)
-            if not self._readable_now(bucket):
+            # earlier tombstones of a far minute (other cancels' or moves') are written first
+            # if that needs no wait, as a worker thread's look would (_find_targets)
+            if not self.iterate.flush_bucket_now(bucket) or not self._readable_now(bucket):
                 return False
         return True
 
@@ -757,21 +787,33 @@ class Engine:
         )
 
     def _claim_to_move(
-        self, message_id: str, deliver_at_ms: int | None, sequence: int | None, now: bool = False
-    ) -> tuple[list[CancelOutcome], list, records.Message | None]:
+        self, targets: list[tuple[str, int | None, int | None]], now: bool = False
+    ) -> tuple[list[CancelOutcome], list, list[records.Message]]:
         """Reschedule's look-up (on the event loop or a worker thread: ``_claims``): the
-        claim (as a Cancel's) and, if claimed, the message's record to write again (None if
-        it vanished meanwhile)."""
-        outcomes, claimed = self._claim_cancels([(message_id, deliver_at_ms, sequence)], now)
-        if not claimed:
-            return outcomes, claimed, None
-        mid, due, seq = claimed[0]
+        claims (as a Cancel's: ``_claim_cancels``) and the record of each claimed message,
+        to write again. The claim has confirmed where each one is (its minute's index, or
+        the batch form's search), so the record is read from there, not located again.
+        StorageError, every claim released, if one has gone meanwhile (the cleaner)."""
+        outcomes, claimed = self._claim_cancels(targets, now)
+        msgs: list[records.Message] = []
         try:
-            msg = self._locate(mid, due, seq, True)[2]
+            for mid, due, seq in claimed:
+                msg = self._record_at(due, seq)
+                if msg is None or msg.message_id != mid or msg.deliver_at_ms != due:
+                    raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
+                msgs.append(msg)
         except BaseException:
-            self._release_claims([seq])
+            self._release_claims([seq for _mid, _due, seq in claimed])
             raise
-        return outcomes, claimed, msg
+        return outcomes, claimed, msgs
+
+    def _record_at(self, due: int, sequence: int) -> records.Message | None:
+        """The MESSAGE record ``sequence`` in ``due``'s minute, or None."""
+        seg = self.schedule.get(bucket_of(due, self.config.scale_minutes))
+        frame = self.finder.find(seg, sequence) if seg is not None else None
+        if frame is None or frame.kind != RecordKind.MESSAGE:
+            return None
+        return records.decode_message(frame.body)
 
     _NOT_PENDING = {
         MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,
