@@ -172,6 +172,21 @@ def test_far_records_are_written_behind_until_checkpoint_or_a_reader(tmp_path):
     rig.close()
 
 
+def test_flush_bucket_now_writes_behind_records_only_when_the_append_lock_is_free(tmp_path):
+    rig = Rig(tmp_path)
+    far = naming.bucket_of(T0) + 30
+    rig.send([far * MIN + 5, far * MIN + 6])
+    rig.catch_up()
+    assert rig.it.written_behind(far)
+    with rig.it.append_lock:  # a step copying: the event loop must not wait for it
+        assert rig.it.flush_bucket_now(far) is False
+    assert sched_bytes(rig, far) == b"" and rig.it.written_behind(far)
+    assert rig.it.flush_bucket_now(far) is True
+    assert len(reader.frames(sched_bytes(rig, far))) == 2 and not rig.it.written_behind(far)
+    assert rig.it.flush_bucket_now(far + 1) is True  # nothing behind: nothing to do
+    rig.close()
+
+
 def test_write_behind_is_bounded(tmp_path):
     rig = Rig(tmp_path, write_behind_bytes=10_000)
     far = naming.bucket_of(T0) + 30
