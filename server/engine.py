@@ -566,6 +566,15 @@ class Engine:
             self.write_guard()
         return appended.first_sequence
 
+    async def wait_replicated(self) -> None:
+        """Sync mode: return once a slave has confirmed everything committed so far (at once
+        in async mode). A retried send answered as the duplicate of a message whose first
+        write was refused UNAVAILABLE for want of that confirmation must wait for it too:
+        it was acknowledged at once, so the promise of sync mode (an acknowledged write is
+        on a slave) did not hold for exactly the retries the refusal asks for."""
+        if self.replication_wait is not None:
+            await self.replication_wait(self.wal.committed_offset)
+
     def _far(self, due_ms: int) -> bool:
         """Whether ``due_ms`` is beyond the bucket the iterate service writes at once, even if
         the horizon moves on by a bucket meanwhile: records due then are written behind

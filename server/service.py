@@ -202,6 +202,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
             dedupe.failed(claim)
             raise
         dedupe.written(claim, first, batch.dues if keep is None else [batch.dues[k] for k in keep])
+        if dups:  # the originals may be durable on this server only (sync mode)
+            await self.engine.wait_replicated()
         return first, dups
 
     async def _append(self, batch: EncodedBatch, bodies: list[bytes]) -> int:
