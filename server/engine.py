@@ -635,6 +635,11 @@ class Engine:
         self._check_writable()
         outcomes, claimed = await self._claims(self._claim_cancels, targets, targets)
         if not claimed:
+            if CancelOutcome.ALREADY_CANCELLED in outcomes:
+                # maybe the retry of a cancel refused for want of a slave's confirmation (sync
+                # mode): its tombstone is durable here only; this answer must not say
+                # "cancelled" before a slave has it (a failover would deliver the message)
+                await self.wait_replicated()
             return outcomes
         # Tombstones of messages all due beyond the loading horizon may wait for the iterate
         # service as far-future sends do (expect_far: up to iterate_gather_far_ms), instead

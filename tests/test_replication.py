@@ -182,16 +182,23 @@ def test_sync_mode_acks_after_slave_and_times_out_without_one(tmp_path):
         with pytest.raises(errors.Unavailable, match="no slave confirmed"):
             c.send("s", b"x", delay_ms=1000, message_id="first")
         assert status(a.address).sync_timeouts == 2
+        # so with a cancel: its retry found the tombstone and said ALREADY_CANCELLED at once
+        with pytest.raises(errors.Unavailable, match="no slave confirmed"):
+            c.cancel("first")
+        with pytest.raises(errors.Unavailable, match="no slave confirmed"):
+            c.cancel("first")
+        assert status(a.address).sync_timeouts == 4
         with slave(tmp_path, a) as b:
             wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             again = c.send("s", b"x", delay_ms=1000, message_id="first")
-            assert status(b.address).last_sequence >= again.sequence == 1  # the original, now on the slave
+            assert again.sequence == 1 and status(b.address).last_sequence >= 2  # the original and its tombstone
+            assert c.cancel("first") == "ALREADY_CANCELLED"
             r = c.send("s", b"y", delay_ms=1000)
             # acknowledged only once the slave had it durable
             assert status(b.address).last_sequence >= r.sequence
             rs = c.send_many((c.message("s", b"z", delay_ms=1000) for _ in range(2000)), batch_size=200)
             assert status(b.address).last_sequence >= rs[-1].sequence
-            assert status(a.address).sync_timeouts == 2
+            assert status(a.address).sync_timeouts == 4
 
 
 def test_slave_without_token_is_refused(tmp_path):
