@@ -975,12 +975,14 @@ class Engine:
             again[first] = False
             repeats = list(zip(found[again].tolist(), found[first[inverse[again]]].tolist()))
         asked = found_seqs if keep is found else seqs[keep].tolist()
+        # their buckets: the claim looks only at what is in flight of those
+        buckets = np.unique(self._buckets(places.dues[keep])).tolist()
         if now:
-            got = sched.claim_cancels_now(asked)
+            got = sched.claim_cancels_now(asked, buckets)
             if got is None:
                 raise _NotNow
         else:
-            got = sched.claim_cancels(asked)
+            got = sched.claim_cancels(asked, buckets)
         # every one claimed (the usual batch): counted in C, no array of the answers
         mine = keep if got.count(sched.CLAIMED) == len(got) else keep[np.asarray(got, dtype=np.int64) == sched.CLAIMED]
         if len(mine) < len(keep):
@@ -1034,7 +1036,7 @@ class Engine:
         if seg is None or not self.finder.holds_one(seg, sequence, deliver_at_ms, message_id):
             raise _NotNow  # NOT_FOUND or an id reused: the id index and the record decide
         sched = self.scheduler
-        got = sched.claim_cancels_now([sequence])
+        got = sched.claim_cancels_now([sequence], (bucket,))
         if got is None:
             raise _NotNow
         if got[0] == sched.CLAIM_CANCELLING:
@@ -1087,7 +1089,7 @@ class Engine:
         if -1 in where:
             return None
         sched = self.scheduler
-        got = sched.claim_cancels_now(seqs)
+        got = sched.claim_cancels_now(seqs, groups)
         if got is None:
             raise _NotNow
         outcomes = [CancelOutcome.CANCELLED] * n

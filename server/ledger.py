@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import heapq
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import numpy as np
 
@@ -163,6 +163,11 @@ class Flight(Batch[int]):
 
 
 Acked = Taken[Flight, int]  # sequences of one flight an ack closed (``.batch``, ``.keys``, ``.start``)
+
+
+# ``in_flight_of``: past this many deliveries out in the buckets asked about, the groups'
+# indexes (built once, kept while asked) instead of a set of them made per question
+SCAN_MAX = 16384
 
 
 class AckLedger:
@@ -351,6 +356,35 @@ class AckLedger:
         sequences at once (``seq in m`` for each)."""
         return [g.index() for g in self._groups.values() if g.live]
 
+    def in_flight_of(self, buckets: Iterable[int]) -> list[Collection[int]]:
+        """Collections holding every sequence in flight (in some group) of ``buckets``: what
+        a Cancel of messages of those buckets must not claim (``seq in c`` for each).
+
+        The live sequences of those buckets' flights, where ``in_flight_maps`` builds an
+        index of everything in flight (with 200,000 out in another minute, the first Cancel
+        after the index was dropped paid ~20 ms for it, and keeping it cost every later
+        delivery a dictionary entry). The groups' indexes all the same when every group
+        keeps one (then a question costs nothing), or when the buckets have more than
+        ``SCAN_MAX`` out (a Cancel of the minute being delivered: built once, kept while
+        Cancels keep asking)."""
+        groups = self._groups
+        live = [g for g in groups.values() if g.live]
+        if all(g.has_index() for g in live):
+            return list(self.in_flight_maps())
+        flights: list[Flight] = []
+        for bucket in set(buckets):
+            for fl in self._of_bucket.get(bucket, ()):
+                if fl.left:
+                    grp = groups.get(fl.gid)
+                    if grp is not None and fl in grp.batches:
+                        flights.append(fl)
+        if sum(fl.left for fl in flights) > SCAN_MAX:
+            return list(self.in_flight_maps())
+        out: set[int] = set()
+        for fl in flights:
+            out.update(fl.live_keys())
+        return [out]
+
     def flights_listed(self) -> int:
         """Flights in the per-bucket lists (for tests: they leave with ``_deadlines``, so
         the lists do not outgrow what is in flight within one ack timeout)."""
@@ -360,11 +394,11 @@ class AckLedger:
         """Handed out to some group and not yet acknowledged. With the message's ``bucket``
         (a flight holds deliveries of one bucket) only that bucket's flights are looked at:
         a message of a bucket nothing was handed out from costs nothing, whatever is in
-        flight elsewhere. Without it, every group's (a kept index, or a search of every
-        flight)."""
-        if bucket is None:
-            return any(seq in g for g in self._groups.values())
+        flight elsewhere. Without it, or when every group keeps its index, every group's (a
+        kept index, or a search of every flight)."""
         groups = self._groups
+        if bucket is None or all(g.has_index() for g in groups.values() if g.live):
+            return any(seq in g for g in groups.values())  # (a kept index answers at once)
         for fl in self._of_bucket.get(bucket, ()):
             if not fl.left:
                 continue

@@ -30,7 +30,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_future
 from dataclasses import dataclass, field
@@ -812,7 +812,7 @@ class Scheduler:
     CLAIM_CANCELLING = claims.CLAIM_CANCELLING  # another Cancel claimed it already (or an earlier entry)
     CLAIM_OUT = claims.CLAIM_OUT  # handed out and not acknowledged, or its dead-letter copy is being written
 
-    def claim_cancels(self, sequences: list[int]) -> list[int]:
+    def claim_cancels(self, sequences: list[int], buckets: Iterable[int] | None = None) -> list[int]:
         """Claim each sequence for a Cancel: one of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each.
 
         The claims go on the scheduler's queue as one request (``call``) and the caller (a
@@ -820,10 +820,14 @@ class Scheduler:
         acks posted before (an ack before this Cancel counts), never inside a dispatch
         round's hand-out, so a claimed message is never handed out afterwards. It stays
         claimed until its tombstone has passed the iterate service (``on_written``) or
-        ``release_cancels``."""
-        return self.call(lambda: self._claim(sequences))
+        ``release_cancels``.
 
-    def claim_cancels_now(self, sequences: list[int]) -> list[int] | None:
+        ``buckets``: the buckets of the messages claimed (their due minutes), when the caller
+        knows them: only the deliveries in flight of those buckets are then looked at, not
+        everything in flight."""
+        return self.call(lambda: self._claim(sequences, buckets))
+
+    def claim_cancels_now(self, sequences: list[int], buckets: Iterable[int] | None = None) -> list[int] | None:
         """``claim_cancels`` for the event loop (``Engine._claims``): applied at once if the
         lock is free, after what was posted before (as ``call`` applies it), else None and
         nothing claimed (the caller claims from a worker thread). Never waits for the lock."""
@@ -831,12 +835,14 @@ class Scheduler:
             return None
         try:
             self._drain()
-            return self._claim(sequences)
+            return self._claim(sequences, buckets)
         finally:
             self.lock.release()
 
-    def _claim(self, sequences: list[int]) -> list[int]:
-        return self.claims.claim(sequences, [self.dead_letters.writing, *self.ledger.in_flight_maps()])
+    def _claim(self, sequences: list[int], buckets: Iterable[int] | None = None) -> list[int]:
+        ledger = self.ledger
+        out = ledger.in_flight_maps() if buckets is None else ledger.in_flight_of(buckets)
+        return self.claims.claim(sequences, [self.dead_letters.writing, *out])
 
     def release_cancels(self, sequences: list[int]) -> None:
         """Give back claims whose tombstones will not be written (or were not needed): the

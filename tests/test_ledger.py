@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from qdelay.server import ledger as ledger_mod
 from qdelay.server import stretches as stretches_mod
 from qdelay.server.ledger import AckLedger, Flight
 
@@ -190,6 +191,12 @@ class LedgerMachine(RuleBasedStateMachine):
         """Kept indexes dropped early or late: both must answer the same."""
         stretches_mod.INDEX_IDLE_MIN = 4 if small else 65536
 
+    @rule(small=st.booleans())
+    def scan_threshold(self, small: bool) -> None:
+        """A Cancel's question answered by the groups' indexes past a few out in its
+        buckets, or by the buckets' flights: both must answer the same."""
+        ledger_mod.SCAN_MAX = 3 if small else 16384
+
     @invariant()
     def questions_agree(self) -> None:
         led = self.ledger
@@ -202,12 +209,18 @@ class LedgerMachine(RuleBasedStateMachine):
             assert led.is_in_flight(q) == (q in flying)
             # asked with the message's bucket (as Get asks): only that bucket's flights
             assert led.is_in_flight(q, bucket_of(q)) == (q in flying)
-            assert not led.is_in_flight(q, 99)
+        # a Cancel's question, with the buckets of its targets (as the engine asks it)
+        for buckets in ({7}, {8}, {7, 8}, {99}):
+            got = led.in_flight_of(buckets)
+            for q in range(1, self.next_seq + 1):
+                if bucket_of(q) in buckets:
+                    assert any(q in c for c in got) == (q in flying)
         maps = led.in_flight_maps()
         assert {q for m in maps for q in m} == flying
 
     def teardown(self) -> None:
         stretches_mod.INDEX_IDLE_MIN = 65536
+        ledger_mod.SCAN_MAX = 16384
 
 
 LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -301,3 +314,19 @@ def test_a_get_looks_at_the_flights_of_its_bucket_only():
     led.hand_out([d], TIMEOUT + 1)
     assert [q for q, _item in led.expired(TIMEOUT + 1)] == [6, 7]
     assert led.flights_listed() == 0 and not led.is_in_flight(6, 7)
+
+
+def test_a_cancel_of_another_minute_builds_no_index():
+    """A Cancel's "is it out?" with its targets' buckets: a minute with nothing out costs
+    no index of what is out elsewhere (the first Cancel after an index was dropped built
+    one of every delivery in flight, and keeping it cost every later delivery a
+    dictionary entry); a minute with many out uses the groups' indexes, kept while asked."""
+    led = AckLedger()
+    many = [
+        Flight(7, 1, 1, 0, list(range(k, k + 100)), [0] * 100, [0] * 100, [1] * 100, [b""] * 100)
+        for k in range(1, 20_001, 100)
+    ]
+    led.hand_out(many, TIMEOUT)
+    assert led.in_flight_of([8]) == [set()] and not led.has_index(1)
+    got = led.in_flight_of([7])  # 20,000 out in minute 7: past SCAN_MAX
+    assert led.has_index(1) and all(any(q in c for c in got) for q in (1, 20_000))
