@@ -13,6 +13,8 @@ level N of ``--levels``; at each level, on the same server:
 - ``send_batch`` of 100, one call in flight (a generated client's shape), 1/5 of the count;
 - ``client.send()`` from 16 threads (the client gathers them into SendStream batches),
   1/20 of the count;
+- unary ``Send`` through the generated stub, one call at a time, 1/200 of the count: p50
+  and server CPU per call;
 - a re-send of 10,000 ids already pending, in batches of 100 (every one a duplicate: the
   index hit, the message's state read, the original receipt answered), per message;
 - Get by id, one call at a time on an idle server: p50/p99 (by receipt is bench.cancel's);
@@ -134,6 +136,24 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     row["send16_msgs_per_s"] = n / m.wall
                     row["send16_cpu_us"] = m.cpu / n * 1e6
 
+                    # unary Send through the generated stub, one call at a time: no batching at all
+                    n = max(50, messages // 200)
+                    unary = fresh(n, "u")
+                    with Meter(server.pid) as m:
+                        lat = _timed_calls(
+                            lambda o: c.stub.Send(
+                                pb.SendRequest(
+                                    message=c.message(
+                                        o.subject, o.payload, deliver_at_ms=o.deliver_at_ms, message_id=o.message_id
+                                    )
+                                ),
+                                timeout=30,
+                            ),
+                            unary,
+                        )
+                    row["unary_p50_ms"] = percentile(lat, 50)
+                    row["unary_cpu_us"] = m.cpu / n * 1e6
+
                     # re-sends of pending ids (from the fill when there is one): all duplicates
                     rng = random.Random(level)
                     # from the fill when there is one, else from this level's send_many
@@ -205,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         "µs CPU",
         "send() x16 msgs/s",
         "µs CPU",
+        "unary Send p50 ms",
+        "µs CPU",
         "re-send (dup) µs CPU",
         "Get by id p50/p99 ms",
         "Reschedule by id p50 ms",
@@ -223,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             r["batch_cpu_us"],
             r["send16_msgs_per_s"],
             r["send16_cpu_us"],
+            r["unary_p50_ms"],
+            r["unary_cpu_us"],
             r["resend_cpu_us"],
             f"{r['get_by_id_p50_ms']:.2f} / {r['get_by_id_p99_ms']:.2f}",
             r["reschedule_by_id_p50_ms"],
