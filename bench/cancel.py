@@ -11,11 +11,15 @@ each bucket size N, two minutes an hour ahead with N messages each:
   for both, what the machine explains of the tail (``bench.common.timed_calls``): the p99
   less each call's longest run-queue wait of one server or client thread, and the share of
   the slowest 1 % that had such a wait of at least half their excess over the p50;
-  Reschedule of random receipts from 16 threads (an hour later): reschedules/s and CPU;
+  ``client.reschedule`` of random receipts from 16 threads (an hour later; the client
+  gathers concurrent reschedules into RescheduleBatch calls, as it gathers cancels):
+  reschedules/s and server CPU, and as many, same moment, from a ``batching=False``
+  client (a unary Reschedule call each);
   ``client.cancel`` of random receipts from 16 threads (the client gathers concurrent
   cancels into CancelBatch calls, as it gathers sends): cancels/s and server CPU;
 - in the second: CancelBatch of ``--batch`` receipts per call, one call in flight, of
-  ``--cancels`` random receipts: cancels/s and server CPU per cancel;
+  ``--cancels`` random receipts: cancels/s and server CPU per cancel; and
+  ``reschedule_many`` (RescheduleBatch of ``--batch``) of ``--reschedules`` others;
 - ``qdelay.aio`` ``client.cancel`` of random receipts from ``--aio-tasks`` asyncio tasks (64),
   gathered into CancelBatch calls and, same run, unary (``batching=False``): cancels/s and
   server CPU per cancel, ``--cancels`` of each (fewer when the minute is small);
@@ -73,15 +77,17 @@ def _fill(client: Client, n: int, minute_start: int, tag: str) -> list:
     return list(client.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=300))
 
 
-def _calls(client: Client) -> tuple[int, int]:
-    """(calls of the blocking client's ``cancel()`` batcher, batches of its ``send()`` batcher)
-    made so far, read from the batchers' counters (0 before the first): how many targets or
-    messages a gathered call carried in a phase (each phase's rate is one call's cycle
-    times that)."""
+def _calls(client: Client) -> tuple[int, int, int]:
+    """(calls of the blocking client's ``cancel()`` batcher, batches of its ``send()`` batcher,
+    calls of its ``reschedule()`` batcher) made so far, read from the batchers' counters (0
+    before the first): how many targets or messages a gathered call carried in a phase (each
+    phase's rate is one call's cycle times that)."""
     canceller, sender = getattr(client, "_canceller", None), getattr(client, "_batcher", None)
+    mover = getattr(client, "_rescheduler", None)
     return (
         canceller.batches if canceller is not None else 0,
         sender.batches if sender is not None else 0,
+        mover.batches if mover is not None else 0,
     )
 
 
@@ -160,10 +166,18 @@ def run(
                     floor = timed_calls(lambda _r: c.health(), get_set, probe)
                     probe.close()
 
+                    # half gathered (the client's default), half unary (batching=False), same moment
+                    gathered_set, unary_r_set = resched_set[::2], resched_set[1::2]
                     moved: list[str] = []
+                    calls_r0 = _calls(c)[2]
                     with Meter(server.pid) as mr:
                         wall_r = threads(
-                            16, lambda r, out=moved: out.append(c.reschedule(r, delay_ms=7_200_000)[0]), resched_set
+                            16, lambda r, out=moved: out.append(c.reschedule(r, delay_ms=7_200_000)[0]), gathered_set
+                        )
+                    resched_calls = _calls(c)[2] - calls_r0
+                    with Client(address, timeout=120, batching=False) as cu, Meter(server.pid) as mru:
+                        wall_ru = threads(
+                            16, lambda r, out=moved: out.append(cu.reschedule(r, delay_ms=7_200_000)[0]), unary_r_set
                         )
                     if any(o != "RESCHEDULED" for o in moved):
                         raise SystemExit(f"reschedule answered {sorted(set(moved))}")
@@ -194,8 +208,11 @@ def run(
                         "unary_cancels_a_call": len(unary_set) / max(1, cancel_calls),
                         "beside_sends_per_s": len(beside) / wall_bs if beside else 0,
                         "beside_send_cpu_us": mbs.cpu / len(beside) * 1e6 if beside else 0,
-                        "reschedules_per_s": len(resched_set) / wall_r if resched_set else 0,
-                        "reschedule_cpu_us": mr.cpu / len(resched_set) * 1e6 if resched_set else 0,
+                        "reschedules_per_s": len(gathered_set) / wall_r if gathered_set else 0,
+                        "reschedule_cpu_us": mr.cpu / len(gathered_set) * 1e6 if gathered_set else 0,
+                        "reschedules_a_call": len(gathered_set) / max(1, resched_calls),
+                        "unary_reschedules_per_s": len(unary_r_set) / wall_ru if unary_r_set else 0,
+                        "unary_reschedule_cpu_us": mru.cpu / len(unary_r_set) * 1e6 if unary_r_set else 0,
                     }
                     for how, targets in aio_sets.items():
                         if targets:
@@ -212,6 +229,18 @@ def run(
                             raise SystemExit(f"cancel_many answered {bad[:3]} ({len(bad)} not CANCELLED)")
                         row["batch_cancels_per_s"] = len(batch_set) / mb.wall
                         row["batch_cpu_us"] = mb.cpu / len(batch_set) * 1e6
+                    chosen = {r.sequence for r in batch_set}
+                    move_set = [r for r in batch_pool if r.sequence not in chosen][:resched]
+                    if hasattr(c, "reschedule_many") and move_set:
+                        with Meter(server.pid) as mrb:
+                            res2 = []
+                            for i in range(0, len(move_set), batch):
+                                part = c.reschedule_many(move_set[i : i + batch], delay_ms=7_200_000)
+                                res2.extend(o for o, _r in part)
+                        if any(o != "RESCHEDULED" for o in res2):
+                            raise SystemExit(f"reschedule_many answered {sorted(set(res2))}")
+                        row["batch_reschedules_per_s"] = len(move_set) / mrb.wall
+                        row["batch_reschedule_cpu_us"] = mrb.cpu / len(move_set) * 1e6
                     rows.append(row)
 
                 # yardsticks, same run: unary Send from 16 threads, batched send's CPU
@@ -246,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         help="cancels per size, unary (16 threads) and batched (each); 0 with --reschedules 0 --aio-tasks 0: Get only",
     )
     ap.add_argument("--gets", type=int, default=500, help="Get calls per size (one at a time)")
-    ap.add_argument("--reschedules", type=int, default=1000, help="Reschedule calls per size (16 threads)")
+    ap.add_argument(
+        "--reschedules",
+        type=int,
+        default=1000,
+        help="reschedule() calls per size from 16 threads (half gathered, half unary), and as many in RescheduleBatch",
+    )
     ap.add_argument("--batch", type=int, default=1000, help="targets per CancelBatch call")
     ap.add_argument("--pending", type=int, default=0, help="far-future messages sent first (e.g. 1000000)")
     ap.add_argument("--aio-tasks", type=int, default=64, help="asyncio tasks cancelling (0: no asyncio phase)")
@@ -317,6 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                 f" {r['beside_sends_per_s']:,.0f}/s at {r['beside_send_cpu_us']:.0f} µs:"
                 f" cancel/send {r['unary_cancels_per_s'] / r['beside_sends_per_s']:.2f}"
                 f" (against the run's yardstick: {r['unary_cancels_per_s'] / r['unary_sends_per_s']:.2f})"
+            )
+    for r in rows:
+        if r.get("unary_reschedules_per_s"):
+            print(
+                f"N {r['bucket_size']:,}: reschedule() x16 threads gathered {r['reschedules_per_s']:,.0f}/s at"
+                f" {r['reschedule_cpu_us']:.0f} µs CPU ({r['reschedules_a_call']:.1f} a call);"
+                f" unary (batching=False) {r['unary_reschedules_per_s']:,.0f}/s at"
+                f" {r['unary_reschedule_cpu_us']:.0f} µs CPU; reschedule_many of {args.batch}:"
+                f" {r.get('batch_reschedules_per_s', float('nan')):,.0f}/s at"
+                f" {r.get('batch_reschedule_cpu_us', float('nan')):.1f} µs CPU"
             )
     for r in rows:
         if "aio_batched_cancels_per_s" in r:

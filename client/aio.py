@@ -33,7 +33,7 @@ import grpc
 
 from qdelay import errors
 from qdelay.client import client as blocking
-from qdelay.client.batching import MAX_BACKOFF, Batching, CancelBatcher, SendBatcher
+from qdelay.client.batching import MAX_BACKOFF, Batching, CancelBatcher, RescheduleBatcher, SendBatcher
 from qdelay.client.client import (
     CANCEL_OUTCOMES,
     DEFAULT_TARGET,
@@ -47,6 +47,8 @@ from qdelay.client.client import (
     deadline_exceeded,
     deliveries_of,
     outgoing,
+    reschedule_batcher,
+    reschedule_when,
     translate,
 )
 from qdelay.client.types import (
@@ -60,6 +62,7 @@ from qdelay.client.types import (
     cancel_request,
     keepalive_options,
     ref_or_id,
+    reschedule_batches,
     reschedule_request,
     reschedule_result,
     stats_dict,
@@ -126,6 +129,7 @@ class Client:
         self.batching = Batching() if batching is True else (batching or None)
         self._batcher: SendBatcher | None = None
         self._canceller: CancelBatcher | None = None  # concurrent cancel() calls share CancelBatch calls
+        self._rescheduler: RescheduleBatcher | None = None  # and reschedule() calls RescheduleBatch calls
         self._consumers: set[Consumer] = set()
 
     # ------------------------------------------------------------------ plumbing
@@ -144,6 +148,9 @@ class Client:
         if self._canceller is not None:
             canceller, self._canceller = self._canceller, None
             await canceller.close()
+        if self._rescheduler is not None:
+            rescheduler, self._rescheduler = self._rescheduler, None
+            await rescheduler.close()
         await self.channel.close()
 
     async def __aenter__(self) -> Client:
@@ -272,12 +279,39 @@ class Client:
         """Move a pending message to a new due time: ('RESCHEDULED', its new receipt), or
         ('ALREADY_DELIVERED' | 'CANCELLED' | 'NOT_FOUND', None). ``target`` is anything
         :meth:`cancel` takes; the time as for :meth:`send` (one of them). The message keeps
-        its id; it is never delivered at the old time once this returns RESCHEDULED."""
-        if delay is None and delay_ms is None and deliver_at is None and deliver_at_ms is None:
-            raise errors.InvalidArgument("reschedule: give the new time (delay, delay_ms, deliver_at or deliver_at_ms)")
-        o = outgoing("x", b"", delay, delay_ms, deliver_at, deliver_at_ms, None, "")
-        req = reschedule_request(target, (o.deliver_at_ms, o.delay_ms))
-        return reschedule_result(await self._call(self.stub.Reschedule, req, timeout))
+        its id; it is never delivered at the old time once this returns RESCHEDULED.
+
+        With batching (the default) reschedules awaited at the same moment by many tasks
+        share RescheduleBatch calls, as in the blocking client (same class:
+        :class:`~qdelay.client.batching.RescheduleBatcher`); each task gets its own answer
+        or its own error, within its own ``timeout``. ``batching=False``: one unary
+        Reschedule per call."""
+        req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms))
+        if self.batching is None:
+            return reschedule_result(await self._call(self.stub.Reschedule, req, timeout))
+        if self._rescheduler is None:
+            self._rescheduler = reschedule_batcher(self.stub, self, self.batching)
+        return reschedule_result(await self._rescheduler.reschedule(req, timeout or self.timeout))
+
+    async def reschedule_many(
+        self,
+        targets: Iterable[Target],
+        *,
+        delay: timedelta | None = None,
+        delay_ms: int | timedelta | None = None,
+        deliver_at: datetime | None = None,
+        deliver_at_ms: int | None = None,
+        timeout: float | None = None,
+        batch_size: int = 1000,
+    ) -> list[tuple[str, Receipt | None]]:
+        """As the blocking client's ``reschedule_many``: many messages moved to one new time
+        with RescheduleBatch calls of up to ``batch_size`` targets, one answer each, in order."""
+        out: list[tuple[str, Receipt | None]] = []
+        when = reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms)
+        for req in reschedule_batches(targets, when, batch_size):
+            resp = await self._call(self.stub.RescheduleBatch, req, timeout)
+            out.extend(reschedule_result(r) for r in resp.responses)
+        return out
 
     async def get(
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None

@@ -1,7 +1,8 @@
-"""Batching behind ``send()`` and ``cancel()``: concurrent sends gathered into SendStream
-batches (:class:`SendBatcher`), concurrent cancels into CancelBatch requests on one
-CancelStream (:class:`CancelBatcher` with :class:`CancelStreamCall`, whose docstrings tell
-their policy). What follows is the send path.
+"""Batching behind ``send()``, ``cancel()`` and ``reschedule()``: concurrent sends gathered
+into SendStream batches (:class:`SendBatcher`), concurrent cancels into CancelBatch requests
+on one CancelStream (:class:`CancelBatcher` with :class:`CancelStreamCall`), concurrent
+reschedules into RescheduleBatch calls (:class:`RescheduleBatcher`; both gather as
+:class:`TargetBatcher` does, whose docstring tells the policy). What follows is the send path.
 
 One Python gRPC call costs the server ~0.35-0.6 ms of CPU whatever the message, so many
 concurrent single sends (an order service: one delay message per request) are carried as
@@ -591,18 +592,19 @@ class SendBatcher:
                     _reject(e.future, error)
 
 
-class _Cancel:
+class _Target:
     __slots__ = ("request", "future", "deadline")
 
-    def __init__(self, request: pb.CancelRequest, future: AnyFuture, deadline: float | None) -> None:
+    def __init__(self, request: Any, future: AnyFuture, deadline: float | None) -> None:
         self.request = request
-        self.future = future  # asyncio.Future (a task's cancel) or Waiter (a thread's)
+        self.future = future  # asyncio.Future (a task's call) or Waiter (a thread's)
         self.deadline = deadline  # time.monotonic() at which its caller gives up; None: never
 
 
 # a call of the client (its retries included): (request, timeout) -> the response
-BatchCall = Callable[[pb.CancelBatchRequest, float | None], Awaitable[pb.CancelBatchResponse]]
-SingleCall = Callable[[pb.CancelRequest, float | None], Awaitable[pb.CancelResponse]]
+# (CancelBatch / RescheduleBatch, and Cancel / Reschedule for one target)
+BatchCall = Callable[[Any, float | None], Awaitable[Any]]
+SingleCall = Callable[[Any, float | None], Awaitable[Any]]
 
 _CANCELLED = pb.CancelResponse.CANCELLED
 _ALREADY_CANCELLED = pb.CancelResponse.ALREADY_CANCELLED
@@ -803,8 +805,13 @@ def _as_first_try(response: pb.CancelBatchResponse) -> pb.CancelBatchResponse:
     )
 
 
-class CancelBatcher:
-    """Concurrent ``cancel()`` calls carried as CancelBatch requests, on one event loop: the
+class TargetBatcher:
+    """Concurrent calls that each name one message (``cancel()``, ``reschedule()``) carried
+    as batch requests (CancelBatch, RescheduleBatch), on one event loop; the subclasses say
+    which request and how an answer reads (:class:`CancelBatcher`, :class:`RescheduleBatcher`).
+    The policy, told below for cancels, is the same for both.
+
+    Concurrent ``cancel()`` calls carried as CancelBatch requests, on one event loop: the
     asyncio client's on the user's loop, the blocking client's on its private I/O loop
     (threads hand their cancels over with :meth:`submit_threadsafe`, as their sends). With
     ``stream`` (the clients' default) every batch, a lone cancel's too, is a request on one
@@ -830,11 +837,24 @@ class CancelBatcher:
 
     A batch refused as a whole (one bad target is INVALID_ARGUMENT for all; by id on a
     server without the id index; a server without CancelBatch) goes again one Cancel per
-    target still awaited, so that each caller gets its own answer or its own error. An
+    target still awaited, so that each caller gets its own answer or its own error (a
+    server without the batch RPC, UNIMPLEMENTED, gets single calls from then on). An
     error after the client's retries (UNAVAILABLE, the call's deadline) is every caller's
     of that call, as it would have been each one's.
 
     State has one owner: the runner task cuts the calls; callers only append and wake it."""
+
+    KIND = "CancelBatch"  # the batch RPC, in messages
+
+    @staticmethod
+    def _batch_request(requests: list) -> Any:
+        """The batch request carrying ``requests`` (one per target, in order)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _answer(response: Any) -> Any:
+        """What a caller gets from its target's response (a batch's item or a single call's)."""
+        raise NotImplementedError
 
     def __init__(
         self,
@@ -854,7 +874,7 @@ class CancelBatcher:
         self.max_in_flight = max_in_flight
         self.linger = linger
         self._timers = _Deadlines(timeout_error)
-        self._queue: deque[_Cancel] = deque()
+        self._queue: deque[_Target] = deque()
         # threads hand cancels over through _inbox; one call_soon_threadsafe wakes the loop per burst
         self._inbox = Inbox(self._take_handed)
         self._wakeup = asyncio.Event()
@@ -866,14 +886,15 @@ class CancelBatcher:
         # it once that many are queued, not once each (1: every cancel wakes it)
         self._want = 1
         self._closing = False
-        self.calls = 0  # CancelBatch calls made (a figure for tests and benchmarks)
+        self._single_only = False  # the server has no batch RPC (UNIMPLEMENTED): single calls
+        self.calls = 0  # batch calls made (a figure for tests and benchmarks)
         self.batches = 0  # calls made, single Cancels included
         self.carried = 0  # targets they carried
 
     # ------------------------------------------------------------------ callers
-    async def cancel(self, request: pb.CancelRequest, timeout: float | None = None) -> int:
-        """On the batcher's loop: the outcome (CancelResponse.Outcome number) of one target,
-        or its error; after ``timeout`` seconds the ``timeout_error``."""
+    async def call(self, request: Any, timeout: float | None = None) -> Any:
+        """On the batcher's loop: the answer (``_answer``) of one target, or its error;
+        after ``timeout`` seconds the ``timeout_error``."""
         if self._closing:
             raise errors.FailedPrecondition("the client is closed")
         loop = asyncio.get_running_loop()
@@ -882,22 +903,20 @@ class CancelBatcher:
         if timeout is not None:
             deadline = time.monotonic() + timeout
             self._timers.arm(loop, future, loop.time() + timeout, timeout)
-        self._queue.append(_Cancel(request, future, deadline))
+        self._queue.append(_Target(request, future, deadline))
         self._wake(loop)
         return await future  # a cancelled task cancels the future: left out if not yet cut
 
-    def submit_threadsafe(
-        self, loop: asyncio.AbstractEventLoop, request: pb.CancelRequest, timeout: float | None
-    ) -> Waiter:
+    def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, request: Any, timeout: float | None) -> Waiter:
         """From any thread: queue one target on ``loop`` (the batcher's); the Waiter of its
-        outcome. The thread waits on it with its own timeout (and so gives up)."""
+        answer. The thread waits on it with its own timeout (and so gives up)."""
         if self._closing:
             raise errors.FailedPrecondition("the client is closed")
         waiter = Waiter()
-        self._inbox.put(loop, _Cancel(request, waiter, None if timeout is None else time.monotonic() + timeout))
+        self._inbox.put(loop, _Target(request, waiter, None if timeout is None else time.monotonic() + timeout))
         return waiter
 
-    def _take_handed(self, targets: list[_Cancel]) -> None:
+    def _take_handed(self, targets: list[_Target]) -> None:
         self._queue.extend(targets)
         self._wake(asyncio.get_running_loop())
 
@@ -905,7 +924,7 @@ class CancelBatcher:
         if len(self._queue) >= self._want:  # else the runner gathers on
             self._wakeup.set()
         if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run(), name="qdelay-cancel-batcher")
+            self._task = loop.create_task(self._run(), name=f"qdelay-{self.KIND}-batcher")
 
     async def close(self) -> None:
         """Carry what is queued, wait for the calls under way."""
@@ -945,7 +964,7 @@ class CancelBatcher:
                 # while a call is unanswered, fill the next for ``linger`` (up to max_batch);
                 # else gather the last call's callers, who are coming back, until they are
                 await self._gather(self.max_batch if self._under_way else min(self._last, self.max_batch))
-            batch: list[_Cancel] = []
+            batch: list[_Target] = []
             while queue and len(batch) < self.max_batch:  # no await: nothing is between queue and call
                 e = queue.popleft()
                 if not e.future.done():
@@ -981,7 +1000,7 @@ class CancelBatcher:
             self._pull_inbox()  # handed over while wake_at was above 1 and not enough to wake the loop
 
     @staticmethod
-    def _left(batch: list[_Cancel]) -> float | None:
+    def _left(batch: list[_Target]) -> float | None:
         """The call's timeout: until the last of its callers still waiting gives up (None:
         one waits without a deadline, the client's default timeout applies)."""
         deadlines = [e.deadline for e in batch if not e.future.done()]
@@ -989,26 +1008,31 @@ class CancelBatcher:
             return None
         return max(0.001, max(cast("list[float]", deadlines)) - time.monotonic())
 
-    async def _carry(self, batch: list[_Cancel]) -> None:
+    async def _carry(self, batch: list[_Target]) -> None:
         self.batches += 1
         self.carried += len(batch)
         try:
             try:
-                if len(batch) == 1 and self._stream is None:
-                    outcomes = [int((await self._single_call(batch[0].request, self._left(batch))).outcome)]
+                if (len(batch) == 1 and self._stream is None) or self._single_only:
+                    if len(batch) > 1:  # a server without the batch RPC: each its own call
+                        await asyncio.gather(*(self._one(e) for e in batch if not e.future.done()))
+                        return
+                    outcomes = [self._answer(await self._single_call(batch[0].request, self._left(batch)))]
                 else:
                     self.calls += 1
-                    request = pb.CancelBatchRequest(requests=[e.request for e in batch])
+                    request = self._batch_request([e.request for e in batch])
                     responses = (await self._batch_call(request, self._left(batch))).responses
                     if len(responses) != len(batch):
                         got = len(responses)
-                        raise errors.InvariantViolation(f"CancelBatch answered {got} of {len(batch)} targets")
-                    outcomes = [int(r.outcome) for r in responses]
+                        raise errors.InvariantViolation(f"{self.KIND} answered {got} of {len(batch)} targets")
+                    outcomes = [self._answer(r) for r in responses]
             except errors.Unavailable as err:  # retried already (a deadline is one): every caller's
                 for e in batch:
                     _reject(e.future, err)
                 return
             except Exception as err:  # noqa: BLE001 - a refusal of the whole call: one by one
+                if getattr(err, "code", None) == grpc.StatusCode.UNIMPLEMENTED and len(batch) > 1:
+                    self._single_only = True
                 if len(batch) == 1:
                     _reject(batch[0].future, err)
                     return
@@ -1041,10 +1065,56 @@ class CancelBatcher:
         self._want = total
         self._inbox.wake_at = max(1, total - len(self._queue))
 
-    async def _one(self, e: _Cancel) -> None:
+    async def _one(self, e: _Target) -> None:
         try:
-            outcome = int((await self._single_call(e.request, self._left([e]))).outcome)
+            outcome = self._answer(await self._single_call(e.request, self._left([e])))
         except Exception as err:  # noqa: BLE001 - that caller's own error
             _reject(e.future, err)
             return
         _resolve(e.future, outcome)
+
+
+class CancelBatcher(TargetBatcher):
+    """``cancel()``'s batcher: CancelBatch requests (on a CancelStream with ``stream``),
+    a lone cancel a Cancel call; each caller gets its CancelResponse.Outcome number."""
+
+    KIND = "CancelBatch"
+
+    @staticmethod
+    def _batch_request(requests: list) -> pb.CancelBatchRequest:
+        return pb.CancelBatchRequest(requests=requests)
+
+    @staticmethod
+    def _answer(response: pb.CancelResponse) -> int:
+        return int(response.outcome)
+
+    async def cancel(self, request: pb.CancelRequest, timeout: float | None = None) -> int:
+        """On the batcher's loop: the outcome (CancelResponse.Outcome number) of one target,
+        or its error; after ``timeout`` seconds the ``timeout_error``."""
+        return await self.call(request, timeout)
+
+
+class RescheduleBatcher(TargetBatcher):
+    """``reschedule()``'s batcher: concurrent reschedules share RescheduleBatch calls (one
+    group commit for all their moves; a lone one is a Reschedule call), and each caller
+    gets its own RescheduleResponse. No stream: a call costs the server ~0.3-0.4 ms of CPU
+    whatever it carries, a move in a batch a small part of that.
+
+    A RescheduleBatch tried again after UNAVAILABLE (the client's retries) may find a
+    target already moved by the try whose answer was lost: that one answers CANCELLED (its
+    old receipt's message is gone), as a unary Reschedule tried again does."""
+
+    KIND = "RescheduleBatch"
+
+    @staticmethod
+    def _batch_request(requests: list) -> pb.RescheduleBatchRequest:
+        return pb.RescheduleBatchRequest(requests=requests)
+
+    @staticmethod
+    def _answer(response: pb.RescheduleResponse) -> pb.RescheduleResponse:
+        return response
+
+    async def reschedule(self, request: pb.RescheduleRequest, timeout: float | None = None) -> pb.RescheduleResponse:
+        """On the batcher's loop: the response of one move, or its error; after ``timeout``
+        seconds the ``timeout_error``."""
+        return await self.call(request, timeout)

@@ -38,7 +38,7 @@ import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
-from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, SendBatcher
+from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, RescheduleBatcher, SendBatcher
 from qdelay.client.handoff import WaitTimeout
 from qdelay.client.types import (
     KEEPALIVE_S,
@@ -53,6 +53,7 @@ from qdelay.client.types import (
     cancel_request,
     keepalive_options,
     ref_or_id,
+    reschedule_batches,
     reschedule_request,
     reschedule_result,
     stats_dict,
@@ -239,6 +240,40 @@ def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batc
     )
 
 
+def reschedule_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batching) -> RescheduleBatcher:
+    """``reschedule()``'s batcher on a grpc.aio ``stub`` with a client's ``settings``, as
+    :func:`cancel_batcher`: RescheduleBatch calls, a lone reschedule a Reschedule call."""
+
+    def call(method: Callable[..., Any]) -> Callable[[Any, float | None], Any]:
+        return lambda request, timeout: call_async(
+            method,
+            request,
+            timeout or settings.timeout,
+            settings.metadata,
+            settings.retries,
+            settings.retry_backoff,
+        )
+
+    return RescheduleBatcher(
+        call(stub.RescheduleBatch),
+        call(stub.Reschedule),
+        max_batch=batching.max_batch,
+        linger=batching.linger,
+        timeout_error=deadline_exceeded,
+    )
+
+
+def reschedule_when(
+    delay: timedelta | None, delay_ms: int | timedelta | None, deliver_at: datetime | None, deliver_at_ms: int | None
+) -> tuple[int | None, int | None]:
+    """(deliver_at_ms, delay_ms) of a reschedule's new time, given as for ``send`` (one of
+    them)."""
+    if delay is None and delay_ms is None and deliver_at is None and deliver_at_ms is None:
+        raise errors.InvalidArgument("reschedule: give the new time (delay, delay_ms, deliver_at or deliver_at_ms)")
+    o = outgoing("x", b"", delay, delay_ms, deliver_at, deliver_at_ms, None, "")
+    return o.deliver_at_ms, o.delay_ms
+
+
 # SendBatchRequest.compact_receipts = true (field 2, varint)
 _COMPACT_RECEIPTS = b"\x10\x01"
 _SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
@@ -423,6 +458,7 @@ class Client:
         self._batcher: SendBatcher | None = None  # lives on the bulk loop, made by the first send
         # concurrent cancel() calls share CancelBatch calls on the bulk loop, as sends share batches
         self._canceller: CancelBatcher | None = None
+        self._rescheduler: RescheduleBatcher | None = None  # reschedule()'s, as cancel()'s
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
@@ -439,7 +475,7 @@ class Client:
     def close(self) -> None:
         """Waits for the answers of sends and cancels still queued in the batching paths,
         then closes."""
-        for name in ("_batcher", "_canceller"):
+        for name in ("_batcher", "_canceller", "_rescheduler"):
             batcher = getattr(self, name)
             if batcher is not None:
                 setattr(self, name, None)
@@ -768,12 +804,55 @@ class Client:
         """Move a pending message to a new due time: ('RESCHEDULED', its new receipt), or
         ('ALREADY_DELIVERED' | 'CANCELLED' | 'NOT_FOUND', None). ``target`` is anything
         :meth:`cancel` takes; the time as for :meth:`send` (one of them). The message keeps
-        its id; it is never delivered at the old time once this returns RESCHEDULED."""
-        if delay is None and delay_ms is None and deliver_at is None and deliver_at_ms is None:
-            raise errors.InvalidArgument("reschedule: give the new time (delay, delay_ms, deliver_at or deliver_at_ms)")
-        o = outgoing("x", b"", delay, delay_ms, deliver_at, deliver_at_ms, None, "")
-        req = reschedule_request(target, (o.deliver_at_ms, o.delay_ms))
-        return reschedule_result(self._call(self.stub.Reschedule, req, timeout))
+        its id; it is never delivered at the old time once this returns RESCHEDULED.
+
+        With batching (the default) reschedules made at the same moment from many threads
+        share RescheduleBatch calls (:class:`~qdelay.client.batching.RescheduleBatcher`, the
+        policy of ``cancel()``'s); each caller gets its own answer or its own error, within
+        its own ``timeout`` (DeadlineExceeded after it: whether it moved is then unknown, as
+        for a unary call that timed out; its receipt, or a Get by id, tells).
+        ``batching=False``: one unary Reschedule per call."""
+        req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms))
+        if self.batching is None:
+            return reschedule_result(self._call(self.stub.Reschedule, req, timeout))
+        rescheduler = self._rescheduler or self._bulk.run(self._make_rescheduler)
+        timeout = timeout or self.timeout
+        waiter = rescheduler.submit_threadsafe(self._bulk.loop, req, timeout)
+        try:
+            resp = waiter.wait(timeout)
+        except WaitTimeout:
+            raise deadline_exceeded(timeout) from None
+        return reschedule_result(resp)
+
+    async def _make_rescheduler(self, channel: grpc.aio.Channel) -> RescheduleBatcher:
+        """The batcher of ``reschedule()``, made once on the bulk loop, as ``_make_canceller``."""
+        if self.batching is None:
+            raise errors.InvariantViolation("reschedule() made a batcher with batching off")
+        if self._rescheduler is None:
+            self._rescheduler = reschedule_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
+        return self._rescheduler
+
+    def reschedule_many(
+        self,
+        targets: Iterable[Target],
+        *,
+        delay: timedelta | None = None,
+        delay_ms: int | timedelta | None = None,
+        deliver_at: datetime | None = None,
+        deliver_at_ms: int | None = None,
+        timeout: float | None = None,
+        batch_size: int = 1000,
+    ) -> list[tuple[str, Receipt | None]]:
+        """Move many messages to one new time with RescheduleBatch calls of up to
+        ``batch_size`` (at most the server's ``limits.max_batch``) targets each; one answer
+        per target, in order (as :meth:`reschedule` answers). A batch with one bad target is
+        refused whole (INVALID_ARGUMENT naming ``requests[i]``), nothing of it moved."""
+        out: list[tuple[str, Receipt | None]] = []
+        when = reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms)
+        for req in reschedule_batches(targets, when, batch_size):
+            resp = self._call(self.stub.RescheduleBatch, req, timeout)
+            out.extend(reschedule_result(r) for r in resp.responses)
+        return out
 
     def get(
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None

@@ -331,6 +331,17 @@ def reschedule_request(target: Target, when_ms: tuple[int | None, int | None]) -
     return req
 
 
+def reschedule_batches(
+    targets: Iterable[Target], when_ms: tuple[int | None, int | None], batch_size: int
+) -> list[pb.RescheduleBatchRequest]:
+    """RescheduleBatch requests of at most ``batch_size`` targets each (what ``cancel``
+    takes), every one moved to ``when_ms`` ((deliver_at_ms, delay_ms), one of them set)."""
+    if batch_size < 1:
+        raise errors.InvalidArgument("batch_size must be at least 1")
+    reqs = [reschedule_request(t, when_ms) for t in targets]
+    return [pb.RescheduleBatchRequest(requests=reqs[i : i + batch_size]) for i in range(0, len(reqs), batch_size)]
+
+
 def reschedule_result(resp: pb.RescheduleResponse) -> tuple[str, Receipt | None]:
     """('RESCHEDULED', the new receipt) or (the outcome, None)."""
     outcome = RESCHEDULE_OUTCOMES.get(resp.outcome, str(resp.outcome))

@@ -165,6 +165,17 @@ class Deduper:
         send of that id is answered with (until the index holds it)."""
         self._remember(receipt.sequence, [receipt.message_id], [receipt.deliver_at_ms])
 
+    def rescheduled_many(self, receipts: list[Receipt]) -> None:
+        """``rescheduled`` of a RescheduleBatch's moves, whose new messages have consecutive
+        sequences (one append), remembered as one batch when their ids are distinct (the
+        table's rule; two messages of one reused id moved together are each their own)."""
+        ids = [r.message_id for r in receipts]
+        if len(set(ids)) < len(ids):
+            for r in receipts:
+                self.rescheduled(r)
+            return
+        self._remember(receipts[0].sequence, ids, [r.deliver_at_ms for r in receipts])
+
     def _remember(self, first: int, ids: list[str], dues: list[int]) -> None:
         floor = self._floor_now()
         self._recent.forget(floor)  # (batches of generated ids alone are never checked: no prune there)

@@ -33,6 +33,7 @@ from qdelay.server.validation import (
     validate_change_group,
     validate_receipt,
     validate_reschedule,
+    validate_reschedule_batch,
     validate_stats,
     validate_subscribe,
 )
@@ -404,6 +405,26 @@ class DelayService(pb_grpc.DelayServiceServicer):
             resp.receipt.sequence = receipt.sequence
             resp.receipt.shard = self.shard
             self.dedupe.rescheduled(receipt)
+        return resp
+
+    @status.unary
+    async def RescheduleBatch(self, request, context):
+        moves = validate_reschedule_batch(request, self.limits, self.engine.now_ms())
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry later")
+        self.guard.check()
+        results = await self.engine.reschedule_many(moves)
+        resp = pb.RescheduleBatchResponse()
+        for outcome, receipt in results:
+            r = resp.responses.add(outcome=int(outcome))
+            if receipt is not None:
+                r.receipt.message_id = receipt.message_id
+                r.receipt.deliver_at_ms = receipt.deliver_at_ms
+                r.receipt.sequence = receipt.sequence
+                r.receipt.shard = self.shard
+        moved = [receipt for _outcome, receipt in results if receipt is not None]
+        if moved:
+            self.dedupe.rescheduled_many(moved)
         return resp
 
     @status.unary

@@ -339,6 +339,27 @@ def validate_reschedule(request, limits: Limits, now_ms: int) -> tuple[str, int 
     return message_id, due, sequence, resolve_due(request, limits, now_ms, "RescheduleRequest")
 
 
+def validate_reschedule_batch(request, limits: Limits, now_ms: int) -> list[tuple[str, int | None, int | None, int]]:
+    """The moves of a RescheduleBatch request: 1..max_batch of them, each as for Reschedule
+    (``validate_reschedule``); one bad target refuses the whole batch, naming its index
+    (``requests[3].delay_ms: ...``), and nothing is written."""
+    count = len(request.requests)
+    if count == 0:
+        raise InvalidArgument("requests: empty; give 1 to max_batch RescheduleRequests")
+    if count > limits.max_batch:
+        raise InvalidArgument(
+            f"requests: {count} reschedule requests in one batch, limit {limits.max_batch} requests (limits.max_batch)"
+        )
+    moves = []
+    for i, r in enumerate(request.requests):
+        try:
+            message_id, due, sequence = validate_receipt(r, limits)
+        except InvalidArgument as err:
+            raise InvalidArgument(f"requests[{i}].{err}") from None
+        moves.append((message_id, due, sequence, resolve_due(r, limits, now_ms, f"requests[{i}]")))
+    return moves
+
+
 def decode_cancel_batch(raw: bytes, limits: Limits) -> list[tuple[str, int | None, int | None]]:
     """A CancelBatchRequest's wire bytes -> its targets, as :func:`validate_cancel_batch`.
 

@@ -1,8 +1,9 @@
 """A model-based test of what a user does with message ids (issue 13): send, re-send,
 cancel (by receipt, old receipt or id, one at a time or in a CancelBatch), reschedule
-(hours ahead, or a moment ahead and then delivered), get, delivery, and restarts (SIGTERM
-or SIGKILL), run by hypothesis against a real server and checked after every step against
-a dict that says what the answer must be.
+(hours ahead, one at a time or in a RescheduleBatch, or a moment ahead and then
+delivered), get, delivery, and restarts (SIGTERM or SIGKILL), run by hypothesis against
+a real server and checked after every step against a dict that says what the answer must
+be.
 
 A small id space makes the operations collide on the same messages. Every message is
 due hours ahead except the ones of ``deliver_now`` (on their own subject) and the one a
@@ -112,6 +113,35 @@ class MessageOps(RuleBasedStateMachine):
         assert outcome == want
         if outcome == "RESCHEDULED":
             assert r.message_id == k and r.sequence > e.receipt.sequence
+            e.old.append(e.receipt)
+            e.receipt = r
+
+    @rule(picks=st.lists(st.tuples(ids, st.booleans()), min_size=1, max_size=5), hours=st.integers(1, 48))
+    def reschedule_many(self, picks, hours):
+        """One RescheduleBatch: each target by id or by receipt; a message named twice is
+        moved once (the first), the repeats answer CANCELLED (its old record's state)."""
+        want, sent, moved = [], [], []
+        for k, by_id in picks:
+            e = self.model.get(k)
+            sent.append(k if by_id or e is None else e.receipt)
+            if e is None:
+                want.append("NOT_FOUND")
+            elif k in moved:
+                want.append("CANCELLED")
+            else:
+                want.append(
+                    {"PENDING": "RESCHEDULED", "CANCELLED": "CANCELLED", "DELIVERED": "ALREADY_DELIVERED"}[e.state]
+                )
+                if e.state == "PENDING":
+                    moved.append(k)
+        got = self.c.reschedule_many(sent, delay_ms=hours * HOUR)
+        assert [o for o, _r in got] == want
+        news = [r for o, r in got if o == "RESCHEDULED"]
+        assert [r.message_id for r in news] == moved
+        assert all(b.sequence == a.sequence + 1 for a, b in zip(news, news[1:]))  # one append, in order
+        for k, r in zip(moved, news):
+            e = self.model[k]
+            assert r.sequence > e.receipt.sequence
             e.old.append(e.receipt)
             e.receipt = r
 
