@@ -56,6 +56,10 @@ class FailedPrecondition(QdelayError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class FolderInUse(FailedPrecondition):
+    """Another process (a running server) holds the data folder's lock."""
+
+
 class NotMaster(FailedPrecondition):
     """A write was sent to a slave."""
 

@@ -21,6 +21,7 @@ import sys
 
 import grpc
 
+from qdelay.errors import QdelayError
 from qdelay.replication import common
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
@@ -282,5 +283,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
     except grpc.RpcError as e:
         print(f"qdelay admin {cmd}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except QdelayError as e:  # resync: the folder is in use
+        print(f"qdelay admin {cmd}: {e}", file=sys.stderr)
         return 1
     return 2

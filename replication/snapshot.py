@@ -20,6 +20,7 @@ import time
 from qdelay.replication import common
 from qdelay.replication.master import _Refuse
 from qdelay.segments import checkpoint, naming, reader
+from qdelay.segments.folder_lock import FolderLock
 from qdelay.v1 import replication_pb2 as rpb
 
 CHUNK = 1024 * 1024
@@ -85,14 +86,29 @@ async def serve_snapshot(node, request):
 
 
 def write_snapshot(data_dir: str, chunks, master_epoch_hint: int = 0) -> dict:
-    """Build a fresh slave data folder from a Snapshot stream (the old one is moved aside)."""
-    moved = None
-    if os.path.exists(data_dir) and os.listdir(data_dir):
-        moved = f"{data_dir.rstrip(os.sep)}.before-resync-{time.strftime('%Y%m%d-%H%M%S')}"
-        shutil.move(data_dir, moved)
-    os.makedirs(data_dir)
+    """Build a fresh slave data folder from a Snapshot stream (the old one is moved aside).
+
+    The old folder's lock is taken first (a running server on it is refused: its folder
+    was moved from under it) and the stream's head read before anything moves (a master
+    that does not answer left the old folder moved aside and an empty one in its place)."""
+    lock = FolderLock(data_dir, "qdelay admin resync") if os.path.isdir(data_dir) else None
+    try:
+        return _write_snapshot(data_dir, chunks, master_epoch_hint)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _write_snapshot(data_dir: str, chunks, master_epoch_hint: int) -> dict:
     it = iter(chunks)
     head = next(it)
+    moved = None
+    if os.path.exists(data_dir) and set(os.listdir(data_dir)) - {naming.LOCK_FILE}:
+        moved = f"{data_dir.rstrip(os.sep)}.before-resync-{time.strftime('%Y%m%d-%H%M%S')}"
+        shutil.move(data_dir, moved)
+    elif os.path.exists(data_dir):
+        shutil.rmtree(data_dir)  # nothing in it but the lock this run took
+    os.makedirs(data_dir)
     offset, sequence = head.offset, head.sequence
     msg_dir = os.path.join(data_dir, naming.MESSAGE_DIR)
     os.makedirs(msg_dir)

@@ -24,6 +24,8 @@ WAL_SUFFIX = ".wal"
 SCHEDULE_SUFFIX = ".sched"
 DISPATCH_SUFFIX = ".disp"
 CHECKPOINT_SUFFIX = ".ckpt"
+# the data folder's lock file (segments/folder_lock.py): held by the server using the folder
+LOCK_FILE = "LOCK"
 
 MS_PER_MINUTE = 60_000
 _WAL_NAME = re.compile(r"^(\d{20})\.wal$")

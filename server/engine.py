@@ -37,6 +37,7 @@ from qdelay.errors import (
 )
 from qdelay.segments import checkpoint, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
+from qdelay.segments.folder_lock import FolderLock
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.idindex import IdIndex
 from qdelay.segments.lookup import DispatchIndex, RecordFinder
@@ -232,6 +233,9 @@ class Engine:
         self.policy = CorruptionPolicy(config.corruption)
         root = config.data_dir
         os.makedirs(root, exist_ok=True)
+        # before anything is read: recovery cuts torn tails, which would cut a running
+        # server's log (segments/folder_lock.py)
+        self.folder_lock = FolderLock(root)
         self.checkpoint_path = os.path.join(root, naming.CHECKPOINT_DIR, "iterate.ckpt")
         self.role_path = os.path.join(root, naming.CHECKPOINT_DIR, "role.ckpt")
         self.pool = HandlePool(_open_files_allowed(config.open_files))
@@ -485,6 +489,7 @@ class Engine:
         if self.ids is not None:
             self.ids.close()
         self.pool.close()
+        self.folder_lock.release()
 
     def set_role(self, role: str, epoch: int) -> None:
         """Persist a new role and epoch (promotion, demotion, fencing).

@@ -37,6 +37,7 @@ def crash(engine) -> None:
     engine.pool.close()
     if engine.ids is not None:
         engine.ids.close()  # its WAL is in the page cache, as after a process kill
+    engine.folder_lock.release()  # the kernel drops a killed process's lock
 
 
 def frames_of(path: str) -> list[framing.Frame]:

@@ -341,6 +341,17 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
             st = wait_until(lambda: (s := status(b.address)).error and s, 20, "retention error", ignore=RPC_ERRORS)
             assert "behind retention" in st.error and "resync" in st.error
             assert not st.connected
+            # runbook step 1 is "stop the slave": resync used to move the folder from under
+            # the running one; the folder's lock refuses it, and nothing moves
+            cp = admin("resync", "--data-dir", str(tmp_path / "b"), "--master", a.address, check=False)
+            assert cp.returncode == 1 and "Traceback" not in cp.stderr, cp.stderr
+            assert f"data folder {tmp_path / 'b'} is in use by another process (pid {b.proc.pid}" in cp.stderr
+            assert [p.name for p in tmp_path.iterdir() if p.name.startswith("b.before-resync")] == []
+        # a master that does not answer: the old folder stays where it is (it was moved aside
+        # and an empty one put in its place before the master was asked)
+        cp = admin("resync", "--data-dir", str(tmp_path / "b"), "--master", "127.0.0.1:1", check=False)
+        assert cp.returncode == 1 and "UNAVAILABLE" in cp.stderr, cp.stderr
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("b.before-resync")] == []
         cp = admin("resync", "--data-dir", str(tmp_path / "b"), "--master", a.address)
         assert "resynced" in cp.stdout
         with b:

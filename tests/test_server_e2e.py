@@ -325,6 +325,33 @@ def test_an_int_delay_is_refused_not_taken_as_milliseconds(client):
     assert client.get(message_id=r.message_id).state == "CANCELLED"  # the one message of the subject
 
 
+def test_a_second_server_on_a_folder_in_use_is_refused_before_recovery(server, client):
+    """A second ``qdelay server`` on the folder a running one writes (a unit started twice,
+    a copied command line) ran recovery on it first: it cut the running server's
+    preallocated message-log tail, then died in a RocksDB "While lock file" traceback (or,
+    with ``engine.id_index = false``, served the same log as a second master). The folder's
+    lock (segments/folder_lock.py) refuses it first: exit 1, one line naming the folder and
+    the holder, and no byte of the running server's files changes."""
+    import subprocess
+    import sys
+
+    client.send("lock.check", b"x", delay_ms=600_000)
+    wal_dir = server.data_dir / "message"
+    before = {p.name: p.read_bytes() for p in wal_dir.iterdir()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(server.data_dir), "--listen", "127.0.0.1:0"]
+        + ["--set", "engine.id_index=false"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and "qdelay listening" not in proc.stdout, (proc.stdout, proc.stderr)
+    want = f"qdelay server: data folder {server.data_dir} is in use by another process (pid {server.proc.pid}, "
+    assert want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert {p.name: p.read_bytes() for p in wal_dir.iterdir()} == before
+    assert client.send("lock.check", b"y", delay_ms=600_000).sequence > 0  # the running one is unharmed
+
+
 def test_an_address_in_use_is_said_in_words_not_a_traceback(server, tmp_path):
     """A second server on a port already taken (a second `make run`) printed grpcio's
     RuntimeError traceback; a metrics port taken printed '[Errno 98] Address already in use'
