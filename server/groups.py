@@ -48,6 +48,9 @@ class GroupTable:
         self.version = 0  # bumped on every change (callers cache per-subject lookups)
         # the sequence of the last GROUP record applied: older ones (a replay) are skipped
         self.applied_seq = 0
+        # state() as last built, and the (version, applied_seq) it was built at
+        self._state: dict | None = None
+        self._state_at: tuple[int, int] | None = None
 
     # --- changes ------------------------------------------------------------------------------
     def create(self, subject: str, name: str, at_ms: int, since: int | None = None) -> tuple[Group, bool]:
@@ -102,6 +105,10 @@ class GroupTable:
     def all(self) -> list[Group]:
         return sorted(self._by_gid.values(), key=lambda g: (g.subject, g.name))
 
+    def listed(self) -> list[Group]:
+        """Every group, in no particular order (``all()`` without its sort)."""
+        return list(self._by_gid.values())
+
     def select(self, subject: str | None = None, name: str | None = None) -> list[Group]:
         """The groups of ``subject``, named ``name``, or both (None: any), in ``all()``'s
         order; found through an index, so a narrow question costs its answer only."""
@@ -119,11 +126,19 @@ class GroupTable:
 
     # --- persistence (saved with the iterate checkpoint) -------------------------------------------
     def state(self) -> dict:
-        return {
-            "groups": [[g.subject, g.name, g.since, g.created_ms] for g in self.all()],
-            "groups_kept_since": sorted([s, t] for s, t in self._kept_since.items()),
-            "groups_seq": self.applied_seq,
-        }
+        """The table as the iterate checkpoint saves it. Built again only after a change:
+        the checkpoint asks for it every 0.2 s while records pass, under the scheduler's
+        lock, and building it sorts every group (3 ms at 5,000 groups, the dispatcher
+        waiting meanwhile). Treat the lists as read-only."""
+        at = (self.version, self.applied_seq)
+        if self._state is None or self._state_at != at:
+            self._state = {
+                "groups": [[g.subject, g.name, g.since, g.created_ms] for g in self.all()],
+                "groups_kept_since": sorted([s, t] for s, t in self._kept_since.items()),
+                "groups_seq": self.applied_seq,
+            }
+            self._state_at = at
+        return dict(self._state)
 
     @classmethod
     def from_state(cls, state: dict) -> GroupTable:

@@ -61,6 +61,14 @@ __all__ = ["DEAD_LETTER_HEADER", "DeadLetter", "Deliveries", "Delivery", "Delive
 T = TypeVar("T")
 
 
+# groups whose figures ``group_stats`` reads per hold of the lock (~2 us each)
+STATS_CHUNK = 256
+
+
+def _group_order(g: Group) -> tuple[str, str]:
+    return (g.subject, g.name)
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     scale_minutes: int = 1
@@ -406,25 +414,45 @@ class Scheduler:
         """Per group (every one, or those of ``subject``, those named ``group``, or both):
         ready (due, in memory), whether it spilled to disk and how many due entries wait
         there (``on_disk``, see ``Lane``), in flight. Costs the groups listed, not all of
-        them."""
+        them.
+
+        Read under the lock ``STATS_CHUNK`` groups at a time, in ``GroupTable.all()``'s
+        order (sorted outside it): a listing of every group (Stats, each metrics scrape)
+        held the dispatcher for all of them at once, ~10 ms at 5,000 groups. Each group's
+        figures are taken together; a group deleted meanwhile is left out."""
+        narrow = subject is not None or group is not None
         with self.lock:
             self._drain()
-            out = []
-            for g in self.groups.select(subject, group):
-                lanes = self.timer.lanes_of(g.gid)
-                out.append(
-                    {
-                        "subject": g.subject,
-                        "group": g.name,
-                        "ready": sum(ln.ready.count for ln in lanes),
-                        "spilled": any(ln.spilled for ln in lanes),
-                        "on_disk": sum(ln.on_disk for ln in lanes if ln.spilled),
-                        "in_flight": self.ledger.count_of(g.gid),
-                        "since": g.since,
-                        "created_ms": g.created_ms,
-                    }
-                )
-            return out
+            chosen = self.groups.select(subject, group) if narrow else self.groups.listed()
+            if narrow and len(chosen) <= STATS_CHUNK:
+                return [self._group_figures(g) for g in chosen]
+        if not narrow:
+            chosen.sort(key=_group_order)
+        out = []
+        for i in range(0, len(chosen), STATS_CHUNK):
+            if i:
+                # let a thread woken by the release (the dispatcher) take the GIL, and so
+                # the lock, before the next chunk: released and taken again at once, the
+                # lock would stay this thread's for the GIL's whole switch interval
+                time.sleep(0)
+            with self.lock:
+                for g in chosen[i : i + STATS_CHUNK]:
+                    if self.groups.by_gid(g.gid) is g:
+                        out.append(self._group_figures(g))
+        return out
+
+    def _group_figures(self, g: Group) -> dict[str, Any]:
+        lanes = self.timer.lanes_of(g.gid)
+        return {
+            "subject": g.subject,
+            "group": g.name,
+            "ready": sum(ln.ready.count for ln in lanes),
+            "spilled": any(ln.spilled for ln in lanes),
+            "on_disk": sum(ln.on_disk for ln in lanes if ln.spilled),
+            "in_flight": self.ledger.count_of(g.gid),
+            "since": g.since,
+            "created_ms": g.created_ms,
+        }
 
     def groups_of(self, subject: str) -> list[Group]:
         with self.lock:
