@@ -1309,6 +1309,112 @@ done:
     return out;
 }
 
+/* index_confirm(views, counts, seqs, dues, ids) -> list[int]
+ *
+ * Whether each receipt (sequence, due time, id) names a MESSAGE its minute's schedule
+ * index holds, for a few receipts claimed on the event loop (a gathered cancel() batch,
+ * server/engine.py ``_claim_few``): the searches of ``index_gather``, then each entry found
+ * compared with its receipt (kind MESSAGE, the same due time, a non-empty id whose xxh3-64
+ * is the entry's). ``seqs``, ``dues`` and ``ids`` (lists) come grouped by index, ``counts``
+ * (a list, one per view) says how many belong to each of ``views`` (whole 32-byte entries,
+ * ascending by sequence). Returns the position of each held MESSAGE's entry in its index,
+ * -1 for the others, as a list: for 16 targets the arrays and per-entry Python of the
+ * search's callers cost ~30 us, this one call ~2. The Python twin is
+ * segments/schedule_index.py ``index_confirm_py``.
+ */
+#define CONFIRM_STACK 64
+#define SIDX_KIND_AT 14 /* an entry's kind byte: the second word's seventh */
+static PyObject *index_confirm(PyObject *self, PyObject *args) {
+    PyObject *views, *counts, *seqs, *dues, *ids, *out = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &views, &PyList_Type, &counts, &PyList_Type, &seqs,
+                          &PyList_Type, &dues, &PyList_Type, &ids))
+        return NULL;
+    Py_ssize_t nv = PyList_GET_SIZE(views), m = PyList_GET_SIZE(seqs), total = 0;
+    if (PyList_GET_SIZE(counts) != nv) {
+        PyErr_SetString(PyExc_ValueError, "index_confirm: not one count per view");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(dues) != m || PyList_GET_SIZE(ids) != m) {
+        PyErr_SetString(PyExc_ValueError, "index_confirm: not one due time and one id per sequence");
+        return NULL;
+    }
+    if (all_str(ids, "index_confirm") < 0)
+        return NULL;
+    for (Py_ssize_t v = 0; v < nv; v++) {
+        long long c = AS_I64(PyList_GET_ITEM(counts, v));
+        if (c == -1 && PyErr_Occurred())
+            return NULL;
+        if (c < 0 || c > m - total) {
+            PyErr_SetString(PyExc_ValueError, "index_confirm: the counts do not add up to the sequences");
+            return NULL;
+        }
+        total += (Py_ssize_t)c;
+    }
+    if (total != m) {
+        PyErr_SetString(PyExc_ValueError, "index_confirm: the counts do not add up to the sequences");
+        return NULL;
+    }
+    /* sequences, due times and positions: on the stack for the few the event loop claims */
+    int64_t stack[3 * CONFIRM_STACK], *q = stack;
+    if (m > CONFIRM_STACK && !(q = PyMem_Malloc(3 * (size_t)m * sizeof(int64_t))))
+        return PyErr_NoMemory();
+    int64_t *due = q + m, *pos = q + 2 * m;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        q[i] = AS_I64(PyList_GET_ITEM(seqs, i));
+        if (q[i] == -1 && PyErr_Occurred())
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        due[i] = AS_I64(PyList_GET_ITEM(dues, i));
+        if (due[i] == -1 && PyErr_Occurred())
+            goto done;
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t v = 0; v < nv; v++) {
+        Py_ssize_t c = (Py_ssize_t)AS_I64(PyList_GET_ITEM(counts, v));
+        Py_buffer eb;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(views, v), &eb, PyBUF_SIMPLE) < 0)
+            goto done;
+        if (eb.len % SIDX_ENTRY) {
+            PyBuffer_Release(&eb);
+            PyErr_SetString(PyExc_ValueError, "index_confirm: a view is not whole 32-byte entries");
+            goto done;
+        }
+        const unsigned char *e = eb.buf;
+        sidx_search_many(e, eb.len / SIDX_ENTRY, q + at, c, pos + at);
+        for (Py_ssize_t i = at; i < at + c; i++) {
+            if (pos[i] < 0)
+                continue;
+            const unsigned char *p = e + pos[i] * SIDX_ENTRY;
+            Py_ssize_t len;
+            const char *utf8 = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(ids, i), &len);
+            if (!utf8) {
+                PyBuffer_Release(&eb);
+                goto done;
+            }
+            if (p[SIDX_KIND_AT] != KIND_MESSAGE || (int64_t)get_u64(p + 16) != due[i] || len == 0 ||
+                XXH3_64bits(utf8, (size_t)len) != get_u64(p + 24))
+                pos[i] = -1;
+        }
+        PyBuffer_Release(&eb);
+        at += c;
+    }
+    if (!(out = PyList_New(m)))
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *p = PyLong_FromLongLong(pos[i]);
+        if (!p) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, p);
+    }
+done:
+    if (q != stack)
+        PyMem_Free(q);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
@@ -1329,6 +1435,7 @@ static PyMethodDef methods[] = {
     {"index_entries", index_entries, METH_VARARGS, "The schedule index's entries of whole frames."},
     {"index_find", index_find, METH_VARARGS, "Binary searches of sequences among a schedule index's entries."},
     {"index_gather", index_gather, METH_VARARGS, "index_find over several indexes, with the entries found."},
+    {"index_confirm", index_confirm, METH_VARARGS, "Whether receipts name MESSAGE entries of their indexes."},
     {NULL, NULL, 0, NULL},
 };
 

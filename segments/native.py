@@ -47,4 +47,5 @@ def twins() -> dict[str, Callable[..., Any]]:
         "index_entries": schedule_index.index_entries_py,
         "index_find": schedule_index.index_find_py,
         "index_gather": schedule_index.index_gather_py,
+        "index_confirm": schedule_index.index_confirm_py,
     }

@@ -17,14 +17,16 @@ it describes, published after them, fsynced with its segment before the iterate
 checkpoint, and re-derived from the segment at open when it is missing, torn, behind or
 ahead of it, and for every segment a crash may have left a tail in (docs/recovery.md).
 
-The codec is ``index_entries`` and ``index_find`` (segments/_codec.c), with their Python
-twins here (``index_entries_py``, ``index_find_py``; tests/test_codec_native.py).
+The codec is ``index_entries``, ``index_find``, ``index_gather`` and ``index_confirm``
+(segments/_codec.c), with their Python twins here (``index_entries_py``, ``index_find_py``,
+``index_gather_py``, ``index_confirm_py``; tests/test_codec_native.py).
 """
 
 from __future__ import annotations
 
 import collections
 import mmap
+import operator
 import os
 import struct
 import threading
@@ -185,6 +187,66 @@ def index_gather_py(views: list, seqs: np.ndarray | bytes, counts: np.ndarray | 
         found += [bytes(entries[p * ENTRY_SIZE : (p + 1) * ENTRY_SIZE]) for p in pos.tolist() if p >= 0]
         at += k
     return b"".join(positions), b"".join(found)
+
+
+def index_confirm(views: list, counts: list[int], seqs: list[int], dues: list[int], ids: list[str]) -> list[int]:
+    """Of a few receipts (``seqs``, ``dues``, ``ids``, grouped by index, ``counts[i]`` of them
+    in ``views[i]``), the position of each one's MESSAGE entry in its index, -1 where the
+    index does not hold exactly that MESSAGE (sequence, due time, a non-empty id of that
+    hash): ``index_gather`` and the comparison of its entries in one call, with lists in
+    and out (native when built)."""
+    codec = native.codec
+    return (codec.index_confirm if codec is not None else index_confirm_py)(views, counts, seqs, dues, ids)
+
+
+def index_confirm_py(views: list, counts: list, seqs: list, dues: list, ids: list) -> list[int]:
+    """The Python twin of the native ``index_confirm``: TypeError unless the five are lists,
+    the ids str and the rest ints; ValueError unless there is one count per view, one due
+    time and id per sequence, the counts add up to the sequences and each view holds whole
+    entries; OverflowError for a number past int64."""
+    if not all(isinstance(a, list) for a in (views, counts, seqs, dues, ids)):
+        raise TypeError("index_confirm: views, counts, seqs, dues and ids must be lists")
+    if len(counts) != len(views):
+        raise ValueError("index_confirm: not one count per view")
+    if len(dues) != len(seqs) or len(ids) != len(seqs):
+        raise ValueError("index_confirm: not one due time and one id per sequence")
+    if not all(isinstance(i, str) for i in ids):
+        raise TypeError("index_confirm: ids must be str")
+    left = len(seqs)
+    for c in map(_i64, counts):
+        if c < 0 or c > left:
+            raise ValueError("index_confirm: the counts do not add up to the sequences")
+        left -= c
+    if left:
+        raise ValueError("index_confirm: the counts do not add up to the sequences")
+    q, want = [_i64(x) for x in seqs], [_i64(x) for x in dues]
+    out: list[int] = []
+    at = 0
+    for view, c in zip(views, counts):
+        entries = memoryview(view).cast("B")
+        if len(entries) % ENTRY_SIZE:
+            raise ValueError("index_confirm: a view is not whole 32-byte entries")
+        pos = np.frombuffer(index_find_py(entries, np.array(q[at : at + c], dtype=np.int64).tobytes()), dtype=np.int64)
+        for i, p in zip(range(at, at + c), pos.tolist()):
+            if p >= 0:
+                _seq, where, due, id_hash = _ENTRY_STRUCT.unpack_from(entries, p * ENTRY_SIZE)
+                mid = ids[i].encode()
+                if where >> OFFSET_BITS & 0xFF != _MESSAGE or due != want[i] or not mid:
+                    p = -1
+                elif xxhash.xxh3_64_intdigest(mid) != id_hash:
+                    p = -1
+            out.append(p)
+        at += c
+    return out
+
+
+def _i64(x: object) -> int:
+    """``x`` as the native codec reads an int64 (``__index__``): TypeError for a non-int,
+    OverflowError past int64."""
+    v = operator.index(x)  # type: ignore[arg-type]
+    if not -(1 << 63) <= v < 1 << 63:
+        raise OverflowError("index_confirm: a number does not fit int64")
+    return v
 
 
 def _flag_targets(entries: np.ndarray) -> np.ndarray:
@@ -484,6 +546,21 @@ class IndexFile:
             except FileNotFoundError:
                 raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
         return np.frombuffer(m, dtype=np.uint8)[positions * ENTRY_SIZE + FLAGS_AT].astype(np.int64)
+
+    def flags_of(self, positions: list[int]) -> list[int]:
+        """``flags_at`` of a few positions, as a list: each flag byte read from the map as an
+        int (no arrays; a gathered ``cancel()`` batch's closed-state look)."""
+        if not positions:
+            return []
+        kept = self._map
+        if kept is not None and max(positions) < kept[1]:
+            m = self._mapped(kept[1])  # as flags_at: the map the search found them in
+        else:
+            try:
+                m = self._mapped(self.count)
+            except FileNotFoundError:
+                raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
+        return [m[p * ENTRY_SIZE + FLAGS_AT] for p in positions]
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -779,14 +779,14 @@ class Engine:
             return False
         ready = min(self.wal.committed_sequence, self.iterate.sequence)
         scale = self.config.scale_minutes
-        seen: set[int] = set()
+        span = naming.MS_PER_MINUTE * scale  # bucket_of, inline: a call per target cost more
+        keys: set[int] = set()
         for _mid, due, seq in targets:
             if due is None or seq is None or not 0 < seq <= ready:
                 return False
-            bucket = bucket_of(due, scale)
-            if bucket in seen:
-                continue
-            seen.add(bucket)
+            keys.add(due // span)
+        for key in keys:
+            bucket = key * scale
             # earlier tombstones of a far minute (other cancels' or moves') are written first
             # if that needs no wait, as a worker thread's look would (_find_targets)
             if not self.iterate.flush_bucket_now(bucket) or not self._readable_now(bucket):
@@ -1063,8 +1063,11 @@ class Engine:
         batch, which ``_claimable_now`` let run there: receipts of copied messages, each
         bucket readable now), with lists where the batch form carries arrays: the same
         steps (the minute's index confirms each receipt, one claim request, then the
-        closed state read after the claim), at ~1/2 of the batch form's CPU for 16 targets
-        (its ~200 Python and numpy calls cost ~3x as much in a busy server as in process).
+        closed state read after the claim). The confirmation is one native call for the
+        whole batch (``RecordFinder.holds_few``), the closed state of a minute without
+        DISPATCH records a read of its tombstones' set or of the flags at the places that
+        call found: for 16 targets ~25 us in process against ~100 for the same steps as
+        Python over numpy (docs/benchmarks.md), which a busy server pays ~3x over.
 
         None, before anything is claimed, where the batch form has more to do: a receipt the
         index does not confirm (NOT_FOUND, an id reused: looked further), a message named
@@ -1077,10 +1080,7 @@ class Engine:
         seqs = cast("list[int]", [t[2] for t in targets])
         if len(set(seqs)) < n:
             return None
-        scale = self.config.scale_minutes
-        groups: dict[int, list[int]] = {}
-        for i, due in enumerate(dues):
-            groups.setdefault(bucket_of(due, scale), []).append(i)
+        groups = self._few_buckets(dues)
         parts: list[tuple[Segment, list[int]]] = []
         segs: dict[int, Segment] = {}
         for bucket, rows in groups.items():
@@ -1097,25 +1097,45 @@ class Engine:
         got = sched.claim_cancels_now(seqs, groups)
         if got is None:
             raise _NotNow
-        outcomes = [CancelOutcome.CANCELLED] * n
-        mine: list[int] = []
-        for i, answer in enumerate(got):
-            if answer == sched.CLAIMED:
-                mine.append(i)
-            elif answer == sched.CLAIM_CANCELLING:
-                outcomes[i] = CancelOutcome.ALREADY_CANCELLED
-            else:
-                outcomes[i] = CancelOutcome.ALREADY_DELIVERED
+        if got.count(sched.CLAIMED) == n:  # the usual batch: every one claimed
+            outcomes = [CancelOutcome.CANCELLED] * n
+            mine = list(range(n))
+        else:
+            outcomes = [CancelOutcome.CANCELLED] * n
+            mine = []
+            for i, answer in enumerate(got):
+                if answer == sched.CLAIMED:
+                    mine.append(i)
+                elif answer == sched.CLAIM_CANCELLING:
+                    outcomes[i] = CancelOutcome.ALREADY_CANCELLED
+                else:
+                    outcomes[i] = CancelOutcome.ALREADY_DELIVERED
         try:
             closed = self._closed_few(groups, segs, mine, dues, seqs, where)
         except BaseException:
             sched.release_cancels([seqs[i] for i in mine])
             raise
-        if closed:
-            for i, state in closed.items():
-                outcomes[i] = self._NOT_PENDING[state]
-            sched.release_cancels([seqs[i] for i in closed])
-        return outcomes, [(mids[i], dues[i], seqs[i]) for i in mine if i not in closed]
+        if not closed:
+            if len(mine) == n:
+                return outcomes, list(targets)  # every target claimed, as it came
+            return outcomes, [targets[i] for i in mine]
+        for i, state in closed.items():
+            outcomes[i] = self._NOT_PENDING[state]
+        sched.release_cancels([seqs[i] for i in closed])
+        return outcomes, [targets[i] for i in mine if i not in closed]
+
+    def _few_buckets(self, dues: list[int]) -> dict[int, list[int]]:
+        """``_by_bucket`` of a few due times, as lists: bucket -> rows, ascending (one group
+        without a loop when they all share a minute, as a flash sale's cancels do)."""
+        scale = self.config.scale_minutes
+        span = naming.MS_PER_MINUTE * scale  # bucket_of: (due // minute) rounded down to scale
+        keys = [due // span for due in dues]
+        if keys.count(keys[0]) == len(keys):
+            return {keys[0] * scale: list(range(len(keys)))}
+        groups: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key * scale, []).append(i)
+        return groups
 
     def _closed_few(
         self,
@@ -1133,9 +1153,12 @@ class Engine:
         ``_closed_states``, which reads them."""
         if not mine:
             return {}
-        claimed = set(mine)
-        buckets = [(bucket, [i for i in rows if i in claimed]) for bucket, rows in groups.items()]
-        buckets = [(bucket, rows) for bucket, rows in buckets if rows]
+        if len(mine) == len(seqs):  # every row claimed (the usual batch)
+            buckets = list(groups.items())
+        else:
+            claimed = set(mine)
+            buckets = [(bucket, [i for i in rows if i in claimed]) for bucket, rows in groups.items()]
+            buckets = [(bucket, rows) for bucket, rows in buckets if rows]
         buffers = self.scheduler.dispatch_buffered([bucket for bucket, _rows in buckets])
         if any(buffers) or any(self.dispatch.get(bucket) is not None for bucket, _rows in buckets):
             at = np.asarray(mine, dtype=np.int64)
@@ -1153,18 +1176,21 @@ class Engine:
             self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
             tombs = self.scheduler.known_tombstones(bucket)
             if tombs is not None:
+                if not tombs:
+                    continue
                 cancelled = [seqs[i] in tombs for i in rows]
             else:
                 seg = self.schedule.get(bucket)
                 if seg is None:  # the cleaner removed it: nothing is pending there
-                    cancelled = [False] * len(rows)
-                elif seg is segs[bucket]:
-                    cancelled = self.finder.cancelled_at(seg, np.asarray([where[i] for i in rows])).tolist()
+                    continue
+                if seg is segs[bucket]:
+                    cancelled = self.finder.cancelled_few(seg, [where[i] for i in rows])
                 else:
                     cancelled = self.finder.cancelled_among(seg, np.asarray([seqs[i] for i in rows])).tolist()
-            for i, c in zip(rows, cancelled):
-                if c:
-                    out[i] = MessageState.CANCELLED
+            if True in cancelled:
+                for i, c in zip(rows, cancelled):
+                    if c:
+                        out[i] = MessageState.CANCELLED
         return out
 
     def _find_targets(self, targets: list[tuple[str, int | None, int | None]], now: bool = False) -> Places:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -388,6 +389,49 @@ def index_gather_cases(draw):
     return entries, seqs, np.array(counts, dtype=np.int64)
 
 
+@st.composite
+def index_confirm_cases(draw):
+    """Indexes of MESSAGE entries (due time, id hash; sometimes flagged CANCELLED) among
+    CANCEL and DISPATCH ones, and receipts grouped by index: each naming an entry exactly,
+    or with another due time or id, an empty id, or a sequence not there; more than 16 at
+    times (one search group and a partial one). Sometimes counts or lists that do not agree,
+    an index not whole entries, a number past int64 or an id not a str."""
+    kinds = st.sampled_from([RecordKind.MESSAGE, RecordKind.MESSAGE, RecordKind.CANCEL, RecordKind.DISPATCH])
+    views, counts, seqs, dues, names = [], [], [], [], []
+    for _ in range(draw(st.integers(0, 3))):
+        rows = []  # (sequence, due, id) of each entry
+        raw = b""
+        for seq in sorted(set(draw(st.lists(st.integers(1, 80), max_size=30)))):
+            kind, due, mid = draw(kinds), draw(st.integers(-5, 5)), draw(st.text(max_size=6))
+            where = 64 * seq | int(kind) << 48 | draw(st.sampled_from([0, 0, 1])) << 56
+            raw += struct.pack("<qQqQ", seq, where, due, xxhash.xxh3_64_intdigest(mid.encode()))
+            rows.append((seq, due, mid))
+        if draw(st.sampled_from([False] * 19 + [True])):
+            raw = raw[: draw(st.integers(0, len(raw)))]
+        asked = draw(st.lists(st.sampled_from(rows), max_size=20)) if rows else []
+        for seq, due, mid in asked:
+            how = draw(st.sampled_from(["same"] * 6 + ["due", "id", "empty", "absent"]))
+            seqs.append(draw(st.integers(81, 90)) if how == "absent" else seq)
+            dues.append(due + 1 if how == "due" else due)
+            names.append("" if how == "empty" else mid + "x" if how == "id" else mid)
+        views.append(raw)
+        counts.append(len(asked))
+    bad = draw(st.sampled_from(["none"] * 24 + ["count", "views", "seq", "due", "not str", "ids"]))
+    if bad == "count" and counts:
+        counts[-1] += 1
+    elif bad == "views":
+        counts.append(0)
+    elif bad == "seq" and seqs:
+        seqs[0] = 2**63
+    elif bad == "due" and dues:
+        dues[-1] = -(2**64)
+    elif bad == "not str" and names:
+        names[0] = b"x"
+    elif bad == "ids":
+        names.append("y")
+    return views, counts, seqs, dues, names
+
+
 def framing_scan(data: bytes) -> tuple:
     from qdelay.segments import reader
 
@@ -623,6 +667,7 @@ PAIRS: dict[tuple[str, str], Pair] = {
     ("segments", "index_gather"): Pair(
         index_gather_cases(), outcome=lambda result, args: (bytes(result[0]), bytes(result[1]))
     ),
+    ("segments", "index_confirm"): Pair(index_confirm_cases()),
     ("segments", "dispatch_frames"): Pair(
         st.tuples(
             st.lists(
