@@ -60,6 +60,7 @@ from qdelay.client.types import (
     Target,
     cancel_batches,
     cancel_request,
+    cancel_target,
     keepalive_options,
     ref_or_id,
     reschedule_batches,
@@ -245,13 +246,13 @@ class Client:
         was cancelled is then unknown, as for a unary call that timed out). A task cancelled
         before its target was sent leaves it out of the call. ``batching=False``: one unary
         Cancel per call."""
-        request = cancel_request(receipt, message_id)
         if self.batching is None:
-            resp = await self._call(self.stub.Cancel, request, timeout)
+            resp = await self._call(self.stub.Cancel, cancel_request(receipt, message_id), timeout)
             return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
+        target = cancel_target(receipt, message_id)
         if self._canceller is None:
             self._canceller = cancel_batcher(self.stub, self, self.batching)
-        outcome = await self._canceller.cancel(request, timeout or self.timeout)
+        outcome = await self._canceller.cancel(target, timeout or self.timeout)
         return CANCEL_OUTCOMES.get(outcome, str(outcome))
 
     async def cancel_many(

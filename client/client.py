@@ -51,6 +51,7 @@ from qdelay.client.types import (
     Target,
     cancel_batches,
     cancel_request,
+    cancel_target,
     keepalive_options,
     ref_or_id,
     reschedule_batches,
@@ -759,13 +760,14 @@ class Client:
         ``timeout``: how long this caller waits (DeadlineExceeded after it, even when its
         target rides in a call that goes on for other callers: whether it was cancelled is
         then unknown, as for a unary call that timed out; cancelling again is safe)."""
-        request = cancel_request(receipt, message_id)
         if self.batching is None:
+            request = cancel_request(receipt, message_id)
             outcome = self._call(self.stub.Cancel, request, timeout).outcome
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
+        target = cancel_target(receipt, message_id)
         canceller = self._canceller or self._bulk.run(self._make_canceller)
         timeout = timeout or self.timeout
-        waiter = canceller.submit_threadsafe(self._bulk.loop, request, timeout)
+        waiter = canceller.submit_threadsafe(self._bulk.loop, target, timeout)
         try:
             outcome = waiter.wait(timeout)  # gives up (left out of its call if not cut yet) on timeout
         except WaitTimeout:

@@ -299,6 +299,22 @@ def cancel_request(target: Target | None, message_id: str | None = None) -> pb.C
     return pb.CancelRequest(receipt=r, message_id=mid)
 
 
+# what ``cancel()`` hands its batcher (client/batching.py): a Receipt's fields (message_id,
+# deliver_at_ms, sequence, shard), written by the batcher straight into the call's request,
+# or a CancelRequest for any other target
+CancelTarget = pb.CancelRequest | tuple[str, int, int, str]
+
+
+def cancel_target(target: Target | None, message_id: str | None = None) -> CancelTarget:
+    """``cancel_request`` for a batched ``cancel()``: a Receipt (the usual target) as its
+    fields, ~0.05 us, where its CancelRequest cost each of 16 calling threads ~0.9 us and the
+    batcher copied it again into the call's request (~0.4 us); any other target as its
+    CancelRequest."""
+    if type(target) is Receipt and message_id is None:
+        return (target.message_id, target.deliver_at_ms, target.sequence, target.shard)
+    return cancel_request(target, message_id)
+
+
 def cancel_batches(targets: Iterable[Target], batch_size: int) -> list[pb.CancelBatchRequest]:
     """CancelBatch requests of at most ``batch_size`` targets each (what ``cancel`` takes)."""
     if batch_size < 1:

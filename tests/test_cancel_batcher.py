@@ -321,3 +321,27 @@ def test_gathering_for_the_last_calls_callers_ends_once_they_are_back():
         await aio.close()
 
     asyncio.run(asyncio.wait_for(tasks(), 30))
+
+
+def test_a_receipts_fields_make_the_same_request_as_its_cancel_request():
+    """cancel() hands the batcher a Receipt as its fields (types.cancel_target), which the
+    batcher writes into the call's request: the same bytes as the CancelRequests the targets
+    make (a shard or none, mixed with targets by id and by text), and the same request for
+    a target sent alone."""
+    from qdelay.client import Receipt
+    from qdelay.client.types import cancel_request, cancel_target
+
+    targets = [
+        Receipt("m1", 1_800_000_000_000, 7),
+        Receipt("m2", 5, 2**63 + 1, "shard-b"),
+        str(Receipt("m3", 9, 3, "s/1")),
+        None,
+        Receipt("", 0, 0),
+    ]
+    ids = [None, None, None, "by-id", None]
+    handed = [cancel_target(t, mid) for t, mid in zip(targets, ids)]
+    assert [type(h) for h in handed] == [tuple, tuple, pb.CancelRequest, pb.CancelRequest, tuple]
+    want = pb.CancelBatchRequest(requests=[cancel_request(t, mid) for t, mid in zip(targets, ids)])
+    got = CancelBatcher._batch_request(handed)
+    assert got == want and got.SerializeToString() == want.SerializeToString()
+    assert [CancelBatcher._single_request(h) for h in handed] == list(want.requests)
