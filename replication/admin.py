@@ -162,8 +162,22 @@ def _group(args: argparse.Namespace) -> int:
                 print(f"group {args.group} of {args.subject}: {'deleted' if changed else 'did not exist'}")
             return 0
         except errors.QdelayError as e:
-            print(f"qdelay admin group {args.group_command}: {e}", file=sys.stderr)
+            code = getattr(e, "code", None)
+            more = _advice(code.name, e.details, args) if code is not None else ""
+            print(f"qdelay admin group {args.group_command}: {e}{more}", file=sys.stderr)
             return 1
+
+
+def _advice(code: str, details: str, args: argparse.Namespace) -> str:
+    """What to try, for the refusals an operator meets first: a token missing or wrong, and
+    a plaintext call to a TLS port (gRPC says only "Socket closed"). "" for the rest."""
+    if code == "UNAUTHENTICATED":
+        if args.token_file:
+            return f" (the token in {args.token_file} is not one the server accepts)"
+        return " (the server requires a token: give its token file with --token-file FILE)"
+    if code == "UNAVAILABLE" and not args.tls_ca and "Socket closed" in details:
+        return " (if the server serves TLS, give its CA certificate with --tls-ca FILE)"
+    return ""
 
 
 def _unreadable(args: argparse.Namespace) -> str | None:
@@ -226,7 +240,10 @@ def run(args: argparse.Namespace) -> int:
                     code = 1
                     out[target] = {"error": f"{e.code().name}: {e.details()}"}
                     if not args.json:
-                        print(f"{target:<22} unreachable ({e.code().name}: {e.details()})")
+                        # "unreachable" only when it is: a refused token was reported so too
+                        what = "unreachable" if e.code() in (grpc.StatusCode.UNAVAILABLE,) else "refused"
+                        more = _advice(e.code().name, e.details() or "", args)
+                        print(f"{target:<22} {what} ({e.code().name}: {e.details()}){more}")
                 finally:
                     ch.close()
             if args.json:
@@ -282,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
             )
             return 0
     except grpc.RpcError as e:
-        print(f"qdelay admin {cmd}: {e.code().name}: {e.details()}", file=sys.stderr)
+        more = _advice(e.code().name, e.details() or "", args)
+        print(f"qdelay admin {cmd}: {e.code().name}: {e.details()}{more}", file=sys.stderr)
         return 1
     except QdelayError as e:  # resync: the folder is in use
         print(f"qdelay admin {cmd}: {e}", file=sys.stderr)

@@ -110,6 +110,29 @@ def test_tls_with_token(tmp_path, token_file):
         with pytest.raises(errors.Unauthenticated):
             bad.send("a.b", b"x", delay_ms=0)
         bad.close()
+        # qdelay admin against it, as an operator first tries it: it said "unreachable" for a
+        # refused token and gRPC's bare "Socket closed" for a plaintext call to the TLS port,
+        # with no word of the flag that fixes either
+        import sys
+
+        def admin(*argv: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "qdelay.cli", "admin", *argv, "--timeout", "5"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
+        cp = admin("status", "--servers", srv.address)
+        assert cp.returncode == 1 and "Socket closed" in cp.stdout, cp.stdout + cp.stderr
+        assert cp.stdout.rstrip().endswith("(if the server serves TLS, give its CA certificate with --tls-ca FILE)")
+        cp = admin("status", "--servers", srv.address, "--tls-ca", str(cert))
+        assert cp.returncode == 1 and f"{srv.address:<22} refused (UNAUTHENTICATED: " in cp.stdout, cp.stdout
+        assert "(the server requires a token: give its token file with --token-file FILE)" in cp.stdout
+        cp = admin("group", "list", "--server", srv.address, "--tls-ca", str(cert))
+        assert cp.returncode == 1 and "give its token file with --token-file FILE" in cp.stderr, cp.stderr
+        cp = admin("status", "--servers", srv.address, "--tls-ca", str(cert), "--token-file", str(token_file))
+        assert cp.returncode == 0 and " master " in cp.stdout, cp.stdout + cp.stderr
 
 
 def test_unreadable_token_file_refuses_to_start(tmp_path):
