@@ -332,7 +332,16 @@ def recover(
                 result.corrupt_at = bad_at
                 result.reason = got.reason
                 if policy is CorruptionPolicy.FAIL:
-                    raise CorruptRecord(path, bad_at, f"{got.reason} (a valid record follows at offset {got.end})")
+                    # say what the operator can do (docs/recovery.md, "Policy"): the bare
+                    # "checksum mismatch" left them to find the corruption setting
+                    raise CorruptRecord(
+                        path,
+                        bad_at,
+                        f"{got.reason} (a valid record follows at offset {got.end}); with corruption = fail "
+                        f"nothing is cut: restore the file from a replica, or start with --set "
+                        f"engine.corruption=truncate to cut it at {bad_at} (the cut bytes are kept in "
+                        f"{os.path.basename(path)}.broken)",
+                    )
                 log.error("corrupt record, truncating", extra={"path": path, "offset": bad_at, "reason": got.reason})
             else:
                 result.torn = True

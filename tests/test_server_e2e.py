@@ -352,6 +352,37 @@ def test_a_second_server_on_a_folder_in_use_is_refused_before_recovery(server, c
     assert client.send("lock.check", b"y", delay_ms=600_000).sequence > 0  # the running one is unharmed
 
 
+def test_a_corrupt_message_log_refuses_to_open_saying_what_to_do(tmp_path):
+    """A flipped byte inside the message log: the server refuses to open it (corruption =
+    fail, docs/recovery.md row 3), and said only "corrupt record in F at offset N: checksum
+    mismatch", leaving the operator to find the setting docs/recovery.md names. The line now
+    says the two ways on; the second one, as written there, opens the folder."""
+    import subprocess
+    import sys
+
+    import byte_surgery
+    from serverproc import ServerProc
+
+    data = tmp_path / "data"
+    with ServerProc(data) as srv, srv.client() as c:
+        c.send_many(c.message("rot.s", b"x" * 100, delay_ms=600_000) for _ in range(20))
+    (wal,) = (data / "message").iterdir()
+    byte_surgery.flip_byte(str(wal), 1000)
+    cp = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(data), "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode == 1 and "qdelay listening" not in cp.stdout, cp.stdout
+    line = cp.stderr.splitlines()[-1]
+    assert line.startswith(f"qdelay server: corrupt record in {wal} at offset "), line
+    assert "restore the file from a replica, or start with --set engine.corruption=truncate to cut it at " in line
+    with ServerProc(data, args=["--set", "engine.corruption=truncate"]) as srv, srv.client() as c:
+        assert c.send("rot.s", b"after", delay_ms=600_000).sequence > 0
+    assert (data / "message" / (wal.name + ".broken")).exists()
+
+
 def test_an_address_in_use_is_said_in_words_not_a_traceback(server, tmp_path):
     """A second server on a port already taken (a second `make run`) printed grpcio's
     RuntimeError traceback; a metrics port taken printed '[Errno 98] Address already in use'
