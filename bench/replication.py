@@ -1,6 +1,8 @@
 """Replication benchmark: ingest with no slave vs async vs sync, and slave lag under load.
 
     python -m bench.replication [--seconds 8] [--producers 4] [--batch 100] [--rate 20000]
+                                [--catchup 100000,1000000] [--catchup-minutes 1]
+                                [--only ingest,lag,catchup]
 
 - ingest: ``producers`` threads each send SendBatch of ``batch`` 100-byte messages for
   ``seconds``; messages/s durable-acknowledged, for a lone master, a master with an async
@@ -8,6 +10,13 @@
 - lag: an async master with a slave under a steady ``rate`` msgs/s (batches every 10 ms);
   the slave's ingest-to-durable delay p99 (from Replication.Status, sampled every 0.5 s;
   goal <= 50 ms) and the master's lag in bytes.
+- catchup: for each L of ``--catchup``, an async master alone given L messages (100-byte
+  payloads a day ahead, over ``--catchup-minutes`` minutes, batches of 1,000), idle
+  again; then a new slave on an empty folder is started and pulls the whole message log:
+  the seconds from its start (listening) to having the master's end offset, µs and the
+  master's and the slave's CPU per message (the slave's also until it is idle again: its
+  iterate service copies what it pulled), MB/s. Copying the log is linear in it by
+  design; the per-message figures should be flat in L.
 
 Servers are real processes on 127.0.0.1 with temporary data folders (same disk).
 Writes bench/out/replication.json.
@@ -25,12 +34,12 @@ import time
 
 import grpc
 
-from bench.common import OUT_DIR
+from bench.common import OUT_DIR, cpu_seconds, until_idle
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from serverproc import ServerProc  # noqa: E402
 
-from qdelay.client import Client  # noqa: E402
+from qdelay.client import Client, Outgoing  # noqa: E402
 from qdelay.v1 import replication_pb2 as rpb  # noqa: E402
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc  # noqa: E402
 
@@ -113,15 +122,77 @@ def lag(master: str, slave: str, seconds: float, rate: int) -> dict:
     }
 
 
+def catchup(root: str, messages: int, minutes: int = 1) -> dict:
+    """A new slave's catch-up on a master holding ``messages`` in its log, due over
+    ``minutes`` minutes a day ahead."""
+    a = ServerProc(os.path.join(root, "a"), args=["--replication", "async"]).start()
+    b = None
+    try:
+        with Client(a.address, timeout=600) as c:
+            due = int(time.time() * 1000) + 86_400_000
+            c.send_many(
+                (
+                    Outgoing("bench.catchup", b"x" * 100, deliver_at_ms=due + i % minutes * 60_000)
+                    for i in range(messages)
+                ),
+                batch_size=1000,
+                max_in_flight=8,
+            )
+        until_idle(a.pid, 120.0)
+        end = status(a.address).end_offset
+        cpu_a = cpu_seconds(a.pid)
+        t0 = time.perf_counter()
+        b = ServerProc(os.path.join(root, "b"), args=["--role", "slave", "--master", a.address]).start()
+        started = time.perf_counter() - t0
+        cpu_b = cpu_seconds(b.pid)  # its start-up (the interpreter, opening the folder) left out
+        t1 = time.perf_counter()
+        deadline = t1 + 600
+        while True:
+            try:
+                got = status(b.address)
+                if got.connected and got.end_offset >= end:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the slave did not catch up with {end} bytes in 600 s")
+            time.sleep(0.01)
+        took = time.perf_counter() - t1
+        cpu_caught = cpu_seconds(b.pid) - cpu_b
+        settle = until_idle(b.pid, 300.0)  # its iterate service copying what it pulled
+        return {
+            "messages": messages,
+            "log_mb": round(end / 1e6, 1),
+            "slave_start_s": round(started, 3),
+            "catchup_s": round(took, 3),
+            "us_per_msg": round(took / messages * 1e6, 2),
+            "mb_per_s": round(end / 1e6 / took, 1),
+            "master_cpu_us_per_msg": round((cpu_seconds(a.pid) - cpu_a) / messages * 1e6, 2),
+            "slave_cpu_us_per_msg": round(cpu_caught / messages * 1e6, 2),
+            "slave_settle_s": round(settle, 2),
+            "slave_cpu_until_idle_us_per_msg": round((cpu_seconds(b.pid) - cpu_b) / messages * 1e6, 2),
+        }
+    finally:
+        for s in (b, a):
+            if s is not None:
+                s.stop()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--producers", type=int, default=4)
     p.add_argument("--batch", type=int, default=100)
     p.add_argument("--rate", type=int, default=20_000)
+    p.add_argument("--catchup", default="100000,1000000", help="catchup: messages in the master's log, ascending")
+    p.add_argument("--catchup-minutes", type=int, default=1, help="catchup: due minutes the messages are spread over")
+    p.add_argument("--only", default="ingest,lag,catchup", help="comma-separated: ingest,lag,catchup")
     args = p.parse_args(argv)
-    out = {"ingest_msgs_per_s": {}, "params": vars(args), "cpus": os.cpu_count()}
-    for mode in (None, "async", "sync"):
+    wanted = {w for w in args.only.split(",") if w}
+    if wanted - {"ingest", "lag", "catchup"}:
+        p.error(f"unknown part(s): {', '.join(sorted(wanted - {'ingest', 'lag', 'catchup'}))}")
+    out: dict = {"ingest_msgs_per_s": {}, "params": vars(args), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+    for mode in (None, "async", "sync") if "ingest" in wanted else ():
         with tempfile.TemporaryDirectory() as root:
             a, b = cluster(root, mode)
             try:
@@ -133,14 +204,32 @@ def main(argv=None) -> int:
         out["ingest_msgs_per_s"][mode or "no_slave"] = round(rate)
         print(f"ingest {mode or 'no slave':>8}: {rate:,.0f} msgs/s", flush=True)
     r = out["ingest_msgs_per_s"]
-    out["sync_vs_no_slave"] = round(r["sync"] / r["no_slave"], 3)
-    with tempfile.TemporaryDirectory() as root:
-        a, b = cluster(root, "async")
-        try:
-            out["lag"] = lag(a.address, b.address, args.seconds, args.rate)
-        finally:
-            b.stop()
-            a.stop()
+    if r:
+        out["sync_vs_no_slave"] = round(r["sync"] / r["no_slave"], 3)
+    if "lag" in wanted:
+        with tempfile.TemporaryDirectory() as root:
+            a, b = cluster(root, "async")
+            try:
+                out["lag"] = lag(a.address, b.address, args.seconds, args.rate)
+            finally:
+                b.stop()
+                a.stop()
+    if "catchup" in wanted:
+        out["catchup"] = []
+        for n in sorted(int(x) for x in args.catchup.split(",") if x):
+            with tempfile.TemporaryDirectory() as root:
+                row = catchup(root, n, args.catchup_minutes)
+            out["catchup"].append(row)
+            print(f"catchup {n:,}: {row}", flush=True)
+        rows = out["catchup"]
+        if len(rows) > 1:
+            print(
+                f"catchup {rows[0]['messages']:,} -> {rows[-1]['messages']:,}:"
+                f" us a message x{rows[-1]['us_per_msg'] / rows[0]['us_per_msg']:.2f},"
+                f" slave CPU a message (until idle) x"
+                f"{rows[-1]['slave_cpu_until_idle_us_per_msg'] / rows[0]['slave_cpu_until_idle_us_per_msg']:.2f}",
+                flush=True,
+            )
     print(json.dumps(out, indent=1))
     os.makedirs(OUT_DIR, exist_ok=True)
     with open(os.path.join(OUT_DIR, "replication.json"), "w") as f:
