@@ -113,6 +113,7 @@ class ClusterAgent:
         self._published = (None, 0.0)
         self._tasks: list[asyncio.Task] = []
         self.error = ""
+        self._step_error = ""  # the last etcd error the logic loop logged (once, not every poll)
         self.renewals = 0
         self.renew_failures = 0
         self.leader_changes = 0  # times this server became master
@@ -219,11 +220,17 @@ class ClusterAgent:
             try:
                 await self.tick()
                 self.error = ""
+                if self._step_error:
+                    log.info("etcd: reachable again")
+                    self._step_error = ""
             except asyncio.CancelledError:
                 raise
             except EtcdError as e:
-                if str(e) != self.error:
-                    log.warning("etcd: %s", e)
+                # compared with its own last line: the renew loop writes self.error too, with
+                # another call's name, so the same outage was logged again at every poll
+                if str(e) != self._step_error:
+                    log.warning("etcd: %s (logged once until it changes or etcd answers again)", e)
+                    self._step_error = str(e)
                 self.error = str(e)
             except Exception:  # noqa: BLE001
                 log.exception("cluster step failed")

@@ -718,3 +718,27 @@ def test_cluster_up_goes_on_when_a_master_dies(tmp_path):
     name = "s1-1" if old == seeds[0] else "s1-2"
     assert f"{name} exited with -9; see {root}/{name}.log (its shard fails over by itself" in err, err
     assert f"to bring it back: qdelay server --data-dir {root}/{name} --listen {old} --etcd " in err, err
+
+
+def test_an_etcd_outage_is_logged_once_then_its_end(tmp_path, etcd):
+    """With etcd down, every server logged the same 'etcd: etcd Range: UNAVAILABLE ...'
+    WARNING again at every poll (twice a second): its dedupe compared the error with one
+    the lease loop overwrites with another call's name. It is logged once per distinct
+    error, and the end of the outage once ('etcd: reachable again')."""
+    a = node(tmp_path, "a", etcd.endpoint).start()
+    try:
+        wait_shard(a.address, "s1", slaves=0)
+        etcd.kill9()
+
+        def outage_lines() -> list[str]:
+            return [line for line in a.log_path.read_text().splitlines() if "WARNING qdelay.cluster: etcd: " in line]
+
+        wait_until(outage_lines, 10, "the outage logged")
+        time.sleep(2.0)  # four polls or more: each used to log the same line again
+        lines = outage_lines()
+        assert len({line.split(" qdelay.cluster: ", 1)[1] for line in lines}) == len(lines) <= 2, lines
+        etcd.start()
+        wait_until(lambda: "INFO qdelay.cluster: etcd: reachable again" in a.log_path.read_text(), 20, "the end")
+        wait_shard(a.address, "s1", slaves=0)
+    finally:
+        a.stop()
