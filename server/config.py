@@ -144,6 +144,7 @@ class ServerConfig:
         return build_engine_config(self)
 
     def validate(self) -> ServerConfig:
+        self._validate_types()
         parse_hostport(self.listen, "listen")
         if self.metrics_listen:
             parse_hostport(self.metrics_listen, "metrics_listen")
@@ -201,6 +202,23 @@ class ServerConfig:
             raise ConfigError("limits.max_payload_bytes must be below 2 GiB")
         check_engine_options(self)
         return self
+
+    def _validate_types(self) -> None:
+        """Each top-level key has its default's type: ``listen = 7600`` ended in an
+        AttributeError traceback, and ``grace_seconds = "10"`` started the server and broke
+        its SIGTERM drain (a TypeError before the engine closed)."""
+        for f in dataclasses.fields(self):
+            if f.name in ("limits", "engine_options"):
+                continue
+            value, default = getattr(self, f.name), f.default
+            if isinstance(default, float):
+                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                    raise ConfigError(f"{f.name} must be a non-negative number, not {value!r}")
+            elif default is None or isinstance(default, str):
+                if f.name == "peers" and isinstance(value, list) and all(isinstance(p, str) for p in value):
+                    continue  # a list when built in code
+                if value is not None and not isinstance(value, str):
+                    raise ConfigError(f"{f.name} must be a string, not {value!r}")
 
     def _validate_files(self) -> None:
         """Every file the server reads at start-up is readable now: a missing TLS key or token

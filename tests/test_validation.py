@@ -365,6 +365,9 @@ def test_bad_settings_are_refused_before_the_folder_is_opened(tmp_path):
         (["--tls-cert", str(cert), "--tls-key", str(tmp_path / "gone.key")], "tls_key "),
         (["--auth-token-file", str(empty_tokens)], f"auth_token_file {empty_tokens} holds no token"),
         (["--log-level", "loud"], "log_level must be one of debug, info, warning, error, not 'loud'"),
+        # top-level keys: an AttributeError traceback, and a server whose SIGTERM drain broke
+        (["--set", "listen=7600"], "listen must be a string, not 7600"),
+        (["--set", 'grace_seconds="10"'], "grace_seconds must be a non-negative number, not '10'"),
     ):
         cp = subprocess.run(
             [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", str(data), "--listen", "127.0.0.1:0", *args],
