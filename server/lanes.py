@@ -9,6 +9,7 @@ read them back (``Pass``) while its consumers have credit.
 from __future__ import annotations
 
 import collections
+import itertools
 
 import numpy as np
 
@@ -21,25 +22,56 @@ Columns = tuple[list[int], list[int], list[int], list[int], list[int]]
 
 
 class Ready:
-    """Entries of one subject waiting for consumer credit: packed chunks, plus retries."""
+    """Entries of one subject waiting for consumer credit: packed chunks, plus retries.
 
-    __slots__ = ("chunks", "retries", "count")
+    ``count`` is what the lane has due in memory (Stats' backlog): a message cancelled
+    while it waits here leaves it at once (``cancel``); its entry stays in its chunk,
+    marked, and is dropped when a round or a spill reaches it, or when the marked ones
+    outnumber the rest (the chunks are then copied without them, so that a queue nobody
+    takes from holds no more than about twice what it counts)."""
+
+    __slots__ = (
+        "chunks",
+        "retries",
+        "count",
+        "_serial",
+        "_runs",
+        "_run_total",
+        "_indexed",
+        "_retry_seqs",
+        "_gone",
+        "_marked",
+    )
 
     def __init__(self) -> None:
-        self.chunks: collections.deque[list] = collections.deque()  # [Entries, position]
+        # [Entries, position, serial, cancelled positions or None]; the serials of the
+        # chunks queued are consecutive (pushed in order, taken from the front)
+        self.chunks: collections.deque[list] = collections.deque()
         self.retries: collections.deque[Retry] = collections.deque()
         self.count = 0
+        self._serial = 0  # the next chunk's
+        # sorted runs of (sequence, chunk serial, position) over the chunks, built only
+        # when a cancel asks whether a sequence is queued here (see ``cancel``)
+        self._runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._run_total = 0
+        self._indexed = 0  # chunks from this serial on are not in the runs yet
+        self._retry_seqs: set[int] = set()  # sequences of the retries queued
+        self._gone: set[int] = set()  # ... and those of them cancelled meanwhile
+        self._marked = 0  # entries of the chunks marked cancelled and not yet passed over
 
     def push(self, e: Entries) -> None:
-        self.chunks.append([e, 0])
+        self.chunks.append([e, 0, self._serial, None])
+        self._serial += 1
         self.count += len(e)
 
     def push_retry(self, retry: Retry) -> None:
         self.retries.append(retry)
+        self._retry_seqs.add(retry[0])
         self.count += 1
 
     def take(self, n: int, shared: dict | None = None) -> Columns:
-        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt).
+        """Up to n items, retries first, as columns (seq, off, bucket, due, attempt);
+        entries cancelled while queued are passed over (dropped).
 
         ``shared`` (one dispatch round's): the columns of a stretch of a chunk, made once
         for every lane that takes the same stretch of the same chunk in the round. The
@@ -50,13 +82,19 @@ class Ready:
         if self.retries and n > 0:
             r: list[Retry] = []
             while self.retries and n > 0:
-                r.append(self.retries.popleft())
+                item = self.retries.popleft()
+                self._retry_seqs.discard(item[0])
+                if self._gone and item[0] in self._gone:
+                    self._gone.discard(item[0])
+                    continue
+                r.append(item)
                 n -= 1
-            seqs, offs, buckets, dues, attempts = (list(col) for col in zip(*r))
-            pieces.append((seqs, offs, buckets, dues, attempts))
+            if r:
+                seqs, offs, buckets, dues, attempts = (list(col) for col in zip(*r))
+                pieces.append((seqs, offs, buckets, dues, attempts))
         while self.chunks and n > 0:
             chunk = self.chunks[0]
-            e, pos = chunk
+            e, pos, _serial, gone = chunk
             end = min(len(e), pos + n)
             key = (id(e), pos, end)
             got = shared.get(key) if shared is not None else None
@@ -71,12 +109,17 @@ class Ready:
                 )
                 if shared is not None:
                     shared[key] = (e, cols)
+            if gone:
+                cols = _without(cols, pos, end, gone)
+                self._marked -= end - pos - len(cols[0])
             pieces.append(cols)
-            n -= end - pos
+            n -= len(cols[0])
             if end >= len(e):
                 self.chunks.popleft()
             else:
                 chunk[1] = end
+        if not self.chunks and self._runs:
+            self._forget_runs()
         if len(pieces) == 1:
             out = pieces[0]
         else:
@@ -88,18 +131,129 @@ class Ready:
         return out
 
     def in_memory(self) -> set[int]:
-        """Sequences of every entry queued here (chunks from their position, and retries)."""
-        out: set[int] = {item[0] for item in self.retries}
-        for e, pos in self.chunks:
-            out.update(e.seq[pos:].tolist())
+        """Sequences of every entry queued here (chunks from their position, and retries),
+        those cancelled meanwhile left out."""
+        out: set[int] = self._retry_seqs - self._gone
+        for chunk in self.chunks:
+            out.update(_rest(chunk).seq.tolist())
         return out
 
     def drop_chunks(self) -> list[np.ndarray]:
-        """Forget the queued entries (not the retries); returns their bucket columns."""
-        dropped = [e.bucket[pos:] for e, pos in self.chunks]
+        """Forget the queued entries (not the retries); returns their bucket columns (those
+        cancelled while queued left out: they were counted out already)."""
+        dropped = [_rest(chunk).bucket for chunk in self.chunks]
         self.count -= sum(map(len, dropped))
         self.chunks.clear()
+        self._marked = 0
+        self._forget_runs()
         return dropped
+
+    def cancel(self, targets: set[int]) -> int:
+        """Take the entries of ``targets`` (cancelled sequences) out of what is queued here:
+        out of ``count`` at once, each marked in its chunk so that a round or a spill drops
+        it later; how many there were. Costs the targets, not the queue: each is looked up
+        in sorted runs of the chunks' sequences (``_find``), which a lane builds only when
+        a cancel asks and keeps up to date as chunks come, at an amortised O(log n) per
+        entry queued."""
+        n = 0
+        if self._retry_seqs and not self._retry_seqs.isdisjoint(targets):
+            for q in (self._retry_seqs & targets) - self._gone:
+                self._gone.add(q)
+                n += 1
+        if self.chunks:
+            for chunk, i in self._find(np.fromiter(targets, dtype=np.int64, count=len(targets))):
+                gone = chunk[3]
+                if gone is None:
+                    gone = chunk[3] = set()
+                if i not in gone:
+                    gone.add(i)
+                    self._marked += 1
+                    n += 1
+        self.count -= n
+        if self._marked > max(1024, self.count):
+            self._compact()
+        return n
+
+    def _compact(self) -> None:
+        """Copy the chunks without their marked entries, as one chunk (in order): paid for
+        by the cancels that marked at least as many entries as are left."""
+        rest = [_rest(chunk) for chunk in self.chunks]
+        self.chunks.clear()
+        self._marked = 0
+        self._forget_runs()
+        left = Entries.concat([e for e in rest if len(e)])
+        if len(left):
+            self.chunks.append([left, 0, self._serial, None])
+            self._serial += 1
+
+    # --- the sorted runs: which chunk and position holds a sequence --------------------------
+
+    def _find(self, targets: np.ndarray) -> list[tuple[list, int]]:
+        """(chunk, position) of every queued entry with a sequence of ``targets``."""
+        self._index_new()
+        head, head_pos = self.chunks[0][2], self.chunks[0][1]
+        out = []
+        for seqs, serials, idx in self._runs:
+            lo = np.searchsorted(seqs, targets, "left")
+            hi = np.searchsorted(seqs, targets, "right")
+            for a, b in zip(lo[hi > lo].tolist(), hi[hi > lo].tolist()):
+                for j in range(a, b):
+                    s, i = int(serials[j]), int(idx[j])
+                    if s > head or (s == head and i >= head_pos):
+                        out.append((self.chunks[s - head], i))
+        return out
+
+    def _index_new(self) -> None:
+        """Add the chunks pushed since the last look-up as a run; merge runs of like size
+        (dropping entries taken since); start again from the queue when most of what the
+        runs hold was taken."""
+        head = self.chunks[0][2]
+        if self._run_total > 2 * self.count + 1024:
+            self._forget_runs()
+        start = max(self._indexed, head)
+        if start < self._serial:
+            parts = list(itertools.islice(self.chunks, start - head, None))
+            seqs = np.concatenate([e.seq[pos:] for e, pos, _s, _g in parts])
+            serials = np.concatenate([np.full(len(e) - pos, s, dtype=np.int64) for e, pos, s, _g in parts])
+            idx = np.concatenate([np.arange(pos, len(e), dtype=np.int64) for e, pos, _s, _g in parts])
+            order = np.argsort(seqs, kind="stable")
+            self._runs.append((seqs[order], serials[order], idx[order]))
+            self._run_total += len(seqs)
+            self._indexed = self._serial
+        runs = self._runs
+        while len(runs) > 1 and len(runs[-2][0]) <= 2 * len(runs[-1][0]):
+            b, a = runs.pop(), runs.pop()
+            seqs, serials, idx = (np.concatenate([x, y]) for x, y in zip(a, b))
+            head_pos = self.chunks[0][1]
+            live = (serials > head) | ((serials == head) & (idx >= head_pos))
+            order = np.argsort(seqs[live], kind="stable")
+            runs.append((seqs[live][order], serials[live][order], idx[live][order]))
+            self._run_total -= len(seqs) - int(live.sum())
+
+    def _forget_runs(self) -> None:
+        self._runs = []
+        self._run_total = 0
+        self._indexed = self._serial
+
+
+def _rest(chunk: list) -> Entries:
+    """What a queued chunk still holds: its entries from its position on, less those marked
+    cancelled."""
+    e, pos, _serial, gone = chunk
+    if gone:
+        keep = np.ones(len(e) - pos, dtype=bool)
+        keep[[i - pos for i in gone if i >= pos]] = False
+        return e.take(np.flatnonzero(keep) + pos)
+    return e.take(slice(pos, None)) if pos else e
+
+
+def _without(cols: Columns, pos: int, end: int, gone: set[int]) -> Columns:
+    """A chunk's columns for positions [pos, end) less the positions in ``gone`` (new
+    lists: the shared ones stay as they are)."""
+    keep = [j for j in range(end - pos) if pos + j not in gone]
+    if len(keep) == end - pos:
+        return cols
+    return tuple([col[j] for j in keep] for col in cols)  # type: ignore[return-value]
 
 
 class Pass:

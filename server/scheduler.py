@@ -360,17 +360,28 @@ class Scheduler:
                     st.written_on()
                 if sleeping_until is None or w.first_due < sleeping_until:
                     wake = True
+            fired: list[tuple[int, list[int]]] = []
             for b, targets in cancels.items():
                 got = book.get(b)
                 if got is not None:
+                    if self.timer.may_hold_fired(got, targets):
+                        fired.append((b, targets))
                     got.cancel(targets)
                 for item in self.claims.settled(targets):
                     # set aside while claimed, cancelled now: no longer held by the bucket
                     st = book.get(item[2])
                     if st is not None and self.timer.has_lane(item[5], item[6]):
                         st.owe(item[6], -1)
+        if fired:
+            # fired already, they may wait in ready queues: taken out of them (and out of
+            # the groups' backlog) by the scheduler thread, which owns the lanes
+            self.post(lambda: self._cancel_ready(fired))
         if wake:
             self.wake()
+
+    def _cancel_ready(self, fired: list[tuple[int, list[int]]]) -> None:
+        for b, targets in fired:
+            self.timer.cancel_ready(b, set(targets))
 
     # --- groups -----------------------------------------------------------------------------------
 

@@ -348,6 +348,36 @@ class Timer:
         self.ready_total += 1
         return True
 
+    def cancel_ready(self, bucket: int, targets: set[int]) -> int:
+        """Cancelled messages of ``bucket`` (tombstones reported by the iterate service)
+        leave the ready queues of every group holding them, and with them the groups'
+        backlog and the bucket's ``owed`` at once; their entries are dropped when a round
+        or a spill reaches them. Only the lanes of groups that hold entries of the bucket
+        in memory are asked, each at the cost of the targets (``Ready.cancel``). Returns
+        how many entries left a queue."""
+        st = self.book.get(bucket)
+        if st is None:
+            return 0
+        total = 0
+        for gid in [gid for gid, n in st.owed.items() if n > 0]:
+            for lane in self._lanes_of.get(gid, ()):
+                if lane.ready.count:
+                    n = lane.ready.cancel(targets)
+                    if n:
+                        st.owe(gid, -n)
+                        self.ready_total -= n
+                        total += n
+        return total
+
+    def may_hold_fired(self, st: BucketState, targets: list[int]) -> bool:
+        """Whether some of ``targets`` (cancelled now) may wait in a lane's ready queue:
+        the bucket has entries held in memory for some group, and a target was put in the
+        wheel (it may have fired since)."""
+        if not any(st.owed.values()):
+            return False
+        top = st.top_indexed
+        return any(q <= top for q in targets)
+
     def has_lane(self, sid: int, gid: int) -> bool:
         """The lane exists (its group was not deleted since it was made)."""
         return (sid, gid) in self.lanes
@@ -438,7 +468,7 @@ class Timer:
     def take_back(self, lane: Lane, st: BucketState, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray) -> None:
         """Queue entries of ``st`` a spilled lane's pass read back (the caller dropped those
         closed, cancelled or held already), minus those queued in the lane."""
-        queued = [e.seq[pos:] for e, pos in lane.ready.chunks]
+        queued = [item[0].seq[item[1] :] for item in lane.ready.chunks]
         if queued:
             keep = ~np.isin(seqs, np.concatenate(queued))
             if not keep.all():
@@ -482,8 +512,9 @@ class Timer:
             n = tokens(n) if n > 0 else 0
             if n > 0:
                 cols = q.take(n, shared)
-                self.ready_total -= len(cols[0])
-                out.append((lane, g, name, cols))
+                if cols[0]:  # (none if all it reached were cancelled while queued)
+                    self.ready_total -= len(cols[0])
+                    out.append((lane, g, name, cols))
             if q.count > 0:
                 rr.append(lane)
         return out

@@ -221,6 +221,35 @@ def test_a_message_cancelled_while_in_the_timer_is_not_in_an_idle_groups_backlog
         c.close()
 
 
+def test_messages_cancelled_after_they_fell_due_leave_an_idle_groups_backlog_at_once(tmp_path):
+    """Issue 14: a message cancelled after it fell due, while it waited in a group's ready
+    queue for a consumer, stayed in that group's Stats backlog (and qdelay_group_backlog)
+    until the group's next dispatch round dropped it: for ever in a group without consumers.
+    Cancel, CancelBatch, cancel by id and Reschedule now take it out of every group's backlog
+    at once; the consumer that comes later gets only what is left."""
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        s = subject()
+        assert c.create_group(s, "idle") and c.create_group(s, "other")
+        receipts = c.send_batch([c.message(s, b"%d" % i, delay_ms=0) for i in range(8)])
+
+        def backlog() -> dict[str, int]:
+            return {g["group"]: g["backlog"] for g in c.stats(subject=s)["groups"]}
+
+        wait_until(lambda: backlog() == {"idle": 8, "other": 8}, 10, "all due, waiting for a consumer")
+        assert c.cancel(receipts[0]) == "CANCELLED"
+        assert c.cancel_many(receipts[1:3]) == ["CANCELLED", "CANCELLED"]
+        assert c.cancel(message_id=receipts[3].message_id) == "CANCELLED"
+        assert c.reschedule(receipts[4], delay_ms=3_600_000)[0] == "RESCHEDULED"
+        wait_until(lambda: backlog() == {"idle": 3, "other": 3}, 10, "the cancelled ones out of the backlog")
+        with c.subscribe(s, group="idle") as consumer:
+            got: list = []
+            wait_until(lambda: got.extend(consumer.receive(10, timeout=0.2)) or len(got) >= 3, 10, "the rest")
+            assert sorted(d.message_id for d in got) == sorted(r.message_id for r in receipts[5:])
+            consumer.ack(got)
+        c.close()
+
+
 def test_redelivery_and_dead_letters_are_per_group(tmp_path):
     args = [
         "--set",

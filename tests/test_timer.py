@@ -7,6 +7,8 @@ and a deleted group's lanes, retries and counts go.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from qdelay.segments import records
@@ -272,3 +274,128 @@ def test_a_message_cancelled_later_in_the_same_loaded_chunk_never_enters_the_whe
     timer.fire(T)
     (lane,) = timer.lanes_of(g.gid)
     assert lane.ready.count == 2 and st.owed[g.gid] == 2  # 1 and 3
+
+
+def test_a_message_cancelled_while_it_waits_in_ready_queues_leaves_every_groups_backlog_at_once():
+    """Issue 14: a message cancelled after it fell due, while it waited in a group's ready
+    queue for a consumer or credit, stayed in that group's backlog (and its bucket's
+    ``owed``) until the group's next dispatch round dropped it: for ever in a group without
+    consumers. The tombstone now takes it out of every group's queue at once; the entry is
+    dropped when a round (or a spill) reaches it, never delivered nor counted twice."""
+    timer, st, groups = rig(group_max_ready=6)
+    a, _ = groups.create("s", "a", 0)
+    b, _ = groups.create("s", "b", 0)
+    load(timer, st, b"s", [1, 2, 3, 4, 5], T)
+    timer.fire(T)
+    st.top_indexed = 5
+    ((la,), (lb,)) = (timer.lanes_of(g.gid) for g in (a, b))
+    taken = timer.take(lambda subject, group: 2 if group == "a" else 0, lambda n: n, quantum=512)
+    assert [cols[0] for _l, _g, _n, cols in taken] == [[1, 2]]  # a holds 1 and 2 in flight
+    st.cancel([3, 9])  # 3 in both queues, 9 in none
+    assert timer.cancel_ready(B, {3, 9}) == 2  # 3 in a's queue and in b's
+    assert (la.ready.count, lb.ready.count, timer.ready_total) == (2, 4, 6)
+    assert st.owed == {a.gid: 4, b.gid: 4}
+    assert timer.cancel_ready(B, {3}) == 0, "a repeated tombstone counts nothing"
+    taken = timer.take(lambda subject, group: 10, lambda n: n, quantum=512)
+    assert sorted((g.name, cols[0]) for _l, g, _n, cols in taken) == [("a", [4, 5]), ("b", [1, 2, 4, 5])]
+    assert timer.ready_total == 0 and la.ready.count == lb.ready.count == 0
+    # a spill after a cancel counts on disk only what is still due for the group
+    load(timer, st, b"s", [10, 11, 12, 13, 14], T + 1)
+    st.top_indexed = 14
+    timer.fire(T + 1)
+    st.cancel([12])
+    assert timer.cancel_ready(B, {12}) == 2
+    load(timer, st, b"s", [15, 16, 17], T + 2)
+    st.top_indexed = 17
+    timer.fire(T + 2)  # 4 + 3 > 6: both lanes spill
+    assert la.spilled and lb.spilled and la.on_disk == lb.on_disk == 7
+    # only what the rounds took stays owed (in flight: 1, 2, 4, 5 in each)
+    assert timer.ready_total == 0 and st.owed == {a.gid: 4, b.gid: 4}
+
+
+def test_a_retry_cancelled_while_it_waits_leaves_the_backlog():
+    timer, st, groups = rig()
+    g, _ = groups.create("s", "g", 0)
+    sid = timer.subject_id(b"s")
+    st.owe(g.gid, 2)  # two deliveries in flight come back for another attempt
+    st.top_indexed = 2
+    timer.lane(sid, g.gid)
+    assert timer.requeue((1, 100, B, T, 2, sid, g.gid)) and timer.requeue((2, 200, B, T, 2, sid, g.gid))
+    assert timer.cancel_ready(B, {2}) == 1
+    (lane,) = timer.lanes_of(g.gid)
+    assert lane.ready.count == 1 and timer.ready_total == 1 and st.owed[g.gid] == 1
+    taken = timer.take(lambda subject, group: 10, lambda n: n, quantum=512)
+    assert [(cols[0], cols[4]) for _l, _g, _n, cols in taken] == [([1], [2])]
+
+
+def test_cancels_of_a_large_ready_queue_look_up_their_targets_not_the_queue():
+    """100,000 entries ready in 1,000 chunks, cancelled in 200 batches while the queue is
+    taken from and pushed to: every count stays exact against a plain model, and the look-up
+    structure (sorted runs) holds about the queue, not what passed through it."""
+    timer, st, groups = rig(group_max_ready=200_000, max_loaded=10**7)
+    g, _ = groups.create("s", "g", 0)
+    rng = np.random.default_rng(7)
+    model: collections.deque[int] = collections.deque()  # queued, in order (cancelled ones too)
+    live: set[int] = set()  # queued and not cancelled
+    flying = 0
+    nxt = 1
+    for _ in range(1000):
+        seqs = list(range(nxt, nxt + 100))
+        nxt += 100
+        rng.shuffle(seqs)
+        load(timer, st, b"s", seqs, T)
+        timer.fire(T)
+        model += seqs
+        live.update(seqs)
+    st.top_indexed = nxt
+    (lane,) = timer.lanes_of(g.gid)
+    for k in range(200):
+        targets = {int(q) for q in rng.integers(1, nxt + 500, size=50)}
+        hit = live & targets  # (the rest: taken already, or not fired yet)
+        assert timer.cancel_ready(B, targets) == len(hit)
+        live -= hit
+        if k % 3 == 0:
+            taken = timer.take(lambda subject, group: 700, lambda n: n, quantum=700)
+            got = [q for _l, _g, _n, cols in taken for q in cols[0]]
+            want: list[int] = []
+            while model and len(want) < 700:  # a round takes 700 live ones, passing over the rest
+                q = model.popleft()
+                if q in live:
+                    want.append(q)
+                    live.discard(q)
+            assert got == want
+            flying += len(got)
+        else:
+            seqs = list(range(nxt, nxt + 300))
+            nxt += 300
+            load(timer, st, b"s", seqs, T)
+            timer.fire(T)
+            st.top_indexed = nxt
+            model += seqs
+            live.update(seqs)
+        assert lane.ready.count == len(live) == timer.ready_total
+        assert st.owed[g.gid] == len(live) + flying  # what the rounds took stays owed until acknowledged
+    assert sum(len(run[0]) for run in lane.ready._runs) <= 2 * len(model) + 1024
+
+
+def test_a_queue_nobody_takes_from_holds_about_what_it_counts_after_cancels():
+    """Entries cancelled while queued stay in their chunks, marked, until a round passes
+    them; in a group without consumers no round comes, and a lane's bound counts only what
+    is not cancelled, so without a limit the marked ones would pile up for ever. Once they
+    outnumber the rest, the chunks are copied without them."""
+    timer, st, groups = rig(group_max_ready=100_000, max_loaded=10**7)
+    g, _ = groups.create("s", "idle", 0)
+    for k in range(10):
+        load(timer, st, b"s", list(range(k * 1000 + 1, k * 1000 + 1001)), T)
+        timer.fire(T)
+    st.top_indexed = 10_000
+    (lane,) = timer.lanes_of(g.gid)
+    held = lambda: sum(len(e) - pos for e, pos, *_rest in lane.ready.chunks)  # noqa: E731
+    assert timer.cancel_ready(B, set(range(1, 4001))) == 4000
+    assert lane.ready.count == 6000 and held() == 10_000  # marked, not copied yet
+    assert timer.cancel_ready(B, set(range(4001, 8001))) == 4000
+    assert lane.ready.count == 2000 and held() == 2000 and len(lane.ready.chunks) == 1
+    assert timer.cancel_ready(B, {8001, 9999}) == 2  # found in the copy
+    taken = timer.take(lambda subject, group: 10_000, lambda n: n, quantum=10_000)
+    assert [q for *_x, cols in taken for q in cols[0]] == [q for q in range(8002, 10_001) if q != 9999]
+    assert timer.ready_total == 0 and st.owed[g.gid] == 1998
