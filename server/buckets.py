@@ -61,7 +61,8 @@ class BucketState:
         self.partial: dict[str, set[int]] = {}
         self.done = False
         self.dispatch_ready = False  # the dispatch log was checked and read
-        # every tombstone of the segment is in ``cancelled`` (so a loaded entry may fire)
+        # every tombstone of the segment is in ``cancelled``: Get and Cancel answer from it
+        # (Scheduler.known_tombstones) rather than from the segment's index
         self.tombstones_known = complete
         # messages of this bucket closed for their subject's first group (DISPATCH record)
         # and not yet counted in closed_retired: read back from the dispatch log when the
@@ -149,9 +150,15 @@ class BucketBook:
     def load_behind(self, bucket: int, seg: Segment, start: int) -> BucketState:
         """A record was appended to a bucket behind the loading horizon that is not loaded
         (finished, or created there after the loader passed it): it is loaded from where
-        the append began (nothing before it is outstanding) and, if finished, reopened."""
+        the append began (nothing before it is outstanding) and, if finished, reopened.
+        A segment new from ``start`` 0 has its every tombstone reported to the bucket from
+        then on (``Scheduler.on_written``); one appended to after ``start`` has tombstones
+        before it that are not read, so not known: Get and Cancel ask the segment's index
+        (a message cancelled before the bucket finished read PENDING once a late record
+        reopened it)."""
         st = self.loaded[bucket] = BucketState(bucket, seg, start)
-        st.dispatch_ready = st.tombstones_known = True
+        st.dispatch_ready = True
+        st.tombstones_known = start == 0
         self.reopen(bucket)
         return st
 

@@ -116,6 +116,15 @@ class Loader:
             cut = [i for i, f in enumerate(frames) if f.kind == RecordKind.MESSAGE][max(room, 1) :]
             if cut:
                 after = frames[cut[0]].offset
+                # the tombstones of the rest count now: one read after its target (a cancel
+                # written before a restart, in a bucket read in one chunk, so not gathered
+                # first) would otherwise let the target fire, and Get would answer from a
+                # set said to hold every tombstone of the bucket
+                st.cancel(
+                    records.decode_cancel(f.body).target_sequence
+                    for f in frames[cut[0] :]
+                    if f.kind == RecordKind.CANCEL
+                )
                 frames = frames[: cut[0]]
         self.timer.index(st, frames)
         st.cursor = after

@@ -500,3 +500,41 @@ def test_late_record_delivered_without_restart(tmp_path, clock):
     assert d.get(late2).state == MessageState.CANCELLED
     assert d.get(late).state == MessageState.PENDING
     d.close()
+
+
+def test_a_message_cancelled_before_its_bucket_finished_stays_cancelled_when_a_late_record_reopens_it(tmp_path, clock):
+    """A late record reopens a finished bucket, loaded from where the append began: the
+    tombstones before it are not read, yet the bucket said it knew them all, and Get (and
+    Cancel) answered from that set: PENDING for a message cancelled long before."""
+    d = Driver(tmp_path, clock, CollectingSink(clock))
+    try:
+        (gone,) = d.send([message("s", clock.now - 1, "gone")])
+        assert d.cancel(gone) == CancelOutcome.CANCELLED
+        d.advance(MINUTE)
+        assert d.engine.scheduler.book.done_before > bucket_of(gone.deliver_at_ms)  # finished
+        d.send([message("s", gone.deliver_at_ms - 5, "late")])
+        d.catch_up()
+        assert d.get(gone).state == MessageState.CANCELLED
+        assert d.cancel(gone) == CancelOutcome.ALREADY_CANCELLED
+    finally:
+        d.close()
+
+
+def test_a_message_cancelled_before_a_restart_never_fires_when_its_bucket_loads_in_pieces(tmp_path, clock):
+    """``max_loaded`` cuts a bucket read in one chunk: the tombstones behind the cut were
+    neither read first (only a bucket read in several chunks gathers them first) nor
+    seen before its first entries fired, so a message cancelled before a restart was
+    delivered, and Get called it PENDING."""
+    sink = CollectingSink(clock)
+    d = Driver(tmp_path, clock, sink, max_loaded=8)
+    try:
+        sent = d.send([message("s", clock.now + 30_000, f"m{i}") for i in range(12)])
+        assert d.cancel(sent[0]) == CancelOutcome.CANCELLED
+        d.restart()
+        d.advance(31_000)
+        assert d.get(sent[0]).state == MessageState.CANCELLED
+        d.advance(1_000, passes=6)
+        d.advance(1_000, passes=6)
+        assert sorted(s.message_id for s in sink.take()) == sorted(f"m{i}" for i in range(1, 12))
+    finally:
+        d.close()
