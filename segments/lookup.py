@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from qdelay.errors import CorruptRecord, InvariantViolation
-from qdelay.segments import records
+from qdelay.segments import reader, records
 from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.reader import CORRUPT, SCAN_BYTES, Columns, Damage, read_columns, read_frames, walk_reads
 from qdelay.segments.schedule_index import (
@@ -99,6 +99,28 @@ class RecordFinder:
         if frame.sequence != sequence:
             raise CorruptRecord(idx.path, 0, f"the index places sequence {sequence} where {frame.sequence} is")
         return frame
+
+    def find_many(self, seg: Segment, sequences: list[int]) -> list[Frame | None]:
+        """``find`` of each of ``sequences`` in one segment: one search of its index, then
+        the records read a run of nearby ones at a time (``reader.read_frames_at``). A
+        damaged record is None, as ``find`` has it (the others are then read one by one)."""
+        if len(sequences) == 1:
+            return [self.find(seg, sequences[0])]
+        idx = _index(seg)
+        found = idx.lookup(sequences)
+        rows = np.flatnonzero(found.hit).tolist()
+        out: list[Frame | None] = [None] * len(sequences)
+        if not rows:
+            return out
+        try:
+            frames = reader.read_frames_at(seg, found.offsets.tolist())
+        except CorruptRecord:
+            return [self.find(seg, seq) for seq in sequences]  # which one, and the rest
+        for i, frame in zip(rows, frames):
+            if frame.sequence != sequences[i]:
+                raise CorruptRecord(idx.path, 0, f"the index places sequence {sequences[i]} where {frame.sequence} is")
+            out[i] = frame
+        return out
 
     def ready(self, seg: Segment) -> bool:
         """Whether a lookup in ``seg`` can run without waiting or reading much (Engine.get_now):

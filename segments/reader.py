@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -256,6 +256,45 @@ def read_frame(seg: Segment, offset: int) -> Frame:
     except FrameError as err:
         raise CorruptRecord(seg.path, offset, err.reason) from None
     return Frame(offset, frame.kind, frame.sequence, frame.timestamp, frame.body)
+
+
+# read_frames_at: frames this close (bytes between one's offset and the next's) share a
+# read, as long as that read stays within SPAN_BYTES
+SPAN_GAP = 64 * 1024
+SPAN_BYTES = 4 << 20
+_TAIL_GUESS = 4096  # read past a span's last offset: most frames end within it
+
+
+def read_frames_at(seg: Segment, offsets: list[int]) -> list[Frame]:
+    """:func:`read_frame` of each of ``offsets`` (a batch: RescheduleBatch's records to write
+    again), in that order, with one pread per run of nearby frames instead of two per frame
+    (1,000 records of a 10,000-message minute one at a time cost ~28 us each in a busy
+    server). A frame that runs past its run's read is read alone; a bad one raises
+    :class:`CorruptRecord` with its offset."""
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    out: list[Frame | None] = [None] * len(offsets)
+    i = 0
+    while i < len(order):
+        j = i + 1
+        start = offsets[order[i]]
+        while (
+            j < len(order)
+            and offsets[order[j]] - offsets[order[j - 1]] <= SPAN_GAP
+            and offsets[order[j]] + _TAIL_GUESS - start <= SPAN_BYTES
+        ):
+            j += 1
+        buf = seg.read(start, offsets[order[j - 1]] + _TAIL_GUESS - start)
+        for k in order[i:j]:
+            pos = offsets[k] - start
+            if pos + HEADER_SIZE > len(buf) or pos + HEADER_SIZE + frame_length(buf, pos) > len(buf):
+                out[k] = read_frame(seg, offsets[k])  # runs past this read (or the file's end)
+                continue
+            try:
+                out[k] = frame_at(buf, pos, start)
+            except FrameError as err:
+                raise CorruptRecord(seg.path, offsets[k], err.reason) from None
+        i = j
+    return cast("list[Frame]", out)
 
 
 def frame_at(buf: bytes | bytearray | memoryview, pos: int, file_offset: int = 0) -> Frame:

@@ -38,7 +38,7 @@ from qdelay.errors import (
 from qdelay.segments import checkpoint, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.folder_lock import FolderLock
-from qdelay.segments.framing import RecordKind
+from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.idindex import IdIndex
 from qdelay.segments.lookup import DispatchIndex, RecordFinder
 from qdelay.segments.naming import bucket_of
@@ -814,25 +814,34 @@ class Engine:
         the batch form's search), so the record is read from there, not located again.
         StorageError, every claim released, if one has gone meanwhile (the cleaner)."""
         outcomes, claimed = self._claim_cancels(targets, now)
-        msgs: list[records.Message] = []
         try:
-            for mid, due, seq in claimed:
-                msg = self._record_at(due, seq)
-                if msg is None or msg.message_id != mid or msg.deliver_at_ms != due:
-                    raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
-                msgs.append(msg)
+            msgs = self._records_of(claimed)
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
         return outcomes, claimed, msgs
 
-    def _record_at(self, due: int, sequence: int) -> records.Message | None:
-        """The MESSAGE record ``sequence`` in ``due``'s minute, or None."""
-        seg = self.schedule.get(bucket_of(due, self.config.scale_minutes))
-        frame = self.finder.find(seg, sequence) if seg is not None else None
-        if frame is None or frame.kind != RecordKind.MESSAGE:
-            return None
-        return records.decode_message(frame.body)
+    def _records_of(self, claimed: list[tuple[str, int, int]]) -> list[records.Message]:
+        """The MESSAGE record of each claimed (message_id, due, sequence), in order: each
+        minute's read together (``finder.find_many``: one index search, a read per run of
+        nearby records). StorageError if one has gone (the cleaner) or is not that message."""
+        scale = self.config.scale_minutes
+        groups: dict[int, list[int]] = {}
+        for i, (_mid, due, _seq) in enumerate(claimed):
+            groups.setdefault(bucket_of(due, scale), []).append(i)
+        frames: list[Frame | None] = [None] * len(claimed)
+        for bucket, rows in groups.items():
+            seg = self.schedule.get(bucket)
+            if seg is not None:
+                for i, frame in zip(rows, self.finder.find_many(seg, [claimed[i][2] for i in rows])):
+                    frames[i] = frame
+        msgs: list[records.Message] = []
+        for (mid, due, _seq), frame in zip(claimed, frames):
+            msg = records.decode_message(frame.body) if frame is not None and frame.kind == RecordKind.MESSAGE else None
+            if msg is None or msg.message_id != mid or msg.deliver_at_ms != due:
+                raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")
+            msgs.append(msg)
+        return msgs
 
     _NOT_PENDING = {
         MessageState.NOT_FOUND: CancelOutcome.NOT_FOUND,

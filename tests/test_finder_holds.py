@@ -168,3 +168,31 @@ def test_a_batch_over_many_minutes_answers_as_one_minute_at_a_time(tmp_path):
         assert sorted(later) == sorted(k for k, mid in enumerate(asked[:-1]) if by_id[mid] not in victims)
     finally:
         engine.close()
+
+
+def test_find_many_answers_as_find_of_each(tmp_path):
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    rnd = random.Random(9)
+    due0 = T0 + 90 * MINUTE
+    bucket = bucket_of(due0)
+    try:
+        sent = engine.send_sync(
+            [message("t.f", due0 + rnd.randrange(MINUTE), f"f-{k}" + "p" * rnd.randrange(50)) for k in range(400)]
+        )
+        asyncio.run(engine.cancel_many([(r.message_id, r.deliver_at_ms, r.sequence) for r in sent[:3]]))
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket)
+        seg = engine.schedule.get(bucket)
+        # messages, tombstones (the last sequences), absent ones, in any order, one alone
+        asked = [r.sequence for r in rnd.sample(sent, 150)] + [engine.wal.committed_sequence, 10_000, 0]
+        rnd.shuffle(asked)
+        for seqs in (asked, asked[:1]):
+            want = [engine.finder.find(seg, s) for s in seqs]
+            got = engine.finder.find_many(seg, seqs)
+            assert [(f.offset, f.kind, f.body) if f else None for f in got] == [
+                (f.offset, f.kind, f.body) if f else None for f in want
+            ]
+    finally:
+        engine.close()

@@ -85,6 +85,23 @@ def test_read_frame_at_a_bad_offset_is_corrupt_record(tmp_path, pool):
         seg.read_frame(seg.size)  # past the end
 
 
+def test_read_frames_at_matches_read_frame_in_any_order(tmp_path, pool, monkeypatch):
+    monkeypatch.setattr(reader, "SPAN_GAP", 300)  # several runs, and a frame past its run's read
+    monkeypatch.setattr(reader, "SPAN_BYTES", 2_000)
+    path = str(tmp_path / "a.seg")
+    seg, offsets, _ = build(path, pool, 60, big_at=33)
+    picks = random.Random(3).sample(offsets, 40) + [offsets[33], offsets[-1]]
+    got = reader.read_frames_at(seg, picks)
+    assert [(f.offset, f.sequence, f.body) for f in got] == [
+        (f.offset, f.sequence, f.body) for f in (seg.read_frame(o) for o in picks)
+    ]
+    assert reader.read_frames_at(seg, []) == []
+    flip_byte(path, offsets[20] + framing.HEADER_SIZE)  # a body byte: its checksum fails
+    with pytest.raises(CorruptRecord) as err:
+        reader.read_frames_at(Segment(path, 0, pool), [offsets[5], offsets[20], offsets[40]])
+    assert err.value.offset == offsets[20]
+
+
 # --- torn tails -------------------------------------------------------------------------
 
 
