@@ -288,11 +288,20 @@ class Node:
             st.error = p.error
             st.delay_p99_ms = p.delay_p99()
             st.note = p.note
+        elif engine.role == "fenced" and self.agent is not None:
+            # cluster mode: a lost lease fences too (replication/cluster.py _watchdog)
+            st.note = (
+                "fenced: it acknowledges no write and dispatches nothing until etcd confirms its "
+                "leadership again or elects another master, which it then follows by itself (cluster mode)"
+            )
         elif engine.role == "fenced":
             # the status said only "fenced": not why, nor what to do
             st.note = f"fenced: a newer master exists (epoch {engine.epoch}); {self.fenced_advice()}"
         elif self.promoted_note:
             st.note = self.promoted_note
+        if self.agent is not None and self.agent.error and not st.error:
+            # cluster mode: an etcd outage (no renewal, no election) showed nowhere in status
+            st.error = self.agent.error
         now = time.monotonic()
         end = wal.committed_offset
         for sess in self.hub.sessions.values():

@@ -19,7 +19,7 @@ import pytest
 from conftest import wait_until
 from etcdproc import EtcdProc, TcpProxy
 from serverproc import ServerProc
-from test_replication import RPC_ERRORS, status
+from test_replication import RPC_ERRORS, admin, status
 
 from qdelay import errors
 from qdelay.client import Client, Outgoing
@@ -724,7 +724,8 @@ def test_an_etcd_outage_is_logged_once_then_its_end(tmp_path, etcd):
     """With etcd down, every server logged the same 'etcd: etcd Range: UNAVAILABLE ...'
     WARNING again at every poll (twice a second): its dedupe compared the error with one
     the lease loop overwrites with another call's name. It is logged once per distinct
-    error, and the end of the outage once ('etcd: reachable again')."""
+    error, and the end of the outage once ('etcd: reachable again'). ``qdelay admin
+    status`` showed nothing of the outage; it shows the etcd error while it lasts."""
     a = node(tmp_path, "a", etcd.endpoint).start()
     try:
         wait_shard(a.address, "s1", slaves=0)
@@ -737,8 +738,13 @@ def test_an_etcd_outage_is_logged_once_then_its_end(tmp_path, etcd):
         time.sleep(2.0)  # four polls or more: each used to log the same line again
         lines = outage_lines()
         assert len({line.split(" qdelay.cluster: ", 1)[1] for line in lines}) == len(lines) <= 2, lines
+        # and qdelay admin status says it (it showed the server as if nothing were wrong)
+        out = admin("status", "--servers", a.address, check=False).stdout
+        assert "\n    error: etcd " in out, out
+        assert "note: fenced: it acknowledges no write and dispatches nothing until etcd confirms" in out, out
         etcd.start()
         wait_until(lambda: "INFO qdelay.cluster: etcd: reachable again" in a.log_path.read_text(), 20, "the end")
         wait_shard(a.address, "s1", slaves=0)
+        wait_until(lambda: "error:" not in admin("status", "--servers", a.address).stdout, 20, "no error in status")
     finally:
         a.stop()
