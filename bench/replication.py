@@ -16,7 +16,8 @@
   the seconds from its start (listening) to having the master's end offset, µs and the
   master's and the slave's CPU per message (the slave's also until it is idle again: its
   iterate service copies what it pulled), MB/s. Copying the log is linear in it by
-  design; the per-message figures should be flat in L.
+  design; the per-message figures should be flat in L. Then ``Frames`` (100 frames at
+  the log's start, middle and end, 30 calls): p50 ms, flat in L.
 
 Servers are real processes on 127.0.0.1 with temporary data folders (same disk).
 Writes bench/out/replication.json.
@@ -159,7 +160,32 @@ def catchup(root: str, messages: int, minutes: int = 1) -> dict:
             time.sleep(0.01)
         took = time.perf_counter() - t1
         cpu_caught = cpu_seconds(b.pid) - cpu_b
+        master_cpu = cpu_seconds(a.pid) - cpu_a
         settle = until_idle(b.pid, 300.0)  # its iterate service copying what it pulled
+        # Frames (what a slave asks to find where its log and the master's fork): 100 frames
+        # at the log's start, middle and end, one call at a time
+        lat = []
+        ch = grpc.insecure_channel(a.address)
+        try:
+            stub = rpb_grpc.ReplicationStub(ch)
+            # frame boundaries through the log (Frames itself, 10,000 at a time)
+            bounds = [stub.Frames(rpb.FramesRequest(offset=0, max_frames=1), timeout=10).frames[0].offset]
+            while True:
+                step = stub.Frames(rpb.FramesRequest(offset=bounds[-1], max_frames=10_000), timeout=30).frames
+                nxt = step[-1].offset + step[-1].size if step else end
+                if nxt >= end or len(step) < 200:
+                    break
+                bounds.append(step[-200].offset)  # 200 frames before the next step: 100 always follow
+                bounds.append(nxt)
+            for off in [bounds[0], bounds[len(bounds) // 2], bounds[-1]] * 10:
+                t2 = time.perf_counter()
+                got_frames = stub.Frames(rpb.FramesRequest(offset=off, max_frames=100), timeout=10)
+                lat.append((time.perf_counter() - t2) * 1000)
+                if len(got_frames.frames) != 100:
+                    raise RuntimeError(f"Frames at {off} answered {len(got_frames.frames)} frames, not 100")
+        finally:
+            ch.close()
+        lat.sort()
         return {
             "messages": messages,
             "log_mb": round(end / 1e6, 1),
@@ -167,9 +193,10 @@ def catchup(root: str, messages: int, minutes: int = 1) -> dict:
             "catchup_s": round(took, 3),
             "us_per_msg": round(took / messages * 1e6, 2),
             "mb_per_s": round(end / 1e6 / took, 1),
-            "master_cpu_us_per_msg": round((cpu_seconds(a.pid) - cpu_a) / messages * 1e6, 2),
+            "master_cpu_us_per_msg": round(master_cpu / messages * 1e6, 2),
             "slave_cpu_us_per_msg": round(cpu_caught / messages * 1e6, 2),
             "slave_settle_s": round(settle, 2),
+            "frames_p50_ms": round(lat[len(lat) // 2], 3),
             "slave_cpu_until_idle_us_per_msg": round((cpu_seconds(b.pid) - cpu_b) / messages * 1e6, 2),
         }
     finally:
