@@ -17,6 +17,9 @@ seeded with one server's address. Per round, on the same cluster:
   as many bare message ids (routed by the id's CRC-32), and of receipts all of one shard;
 - ``stats`` (every master's figures, the cluster's sums), ``--calls``/3 calls;
 - ``refresh()`` (one Topology call: what every failover retry and the consumers' watch do);
+- (blocking client) ``send``, ``reschedule`` and ``cancel`` by id of ``--calls`` messages, one
+  call at a time, and a ``ShardedConsumer`` receiving and acknowledging ``--messages``/4
+  messages due at once, spread over the shards (a stream to each master);
 - ``qdelay admin status --servers SEED`` (``--calls``/10 times, at least 10): in cluster
   mode it asks every server of every shard.
 
@@ -147,6 +150,47 @@ def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base
     n = max(10, calls // 3)
     out["stats"] = cost.measure(n, lambda: [sc.stats() for _ in range(n)])
     out["topology (refresh)"] = cost.measure(calls, lambda: [sc.refresh() for _ in range(calls)])
+    # the single-message calls, one at a time: send (routed by the id), reschedule (by the
+    # receipt's shard), cancel by id
+    singles = _far(calls, base + DAY_MS, tag + "single")
+    sent_one: list = []
+    out["send (one at a time)"] = cost.measure(
+        len(singles),
+        lambda: sent_one.extend(
+            sc.send(o.subject, o.payload, message_id=o.message_id, deliver_at_ms=o.deliver_at_ms) for o in singles
+        ),
+    )
+    moved: list[str] = []
+    out["reschedule"] = cost.measure(
+        len(sent_one), lambda: moved.extend(sc.reschedule(r, deliver_at_ms=base + 2 * DAY_MS)[0] for r in sent_one)
+    )
+    gone: list[str] = []
+    out["cancel by id (one at a time)"] = cost.measure(
+        len(sent_one), lambda: gone.extend(sc.cancel(message_id=r.message_id) for r in sent_one)
+    )
+    if set(moved) != {"RESCHEDULED"} or set(gone) != {"CANCELLED"}:
+        raise SystemExit(f"single calls answered {sorted(set(moved))} / {sorted(set(gone))}")
+    # a ShardedConsumer (a stream to every shard's master) receiving and acknowledging
+    # messages due now, spread over the shards by their ids
+    subject = f"bench.sub.{tag}"
+    due = [Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"{tag}-sub-{i}") for i in range(messages // 4)]
+    sc.send_many(due)
+    consumer = sc.subscribe(subject, "g", max_in_flight=1000)
+    got = [0]
+
+    def drain() -> None:
+        deadline = time.monotonic() + 120
+        while got[0] < len(due) and time.monotonic() < deadline:
+            batch = consumer.receive(1000, timeout=5)
+            consumer.ack(batch)
+            got[0] += len(batch)
+
+    try:
+        out["subscribe: receive + ack"] = cost.measure(len(due), drain)
+    finally:
+        consumer.close()
+    if got[0] < len(due):
+        raise SystemExit(f"the ShardedConsumer received {got[0]} of {len(due)}")
     return out
 
 
