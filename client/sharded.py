@@ -649,7 +649,9 @@ class ShardedConsumer:
             tag = self._acks.register(cons)
             try:
                 while not self._closed.is_set():
-                    batch = cons.receive(self.max_in_flight, 0.2)
+                    # each response passed on as it comes (asked for a credit's worth, the
+                    # pump held what came for up to 0.2 s: lateness p50 ~100 ms, p99 ~200)
+                    batch = cons.receive(1, 0.2)
                     if batch:
                         self._inbox.put(self._acks.tag(tag, batch))
                     elif not getattr(cons, "_pump", None) or not cons._pump.is_alive():
