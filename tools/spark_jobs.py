@@ -72,6 +72,13 @@ def token_file_arg(text: str) -> str:
     return text
 
 
+def conf_arg(text: str) -> str:
+    key, sep, _value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. spark.driver.memory=4g)")
+    return text
+
+
 def count_arg(least: int):
     def parse(text: str) -> int:
         try:
@@ -103,7 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
         p.add_argument("--out", default=None, help="output folder (default ./qdelay-spark/JOB)")
         p.add_argument(
-            "--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark configuration (repeatable)"
+            "--conf",
+            action="append",
+            default=[],
+            type=conf_arg,
+            metavar="KEY=VALUE",
+            help="extra Spark configuration (repeatable)",
         )
         return p
 
