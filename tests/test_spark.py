@@ -474,7 +474,8 @@ def test_bad_arguments_are_usage_errors_before_spark_starts(tmp_path, argv, want
     ``import --input`` of a missing file each started Spark, then died in a Python-in-Java
     traceback (exit 1); a missing --token-file in a FileNotFoundError one; ``--grace-ms -5``,
     ``--hours 0`` and ``--conf foo`` (set as key 'foo', value '') were taken. Each is
-    argparse's usage error now: exit 2, one line naming the flag, and no JVM started (the run takes a second, not a minute)."""
+    argparse's usage error now: exit 2, one line naming the flag, and no JVM started (the
+    run takes a second, not a minute)."""
     import subprocess
     import sys
 
