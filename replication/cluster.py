@@ -299,7 +299,15 @@ class ClusterAgent:
 
         if puller is not None:
             await puller.stop()
-        log.warning("following master %s of shard %s (epoch %d)", master, self.shard, epoch)
+        # a change of master is worth a WARNING; a node's first master (every start of every
+        # slave) is the normal state, and a WARNING there is noise an alert would page on
+        log.log(
+            logging.WARNING if puller is not None else logging.INFO,
+            "following master %s of shard %s (epoch %d)",
+            master,
+            self.shard,
+            epoch,
+        )
         node.puller = Puller(node, master)
         node.puller.start()
 

@@ -93,6 +93,10 @@ def test_membership_leadership_topology(tmp_path, etcd):
         assert status(master.address).role == "master" and status(master.address).epoch == s1.epoch
         wait_until(lambda: status(slave.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
         assert status(slave.address).epoch == s1.epoch
+        # a slave's first master is the normal state: INFO (it was a WARNING on every start)
+        log = slave.log_path.read_text()
+        assert f"INFO qdelay.cluster: following master {master.address} of shard s1" in log, log
+        assert "WARNING qdelay.cluster: following master" not in log, log
         # receipts name their shard; the slave refuses writes
         with master.client(retries=0) as cl:
             r = cl.send(SUBJECT, b"x", delay_ms=60_000)
