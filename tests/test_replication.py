@@ -456,8 +456,8 @@ def test_groups_and_their_progress_survive_replication_and_promotion(tmp_path):
 
 
 def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
-    """A Reschedule is two records in the replicated message log (the message again at its
-    new time, the old one's tombstone): the slave answers Get by id and by receipt with the
+    """A Reschedule (or a RescheduleBatch) is two records a move in the replicated message log
+    (the message again at its new time, the old one's tombstone): the slave answers Get by id and by receipt with the
     new time (reads are served by any role; writes only by the master), and once promoted
     delivers the message at its new time, never at the old one."""
     from qdelay.client import Client
@@ -475,6 +475,9 @@ def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
             assert outcome == "RESCHEDULED"
             outcome, moved_in = c.reschedule(sooner, deliver_at_ms=now + 5_000)
             assert outcome == "RESCHEDULED"
+            c.send("mv", b"batch", deliver_at_ms=now + 3_600_000, message_id="batch")
+            [(outcome, moved_batch), (none, _r)] = c.reschedule_many(["batch", "nobody"], deliver_at_ms=now + 6_000)
+            assert (outcome, none) == ("RESCHEDULED", "NOT_FOUND")  # a RescheduleBatch: the same records
         wait_caught_up(a.address, b.address)
         with Client(b.address, retries=0) as cb:
             st = cb.get(message_id="later")
@@ -483,6 +486,9 @@ def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
             assert cb.get(later).state == "CANCELLED"  # the old receipt: its tombstone
             assert cb.get(moved_in).state == "PENDING"
             assert cb.get(message_id="nobody").state == "NOT_FOUND"
+            assert cb.get(message_id="batch").deliver_at_ms == moved_batch.deliver_at_ms
+            with pytest.raises(errors.FailedPrecondition):
+                cb.reschedule_many(["batch"], delay_ms=1000)
             with pytest.raises(errors.FailedPrecondition):
                 cb.cancel(message_id="later")
             with pytest.raises(errors.FailedPrecondition):
@@ -492,14 +498,15 @@ def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
         got = []
         with Client(b.address) as cb, cb.subscribe("mv", max_in_flight=10) as cons:
             deadline = time.monotonic() + 20
-            while len(got) < 2 and time.monotonic() < deadline:
-                batch = cons.receive(2 - len(got), 1.0)
+            while len(got) < 3 and time.monotonic() < deadline:
+                batch = cons.receive(3 - len(got), 1.0)
                 got += batch
                 cons.ack(batch)
             extra = cons.receive(1, 1.0)
             assert cb.get(message_id="later").state == "DELIVERED"
         assert [(d.message_id, d.deliver_at_ms) for d in got] == [
             ("sooner", moved_in.deliver_at_ms),
+            ("batch", moved_batch.deliver_at_ms),
             ("later", moved_out.deliver_at_ms),
         ]
         for d in got:  # never at the old time: handed over at or after the new one
