@@ -130,7 +130,12 @@ class Puller:
                 elif code == grpc.StatusCode.UNAUTHENTICATED:
                     self._set_error(f"the master refused this slave: {details}")
                 else:
-                    self._set_error(f"master {self.master}: {code.name}: {details}")
+                    # a master not up yet or restarting (the usual start order, a rolling
+                    # restart) is retried with backoff: a WARNING; refusals stay ERRORs
+                    transient = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                    self._set_error(
+                        f"master {self.master}: {code.name}: {details}", logging.WARNING if transient else logging.ERROR
+                    )
                     await self._look_for_master()
             except _Stop as err:
                 self._set_error(str(err))
@@ -142,9 +147,9 @@ class Puller:
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 5.0 if backoff < 10 else 10.0)
 
-    def _set_error(self, text: str) -> None:
+    def _set_error(self, text: str, level: int = logging.ERROR) -> None:
         if text != self.error:
-            log.error("replication: %s", text)
+            log.log(level, "replication: %s (retrying)" if level < logging.ERROR else "replication: %s", text)
         self.error = text
         self.connected = False
 

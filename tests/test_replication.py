@@ -544,3 +544,19 @@ def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
         cp = admin(*args, check=False)
         assert cp.returncode == 2 and cp.stdout == "", (args, cp.returncode, cp.stdout, cp.stderr)
         assert cp.stderr.startswith(want) and len(cp.stderr.splitlines()) == 1, (args, cp.stderr)
+
+
+def test_a_master_restart_is_a_warning_on_its_slave_not_an_error(tmp_path):
+    """A slave whose master restarts (a rolling restart, or the master started after the
+    slave) logged 'ERROR ... replication: master M: UNAVAILABLE ...' each time, though it
+    only retries with backoff and catches up: an ERROR an operator's alerting pages on for
+    routine work. Connection loss is a WARNING saying it retries; refusals (a token, the
+    retention, a divergence) stay ERRORs."""
+    with master(tmp_path) as a, slave(tmp_path, a) as b:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        a.restart()
+        send_some(a.address, 10)
+        wait_caught_up(a.address, b.address)
+        log = b.log_path.read_text()
+        assert f"WARNING qdelay.replication.slave: replication: master {a.address}: UNAVAILABLE: " in log, log
+        assert "(retrying)" in log and " ERROR " not in log, log
