@@ -78,10 +78,12 @@ class DiskGuard:
             return
         free = self.free()
         if free < need:
-            what = "cancels" if cancel else "new messages"
+            what, key = ("cancels", "min_free_bytes_hard") if cancel else ("new messages", "min_free_bytes")
+            # the limit is a floor of free space: lowering it is what lets writes in (the
+            # advice said "raise", and named min_free_bytes for cancels too)
             raise DiskFull(
                 f"free space on the data disk is {free} bytes, below the {need} bytes needed "
-                f"for {what}; free some space or raise the limit (min_free_bytes)"
+                f"for {what}; free some space, or lower {key}"
             )
 
 

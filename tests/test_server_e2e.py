@@ -454,8 +454,10 @@ def test_free_space_guard(tmp_path):
         c.close()
     with ServerProc(data, args=["--min-free-bytes", str(1 << 62)]) as srv:
         c = srv.client(retries=0)
-        with pytest.raises(errors.ResourceExhausted, match="free space"):
+        with pytest.raises(errors.ResourceExhausted, match="free space") as info:
             c.send(s, b"refused", delay_ms=0)
+        # the way out it names is the right one (it said "raise the limit" of a floor)
+        assert str(info.value).endswith("needed for new messages; free some space, or lower min_free_bytes")
         assert c.cancel(later) == "CANCELLED"  # cancels pass the soft guard
         with c.subscribe(s) as consumer:  # delivery goes on
             got = consumer.receive(2, timeout=5)
