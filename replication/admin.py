@@ -241,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
                     out[target] = {"error": f"{e.code().name}: {e.details()}"}
                     if not args.json:
                         # "unreachable" only when it is: a refused token was reported so too
-                        what = "unreachable" if e.code() in (grpc.StatusCode.UNAVAILABLE,) else "refused"
+                        no_answer = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                        what = "unreachable" if e.code() in no_answer else "refused"
                         more = _advice(e.code().name, e.details() or "", args)
                         print(f"{target:<22} {what} ({e.code().name}: {e.details()}){more}")
                 finally:
