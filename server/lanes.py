@@ -309,9 +309,10 @@ class Lane:
     ``on_disk`` counts what a spilled lane has waiting on disk (for Stats' backlog): the
     entries it forgot (its queue when it spilled, what became due for it meanwhile, what
     its subject kept for it while it had no group) less those read back; 0 when it is whole
-    again. A message cancelled (or claimed by a Cancel) while it waited on disk stays
-    counted until the lane is whole again: the read-back pass skips it without knowing
-    whether it was one of those counted.
+    again. A message cancelled while it waited on disk stays counted until the lane is
+    whole again: the read-back pass skips it without knowing whether it was one of those
+    counted. One a pass meets while a Cancel has claimed it is set aside and counted as
+    read back (``Timer.set_aside``): a release queues it again, its tombstone drops it.
     """
 
     __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk")

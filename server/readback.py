@@ -172,12 +172,14 @@ class ReadBack:
         claimed = self.claims.claimed
         if claimed:
             # claimed by a Cancel: set aside (a release gives them back), held by the bucket
+            # and read back as far as the lane's count on disk goes (else a release, which
+            # queues the entry, counted it twice; a tombstone, which drops it, not at all)
             for i in np.flatnonzero(keep).tolist():
                 q = listed[i]
                 if q in claimed:
                     keep[i] = False
                     if self.claims.skip((q, int(offs[i]), st.bucket, int(dues[i]), 1, lane.sid, lane.gid)):
-                        st.owe(lane.gid, 1)
+                        self.timer.set_aside(lane, st)
         if not keep.all():
             seqs, offs, dues = seqs[keep], offs[keep], dues[keep]
         if not len(seqs):

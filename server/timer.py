@@ -493,6 +493,16 @@ class Timer:
         else:
             lane.recent.update(seqs.tolist())  # in place: a drain adds its whole backlog here
 
+    def set_aside(self, lane: Lane, st: BucketState) -> None:
+        """A spilled lane's pass met an entry of ``st`` a Cancel has claimed and set it aside
+        (``CancelClaims.skip``): held by its bucket until the claim ends, and no longer on
+        disk for the lane. Counted as read back: a release queues it again (``requeue``),
+        a tombstone drops it, so either way the lane's backlog counts it once, or not at all
+        once cancelled (kept counted on disk, a released entry was counted twice, ready and
+        on disk, until the lane was whole again)."""
+        st.owe(lane.gid, 1)
+        lane.read_back(1)
+
     # --- dispatch ---------------------------------------------------------------------------------
 
     def take(self, credit: Callable[[str, str], int], tokens: Callable[[int], int], quantum: int) -> list[Taken]:

@@ -62,3 +62,78 @@ def test_cancels_after_due_leave_every_groups_backlog_at_once(tmp_path):
         assert backlog(d, "s") == {"a": 0, "b": 0}
     finally:
         d.close()
+
+
+class Budget(Sink):
+    """Per group credit that deliveries use up (nothing is acknowledged here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budget: dict[str, int] = {}
+
+    def credit(self, subject: str, group: str) -> int:
+        return max(0, self.budget.get(group, 0) - sum(1 for g, _m in self.got if g == group))
+
+
+def settled_backlog(d: Driver, subject: str, group: str, want: int) -> None:
+    """The group's Stats backlog (ready + on disk) is its due, undelivered, uncancelled
+    messages: ``want``."""
+    (g,) = d.engine.groups(subject=subject, group=group)
+    assert g["ready"] + g["on_disk"] == want, g
+
+
+def spilled_group(tmp_path, n: int = 10):
+    """A group over its bound (4) with ``n`` messages due and no credit: all on disk."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="", group_max_ready=4)
+    assert asyncio.run(d.engine.ensure_group("s", "a"))
+    receipts = d.send([message("s", T0 + 1_000, f"m{i}") for i in range(n)])
+    d.advance(2_000)
+    (g,) = d.engine.groups(subject="s")
+    assert g["spilled"] and g["ready"] == 0 and g["on_disk"] == n, g
+    return d, sink, receipts
+
+
+def test_entry_set_aside_by_a_pass_while_claimed_and_released_is_counted_once(tmp_path):
+    """A read-back pass meets a message a Cancel has claimed: set aside (not read back, not
+    delivered). The claim is then released (its tombstone write failed, or its caller went
+    away): the message is due again, counted once (before: in ready *and* on disk)."""
+    d, sink, r = spilled_group(tmp_path)
+    try:
+        sched = d.engine.scheduler
+        d.catch_up()
+        assert sched.claim_cancels([r[3].sequence]) == [sched.CLAIMED]
+        sink.budget["a"] = 3  # a pass reads everything back but m3; 3 are delivered
+        d.advance(1)
+        assert len(sink.got) == 3 and ("a", "m3") not in sink.got
+        sched.release_cancels([r[3].sequence])
+        settled_backlog(d, "s", "a", 7)
+        sink.budget["a"] = 100
+        d.advance(1)
+        assert sorted(m for _g, m in sink.got) == sorted(x.message_id for x in r)
+        settled_backlog(d, "s", "a", 0)
+    finally:
+        d.close()
+
+
+def test_entry_set_aside_by_a_pass_while_claimed_then_cancelled_leaves_the_backlog(tmp_path):
+    """As above, but the Cancel's tombstone passes: the message leaves the backlog (before:
+    still counted on disk until the group had read everything back)."""
+    d, sink, r = spilled_group(tmp_path)
+    try:
+        d.catch_up()
+        got = asyncio.run(d.engine.cancel(r[3].message_id, r[3].deliver_at_ms, r[3].sequence))
+        assert got.name == "CANCELLED"  # claimed; its tombstone has not passed the iterate service
+        sink.budget["a"] = 3
+        d.engine.scheduler.run_once(d.clock.advance(1))  # a pass meets m3 claimed, sets it aside
+        assert len(sink.got) == 3 and ("a", "m3") not in sink.got
+        settled_backlog(d, "s", "a", 6)  # m3 is held aside, as a dispatch round would
+        d.catch_up()  # the tombstone passes the iterate service: the claim is settled
+        settled_backlog(d, "s", "a", 6)
+        sink.budget["a"] = 100
+        d.advance(1)
+        assert sorted(m for _g, m in sink.got) == sorted(x.message_id for x in r if x is not r[3])
+        settled_backlog(d, "s", "a", 0)
+    finally:
+        d.close()
