@@ -30,16 +30,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--replication", choices=["sync", "async"], default="async")
 
 
-def _wait_listening(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
+class _NotStarted(Exception):
+    """A server of the cluster did not start (its log says why)."""
+
+
+def _wait_listening(proc: subprocess.Popen, what: str, log_path: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{what} exited before listening (see its log)")
+            proc.wait()
+            # the server's own last line says why (an address in use, a folder in use, ...)
+            with open(log_path, "rb") as f:
+                last = (f.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise _NotStarted(f"{what} exited with {proc.returncode} before listening: {last} (log: {log_path})")
         text = line.decode(errors="replace").strip()
         if text.startswith("qdelay listening on "):
             return text.rsplit(" ", 1)[1]
-    raise RuntimeError(f"{what} did not start in {timeout}s")
+    raise _NotStarted(f"{what} did not start in {timeout}s (log: {log_path})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     endpoint = f"127.0.0.1:{args.etcd_port}"
     peer = f"http://127.0.0.1:{args.etcd_port + 1}"
     stop = {"now": False}
+    code = 0
 
     def on_signal(_sig, _frame) -> None:
         stop["now"] = True
@@ -112,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                         stderr=log,
                     )
                 procs.append((name, p))
-                seeds.append(_wait_listening(p, name))
+                seeds.append(_wait_listening(p, name, os.path.join(root, f"{name}.log")))
                 port += 1
         print(f"qdelay cluster 'local' ({args.shards} shards x {args.nodes} nodes, etcd {endpoint}, data {root})")
         print(f"seed address: {seeds[0]}   (any of {', '.join(seeds)})")
@@ -140,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
                 print("every server exited; stopping", file=sys.stderr)
                 stop["now"] = True
             time.sleep(0.2)
+    except _NotStarted as e:
+        print(f"qdelay cluster up: {e}", file=sys.stderr)
+        code = 1
     finally:
         for _name, p in reversed(procs):
             if p.poll() is None:
@@ -150,4 +162,4 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
         print("stopped")
-    return 0
+    return code

@@ -765,3 +765,32 @@ def test_an_etcd_outage_is_logged_once_then_its_end(tmp_path, etcd):
         wait_until(lambda: "error:" not in admin("status", "--servers", a.address).stdout, 20, "no error in status")
     finally:
         a.stop()
+
+
+def test_cluster_up_says_why_a_server_did_not_start(tmp_path):
+    """``qdelay cluster up`` with its base port taken (a second ``make run-cluster``) ended in
+    a RuntimeError traceback, 'exited before listening (see its log)', naming no log. It
+    prints the server's own reason and its log's path, stops what it started, exits 1."""
+    import socket
+    import subprocess
+    import sys
+
+    from etcdproc import require_etcd
+
+    require_etcd()
+    base, etcd_port = _two_free_ports(), _two_free_ports()
+    root = tmp_path / "cluster"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base))
+        taken.listen()
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", str(root), "--shards", "1"]
+            + ["--nodes", "1", "--base-port", str(base), "--etcd-port", str(etcd_port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert cp.returncode == 1 and "Traceback" not in cp.stderr, cp.stderr
+    want = f"qdelay cluster up: s1-1 exited with 1 before listening: qdelay server: cannot listen on 127.0.0.1:{base}"
+    assert want in cp.stderr and f"(log: {root}/s1-1.log)" in cp.stderr, cp.stderr
+    assert cp.stdout.strip() == "stopped", cp.stdout
