@@ -123,8 +123,11 @@ class ReadBack:
         """Queue what the step read back (lock held), minus what is held in memory, closed,
         claimed or cancelled by now; True if it queued something."""
         w, bucket = step.walk, step.st.bucket
-        if step.lane.walk is not w:
-            return False  # the pass ended meanwhile (its group deleted, or respilled)
+        if step.lane.walk is not w or self.timer.live_lane(step.lane) is None:
+            # the pass ended meanwhile (its group deleted while the chunk was read: its
+            # entries queued for the gone lane stayed counted in memory and owed by their
+            # bucket for ever)
+            return False
         w.note_closes(bucket, step.closes_to, step.closes or set())
         dseg = self.dispatch.get(bucket)
         if dseg is not None and dseg.size > step.closes_to:

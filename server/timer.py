@@ -142,6 +142,8 @@ class Timer:
             del self.lanes[(lane.sid, lane.gid)]
             self.ready_total -= lane.ready.count
             self.spilled.discard(lane)
+            # a pass step reading for it now (outside the lock) queues nothing when it ends
+            self.end_pass(lane)
             # a lane left in the round-robin is dropped by ``take`` (no longer live)
         for st in self.book.loaded.values():
             st.owed.pop(g.gid, None)

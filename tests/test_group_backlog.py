@@ -137,3 +137,28 @@ def test_entry_set_aside_by_a_pass_while_claimed_then_cancelled_leaves_the_backl
         settled_backlog(d, "s", "a", 0)
     finally:
         d.close()
+
+
+def test_group_deleted_while_a_pass_reads_leaves_nothing_behind(tmp_path):
+    """A group deleted while a read-back pass of its lane reads a chunk (outside the
+    scheduler's lock): the step's entries are not queued for the deleted lane (before: they
+    stayed in the in-memory count for ever and owed by their bucket, which never became
+    done, so its segments were never cleaned)."""
+    d, sink, _r = spilled_group(tmp_path)
+    try:
+        sched = d.engine.scheduler
+        read = sched.readback.read
+
+        def read_then_delete(step):
+            read(step)
+            assert asyncio.run(d.engine.delete_group("s", "a"))
+
+        sched.readback.read = read_then_delete
+        sink.budget["a"] = 3
+        d.advance(1)
+        assert sink.got == [] and d.engine.groups(subject="s") == []
+        assert sched.stats()["ready"] == 0
+        d.advance(3 * 60_000)
+        assert sched.done_before > T0 // 60_000, "the deleted group's bucket (a minute) never became done"
+    finally:
+        d.close()
