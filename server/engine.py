@@ -708,6 +708,8 @@ class Engine:
             return out
         rows = [i for i, o in enumerate(outcomes) if o == CancelOutcome.CANCELLED]  # claimed, in order
         try:
+            if len(rows) != len(claimed):  # each claim answers its target CANCELLED, in target order
+                raise InvariantViolation(f"{len(claimed)} claims for {len(rows)} targets answered CANCELLED")
             enc, hdr = records.encode_message, records.encode_headers
             now = self.clock()
             entries = [
