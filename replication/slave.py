@@ -29,7 +29,7 @@ import xxhash
 
 from qdelay.errors import InvariantViolation
 from qdelay.replication import common
-from qdelay.segments import reader, records
+from qdelay.segments import naming, reader, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
 from qdelay.v1 import replication_pb2 as rpb
@@ -438,9 +438,9 @@ def truncate_divergent(engine, offset: int, last_sequence: int) -> str:
                 break
             cut += data
             pos += len(data)
-        folder = os.path.join(engine.config.data_dir, "diverged")
+        folder = os.path.join(engine.config.data_dir, naming.DIVERGED_DIR)
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{offset:020d}-{end:020d}.wal")
+        path = os.path.join(folder, naming.diverged_name(offset, end))
         with open(path, "wb") as f:
             f.write(cut)
             f.flush()

@@ -26,6 +26,20 @@ DISPATCH_SUFFIX = ".disp"
 CHECKPOINT_SUFFIX = ".ckpt"
 # the data folder's lock file (segments/folder_lock.py): held by the server using the folder
 LOCK_FILE = "LOCK"
+# message-log bytes a re-attached master cut as divergent (replication/slave.py), kept for
+# the operator: ``diverged/<from offset, 20 digits>-<to offset, 20 digits>.wal``
+DIVERGED_DIR = "diverged"
+_DIVERGED_NAME = re.compile(r"^(\d{20})-(\d{20})\.wal$")
+
+
+def diverged_name(start: int, end: int) -> str:
+    return f"{start:020d}-{end:020d}{WAL_SUFFIX}"
+
+
+def parse_diverged_name(name: str) -> tuple[int, int] | None:
+    m = _DIVERGED_NAME.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
 
 MS_PER_MINUTE = 60_000
 _WAL_NAME = re.compile(r"^(\d{20})\.wal$")

@@ -560,3 +560,47 @@ def test_a_master_restart_is_a_warning_on_its_slave_not_an_error(tmp_path):
         log = b.log_path.read_text()
         assert f"WARNING qdelay.replication.slave: replication: master {a.address}: UNAVAILABLE: " in log, log
         assert "(retrying)" in log and " ERROR " not in log, log
+
+
+def test_a_divergent_tail_can_be_read_with_inspect_as_the_runbook_says(tmp_path):
+    """Runbook 4.3: an old master re-attached as a slave keeps the records the new master
+    never had in ``diverged/<from>-<to>.wal`` and the docs say to inspect that file and
+    re-send what matters; ``qdelay inspect dump --data-dir A diverged/...`` answered 'is
+    not a segment of A' (exit 1). It reads it as message-log bytes now."""
+    import json
+
+    from qdelay.client import Client
+
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a)
+    try:
+        b.start()
+        send_some(a.address, 20)
+        wait_caught_up(a.address, b.address)
+        b.stop()
+        with Client(a.address) as c:  # acknowledged by A alone (async): the tail B never gets
+            c.send_many(c.message("only.a", b"lost %d" % i, delay_ms=600_000, message_id=f"a-{i}") for i in range(3))
+        a.kill9()
+        b.start()
+        admin("promote", "--target", b.address)
+        send_some(b.address, 2)
+        a.args = [*SMALL_SEGMENTS, "--role", "slave", "--master", b.address]
+        a.start()
+        st = wait_until(lambda: (s := status(a.address)).note and s, 20, "divergence noted", ignore=RPC_ERRORS)
+        rel = st.note.split(f"kept in {tmp_path / 'a'}/", 1)[1]
+        assert rel.startswith("diverged/") and rel.endswith(".wal"), st.note
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "inspect", "dump", "--data-dir", str(tmp_path / "a"), rel],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cp.returncode == 0, cp.stderr
+        rows = [json.loads(line) for line in cp.stdout.splitlines()]
+        assert [(r["message_id"], r["payload"]) for r in rows] == [(f"a-{i}", f"lost {i}") for i in range(3)]
+        assert {r["segment"] for r in rows} == {rel}
+    finally:
+        for p in (a, b):
+            if p.alive():
+                p.stop()

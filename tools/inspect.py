@@ -290,6 +290,18 @@ def _progress(files: list[SegmentFile], label: str) -> Progress:
     return Progress(sum(f.size for f in files), label)
 
 
+def _diverged_file(data_dir: str, path: str) -> SegmentFile | None:
+    """A ``diverged/<from>-<to>.wal`` file of the folder (docs/operations.md 4.3: the tail a
+    re-attached master cut, to inspect and re-send from): message-log bytes from offset
+    <from>. It is no segment of the live log, so only read when named."""
+    folder = os.path.abspath(os.path.join(data_dir, naming.DIVERGED_DIR))
+    span = naming.parse_diverged_name(os.path.basename(path))
+    if span is None or os.path.dirname(path) != folder or not os.path.isfile(path):
+        return None
+    rel = os.path.relpath(path, data_dir).replace(os.sep, "/")
+    return SegmentFile("message", path, rel, span[0], os.path.getsize(path))
+
+
 def _select(data_dir: str, args) -> list[SegmentFile]:
     """The segments named on the command line (paths or data-folder-relative), else all of
     ``--log``'s."""
@@ -304,7 +316,10 @@ def _select(data_dir: str, args) -> list[SegmentFile]:
     for w in wanted:
         cand = os.path.abspath(w if os.path.exists(w) else os.path.join(data_dir, w))
         if cand not in by_path:
-            raise SystemExit(f"qdelay inspect: {w} is not a segment of {data_dir}")
+            diverged = _diverged_file(data_dir, cand)
+            if diverged is None:
+                raise SystemExit(f"qdelay inspect: {w} is not a segment of {data_dir}")
+            by_path[cand] = diverged
         chosen.append(by_path[cand])
     return chosen
 
