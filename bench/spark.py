@@ -12,7 +12,10 @@ records for most of them, then measures in the same run:
    ``groupBy(subject)`` aggregate over every record (first query of the session reported
    apart: it includes worker start), with every column and with only the columns used;
 3. the ``audit`` job on that folder (wall time: the first run of the session, and the
-   median of ``--repeat`` more).
+   median of ``--repeat`` more);
+4. the other jobs of ``qdelay spark`` (``--jobs``: ``lateness``, ``forecast``, ``export`` to
+   Parquet in a temporary folder), once each, the session warm: run it at two
+   ``--records`` to see each against the number of records.
 
 Results: a Markdown table on stdout and ``bench/out/spark.json``.
 """
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         help="start a standalone master and a 2-core worker on loopback and use them as --master",
     )
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--jobs", default="lateness,forecast,export", help="the other qdelay spark jobs to time once (comma-separated)"
+    )
     ap.add_argument("--data", default=None, help="keep the data folder here (default: a temp dir, removed)")
     args = ap.parse_args(argv)
 
@@ -222,6 +228,22 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             summary = spark_jobs.audit(spark, [root], now, 60_000)
             audits.append(time.perf_counter() - t)
+        # the other jobs of ``qdelay spark`` on the same folder, once each (the session warm)
+        jobs_s: dict[str, float] = {}
+        out_dir = tempfile.mkdtemp(prefix="qdelay-bench-spark-export-")
+        try:
+            for name, job in (
+                ("lateness", lambda: spark_jobs.lateness(spark, [root])),
+                ("forecast", lambda: spark_jobs.forecast(spark, [root], T0)),
+                ("export", lambda: spark_jobs.export(spark, [root], out_dir)),
+            ):
+                if name in args.jobs.split(","):
+                    t = time.perf_counter()
+                    job()
+                    jobs_s[name] = time.perf_counter() - t
+                    print(f"{name} job: {jobs_s[name]:.1f} s", flush=True)
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
         spark.stop()
         assert first == n_spark == n_col == n_py
         n_all = summary["messages"] + summary["dispatch_records"]
@@ -247,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 "audit_s": audits,
                 "audit_records": n_all,
                 "audit_findings": summary["findings"],
+                "jobs_s": jobs_s,
                 "machine_after": machine(),
             }
         )
@@ -276,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 n_all / statistics.median(audits[1:]),
                 "≤ 5 s",
             ],
+            *[[f"{name} job {m} (schedule + dispatch), once", n_all, t, n_all / t, ""] for name, t in jobs_s.items()],
             ["reader alone, columnar, every column (1 core)", n_col, t_col, n_col / t_col, "≥ 5 M/s"],
             ["reader alone, columnar, the jobs' columns (1 core)", n_col, t_col_jobs, n_col / t_col_jobs, ""],
             ["reader alone, per-record Python twin (1 core)", n_py, t_py, n_py / t_py, "(reference)"],

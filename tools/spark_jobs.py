@@ -766,7 +766,9 @@ def export(spark, data_dirs, out: str, log: str = "all", corrupt: str = "row") -
             "due_day", F.date_format(F.timestamp_millis("due_ms"), "yyyy-MM-dd")
         )
         df.write.mode("overwrite").partitionBy("due_day").parquet(os.path.join(out, name))
-        counts[name] = spark.read.parquet(os.path.join(out, name)).count()
+        # read back with the schema written: a log with no records (a folder nothing was
+        # delivered from yet, a message log cleaned) writes no file to infer it from
+        counts[name] = spark.read.schema(df.schema).parquet(os.path.join(out, name)).count()
     return counts
 
 
