@@ -338,10 +338,17 @@ class Timer:
                 st.owe(gid, sign * c)
 
     def requeue(self, item: Item) -> bool:
-        """Put a retry at the front of its lane; a deleted group's is dropped (False)."""
+        """Put a retry at the front of its lane; a deleted group's is dropped (False), and so
+        is a cancelled message's: a retry waiting out its backoff in the ack ledger may be
+        claimed and cancelled there, after ``cancel_ready`` looked at the ready queues
+        (queued, it counted in the group's backlog until a consumer's round dropped it)."""
         seq, off, bucket, due, attempt, subj, gid = item
         lane = self.lanes.get((subj, gid))
         if lane is None:
+            return False
+        st = self.book.get(bucket)
+        if st is not None and seq in st.cancelled:
+            st.owe(gid, -1)  # no longer held for the group
             return False
         q = lane.ready
         if q.count == 0:

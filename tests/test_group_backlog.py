@@ -162,3 +162,30 @@ def test_group_deleted_while_a_pass_reads_leaves_nothing_behind(tmp_path):
         assert sched.done_before > T0 // 60_000, "the deleted group's bucket (a minute) never became done"
     finally:
         d.close()
+
+
+def test_message_cancelled_while_its_retry_waits_leaves_the_backlog(tmp_path):
+    """A delivery not acknowledged in time waits for its retry (backoff) in the ack ledger,
+    where a Cancel may claim it; cancelled there, it is not queued again when its backoff
+    ends (before: it came back into the ready queue and counted in the group's backlog until
+    a consumer's round dropped it, for ever in a group with no credit)."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="", ack_timeout_ms=5_000, retry_backoff_ms=1_000)
+    try:
+        assert asyncio.run(d.engine.ensure_group("s", "a"))
+        r = d.send([message("s", T0 + 1_000, "m0"), message("s", T0 + 1_000, "m1")])
+        sink.budget["a"] = 2
+        d.advance(2_000)
+        assert sorted(m for _g, m in sink.got) == ["m0", "m1"]  # no more credit after these
+        d.advance(5_000)  # the ack timeout: both wait for a retry, 1 s
+        assert d.cancel(r[0]).name == "CANCELLED"
+        d.catch_up()
+        d.advance(1_000)  # the backoff ends: m1 is queued again, m0 is not
+        settled_backlog(d, "s", "a", 1)
+        sink.budget["a"] = 3
+        d.advance(1)
+        assert [m for _g, m in sink.got] == ["m0", "m1", "m1"]
+        settled_backlog(d, "s", "a", 0)
+    finally:
+        d.close()
