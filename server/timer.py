@@ -230,7 +230,10 @@ class Timer:
     def fire(self, now: int) -> None:
         """Move due entries from the wheel to the lanes of their subjects' groups: every
         group the message is for gets it (fan-out)."""
-        self.fired_to = max(self.fired_to, now)
+        # the wheel fires whole ticks (``tick_ms``): what is due later in the current tick
+        # stays in it, so a read-back pass must not take it as fired (read back, then fired,
+        # it was delivered twice)
+        self.fired_to = max(self.fired_to, now - now % self.cfg.tick_ms)
         due = self.wheel.pop_due(now)
         if len(due) == 0:
             return

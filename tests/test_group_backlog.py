@@ -189,3 +189,29 @@ def test_message_cancelled_while_its_retry_waits_leaves_the_backlog(tmp_path):
         settled_backlog(d, "s", "a", 0)
     finally:
         d.close()
+
+
+def test_pass_does_not_read_back_what_the_wheel_has_not_fired(tmp_path):
+    """With ``tick_ms`` > 1 the wheel fires at tick granularity: an entry due within the
+    current tick stays in the wheel. A read-back pass must not take it as fired (before: the
+    pass read it back and it was delivered, then it fired and was delivered again once
+    another firing for the group had reset the guard against it)."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="", group_max_ready=4, tick_ms=100)
+    try:
+        assert asyncio.run(d.engine.ensure_group("s", "a"))
+        d.send([message("s", T0 + 1_000, f"m{i}") for i in range(10)] + [message("s", T0 + 2_050, "x")])
+        d.run(T0 + 2_050)  # the tick of 2,000 fired: the 10 spill, x waits in the wheel
+        (g,) = d.engine.groups(subject="s")
+        assert g["spilled"] and g["on_disk"] == 10, g
+        sink.budget["a"] = 100
+        d.run(T0 + 2_060)  # a pass reads the 10 back and they are delivered
+        d.send([message("s", T0 + 1_500, "late")])
+        d.run(T0 + 2_070)  # a late message due before: fires for the group
+        d.run(T0 + 2_100)  # the tick of x
+        got = [m for _g, m in sink.got]
+        assert sorted(got) == sorted([f"m{i}" for i in range(10)] + ["x", "late"]), got
+        settled_backlog(d, "s", "a", 0)
+    finally:
+        d.close()
