@@ -497,3 +497,29 @@ def test_bad_arguments_are_usage_errors_before_spark_starts(tmp_path, argv, want
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
     assert want.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert time.monotonic() - started < 30  # no Spark session was started
+
+
+def test_import_to_a_server_that_does_not_answer_says_so_before_spark_starts(tmp_path):
+    """``qdelay spark import --target`` with no server there started Spark, retried every
+    batch for ~16 s and ended in a 250-line Java and Python traceback (exit 1). The target
+    is asked once first: one line, exit 1, nothing sent, no JVM."""
+    import subprocess
+    import sys
+
+    from etcdproc import free_port
+
+    csv = tmp_path / "in.csv"
+    csv.write_text("subject,payload,delay_ms\na.b,x,1000\n")
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    cp = subprocess.run(
+        [sys.executable, "-m", "qdelay.cli", "spark", "import", "--input", str(csv), "--target", target]
+        + ["--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cp.returncode == 1 and cp.stdout == "" and "Traceback" not in cp.stderr, cp.stderr
+    lines = cp.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"qdelay spark import: no qdelay server answers at {target} ")
+    assert lines[0].endswith("; nothing was sent") and time.monotonic() - started < 30, lines

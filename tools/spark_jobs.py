@@ -1012,7 +1012,36 @@ COMMANDS = {
 }
 
 
+def _target_problem(target: str, token_file: str | None) -> str | None:
+    """Why ``import``'s target cannot take messages, asked once before Spark starts: with no
+    server there, every task retried for ~16 s and the job ended in a 250-line Java and
+    Python traceback. None when it answers."""
+    import grpc
+
+    from qdelay.replication.common import read_token
+    from qdelay.v1 import qdelay_pb2 as pb
+    from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
+
+    token = read_token(token_file)
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(target) as channel:
+        try:
+            pb_grpc.DelayServiceStub(channel).Topology(pb.TopologyRequest(), timeout=10, metadata=metadata)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                more = "pass the server's token file with --token-file" if not token else "check --token-file"
+                return f"{target} refused the token ({e.details()}): {more}; nothing was sent"
+            return f"no qdelay server answers at {target} ({code.name}: {e.details()}); nothing was sent"
+    return None
+
+
 def run(args) -> int:
+    if args.spark_job == "import":
+        problem = _target_problem(args.target, args.token_file)
+        if problem:
+            print(f"qdelay spark import: {problem}", file=sys.stderr)
+            return 1
     spark = _session(args)
     return COMMANDS[args.spark_job](spark, args)
 
