@@ -399,6 +399,12 @@ def _group_bounds(value: Any) -> dict[str, int]:
     return out
 
 
+# [engine] keys where 0 is no setting at all: tick_ms = 0 ended in a ValueError traceback,
+# cleaner_interval_ms = 0 spun the cleaner thread on a core, max_loaded = 0 (or
+# group_max_ready = 0) loaded nothing, so nothing was ever delivered
+POSITIVE_ENGINE_KEYS = frozenset({"tick_ms", "segment_bytes", "max_loaded", "group_max_ready", "cleaner_interval_ms"})
+
+
 def check_engine_options(cfg: ServerConfig) -> None:
     """The ``[engine]`` options have the types and ranges the engine needs. Checked with the
     rest of the configuration, so that ``--set engine.ack_timeout_ms=abc`` (a bare word is a
@@ -423,6 +429,8 @@ def check_engine_options(cfg: ServerConfig) -> None:
             ok, want = isinstance(value, str), "a string"
         else:
             continue  # group_max_ready_of: checked by _group_bounds
+        if ok and key in POSITIVE_ENGINE_KEYS and value < 1:
+            ok, want = False, "a positive integer"
         if not ok:
             raise ConfigError(f"engine.{key} must be {want}, not {value!r}")
     try:

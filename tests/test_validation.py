@@ -361,6 +361,8 @@ def test_bad_settings_are_refused_before_the_folder_is_opened(tmp_path):
         (["--set", "engine.cleaner_enabled=1"], "engine.cleaner_enabled must be true or false, not 1"),
         (["--flush", "sometimes"], "engine.flush (--flush): unknown flush policy 'sometimes'"),
         (["--set", "engine.scale_minutes=7"], "engine.scale_minutes must divide a day"),
+        (["--set", "engine.tick_ms=0"], "engine.tick_ms must be a positive integer, not 0"),  # a traceback
+        (["--set", "engine.cleaner_interval_ms=0"], "engine.cleaner_interval_ms must be a positive integer"),  # spun
         (["--set", "engine.nope=1"], "unknown [engine] option(s) nope"),
         (["--tls-cert", str(cert), "--tls-key", str(tmp_path / "gone.key")], "tls_key "),
         (["--auth-token-file", str(empty_tokens)], f"auth_token_file {empty_tokens} holds no token"),
