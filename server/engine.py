@@ -534,7 +534,9 @@ class Engine:
 
     # --- writes -----------------------------------------------------------------------------------
 
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
+        """Refuse a write (or a write's answer) this server may not give: shutting down, a
+        slave, fenced, or (cluster mode) a master that cannot prove its lease."""
         if self._closed:
             raise ShuttingDown("the server is shutting down")
         if self.role == "fenced":
@@ -560,7 +562,7 @@ class Engine:
         sequence once durable (and replicated, in sync mode). ``soonest_due``, the earliest
         due time among them, lets the iterate service copy them later when none is due
         within ``far_ahead_ms`` (IterateService.expect_far)."""
-        self._check_writable()
+        self.check_writable()
         queued = None
         if soonest_due is not None and soonest_due - self.clock() >= self.far_ahead_ms:
             queued = self._expect_far
@@ -596,7 +598,7 @@ class Engine:
         return [Receipt(m.message_id, m.deliver_at_ms, first + i) for i, m in enumerate(messages)]
 
     def send_sync(self, messages: list[NewMessage], timeout: float | None = None) -> list[Receipt]:
-        self._check_writable()
+        self.check_writable()
         now = self.clock()
         appended = self.wal.append([(RecordKind.MESSAGE, now, body) for body in self._bodies(messages)], timeout)
         first = appended.first_sequence
@@ -605,7 +607,7 @@ class Engine:
     def _dead_letter(
         self, msg: records.Message, seq: int, group: str, attempts: int, done: Callable[[Exception | None], None]
     ) -> None:
-        self._check_writable()
+        self.check_writable()
         headers = dict(msg.headers)
         headers[DEAD_LETTER_HEADER] = str(seq)
         headers[DEAD_LETTER_HEADER + "-group"] = group
@@ -637,7 +639,7 @@ class Engine:
         go to the message log in one append: one group commit for the whole batch. A target
         named twice is CANCELLED once and ALREADY_CANCELLED after.
         """
-        self._check_writable()
+        self.check_writable()
         outcomes, claimed = await self._claims(self._claim_cancels, targets, targets)
         if not claimed:
             if CancelOutcome.ALREADY_CANCELLED in outcomes:
@@ -698,7 +700,7 @@ class Engine:
         moved once, by its first target; a repeat answers CANCELLED, as its old receipt
         would after the move.
         """
-        self._check_writable()
+        self.check_writable()
         targets = [(mid, due, seq) for mid, due, seq, _new in moves]
         outcomes, claimed, msgs = await self._claims(self._claim_to_move, targets, targets)
         out: list[tuple[RescheduleOutcome, Receipt | None]] = [
@@ -1569,7 +1571,7 @@ class Engine:
         return await self._group_change(records.GroupOp.DELETE, subject, group)
 
     async def _group_change(self, op: int, subject: str, group: str) -> bool:
-        self._check_writable()
+        self.check_writable()
         async with self._group_lock:  # group records apply in sequence order
             exists = self.scheduler.gid_of(subject, group) is not None
             if exists == (op == records.GroupOp.CREATE):

@@ -196,6 +196,11 @@ class DelayService(pb_grpc.DelayServiceServicer):
         dedupe = self.dedupe
         if not dedupe.enabled:
             return await self._append(batch, batch.bodies), {}
+        # before the lookup: a batch of duplicates alone is never appended, so a slave or a
+        # fenced master answered a retried send with the original receipt (duplicate = true)
+        # instead of refusing it; from a fenced master, whose tail the new master may lack,
+        # that acknowledged a message a failover had lost
+        self.engine.check_writable()
         dups, claim = await dedupe.check(batch.ids, batch.generated)
         keep = [k for k in range(len(batch.ids)) if k not in dups] if dups else None
         try:
@@ -207,6 +212,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         dedupe.written(claim, first, batch.dues if keep is None else [batch.dues[k] for k in keep])
         if dups:  # the originals may be durable on this server only (sync mode)
             await self.engine.wait_replicated()
+            self.engine.check_writable()  # right before the answer, as for a write (a lease lost meanwhile)
         return first, dups
 
     async def _append(self, batch: EncodedBatch, bodies: list[bytes]) -> int:

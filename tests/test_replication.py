@@ -604,3 +604,17 @@ def test_a_divergent_tail_can_be_read_with_inspect_as_the_runbook_says(tmp_path)
         for p in (a, b):
             if p.alive():
                 p.stop()
+
+
+def test_a_slave_refuses_a_retried_send_it_holds_a_duplicate_of(tmp_path):
+    """Idempotent send looked the id up before checking the role: a send of an id the slave
+    has (replicated) was answered by the slave with the original receipt, duplicate = true,
+    not FAILED_PRECONDITION; a fenced master did the same for ids of a tail the new master
+    may never have had. The role is checked first."""
+    with master(tmp_path) as a, slave(tmp_path, a) as b:
+        ca = a.client(retries=0)
+        r = ca.send("dup.s", b"x", delay_ms=600_000, message_id="held-1")
+        wait_caught_up(a.address, b.address)
+        with pytest.raises(errors.FailedPrecondition, match="this server is a slave"):
+            b.client(retries=0).send("dup.s", b"x", delay_ms=600_000, message_id="held-1")
+        assert ca.send("dup.s", b"x", delay_ms=600_000, message_id="held-1").sequence == r.sequence  # the master's
