@@ -17,9 +17,9 @@ seeded with one server's address. Per round, on the same cluster:
   as many bare message ids (routed by the id's CRC-32), and of receipts all of one shard;
 - ``stats`` (every master's figures, the cluster's sums), ``--calls``/3 calls;
 - ``refresh()`` (one Topology call: what every failover retry and the consumers' watch do);
-- (blocking client) ``send``, ``reschedule`` and ``cancel`` by id of ``--calls`` messages, one
-  call at a time, and a ``ShardedConsumer`` receiving and acknowledging ``--messages``/4
-  messages due at once, spread over the shards (a stream to each master);
+- ``send``, ``reschedule`` and ``cancel`` by id of ``--calls`` messages, one call at a time,
+  and a ``ShardedConsumer`` (``AioShardedConsumer``) receiving and acknowledging
+  ``--messages``/4 messages due at once, spread over the shards (a stream to each master);
 - ``qdelay admin status --servers SEED`` (``--calls``/10 times, at least 10): in cluster
   mode it asks every server of every shard.
 
@@ -37,8 +37,8 @@ same clusters through bench/shards_node.js: batched ``send`` of ``--messages``,
 
 Part 2, the cluster client (``ClusterClient``, client/cluster.py: one master and its
 slaves, no etcd): for each k of ``--nodes``, a master with k-1 slaves (async
-replication), ``send_batch`` of 100, ``get``, ``cancel`` and ``stats`` from a client given
-all k addresses, the same figures.
+replication), ``send_batch`` of 100, ``get``, ``cancel``, ``stats``, ``send`` one at a time
+and ``find_master`` from a client given all k addresses, the same figures.
 
 Writes bench/out/shards.json (or ``--json``); docs/benchmarks.md, "Sharded and cluster
 clients against the number of shards", records a run.
@@ -224,6 +224,52 @@ def aio_round(seed: str, cost: Cost, messages: int, calls: int, base: int, tag: 
             n = max(10, calls // 3)
             out["stats"] = await ameasure(cost, n, each(lambda _i: sc.stats(), range(n)))
             out["topology (refresh)"] = await ameasure(cost, calls, each(lambda _i: sc.refresh(), range(calls)))
+            # the single-message calls, one at a time, and the merged consumer (as the
+            # blocking client's round)
+            singles = _far(calls, base + DAY_MS, tag + "single")
+            sent_one: list = []
+
+            async def send_one(o) -> None:
+                sent_one.append(
+                    await sc.send(o.subject, o.payload, message_id=o.message_id, deliver_at_ms=o.deliver_at_ms)
+                )
+
+            out["send (one at a time)"] = await ameasure(cost, len(singles), each(send_one, singles))
+            moved: list[str] = []
+
+            async def move(r) -> None:
+                moved.append((await sc.reschedule(r, deliver_at_ms=base + 2 * DAY_MS))[0])
+
+            out["reschedule"] = await ameasure(cost, len(sent_one), each(move, sent_one))
+            gone: list[str] = []
+
+            async def cancel_one(r) -> None:
+                gone.append(await sc.cancel(message_id=r.message_id))
+
+            out["cancel by id (one at a time)"] = await ameasure(cost, len(sent_one), each(cancel_one, sent_one))
+            if set(moved) != {"RESCHEDULED"} or set(gone) != {"CANCELLED"}:
+                raise SystemExit(f"aio single calls answered {sorted(set(moved))} / {sorted(set(gone))}")
+            subject = f"bench.asub.{tag}"
+            due = [
+                Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"{tag}-asub-{i}") for i in range(messages // 4)
+            ]
+            await sc.send_many(due)
+            consumer = sc.subscribe(subject, "g", max_in_flight=1000)
+            got = [0]
+
+            async def drain() -> None:
+                deadline = time.monotonic() + 120
+                while got[0] < len(due) and time.monotonic() < deadline:
+                    batch = await consumer.receive(1, timeout=5)
+                    consumer.ack(batch)
+                    got[0] += len(batch)
+
+            try:
+                out["subscribe: receive + ack"] = await ameasure(cost, len(due), drain())
+            finally:
+                await consumer.close()
+            if got[0] < len(due):
+                raise SystemExit(f"the AioShardedConsumer received {got[0]} of {len(due)}")
 
     asyncio.run(go())
     return out
@@ -324,6 +370,12 @@ def cluster_round(cc: ClusterClient, cost: Cost, messages: int, calls: int, base
     out["cancel"] = cost.measure(len(doomed), lambda: [cc.cancel(r) for r in doomed])
     n = max(10, calls // 3)
     out["stats"] = cost.measure(n, lambda: [cc.stats() for _ in range(n)])
+    # one message at a time, and finding the master (what its failover does: every server asked)
+    singles = [(f"{tag}-one-{i}", base + 2 * DAY_MS + i) for i in range(calls)]
+    out["send (one at a time)"] = cost.measure(
+        len(singles), lambda: [cc.send("bench.cc", b"x" * 100, message_id=m, deliver_at_ms=d) for m, d in singles]
+    )
+    out["find_master"] = cost.measure(n, lambda: [cc.find_master() for _ in range(n)])
     return out
 
 
