@@ -258,17 +258,25 @@ def _without(cols: Columns, pos: int, end: int, gone: set[int]) -> Columns:
 
 class Pass:
     """A spilled lane's walk over the schedule segments, reading back its entries due at or
-    before ``hi`` that are not in memory, not closed for the group and not cancelled."""
+    before ``hi`` that are not in memory, not closed for the group and not cancelled.
 
-    __slots__ = ("bucket", "offset", "hi", "closed_bucket", "closed_size", "closed")
+    A *counting* walk (``counting``: bucket -> how far its loader had read) reads the same
+    entries but only counts them on disk for the lane: those a group created beside others
+    finds already fired when it is made (due from its ``since`` to ``hi``, fired for the
+    other groups only), which nothing counted. It comes before the lane's first pass and
+    reads each bucket only as far as was loaded then (what is loaded later fires for the
+    group, counted as it spills)."""
 
-    def __init__(self, bucket: int, hi: int) -> None:
+    __slots__ = ("bucket", "offset", "hi", "closed_bucket", "closed_size", "closed", "counting")
+
+    def __init__(self, bucket: int, hi: int, counting: dict[int, int] | None = None) -> None:
         self.bucket = bucket  # the bucket being read (every loaded bucket below it is read)
         self.offset = 0
         self.hi = hi
         self.closed_bucket = -1  # the group's closes in ``closed_bucket``'s dispatch log
         self.closed_size = 0  # ... as far as the file was read
         self.closed: set[int] = set()
+        self.counting = counting
 
     def at(self, bucket: int) -> None:
         """Read ``bucket`` next, from its start (the loaded bucket after the last one read)."""
@@ -308,7 +316,9 @@ class Lane:
 
     ``on_disk`` counts what a spilled lane has waiting on disk (for Stats' backlog): the
     entries it forgot (its queue when it spilled, what became due for it meanwhile, what
-    its subject kept for it while it had no group) less those read back; 0 when it is whole
+    its subject kept for it while it had no group, what fired for its subject's other
+    groups from its ``since`` on before it was made: ``Pass.counting``) less those read
+    back; 0 when it is whole
     again. A message cancelled while it waited on disk stays counted until the lane is
     whole again: the read-back pass skips it without knowing whether it was one of those
     counted. One a pass meets while a Cancel has claimed it is set aside and counted as
@@ -330,12 +340,17 @@ class Lane:
         self.recent: set[int] | None = None
         self.on_disk = 0  # entries forgotten and not read back (see above)
 
-    def dropped(self, buckets: np.ndarray) -> None:
-        """Entries of ``buckets`` (one per entry) forgotten: they wait on disk."""
+    def dropped(self, buckets: np.ndarray, counted: int | None = None) -> None:
+        """Entries of ``buckets`` (one per entry) forgotten: they wait on disk; ``counted``
+        of them (all by default) are counted here (the rest by a counting walk)."""
         if len(buckets):
             low = int(buckets.min())
             self.drop_from = low if self.drop_from is None else min(self.drop_from, low)
-            self.on_disk += len(buckets)
+            self.on_disk += len(buckets) if counted is None else counted
+
+    def counted(self, n: int) -> None:
+        """``n`` entries found on disk by a counting walk (``Pass.counting``)."""
+        self.on_disk += n
 
     def read_back(self, n: int) -> None:
         """``n`` entries read back from disk into the ready queue."""

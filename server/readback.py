@@ -100,17 +100,22 @@ class ReadBack:
         if w is None:
             return True
         last = bucket_of(w.hi, self.cfg.scale_minutes)
-        nxt = min((b for b in self.book.loaded if w.bucket <= b <= last), default=None)
+        loaded = self.book.loaded
+        if w.counting is None:
+            nxt = min((b for b in loaded if w.bucket <= b <= last), default=None)
+        else:  # a counting walk: the buckets loaded when the group was made, as far as read then
+            nxt = min((b for b in w.counting if w.bucket <= b and b in loaded), default=None)
         if nxt is None:
             timer.end_pass(lane)
             return True
         w.at(nxt)
-        st = self.book.loaded[nxt]
-        if w.offset >= st.cursor:
+        st = loaded[nxt]
+        stop = st.cursor if w.counting is None else min(st.cursor, w.counting[nxt])
+        if w.offset >= stop:
             w.past(self.cfg.scale_minutes)
             return True
         subject = timer.subjects[lane.sid].encode()
-        return Step(lane, g, w, st, subject, w.offset, st.cursor, w.closes_from(nxt))
+        return Step(lane, g, w, st, subject, w.offset, stop, w.closes_from(nxt))
 
     def read(self, step: Step) -> None:
         """The disk reads of a step (no lock): the chunk, and the group's closes in the
@@ -138,7 +143,10 @@ class ReadBack:
             return False
         queued = False
         if step.rows is not None and len(step.rows[0]):
-            queued = self._take_back(step.lane, step.group, step.st, w, *step.rows)
+            if w.counting is not None:
+                self._count(step.lane, step.group, step.st, w, step.rows[0])
+            else:
+                queued = self._take_back(step.lane, step.group, step.st, w, *step.rows)
         w.offset = step.after
         return queued
 
@@ -152,26 +160,37 @@ class ReadBack:
         name = g.stored.decode() or records.DEFAULT_GROUP
         return size, set(bucket_log.group_closes_in(seg, start, size, name).tolist())
 
-    def _take_back(
-        self, lane: Lane, g: Group, st: BucketState, w: Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
-    ) -> bool:
-        """Queue entries read back for a spilled lane, minus those held in memory, closed,
-        claimed or cancelled by now."""
-        # what is not to be read back: a membership test per set, on the entries read
-        # (unions of the sets cost their sizes per chunk: ``w.closed`` grows to the whole
-        # backlog while it drains, which made a 5 M-message drain quadratic); closes made
-        # since the dispatch log was read are in the writer's buffers (an ack moves a
-        # delivery there under the lock held now)
+    def _live(self, lane: Lane, g: Group, st: BucketState, w: Pass, listed: list[int]) -> np.ndarray:
+        """Which of the entries ``listed`` (sequences) are neither held in memory, closed
+        for the group, being dead-lettered, cancelled, nor closed for it before they were
+        loaded. A membership test per set, on the entries read (unions of the sets cost
+        their sizes per chunk: ``w.closed`` grows to the whole backlog while it drains,
+        which made a 5 M-message drain quadratic); closes made since the dispatch log was
+        read are in the writer's buffers (an ack moves a delivery there under the lock
+        held now)."""
         pending = self.writer.pending(st.bucket)
         held: set[int] = {item[0] for item in lane.ready.retries}
         held |= self.ledger.held(lane.gid)
         if pending:
             held.update(bucket_log.group_closes_of(pending, g.name).tolist())
-        listed = seqs.tolist()
-        keep = np.ones(len(seqs), dtype=bool)
+        keep = np.ones(len(listed), dtype=bool)
         for skip in (held, w.closed, self.dead_lettering, st.cancelled, st.partial.get(g.name)):
             if skip:
                 keep &= np.fromiter((q not in skip for q in listed), dtype=bool, count=len(listed))
+        return keep
+
+    def _count(self, lane: Lane, g: Group, st: BucketState, w: Pass, seqs: np.ndarray) -> None:
+        """A counting walk's chunk: its live entries for the lane are on disk (those a
+        Cancel claimed too: a pass sets them aside and counts them read back)."""
+        self.timer.count_on_disk(lane, int(self._live(lane, g, st, w, seqs.tolist()).sum()))
+
+    def _take_back(
+        self, lane: Lane, g: Group, st: BucketState, w: Pass, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray
+    ) -> bool:
+        """Queue entries read back for a spilled lane, minus those held in memory, closed,
+        claimed or cancelled by now."""
+        listed = seqs.tolist()
+        keep = self._live(lane, g, st, w, listed)
         claimed = self.claims.claimed
         if claimed:
             # claimed by a Cancel: set aside (a release gives them back), held by the bucket

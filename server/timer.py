@@ -123,16 +123,23 @@ class Timer:
         sid = self.subject_id(g.subject.encode())
         read_from = self.kept.pop(sid, None)
         kept = self.kept_count.pop(sid, 0)
+        count: Pass | None = None
         if self.fired_to >= g.since > BEGINNING and self._fired_due.get(sid, BEGINNING) >= g.since:
-            # (what fired for the subject's other groups in the very millisecond of its
-            # creation is read back for it too, but not counted in its ``on_disk``)
+            # what fired from its since on, for the subject's other groups only, is read back
+            # for it; when the subject has other groups (and kept nothing: what it kept is
+            # counted) a counting walk counts it on disk first, over what is loaded now
             b = bucket_of(g.since, self.cfg.scale_minutes)
+            if read_from is None and len(self.targets(sid)) > 1:
+                top = bucket_of(self.fired_to, self.cfg.scale_minutes)
+                upto = {k: st.cursor for k, st in self.book.loaded.items() if b <= k <= top}
+                count = Pass(b, self.fired_to, upto)
             read_from = b if read_from is None else min(read_from, b)
         if read_from is not None:
             lane = self.lane(sid, g.gid)
             lane.spilled = True
             lane.drop_from = read_from
             lane.on_disk += kept
+            lane.walk = count
             self.spilled.add(lane)
 
     def group_deleted(self, g: Group) -> None:
@@ -310,7 +317,15 @@ class Timer:
         if not len(part):
             return
         if lane.spilled:
-            lane.dropped(part.bucket)
+            w = lane.walk
+            if w is not None and w.counting is not None:
+                # loaded before the group was made and due in the window its counting walk
+                # counts (they were in the wheel then: the walk counts them whenever they fire)
+                upto = np.array([w.counting.get(b, -1) for b in part.bucket.tolist()], dtype=np.int64)
+                walked = int(((part.due <= w.hi) & (part.off < upto)).sum())
+                lane.dropped(part.bucket, len(part) - walked)
+            else:
+                lane.dropped(part.bucket)
             return
         self._owe(g.gid, part.bucket, 1)
         self._push(lane, part)
@@ -447,8 +462,11 @@ class Timer:
     def spilled_to_read(self, credit: Callable[[str, str], int]) -> Lane | None:
         """A spilled lane to read back for now: one below half its bound whose consumers
         have credit (an idle group's backlog stays on disk until credit returns), or one
-        with nothing left to read (its pass ends), or whose group is gone."""
+        with nothing left to read (its pass ends), or whose group is gone; first, whatever
+        the credit, one with a counting walk (``Pass.counting``: it reads, queues nothing)."""
         for ln in self.spilled:
+            if ln.walk is not None and ln.walk.counting is not None:
+                return ln  # counted whatever the credit: an idle group's backlog is right
             if ln.ready.count >= ln.bound // 2:
                 continue
             g = self.groups.by_gid(ln.gid)
@@ -476,6 +494,10 @@ class Timer:
     def forget_spill(self, lane: Lane) -> None:
         """A spilled lane whose group was deleted: nothing to read back for it."""
         self.spilled.discard(lane)
+
+    def count_on_disk(self, lane: Lane, n: int) -> None:
+        """A counting walk found ``n`` more of the lane's entries on disk."""
+        lane.counted(n)
 
     def take_back(self, lane: Lane, st: BucketState, seqs: np.ndarray, offs: np.ndarray, dues: np.ndarray) -> None:
         """Queue entries of ``st`` a spilled lane's pass read back (the caller dropped those

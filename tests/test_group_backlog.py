@@ -215,3 +215,59 @@ def test_pass_does_not_read_back_what_the_wheel_has_not_fired(tmp_path):
         settled_backlog(d, "s", "a", 0)
     finally:
         d.close()
+
+
+def test_group_created_after_its_first_messages_fired_counts_them_on_disk(tmp_path):
+    """A group created beside another one in the millisecond messages of its subject fall
+    due (or replayed after a restart, after the timer fired): those due from its ``since``
+    on fired for the other group only, and it reads them back from disk. Its backlog counts
+    them before a consumer comes (before: 0 until they were read back)."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="", group_max_ready=4)
+    try:
+        assert asyncio.run(d.engine.ensure_group("s", "a"))
+        d.send([message("s", T0 + 1_000, f"m{i}") for i in range(3)] + [message("s", T0 + 999, "early")])
+        d.run(T0 + 1_000)
+        assert asyncio.run(d.engine.ensure_group("s", "b"))  # since T0 + 1,000: the m are for it
+        d.send([message("s", T0 + 1_500, "later")])
+        d.advance(1_000)
+        settled_backlog(d, "s", "b", 4)  # m0-m2 (read back when credit comes) and later
+        settled_backlog(d, "s", "a", 5)
+        sink.budget["b"] = 100
+        d.advance(1)
+        assert sorted(m for g, m in sink.got if g == "b") == ["later", "m0", "m1", "m2"]
+        settled_backlog(d, "s", "b", 0)
+    finally:
+        d.close()
+
+
+def test_group_made_between_a_load_and_its_firing_counts_those_entries_once(tmp_path):
+    """A group made (here: replayed with an earlier ``since``) while entries of its window
+    are loaded but not yet fired: its counting walk counts them, and their firing for it a
+    moment later does not count them again."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="", group_max_ready=4)
+    try:
+        assert asyncio.run(d.engine.ensure_group("s", "a"))
+        d.send([message("s", T0 + 1_000, f"m{i}") for i in range(3)])
+        d.run(T0 + 1_000)
+        d.send([message("s", T0 + 950, "late")])  # loaded at the next pass, then fired
+        sched = d.engine.scheduler
+        fire = sched.timer.fire
+
+        def make_then_fire(now):
+            sched.timer.fire = fire
+            assert sched.add_group("s", "b", T0 + 900)  # "late" is in the wheel, not fired
+            fire(now)
+
+        sched.timer.fire = make_then_fire
+        d.advance(1)
+        settled_backlog(d, "s", "b", 4)
+        sink.budget["b"] = 100
+        d.advance(1)
+        assert sorted(m for g, m in sink.got if g == "b") == ["late", "m0", "m1", "m2"]
+        settled_backlog(d, "s", "b", 0)
+    finally:
+        d.close()
