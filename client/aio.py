@@ -132,27 +132,37 @@ class Client:
         self._canceller: CancelBatcher | None = None  # concurrent cancel() calls share CancelBatch calls
         self._rescheduler: RescheduleBatcher | None = None  # and reschedule() calls RescheduleBatch calls
         self._consumers: set[Consumer] = set()
+        self._closed = False
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        self._open()
         return await call_async(
             method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff
         )
 
     async def close(self) -> None:
-        """Closes the consumers, waits for the answers of queued sends, closes the channel."""
-        for consumer in list(self._consumers):
-            await consumer.close()
-        if self._batcher is not None:
-            batcher, self._batcher = self._batcher, None
-            await batcher.close()
-        if self._canceller is not None:
-            canceller, self._canceller = self._canceller, None
-            await canceller.close()
-        if self._rescheduler is not None:
-            rescheduler, self._rescheduler = self._rescheduler, None
-            await rescheduler.close()
-        await self.channel.close()
+        """Closes the consumers, waits for the answers of queued sends, cancels and
+        reschedules, closes the channel. Each part is closed even when one before it fails
+        or this task is cancelled meanwhile; calls after it raise FailedPrecondition (a
+        batcher made again would be one nobody closes: its task left pending on the loop)."""
+        self._closed = True
+        batchers = [self._batcher, self._canceller, self._rescheduler]
+        self._batcher = self._canceller = self._rescheduler = None
+        try:
+            for consumer in list(self._consumers):
+                await consumer.close()
+        finally:
+            try:
+                for batcher in batchers:
+                    if batcher is not None:
+                        await batcher.close()
+            finally:
+                await self.channel.close()
+
+    def _open(self) -> None:
+        if self._closed:
+            raise errors.FailedPrecondition("the client is closed")
 
     async def __aenter__(self) -> Client:
         return self
@@ -186,6 +196,7 @@ class Client:
             resp = await self._call(self.stub.Send, pb.SendRequest(message=msg), timeout)
             return Receipt.from_pb(resp.receipt)
         if self._batcher is None:
+            self._open()
             self._batcher = SendBatcher(
                 lambda: self.channel,
                 lambda batch: self._encode_outgoing(batch)[0],  # type: ignore[misc]  # borrowed from the blocking Client
@@ -251,6 +262,7 @@ class Client:
             return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
         target = cancel_target(receipt, message_id)
         if self._canceller is None:
+            self._open()
             self._canceller = cancel_batcher(self.stub, self, self.batching)
         outcome = await self._canceller.cancel(target, timeout or self.timeout)
         return CANCEL_OUTCOMES.get(outcome, str(outcome))
@@ -291,6 +303,7 @@ class Client:
         if self.batching is None:
             return reschedule_result(await self._call(self.stub.Reschedule, req, timeout))
         if self._rescheduler is None:
+            self._open()
             self._rescheduler = reschedule_batcher(self.stub, self, self.batching)
         return reschedule_result(await self._rescheduler.reschedule(req, timeout or self.timeout))
 
@@ -352,6 +365,7 @@ class Client:
     # ------------------------------------------------------------------ consumer
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> Consumer:
         """A :class:`Consumer` (the stream opens on first read)."""
+        self._open()
         return Consumer(self, subject, group, max_in_flight)
 
 
