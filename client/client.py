@@ -298,10 +298,12 @@ class _BulkSender:
 
     The loop's thread ends the loop as ``asyncio.run`` does (:func:`_serve`): whatever task is
     left on it (the batchers' of a client that was never closed) is cancelled and finishes
-    before the loop closes. It is stopped by :meth:`close`, or, for a client that is dropped
-    without ``close()`` or still open at interpreter exit, by a ``weakref.finalize`` (which
-    also runs at exit): else those tasks were destroyed pending at exit, each logged as
-    "Task was destroyed but it is pending!"."""
+    before the loop closes. It is stopped by :meth:`close`, or for a client still open at
+    interpreter exit by a ``weakref.finalize`` (which runs at exit): else those tasks were
+    destroyed pending, each logged as "Task was destroyed but it is pending!". The thread
+    holds the batchers (:meth:`hold`), so that a client dropped without ``close()`` is not
+    collected with its tasks pending (its batchers' tasks are referenced by nothing else
+    once its streams ended): it lives on until exit and is ended there, as an open one."""
 
     def __init__(self, target: str, creds: grpc.ChannelCredentials | None, options: list) -> None:
         self._target = target
@@ -312,6 +314,7 @@ class _BulkSender:
         self._thread: threading.Thread | None = None
         self._channel = None
         self._channels: list = []  # the channel made on the loop, for _serve to close if close() did not
+        self._held: list = []  # the batchers on the loop, referenced by its thread until it ends
         self._stop: weakref.finalize | None = None
         self._closed = False
 
@@ -339,13 +342,17 @@ class _BulkSender:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(
-                    target=_serve, args=(loop, self._channels), name="qdelay-client-bulk", daemon=True
+                    target=_serve, args=(loop, self._channels, self._held), name="qdelay-client-bulk", daemon=True
                 )
                 thread.start()
                 # references the loop and its thread, not self: runs when self is collected or at exit
                 self._stop = weakref.finalize(self, _stop_loop, loop, thread)
                 self._loop, self._thread = loop, thread
             return self._loop
+
+    def hold(self, batcher: object) -> None:
+        """Keep ``batcher`` (whose tasks run on the loop) referenced until the loop ends."""
+        self._held.append(batcher)
 
     async def _on_channel(self, work):
         if self._channel is None:
@@ -369,9 +376,10 @@ class _BulkSender:
         stop()  # the thread cancels what is left on the loop, closes it and ends; joined
 
 
-def _serve(loop: asyncio.AbstractEventLoop, channels: list) -> None:
+def _serve(loop: asyncio.AbstractEventLoop, channels: list, held: list) -> None:
     """The bulk loop's thread: runs it until stopped, then ends it as ``asyncio.run`` ends its
-    loop: every task left is cancelled and awaited, the channel closed, then the loop."""
+    loop: every task left is cancelled and awaited, the channel closed, then the loop.
+    ``held`` (the batchers) is referenced here until then."""
     asyncio.set_event_loop(loop)
     try:
         loop.run_forever()
@@ -387,6 +395,7 @@ def _serve(loop: asyncio.AbstractEventLoop, channels: list) -> None:
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
+            held.clear()
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
@@ -640,6 +649,7 @@ class Client:
                 self.retries,
                 self.retry_backoff,
             )
+            self._bulk.hold(self._batcher)
         return self._batcher
 
     def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
@@ -832,6 +842,7 @@ class Client:
             raise errors.InvariantViolation("cancel() made a batcher with batching off")
         if self._canceller is None:
             self._canceller = cancel_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
+            self._bulk.hold(self._canceller)
         return self._canceller
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
@@ -883,6 +894,7 @@ class Client:
             raise errors.InvariantViolation("reschedule() made a batcher with batching off")
         if self._rescheduler is None:
             self._rescheduler = reschedule_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
+            self._bulk.hold(self._rescheduler)
         return self._rescheduler
 
     def reschedule_many(

@@ -1,6 +1,6 @@
 """How the clients end: no task of theirs is left pending on a loop, however the client ends
-(closed, never closed until the interpreter exits, dropped without ``close()``: its open
-streams keep it alive until exit), and a
+(closed, never closed until the interpreter exits, dropped without ``close()``: kept until
+exit and ended there), and a
 client used after ``close()`` refuses at once instead of making batchers nobody closes.
 
 The blocking client's batchers run on its private I/O loop (a daemon thread): a client
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from serverproc import ServerProc
 
 from qdelay import errors
 
@@ -39,18 +40,28 @@ def bulk_threads():
     return [t for t in threading.enumerate() if t.name == "qdelay-client-bulk"]
 
 
+def server_stopped():
+    # until the test stopped the server: its streams ended, nothing in grpc holds the
+    # batchers' tasks any more (an open stream kept them from being collected)
+    print("used", flush=True)
+    sys.stdin.readline()
+
+
 if case == "open-at-exit":
     kept = Client(address)
     use(kept)
+    server_stopped()
 elif case == "dropped":
     c = Client(address)
     use(c)
+    server_stopped()
     del c
-    gc.collect()  # its open streams keep it (they are referenced by grpc) until exit
+    gc.collect()  # its loop's thread holds its batchers: it lives on until exit, ended there
 elif case == "closed":
     with Client(address) as c:
         use(c)
     assert not bulk_threads()
+    server_stopped()
 elif case == "aio-used-after-close":
     async def main():
         c = AioClient(address, timeout=20)
@@ -70,26 +81,41 @@ elif case == "aio-used-after-close":
         gc.collect()
 
     asyncio.run(main())
+    server_stopped()
 print("done", file=sys.stderr)
 """
 
 
-def run_case(address: str, case: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-X", "dev", "-c", SCRIPT, address, case],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.rstrip().endswith("done"), proc.stderr
-    return proc.stderr
+def run_case(tmp_path: Path, case: str) -> str:
+    """The script's stderr: it uses a client of a server of its own, which is stopped (the
+    end of a test module's server, clients still open) before the script goes on to exit."""
+    with ServerProc(tmp_path / "data") as srv:
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "dev", "-c", SCRIPT, srv.address, case],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        try:
+            used = proc.stdout.readline() if proc.stdout is not None else ""
+        except BaseException:
+            proc.kill()
+            raise
+    try:
+        _out, err = proc.communicate("go\n", timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert used == "used\n" and proc.returncode == 0, err
+    assert err.rstrip().endswith("done"), err
+    return err
 
 
 @pytest.mark.parametrize("case", ["open-at-exit", "dropped", "closed", "aio-used-after-close"])
-def test_no_client_task_is_left_pending(server, case):
-    err = run_case(server.address, case)
+def test_no_client_task_is_left_pending(tmp_path, case):
+    err = run_case(tmp_path, case)
     assert "Task was destroyed but it is pending" not in err, err
     assert "Task exception was never retrieved" not in err, err
     assert "was never awaited" not in err, err
