@@ -11,7 +11,8 @@ seconds passed. Every message gets its ``message_id`` on the client before the f
 so a retry of a write whose first try did land carries the same id: the consumer may see
 one id twice (at-least-once), never two different ids for one send.
 
-Reads (get, cancel) follow the same rule. ``subscribe_all`` opens one Subscribe stream per
+Every other call (get, cancel, cancel_many, reschedule, reschedule_many, the groups) follows
+the same rule: it goes to the master. ``subscribe_all`` opens one Subscribe stream per
 server: only the master dispatches, so after a promotion deliveries simply start flowing
 from the new master's stream.
 """
@@ -27,7 +28,7 @@ from typing import Any
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, _Ids
 from qdelay.client.failover import RETRYABLE, Backoff
-from qdelay.client.types import Status, Target
+from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
 
 
@@ -150,11 +151,47 @@ class ClusterClient:
         request = pb.SendBatchRequest(messages=msgs)
         return self._retry(lambda c: list(c._call(c.stub.SendBatch, request, timeout).receipts))
 
-    def cancel(self, receipt: Target, timeout: float | None = None) -> str:
-        return self._retry(lambda c: c.cancel(receipt, timeout))
+    def cancel(
+        self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> str:
+        """As ``Client.cancel`` (a receipt, its text, an id, or ``message_id=``), on the master."""
+        return self._retry(lambda c: c.cancel(receipt, timeout, message_id=message_id))
 
-    def get(self, receipt: Target, timeout: float | None = None) -> Status:
-        return self._retry(lambda c: c.get(receipt, timeout))
+    def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
+        """As ``Client.cancel_many``, on the master. A call that fails over is made again on
+        the new master (a target the lost try cancelled then answers ALREADY_CANCELLED)."""
+        items = list(targets)
+        return self._retry(lambda c: c.cancel_many(items, timeout, batch_size))
+
+    def get(
+        self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
+    ) -> Status:
+        """As ``Client.get``, on the master."""
+        return self._retry(lambda c: c.get(receipt, timeout, message_id=message_id))
+
+    def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
+        """As ``Client.reschedule`` (``delay=``, ``deliver_at=``, ...), on the master."""
+        return self._retry(lambda c: c.reschedule(target, **kw))
+
+    def reschedule_many(
+        self, targets: Iterable[Target], *, batch_size: int = 1000, **kw: Any
+    ) -> list[tuple[str, Receipt | None]]:
+        """As ``Client.reschedule_many``, on the master. A call that fails over is made again
+        on the new master (a target the lost try moved then answers CANCELLED)."""
+        items = list(targets)
+        return self._retry(lambda c: c.reschedule_many(items, batch_size=batch_size, **kw))
+
+    def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """As ``Client.create_group``, on the master (groups are replicated)."""
+        return self._retry(lambda c: c.create_group(subject, group, timeout))
+
+    def delete_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """As ``Client.delete_group``, on the master."""
+        return self._retry(lambda c: c.delete_group(subject, group, timeout))
+
+    def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
+        """As ``Client.groups``, from the master (only it dispatches: its consumers and backlog)."""
+        return self._retry(lambda c: c.groups(timeout, subject=subject, group=group))
 
     def stats(self) -> dict[str, dict | str]:
         """Every server's stats (or its error), the servers asked at the same time."""

@@ -27,8 +27,9 @@ subscribed to when the topology is read again. The merged consumer tags each del
 ack id with its stream (servers number their deliveries alike) and acks on that stream.
 
 Both clients answer to the single-server client's method names (send, send_batch,
-send_many, cancel, cancel_many, get, reschedule, stats, subscribe); the many-message ones
-group by shard, call the shards at the same time and answer in the caller's order.
+send_many, cancel, cancel_many, get, reschedule, reschedule_many, stats, create_group,
+delete_group, groups, subscribe); the many-message ones group by shard, call the shards at
+the same time and answer in the caller's order; the group ones go to every shard's master.
 """
 
 from __future__ import annotations
@@ -542,6 +543,61 @@ class ShardedClient(_Sharded):
         """As ``Client.reschedule``, on the master of the receipt's shard."""
         return self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
 
+    def reschedule_many(
+        self, targets: Iterable[Target], *, batch_size: int = 1000, **kw: Any
+    ) -> list[tuple[str, Receipt | None]]:
+        """As ``Client.reschedule_many`` (one new time for all: ``delay=``, ``deliver_at=``,
+        ...): the targets grouped by shard as :meth:`cancel_many` groups them
+        (RescheduleBatch calls on each shard's master, the shards at the same time); one
+        answer per target, in the caller's order. A shard whose call fails over is asked
+        again (a target its lost try moved then answers CANCELLED, as after the
+        single-server client's retries)."""
+        items = list(targets)
+        topo = self.topology or self.refresh()
+        out: list[tuple[str, Receipt | None]] = [("", None)] * len(items)
+
+        def move(shard: str, idx: list[int]) -> None:
+            got = self._retry(
+                lambda _t: shard, lambda c: c.reschedule_many([items[i] for i in idx], batch_size=batch_size, **kw)
+            )
+            for i, answer in zip(idx, got):
+                out[i] = answer
+
+        self._each_shard(move, _by_shard(shard_of_target(t, topo) for t in items))
+        return out
+
+    def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """As ``Client.create_group``, on every shard's master (each shard dispatches its own
+        messages, so the group must exist on all), the shards at the same time: True when
+        any shard had no such group."""
+        return any(
+            changed for _shard, changed in self._on_every_shard(lambda c: c.create_group(subject, group, timeout))
+        )
+
+    def delete_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """As ``Client.delete_group``, on every shard's master: True when any shard had it."""
+        return any(
+            changed for _shard, changed in self._on_every_shard(lambda c: c.delete_group(subject, group, timeout))
+        )
+
+    def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
+        """As ``Client.groups``, from every shard's master: each entry also names its
+        ``shard`` (a group has its own backlog and consumers on each shard)."""
+        per_shard = self._on_every_shard(lambda c: c.groups(timeout, subject=subject, group=group))
+        return [{**g, "shard": name} for name, gs in per_shard for g in gs]
+
+    def _on_every_shard(self, call: Callable[[Client], Any]) -> list:
+        """``call(master)`` for every shard (failover retried per shard), the shards at the
+        same time; (shard, answer) in ``topology.names`` order."""
+        topo = self.topology or self.refresh()
+        out: dict[str, Any] = {}
+
+        def one(shard: str, _idx: list[int]) -> None:
+            out[shard] = self._retry(lambda _t: shard, call)
+
+        self._each_shard(one, {name: [] for name in topo.names})
+        return [(name, out[name]) for name in topo.names]
+
     def stats(self, timeout: float | None = 2.0, *, subject: str = "", group: str = "") -> dict:
         """Stats per shard (``shards``: its master's figures and groups, narrowed by
         ``subject``/``group`` as ``Client.stats`` narrows them, with ``master``, ``epoch`` and
@@ -879,6 +935,52 @@ class AioShardedClient(_Sharded):
     async def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
         """As :meth:`ShardedClient.reschedule`."""
         return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
+
+    async def reschedule_many(
+        self, targets: Iterable[Target], *, batch_size: int = 1000, **kw: Any
+    ) -> list[tuple[str, Receipt | None]]:
+        """As :meth:`ShardedClient.reschedule_many`: grouped per shard, answers in the caller's order."""
+        items = list(targets)
+        topo = self.topology or await self.refresh()
+        out: list[tuple[str, Receipt | None]] = [("", None)] * len(items)
+
+        async def move(shard: str, idx: list[int]) -> None:
+            got = await self._retry(
+                lambda _t: shard, lambda c: c.reschedule_many([items[i] for i in idx], batch_size=batch_size, **kw)
+            )
+            for i, answer in zip(idx, got):
+                out[i] = answer
+
+        await self._each_shard(move, _by_shard(shard_of_target(t, topo) for t in items))
+        return out
+
+    async def create_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """As :meth:`ShardedClient.create_group`: on every shard's master."""
+        return any(
+            changed for _shard, changed in await self._on_every_shard(lambda c: c.create_group(subject, group, timeout))
+        )
+
+    async def delete_group(self, subject: str, group: str, timeout: float | None = None) -> bool:
+        """As :meth:`ShardedClient.delete_group`: on every shard's master."""
+        return any(
+            changed for _shard, changed in await self._on_every_shard(lambda c: c.delete_group(subject, group, timeout))
+        )
+
+    async def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
+        """As :meth:`ShardedClient.groups`: every shard master's groups, each naming its ``shard``."""
+        per_shard = await self._on_every_shard(lambda c: c.groups(timeout, subject=subject, group=group))
+        return [{**g, "shard": name} for name, gs in per_shard for g in gs]
+
+    async def _on_every_shard(self, call: Callable[[AioClient], Any]) -> list:
+        """As :meth:`ShardedClient._on_every_shard`, awaited."""
+        topo = self.topology or await self.refresh()
+        out: dict[str, Any] = {}
+
+        async def one(shard: str, _idx: list[int]) -> None:
+            out[shard] = await self._retry(lambda _t: shard, call)
+
+        await self._each_shard(one, {name: [] for name in topo.names})
+        return [(name, out[name]) for name in topo.names]
 
     async def stats(self, timeout: float | None = 2.0, *, subject: str = "", group: str = "") -> dict:
         """As :meth:`ShardedClient.stats` (every server asked at the same time)."""

@@ -1,0 +1,130 @@
+"""The four Python clients share one surface: the single-server clients (blocking and
+asyncio), the sharded ones (blocking and asyncio) and ClusterClient answer to the same
+method names for what they all can do, routed as their siblings route (by receipt or id:
+the shard that owns it; in a replicated pair: the master; groups: every shard's master)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from conftest import wait_until
+from test_cluster_etcd import etcd, node, wait_shard  # noqa: F401 - etcd is the fixture
+from test_replication import RPC_ERRORS, master, slave, status
+
+from qdelay.aio import Client as AioClient
+from qdelay.client import AioShardedClient, Client, ClusterClient, Outgoing, ShardedClient
+
+# what every client of a server or a cluster does (by name); the consumers differ in kind
+# (ClusterClient.subscribe_all: one consumer per server) and are tested with each client
+SHARED = {
+    "send",
+    "send_batch",
+    "cancel",
+    "cancel_many",
+    "get",
+    "reschedule",
+    "reschedule_many",
+    "stats",
+    "create_group",
+    "delete_group",
+    "groups",
+    "close",
+}
+HOUR_MS = 3_600_000
+
+
+def test_every_client_has_the_shared_surface():
+    for cls in (Client, AioClient, ShardedClient, AioShardedClient, ClusterClient):
+        missing = SHARED - set(dir(cls))
+        assert not missing, f"{cls.__name__} lacks {sorted(missing)}"
+    for cls in (Client, AioClient, ShardedClient, AioShardedClient):
+        assert {"send_many", "subscribe"} <= set(dir(cls)), cls.__name__
+
+
+def test_cluster_client_routes_every_call_to_the_master(tmp_path):
+    """ClusterClient with the slave listed first: each call is refused by the slave
+    (FAILED_PRECONDITION) and made on the master; cancel and get by id, cancel_many,
+    reschedule, reschedule_many (answers in order) and the groups."""
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address])
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        later = int(time.time() * 1000) + HOUR_MS
+        with ClusterClient([b.address, a.address], failover_timeout=10, backoff=0.01) as cc:
+            msgs = [cc.message("par.c", b"%d" % i, deliver_at_ms=later) for i in range(6)]
+            rs = cc.send_batch(msgs)
+            assert cc.current == a.address and cc.failovers == 1
+            assert cc.cancel(message_id=rs[0].message_id) == "CANCELLED"
+            assert cc.get(message_id=rs[0].message_id).state == "CANCELLED"
+            assert cc.cancel_many([rs[1], rs[2].message_id, "nobody", rs[1]]) == [
+                "CANCELLED",
+                "CANCELLED",
+                "NOT_FOUND",
+                "ALREADY_CANCELLED",
+            ]
+            outcome, moved = cc.reschedule(rs[3], deliver_at_ms=later + 1000)
+            assert outcome == "RESCHEDULED" and moved is not None and moved.deliver_at_ms == later + 1000
+            answers = cc.reschedule_many([rs[4].message_id, "nobody", rs[5]], deliver_at_ms=later + 2000)
+            assert [o for o, _r in answers] == ["RESCHEDULED", "NOT_FOUND", "RESCHEDULED"]
+            assert [r.message_id for _o, r in answers if r is not None] == [rs[4].message_id, rs[5].message_id]
+            assert cc.get(message_id=rs[5].message_id).deliver_at_ms == later + 2000
+            assert cc.create_group("par.c", "billing") is True
+            assert cc.create_group("par.c", "billing") is False
+            assert [g["group"] for g in cc.groups(subject="par.c")] == ["billing"]
+            assert cc.delete_group("par.c", "billing") is True
+            assert cc.groups(subject="par.c") == []
+    finally:
+        for p in (a, b):
+            if p.alive():
+                p.stop()
+
+
+def test_sharded_clients_reschedule_many_and_groups_per_shard(tmp_path, etcd):  # noqa: F811 - the fixture
+    """reschedule_many groups its targets per shard and answers in the caller's order (every
+    form of target, both shards, an unknown id); a group is created on, listed from and
+    deleted on every shard's master (blocking and asyncio)."""
+    nodes = [node(tmp_path, "a", etcd.endpoint, shard="s1").start(), node(tmp_path, "b", etcd.endpoint, shard="s2")]
+    nodes[1].start()
+    try:
+        for shard in ("s1", "s2"):
+            wait_shard(nodes[0].address, shard, 0)
+        later = int(time.time() * 1000) + HOUR_MS
+        with ShardedClient(nodes[1].address) as sc:
+            rs = sc.send_batch([Outgoing("par.s", b"x", delay_ms=HOUR_MS) for _ in range(40)])
+            assert {r.shard for r in rs} == {"s1", "s2"}
+            targets = [rs[0], str(rs[1]), rs[2].message_id, "nobody", rs[3].to_pb(), rs[4]]
+            answers = sc.reschedule_many(targets, deliver_at_ms=later, batch_size=2)
+            assert [o for o, _r in answers] == ["RESCHEDULED"] * 3 + ["NOT_FOUND"] + ["RESCHEDULED"] * 2
+            for r, (_o, moved) in zip(rs[:5], answers[:3] + answers[4:]):
+                assert moved is not None and (moved.message_id, moved.shard) == (r.message_id, r.shard)
+                assert moved.deliver_at_ms == later
+            assert sc.get(rs[4]).state == "CANCELLED"  # the old receipt: moved away
+            assert sc.get(message_id=rs[4].message_id).deliver_at_ms == later
+            assert sc.create_group("par.s", "billing") is True
+            assert sc.create_group("par.s", "billing") is False
+            assert sorted((g["shard"], g["group"]) for g in sc.groups(subject="par.s")) == [
+                ("s1", "billing"),
+                ("s2", "billing"),
+            ]
+            assert sc.delete_group("par.s", "billing") is True
+            assert sc.groups(subject="par.s") == []
+
+        async def aio_round() -> None:
+            async with AioShardedClient(nodes[0].address) as ac:
+                more = await ac.send_batch([Outgoing("par.a", b"y", delay_ms=HOUR_MS) for _ in range(20)])
+                assert {r.shard for r in more} == {"s1", "s2"}
+                answers = await ac.reschedule_many([more[0], "nobody", str(more[1])], delay_ms=HOUR_MS)
+                assert [o for o, _r in answers] == ["RESCHEDULED", "NOT_FOUND", "RESCHEDULED"]
+                assert [r.message_id for _o, r in answers if r is not None] == [more[0].message_id, more[1].message_id]
+                assert await ac.create_group("par.a", "g") is True
+                assert sorted(g["shard"] for g in await ac.groups(subject="par.a", group="g")) == ["s1", "s2"]
+                assert await ac.delete_group("par.a", "g") is True
+                assert await ac.groups(subject="par.a") == []
+
+        asyncio.run(asyncio.wait_for(aio_round(), 60))
+    finally:
+        for p in nodes:
+            p.kill9()
