@@ -523,3 +523,35 @@ def test_import_to_a_server_that_does_not_answer_says_so_before_spark_starts(tmp
     lines = cp.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"qdelay spark import: no qdelay server answers at {target} ")
     assert lines[0].endswith("; nothing was sent") and time.monotonic() - started < 30, lines
+
+
+def test_import_that_stops_midway_says_why_in_a_line(tmp_path):
+    """An import whose batches are refused for good (here: --target is a slave, which answers
+    Topology but refuses writes) ended in the driver's py4j traceback, its last line a
+    Python worker's repr. It ends in one line now: the gRPC status of the failed task,
+    where the accepted messages are listed, and that running the same command resumes.
+    (Spark's own executor log of the failed task, log4j ERROR lines, still comes before.)"""
+    import subprocess
+    import sys
+
+    from test_replication import master, slave
+
+    csv = tmp_path / "in.csv"
+    csv.write_text("subject,payload,delay_ms\na.b,x,1000\n")
+    out = tmp_path / "out"
+    with master(tmp_path) as a, slave(tmp_path, a) as b:
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "spark", "import", "--input", str(csv), "--target", b.address]
+            + ["--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert cp.returncode == 1 and cp.stdout == "", (cp.stdout, cp.stderr[-3000:])
+    last = cp.stderr.splitlines()[-1]
+    want = "qdelay spark import: stopped: FAILED_PRECONDITION: this server is a slave; send writes to the master; "
+    assert last.startswith(want), cp.stderr[-3000:]
+    assert last.endswith(
+        f"the 0 messages accepted so far are listed in {out}/accepted: run the same command again to resume"
+    )
+    assert "pyspark.errors.exceptions" not in cp.stderr, cp.stderr[-3000:]  # the driver's traceback

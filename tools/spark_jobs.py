@@ -25,6 +25,7 @@ if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.pa
 import argparse  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 
@@ -988,6 +989,17 @@ def import_dataset(
     }
 
 
+def _task_failure(err: Exception) -> str:
+    """The gRPC status a failed import task ended with, out of the Java and Python traceback
+    Spark wraps it in (or that text's last line)."""
+    text = str(err)
+    m = re.search(r'status = StatusCode\.(\w+)\s+details = "(.*?)"\n', text)
+    if m:
+        return f"{m.group(1)}: {m.group(2)}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:500]
+
+
 def _import_cmd(spark, args) -> int:
     out = _out_dir(args)
     from qdelay.replication.common import read_token
@@ -995,7 +1007,15 @@ def _import_cmd(spark, args) -> int:
     # the server's token file as it is (docs/operations.md: one file for every member):
     # its first token, past blank lines and # comments; the first line itself was sent before
     token = read_token(args.token_file)
-    r = import_dataset(spark, args.input, args.target, out, args.format, token, args.batch_size)
+    try:
+        r = import_dataset(spark, args.input, args.target, out, args.format, token, args.batch_size)
+    except Exception as e:  # noqa: BLE001 - a task failed: Spark wraps its error in pages of traceback
+        print(
+            f"qdelay spark import: stopped: {_task_failure(e)}; the {len(_read_report(out))} messages "
+            f"accepted so far are listed in {os.path.join(out, REPORT_DIR)}: run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"{r['rows']} rows: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
         f"in all, {r['rejected']} rejected; report in {r['report']}"
