@@ -5,14 +5,16 @@
         c.send("order.close", b"42", delay_ms=60_000)
 
 Writes go to the current master. A write refused with FAILED_PRECONDITION (the server is a
-slave, or a fenced master) or UNAVAILABLE (unreachable, shutting down, sync replication
-timed out) is retried on the next server, with backoff, until ``failover_timeout``
+slave, or a fenced master), UNAVAILABLE (unreachable, shutting down, sync replication
+timed out), or ended by a server shutting down (a lost status, CANCELLED: ``failover.retryable``)
+is retried on the master found next (else the next server), with backoff, until ``failover_timeout``
 seconds passed. Every message gets its ``message_id`` on the client before the first try,
 so a retry of a write whose first try did land carries the same id: the consumer may see
 one id twice (at-least-once), never two different ids for one send.
 
-Every other call (get, cancel, cancel_many, reschedule, reschedule_many, the groups) follows
-the same rule: it goes to the master. ``subscribe_all`` opens one Subscribe stream per
+Every other call (send_many, get, cancel, cancel_many, reschedule, reschedule_many, the
+groups) follows the same rule: it goes to the master. Receipts are ``Receipt`` objects, as
+the other clients'. ``subscribe_all`` opens one Subscribe stream per
 server: only the master dispatches, so after a promotion deliveries simply start flowing
 from the new master's stream.
 """
@@ -26,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from qdelay import errors
-from qdelay.client.client import Client, Consumer, _Ids
-from qdelay.client.failover import RETRYABLE, Backoff
+from qdelay.client.client import Client, Consumer, Outgoing, _Ids
+from qdelay.client.failover import Backoff, retryable
+from qdelay.client.sharded import SEND_MANY_CHUNK, Joined, _chunks, _with_id
 from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -118,8 +121,8 @@ class ClusterClient:
                 i = self._current
             try:
                 return call(self.clients[i])
-            except RETRYABLE as err:
-                if backoff.expired():
+            except errors.QdelayError as err:
+                if not retryable(err) or backoff.expired():
                     raise err
                 self.retries += 1
                 found = self.find_master()
@@ -138,18 +141,52 @@ class ClusterClient:
             msg.message_id = self._ids()
         return msg
 
-    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw: Any) -> pb.Receipt:
+    def send(self, subject: str, payload: bytes = b"", *, timeout: float | None = None, **kw: Any) -> Receipt:
+        """As ``Client.send`` (one unary Send), on the master; the id is made before the first try."""
         msg = self.message(subject, payload, **kw)
         request = pb.SendRequest(message=msg)
-        return self._retry(lambda c: c._call(c.stub.Send, request, timeout).receipt)
+        return self._retry(lambda c: Receipt.from_pb(c._call(c.stub.Send, request, timeout).receipt))
 
-    def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[pb.Receipt]:
+    def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
+        """One SendBatch on the master (all or nothing), tried again with the same ids."""
         msgs = list(messages)
         for m in msgs:
             if not m.message_id:
                 m.message_id = self._ids()
-        request = pb.SendBatchRequest(messages=msgs)
-        return self._retry(lambda c: list(c._call(c.stub.SendBatch, request, timeout).receipts))
+        return self._retry(lambda c: c.send_batch(msgs, timeout))
+
+    def send_many(
+        self,
+        messages: Iterable[pb.Message | Outgoing],
+        batch_size: int = 1000,
+        max_in_flight: int = 4,
+        timeout: float | None = None,
+    ) -> Sequence[Receipt]:
+        """As ``Client.send_many`` (pipelined SendStream batches; ``Outgoing`` tuples are the
+        cheap form), on the master; receipts in input order. The messages are read
+        ``SEND_MANY_CHUNK`` at a time (held until acknowledged: a stream that fails over is
+        sent again on the new master with what it had not acknowledged, same ids)."""
+        if batch_size < 1 or max_in_flight < 1:
+            raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
+        out = Joined()
+        for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
+            msgs = [_with_id(m, self._ids) for m in chunk]
+            done = 0  # acknowledged so far: a retry sends the rest
+
+            def call(c: Client, msgs: list = msgs) -> None:
+                nonlocal done
+                rs: Sequence[Receipt] = []
+                try:
+                    rs = c.send_many(msgs[done:], batch_size, max_in_flight, timeout)
+                except errors.QdelayError as err:
+                    rs = getattr(err, "receipts", None) or []
+                    raise
+                finally:
+                    out.add(rs)
+                    done += len(rs)
+
+            self._retry(call)
+        return out
 
     def cancel(
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
@@ -193,12 +230,13 @@ class ClusterClient:
         """As ``Client.groups``, from the master (only it dispatches: its consumers and backlog)."""
         return self._retry(lambda c: c.groups(timeout, subject=subject, group=group))
 
-    def stats(self) -> dict[str, dict | str]:
-        """Every server's stats (or its error), the servers asked at the same time."""
+    def stats(self, timeout: float | None = 2.0, *, subject: str = "", group: str = "") -> dict[str, dict | str]:
+        """Every server's stats (or its error), by address, the servers asked at the same
+        time; ``subject``/``group`` narrow the groups as ``Client.stats`` does."""
 
         def one(c: Client) -> dict | str:
             try:
-                return c.stats(timeout=2.0)
+                return c.stats(timeout, subject=subject, group=group)
             except errors.QdelayError as e:
                 return str(e)
 

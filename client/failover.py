@@ -30,3 +30,15 @@ class Backoff:
         wait = min(self._delay, max(0.0, self.deadline - time.monotonic()))
         self._delay = min(self._delay * 2, self._most)
         return wait
+
+
+def retryable(err: Exception) -> bool:
+    """A refusal to retry elsewhere, or a call the server ended as it shut down: a stream
+    grpc-core failed ('Internal error from Core': the status is lost) or a call it
+    cancelled (CANCELLED, seen from a node stopped in a rolling restart once the client's
+    own retries on that node ran out). Same request and ids, so a retry is safe."""
+    if isinstance(err, RETRYABLE):
+        return True
+    if not isinstance(err, errors.QdelayError):
+        return False
+    return "Internal error from Core" in str(err) or getattr(getattr(err, "code", None), "name", None) == "CANCELLED"

@@ -48,24 +48,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
-from qdelay.client.failover import RETRYABLE, Backoff
+from qdelay.client.failover import Backoff, retryable
 from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, by_id, ref
 from qdelay.v1 import qdelay_pb2 as pb
 
 if TYPE_CHECKING:
     from qdelay.client.aio import Client as AioClient
-
-
-def _retryable(err: Exception) -> bool:
-    """A refusal to retry elsewhere, or a call the server ended as it shut down: a stream
-    grpc-core failed ('Internal error from Core': the status is lost) or a call it
-    cancelled (CANCELLED, seen from a node stopped in a rolling restart once the client's
-    own retries on that node ran out). Same request and ids, so a retry is safe."""
-    if isinstance(err, RETRYABLE):
-        return True
-    if not isinstance(err, errors.QdelayError):
-        return False
-    return "Internal error from Core" in str(err) or getattr(getattr(err, "code", None), "name", None) == "CANCELLED"
 
 
 class Topology:
@@ -344,7 +332,7 @@ class _Sharded:
 
     def _give_up(self, err: Exception) -> bool:
         """Whether a failed try ends the call: not retryable, or the client is closed."""
-        return self.closed or not _retryable(err)
+        return self.closed or not retryable(err)
 
 
 class ShardedClient(_Sharded):
@@ -622,6 +610,12 @@ class ShardedClient(_Sharded):
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:
         return ShardedConsumer(self, subject, group, max_in_flight)
+
+    def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list[Consumer]:
+        """One resubscribing consumer per server of every shard (only masters dispatch), as
+        :meth:`AioShardedClient.subscribe_all`: read them concurrently (a thread each)."""
+        topo = self.topology or self.refresh()
+        return [self.client(a).subscribe(subject, group, max_in_flight) for a in topo.addresses()]
 
 
 class _AckRouter:

@@ -13,13 +13,14 @@ from test_cluster_etcd import etcd, node, wait_shard  # noqa: F401 - etcd is the
 from test_replication import RPC_ERRORS, master, slave, status
 
 from qdelay.aio import Client as AioClient
-from qdelay.client import AioShardedClient, Client, ClusterClient, Outgoing, ShardedClient
+from qdelay.client import AioShardedClient, Client, ClusterClient, Outgoing, Receipt, ShardedClient
 
 # what every client of a server or a cluster does (by name); the consumers differ in kind
-# (ClusterClient.subscribe_all: one consumer per server) and are tested with each client
+# (a merged one, or one per server) and are tested with each client
 SHARED = {
     "send",
     "send_batch",
+    "send_many",
     "cancel",
     "cancel_many",
     "get",
@@ -39,7 +40,9 @@ def test_every_client_has_the_shared_surface():
         missing = SHARED - set(dir(cls))
         assert not missing, f"{cls.__name__} lacks {sorted(missing)}"
     for cls in (Client, AioClient, ShardedClient, AioShardedClient):
-        assert {"send_many", "subscribe"} <= set(dir(cls)), cls.__name__
+        assert "subscribe" in dir(cls), cls.__name__
+    for cls in (ShardedClient, AioShardedClient, ClusterClient):  # a consumer per server
+        assert "subscribe_all" in dir(cls), cls.__name__
 
 
 def test_cluster_client_routes_every_call_to_the_master(tmp_path):
@@ -54,9 +57,17 @@ def test_cluster_client_routes_every_call_to_the_master(tmp_path):
         wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
         later = int(time.time() * 1000) + HOUR_MS
         with ClusterClient([b.address, a.address], failover_timeout=10, backoff=0.01) as cc:
+            # send_many first: the slave refuses the stream, the messages go to the master
+            many = cc.send_many(
+                (Outgoing("par.c", b"m", deliver_at_ms=later + i, message_id=f"m{i}") for i in range(50)),
+                batch_size=7,
+            )
+            assert cc.current == a.address and cc.failovers == 1
+            assert [(r.message_id, r.deliver_at_ms) for r in many] == [(f"m{i}", later + i) for i in range(50)]
             msgs = [cc.message("par.c", b"%d" % i, deliver_at_ms=later) for i in range(6)]
             rs = cc.send_batch(msgs)
-            assert cc.current == a.address and cc.failovers == 1
+            assert [r.message_id for r in rs] == [m.message_id for m in msgs] and isinstance(rs[0], Receipt)
+            assert cc.send("par.c", b"one", delay_ms=HOUR_MS).shard == rs[0].shard
             assert cc.cancel(message_id=rs[0].message_id) == "CANCELLED"
             assert cc.get(message_id=rs[0].message_id).state == "CANCELLED"
             assert cc.cancel_many([rs[1], rs[2].message_id, "nobody", rs[1]]) == [
@@ -74,8 +85,11 @@ def test_cluster_client_routes_every_call_to_the_master(tmp_path):
             assert cc.create_group("par.c", "billing") is True
             assert cc.create_group("par.c", "billing") is False
             assert [g["group"] for g in cc.groups(subject="par.c")] == ["billing"]
+            st = cc.stats(subject="par.c")
+            assert [g["group"] for g in st[a.address]["groups"]] == ["billing"]
             assert cc.delete_group("par.c", "billing") is True
             assert cc.groups(subject="par.c") == []
+            assert cc.get(many[49]).state == "PENDING"
     finally:
         for p in (a, b):
             if p.alive():
