@@ -318,11 +318,11 @@ class Lane:
     entries it forgot (its queue when it spilled, what became due for it meanwhile, what
     its subject kept for it while it had no group, what fired for its subject's other
     groups from its ``since`` on before it was made: ``Pass.counting``) less those read
-    back; 0 when it is whole
-    again. A message cancelled while it waited on disk stays counted until the lane is
-    whole again: the read-back pass skips it without knowing whether it was one of those
-    counted. One a pass meets while a Cancel has claimed it is set aside and counted as
-    read back (``Timer.set_aside``): a release queues it again, its tombstone drops it.
+    back; 0 when it is whole again. A message cancelled while it waited on disk stays
+    counted until the lane is whole again: the read-back pass skips it without knowing
+    whether it was one of those counted. One a pass meets while a Cancel has claimed it is
+    set aside and counted as read back (``Timer.set_aside``): a release queues it again,
+    its tombstone drops it.
     """
 
     __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk")
