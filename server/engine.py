@@ -642,11 +642,7 @@ class Engine:
         self.check_writable()
         outcomes, claimed = await self._claims(self._claim_cancels, targets, targets)
         if not claimed:
-            if CancelOutcome.ALREADY_CANCELLED in outcomes:
-                # maybe the retry of a cancel refused for want of a slave's confirmation (sync
-                # mode): its tombstone is durable here only; this answer must not say
-                # "cancelled" before a slave has it (a failover would deliver the message)
-                await self.wait_replicated()
+            await self._nothing_claimed(outcomes)
             return outcomes
         # Tombstones of messages all due beyond the loading horizon may wait for the iterate
         # service as far-future sends do (expect_far: up to iterate_gather_far_ms), instead
@@ -667,6 +663,15 @@ class Engine:
         if self.write_guard is not None:
             self.write_guard()
         return outcomes
+
+    async def _nothing_claimed(self, outcomes: list[CancelOutcome]) -> None:
+        """Before a Cancel or Reschedule that wrote nothing answers: one that found a target
+        cancelled may be the retry of one refused for want of a slave's confirmation (sync
+        mode), whose tombstone is durable here only; its answer (ALREADY_CANCELLED, or a
+        move's CANCELLED) must not say "cancelled" before a slave has it (a failover would
+        deliver the message at its old time)."""
+        if CancelOutcome.ALREADY_CANCELLED in outcomes:
+            await self.wait_replicated()
 
     async def reschedule(
         self, message_id: str, deliver_at_ms: int | None, sequence: int | None, new_due_ms: int
@@ -707,6 +712,7 @@ class Engine:
             (self._MOVE_OUTCOME.get(o, RescheduleOutcome.RESCHEDULED), None) for o in outcomes
         ]
         if not claimed:
+            await self._nothing_claimed(outcomes)
             return out
         rows = [i for i, o in enumerate(outcomes) if o == CancelOutcome.CANCELLED]  # claimed, in order
         try:

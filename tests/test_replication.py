@@ -17,6 +17,7 @@ from conftest import wait_until
 from serverproc import ServerProc
 
 from qdelay import errors
+from qdelay.client.types import Receipt
 from qdelay.segments import naming, reader
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
@@ -199,6 +200,27 @@ def test_sync_mode_acks_after_slave_and_times_out_without_one(tmp_path):
             rs = c.send_many((c.message("s", b"z", delay_ms=1000) for _ in range(2000)), batch_size=200)
             assert status(b.address).last_sequence >= rs[-1].sequence
             assert status(a.address).sync_timeouts == 4
+
+
+def test_sync_mode_retried_reschedule_waits_for_a_slave(tmp_path):
+    """A reschedule refused UNAVAILABLE in sync mode (its new message and the old one's
+    tombstone durable on the master only), retried with the same receipt as the refusal
+    asks: the retry finds the old message cancelled and must not answer CANCELLED before a
+    slave has that tombstone (after a failover the slave would deliver it at the old time)."""
+    with master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"]) as a:
+        c = a.client(retries=0)
+        with pytest.raises(errors.Unavailable):
+            c.send("s", b"x", delay_ms=60_000, message_id="move")
+        old = Receipt("move", c.get(message_id="move").deliver_at_ms, 1)  # the log's first record
+        with pytest.raises(errors.Unavailable, match="no slave confirmed"):
+            c.reschedule(old, delay_ms=120_000)
+        with pytest.raises(errors.Unavailable, match="no slave confirmed"):
+            c.reschedule(old, delay_ms=120_000)
+        assert status(a.address).sync_timeouts == 3
+        with slave(tmp_path, a) as b:
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            assert c.reschedule(old, delay_ms=120_000) == ("CANCELLED", None)
+            assert status(b.address).last_sequence >= 3  # the original, its move and its tombstone
 
 
 def test_slave_without_token_is_refused(tmp_path):
