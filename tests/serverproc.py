@@ -155,3 +155,17 @@ class ServerProc:
                 self.stop(timeout=15)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def make_tls_cert(folder) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost / 127.0.0.1 and its key, made by the openssl
+    command in ``folder`` (a test using it skips where openssl is missing): the server takes
+    them as ``--tls-cert`` / ``--tls-key``, clients and tools the certificate as their CA."""
+    cert, key = Path(folder) / "server.crt", Path(folder) / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

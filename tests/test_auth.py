@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import pytest
-from serverproc import ServerProc
+from serverproc import ServerProc, make_tls_cert
 
 from qdelay import errors
 from qdelay.server.auth import check_metadata, token_matches
@@ -73,29 +73,7 @@ def test_auth_off_by_default(tmp_path):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_with_token(tmp_path, token_file):
-    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = make_tls_cert(tmp_path)
     args = ["--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(token_file)]
     with ServerProc(tmp_path / "data", args=args) as srv:
         c = srv.client(token=TOKEN, tls_ca=str(cert))

@@ -21,7 +21,7 @@ import byte_surgery  # noqa: E402
 import datafolder  # noqa: E402
 from conftest import wait_until  # noqa: E402
 from datafolder import T0  # noqa: E402
-from serverproc import ServerProc  # noqa: E402
+from serverproc import ServerProc, make_tls_cert  # noqa: E402
 
 from qdelay.segments import naming  # noqa: E402
 
@@ -461,6 +461,57 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
     assert proc.poll() is None
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_import_into_a_tls_server_with_a_token(spark, tmp_path, capsys):
+    """Walking ``qdelay spark import`` against a server run with TLS and a token: it always
+    dialled in plaintext and had no flag to do otherwise, so such a server could not be
+    imported into. It takes ``qdelay admin``'s ``--tls-ca`` / ``--tls-server-name``; without
+    them the one line before Spark starts names the flag. The tasks get the CA certificate's
+    bytes, read on the driver, never its path (a cluster's workers may not have the file):
+    ``import_dataset`` is given the bytes alone, the file gone."""
+    from qdelay.client import Client
+    from qdelay.tools import spark_jobs
+
+    cert, key = make_tls_cert(tmp_path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# the cluster's token\n{TOKEN}\n")
+    n = 20
+    csv = tmp_path / "in.csv"
+    csv.write_text("subject,payload,delay_ms,message_id\n" + "".join(f"tls.t,p{i},600000,tls-{i}\n" for i in range(n)))
+    out = str(tmp_path / "import")
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file", str(tokens)]
+    with ServerProc(tmp_path / "server-data", args=args) as srv:
+        argv = ["import", "--input", str(csv), "--format", "csv", "--target", srv.address, "--out", out]
+        argv += ["--token-file", str(tokens), "--batch-size", "8"]
+        capsys.readouterr()
+        assert _job(argv) == 1  # plaintext to the TLS port
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"qdelay spark import: no qdelay server answers at {srv.address} (UNAVAILABLE: ")
+        assert err.endswith("(if the server serves TLS, give its CA certificate with --tls-ca FILE); nothing was sent")
+
+        assert _job(argv + ["--tls-ca", str(cert)]) == 0
+        assert f"{n} rows: 0 accepted by an earlier run, {n} accepted in all, 0 rejected" in capsys.readouterr().out
+
+        ca = cert.read_bytes()
+        cert.rename(tmp_path / "elsewhere.crt")
+        more = tmp_path / "more.csv"
+        more.write_text("subject,payload,delay_ms,message_id\ntls.t,late,600000,tls-late\n")
+        r = spark_jobs.import_dataset(
+            spark,
+            str(more),
+            srv.address,
+            str(tmp_path / "more"),
+            "csv",
+            token=TOKEN,
+            tls_ca=ca,
+            tls_server_name="localhost",
+        )
+        assert (r["rows"], r["accepted"], r["rejected"]) == (1, 1, 0)
+        with Client(srv.address, token=TOKEN, tls_ca=ca) as c:
+            for mid in [f"tls-{i}" for i in range(n)] + ["tls-late"]:
+                assert c.get(message_id=mid).state == "PENDING", mid
+
+
 @pytest.mark.parametrize(
     "argv, want",
     [
@@ -470,6 +521,10 @@ def test_import_then_audit_round_trip(spark, server, tmp_path, capsys):
         (
             ["import", "--input", "{tmp}", "--token-file", "{tmp}/gone"],
             "argument --token-file: {tmp}/gone: cannot read",
+        ),
+        (
+            ["import", "--input", "{tmp}", "--tls-ca", "{tmp}/gone.pem"],
+            "argument --tls-ca: {tmp}/gone.pem: cannot read",
         ),
         (["audit", "--data-dir", "{tmp}", "--grace-ms", "-5"], "argument --grace-ms: '-5' is not a whole number"),
         (

@@ -73,6 +73,15 @@ def token_file_arg(text: str) -> str:
     return text
 
 
+def ca_file_arg(text: str) -> str:
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {e.strerror}") from None
+    return text
+
+
 def conf_arg(text: str) -> str:
     key, sep, _value = text.partition("=")
     if not sep or not key.strip():
@@ -157,6 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--target", default="127.0.0.1:7600", help="qdelay server HOST:PORT")
     p.add_argument("--token-file", default=None, type=token_file_arg, help="file holding the bearer token")
+    # qdelay admin's TLS flags; the CA file is read here, on the driver, and its bytes go
+    # with each task (a cluster's workers need not have the file)
+    p.add_argument(
+        "--tls-ca", default=None, type=ca_file_arg, help="CA certificate (PEM) to verify the server; enables TLS"
+    )
+    p.add_argument("--tls-server-name", default=None, help="expected TLS server name (override)")
     p.add_argument("--batch-size", type=count_arg(1), default=500, help="messages per SendBatch (default 500)")
 
 
@@ -829,22 +844,24 @@ def _accepted_ids(spark, out: str):
     return spark.read.schema("message_id string").json(files).select("message_id").distinct()
 
 
-def _send_partition(target: str, token: str | None, batch_size: int, out: str):
-    """The foreachPartition function: SendBatch in batches, one report file per task attempt."""
+def _send_partition(
+    target: str, token: str | None, tls_ca: bytes | None, tls_server_name: str | None, batch_size: int, out: str
+):
+    """The foreachPartition function: SendBatch in batches, one report file per task attempt.
+    ``tls_ca`` is the CA certificate's bytes (TLS when given), shipped with the task."""
 
     def run(rows):
         import grpc
         from pyspark import TaskContext
 
+        from qdelay.replication import common
         from qdelay.v1 import qdelay_pb2 as pb
         from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
         ctx = TaskContext.get()
         tag = f"p{ctx.partitionId() if ctx else 0:05d}-a{ctx.attemptNumber() if ctx else 0}-{uuid.uuid4().hex[:8]}"
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        channel = grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        )
+        metadata = common.metadata(token)
+        channel = common.make_channel(target, tls=tls_ca is not None, ca=tls_ca, server_name=tls_server_name, aio=False)
         stub = pb_grpc.DelayServiceStub(channel)
         os.makedirs(os.path.join(out, REPORT_DIR), exist_ok=True)
         os.makedirs(os.path.join(out, REJECT_DIR), exist_ok=True)
@@ -945,9 +962,18 @@ def _send_partition(target: str, token: str | None, batch_size: int, out: str):
 
 
 def import_dataset(
-    spark, path: str, target: str, out: str, fmt: str | None = None, token: str | None = None, batch_size: int = 500
+    spark,
+    path: str,
+    target: str,
+    out: str,
+    fmt: str | None = None,
+    token: str | None = None,
+    batch_size: int = 500,
+    tls_ca: bytes | None = None,
+    tls_server_name: str | None = None,
 ) -> dict:
-    """Schedule every row of a dataset not yet in the report; returns the counts."""
+    """Schedule every row of a dataset not yet in the report; returns the counts. With
+    ``tls_ca`` (the CA certificate's PEM bytes) the tasks dial ``target`` over TLS."""
     from pyspark.sql import functions as F
 
     fmt = fmt or ("csv" if path.rstrip("/").lower().endswith(".csv") else "parquet")
@@ -976,7 +1002,9 @@ def import_dataset(
         df = df.withColumn("done", F.lit(None).cast("boolean"))
     df = df.cache()
     counts = df.agg(F.count("*").alias("rows"), F.count("done").alias("done")).collect()[0]
-    df.where(F.col("done").isNull()).drop("done").foreachPartition(_send_partition(target, token, batch_size, out))
+    df.where(F.col("done").isNull()).drop("done").foreachPartition(
+        _send_partition(target, token, tls_ca, tls_server_name, batch_size, out)
+    )
     df.unpersist()
     rej_files = glob.glob(os.path.join(out, REJECT_DIR, "*.jsonl"))
     rejected = sum(1 for f in rej_files for line in open(f) if line.strip())
@@ -1007,8 +1035,11 @@ def _import_cmd(spark, args) -> int:
     # the server's token file as it is (docs/operations.md: one file for every member):
     # its first token, past blank lines and # comments; the first line itself was sent before
     token = read_token(args.token_file)
+    ca = _read_ca(args.tls_ca)
     try:
-        r = import_dataset(spark, args.input, args.target, out, args.format, token, args.batch_size)
+        r = import_dataset(
+            spark, args.input, args.target, out, args.format, token, args.batch_size, ca, args.tls_server_name
+        )
     except Exception as e:  # noqa: BLE001 - a task failed: Spark wraps its error in pages of traceback
         print(
             f"qdelay spark import: stopped: {_task_failure(e)}; the {len(_read_report(out))} messages "
@@ -1032,33 +1063,44 @@ COMMANDS = {
 }
 
 
-def _target_problem(target: str, token_file: str | None) -> str | None:
+def _read_ca(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _target_problem(target: str, token_file: str | None, tls_ca: str | None, tls_server_name: str | None) -> str | None:
     """Why ``import``'s target cannot take messages, asked once before Spark starts: with no
     server there, every task retried for ~16 s and the job ended in a 250-line Java and
     Python traceback. None when it answers."""
     import grpc
 
-    from qdelay.replication.common import read_token
+    from qdelay.replication.common import make_channel, metadata, read_token
     from qdelay.v1 import qdelay_pb2 as pb
     from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
     token = read_token(token_file)
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with grpc.insecure_channel(target) as channel:
+    ca = _read_ca(tls_ca)
+    channel = make_channel(target, tls=ca is not None, ca=ca, server_name=tls_server_name, aio=False)
+    with channel:
         try:
-            pb_grpc.DelayServiceStub(channel).Topology(pb.TopologyRequest(), timeout=10, metadata=metadata)
+            pb_grpc.DelayServiceStub(channel).Topology(pb.TopologyRequest(), timeout=10, metadata=metadata(token))
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 more = "pass the server's token file with --token-file" if not token else "check --token-file"
                 return f"{target} refused the token ({e.details()}): {more}; nothing was sent"
-            return f"no qdelay server answers at {target} ({code.name}: {e.details()}); nothing was sent"
+            hint = ""
+            if code == grpc.StatusCode.UNAVAILABLE and ca is None and "Socket closed" in (e.details() or ""):
+                hint = " (if the server serves TLS, give its CA certificate with --tls-ca FILE)"
+            return f"no qdelay server answers at {target} ({code.name}: {e.details()}){hint}; nothing was sent"
     return None
 
 
 def run(args) -> int:
     if args.spark_job == "import":
-        problem = _target_problem(args.target, args.token_file)
+        problem = _target_problem(args.target, args.token_file, args.tls_ca, args.tls_server_name)
         if problem:
             print(f"qdelay spark import: {problem}", file=sys.stderr)
             return 1
