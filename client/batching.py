@@ -392,12 +392,14 @@ class SendBatcher:
                 if self._has_work():
                     break
                 self._release_done()
-                if self._closing:
-                    return
                 self._set_wake(1)
                 if self._inbox:  # handed over before wake_at fell to 1
                     continue
-                await self._wakeup.wait()
+                # nothing to send and no stream open: the sender ends (the next message makes
+                # a new one). A sender idling here was referenced by nothing but its client:
+                # a client dropped, or its loop closed without cancelling, after the server
+                # went away destroyed it pending ("Task was destroyed but it is pending!")
+                return
             unanswered: deque[_Batch] = deque()
             error: grpc.RpcError | None = None
             answered = 0
@@ -957,11 +959,14 @@ class TargetBatcher:
                 self._pull_inbox()  # handed over while an answer's callers were awaited (``_coming``)
                 if self._under_way < self.max_in_flight and self._awaited():
                     break
-                if self._closing and not self._under_way and not self._awaited() and not inbox:
-                    return
-                self._set_wake(1)  # from here every cancel wakes the runner ...
+                self._set_wake(1)  # from here every cancel wakes the runner (or makes a new one) ...
                 if inbox:  # ... one handed over before this is looked at again
                     continue
+                if not self._under_way:
+                    # nothing queued, no call under way: the runner ends (the next call makes a
+                    # new one), as SendBatcher's sender does, so that an idle client leaves no
+                    # task pending on its loop
+                    return
                 self._wakeup.clear()
                 await self._wakeup.wait()
             waiting = len(queue)

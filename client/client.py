@@ -298,12 +298,11 @@ class _BulkSender:
 
     The loop's thread ends the loop as ``asyncio.run`` does (:func:`_serve`): whatever task is
     left on it (the batchers' of a client that was never closed) is cancelled and finishes
-    before the loop closes. It is stopped by :meth:`close`, or for a client still open at
-    interpreter exit by a ``weakref.finalize`` (which runs at exit): else those tasks were
-    destroyed pending, each logged as "Task was destroyed but it is pending!". The thread
-    holds the batchers (:meth:`hold`), so that a client dropped without ``close()`` is not
-    collected with its tasks pending (its batchers' tasks are referenced by nothing else
-    once its streams ended): it lives on until exit and is ended there, as an open one."""
+    before the loop closes. It is stopped by :meth:`close`, or by a ``weakref.finalize``
+    when the client is collected without ``close()`` or is still open at interpreter exit
+    (it runs at exit): else those tasks were destroyed pending, each logged as "Task was
+    destroyed but it is pending!". (A client whose streams are open is referenced by grpc
+    until they end; the batchers' tasks end by themselves once idle.)"""
 
     def __init__(self, target: str, creds: grpc.ChannelCredentials | None, options: list) -> None:
         self._target = target
@@ -314,7 +313,6 @@ class _BulkSender:
         self._thread: threading.Thread | None = None
         self._channel = None
         self._channels: list = []  # the channel made on the loop, for _serve to close if close() did not
-        self._held: list = []  # the batchers on the loop, referenced by its thread until it ends
         self._stop: weakref.finalize | None = None
         self._closed = False
 
@@ -342,17 +340,13 @@ class _BulkSender:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(
-                    target=_serve, args=(loop, self._channels, self._held), name="qdelay-client-bulk", daemon=True
+                    target=_serve, args=(loop, self._channels), name="qdelay-client-bulk", daemon=True
                 )
                 thread.start()
                 # references the loop and its thread, not self: runs when self is collected or at exit
                 self._stop = weakref.finalize(self, _stop_loop, loop, thread)
                 self._loop, self._thread = loop, thread
             return self._loop
-
-    def hold(self, batcher: object) -> None:
-        """Keep ``batcher`` (whose tasks run on the loop) referenced until the loop ends."""
-        self._held.append(batcher)
 
     async def _on_channel(self, work):
         if self._channel is None:
@@ -376,10 +370,9 @@ class _BulkSender:
         stop()  # the thread cancels what is left on the loop, closes it and ends; joined
 
 
-def _serve(loop: asyncio.AbstractEventLoop, channels: list, held: list) -> None:
+def _serve(loop: asyncio.AbstractEventLoop, channels: list) -> None:
     """The bulk loop's thread: runs it until stopped, then ends it as ``asyncio.run`` ends its
-    loop: every task left is cancelled and awaited, the channel closed, then the loop.
-    ``held`` (the batchers) is referenced here until then."""
+    loop: every task left is cancelled and awaited, the channel closed, then the loop."""
     asyncio.set_event_loop(loop)
     try:
         loop.run_forever()
@@ -395,7 +388,6 @@ def _serve(loop: asyncio.AbstractEventLoop, channels: list, held: list) -> None:
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
-            held.clear()
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
@@ -649,7 +641,6 @@ class Client:
                 self.retries,
                 self.retry_backoff,
             )
-            self._bulk.hold(self._batcher)
         return self._batcher
 
     def send_batch(self, messages: Iterable[pb.Message], timeout: float | None = None) -> list[Receipt]:
@@ -842,7 +833,6 @@ class Client:
             raise errors.InvariantViolation("cancel() made a batcher with batching off")
         if self._canceller is None:
             self._canceller = cancel_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
-            self._bulk.hold(self._canceller)
         return self._canceller
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
@@ -894,7 +884,6 @@ class Client:
             raise errors.InvariantViolation("reschedule() made a batcher with batching off")
         if self._rescheduler is None:
             self._rescheduler = reschedule_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
-            self._bulk.hold(self._rescheduler)
         return self._rescheduler
 
     def reschedule_many(

@@ -1,6 +1,5 @@
 """How the clients end: no task of theirs is left pending on a loop, however the client ends
-(closed, never closed until the interpreter exits, dropped without ``close()``: kept until
-exit and ended there), and a
+(closed, never closed until the interpreter exits, dropped without ``close()``), and a
 client used after ``close()`` refuses at once instead of making batchers nobody closes.
 
 The blocking client's batchers run on its private I/O loop (a daemon thread): a client
@@ -56,12 +55,49 @@ elif case == "dropped":
     use(c)
     server_stopped()
     del c
-    gc.collect()  # its loop's thread holds its batchers: it lives on until exit, ended there
+    gc.collect()  # its batchers' tasks ended once idle: collected, its finalizer stops the loop
+    for _ in range(100):
+        if not bulk_threads():
+            break
+        threading.Event().wait(0.05)
+    assert not bulk_threads(), "the dropped client's I/O loop is still running"
 elif case == "closed":
     with Client(address) as c:
         use(c)
     assert not bulk_threads()
     server_stopped()
+elif case == "aio-loop-closed":  # never closed; its loop closed without cancelling its tasks
+    loop = asyncio.new_event_loop()
+    kept = []
+
+    async def use_aio():
+        c = AioClient(address)
+        r = await c.send("close.case", b"x", delay_ms=3_600_000)
+        assert await c.cancel(r) == "CANCELLED"
+        r = await c.send("close.case", b"y", delay_ms=3_600_000)
+        assert (await c.reschedule(r, delay_ms=7_200_000))[0] == "RESCHEDULED"
+        kept.append(c)
+
+    loop.run_until_complete(use_aio())
+    server_stopped()
+    loop.run_until_complete(asyncio.sleep(0.5))  # its streams see the server gone
+    loop.close()
+    kept.clear()
+    gc.collect()
+elif case == "aio-dropped":  # never closed, dropped while its loop runs
+    async def main():
+        c = AioClient(address)
+        r = await c.send("close.case", b"x", delay_ms=3_600_000)
+        assert await c.cancel(r) == "CANCELLED"
+        r = await c.send("close.case", b"y", delay_ms=3_600_000)
+        assert (await c.reschedule(r, delay_ms=7_200_000))[0] == "RESCHEDULED"
+        server_stopped()
+        await asyncio.sleep(0.5)
+        del c
+        gc.collect()
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
 elif case == "aio-used-after-close":
     async def main():
         c = AioClient(address, timeout=20)
@@ -113,7 +149,9 @@ def run_case(tmp_path: Path, case: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("case", ["open-at-exit", "dropped", "closed", "aio-used-after-close"])
+@pytest.mark.parametrize(
+    "case", ["open-at-exit", "dropped", "closed", "aio-loop-closed", "aio-dropped", "aio-used-after-close"]
+)
 def test_no_client_task_is_left_pending(tmp_path, case):
     err = run_case(tmp_path, case)
     assert "Task was destroyed but it is pending" not in err, err
