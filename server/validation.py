@@ -343,21 +343,31 @@ def validate_reschedule_batch(request, limits: Limits, now_ms: int) -> list[tupl
     """The moves of a RescheduleBatch request: 1..max_batch of them, each as for Reschedule
     (``validate_reschedule``); one bad target refuses the whole batch, naming its index
     (``requests[3].delay_ms: ...``), and nothing is written."""
+    _check_batch_size(request, limits, "Reschedule")
+    return [
+        (*_receipt_at(i, r, limits), resolve_due(r, limits, now_ms, f"requests[{i}]"))
+        for i, r in enumerate(request.requests)
+    ]
+
+
+def _check_batch_size(request, limits: Limits, kind: str) -> None:
+    """A CancelBatch's or RescheduleBatch's ``requests``: 1 to ``limits.max_batch`` of them."""
     count = len(request.requests)
     if count == 0:
-        raise InvalidArgument("requests: empty; give 1 to max_batch RescheduleRequests")
+        raise InvalidArgument(f"requests: empty; give 1 to max_batch {kind}Requests")
     if count > limits.max_batch:
         raise InvalidArgument(
-            f"requests: {count} reschedule requests in one batch, limit {limits.max_batch} requests (limits.max_batch)"
+            f"requests: {count} {kind.lower()} requests in one batch, limit {limits.max_batch} requests "
+            "(limits.max_batch)"
         )
-    moves = []
-    for i, r in enumerate(request.requests):
-        try:
-            message_id, due, sequence = validate_receipt(r, limits)
-        except InvalidArgument as err:
-            raise InvalidArgument(f"requests[{i}].{err}") from None
-        moves.append((message_id, due, sequence, resolve_due(r, limits, now_ms, f"requests[{i}]")))
-    return moves
+
+
+def _receipt_at(i: int, r, limits: Limits) -> tuple[str, int | None, int | None]:
+    """``validate_receipt`` of a batch's ``requests[i]``, its errors naming that index."""
+    try:
+        return validate_receipt(r, limits)
+    except InvalidArgument as err:
+        raise InvalidArgument(f"requests[{i}].{err}") from None
 
 
 def decode_cancel_batch(raw: bytes, limits: Limits) -> list[tuple[str, int | None, int | None]]:
@@ -380,23 +390,11 @@ def decode_cancel_batch(raw: bytes, limits: Limits) -> list[tuple[str, int | Non
 
 def validate_cancel_batch(request, limits: Limits) -> list[tuple[str, int | None, int | None]]:
     """The targets of a CancelBatch request: 1..max_batch receipts, each as for Cancel."""
-    count = len(request.requests)
-    if count == 0:
-        raise InvalidArgument("requests: empty; give 1 to max_batch CancelRequests")
-    if count > limits.max_batch:
-        raise InvalidArgument(
-            f"requests: {count} cancel requests in one batch, limit {limits.max_batch} requests (limits.max_batch)"
-        )
+    _check_batch_size(request, limits, "Cancel")
     fast = _receipts_at_once(request.requests, limits)
     if fast is not None:
         return fast
-    targets = []
-    for i, r in enumerate(request.requests):
-        try:
-            targets.append(validate_receipt(r, limits))
-        except InvalidArgument as err:
-            raise InvalidArgument(f"requests[{i}].{err}") from None
-    return targets
+    return [_receipt_at(i, r, limits) for i, r in enumerate(request.requests)]
 
 
 def _receipts_at_once(requests, limits: Limits) -> list[tuple[str, int | None, int | None]] | None:
