@@ -535,16 +535,7 @@ class IndexFile:
         positions = np.asarray(positions, dtype=np.int64)
         if not len(positions):
             return np.zeros(0, dtype=np.int64)
-        kept = self._map
-        if kept is not None and int(positions.max()) < kept[1]:
-            # the map ``lookup`` found them in (or a later one): mapping the file afresh
-            # because tombstones were appended since would cost a page fault per entry read
-            m = self._mapped(kept[1])
-        else:
-            try:
-                m = self._mapped(self.count)
-            except FileNotFoundError:
-                raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
+        m = self._flags_map(int(positions.max()))
         return np.frombuffer(m, dtype=np.uint8)[positions * ENTRY_SIZE + FLAGS_AT].astype(np.int64)
 
     def flags_of(self, positions: list[int]) -> list[int]:
@@ -552,15 +543,20 @@ class IndexFile:
         int (no arrays; a gathered ``cancel()`` batch's closed-state look)."""
         if not positions:
             return []
-        kept = self._map
-        if kept is not None and max(positions) < kept[1]:
-            m = self._mapped(kept[1])  # as flags_at: the map the search found them in
-        else:
-            try:
-                m = self._mapped(self.count)
-            except FileNotFoundError:
-                raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
+        m = self._flags_map(max(positions))
         return [m[p * ENTRY_SIZE + FLAGS_AT] for p in positions]
+
+    def _flags_map(self, top: int) -> mmap.mmap:
+        """A map holding the entry at position ``top``: the map ``lookup`` found it in (or a
+        later one), else the file mapped to its published count. Mapping the file afresh
+        because tombstones were appended since would cost a page fault per entry read."""
+        kept = self._map
+        if kept is not None and top < kept[1]:
+            return self._mapped(kept[1])
+        try:
+            return self._mapped(self.count)
+        except FileNotFoundError:
+            raise CorruptRecord(self.path, 0, "the schedule index is missing (it is rebuilt at start)") from None
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -408,10 +408,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         outcome, receipt = await self.engine.reschedule(message_id, due, sequence, new_due)
         resp = pb.RescheduleResponse(outcome=int(outcome))  # type: ignore[arg-type]  # protoc's .pyi wants its enum class; protobuf takes the int
         if receipt is not None:
-            resp.receipt.message_id = receipt.message_id
-            resp.receipt.deliver_at_ms = receipt.deliver_at_ms
-            resp.receipt.sequence = receipt.sequence
-            resp.receipt.shard = self.shard
+            self._moved_to(resp, receipt)
             self.dedupe.rescheduled(receipt)
         return resp
 
@@ -426,14 +423,19 @@ class DelayService(pb_grpc.DelayServiceServicer):
         for outcome, receipt in results:
             r = resp.responses.add(outcome=int(outcome))
             if receipt is not None:
-                r.receipt.message_id = receipt.message_id
-                r.receipt.deliver_at_ms = receipt.deliver_at_ms
-                r.receipt.sequence = receipt.sequence
-                r.receipt.shard = self.shard
+                self._moved_to(r, receipt)
         moved = [receipt for _outcome, receipt in results if receipt is not None]
         if moved:
             self.dedupe.rescheduled_many(moved)
         return resp
+
+    def _moved_to(self, resp: pb.RescheduleResponse, receipt: Receipt) -> None:
+        """A RescheduleResponse's new receipt (a Reschedule's, or one of a RescheduleBatch's)."""
+        r = resp.receipt
+        r.message_id = receipt.message_id
+        r.deliver_at_ms = receipt.deliver_at_ms
+        r.sequence = receipt.sequence
+        r.shard = self.shard
 
     @status.unary
     async def Get(self, request, context):
