@@ -128,10 +128,10 @@ class ReadBack:
         """Queue what the step read back (lock held), minus what is held in memory, closed,
         claimed or cancelled by now; True if it queued something."""
         w, bucket = step.walk, step.st.bucket
-        if step.lane.walk is not w or self.timer.live_lane(step.lane) is None:
-            # the pass ended meanwhile (its group deleted while the chunk was read: its
-            # entries queued for the gone lane stayed counted in memory and owed by their
-            # bucket for ever)
+        if step.lane.walk is not w:
+            # the pass ended meanwhile: respilled, or its group deleted while the chunk was
+            # read (Timer.group_deleted ends the pass; queued for the gone lane, its entries
+            # stayed counted in memory and owed by their bucket for ever)
             return False
         w.note_closes(bucket, step.closes_to, step.closes or set())
         dseg = self.dispatch.get(bucket)
