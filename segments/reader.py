@@ -363,11 +363,12 @@ def damage_at(
     return Damage(CORRUPT, file_offset + pos, file_offset + pos + nxt, err.reason)
 
 
-def walk(buf: bytes | bytearray | memoryview, file_offset: int = 0) -> Iterator[Frame | Damage]:
+def walk(buf: bytes | bytearray | memoryview, file_offset: int = 0, start: int = 0) -> Iterator[Frame | Damage]:
     """Every verified frame of ``buf`` (a segment's bytes, or a range starting on a frame
     boundary at ``file_offset``; frames carry file offsets) and every damaged stretch, in
-    order. Reading resumes after a CORRUPT stretch; ZERO and TORN end the walk."""
-    pos, end = 0, len(buf)
+    order, from ``start`` of ``buf`` (a frame boundary; a jump into a memory map copies
+    nothing). Reading resumes after a CORRUPT stretch; ZERO and TORN end the walk."""
+    pos, end = start, len(buf)
     check_at = framing.check_at
     while pos < end:
         try:

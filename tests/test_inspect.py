@@ -62,6 +62,7 @@ CASES = {
     "find_seq3": ["find", "--sequence", "3"],
     "find_id6_json": ["find", "--id", "client-id-6", "--json"],
     "find_seq7": ["find", "--sequence", "7"],
+    "find_seq5_json": ["find", "--sequence", "5", "--json"],
     "stats": ["stats", "--now", "2026-01-01T00:03:30Z"],
     "stats_range_json": ["stats", "--json", "--from", "2026-01-01T00:02:00Z", "--to", str(T0 + 240_000)],
 }
@@ -102,6 +103,17 @@ def test_verify_one_segment(folders, capsys):
     seg = os.path.join(root, "schedule", "20260101", "202601010001.sched")
     code, out = _run(["verify", "--data-dir", root, seg], capsys)
     assert code == 1 and out.count("BAD") == 1
+
+
+@pytest.mark.parametrize("damage", ["clean", "torn", "flipped"])
+def test_find_sequence_shortcut_agrees(folders, damage):
+    """``find --sequence`` skips to the records (tools/inspect.py ``sequence_shortcut``) or,
+    where the folder does not allow it, reads everything; either way the same lives."""
+    from qdelay.tools import inspect
+
+    root = folders[damage]
+    for seq in range(10):
+        assert inspect.find_life(root, sequence=seq) == inspect.find_life(root, sequence=seq, shortcut=False)
 
 
 def test_find_unknown(folders, capsys):

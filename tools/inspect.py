@@ -97,12 +97,13 @@ def decode(frame: Frame) -> tuple[object, str | None]:
         return None, f"undecodable {_kind_name(frame.kind)} body: {err}"
 
 
-def walk(buf, file_offset: int = 0, decode_bodies: bool = True) -> Iterator[Item]:
+def walk(buf, file_offset: int = 0, decode_bodies: bool = True, start: int = 0) -> Iterator[Item]:
     """Every record of ``buf`` (a segment's bytes, or a range starting on a record boundary
-    at ``file_offset``), and every bad stretch: corrupt (a valid record follows: reading
-    resumes there), torn (bad bytes up to the end), or zero (unwritten space at the end).
-    The walk is the frame reader's (:func:`qdelay.segments.reader.walk`)."""
-    for got in reader.walk(buf, file_offset):
+    at ``file_offset``) from ``start`` of ``buf`` (a record boundary), and every bad
+    stretch: corrupt (a valid record follows: reading resumes there), torn (bad bytes up to
+    the end), or zero (unwritten space at the end). The walk is the frame reader's
+    (:func:`qdelay.segments.reader.walk`)."""
+    for got in reader.walk(buf, file_offset, start):
         if isinstance(got, reader.Damage):
             yield _damage_item(got)
             continue
@@ -552,14 +553,224 @@ def _matches(item: Item, message_id: str | None, sequence: int | None) -> bool:
     return item.frame.sequence == sequence
 
 
+def _schedule_choice(files: list[SegmentFile], found: dict[int, dict], scale_minutes: int) -> list[SegmentFile]:
+    """The schedule segments to read for the lives found in the message log: their due
+    buckets, or every one when the message log had none of them (or only a cancel)."""
+    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes) for lf in found.values() if lf["message"]}
+    sched = [f for f in files if f.log == "schedule" and (not found or f.key in buckets)]
+    if found and any(lf["message"] is None for lf in found.values()):
+        sched = [f for f in files if f.log == "schedule"]
+    return sched
+
+
+# --- find --sequence without reading the whole message log ----------------------------------
+#
+# The message log is in sequence order (one writer numbers and appends), so the segment
+# holding a sequence is the last whose first record's sequence is not above it, and inside
+# it a bisection over byte offsets (resynchronised on the next valid frame, as a reader
+# does after damage) lands on a record at or before it. Its cancels follow it in the log,
+# anywhere: each one was copied into the target's due bucket (where the schedule index
+# lists it) unless it lies past the iterate checkpoint, which is read too. Every fact an
+# index gives is checked against the record it points at; whatever does not check out, or
+# cannot be known without the whole log, makes ``find`` read the whole log, as before.
+
+_PROBE = 1 << 16  # bytes read at a bisection step to find the next record
+
+
+@dataclass(slots=True)
+class Shortcut:
+    """The records ``find --sequence`` reports, in each log's order, found without reading
+    every message-log segment."""
+
+    message_log: list[tuple[SegmentFile, Item]]
+    schedule: list[tuple[SegmentFile, Item]]
+
+
+class _NoShortcut(Exception):
+    """The folder does not let the shortcut prove it sees every record: read everything."""
+
+
+def _first_sequence(sf: SegmentFile, cache: dict[str, int]) -> int:
+    if sf.path not in cache:
+        with open_buffer(sf.path) as buf:
+            for got in reader.walk(buf):
+                if not isinstance(got, reader.Damage):
+                    cache[sf.path] = got.sequence
+                    break
+            else:  # empty or unreadable: its place in the order is unknown
+                raise _NoShortcut
+    return cache[sf.path]
+
+
+def _segment_of(wal: list[SegmentFile], sequence: int, cache: dict[str, int]) -> SegmentFile:
+    """The message-log segment whose records' sequences include ``sequence``, if any."""
+    lo, hi = 0, len(wal)
+    while lo < hi:  # the last segment whose first sequence is <= sequence
+        mid = (lo + hi) // 2
+        if _first_sequence(wal[mid], cache) <= sequence:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo == 0:  # before the first segment: cleaned, or never written
+        raise _NoShortcut
+    return wal[lo - 1]
+
+
+def _record_before(buf, sequence: int) -> int:
+    """An offset of ``buf`` (a message-log segment) where a record at or before
+    ``sequence`` starts (0 when none is found nearer): log2(size / _PROBE) small reads."""
+    lo, hi = 0, len(buf)
+    while hi - lo > _PROBE:
+        mid = (lo + hi) // 2
+        probe = buf[mid : min(hi, mid + _PROBE)]
+        at = reader.next_frame(probe, 0)
+        if at is None:  # a record larger than the probe, or damage: walk from lo
+            break
+        if reader.frame_sequence(probe, at) <= sequence:
+            lo = mid + at
+        else:  # no valid record starts in [mid, mid + at): the wanted one starts before mid
+            hi = mid
+    return lo
+
+
+def _message_log_record(wal: list[SegmentFile], sequence: int, cache: dict[str, int]) -> tuple[SegmentFile, Item]:
+    """The decoded message-log record numbered ``sequence``."""
+    sf = _segment_of(wal, sequence, cache)
+    with open_buffer(sf.path) as buf:
+        for item in walk(buf, 0, True, _record_before(buf, sequence)):
+            if item.frame is None or item.frame.sequence < sequence:
+                continue
+            if item.frame.sequence == sequence and item.status == OK:
+                return sf, item
+            break
+    raise _NoShortcut  # cleaned, damaged, or not written yet
+
+
+def _indexed_hits(sf: SegmentFile, sequence: int) -> list[Item] | None:
+    """The records of schedule segment ``sf`` that are message ``sequence`` or cancel it,
+    from the segment's schedule index (docs/formats.md) when it describes the segment:
+    whole entries in sequence order, its last record ending where the written bytes do,
+    each record it names verified, and the message's CANCELLED flag agreeing with the
+    cancels found. None when it is missing or does not check out."""
+    from qdelay.segments import schedule_index as sidx  # numpy: only this path needs it
+
+    try:
+        with open(sidx.path_of(sf.path), "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    if not raw or len(raw) % sidx.ENTRY_SIZE:
+        return None
+    import numpy as np
+
+    e = np.frombuffer(raw, dtype=sidx.ENTRY)
+    if len(e) > 1 and not bool((e["seq"][1:] > e["seq"][:-1]).all()):
+        return None
+    where = e["where"]
+    offsets = (where & np.uint64(sidx.OFFSET_MASK)).astype(np.int64)
+    kinds = ((where >> np.uint64(sidx.OFFSET_BITS)) & np.uint64(0xFF)).astype(np.int64)
+    flags = (where >> np.uint64(sidx.FLAGS_SHIFT)).astype(np.int64)
+    is_message = (e["seq"] == sequence) & (kinds == int(RecordKind.MESSAGE))
+    is_cancel = (kinds == int(RecordKind.CANCEL)) & (e["a"] == sequence)
+    rows = np.flatnonzero(is_message | is_cancel).tolist()
+    with open_buffer(sf.path) as buf:
+        try:
+            last = reader.frame_at(buf, int(offsets[-1]))
+        except FrameError:
+            return None
+        if last.sequence != int(e["seq"][-1]) or buf[last.offset + last.size :].strip(b"\0"):
+            return None  # behind or ahead of the segment
+        items = []
+        for r in rows:
+            try:
+                frame = reader.frame_at(buf, int(offsets[r]))
+            except FrameError:
+                return None
+            record, why = decode(frame)
+            if frame.sequence != int(e["seq"][r]) or frame.kind != int(kinds[r]) or why is not None:
+                return None
+            if isinstance(record, Cancel) and record.target_sequence != sequence:
+                return None
+            items.append(Item(OK, frame.offset, frame.offset + frame.size, frame, record))
+    flagged = [bool(flags[r] & sidx.CANCELLED) for r in rows if is_message[r]]
+    if flagged and flagged[0] != any(is_cancel[r] for r in rows):
+        return None
+    return items
+
+
+def _walked_hits(sf: SegmentFile, sequence: int) -> list[Item]:
+    """The same records, read from the whole segment; a damaged record there may have been
+    one of them, so damage (other than unwritten space at the end) gives up."""
+    items = []
+    for item in walk_file(sf):
+        if item.is_error:
+            raise _NoShortcut
+        if _matches(item, None, sequence):
+            items.append(item)
+    return items
+
+
+def sequence_shortcut(data_dir: str, files: list[SegmentFile], sequence: int, scale_minutes: int) -> Shortcut | None:
+    """What ``find --sequence`` reports from the message and schedule logs, read from the
+    message-log segment holding the sequence, its due bucket's schedule segment (through
+    its schedule index when that checks out), the segments holding the cancels listed
+    there, and the message log past the iterate checkpoint; None when the folder does not
+    let this be sure to see every record (no checkpoint, the message cleaned or damaged,
+    the bucket's segment missing or damaged, sequences out of order): read everything."""
+    wal = [f for f in files if f.log == "message"]
+    ckpt, _err = read_checkpoint(data_dir)
+    if not wal or ckpt is None or not isinstance(ckpt.get("offset"), int):
+        return None
+    copied = ckpt["offset"]  # the message log before it is in the schedule log
+    cache: dict[str, int] = {}
+    try:
+        if copied > wal[-1].key + wal[-1].size:
+            raise _NoShortcut  # a checkpoint past the log: not this log's
+        sf, item = _message_log_record(wal, sequence, cache)
+        if not isinstance(item.record, Message):
+            raise _NoShortcut
+        found = {sequence: {"message": record_fields(item)}}
+        schedule = []
+        for ssf in _schedule_choice(files, found, scale_minutes):
+            hits = _indexed_hits(ssf, sequence)
+            if hits is None:
+                hits = _walked_hits(ssf, sequence)
+            schedule.extend((ssf, it) for it in hits)
+        copies = {it.frame.sequence for _s, it in schedule if isinstance(it.record, Message)}
+        if sf.key + item.offset < copied and sequence not in copies:
+            raise _NoShortcut  # the checkpoint says it was copied: the schedule log lost it
+        picked = {(sf.key, item.offset): (sf, item)}
+        for cancel in sorted({it.frame.sequence for _s, it in schedule if isinstance(it.record, Cancel)}):
+            csf, citem = _message_log_record(wal, cancel, cache)
+            if not _matches(citem, None, sequence):
+                raise _NoShortcut
+            picked[(csf.key, citem.offset)] = (csf, citem)
+        # the cancels not copied yet: the message log past the checkpoint
+        for tsf in wal:
+            if tsf.key + tsf.size <= copied:
+                continue
+            with open_buffer(tsf.path) as buf:
+                for titem in walk(buf, 0, True, max(0, copied - tsf.key)):
+                    if titem.frame is not None and titem.frame.sequence > sequence and _matches(titem, None, sequence):
+                        picked[(tsf.key, titem.offset)] = (tsf, titem)
+    except _NoShortcut:
+        return None
+    return Shortcut([picked[k] for k in sorted(picked)], schedule)
+
+
 def find_life(
     data_dir: str,
     message_id: str | None = None,
     sequence: int | None = None,
     scale_minutes: int = 1,
     progress_label: str = "find",
+    shortcut: bool = True,
 ) -> list[dict]:
-    """Every message matching the id (or sequence), each with its events in order."""
+    """Every message matching the id (or sequence), each with its events in order.
+
+    By sequence, the records are found without reading the whole message log when the
+    folder allows it (:func:`sequence_shortcut`); otherwise, or with ``shortcut=False``,
+    every message-log segment is read. Both give the same lives."""
     files = segment_files(data_dir)
     found: dict[int, dict] = {}  # sequence -> life
 
@@ -568,93 +779,101 @@ def find_life(
             seq, {"sequence": seq, "message_id": None, "message": None, "events": [], "cancel_sequences": []}
         )
 
-    wal = [f for f in files if f.log == "message"]
-    # 1. the message log (it may have been cleaned: fall back to the schedule log)
-    with _progress(wal, progress_label) as prog:
-        for sf in wal:
-            for item in walk_file(sf, prog):
-                if not _matches(item, message_id, sequence):
-                    continue
-                rec, f = item.record, item.frame
-                if isinstance(rec, Message):
-                    lf = life(f.sequence)
-                    lf["message_id"] = rec.message_id
-                    lf["message"] = record_fields(item)
-                    lf["events"].append(
-                        {
-                            "event": "received",
-                            "at_ms": f.timestamp,
-                            "log": "message",
-                            "segment": sf.rel,
-                            "offset": item.offset,
-                            "global_offset": sf.key + item.offset,
-                        }
-                    )
-                elif isinstance(rec, Cancel):
-                    lf = life(rec.target_sequence)
-                    lf["message_id"] = lf["message_id"] or rec.message_id
-                    lf["cancel_sequences"].append(f.sequence)
-                    lf["events"].append(
-                        {
-                            "event": "cancel received",
-                            "at_ms": f.timestamp,
-                            "log": "message",
-                            "segment": sf.rel,
-                            "offset": item.offset,
-                            "cancel_sequence": f.sequence,
-                        }
-                    )
-    # 2. schedule segments: the due bucket when known, else all of them
-    buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes) for lf in found.values() if lf["message"]}
-    sched = [f for f in files if f.log == "schedule" and (not found or f.key in buckets)]
-    if found and any(lf["message"] is None for lf in found.values()):
-        sched = [f for f in files if f.log == "schedule"]
-    seqs = set(found)
-    with _progress(sched, progress_label) as prog:
-        for sf in sched:
-            for item in walk_file(sf, prog):
-                rec, f = item.record, item.frame
-                if rec is None:
-                    continue
-                hit = (
-                    _matches(item, message_id, sequence)
-                    or (f.sequence in seqs and isinstance(rec, Message))
-                    or (isinstance(rec, Cancel) and rec.target_sequence in seqs)
+    def on_message_log(sf: SegmentFile, item: Item) -> None:
+        rec, f = item.record, item.frame
+        if isinstance(rec, Message):
+            lf = life(f.sequence)
+            lf["message_id"] = rec.message_id
+            lf["message"] = record_fields(item)
+            lf["events"].append(
+                {
+                    "event": "received",
+                    "at_ms": f.timestamp,
+                    "log": "message",
+                    "segment": sf.rel,
+                    "offset": item.offset,
+                    "global_offset": sf.key + item.offset,
+                }
+            )
+        elif isinstance(rec, Cancel):
+            lf = life(rec.target_sequence)
+            lf["message_id"] = lf["message_id"] or rec.message_id
+            lf["cancel_sequences"].append(f.sequence)
+            lf["events"].append(
+                {
+                    "event": "cancel received",
+                    "at_ms": f.timestamp,
+                    "log": "message",
+                    "segment": sf.rel,
+                    "offset": item.offset,
+                    "cancel_sequence": f.sequence,
+                }
+            )
+
+    def on_schedule(sf: SegmentFile, item: Item) -> None:
+        rec, f = item.record, item.frame
+        if isinstance(rec, Message):
+            lf = life(f.sequence)
+            lf["message_id"] = rec.message_id
+            if lf["message"] is None:
+                lf["message"] = record_fields(item)
+                lf["events"].append(
+                    {"event": "received", "at_ms": f.timestamp, "log": "schedule (message log cleaned)"}
                 )
-                if not hit:
-                    continue
-                if isinstance(rec, Message):
-                    lf = life(f.sequence)
-                    lf["message_id"] = rec.message_id
-                    if lf["message"] is None:
-                        lf["message"] = record_fields(item)
-                        lf["events"].append(
-                            {"event": "received", "at_ms": f.timestamp, "log": "schedule (message log cleaned)"}
-                        )
-                    lf["events"].append(
-                        {"event": "scheduled", "log": "schedule", "segment": sf.rel, "offset": item.offset}
-                    )
-                else:
-                    lf = life(rec.target_sequence)
-                    if f.sequence not in lf["cancel_sequences"]:
-                        lf["cancel_sequences"].append(f.sequence)
-                        lf["events"].append(
-                            {
-                                "event": "cancel received",
-                                "at_ms": f.timestamp,
-                                "log": "schedule (message log cleaned)",
-                                "cancel_sequence": f.sequence,
-                            }
-                        )
-                    lf["events"].append(
-                        {
-                            "event": "cancel scheduled",
-                            "log": "schedule",
-                            "segment": sf.rel,
-                            "offset": item.offset,
-                            "cancel_sequence": f.sequence,
-                        }
-                    )
+            lf["events"].append({"event": "scheduled", "log": "schedule", "segment": sf.rel, "offset": item.offset})
+        else:
+            lf = life(rec.target_sequence)
+            if f.sequence not in lf["cancel_sequences"]:
+                lf["cancel_sequences"].append(f.sequence)
+                lf["events"].append(
+                    {
+                        "event": "cancel received",
+                        "at_ms": f.timestamp,
+                        "log": "schedule (message log cleaned)",
+                        "cancel_sequence": f.sequence,
+                    }
+                )
+            lf["events"].append(
+                {
+                    "event": "cancel scheduled",
+                    "log": "schedule",
+                    "segment": sf.rel,
+                    "offset": item.offset,
+                    "cancel_sequence": f.sequence,
+                }
+            )
+
+    short = None
+    if shortcut and message_id is None and sequence is not None:
+        short = sequence_shortcut(data_dir, files, sequence, scale_minutes)
+    if short is not None:
+        for sf, item in short.message_log:
+            on_message_log(sf, item)
+        for sf, item in short.schedule:
+            on_schedule(sf, item)
+    else:
+        wal = [f for f in files if f.log == "message"]
+        # 1. the message log (it may have been cleaned: fall back to the schedule log)
+        with _progress(wal, progress_label) as prog:
+            for sf in wal:
+                for item in walk_file(sf, prog):
+                    if _matches(item, message_id, sequence):
+                        on_message_log(sf, item)
+        # 2. schedule segments: the due bucket when known, else all of them
+        sched = _schedule_choice(files, found, scale_minutes)
+        seqs = set(found)
+        with _progress(sched, progress_label) as prog:
+            for sf in sched:
+                for item in walk_file(sf, prog):
+                    rec, f = item.record, item.frame
+                    if rec is None:
+                        continue
+                    if (
+                        _matches(item, message_id, sequence)
+                        or (f.sequence in seqs and isinstance(rec, Message))
+                        or (isinstance(rec, Cancel) and rec.target_sequence in seqs)
+                    ):
+                        on_schedule(sf, item)
     # 3. dispatch records: the same bucket as the schedule segment
     seqs = set(found)
     buckets = {naming.bucket_of(lf["message"]["due_ms"], scale_minutes) for lf in found.values() if lf["message"]}
