@@ -90,25 +90,33 @@ def write_snapshot(data_dir: str, chunks, master_epoch_hint: int = 0) -> dict:
 
     The old folder's lock is taken first (a running server on it is refused: its folder
     was moved from under it) and the stream's head read before anything moves (a master
-    that does not answer left the old folder moved aside and an empty one in its place)."""
+    that does not answer left the old folder moved aside and an empty one in its place).
+    The new folder is locked from its creation until it is whole: a server started on it
+    meanwhile (a unit its supervisor restarted) opened it without its checkpoints and wrote
+    into it beside this run."""
     lock = FolderLock(data_dir, "qdelay admin resync") if os.path.isdir(data_dir) else None
     try:
-        return _write_snapshot(data_dir, chunks, master_epoch_hint)
+        it = iter(chunks)
+        head = next(it)
+        moved = None
+        if os.path.exists(data_dir) and set(os.listdir(data_dir)) - {naming.LOCK_FILE}:
+            moved = f"{data_dir.rstrip(os.sep)}.before-resync-{time.strftime('%Y%m%d-%H%M%S')}"
+            shutil.move(data_dir, moved)
+        elif os.path.exists(data_dir):
+            shutil.rmtree(data_dir)  # nothing in it but the lock this run took
+        os.makedirs(data_dir)
+        new = FolderLock(data_dir, "qdelay admin resync")
+        try:
+            return _write_snapshot(data_dir, head, it, moved, master_epoch_hint)
+        finally:
+            new.release()
     finally:
         if lock is not None:
             lock.release()
 
 
-def _write_snapshot(data_dir: str, chunks, master_epoch_hint: int) -> dict:
-    it = iter(chunks)
-    head = next(it)
-    moved = None
-    if os.path.exists(data_dir) and set(os.listdir(data_dir)) - {naming.LOCK_FILE}:
-        moved = f"{data_dir.rstrip(os.sep)}.before-resync-{time.strftime('%Y%m%d-%H%M%S')}"
-        shutil.move(data_dir, moved)
-    elif os.path.exists(data_dir):
-        shutil.rmtree(data_dir)  # nothing in it but the lock this run took
-    os.makedirs(data_dir)
+def _write_snapshot(data_dir: str, head, it, moved: str | None, master_epoch_hint: int) -> dict:
+    """The new folder's files from the stream's ``head`` and the chunks after it (``it``)."""
     offset, sequence = head.offset, head.sequence
     msg_dir = os.path.join(data_dir, naming.MESSAGE_DIR)
     os.makedirs(msg_dir)

@@ -332,6 +332,34 @@ def test_dispatch_progress_replicated_and_promotion_delivers_the_rest(tmp_path):
     del peers_a
 
 
+def test_resync_holds_the_new_folder_while_it_writes_it(tmp_path):
+    """A server started on the data folder while a resync builds it (a unit restarted by its
+    supervisor) is refused until the folder is whole: the old folder was locked, the new one
+    it writes was not, so the server opened a folder without its checkpoint and wrote into
+    it beside the resync."""
+    from qdelay.errors import FolderInUse
+    from qdelay.replication.snapshot import write_snapshot
+    from qdelay.segments.folder_lock import FolderLock
+
+    data = tmp_path / "b"
+    (data / "messages").mkdir(parents=True)
+    (data / "messages" / "old").write_bytes(b"x")
+    seen: list[str] = []
+
+    def chunks():
+        yield rpb.SnapshotChunk(epoch=2, offset=0, sequence=0)
+        try:
+            FolderLock(str(data), "a test server").release()
+            seen.append("taken")
+        except FolderInUse:
+            seen.append("refused")
+
+    info = write_snapshot(str(data), chunks())
+    assert seen == ["refused"]
+    assert info["moved_old_to"] and (data / naming.CHECKPOINT_DIR / "role.ckpt").exists()
+    FolderLock(str(data)).release()  # free once the resync is done
+
+
 def test_behind_retention_is_reported_then_full_resync(tmp_path):
     args = [
         "--set",
