@@ -353,7 +353,11 @@ class IterateService:
             return False
         try:
             if bucket in self._behind:
-                self._flush_behind([bucket])
+                self._flush_behind([bucket], wait=False)
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            return False  # a full disk is waited out on a worker thread, not on the event loop
         finally:
             self.append_lock.release()
         return True
@@ -381,21 +385,25 @@ class IterateService:
     def _segment_of(self, bucket: int) -> Segment:
         return self._until_space(self.schedule.get_or_create, bucket)
 
-    def _append(self, bucket: int, data: bytearray) -> int:
-        """Append to a schedule segment; returns the offset the data starts at."""
+    def _append(self, bucket: int, data: bytearray, wait: bool = True) -> int:
+        """Append to a schedule segment; returns the offset the data starts at. ``wait``:
+        a full disk is waited out (``_until_space``), else its OSError raised at once."""
+        if not wait:
+            return self.schedule.append(bucket, data)[1]
         return self._until_space(self.schedule.append, bucket, data)[1]
 
-    def _flush_behind(self, buckets: list[int]) -> None:
+    def _flush_behind(self, buckets: list[int], wait: bool = True) -> None:
         """Append the write-behind buffers of ``buckets`` to their segments (append_lock
         held) and publish them: a bucket the scheduler loaded meanwhile (the horizon passed
-        it) is read on by its loader."""
+        it) is read on by its loader. ``wait`` as for ``_append`` (a buffer not written
+        stays behind)."""
         if not buckets:
             return
         freed = 0
         written: dict[int, Written] = {}
         for bucket in buckets:
             buf = self._behind[bucket]
-            start = self._append(bucket, buf)
+            start = self._append(bucket, buf, wait)
             del self._behind[bucket]
             self._behind_bytes -= len(buf)
             freed += len(buf)

@@ -7,6 +7,7 @@ bytes appended; the cancels' targets), and the loading horizon is a number the t
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -184,6 +185,33 @@ def test_flush_bucket_now_writes_behind_records_only_when_the_append_lock_is_fre
     assert rig.it.flush_bucket_now(far) is True
     assert len(reader.frames(sched_bytes(rig, far))) == 2 and not rig.it.written_behind(far)
     assert rig.it.flush_bucket_now(far + 1) is True  # nothing behind: nothing to do
+    rig.close()
+
+
+def test_flush_bucket_now_does_not_wait_out_a_full_disk(tmp_path):
+    """The event loop's flush (a Cancel of a far minute) declines on a full disk, as it does
+    on a held append lock: waiting out the disk there froze every call of the server until
+    space came back (the worker thread the claim goes to then waits instead)."""
+    rig = Rig(tmp_path)
+    far = naming.bucket_of(T0) + 30
+    rig.send([far * MIN + 5])
+    rig.catch_up()
+    append = rig.schedule.append
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    rig.schedule.append = full
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(rig.it.flush_bucket_now(far)), daemon=True)
+    t.start()
+    t.join(3.0)
+    stuck = t.is_alive()
+    rig.schedule.append = append  # (a thread still waiting then writes and ends)
+    t.join(5.0)
+    assert not stuck and got == [False]
+    assert rig.it.written_behind(far)  # nothing lost: written by the next flush
+    assert rig.it.flush_bucket_now(far) is True and not rig.it.written_behind(far)
     rig.close()
 
 
