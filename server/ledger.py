@@ -367,17 +367,9 @@ class AckLedger:
         keeps one (then a question costs nothing), or when the buckets have more than
         ``SCAN_MAX`` out (a Cancel of the minute being delivered: built once, kept while
         Cancels keep asking)."""
-        groups = self._groups
-        live = [g for g in groups.values() if g.live]
-        if all(g.has_index() for g in live):
+        if self._all_indexed():
             return list(self.in_flight_maps())
-        flights: list[Flight] = []
-        for bucket in set(buckets):
-            for fl in self._of_bucket.get(bucket, ()):
-                if fl.left:
-                    grp = groups.get(fl.gid)
-                    if grp is not None and fl in grp.batches:
-                        flights.append(fl)
+        flights = [fl for bucket in set(buckets) for fl in self._out_of(bucket)]
         if sum(fl.left for fl in flights) > SCAN_MAX:
             return list(self.in_flight_maps())
         out: set[int] = set()
@@ -396,19 +388,27 @@ class AckLedger:
         a message of a bucket nothing was handed out from costs nothing, whatever is in
         flight elsewhere. Without it, or when every group keeps its index, every group's (a
         kept index, or a search of every flight)."""
-        groups = self._groups
-        if bucket is None or all(g.has_index() for g in groups.values() if g.live):
-            return any(seq in g for g in groups.values())  # (a kept index answers at once)
-        for fl in self._of_bucket.get(bucket, ()):
-            if not fl.left:
-                continue
-            grp = groups.get(fl.gid)
-            if grp is None or fl not in grp.batches:
-                continue  # its group was deleted, or it expired
+        if bucket is None or self._all_indexed():
+            return any(seq in g for g in self._groups.values())  # (a kept index answers at once)
+        for fl in self._out_of(bucket):
             keys = fl.keys
             if seq in keys and fl.live_at(keys.index(seq)):
                 return True
         return False
+
+    def _all_indexed(self) -> bool:
+        """Every group with deliveries out keeps its index (then a question costs nothing)."""
+        return all(g.has_index() for g in self._groups.values() if g.live)
+
+    def _out_of(self, bucket: int) -> Iterator[Flight]:
+        """The flights of ``bucket`` with deliveries out: not acknowledged in full, still
+        their group's (not expired, the group not deleted)."""
+        groups = self._groups
+        for fl in self._of_bucket.get(bucket, ()):
+            if fl.left:
+                grp = groups.get(fl.gid)
+                if grp is not None and fl in grp.batches:
+                    yield fl
 
     def count(self) -> int:
         return sum(g.live for g in self._groups.values())
