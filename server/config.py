@@ -171,27 +171,6 @@ class ServerConfig:
         if os.path.exists(self.data_dir) and not os.path.isdir(self.data_dir):
             raise ConfigError(f"data_dir {self.data_dir} is not a folder")
         self._validate_files()
-        for name in (
-            "min_free_bytes",
-            "min_free_bytes_hard",
-            "ingest_queue_messages",
-            "ingest_queue_bytes",
-            "default_max_in_flight",
-            "max_deliveries_per_response",
-            "max_response_bytes",
-            "max_concurrent_rpcs",
-            "min_ping_interval_ms",
-            "replication_timeout_ms",
-            "replication_batch_bytes",
-            "slave_hold_ms",
-            "lease_ttl_ms",
-            "lease_renew_ms",
-            "lease_deadline_ms",
-            "sync_bound_ms",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
         for f in dataclasses.fields(Limits):
             value = getattr(self.limits, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -204,21 +183,22 @@ class ServerConfig:
         return self
 
     def _validate_types(self) -> None:
-        """Each top-level key has its default's type: ``listen = 7600`` ended in an
-        AttributeError traceback, and ``grace_seconds = "10"`` started the server and broke
-        its SIGTERM drain (a TypeError before the engine closed)."""
+        """Each top-level key has its default's type (``wanted``; a key whose default is None
+        a string or None): ``listen = 7600`` ended in an AttributeError traceback, and
+        ``grace_seconds = "10"`` started the server and broke its SIGTERM drain (a TypeError
+        before the engine closed)."""
         for f in dataclasses.fields(self):
             if f.name in ("limits", "engine_options"):
                 continue
             value, default = getattr(self, f.name), f.default
-            if isinstance(default, float):
-                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                    raise ConfigError(f"{f.name} must be a non-negative number, not {value!r}")
-            elif default is None or isinstance(default, str):
+            if default is None:
                 if f.name == "peers" and isinstance(value, list) and all(isinstance(p, str) for p in value):
                     continue  # a list when built in code
-                if value is not None and not isinstance(value, str):
-                    raise ConfigError(f"{f.name} must be a string, not {value!r}")
+                want = None if value is None else wanted(value, "")
+            else:
+                want = wanted(value, default)
+            if want is not None:
+                raise ConfigError(f"{f.name} must be {want}, not {value!r}")
 
     def _validate_files(self) -> None:
         """Every file the server reads at start-up is readable now: a missing TLS key or token
@@ -399,6 +379,23 @@ def _group_bounds(value: Any) -> dict[str, int]:
     return out
 
 
+def wanted(value: Any, default: Any) -> str | None:
+    """What a setting whose default is ``default`` must be, if ``value`` is not that (a bool
+    for a bool, a non-negative int for an int, a non-negative number for a float, a string
+    for a string); None if it is, or for a default of another type. The one type rule of
+    the top-level keys and the ``[engine]`` ones."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if isinstance(default, int):
+        return None if number and isinstance(value, int) and value >= 0 else "a non-negative integer"
+    if isinstance(default, float):
+        return None if number and value >= 0 else "a non-negative number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
 # [engine] keys where 0 is no setting at all: tick_ms = 0 ended in a ValueError traceback,
 # cleaner_interval_ms = 0 spun the cleaner thread on a core, max_loaded = 0 (or
 # group_max_ready = 0) loaded nothing, so nothing was ever delivered
@@ -418,20 +415,10 @@ def check_engine_options(cfg: ServerConfig) -> None:
     for key, value in cfg.engine_options.items():
         section, name = ENGINE_KEYS[key]
         default = getattr(defaults if section is None else getattr(defaults, section), name)
-        if isinstance(default, bool):
-            ok, want = isinstance(value, bool), "true or false"
-        elif isinstance(default, int):
-            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "a non-negative integer"
-        elif isinstance(default, float):
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
-            want = "a non-negative number"
-        elif isinstance(default, str):
-            ok, want = isinstance(value, str), "a string"
-        else:
-            continue  # group_max_ready_of: checked by _group_bounds
-        if ok and key in POSITIVE_ENGINE_KEYS and value < 1:
-            ok, want = False, "a positive integer"
-        if not ok:
+        want = wanted(value, default)  # (group_max_ready_of, a dict: checked by _group_bounds)
+        if want is None and key in POSITIVE_ENGINE_KEYS and value < 1:
+            want = "a positive integer"
+        if want is not None:
             raise ConfigError(f"engine.{key} must be {want}, not {value!r}")
     try:
         FlushPolicy.parse(ecfg.flush)
