@@ -250,6 +250,7 @@ class PullServer:
             )
         self.check_hello(hello)
         session = self.hub.attach(name, context.peer(), hello.end_offset)
+        self.node.slave_attached()
         await asyncio.to_thread(self.dispatch_states, hello, session)
 
         async def read_acks() -> None:

@@ -30,6 +30,9 @@ from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 log = logging.getLogger("qdelay.replication")
 
 PEER_CHECK_S = 1.0
+# after a slave attaches, how long the servers a promotion did not make slaves are asked
+# whether it was one of them (its hello can come before its own port listens)
+REATTACH_CHECK_S = 5.0
 
 
 class Node:
@@ -41,7 +44,13 @@ class Node:
         self.peers = cfg.peer_list()
         self.token, self.ca, self.tls = common.slave_credentials(cfg)
         self._tasks: list[asyncio.Task] = []
-        self.promoted_note = ""
+        # a promotion's note: what it did, then what became of each server it told, by
+        # address; a part is updated when that server re-attaches as a slave
+        self.promoted_head = ""
+        self.promoted_peers: dict[str, str] = {}
+        self._not_slaves: set[str] = set()  # told servers not known to be slaves yet
+        self._reattach_until = 0.0
+        self._reattach_task: asyncio.Task | None = None
         self.fenced_master = ""  # the newer master named when this one was fenced ("" unknown)
         self.agent = None  # cluster mode (--etcd): replication/cluster.py
         if cfg.etcd:
@@ -74,8 +83,9 @@ class Node:
     async def stop(self) -> None:
         if self.agent is not None:
             await self.agent.stop()
-        for t in self._tasks:
-            t.cancel()
+        for t in [*self._tasks, self._reattach_task]:
+            if t is not None:
+                t.cancel()
         if self.puller is not None:
             await self.puller.stop()
 
@@ -180,7 +190,7 @@ class Node:
         wal = engine.wal
         if self.agent is not None:  # cluster mode: through etcd's keys, not epoch + 1
             note = await self.agent.promote(req.force)
-            self.promoted_note = note
+            self._set_promoted(note, {})
             return rpb.PromoteResponse(
                 epoch=engine.epoch, end_offset=wal.committed_offset, last_sequence=wal.committed_sequence, note=note
             )
@@ -215,10 +225,12 @@ class Node:
             await puller.stop()
             self.puller = None
         await asyncio.to_thread(engine.set_role, "master", epoch)
-        notes = [
+        head = (
             f"promoted to master at epoch {epoch} (message log ends at {wal.committed_offset}, "
             f"sequence {wal.committed_sequence})"
-        ]
+        )
+        told: dict[str, str] = {}
+        not_slaves = set()
         # tell the old master (fence) and the peers (fence or follow); best effort
         for target in dict.fromkeys([t for t in [old_master, *self.peers] if t and t != req.address]):
             ch = self._channel(target)
@@ -226,20 +238,53 @@ class Node:
                 r = await rpb_grpc.ReplicationStub(ch).Fence(
                     rpb.FenceRequest(epoch=epoch, master=req.address), timeout=2.0, metadata=common.metadata(self.token)
                 )
-                notes.append(f"{target}: now {r.role} at epoch {r.epoch}")
+                told[target] = f"{target}: now {r.role} at epoch {r.epoch}"
+                if r.role != "slave":
+                    not_slaves.add(target)
             except grpc.aio.AioRpcError as e:
-                notes.append(
+                not_slaves.add(target)
+                told[target] = (
                     f"{target}: not reached ({e.code().name}); it is fenced when it comes back "
                     f"(peers) or must be started with --role slave --master {req.address or 'NEW'}"
                 )
             finally:
                 await ch.close()
-        note = "; ".join(notes)
+        note = self._set_promoted(head, told, not_slaves)
         log.warning(note)
-        self.promoted_note = note
         return rpb.PromoteResponse(
             epoch=epoch, end_offset=wal.committed_offset, last_sequence=wal.committed_sequence, note=note
         )
+
+    def _set_promoted(self, head: str, told: dict[str, str], not_slaves: set[str] | None = None) -> str:
+        self.promoted_head = head
+        self.promoted_peers = told
+        self._not_slaves = not_slaves or set()
+        return self.promoted_note()
+
+    def promoted_note(self) -> str:
+        return "; ".join([self.promoted_head, *self.promoted_peers.values()]) if self.promoted_head else ""
+
+    def slave_attached(self) -> None:
+        """A slave attached (replication/master.py): it may be a server the promotion could
+        not reach or found fenced, restarted as this master's slave. Its part of the note
+        said "not reached ... must be started with --role slave" long after it was."""
+        if not self._not_slaves:
+            return
+        self._reattach_until = time.monotonic() + REATTACH_CHECK_S
+        if self._reattach_task is None or self._reattach_task.done():
+            self._reattach_task = asyncio.ensure_future(self._check_reattached())
+
+    async def _check_reattached(self) -> None:
+        while self._not_slaves and self.engine.role == "master" and time.monotonic() < self._reattach_until:
+            for target in sorted(self._not_slaves):
+                st = await self.peer_status(target)
+                # a slave at this master's epoch follows this master (one master per epoch)
+                if st is not None and st.role == "slave" and st.epoch == self.engine.epoch:
+                    self._not_slaves.discard(target)
+                    self.promoted_peers[target] = f"{target}: re-attached as slave at epoch {st.epoch}"
+                    log.info("%s re-attached as a slave", target, extra={"epoch": st.epoch})
+            if self._not_slaves:
+                await asyncio.sleep(0.5)
 
     # --- status -------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -297,8 +342,8 @@ class Node:
         elif engine.role == "fenced":
             # the status said only "fenced": not why, nor what to do
             st.note = f"fenced: a newer master exists (epoch {engine.epoch}); {self.fenced_advice()}"
-        elif self.promoted_note:
-            st.note = self.promoted_note
+        elif self.promoted_head:
+            st.note = self.promoted_note()
         if self.agent is not None and self.agent.error and not st.error:
             # cluster mode: an etcd outage (no renewal, no election) showed nowhere in status
             st.error = self.agent.error

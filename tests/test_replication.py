@@ -452,6 +452,18 @@ def test_three_servers_failover_other_slave_follows_new_master(tmp_path):
         assert st.master == b.address and st.epoch == 1
         out = admin("status", "--servers", f"{a.address},{b.address},{c.address}", check=False).stdout
         assert "unreachable" in out and "master" in out and "slave" in out
+        # B's note said A was "not reached ... must be started with --role slave" long after
+        # it was: the part of a server that re-attaches is updated, C's part kept
+        head, *parts = status(b.address).note.split("; ")
+        assert head.startswith("promoted to master at epoch 1 "), head
+        assert parts[0].startswith(f"{a.address}: not reached (UNAVAILABLE)"), parts
+        assert parts[-1] == f"{c.address}: now slave at epoch 1", parts
+        a.args = [*SMALL_SEGMENTS, "--role", "slave", "--master", b.address]
+        a.start()
+        wait_caught_up(b.address, a.address)
+        want = f"{head}; {a.address}: re-attached as slave at epoch 1; {c.address}: now slave at epoch 1"
+        wait_until(lambda: status(b.address).note == want, 10, "the note updated", ignore=RPC_ERRORS)
+        assert f"note: {want}" in admin("status", "--servers", b.address).stdout
     finally:
         for p in (a, b, c):
             if p.alive():
