@@ -210,6 +210,7 @@ class Ready:
         head = self.chunks[0][2]
         if self._run_total > 2 * self.count + 1024:
             self._forget_runs()
+            self._indexed = head  # every queued chunk goes into the new run below
         start = max(self._indexed, head)
         if start < self._serial:
             parts = list(itertools.islice(self.chunks, start - head, None))

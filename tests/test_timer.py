@@ -17,6 +17,7 @@ from qdelay.segments.naming import MS_PER_MINUTE
 from qdelay.segments.records import Cancel, RecordKind
 from qdelay.server.buckets import BucketBook, BucketState
 from qdelay.server.groups import GroupTable
+from qdelay.server.lanes import Ready
 from qdelay.server.scheduler import SchedulerConfig
 from qdelay.server.timer import Timer
 from qdelay.server.wheel import Entries
@@ -399,3 +400,19 @@ def test_a_queue_nobody_takes_from_holds_about_what_it_counts_after_cancels():
     taken = timer.take(lambda subject, group: 10_000, lambda n: n, quantum=10_000)
     assert [q for *_x, cols in taken for q in cols[0]] == [q for q in range(8002, 10_001) if q != 9999]
     assert timer.ready_total == 0 and st.owed[g.gid] == 1998
+
+
+def test_a_cancel_finds_entries_queued_after_most_of_a_lane_was_taken():
+    """Ready's sorted runs, dropped once most of what they held was taken, are built again
+    from the queue: they were dropped as if every queued chunk were in them, so a cancel of
+    an entry still queued found nothing and it stayed in the group's backlog."""
+    q = Ready()
+    for k in range(10):
+        seqs = np.arange(k * 1000 + 1, k * 1000 + 1001, dtype=np.int64)
+        zeros = np.zeros(1000, dtype=np.int64)
+        q.push(Entries(zeros, seqs, zeros, zeros.astype(np.int32), zeros.astype(np.int32)))
+    assert q.cancel({5}) == 1 and q.count == 9999  # builds the runs over the queue
+    assert len(q.take(9000)[0]) == 9000  # most of what they hold taken (the 5 passed over)
+    assert q.count == 999
+    assert q.cancel({9500, 9999}) == 2 and q.count == 997
+    assert 9500 not in q.take(1000)[0] and q.count == 0
