@@ -386,6 +386,26 @@ def walk(buf: bytes | bytearray | memoryview, file_offset: int = 0, start: int =
         pos += frame.size
 
 
+def record_before(buf: bytes | bytearray | memoryview, sequence: int, probe: int = 1 << 16) -> int:
+    """An offset of ``buf`` (a segment of a log in sequence order: the message log) where a
+    frame at or before ``sequence`` starts, 0 when none nearer is found: a bisection over
+    byte offsets, each step resynchronised on the next valid frame within ``probe`` bytes
+    (as a walk resumes after damage), so log2(len / probe) small reads, never a walk of the
+    segment; a copy of no more than ``probe`` bytes a step when ``buf`` is a memory map."""
+    lo, hi = 0, len(buf)
+    while hi - lo > probe:
+        mid = (lo + hi) // 2
+        window = bytes(buf[mid : min(hi, mid + probe)])
+        at = next_frame(window, 0)
+        if at is None:  # a frame larger than the window, or damage: stop here
+            break
+        if frame_sequence(window, at) <= sequence:
+            lo = mid + at
+        else:  # no valid frame starts in [mid, mid + at): the wanted one starts before mid
+            hi = mid
+    return lo
+
+
 def walk_reads(
     read: Callable[[int, int], bytes], start: int, stop: int, chunk_bytes: int | None = None
 ) -> Iterator[Columns | Damage]:

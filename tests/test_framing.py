@@ -123,3 +123,24 @@ def test_the_reader_tells_a_torn_tail_from_corruption():
     assert (damage.status, damage.reason) == (reader.CORRUPT, "checksum mismatch")
     assert damage.offset == len(frames[0]) and damage.end == len(frames[0]) + len(frames[1])  # resynced
     assert reader.next_frame(corrupt, 1) == damage.end
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_record_before_lands_at_or_before_the_sequence(damaged):
+    """The bisection ``find --sequence`` uses (reader.record_before), with probes much
+    smaller than the segment: from the offset it gives, a walk meets the wanted frame
+    before any later one, and it is near, also with a damaged stretch in the range."""
+    frames = [framing.encode(RecordKind.MESSAGE, s, s, bytes([s % 251]) * (30 + (s * 37) % 400)) for s in range(1, 400)]
+    buf = bytearray(b"".join(frames))
+    if damaged:
+        buf[len(buf) // 3] ^= 0xFF  # one frame lost, in the middle of a bisection's range
+    data = bytes(buf)
+    walked = {g.sequence: g.offset for g in reader.walk(data) if isinstance(g, framing.Frame)}
+    assert len(walked) == len(frames) - damaged
+    for seq in range(0, 402):
+        start = reader.record_before(data, seq, probe=1024)
+        first = next((g for g in reader.walk(data, 0, start) if isinstance(g, framing.Frame)), None)
+        assert start == 0 or (first is not None and first.offset == start and first.sequence <= seq)
+        if seq in walked:
+            assert start <= walked[seq]
+            assert walked[seq] - start < 2 * 1024  # within a probe and a frame of it, not a walk

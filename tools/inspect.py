@@ -574,8 +574,6 @@ def _schedule_choice(files: list[SegmentFile], found: dict[int, dict], scale_min
 # index gives is checked against the record it points at; whatever does not check out, or
 # cannot be known without the whole log, makes ``find`` read the whole log, as before.
 
-_PROBE = 1 << 16  # bytes read at a bisection step to find the next record
-
 
 @dataclass(slots=True)
 class Shortcut:
@@ -616,28 +614,11 @@ def _segment_of(wal: list[SegmentFile], sequence: int, cache: dict[str, int]) ->
     return wal[lo - 1]
 
 
-def _record_before(buf, sequence: int) -> int:
-    """An offset of ``buf`` (a message-log segment) where a record at or before
-    ``sequence`` starts (0 when none is found nearer): log2(size / _PROBE) small reads."""
-    lo, hi = 0, len(buf)
-    while hi - lo > _PROBE:
-        mid = (lo + hi) // 2
-        probe = buf[mid : min(hi, mid + _PROBE)]
-        at = reader.next_frame(probe, 0)
-        if at is None:  # a record larger than the probe, or damage: walk from lo
-            break
-        if reader.frame_sequence(probe, at) <= sequence:
-            lo = mid + at
-        else:  # no valid record starts in [mid, mid + at): the wanted one starts before mid
-            hi = mid
-    return lo
-
-
 def _message_log_record(wal: list[SegmentFile], sequence: int, cache: dict[str, int]) -> tuple[SegmentFile, Item]:
     """The decoded message-log record numbered ``sequence``."""
     sf = _segment_of(wal, sequence, cache)
     with open_buffer(sf.path) as buf:
-        for item in walk(buf, 0, True, _record_before(buf, sequence)):
+        for item in walk(buf, 0, True, reader.record_before(buf, sequence)):
             if item.frame is None or item.frame.sequence < sequence:
                 continue
             if item.frame.sequence == sequence and item.status == OK:
