@@ -788,15 +788,12 @@ class Engine:
         if len(targets) > CLAIM_NOW_MAX:
             return False
         ready = min(self.wal.committed_sequence, self.iterate.sequence)
-        scale = self.config.scale_minutes
-        span = naming.MS_PER_MINUTE * scale  # bucket_of, inline: a call per target cost more
-        keys: set[int] = set()
+        dues: list[int] = []
         for _mid, due, seq in targets:
             if due is None or seq is None or not 0 < seq <= ready:
                 return False
-            keys.add(due // span)
-        for key in keys:
-            bucket = key * scale
+            dues.append(due)
+        for bucket in self._few_buckets(dues):
             # earlier tombstones of a far minute (other cancels' or moves') are written first
             # if that needs no wait, as a worker thread's look would (_find_targets)
             if not self.iterate.flush_bucket_now(bucket) or not self._readable_now(bucket):
@@ -1149,7 +1146,7 @@ class Engine:
         scale = self.config.scale_minutes
         span = naming.MS_PER_MINUTE * scale  # bucket_of: (due // minute) rounded down to scale
         keys = [due // span for due in dues]
-        if keys.count(keys[0]) == len(keys):
+        if keys and keys.count(keys[0]) == len(keys):
             return {keys[0] * scale: list(range(len(keys)))}
         groups: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
