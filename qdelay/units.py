@@ -1,4 +1,5 @@
-"""Durations in words for messages people read ("2 years", "30 minutes", "1 day 2 hours").
+"""Durations and counts in words for messages people read ("2 years", "30 minutes", "1 day
+2 hours", "1 segment", "3 problems").
 
 Shared by the server's validation (limits in its refusals) and the clients (their own
 checks), so one limit reads the same wherever it is reported.
@@ -34,6 +35,12 @@ def ms_in_words(ms: int, parts: int = 2) -> str:
             if len(words) == parts:
                 break
     return " ".join(words)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``counted(1, "problem")`` -> ``'1 problem'``, ``counted(0, "problem")`` -> ``'0 problems'``:
+    the noun agrees with the count (``plural`` where adding "s" is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def limit_in_words(ms: int, key: str = "max_delay_ms") -> str:

@@ -23,6 +23,7 @@ import grpc
 
 from qdelay.errors import QdelayError
 from qdelay.replication import common
+from qdelay.units import counted
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
@@ -293,8 +294,9 @@ def run(args: argparse.Namespace) -> int:
             print(
                 json.dumps(info)
                 if args.json
-                else f"resynced {args.data_dir} from {args.master}: {info['files']} segment files, {info['bytes']} "
-                f"bytes; its message log starts at offset {info['offset']} (after sequence {info['sequence']})"
+                else f"resynced {args.data_dir} from {args.master}: {counted(info['files'], 'segment file')}, "
+                f"{counted(info['bytes'], 'byte')}; its message log starts at offset {info['offset']} "
+                f"(after sequence {info['sequence']})"
                 + (f"; the old folder was moved to {info['moved_old_to']}" if info["moved_old_to"] else "")
                 + f"\nnow start it: qdelay server --data-dir {args.data_dir} --role slave --master {args.master}"
             )

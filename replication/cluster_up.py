@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from qdelay.units import counted
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cluster_command", required=True)
@@ -123,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
                 procs.append((name, p))
                 seeds.append(_wait_listening(p, name, os.path.join(root, f"{name}.log")))
                 port += 1
-        print(f"qdelay cluster 'local' ({args.shards} shards x {args.nodes} nodes, etcd {endpoint}, data {root})")
+        print(
+            f"qdelay cluster 'local' ({counted(args.shards, 'shard')} x {counted(args.nodes, 'node')}, "
+            f"etcd {endpoint}, data {root})"
+        )
         print(f"seed address: {seeds[0]}   (any of {', '.join(seeds)})")
         print(f"status: qdelay admin status --servers {seeds[0]}    stop: Ctrl-C", flush=True)
         # a server that exits is reported once and the rest go on: killing a master to watch

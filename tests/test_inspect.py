@@ -59,6 +59,9 @@ CASES = {
     "dump_schedule_limit": ["dump", "--log", "schedule", "--limit", "3"],
     "verify": ["verify"],
     "verify_json": ["verify", "--json"],
+    # one segment, one record, one problem: said in the singular ("1 problems", "1 segments")
+    "verify_segment_342": ["verify", "message/00000000000000000342.wal"],
+    "verify_segment_disp3": ["verify", "dispatch/20260101/202601010003.disp"],
     "find_seq3": ["find", "--sequence", "3"],
     "find_id6_json": ["find", "--id", "client-id-6", "--json"],
     "find_seq7": ["find", "--sequence", "7"],
@@ -99,7 +102,7 @@ def test_verify_exit_codes_and_offsets(folders, capsys):
 def test_verify_one_segment(folders, capsys):
     root = folders["flipped"]
     code, out = _run(["verify", "--data-dir", root, "schedule/20260101/202601010002.sched"], capsys)
-    assert code == 0 and "1 segments" in out
+    assert code == 0 and "OK: 1 segment, 2 records, " in out
     seg = os.path.join(root, "schedule", "20260101", "202601010001.sched")
     code, out = _run(["verify", "--data-dir", root, seg], capsys)
     assert code == 1 and out.count("BAD") == 1

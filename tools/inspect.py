@@ -26,6 +26,7 @@ from qdelay.segments import checkpoint, naming, reader, records
 from qdelay.segments.framing import Frame, FrameError, RecordKind
 from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
 from qdelay.tools.progress import Progress
+from qdelay.units import counted
 
 LOGS = ("message", "schedule", "dispatch")
 _LOG_DIRS = {"message": naming.MESSAGE_DIR, "schedule": naming.SCHEDULE_DIR, "dispatch": naming.DISPATCH_DIR}
@@ -399,8 +400,8 @@ def cmd_ls(args) -> int:
         sel = [i for i in infos if i["log"] == log]
         if sel:
             sys.stdout.write(
-                f"{log}: {len(sel)} segments, {sum(i['records'] for i in sel)} records, "
-                f"{sum(i['bad'] for i in sel)} bad, {sum(i['bytes'] for i in sel)} bytes\n"
+                f"{log}: {counted(len(sel), 'segment')}, {counted(sum(i['records'] for i in sel), 'record')}, "
+                f"{sum(i['bad'] for i in sel)} bad, {counted(sum(i['bytes'] for i in sel), 'byte')}\n"
             )
     if ckpt_err:
         sys.stdout.write(f"checkpoint: unreadable ({ckpt_err})\n")
@@ -424,7 +425,7 @@ def checkpoint_summary(ckpt: dict) -> str:
         parts.append(f"every due minute before {iso(int(ckpt['done_before']) * naming.MS_PER_MINUTE)[:16]}Z done")
     reopened = ckpt.get("reopened") or ()
     if reopened:
-        parts.append(f"{len(reopened)} earlier minute(s) reopened by late messages")
+        parts.append(f"{counted(len(reopened), 'earlier minute')} reopened by late messages")
     return "; ".join(parts) or "(empty)"
 
 
@@ -532,9 +533,9 @@ def cmd_verify(args) -> int:
         for p in problems:
             sys.stdout.write(f"BAD {p['segment']} offset {p['offset']}: {p['reason']}\n")
         sys.stdout.write(
-            f"{'OK' if not problems else 'FAILED'}: {totals['segments']} segments, "
-            f"{totals['records']} records, {totals['bytes']} bytes, "
-            f"{len(problems)} problems\n"
+            f"{'OK' if not problems else 'FAILED'}: {counted(totals['segments'], 'segment')}, "
+            f"{counted(totals['records'], 'record')}, {counted(totals['bytes'], 'byte')}, "
+            f"{counted(len(problems), 'problem')}\n"
         )
     return 0 if not problems else 1
 
@@ -1064,7 +1065,7 @@ def cmd_stats(args) -> int:
             "(no consumer acknowledged them yet, or the server is behind)\n"
         )
     if skipped:
-        sys.stdout.write(f"{skipped} unreadable records skipped: run 'qdelay inspect verify'\n")
+        sys.stdout.write(f"{counted(skipped, 'unreadable record')} skipped: run 'qdelay inspect verify'\n")
     return 0
 
 

@@ -31,6 +31,7 @@ import uuid  # noqa: E402
 
 from qdelay.tools import spark_source  # noqa: E402
 from qdelay.tools.inspect import time_arg  # noqa: E402
+from qdelay.units import counted  # noqa: E402
 
 JOBS = ("audit", "lateness", "forecast", "export", "import")
 EXAMPLES = 10  # rows of each finding printed on stdout
@@ -544,8 +545,9 @@ def _audit_cmd(spark, args) -> int:
     out = _out_dir(args)
     s = audit(spark, args.data_dir, _now_ms(args.now), args.grace_ms, out, args.allow_duplicates)
     print(
-        f"audit of {len(args.data_dir)} data folder(s) at now={s['now_ms']} (grace {s['grace_ms']} ms): "
-        f"{s['messages']} messages, {s['cancelled']} cancelled, {s['dispatch_records']} dispatch records"
+        f"audit of {counted(len(args.data_dir), 'data folder')} at now={s['now_ms']} (grace {s['grace_ms']} ms): "
+        f"{counted(s['messages'], 'message')}, {s['cancelled']} cancelled, "
+        f"{counted(s['dispatch_records'], 'dispatch record')}"
     )
     for name, n in s["findings"].items():
         allowed = " (allowed: at-least-once redeliveries)" if name == "duplicated" and args.allow_duplicates else ""
@@ -791,7 +793,10 @@ def export(spark, data_dirs, out: str, log: str = "all", corrupt: str = "row") -
 def _export_cmd(spark, args) -> int:
     out = _out_dir(args)
     for name, n in export(spark, args.data_dir, out, args.log, args.corrupt).items():
-        print(f"{name}: {n} rows -> {os.path.abspath(os.path.join(out, name))} (Parquet, partitioned by due_day)")
+        print(
+            f"{name}: {counted(n, 'row')} -> {os.path.abspath(os.path.join(out, name))} "
+            "(Parquet, partitioned by due_day)"
+        )
     return 0
 
 
@@ -1042,13 +1047,13 @@ def _import_cmd(spark, args) -> int:
         )
     except Exception as e:  # noqa: BLE001 - a task failed: Spark wraps its error in pages of traceback
         print(
-            f"qdelay spark import: stopped: {_task_failure(e)}; the {len(_read_report(out))} messages "
+            f"qdelay spark import: stopped: {_task_failure(e)}; the {counted(len(_read_report(out)), 'message')} "
             f"accepted so far are listed in {os.path.join(out, REPORT_DIR)}: run the same command again to resume",
             file=sys.stderr,
         )
         return 1
     print(
-        f"{r['rows']} rows: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
+        f"{counted(r['rows'], 'row')}: {r['already_accepted']} accepted by an earlier run, {r['accepted']} accepted "
         f"in all, {r['rejected']} rejected; report in {r['report']}"
     )
     return 0 if r["accepted"] + r["rejected"] >= r["rows"] and not r["rejected"] else 1
