@@ -812,6 +812,18 @@ class Engine:
             and self.dispatched.ready(self.dispatch.get(bucket))
         )
 
+    def _flush(self, bucket: int, now: bool = False) -> None:
+        """Write ``bucket``'s records out of the iterate service's write-behind buffer before
+        its segment is read (a far-future message, or another Cancel's tombstone, may wait
+        there). On the event loop (``now``) only if that waits for nothing: the buffer may
+        have filled again since ``_claimable_now`` flushed it (the iterate thread copies
+        meanwhile), and the append lock is held across an iterate step's writes (and a full
+        disk): _NotNow instead, and a worker thread does it."""
+        if not now:
+            self.iterate.flush_bucket(bucket)
+        elif not self.iterate.flush_bucket_now(bucket):
+            raise _NotNow
+
     def _claim_to_move(
         self, targets: list[tuple[str, int | None, int | None]], now: bool = False
     ) -> tuple[list[CancelOutcome], list, list[records.Message]]:
@@ -1013,7 +1025,7 @@ class Engine:
             for i in keep[answers == sched.CLAIM_OUT].tolist():
                 outcomes[i] = CancelOutcome.ALREADY_DELIVERED
         try:
-            closed = self._closed_states(places.dues[mine], seqs[mine], places.where[mine], places.segs)
+            closed = self._closed_states(places.dues[mine], seqs[mine], places.where[mine], places.segs, now=now)
         except BaseException:
             sched.release_cancels(seqs[mine].tolist())
             raise
@@ -1100,7 +1112,7 @@ class Engine:
         parts: list[tuple[Segment, list[int]]] = []
         segs: dict[int, Segment] = {}
         for bucket, rows in groups.items():
-            self.iterate.flush_bucket(bucket)  # as _held_by_segments: nothing is left behind
+            self._flush(bucket, True)  # as _held_by_segments: nothing is left behind
             seg = self.schedule.get(bucket)
             if seg is None:
                 return None
@@ -1185,11 +1197,12 @@ class Engine:
                 segs,
                 # the same buckets: their buffers were read before the files, as it needs
                 buffered_by={bucket: b for (bucket, _rows), b in zip(buckets, buffers)},
+                now=True,
             )
             return {mine[k]: state for k, state in states.items()}
         out: dict[int, MessageState] = {}
         for bucket, rows in buckets:
-            self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
+            self._flush(bucket, True)  # another Cancel's tombstone may be written behind
             tombs = self.scheduler.known_tombstones(bucket)
             if tombs is not None:
                 if not tombs:
@@ -1246,7 +1259,7 @@ class Engine:
                 dues = np.array([targets[i][1] for i in rec], dtype=np.int64)
                 seqs = np.array([targets[i][2] for i in rec], dtype=np.int64)
             self._iterated(int(seqs.max()))
-            held, where, _flagged = self._held_by_segments(ids_l, dues, seqs, places.segs)
+            held, where, _flagged = self._held_by_segments(ids_l, dues, seqs, places.segs, now)
             if len(rec) == n and bool(held.all()):  # every receipt confirmed (CancelBatch's usual batch)
                 places.dues, places.seqs, places.where = dues, seqs, where
             else:
@@ -1300,7 +1313,12 @@ class Engine:
         return [(int(ordered[a]), order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)])]
 
     def _held_by_segments(
-        self, ids: list[str], dues: np.ndarray, seqs: np.ndarray, segs: dict[int, Segment] | None = None
+        self,
+        ids: list[str],
+        dues: np.ndarray,
+        seqs: np.ndarray,
+        segs: dict[int, Segment] | None = None,
+        now: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Whether the schedule segment of each receipt's bucket holds exactly that MESSAGE
         (sequence, due time and id), checked per bucket with one search of the segment's
@@ -1308,10 +1326,10 @@ class Engine:
         held one's entry is in that index (-1: not held). False means "look further"
         (``_find_targets`` asks the id index, then reads the record). ``segs`` collects
         the segment searched per bucket, to which those places belong. Third: the CANCELLED
-        flag of each held one as that search read it."""
+        flag of each held one as that search read it. ``now``: on the event loop (``_flush``)."""
         parts: list[tuple[Segment, np.ndarray]] = []
         for bucket, ks in self._by_bucket(dues):
-            self.iterate.flush_bucket(bucket)  # a far-future message may still be written behind
+            self._flush(bucket, now)  # a far-future message may still be written behind
             seg = self.schedule.get(bucket)
             if seg is None:
                 continue
@@ -1342,6 +1360,7 @@ class Engine:
         segs: dict[int, Segment] | None = None,
         flagged: np.ndarray | None = None,
         buffered_by: dict[int, bytes] | None = None,
+        now: bool = False,
     ) -> dict[int, MessageState]:
         """Of the messages known to exist at (``dues``, ``seqs``), those no longer pending:
         row -> CANCELLED, DELIVERED or DEAD_LETTERED, read once per bucket (``_closed_state``
@@ -1351,7 +1370,7 @@ class Engine:
         rather than by a second search; ``flagged`` (the CANCELLED flags that search read)
         spares even that read, for a caller that needs no look after a claim (a retried
         send: a message cancelled meanwhile was closed within the window, a duplicate all
-        the same)."""
+        the same). ``now``: on the event loop (``_flush``)."""
         out: dict[int, MessageState] = {}
         sched = self.scheduler
         closed = np.zeros(len(seqs), dtype=bool)
@@ -1370,7 +1389,7 @@ class Engine:
         read = dict(zip(unread, sched.dispatch_buffered(unread))) if unread else {}
         buffers = [given[bucket] if bucket in given else read[bucket] for bucket, _rows in groups]
         for (bucket, rows), buffered in zip(groups, buffers):
-            self.iterate.flush_bucket(bucket)  # another Cancel's tombstone may be written behind
+            self._flush(bucket, now)  # another Cancel's tombstone may be written behind
             seg = self.schedule.get(bucket)
             dseg = self.dispatch.get(bucket)
             if dseg is not None or buffered:

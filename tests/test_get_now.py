@@ -5,11 +5,12 @@ it would neither wait nor read much, and then exactly as get_sync answers; other
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from simclock import MINUTE, T0, FakeClock, config, message
 
 from qdelay.segments.naming import bucket_of
-from qdelay.server.engine import Engine, MessageState
+from qdelay.server.engine import Engine, MessageState, _NotNow
 
 
 def _same(a, b) -> bool:
@@ -67,5 +68,45 @@ def test_get_now_declines_what_would_wait(tmp_path):
         (r,) = engine.send_sync([message("t.g", T0 + 90 * MINUTE, "late")])
         assert engine.get_now(r.message_id, r.deliver_at_ms, r.sequence) is None
         assert engine.get_now(r.message_id, None, None) is None
+    finally:
+        engine.close()
+
+
+def test_a_claim_on_the_loop_never_waits_for_the_append_lock(tmp_path):
+    """A far minute written behind again after _claimable_now flushed it (a send of that
+    minute copied meanwhile by the iterate thread) makes the claim on the event loop decline
+    (_NotNow, nothing left claimed) instead of waiting for the append lock, which an
+    iterate step holds across its writes (and across a full disk, for as long as it lasts)."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    due = T0 + 90 * MINUTE
+    try:
+        receipts = engine.send_sync([message("t.c", due + k, f"c{k}") for k in range(4)])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        targets = [(r.message_id, r.deliver_at_ms, r.sequence) for r in receipts[:2]]
+        assert engine._claimable_now(targets)
+        engine.send_sync([message("t.c", due + 9, "later")])  # copied behind, after that check
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        assert engine.iterate.written_behind(bucket_of(due))
+        got: list[object] = []
+
+        def claim() -> None:
+            try:
+                got.append(engine._claim_cancels(targets, now=True))
+            except _NotNow:
+                got.append("not now")
+
+        with engine.iterate.append_lock:  # an iterate step under way
+            t = threading.Thread(target=claim, daemon=True)
+            t.start()
+            t.join(2.0)
+            stuck = t.is_alive()
+        t.join(10.0)
+        assert not stuck and got == ["not now"]
+        # nothing was left claimed: the worker thread's claim (flushing, waiting) cancels them
+        outcomes = asyncio.run(engine.cancel_many(targets))
+        assert [str(o.name) for o in outcomes] == ["CANCELLED", "CANCELLED"]
     finally:
         engine.close()
