@@ -1117,8 +1117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-minutes", type=scale_arg, default=1, help="the server's bucket size")
     p = common(sub.add_parser("find", help="the full life of one message"))
     which = p.add_mutually_exclusive_group(required=True)  # neither, or both: a usage error (exit 2)
-    which.add_argument("--id", help="message id")
-    which.add_argument("--sequence", type=int, help="message-log sequence")
+    which.add_argument("--id", help="message id: every message that ever carried it (reads the whole message log)")
+    which.add_argument(
+        "--sequence", type=int, help="message-log sequence, as in a receipt (reads only the segments that hold it)"
+    )
     p.add_argument("--scale-minutes", type=scale_arg, default=1, help="the server's bucket size")
     p = common(sub.add_parser("stats", help="per-minute pending / delivered / cancelled counts"))
     p.add_argument("--from", dest="from_time", type=time_arg, help="first due time (epoch ms or ISO 8601, UTC)")
