@@ -170,11 +170,17 @@ class PullServer:
                 f"diverged: the slave's message log ends at {end}, beyond the master's "
                 f"end {committed}; the slave truncates its divergent tail",
             )
-        if end < wal.first_offset:
+        first = wal.first_offset
+        # at the boundary (end == first) the slave's last record, which the check below
+        # compares, is in a segment the master deleted: the logs cannot be compared there
+        # ("diverged" sent the slave to a repair that found no common record)
+        if end < first or (hello.last_sequence and hello.last_frame_offset < first):
+            need = end if end < first else hello.last_frame_offset
+            what = "" if end < first else " (its last record, where the two logs are compared)"
             raise _Refuse(
                 "OUT_OF_RANGE",
-                f"behind retention: the slave needs message-log offset {end} but the master's oldest "
-                f"segment starts at {wal.first_offset}; stop the slave and run "
+                f"behind retention: the slave needs message-log offset {need}{what} but the master's oldest "
+                f"segment starts at {first}; stop the slave and run "
                 f"'qdelay admin resync --data-dir DIR --master HOST:PORT', then start it again",
             )
         if hello.last_sequence:

@@ -425,6 +425,33 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
     assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")
 
 
+def test_a_slave_ending_at_the_masters_oldest_segment_is_behind_retention(tmp_path):
+    """A slave whose log ends exactly where the master's oldest kept segment starts: its last
+    record is in a segment the master deleted, so the logs cannot be compared. It was told
+    "diverged", and its repair then failed on "no common prefix"; it is behind retention
+    (the same advice: a full resync), as one a byte further back is."""
+    args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200"]
+    args += ["--set", "slave_hold_ms=0", "--set", "engine.checkpoint_interval_ms=50"]
+    with master(tmp_path, args=args) as a:
+        with slave(tmp_path, a) as b:
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            send_some(a.address, 100, delay_ms=3_600_000)
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        # one batch larger than a segment: the master rolls at the slave's end, and cleans
+        # everything before (the new segment is the active one, never deleted)
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        assert f"{end:020d}.wal" in wal_files(tmp_path / "a")
+        wait_until(lambda: status(a.address).first_offset == end, 20, "master cleaned", ignore=RPC_ERRORS)
+        with b:
+            b.start() if not b.alive() else None
+            st = wait_until(lambda: (s := status(b.address)).error and s, 20, "retention error", ignore=RPC_ERRORS)
+            want = "(its last record, where the two logs are compared) but the master's oldest segment "
+            assert st.error.startswith("behind retention: the slave needs message-log offset "), st.error
+            assert f"{want}starts at {end}; stop the slave and run 'qdelay admin resync " in st.error, st.error
+            assert not st.connected and st.end_offset == end
+
+
 def test_three_servers_failover_other_slave_follows_new_master(tmp_path):
     from qdelay.client import ClusterClient
 
