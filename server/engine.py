@@ -669,9 +669,12 @@ class Engine:
         cancelled may be the retry of one refused for want of a slave's confirmation (sync
         mode), whose tombstone is durable here only; its answer (ALREADY_CANCELLED, or a
         move's CANCELLED) must not say "cancelled" before a slave has it (a failover would
-        deliver the message at its old time)."""
+        deliver the message at its old time), nor after a wait that outlived the write
+        guard's lease: the guard is asked again right before the answer, as for a write."""
         if CancelOutcome.ALREADY_CANCELLED in outcomes:
             await self.wait_replicated()
+            if self.write_guard is not None:
+                self.write_guard()
 
     async def reschedule(
         self, message_id: str, deliver_at_ms: int | None, sequence: int | None, new_due_ms: int

@@ -4,14 +4,18 @@ between the steps of a dispatch round, so a claimed message is never handed out.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import pytest
+
+from qdelay.errors import LeaseLost
 from qdelay.segments.naming import bucket_of
 from qdelay.server.engine import Engine
 from qdelay.server.scheduler import Scheduler
 from tests.conftest import wait_until
-from tests.simclock import MINUTE, CollectingSink, Driver, FakeClock, config, message
+from tests.simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message
 
 
 def _started(tmp_path) -> tuple[Engine, CollectingSink]:
@@ -397,4 +401,37 @@ def test_a_few_receipts_claimed_on_the_loop_answer_as_the_batch_form(tmp_path):
         assert both([t[0], ("other", t[3][1], t[3][2])])[0] is None
         assert not any(sched.cancel_claimed(seq) for k, (_m, _d, seq) in enumerate(t) if k != 2)
     finally:
+        engine.close()
+
+
+def test_a_retry_answered_already_cancelled_after_the_slave_wait_asks_the_write_guard_again(tmp_path):
+    """The write guard (cluster mode: the etcd lease) is asked before a write and again right
+    before its answer. A retried cancel or reschedule that writes nothing but waits for a
+    slave (sync mode, Engine._nothing_claimed) answered without that second ask: a master
+    whose lease ran out during the wait still said "cancelled"."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    lease = {"ok": True}
+
+    async def wait(offset: int) -> None:
+        lease["ok"] = False  # the lease runs out while the slave is awaited
+
+    def guard() -> None:
+        if not lease["ok"]:
+            raise LeaseLost("no lease")
+
+    try:
+        (r,) = engine.send_sync([message("t.g", T0 + 5 * MINUTE, "m1")])
+        target = (r.message_id, r.deliver_at_ms, r.sequence)
+        assert [o.name for o in asyncio.run(engine.cancel_many([target]))] == ["CANCELLED"]
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.replication_wait, engine.write_guard = wait, guard
+        with pytest.raises(LeaseLost):
+            asyncio.run(engine.cancel_many([target]))  # ALREADY_CANCELLED, after the wait
+        lease["ok"] = True
+        with pytest.raises(LeaseLost):
+            asyncio.run(engine.reschedule(r.message_id, r.deliver_at_ms, r.sequence, T0 + 9 * MINUTE))
+    finally:
+        engine.replication_wait = engine.write_guard = None
         engine.close()
