@@ -208,3 +208,24 @@ def test_on_a_running_server(tmp_path, capsys):
         )
         assert _same(root, rs[40].sequence)[0]["state"] == "PENDING"
         c.close()
+
+
+def test_find_by_id_reads_every_record_that_carries_it(real):
+    """``--id`` decodes only the bodies that hold the id's bytes: it still reports every
+    message-log record whose decoded id is the one asked for, and nothing else."""
+    root = real["root"]
+    wal = [f for f in inspect.segment_files(root) if f.log == "message"]
+    for mid in ("m5", "m8", "m1", "nope"):
+        want = sorted(
+            (sf.rel, item.offset)
+            for sf in wal
+            for item in inspect.walk_file(sf)
+            if getattr(item.record, "message_id", None) == mid
+        )
+        got = sorted(
+            (e["segment"], e["offset"])
+            for lf in inspect.find_life(root, message_id=mid)
+            for e in lf["events"]
+            if e["log"] == "message"
+        )
+        assert got == want and (mid == "nope") == (want == [])

@@ -836,10 +836,22 @@ def find_life(
     else:
         wal = [f for f in files if f.log == "message"]
         # 1. the message log (it may have been cleaned: fall back to the schedule log)
+        # a body is decoded only when it can match: it holds the id's bytes, or it is the
+        # sequence's record or a cancel (whose target is in its body); decoding every body
+        # was most of the read's cost
+        want = None if message_id is None else message_id.encode()
         with _progress(wal, progress_label) as prog:
             for sf in wal:
-                for item in walk_file(sf, prog):
-                    if _matches(item, message_id, sequence):
+                for item in walk_file(sf, prog, decode_bodies=False):
+                    f = item.frame
+                    if f is None or f.kind not in (RecordKind.MESSAGE, RecordKind.CANCEL):
+                        continue
+                    if want is not None and want not in f.body:
+                        continue
+                    if want is None and f.kind == RecordKind.MESSAGE and f.sequence != sequence:
+                        continue
+                    item.record, why = decode(f)
+                    if why is None and _matches(item, message_id, sequence):
                         on_message_log(sf, item)
         # 2. schedule segments: the due bucket when known, else all of them
         sched = _schedule_choice(files, found, scale_minutes)
