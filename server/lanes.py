@@ -170,9 +170,22 @@ class Ready:
                     self._marked += 1
                     n += 1
         self.count -= n
-        if self._marked > max(1024, self.count):
+        if self.count == 0 and (self.chunks or self.retries):
+            self._clear()
+        elif self._marked > max(1024, self.count):
             self._compact()
         return n
+
+    def _clear(self) -> None:
+        """Everything queued was cancelled: let go of it now. At count 0 the lane leaves the
+        round-robin, so no round would pass over the marked entries, and their chunk (fired
+        for the subject's every group) stayed held for as long as the group got nothing new."""
+        self.chunks.clear()
+        self.retries.clear()
+        self._retry_seqs.clear()
+        self._gone.clear()
+        self._marked = 0
+        self._forget_runs()
 
     def _compact(self) -> None:
         """Copy the chunks without their marked entries, as one chunk (in order): paid for

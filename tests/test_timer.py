@@ -416,3 +416,20 @@ def test_a_cancel_finds_entries_queued_after_most_of_a_lane_was_taken():
     assert q.count == 999
     assert q.cancel({9500, 9999}) == 2 and q.count == 997
     assert 9500 not in q.take(1000)[0] and q.count == 0
+
+
+def test_a_lane_whose_every_queued_entry_was_cancelled_lets_go_of_its_chunks():
+    """Cancels that leave a lane's ready queue with nothing to count free its chunks at once:
+    the lane leaves the round-robin at count 0, so no round would pass over its marked
+    entries, and a fired chunk (shared by the subject's groups) stayed held by it for as
+    long as the group got nothing new, after its bucket was done."""
+    q = Ready()
+    seqs = np.arange(1, 11, dtype=np.int64)
+    zeros = np.zeros(10, dtype=np.int64)
+    q.push(Entries(zeros, seqs, zeros, zeros.astype(np.int32), zeros.astype(np.int32)))
+    q.push_retry((99, 0, 0, 0, 2))
+    assert q.cancel(set(range(1, 6))) == 5 and len(q.chunks) == 1  # some left: kept
+    assert q.cancel({*range(6, 11), 99}) == 6 and q.count == 0
+    assert not q.chunks and not q.retries and q.in_memory() == set()
+    q.push(Entries(zeros[:2], seqs[:2] + 100, zeros[:2], zeros[:2].astype(np.int32), zeros[:2].astype(np.int32)))
+    assert q.cancel({101}) == 1 and q.take(10)[0] == [102] and q.count == 0
