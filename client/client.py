@@ -39,7 +39,15 @@ import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
-from qdelay.client.batching import Batching, CancelBatcher, CancelStreamCall, RescheduleBatcher, SendBatcher
+from qdelay.client.batching import (
+    BatchCall,
+    Batching,
+    CancelBatcher,
+    CancelStreamCall,
+    RescheduleBatcher,
+    SendBatcher,
+    TargetBatcher,
+)
 from qdelay.client.handoff import WaitTimeout
 from qdelay.client.types import (
     KEEPALIVE_S,
@@ -208,12 +216,11 @@ def outgoing(
     return Outgoing(subject, payload, at, rel, message_id, headers or None)
 
 
-def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batching) -> CancelBatcher:
-    """``cancel()``'s batcher on a grpc.aio ``stub`` with a client's ``settings`` (timeout,
-    metadata, retries, retry_backoff): the blocking client's on its bulk loop, the asyncio
-    client's on the user's loop."""
+def _retried(settings: Any) -> Callable[[Callable[..., Any]], BatchCall]:
+    """A batcher's call of a grpc.aio ``method``: (request, timeout) with a client's
+    ``settings`` (timeout when none is given, metadata, retries, retry_backoff)."""
 
-    def call(method: Callable[..., Any]) -> Callable[[Any, float | None], Any]:
+    def call(method: Callable[..., Any]) -> BatchCall:
         return lambda request, timeout: call_async(
             method,
             request,
@@ -223,6 +230,14 @@ def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batc
             settings.retry_backoff,
         )
 
+    return call
+
+
+def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batching) -> CancelBatcher:
+    """``cancel()``'s batcher on a grpc.aio ``stub`` with a client's ``settings`` (timeout,
+    metadata, retries, retry_backoff): the blocking client's on its bulk loop, the asyncio
+    client's on the user's loop."""
+    call = _retried(settings)
     stream = CancelStreamCall(
         lambda requests: stub.CancelStream(requests, metadata=settings.metadata),
         call(stub.CancelBatch),  # a server without CancelStream
@@ -245,17 +260,7 @@ def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batc
 def reschedule_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batching) -> RescheduleBatcher:
     """``reschedule()``'s batcher on a grpc.aio ``stub`` with a client's ``settings``, as
     :func:`cancel_batcher`: RescheduleBatch calls, a lone reschedule a Reschedule call."""
-
-    def call(method: Callable[..., Any]) -> Callable[[Any, float | None], Any]:
-        return lambda request, timeout: call_async(
-            method,
-            request,
-            timeout or settings.timeout,
-            settings.metadata,
-            settings.retries,
-            settings.retry_backoff,
-        )
-
+    call = _retried(settings)
     return RescheduleBatcher(
         call(stub.RescheduleBatch),
         call(stub.Reschedule),
@@ -816,24 +821,37 @@ class Client:
             request = cancel_request(receipt, message_id)
             outcome = self._call(self.stub.Cancel, request, timeout).outcome
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
-        target = cancel_target(receipt, message_id)
-        canceller = self._canceller or self._bulk.run(self._make_canceller)
-        timeout = timeout or self.timeout
-        waiter = canceller.submit_threadsafe(self._bulk.loop, target, timeout)
-        try:
-            outcome = waiter.wait(timeout)  # gives up (left out of its call if not cut yet) on timeout
-        except WaitTimeout:
-            raise deadline_exceeded(timeout) from None
+        outcome = self._gathered("_canceller", cancel_batcher, cancel_target(receipt, message_id), timeout)
         return CANCEL_OUTCOMES.get(outcome, str(outcome))
 
-    async def _make_canceller(self, channel: grpc.aio.Channel) -> CancelBatcher:
-        """The batcher of ``cancel()``, made once on the bulk loop (its owner), calling on the
-        bulk channel."""
-        if self.batching is None:
-            raise errors.InvariantViolation("cancel() made a batcher with batching off")
-        if self._canceller is None:
-            self._canceller = cancel_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
-        return self._canceller
+    def _gathered(
+        self,
+        name: str,
+        make: Callable[[pb_grpc.DelayServiceStub, Any, Batching], TargetBatcher],
+        request: Any,
+        timeout: float | None,
+    ) -> Any:
+        """``request``'s answer through the batcher of ``cancel()`` or ``reschedule()`` (the
+        attribute ``name``; made by ``make`` once, on the bulk loop, its owner, calling on the
+        bulk channel), or its error; DeadlineExceeded once ``timeout`` passed (the caller gives
+        up: left out of its call if that was not cut yet)."""
+        batcher = getattr(self, name)
+        if batcher is None:
+
+            async def made(channel: grpc.aio.Channel) -> TargetBatcher:
+                if self.batching is None:
+                    raise errors.InvariantViolation(f"{name} made with batching off")
+                if getattr(self, name) is None:
+                    setattr(self, name, make(pb_grpc.DelayServiceStub(channel), self, self.batching))
+                return getattr(self, name)
+
+            batcher = self._bulk.run(made)
+        timeout = timeout or self.timeout
+        waiter = batcher.submit_threadsafe(self._bulk.loop, request, timeout)
+        try:
+            return waiter.wait(timeout)
+        except WaitTimeout:
+            raise deadline_exceeded(timeout) from None
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
@@ -869,22 +887,7 @@ class Client:
         req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms))
         if self.batching is None:
             return reschedule_result(self._call(self.stub.Reschedule, req, timeout))
-        rescheduler = self._rescheduler or self._bulk.run(self._make_rescheduler)
-        timeout = timeout or self.timeout
-        waiter = rescheduler.submit_threadsafe(self._bulk.loop, req, timeout)
-        try:
-            resp = waiter.wait(timeout)
-        except WaitTimeout:
-            raise deadline_exceeded(timeout) from None
-        return reschedule_result(resp)
-
-    async def _make_rescheduler(self, channel: grpc.aio.Channel) -> RescheduleBatcher:
-        """The batcher of ``reschedule()``, made once on the bulk loop, as ``_make_canceller``."""
-        if self.batching is None:
-            raise errors.InvariantViolation("reschedule() made a batcher with batching off")
-        if self._rescheduler is None:
-            self._rescheduler = reschedule_batcher(pb_grpc.DelayServiceStub(channel), self, self.batching)
-        return self._rescheduler
+        return reschedule_result(self._gathered("_rescheduler", reschedule_batcher, req, timeout))
 
     def reschedule_many(
         self,
