@@ -22,8 +22,9 @@ from datafolder import T0
 from serverproc import ServerProc
 
 from qdelay import cli
-from qdelay.segments import naming
+from qdelay.segments import naming, reader
 from qdelay.segments import schedule_index as sidx
+from qdelay.segments.framing import RecordKind
 from qdelay.tools import inspect
 
 DAY_MS = 86_400_000
@@ -229,3 +230,33 @@ def test_find_by_id_reads_every_record_that_carries_it(real):
             if e["log"] == "message"
         )
         assert got == want and (mid == "nope") == (want == [])
+
+
+def test_a_frame_inside_a_payload_does_not_pass_for_the_record(tmp_path):
+    """Payloads that each hold a whole, valid MESSAGE frame numbered like a real message
+    (a message forwarding raw records): the bisection can stop on one, and then neither the
+    schedule copy nor an aligned walk confirms it, so the whole log is read; the real
+    message is reported either way."""
+    from qdelay.segments import framing, records
+
+    b = datafolder.DataFolderBuilder(str(tmp_path / "f"))
+    target = 700  # a sequence written below
+    fake = framing.encode(
+        RecordKind.MESSAGE, target, T0, records.encode_message(b"fake", b"fake-id", b"", b"not me", T0 + 60_000)
+    )
+    seqs = b.send_many([("s", b"<" + fake + b">" * 40, T0 + 60_000 + i, T0, f"r{i}") for i in range(900)])
+    assert target in seqs
+    b.iterate(at_ms=T0 + 1_000)
+    b.close()
+    root = b.root
+    (life,) = _same(root, target)
+    assert life["message_id"] == f"r{target - 1}"
+    with inspect.open_buffer(inspect.segment_files(root)[0].path) as buf:
+        landed = next(reader.walk(buf, 0, reader.record_before(buf, target)))
+        assert records.decode_body(landed.kind, landed.body).message_id == "fake-id"  # stopped on a fake
+    assert inspect.sequence_shortcut(root, inspect.segment_files(root), target, 1) is None
+
+
+def _real_body(root: str, seq: int) -> bytes:
+    wal = [f for f in inspect.segment_files(root) if f.log == "message"]
+    return next(i.frame.body for sf in wal for i in inspect.walk_file(sf) if i.frame and i.frame.sequence == seq)

@@ -692,6 +692,10 @@ def _walked_hits(sf: SegmentFile, sequence: int) -> list[Item]:
     return items
 
 
+def _same_record(f: Frame) -> tuple:
+    return (f.kind, f.sequence, f.timestamp, f.body)
+
+
 def sequence_shortcut(data_dir: str, files: list[SegmentFile], sequence: int, scale_minutes: int) -> Shortcut | None:
     """What ``find --sequence`` reports from the message and schedule logs, read from the
     message-log segment holding the sequence, its due bucket's schedule segment (through
@@ -718,13 +722,18 @@ def sequence_shortcut(data_dir: str, files: list[SegmentFile], sequence: int, sc
             if hits is None:
                 hits = _walked_hits(ssf, sequence)
             schedule.extend((ssf, it) for it in hits)
-        copies = {it.frame.sequence for _s, it in schedule if isinstance(it.record, Message)}
-        if sf.key + item.offset < copied and sequence not in copies:
+        # A record found by bisection is confirmed by an aligned read: its schedule copy
+        # (the same kind, sequence, stamp and body), or the walk from the checkpoint, which
+        # starts on a record boundary. (A resynchronising bisection could otherwise stop on
+        # a whole frame held inside some payload.)
+        copies = {it.frame.sequence: _same_record(it.frame) for _s, it in schedule}
+        confirm = {(sf.key, item.offset): item} if copies.get(sequence) != _same_record(item.frame) else {}
+        if confirm and sf.key + item.offset < copied:
             raise _NoShortcut  # the checkpoint says it was copied: the schedule log lost it
         picked = {(sf.key, item.offset): (sf, item)}
-        for cancel in sorted({it.frame.sequence for _s, it in schedule if isinstance(it.record, Cancel)}):
+        for cancel in sorted(q for q, (kind, *_rest) in copies.items() if kind == RecordKind.CANCEL):
             csf, citem = _message_log_record(wal, cancel, cache)
-            if not _matches(citem, None, sequence):
+            if not _matches(citem, None, sequence) or copies[cancel] != _same_record(citem.frame):
                 raise _NoShortcut
             picked[(csf.key, citem.offset)] = (csf, citem)
         # the cancels not copied yet: the message log past the checkpoint
@@ -733,8 +742,14 @@ def sequence_shortcut(data_dir: str, files: list[SegmentFile], sequence: int, sc
                 continue
             with open_buffer(tsf.path) as buf:
                 for titem in walk(buf, 0, True, max(0, copied - tsf.key)):
-                    if titem.frame is not None and titem.frame.sequence > sequence and _matches(titem, None, sequence):
+                    if titem.frame is None or titem.frame.sequence < sequence:
+                        continue
+                    if titem.frame.sequence == sequence:
+                        confirm.pop((tsf.key, titem.offset), None)
+                    elif _matches(titem, None, sequence):
                         picked[(tsf.key, titem.offset)] = (tsf, titem)
+        if confirm:
+            raise _NoShortcut  # neither a copy nor the aligned walk met the record found
     except _NoShortcut:
         return None
     return Shortcut([picked[k] for k in sorted(picked)], schedule)
