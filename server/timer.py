@@ -394,6 +394,12 @@ class Timer:
                         st.owe(gid, -n)
                         self.ready_total -= n
                         total += n
+                        while not lane.ready.count and lane in self.rr:
+                            # out of the round-robin, as a round leaves a lane it emptied: the
+                            # next entry to its empty queue puts it back (``_push``), and left
+                            # in, it went in twice, once more at every such turn (a scan of
+                            # the lanes with work, only when a cancel empties a queue)
+                            self.rr.remove(lane)
         return total
 
     def may_hold_fired(self, st: BucketState, targets: list[int]) -> bool:

@@ -433,3 +433,19 @@ def test_a_lane_whose_every_queued_entry_was_cancelled_lets_go_of_its_chunks():
     assert not q.chunks and not q.retries and q.in_memory() == set()
     q.push(Entries(zeros[:2], seqs[:2] + 100, zeros[:2], zeros[:2].astype(np.int32), zeros[:2].astype(np.int32)))
     assert q.cancel({101}) == 1 and q.take(10)[0] == [102] and q.count == 0
+
+
+def test_a_lane_emptied_by_cancels_is_in_the_round_robin_once_when_it_fills_again():
+    """A lane joins the round-robin when an entry comes to its empty queue; one emptied by
+    cancels (not by a round) stayed in it, so the next entry put it in a second time: an
+    idle group whose fired messages were cancelled went in once more at every such turn, and
+    every dispatch round walked it that many times (and a lane with credit took that many
+    turns a round)."""
+    timer, st, groups = rig()
+    groups.create("s", "idle", 0)
+    for k in range(1, 5):
+        load(timer, st, b"s", [k], T + k)
+        timer.fire(T + k)  # into the queue the previous turn's cancel emptied
+        assert timer.take(lambda s, g: 0, lambda n: n, 100) == []  # no credit: a round takes nothing
+        assert len(timer.rr) == 1 and timer.ready_total == 1
+        assert timer.cancel_ready(st.bucket, {k}) == 1 and timer.ready_total == 0
