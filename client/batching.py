@@ -1131,8 +1131,9 @@ class RescheduleBatcher(TargetBatcher):
     whatever it carries, a move in a batch a small part of that.
 
     A RescheduleBatch tried again after UNAVAILABLE (the client's retries) may find a
-    target already moved by the try whose answer was lost: that one answers CANCELLED (its
-    old receipt's message is gone), as a unary Reschedule tried again does."""
+    target already moved by the try whose answer was lost, as a unary Reschedule tried
+    again does: named by receipt, it answers CANCELLED (its old receipt's message is gone);
+    named by id, it is moved again (RESCHEDULED, a ``delay`` counted from the retry)."""
 
     KIND = "RescheduleBatch"
 

@@ -214,7 +214,8 @@ class ClusterClient:
         self, targets: Iterable[Target], *, batch_size: int = 1000, **kw: Any
     ) -> list[tuple[str, Receipt | None]]:
         """As ``Client.reschedule_many``, on the master. A call that fails over is made again
-        on the new master (a target the lost try moved then answers CANCELLED)."""
+        on the new master (a target the lost try moved then answers CANCELLED by receipt, or is
+        moved again by id)."""
         items = list(targets)
         return self._retry(lambda c: c.reschedule_many(items, batch_size=batch_size, **kw))
 

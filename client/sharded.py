@@ -538,8 +538,8 @@ class ShardedClient(_Sharded):
         ...): the targets grouped by shard as :meth:`cancel_many` groups them
         (RescheduleBatch calls on each shard's master, the shards at the same time); one
         answer per target, in the caller's order. A shard whose call fails over is asked
-        again (a target its lost try moved then answers CANCELLED, as after the
-        single-server client's retries)."""
+        again (a target its lost try moved then answers CANCELLED by receipt, or is moved
+        again by id, as after the single-server client's retries)."""
         items = list(targets)
         topo = self.topology or self.refresh()
         out: list[tuple[str, Receipt | None]] = [("", None)] * len(items)
