@@ -834,31 +834,47 @@ class Engine:
         claims (as a Cancel's: ``_claim_cancels``) and the record of each claimed message,
         to write again. The claim has confirmed where each one is (its minute's index, or
         the batch form's search), so the record is read from there, not located again.
-        StorageError, every claim released, if one has gone meanwhile (the cleaner)."""
+        StorageError, every claim released, if one has gone meanwhile (the cleaner). A
+        record damaged since it was indexed answers NOT_FOUND, its claim given back, as Get
+        answers it (the loader never fires it): failing the batch, every retry of it failed."""
         outcomes, claimed = self._claim_cancels(targets, now)
         try:
             msgs = self._records_of(claimed)
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
-        return outcomes, claimed, msgs
+        if None not in msgs:
+            return outcomes, claimed, cast("list[records.Message]", msgs)
+        rows = [i for i, o in enumerate(outcomes) if o == CancelOutcome.CANCELLED]  # claimed, in order
+        damaged = [k for k, msg in enumerate(msgs) if msg is None]
+        self._release_claims([claimed[k][2] for k in damaged])
+        for k in damaged:
+            outcomes[rows[k]] = CancelOutcome.NOT_FOUND
+        kept = [k for k, msg in enumerate(msgs) if msg is not None]
+        return outcomes, [claimed[k] for k in kept], [cast("records.Message", msgs[k]) for k in kept]
 
-    def _records_of(self, claimed: list[tuple[str, int, int]]) -> list[records.Message]:
+    def _records_of(self, claimed: list[tuple[str, int, int]]) -> list[records.Message | None]:
         """The MESSAGE record of each claimed (message_id, due, sequence), in order: each
         minute's read together (``finder.find_many``: one index search, a read per run of
-        nearby records). StorageError if one has gone (the cleaner) or is not that message."""
+        nearby records); None for one its segment holds damaged. StorageError if one has
+        gone (the cleaner) or is not that message."""
         scale = self.config.scale_minutes
         groups: dict[int, list[int]] = {}
         for i, (_mid, due, _seq) in enumerate(claimed):
             groups.setdefault(bucket_of(due, scale), []).append(i)
         frames: list[Frame | None] = [None] * len(claimed)
+        held = [False] * len(claimed)  # its minute's segment is there
         for bucket, rows in groups.items():
             seg = self.schedule.get(bucket)
             if seg is not None:
                 for i, frame in zip(rows, self.finder.find_many(seg, [claimed[i][2] for i in rows])):
                     frames[i] = frame
-        msgs: list[records.Message] = []
-        for (mid, due, _seq), frame in zip(claimed, frames):
+                    held[i] = True
+        msgs: list[records.Message | None] = []
+        for (mid, due, _seq), frame, there in zip(claimed, frames, held):
+            if frame is None and there:
+                msgs.append(None)  # indexed, its record unreadable now (find_many logged it)
+                continue
             msg = records.decode_message(frame.body) if frame is not None and frame.kind == RecordKind.MESSAGE else None
             if msg is None or msg.message_id != mid or msg.deliver_at_ms != due:
                 raise StorageError(f"message {mid!r} vanished while being rescheduled; retry")

@@ -12,8 +12,9 @@ import pytest
 
 from qdelay.errors import LeaseLost
 from qdelay.segments.naming import bucket_of
-from qdelay.server.engine import Engine
+from qdelay.server.engine import Engine, MessageState, RescheduleOutcome
 from qdelay.server.scheduler import Scheduler
+from tests.byte_surgery import HEADER_SIZE, flip_byte
 from tests.conftest import wait_until
 from tests.simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message
 
@@ -434,4 +435,36 @@ def test_a_retry_answered_already_cancelled_after_the_slave_wait_asks_the_write_
             asyncio.run(engine.reschedule(r.message_id, r.deliver_at_ms, r.sequence, T0 + 9 * MINUTE))
     finally:
         engine.replication_wait = engine.write_guard = None
+        engine.close()
+
+
+def test_a_damaged_record_in_a_reschedule_batch_answers_not_found_and_the_rest_move(tmp_path):
+    """A pending message whose record rotted after it was indexed is never delivered (the
+    loader skips it) and Get answers NOT_FOUND; a reschedule claimed it by its index entry,
+    then failed the whole batch with 'vanished ...; retry' when reading it, so one bad record
+    refused every retry of a batch. It answers NOT_FOUND (its claim given back) and the
+    others move."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    due = T0 + 90 * MINUTE
+    try:
+        receipts = engine.send_sync([message("t.r", due + k, f"r{k}") for k in range(3)])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        seg = engine.schedule.get(bucket_of(due))
+        bad = receipts[1]
+        flip_byte(seg.path, engine.finder.find(seg, bad.sequence).offset + HEADER_SIZE + 2)
+        assert engine.get_sync(bad.message_id, bad.deliver_at_ms, bad.sequence).state == MessageState.NOT_FOUND
+        moves = [(r.message_id, r.deliver_at_ms, r.sequence, due + 10 * MINUTE) for r in receipts]
+        got = asyncio.run(engine.reschedule_many(moves))
+        assert [o for o, _r in got] == [
+            RescheduleOutcome.RESCHEDULED,
+            RescheduleOutcome.NOT_FOUND,
+            RescheduleOutcome.RESCHEDULED,
+        ]
+        assert not engine.scheduler.cancel_claimed(bad.sequence)
+        moved = [r for _o, r in got if r is not None]
+        assert [r.message_id for r in moved] == ["r0", "r2"] and moved[1].sequence == moved[0].sequence + 1
+    finally:
         engine.close()
