@@ -1021,6 +1021,7 @@ class TargetBatcher:
     async def _carry(self, batch: list[_Target]) -> None:
         self.batches += 1
         self.carried += len(batch)
+        batched = False  # the call made is the batch RPC (a CancelStream request included)
         try:
             try:
                 if (len(batch) == 1 and self._stream is None) or self._single_only:
@@ -1030,6 +1031,7 @@ class TargetBatcher:
                     single = self._single_request(batch[0].request)
                     outcomes = [self._answer(await self._single_call(single, self._left(batch)))]
                 else:
+                    batched = True
                     self.calls += 1
                     request = self._batch_request([e.request for e in batch])
                     responses = (await self._batch_call(request, self._left(batch))).responses
@@ -1042,9 +1044,11 @@ class TargetBatcher:
                     _reject(e.future, err)
                 return
             except Exception as err:  # noqa: BLE001 - a refusal of the whole call: one by one
-                if getattr(err, "code", None) == grpc.StatusCode.UNIMPLEMENTED and len(batch) > 1:
+                if batched and getattr(err, "code", None) == grpc.StatusCode.UNIMPLEMENTED:
+                    # no batch RPC on this server: single calls from now on, a lone target's
+                    # too (with a stream, a lone cancel rides the batch RPC)
                     self._single_only = True
-                if len(batch) == 1:
+                elif len(batch) == 1:
                     _reject(batch[0].future, err)
                     return
                 await asyncio.gather(*(self._one(e) for e in batch if not e.future.done()))

@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 from conftest import wait_until
 
 from qdelay import errors
@@ -345,3 +346,35 @@ def test_a_receipts_fields_make_the_same_request_as_its_cancel_request():
     got = CancelBatcher._batch_request(handed)
     assert got == want and got.SerializeToString() == want.SerializeToString()
     assert [CancelBatcher._single_request(h) for h in handed] == list(want.requests)
+
+
+def test_a_lone_cancel_on_a_server_without_the_batch_rpcs_is_a_cancel_call():
+    """With a stream every call, a lone cancel's too, is a CancelBatch request: against a
+    server with neither CancelStream nor CancelBatch (UNIMPLEMENTED) a lone cancel was
+    failed with UNIMPLEMENTED, every time, where a Cancel call answers it; only a batch of
+    several fell back to Cancel calls."""
+    calls = {"batch": 0, "single": 0}
+
+    class _Unimplemented(errors.QdelayError):
+        code = grpc.StatusCode.UNIMPLEMENTED
+
+    class _NoBatchStream:
+        async def __call__(self, _request, _timeout):
+            calls["batch"] += 1
+            raise _Unimplemented("no CancelStream, no CancelBatch here")
+
+        async def close(self) -> None:
+            pass
+
+    async def single(_request, _timeout):
+        calls["single"] += 1
+        return pb.CancelResponse(outcome=pb.CancelResponse.CANCELLED)
+
+    async def main() -> None:
+        b = CancelBatcher(_NoBatchStream(), single, stream=_NoBatchStream())  # type: ignore[arg-type]
+        assert await b.cancel(_request(7), 5) == pb.CancelResponse.CANCELLED
+        assert await b.cancel(_request(8), 5) == pb.CancelResponse.CANCELLED
+        await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert calls == {"batch": 1, "single": 2}  # asked once, then Cancel calls
