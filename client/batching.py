@@ -46,6 +46,7 @@ State has one owner: the sender task; ``send`` only appends to the queue and wak
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import heapq
@@ -807,7 +808,7 @@ def _as_first_try(response: pb.CancelBatchResponse) -> pb.CancelBatchResponse:
     )
 
 
-class TargetBatcher:
+class TargetBatcher(abc.ABC):
     """Concurrent calls that each name one message (``cancel()``, ``reschedule()``) carried
     as batch requests (CancelBatch, RescheduleBatch), on one event loop; the subclasses say
     which request and how an answer reads (:class:`CancelBatcher`, :class:`RescheduleBatcher`).
@@ -849,9 +850,9 @@ class TargetBatcher:
     KIND = "CancelBatch"  # the batch RPC, in messages
 
     @staticmethod
+    @abc.abstractmethod
     def _batch_request(requests: list) -> Any:
         """The batch request carrying ``requests`` (one per target, in order)."""
-        raise NotImplementedError
 
     @staticmethod
     def _single_request(request: Any) -> Any:
@@ -859,9 +860,9 @@ class TargetBatcher:
         return request
 
     @staticmethod
+    @abc.abstractmethod
     def _answer(response: Any) -> Any:
         """What a caller gets from its target's response (a batch's item or a single call's)."""
-        raise NotImplementedError
 
     def __init__(
         self,
