@@ -85,19 +85,18 @@ def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:
     return max(retries, 1) if lost_status(error) else retries
 
 
-_BATCH_PREFIX = "messages[0]"
-
-
-def own_field(error: errors.QdelayError) -> errors.QdelayError:
-    """A refusal of a batch of one ``send()`` message, worded as unary Send words it: the
-    server names the field by its index in the batch (``messages[0].subject: ...``), a batch
-    the caller never made; ``send()``'s caller sees ``message.subject: ...``. Changed in
-    place (the error is this caller's alone); anything else is left as it is."""
+def own_field(error: errors.QdelayError, in_batch: str = "messages[0].", own: str = "message.") -> errors.QdelayError:
+    """A refusal of a batch of one caller's target, worded as the unary call words it: the
+    server names the field by its index in the batch (``messages[0].subject: ...``,
+    ``requests[0].receipt.message_id: ...``), a batch the caller never made; the caller
+    sees ``message.subject: ...`` (``send()``), ``receipt.message_id: ...`` (``cancel()``,
+    ``in_batch="requests[0].", own=""``). Changed in place (the error is this caller's
+    alone); anything else is left as it is."""
     details = getattr(error, "details", None)
     code = getattr(error, "code", None)
-    if code is None or not isinstance(details, str) or not details.startswith(_BATCH_PREFIX + "."):
+    if code is None or not isinstance(details, str) or not details.startswith(in_batch):
         return error
-    error.said(code, "message" + details[len(_BATCH_PREFIX) :])
+    error.said(code, own + details[len(in_batch) :])
     return error
 
 
@@ -1050,7 +1049,10 @@ class TargetBatcher(abc.ABC):
                     # too (with a stream, a lone cancel rides the batch RPC)
                     self._single_only = True
                 elif len(batch) == 1:
-                    _reject(batch[0].future, err)
+                    # a lone target in a batch call (cancel()'s, on the stream): the error worded
+                    # as its single call words it
+                    own = own_field(err, "requests[0].", "") if batched and isinstance(err, errors.QdelayError) else err
+                    _reject(batch[0].future, own)
                     return
                 await asyncio.gather(*(self._one(e) for e in batch if not e.future.done()))
                 return

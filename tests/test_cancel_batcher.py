@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 from conftest import wait_until
 
 from qdelay import errors
@@ -71,6 +72,21 @@ def test_a_bad_target_fails_only_its_caller_and_batching_off_is_one_call_each(se
         assert c.cancel(receipts[5]) == "CANCELLED"
         assert c.cancel(receipts[5]) == "ALREADY_CANCELLED"
         assert c._canceller is None
+
+
+def test_a_lone_bad_cancel_is_refused_as_a_cancel_call_words_it(server):
+    """A lone cancel rides the CancelStream as a batch of one: its refusal named the field
+    in a batch the caller never made (``requests[0].receipt.message_id``), where a Cancel
+    call (batching off) and reschedule() say ``receipt.message_id``."""
+    bad = pb.Receipt(message_id="x" * 200, deliver_at_ms=1, sequence=1)
+    said = []
+    for batching in (True, False):
+        with Client(server.address, batching=batching) as c:
+            for target in (bad, "y" * 300):
+                with pytest.raises(errors.InvalidArgument) as err:
+                    c.cancel(target)
+                said.append(err.value.details)
+    assert said[:2] == said[2:] and said[0].startswith("receipt.message_id: ") and said[1].startswith("message_id: ")
 
 
 def test_a_short_timeout_in_a_call_with_longer_ones_gets_deadline_exceeded_on_time(server):
