@@ -4,8 +4,9 @@ Every attached slave has a :class:`SlaveSession`: where its stream has been sent
 what it reported durable, and which dispatch-log bytes it holds. The :class:`Hub`
 answers three questions for the rest of the server:
 
-- ``floor()`` (the cleaner): keep message-log segments from the lowest offset a slave
-  still needs (attached slaves, and detached ones for ``slave_hold_ms``);
+- ``floor()`` (the cleaner): the lowest offset a slave confirmed (attached slaves, detached
+  ones for ``slave_hold_ms``, and a resync's start); the cleaner keeps the segment holding
+  the record that ends there, which a reconnect compares (``check_hello``);
 - ``wait(end_offset)`` (sync mode, the send path): resolve once a slave reported the
   bytes up to ``end_offset`` durable, or raise :class:`ReplicationTimeout` after
   ``replication_timeout_ms`` -- the write is then answered UNAVAILABLE, never acknowledged;

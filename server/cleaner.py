@@ -1,9 +1,10 @@
 """The cleaner: deletes what no message needs any more, and nothing else.
 
 - A message-log segment goes once it is wholly behind the *saved* iterate checkpoint
-  (so a restart never needs it), behind what every attached slave has confirmed
-  (``engine.replication_floor()``), and older than ``message_retention_ms``. The active
-  segment is never deleted.
+  (so a restart never needs it), behind the last record of every slave the master holds
+  the log for (``engine.replication_floor()``: the lowest offset such a slave confirmed;
+  the segment holding the record before it stays, see ``message_log_floor``), and older
+  than ``message_retention_ms``. The active segment is never deleted.
 - A schedule segment (and its dispatch segment) goes once its bucket is below the
   scheduler's ``done_before`` and not reopened — every message in it delivered or
   dead-lettered for every group it is for, or cancelled, with the dispatch records on disk
@@ -65,11 +66,18 @@ class Cleaner:
                 log.exception("cleaner pass failed")
 
     def message_log_floor(self) -> int:
-        """The offset below which no reader needs the message log."""
+        """The offset below which no reader needs the message log.
+
+        The iterate service reads on from its saved offset. A slave needs more than the
+        bytes after its confirmed offset: when it reconnects, the master compares its last
+        record (the one ending at that offset) before sending more, and refuses it as behind
+        retention if that record is gone. So the floor for slaves is the last byte of that
+        record (offset - 1): the segment holding it stays even when the offset is exactly
+        where the next segment starts."""
         floor = self.engine.iterate.saved_offset
         replicated = self.engine.replication_floor()
         if replicated is not None:
-            floor = min(floor, replicated)
+            floor = min(floor, max(0, replicated - 1))
         return floor
 
     def run_once(self, now_ms: int | None = None) -> dict:

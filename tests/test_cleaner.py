@@ -107,6 +107,27 @@ def test_replication_floor_holds_message_segments(tmp_path):
     d.close()
 
 
+def test_replication_floor_at_a_segment_end_keeps_that_segment(tmp_path):
+    """A slave that confirmed exactly up to a segment's end is compared at its last record,
+    in that segment, when it reconnects: the segment stays; one byte further, it goes."""
+    d = make(tmp_path, message_retention_ms=0)
+    fill_wal(d)
+    d.catch_up()
+    d.engine.iterate.checkpoint()
+    age(files(tmp_path, "message", ".wal"), 10_000)
+    segs = d.engine.wal.segments()
+    assert len(segs) >= 4
+    end = segs[1].key + segs[1].size
+    assert end == segs[2].key
+    d.engine.replication_floor = lambda: end
+    removed = d.engine.cleaner.run_once(d.clock.now)["message_segments"]
+    assert removed == [segs[0].path] and d.engine.wal.first_offset == segs[1].key
+    d.engine.replication_floor = lambda: end + 1  # its last record is in the next segment
+    assert d.engine.cleaner.run_once(d.clock.now)["message_segments"] == [segs[1].path]
+    assert d.engine.wal.first_offset == end
+    d.close()
+
+
 def _deliver(d, upto, ack_at=None):
     """Deliver what is due at ``upto``; ack it at ``ack_at`` (default: at once).
 

@@ -429,7 +429,9 @@ def test_a_slave_ending_at_the_masters_oldest_segment_is_behind_retention(tmp_pa
     """A slave whose log ends exactly where the master's oldest kept segment starts: its last
     record is in a segment the master deleted, so the logs cannot be compared. It was told
     "diverged", and its repair then failed on "no common prefix"; it is behind retention
-    (the same advice: a full resync), as one a byte further back is."""
+    (the same advice: a full resync), as one a byte further back is. It is genuinely behind:
+    with slave_hold_ms=0 the master holds nothing for it once it stops (a held slave keeps
+    the segment with its last record: test_a_held_slave_ending_at_a_segment_end_...)."""
     args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200"]
     args += ["--set", "slave_hold_ms=0", "--set", "engine.checkpoint_interval_ms=50"]
     with master(tmp_path, args=args) as a:
@@ -450,6 +452,46 @@ def test_a_slave_ending_at_the_masters_oldest_segment_is_behind_retention(tmp_pa
             assert st.error.startswith("behind retention: the slave needs message-log offset "), st.error
             assert f"{want}starts at {end}; stop the slave and run 'qdelay admin resync " in st.error, st.error
             assert not st.connected and st.end_offset == end
+
+
+def test_a_held_slave_ending_at_a_segment_end_catches_up_without_a_resync(tmp_path):
+    """The master rolls to a new segment exactly where a (disconnected, held) slave's log
+    ends, and cleans: the segment holding that slave's last record stays, because the
+    reconnect compares that record; the cleaner used to delete it (the slave's confirmed
+    offset was the floor), and the slave, which has every record, was sent to a full resync
+    as behind retention. A second slave, held further back, keeps the oldest segment until
+    it catches up after the roll, so the pass that cleans is known to come after it."""
+    args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200"]
+    args += ["--set", "engine.checkpoint_interval_ms=50"]  # slave_hold_ms: the default hour
+    with master(tmp_path, args=args) as a:
+        with slave(tmp_path, a) as b, slave(tmp_path, a, name="c") as c:
+            for s in (b, c):
+                wait_until(lambda s=s: status(s.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            send_some(a.address, 25, delay_ms=3_600_000, size=1000)  # half the first segment
+            wait_caught_up(a.address, c.address)
+            c.stop()  # held where it is, in the first segment
+            send_some(a.address, 25, delay_ms=3_600_000, size=1000)
+            send_some(a.address, 50, delay_ms=3_600_000, size=1000)  # does not fit: a second segment
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        held = max(int(n.split(".")[0]) for n in wal_files(tmp_path / "a"))  # holds b's last record
+        assert 0 < held < end
+        # one batch larger than a segment: the master rolls at b's end
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        assert f"{end:020d}.wal" in wal_files(tmp_path / "a")
+        wait_until(lambda: (s := status(a.address)).iterate_offset == s.end_offset, 20, "master iterate")
+        assert status(a.address).first_offset == 0  # c holds the first segment
+        with c:
+            wait_caught_up(a.address, c.address)
+            wait_until(lambda: status(a.address).first_offset > 0, 20, "master cleaned", ignore=RPC_ERRORS)
+        assert status(a.address).first_offset == held, "the segment holding b's last record stays"
+        with b:
+            wait_caught_up(a.address, b.address)
+            st = status(b.address)
+            assert st.error == "" and st.note == "", (st.error, st.note)
+        assert [p.name for p in tmp_path.iterdir() if "before-resync" in p.name] == []
+        assert not (tmp_path / "b" / naming.DIVERGED_DIR).exists()
+    assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
 
 
 def test_three_servers_failover_other_slave_follows_new_master(tmp_path):
