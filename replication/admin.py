@@ -187,15 +187,9 @@ def _unreadable(args: argparse.Namespace) -> str | None:
     FileNotFoundError traceback (nor, for a token file with no token, a call sent without
     one and refused UNAUTHENTICATED)."""
     for flag, path in (("--token-file", args.token_file), ("--tls-ca", args.tls_ca)):
-        if not path:
-            continue
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as e:
-            return f"{flag} {path}: cannot read it: {e.strerror}"
-        if flag == "--token-file" and common.read_token(path) is None:
-            return f"{flag} {path} holds no token (its first line that is not blank or a # comment is the token)"
+        problem = common.file_problem(path, token=flag == "--token-file") if path else None
+        if problem:
+            return f"{flag} {problem}"
     return None
 
 

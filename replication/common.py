@@ -36,6 +36,21 @@ def read_token(token_file: str | None) -> str | None:
     return None
 
 
+def file_problem(path: str, token: bool = False) -> str | None:
+    """Why a file named on a command line (``qdelay admin``, ``qdelay spark``) cannot be
+    used, None when it can: checked before any call or job, so that a wrong path is one
+    line naming it, not a traceback; a ``token`` file must also hold a token (else the
+    calls go without one and are refused UNAUTHENTICATED)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        return f"{path}: cannot read it: {e.strerror}"
+    if token and read_token(path) is None:
+        return f"{path} holds no token (its first line that is not blank or a # comment is the token)"
+    return None
+
+
 def slave_credentials(cfg) -> tuple[str | None, bytes | None, bool]:
     """(token, CA bytes, use TLS) a server uses to call its master or peers."""
     token = read_token(cfg.replication_token_file or cfg.auth_token_file)

@@ -63,24 +63,20 @@ def dataset_arg(text: str) -> str:
 
 
 def token_file_arg(text: str) -> str:
-    from qdelay.replication.common import read_token
-
-    try:
-        token = read_token(text)
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {e.strerror}") from None
-    if token is None:
-        raise argparse.ArgumentTypeError(f"{text} holds no token (blank lines and # comments are skipped)")
-    return text
+    return _usable(text, token=True)
 
 
 def ca_file_arg(text: str) -> str:
-    try:
-        with open(text, "rb"):
-            pass
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {e.strerror}") from None
-    return text
+    return _usable(text)
+
+
+def _usable(path: str, token: bool = False) -> str:
+    from qdelay.replication.common import file_problem  # as qdelay admin checks its files
+
+    problem = file_problem(path, token)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
 
 
 def conf_arg(text: str) -> str:
