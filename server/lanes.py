@@ -339,7 +339,7 @@ class Lane:
     its tombstone drops it.
     """
 
-    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk")
+    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk", "in_rr")
 
     def __init__(self, sid: int, gid: int, bound: int) -> None:
         self.sid = sid
@@ -353,6 +353,9 @@ class Lane:
         # same sequences fire once more at most, and are skipped then
         self.recent: set[int] | None = None
         self.on_disk = 0  # entries forgotten and not read back (see above)
+        # in the timer's round-robin (``Timer.rr``), whatever its count: a queue emptied
+        # outside a round (a spill, cancels) stays there until the next round passes it
+        self.in_rr = False
 
     def dropped(self, buckets: np.ndarray, counted: int | None = None) -> None:
         """Entries of ``buckets`` (one per entry) forgotten: they wait on disk; ``counted``

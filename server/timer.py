@@ -333,11 +333,18 @@ class Timer:
             self.spill(lane)
 
     def _push(self, lane: Lane, e: Entries) -> None:
-        q = lane.ready
-        if q.count == 0:
-            self.rr.append(lane)
-        q.push(e)
+        self._in_turn(lane)
+        lane.ready.push(e)
         self.ready_total += len(e)
+
+    def _in_turn(self, lane: Lane) -> None:
+        """``lane`` has ready work: in the round-robin once. Not "when its queue was empty":
+        a queue emptied outside a round (a spill, cancels) left the lane in it, and the
+        next entry put it in again, so it took two turns a round, one more at each such
+        emptying."""
+        if not lane.in_rr:
+            lane.in_rr = True
+            self.rr.append(lane)
 
     def _owe(self, gid: int, buckets: np.ndarray, sign: int) -> None:
         """Count entries of ``gid`` held in memory per bucket, up (1) or down (-1)."""
@@ -368,10 +375,8 @@ class Timer:
         if st is not None and seq in st.cancelled:
             st.owe(gid, -1)  # no longer held for the group
             return False
-        q = lane.ready
-        if q.count == 0:
-            self.rr.append(lane)
-        q.push_retry((seq, off, bucket, due, attempt))
+        self._in_turn(lane)
+        lane.ready.push_retry((seq, off, bucket, due, attempt))
         self.ready_total += 1
         return True
 
@@ -394,12 +399,6 @@ class Timer:
                         st.owe(gid, -n)
                         self.ready_total -= n
                         total += n
-                        while not lane.ready.count and lane in self.rr:
-                            # out of the round-robin, as a round leaves a lane it emptied: the
-                            # next entry to its empty queue puts it back (``_push``), and left
-                            # in, it went in twice, once more at every such turn (a scan of
-                            # the lanes with work, only when a cancel empties a queue)
-                            self.rr.remove(lane)
         return total
 
     def may_hold_fired(self, st: BucketState, targets: list[int]) -> bool:
@@ -553,6 +552,7 @@ class Timer:
         shared: dict = {}  # a chunk's columns, made once for every lane taking them (fan-out)
         for _ in range(len(rr)):
             lane = rr.popleft()
+            lane.in_rr = False
             g = self.live_lane(lane)
             if g is None:
                 continue  # the group was deleted
@@ -566,5 +566,5 @@ class Timer:
                     self.ready_total -= len(cols[0])
                     out.append((lane, g, name, cols))
             if q.count > 0:
-                rr.append(lane)
+                self._in_turn(lane)
         return out

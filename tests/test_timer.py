@@ -449,3 +449,18 @@ def test_a_lane_emptied_by_cancels_is_in_the_round_robin_once_when_it_fills_agai
         assert timer.take(lambda s, g: 0, lambda n: n, 100) == []  # no credit: a round takes nothing
         assert len(timer.rr) == 1 and timer.ready_total == 1
         assert timer.cancel_ready(st.bucket, {k}) == 1 and timer.ready_total == 0
+
+
+def test_a_lane_emptied_by_a_spill_is_in_the_round_robin_once_when_a_retry_comes():
+    """The same for a spill: the lane over its bound forgets its queue and stays in the
+    round-robin; a retry requeued before the next round put it in a second time."""
+    timer, st, groups = rig(group_max_ready=4)
+    groups.create("s", "g", 0)
+    load(timer, st, b"s", list(range(1, 11)), T + 1)
+    timer.fire(T + 1)
+    (lane,) = timer.spilled
+    assert lane.ready.count == 0 and len(timer.rr) == 1
+    timer.requeue((50, 0, st.bucket, T, 2, lane.sid, lane.gid))
+    assert len(timer.rr) == 1
+    assert [cols[0] for _l, _g, _n, cols in timer.take(lambda s, g: 10, lambda n: n, 100)] == [[50]]
+    assert len(timer.rr) == 0
