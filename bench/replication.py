@@ -32,6 +32,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -123,6 +125,24 @@ def lag(master: str, slave: str, seconds: float, rate: int) -> dict:
     }
 
 
+def frame_probes(frames_from: Callable[[int], Sequence[Any]], first: int, end: int, count: int = 100) -> list[int]:
+    """Offsets of the log's start, middle and end for Frames of ``count`` frames: each one
+    has at least ``count`` frames from it to the log's end. ``frames_from(offset)`` is a
+    Frames call (frames with ``offset`` and ``size``, up to 10,000 from ``offset``)."""
+    marks: list[int] = []  # per step: its first frame and the last with ``count`` after it in the step
+    offset = first
+    while offset < end:
+        step = frames_from(offset)
+        if not step:
+            break
+        if len(step) >= count:
+            marks += [step[0].offset, step[-count].offset]
+        offset = step[-1].offset + step[-1].size
+    if not marks:
+        raise RuntimeError(f"the log holds fewer than {count} frames")
+    return [marks[0], marks[len(marks) // 2], marks[-1]]
+
+
 def catchup(root: str, messages: int, minutes: int = 1) -> dict:
     """A new slave's catch-up on a master holding ``messages`` in its log, due over
     ``minutes`` minutes a day ahead."""
@@ -168,16 +188,13 @@ def catchup(root: str, messages: int, minutes: int = 1) -> dict:
         ch = grpc.insecure_channel(a.address)
         try:
             stub = rpb_grpc.ReplicationStub(ch)
-            # frame boundaries through the log (Frames itself, 10,000 at a time)
-            bounds = [stub.Frames(rpb.FramesRequest(offset=0, max_frames=1), timeout=10).frames[0].offset]
-            while True:
-                step = stub.Frames(rpb.FramesRequest(offset=bounds[-1], max_frames=10_000), timeout=30).frames
-                nxt = step[-1].offset + step[-1].size if step else end
-                if nxt >= end or len(step) < 200:
-                    break
-                bounds.append(step[-200].offset)  # 200 frames before the next step: 100 always follow
-                bounds.append(nxt)
-            for off in [bounds[0], bounds[len(bounds) // 2], bounds[-1]] * 10:
+            first = stub.Frames(rpb.FramesRequest(offset=0, max_frames=1), timeout=10).frames[0].offset
+            probes = frame_probes(
+                lambda off: stub.Frames(rpb.FramesRequest(offset=off, max_frames=10_000), timeout=30).frames,
+                first,
+                end,
+            )
+            for off in probes * 10:
                 t2 = time.perf_counter()
                 got_frames = stub.Frames(rpb.FramesRequest(offset=off, max_frames=100), timeout=10)
                 lat.append((time.perf_counter() - t2) * 1000)
