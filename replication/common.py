@@ -46,8 +46,13 @@ def file_problem(path: str, token: bool = False) -> str | None:
             pass
     except OSError as e:
         return f"{path}: cannot read it: {e.strerror}"
-    if token and read_token(path) is None:
-        return f"{path} holds no token (its first line that is not blank or a # comment is the token)"
+    if token:
+        try:
+            found = read_token(path)
+        except UnicodeDecodeError:
+            return f"{path} is not a text file (a token file holds a token a line, UTF-8)"
+        if found is None:
+            return f"{path} holds no token (its first line that is not blank or a # comment is the token)"
     return None
 
 

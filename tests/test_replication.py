@@ -657,7 +657,13 @@ def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
     the flag, before any call."""
     empty = tmp_path / "tokens"
     empty.write_text("# rotate here\n\n")
+    binary = tmp_path / "key.der"  # not text: a UnicodeDecodeError traceback
+    binary.write_bytes(b"\xff\xfe\x00\x01key\n")
     for args, want in (
+        (
+            ("status", "--servers", "127.0.0.1:1", "--token-file", str(binary)),
+            f"qdelay admin status: --token-file {binary} is not a text file",
+        ),
         (
             ("status", "--servers", "127.0.0.1:1", "--token-file", str(tmp_path / "gone")),
             f"qdelay admin status: --token-file {tmp_path / 'gone'}: cannot read it: No such file or directory",
