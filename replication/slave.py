@@ -383,7 +383,9 @@ async def find_fork(wal, master_frames) -> tuple[int, int]:
     """(offset, last sequence before it) where this log stops matching the master's.
 
     Starts at the base of this log's newest segment and steps back a segment at a time
-    until a frame matches, then walks forward frame by frame."""
+    until a frame matches, then walks forward frame by frame. A log whose oldest record
+    starts exactly where the master's log ends (it was resynced or cleaned up to there) is
+    all beyond the master's end: the fork is its start."""
     segs = [s for s in wal.segments() if s.size > 0 and s.key < wal.committed_offset]
     if not segs:
         return wal.committed_offset, wal.committed_sequence
@@ -391,14 +393,19 @@ async def find_fork(wal, master_frames) -> tuple[int, int]:
     while True:
         start = segs[i].key
         mine = await asyncio.to_thread(_own_frames, wal, start, 1)
-        theirs, _ = await master_frames(start, 1)
+        theirs, span = await master_frames(start, 1)
         if mine and theirs and mine[0] == theirs[0]:
             break
         if i == 0:
-            if mine and theirs == [] and start == wal.first_offset:
-                pass
+            if mine and not theirs and start == wal.first_offset and span.end_offset == start:
+                # no record of the master's to compare, as for a slave resynced at the master's
+                # end; append_raw checks that the master's next record follows this sequence
+                return start, mine[0][1] - 1
+            behind = (
+                f" (the master's oldest segment starts at {span.first_offset})" if start < span.first_offset else ""
+            )
             raise InvariantViolation(
-                f"no common prefix with the master's log from offset {start}: "
+                f"no common prefix with the master's log from offset {start}{behind}: "
                 f"a full resync is needed ('qdelay admin resync')"
             )
         i -= 1

@@ -1,14 +1,19 @@
-"""MessageLog.append_raw / truncate_to: the slave's write path and divergent-tail cut."""
+"""MessageLog.append_raw / truncate_to: the slave's write path and divergent-tail cut, and
+where the cut goes (replication/slave.py find_fork)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
 
 from qdelay.errors import CorruptRecord, InvariantViolation
-from qdelay.segments import framing
+from qdelay.replication import common
+from qdelay.replication.slave import find_fork
+from qdelay.segments import framing, naming
 from qdelay.segments.wal import MessageLog
+from qdelay.v1 import replication_pb2 as rpb
 
 
 def _fill(log: MessageLog, n: int, size: int = 50) -> None:
@@ -102,3 +107,57 @@ def test_truncate_to_cuts_a_tail_across_segments_and_appends_continue(tmp_path):
     again = MessageLog(str(tmp_path / "m"), segment_bytes=500)
     assert again.committed_sequence == 12
     again.close()
+
+
+def _frames_of(log: MessageLog):
+    """find_fork's view of a master holding ``log`` (what Replication.Frames answers)."""
+
+    async def master_frames(offset: int, n: int):
+        r = rpb.FramesResponse(first_offset=log.first_offset, end_offset=log.committed_offset)
+        if log.first_offset <= offset < log.committed_offset:
+            for off, seq, checksum, size in common.frame_infos(log.read_raw(offset, 1 << 20), offset)[:n]:
+                r.frames.add(offset=off, sequence=seq, checksum=checksum, size=size)
+        return [(f.offset, f.sequence, f.checksum, f.size) for f in r.frames], r
+
+    return master_frames
+
+
+def test_a_log_that_begins_where_the_masters_ends_forks_at_its_start(tmp_path):
+    """A slave resynced at offset O holds records from O on; the master it follows now ends
+    exactly at O (another server, which never had them, took over). Nothing of the master's
+    is left to compare, but every record here is beyond its end: the fork is O, and the
+    slave follows the master from there (it was told to resync: 'no common prefix')."""
+    src = MessageLog(str(tmp_path / "old"), segment_bytes=1000)
+    master = MessageLog(str(tmp_path / "m"), segment_bytes=1000)
+    _fill(src, 60)
+    cut = src.segments()[2]
+    at = cut.key
+    seq = common.frame_infos(src.read_raw(at, 1 << 20), at)[0][1] - 1
+    _copy_all(src, master)
+    master.truncate_to(at, seq)  # the new master: the same log, ending at O
+    os.makedirs(tmp_path / "s")
+    open(tmp_path / "s" / naming.wal_name(at), "wb").close()  # as a resync leaves it
+    slave = MessageLog(str(tmp_path / "s"), segment_bytes=1000, min_next_sequence=seq + 1)
+    try:
+        _copy_all(src, slave)
+        assert slave.first_offset == at < slave.committed_offset
+        assert asyncio.run(find_fork(slave, _frames_of(master))) == (at, seq)
+        slave.truncate_to(at, seq)
+        _fill(master, 5)  # the new master's own records follow on
+        _copy_all(master, slave)
+        assert slave.committed_offset == master.committed_offset and slave.committed_sequence == seq + 5
+        # a master whose log no longer reaches back to this one's oldest record: a resync
+        _fill(master, 40)
+        master.delete_before(master.segments()[-2].key)
+        first = master.first_offset
+        assert first > slave.committed_offset
+        with pytest.raises(InvariantViolation) as err:
+            asyncio.run(find_fork(slave, _frames_of(master)))
+        assert str(err.value) == (
+            f"no common prefix with the master's log from offset {at} (the master's oldest segment "
+            f"starts at {first}): a full resync is needed ('qdelay admin resync')"
+        )
+    finally:
+        src.close()
+        master.close()
+        slave.close()
