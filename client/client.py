@@ -517,6 +517,7 @@ class Client:
         # concurrent cancel() calls share CancelBatch calls on the bulk loop, as sends share batches
         self._canceller: CancelBatcher | None = None
         self._rescheduler: RescheduleBatcher | None = None  # reschedule()'s, as cancel()'s
+        self._closed = False
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
@@ -531,8 +532,11 @@ class Client:
                 time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
 
     def close(self) -> None:
-        """Waits for the answers of sends and cancels still queued in the batching paths,
-        then closes."""
+        """Waits for the answers of sends, cancels and reschedules still queued in the
+        batching paths, then closes. A batched call from another thread meanwhile, or after
+        it, raises FailedPrecondition (a batcher made again would be one nobody closes: its
+        stream cut by the channel's close, its callers left waiting for their timeout)."""
+        self._closed = True
         for name in ("_batcher", "_canceller", "_rescheduler"):
             batcher = getattr(self, name)
             if batcher is not None:
@@ -543,6 +547,10 @@ class Client:
                     pass  # each waiting caller got its own error
         self._bulk.close()
         self.channel.close()
+
+    def _open(self) -> None:
+        if self._closed:
+            raise errors.FailedPrecondition("the client is closed")
 
     def __enter__(self) -> Client:
         return self
@@ -636,6 +644,7 @@ class Client:
         """The batcher of ``send()``, made once on the bulk loop (its owner)."""
         if self.batching is None:
             raise errors.InvariantViolation("send() made a batcher with batching off")
+        self._open()  # on the loop, after close() began: no batcher made again
         if self._batcher is None:
             self._batcher = SendBatcher(
                 lambda: channel,
@@ -841,6 +850,7 @@ class Client:
             async def made(channel: grpc.aio.Channel) -> TargetBatcher:
                 if self.batching is None:
                     raise errors.InvariantViolation(f"{name} made with batching off")
+                self._open()  # on the loop, after close() began: no batcher made again
                 if getattr(self, name) is None:
                     setattr(self, name, make(pb_grpc.DelayServiceStub(channel), self, self.batching))
                 return getattr(self, name)

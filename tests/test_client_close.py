@@ -182,3 +182,31 @@ def test_blocking_client_used_after_close_refuses_at_once(server):
     with pytest.raises(errors.FailedPrecondition):
         c.reschedule(r, delay_ms=1000)
     assert time.monotonic() - started < 5
+
+
+def test_blocking_client_refuses_a_call_made_while_it_closes(server):
+    """A call made while close() runs, once close() has closed the batchers: it made a new
+    batcher nobody closed (its stream then cut by the channel's close, its caller left
+    waiting for its timeout), where the asyncio client refuses it from the start of
+    close()."""
+    from qdelay.client import Client
+
+    c = Client(server.address, timeout=20)
+    r = c.send("close.case", b"x", delay_ms=3_600_000)
+    moved = c.send("close.case", b"y", delay_ms=3_600_000)
+    assert c.cancel(r) == "CANCELLED"  # the canceller exists, as in use
+    got: list = []
+    close_bulk = c._bulk.close
+
+    def during_close() -> None:  # between the batchers' close and the I/O loop's
+        for call in (lambda: c.cancel(moved), lambda: c.reschedule(moved, delay_ms=1000), lambda: c.send("x", b"")):
+            try:
+                got.append(call())
+            except errors.FailedPrecondition as err:
+                got.append(err)
+        close_bulk()
+
+    c._bulk.close = during_close  # type: ignore[method-assign]
+    c.close()
+    assert [type(g) for g in got] == [errors.FailedPrecondition] * 3, got
+    assert c._canceller is None and c._rescheduler is None and c._batcher is None
