@@ -1,4 +1,4 @@
-"""The four Python clients share one surface: the single-server clients (blocking and
+"""The five Python clients share one surface: the single-server clients (blocking and
 asyncio), the sharded ones (blocking and asyncio) and ClusterClient answer to the same
 method names for what they all can do, routed as their siblings route (by receipt or id:
 the shard that owns it; in a replicated pair: the master; groups: every shard's master)."""
