@@ -955,7 +955,8 @@ class Client:
 
     def groups(self, timeout: float | None = None, *, subject: str = "", group: str = "") -> list[dict]:
         """Consumer groups (every one, or narrowed as :meth:`stats` narrows them): subject,
-        group, consumers, backlog, in_flight, backlog_on_disk, backlog_on_disk_count."""
+        group, consumers, backlog, in_flight, backlog_on_disk, backlog_on_disk_count,
+        backlog_retrying."""
         return self.stats(timeout, subject=subject, group=group)["groups"]
 
     def health(self, timeout: float = 5.0) -> str:

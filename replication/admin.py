@@ -145,6 +145,8 @@ def _group(args: argparse.Namespace) -> int:
                     return 0
                 for g in groups:
                     more = f" ({g['backlog_on_disk_count']} of it on disk)" if g["backlog_on_disk"] else ""
+                    if g.get("backlog_retrying"):  # (a server before this field sends none)
+                        more += f" ({g['backlog_retrying']} of it waiting to be retried)"
                     print(
                         f"{g['subject']:<24} {g['group']:<16} consumers={g['consumers']} "
                         f"backlog={g['backlog']}{more} in_flight={g['in_flight']}"

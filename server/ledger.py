@@ -190,6 +190,11 @@ class AckLedger:
         # deadline
         self._deadlines: collections.deque[tuple[int, list[Flight]]] = collections.deque()
         self._retry_heap: list[tuple[int, int, Item]] = []
+        # group id -> sequences of its deliveries waiting out a retry's backoff (ack timeout
+        # passed, not queued again yet): due and owed to the group, so counted in its
+        # backlog (``retrying_of``). A cancelled one, or a deleted group's, leaves at once;
+        # its entry in ``_retry_heap`` is passed over when its time comes
+        self._retrying: dict[int, set[int]] = {}
         # bucket -> its flights still in ``_deadlines`` (a dict as an ordered set; one entry
         # per flight, not per delivery): "is this message in flight?" (every Get asks it)
         # looks at the flights of the message's bucket, not at every flight of every group
@@ -199,8 +204,10 @@ class AckLedger:
     # --- groups -----------------------------------------------------------------------------------
 
     def drop_group(self, gid: int) -> None:
-        """A deleted group: acks for its deliveries find nothing, expiries skip them."""
+        """A deleted group: acks for its deliveries find nothing, expiries skip them, its
+        retries are not offered again."""
         self._groups.pop(gid, None)
+        self._retrying.pop(gid, None)
 
     # --- handing out and closing -------------------------------------------------------------------
 
@@ -335,11 +342,45 @@ class AckLedger:
     # --- retries ----------------------------------------------------------------------------------
 
     def retry_at(self, at: int, seq: int, item: Item) -> None:
+        """Offer ``item`` (an expired delivery's next attempt) again at ``at``; until then it
+        counts in its group's backlog (``retrying_of``)."""
         heapq.heappush(self._retry_heap, (at, seq, item))
+        gid = item[6]
+        mine = self._retrying.get(gid)
+        if mine is None:
+            mine = self._retrying[gid] = set()
+        mine.add(seq)
 
     def due_retries(self, now: int) -> Iterator[Item]:
-        while self._retry_heap and self._retry_heap[0][0] <= now:
-            yield heapq.heappop(self._retry_heap)[2]
+        """Retries whose backoff ended, removed; those cancelled meanwhile
+        (``cancel_retries``) or of a deleted group are passed over."""
+        heap = self._retry_heap
+        retrying = self._retrying
+        while heap and heap[0][0] <= now:
+            _at, seq, item = heapq.heappop(heap)
+            mine = retrying.get(item[6])
+            if mine is None or seq not in mine:
+                continue
+            mine.discard(seq)
+            if not mine:
+                del retrying[item[6]]
+            yield item
+
+    def cancel_retries(self, targets: set[int]) -> list[tuple[int, int]]:
+        """Cancelled messages (``targets``) waiting out a retry's backoff leave their groups'
+        backlog now and are never offered again: (group id, how many) per group that had
+        some. Costs the groups with retries waiting, each the smaller of its retries and
+        the targets."""
+        out = []
+        retrying = self._retrying
+        for gid, mine in list(retrying.items()):
+            hit = mine & targets
+            if hit:
+                mine -= hit
+                if not mine:
+                    del retrying[gid]
+                out.append((gid, len(hit)))
+        return out
 
     # --- questions ----------------------------------------------------------------------------------
 
@@ -417,6 +458,15 @@ class AckLedger:
         grp = self._groups.get(gid)
         return grp.live if grp is not None else 0
 
+    def retrying_of(self, gid: int) -> int:
+        """Deliveries of group ``gid`` waiting out a retry's backoff (not in flight: their
+        ack timeout passed; due, and not yet queued again)."""
+        mine = self._retrying.get(gid)
+        return len(mine) if mine is not None else 0
+
+    def retrying_count(self) -> int:
+        return sum(map(len, self._retrying.values()))
+
     def has_index(self, gid: int) -> bool:
         """Group ``gid``'s sequence index is kept (for tests: a burst acknowledged as handed
         out needs none)."""
@@ -427,5 +477,5 @@ class AckLedger:
         """Sequences of group ``gid`` in flight or waiting to be retried."""
         grp = self._groups.get(gid)
         out: set[int] = set(grp.keys_out()) if grp is not None else set()
-        out.update(it[1] for it in self._retry_heap if it[2][6] == gid)
+        out.update(self._retrying.get(gid, ()))
         return out

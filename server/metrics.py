@@ -28,6 +28,11 @@ ENGINE_STATS = {
     "iterate_lag_bytes": ("qdelay_iterate_lag_bytes", "Message-log bytes not yet copied to the schedule log", "gauge"),
     "iterate_lag_records": ("qdelay_iterate_lag_records", "Message-log records not yet in the schedule log", "gauge"),
     "in_flight": ("qdelay_in_flight_deliveries", "Deliveries handed to consumers and not yet acknowledged", "gauge"),
+    "retrying": (
+        "qdelay_retrying_deliveries",
+        "Deliveries whose ack timeout passed, waiting out their retry's backoff (in the groups' backlog)",
+        "gauge",
+    ),
     "redeliveries": ("qdelay_redeliveries", "Deliveries repeated after an ack timeout", "counter"),
     "dispatched": ("qdelay_dispatched", "Deliveries handed to consumers", "counter"),
     "dead_lettered": (
@@ -191,10 +196,10 @@ class EngineCollector:
             f"1 while a group holds more due messages than group_max_ready (top {TOP_GROUPS} groups)",
             labels=["subject", "group"],
         )
-        top = sorted(groups, key=lambda g: g["ready"] + g["on_disk"] + g["in_flight"], reverse=True)[:TOP_GROUPS]
+        top = sorted(groups, key=lambda g: g["backlog"] + g["in_flight"], reverse=True)[:TOP_GROUPS]
         for g in top:
             labels = [g["subject"], g["group"]]
-            backlog.add_metric(labels, g["ready"] + g["on_disk"])
+            backlog.add_metric(labels, g["backlog"])
             flying.add_metric(labels, g["in_flight"])
             on_disk.add_metric(labels, int(g["spilled"]))
         yield backlog
@@ -205,13 +210,14 @@ class EngineCollector:
             alone = [g for g in groups if reg.consumers(g["subject"], g["group"]) == 0]
             yield GaugeMetricFamily(
                 "qdelay_due_without_consumer",
-                "Due deliveries held in memory for groups that have no consumer connected",
-                value=sum(g["ready"] for g in alone),
+                "Due deliveries held in memory (ready, or waiting out a retry's backoff) for "
+                "groups that have no consumer connected",
+                value=sum(g["ready"] + g["retrying"] for g in alone),
             )
             yield GaugeMetricFamily(
                 "qdelay_groups_without_consumer",
                 "Consumer groups with no consumer connected that hold due messages (in memory or on disk)",
-                value=sum(1 for g in alone if g["ready"] or g["spilled"]),
+                value=sum(1 for g in alone if g["ready"] or g["spilled"] or g["retrying"]),
             )
 
 

@@ -381,7 +381,15 @@ class Scheduler:
 
     def _cancel_ready(self, fired: list[tuple[int, list[int]]]) -> None:
         for b, targets in fired:
-            self.timer.cancel_ready(b, set(targets))
+            gone = set(targets)
+            self.timer.cancel_ready(b, gone)
+            # and those waiting out a retry's backoff in the ack ledger: out of the backlog
+            # now, and no longer held for their groups by the bucket
+            dropped = self.ledger.cancel_retries(gone)
+            st = self.book.get(b) if dropped else None
+            if st is not None:
+                for gid, n in dropped:
+                    st.owe(gid, -n)
 
     # --- groups -----------------------------------------------------------------------------------
 
@@ -410,7 +418,7 @@ class Scheduler:
             return True
 
     def remove_group(self, subject: str, name: str, at_ms: int) -> bool:
-        """Delete a group: its ready entries, spill and deliveries in flight are dropped
+        """Delete a group: its ready entries, spill, retries and deliveries in flight are dropped
         (acks for them find nothing), and the buckets stop waiting for it."""
         with self.lock:
             g = self.groups.delete(subject, name, at_ms)
@@ -424,7 +432,9 @@ class Scheduler:
     def group_stats(self, subject: str | None = None, group: str | None = None) -> list[dict[str, Any]]:
         """Per group (every one, or those of ``subject``, those named ``group``, or both):
         ready (due, in memory), whether it spilled to disk and how many due entries wait
-        there (``on_disk``, see ``Lane``), in flight. Costs the groups listed, not all of
+        there (``on_disk``, see ``Lane``), how many wait out a retry's backoff after their
+        ack timeout (``retrying``), the backlog (the sum of those three: due, not delivered
+        again yet), in flight (handed to a consumer, awaiting its ack). Costs the groups listed, not all of
         them.
 
         Read under the lock ``STATS_CHUNK`` groups at a time, in ``GroupTable.all()``'s
@@ -454,12 +464,18 @@ class Scheduler:
 
     def _group_figures(self, g: Group) -> dict[str, Any]:
         lanes = self.timer.lanes_of(g.gid)
+        ready = sum(ln.ready.count for ln in lanes)
+        on_disk = sum(ln.on_disk for ln in lanes if ln.spilled)
+        retrying = self.ledger.retrying_of(g.gid)
         return {
             "subject": g.subject,
             "group": g.name,
-            "ready": sum(ln.ready.count for ln in lanes),
+            # due, not delivered (again) yet: Stats' backlog
+            "backlog": ready + on_disk + retrying,
+            "ready": ready,
             "spilled": any(ln.spilled for ln in lanes),
-            "on_disk": sum(ln.on_disk for ln in lanes if ln.spilled),
+            "on_disk": on_disk,
+            "retrying": retrying,
             "in_flight": self.ledger.count_of(g.gid),
             "since": g.since,
             "created_ms": g.created_ms,
@@ -955,6 +971,7 @@ class Scheduler:
                 "wheel_size": len(self.timer.wheel),
                 "ready": self.timer.ready_total,
                 "in_flight": self.ledger.count(),
+                "retrying": self.ledger.retrying_count(),
                 "loaded_buckets": len(self.book.loaded),
                 "done_before": self.book.done_before,
                 "reopened": len(self.book.reopened),

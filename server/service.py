@@ -491,10 +491,11 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     subject=g["subject"],
                     group=g["group"],
                     consumers=self.consumers.consumers(g["subject"], g["group"]) if self.consumers else 0,
-                    backlog=g["ready"] + g["on_disk"],
+                    backlog=g["backlog"],
                     in_flight=g["in_flight"],
                     backlog_on_disk=g["spilled"],
                     backlog_on_disk_count=g["on_disk"],
+                    backlog_retrying=g["retrying"],
                 )
                 for g in groups
             ],

@@ -271,3 +271,95 @@ def test_group_made_between_a_load_and_its_firing_counts_those_entries_once(tmp_
         settled_backlog(d, "s", "b", 0)
     finally:
         d.close()
+
+
+class Acking(Budget):
+    """``Budget``, remembering each delivery's ack id per group, to acknowledge later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ack_ids: dict[str, list[str]] = {}
+
+    def deliver(self, subject: str, group: str, deliveries) -> None:
+        super().deliver(subject, group, deliveries)
+        self.ack_ids.setdefault(group, []).extend(d.ack_id for d in deliveries)
+
+
+def figures(d: Driver, group: str) -> tuple[int, int, int, float]:
+    """(backlog, in flight, retrying) of the group in Stats' figures, and its
+    ``qdelay_group_backlog`` gauge as a scrape reads it."""
+    from qdelay.server.metrics import EngineCollector
+
+    (g,) = d.engine.groups(subject="s", group=group)
+    (gauge,) = [m for m in EngineCollector(d.engine).collect() if m.name == "qdelay_group_backlog"]
+    (value,) = [s.value for s in gauge.samples if s.labels == {"subject": "s", "group": group}]
+    assert g["backlog"] == g["ready"] + g["on_disk"] + g["retrying"], g
+    return g["backlog"], g["in_flight"], g["retrying"], value
+
+
+def test_deliveries_waiting_out_their_retry_backoff_count_in_the_backlog(tmp_path):
+    """A delivery not acknowledged within the ack timeout waits out its retry's backoff in
+    the ack ledger: it is owed to its group, so the group's backlog (and its gauge) counts
+    it from the expiry (before: in neither backlog nor in flight, a group showed 0 and 0
+    while messages were owed to it), once only when it is queued again, and not at all once
+    cancelled during the backoff; the bucket stops being held for the cancelled one then
+    (it becomes done once the rest is acknowledged)."""
+    clock = FakeClock(T0)
+    sink = Acking()
+    d = Driver(tmp_path, clock, sink, implicit_group="", ack_timeout_ms=5_000, retry_backoff_ms=10_000)
+    try:
+        for name in ("a", "b"):
+            assert asyncio.run(d.engine.ensure_group("s", name))
+        r = d.send([message("s", T0 + 1_000, f"m{i}") for i in range(3)])
+        sink.budget = {"a": 3}  # b: no credit yet
+        d.advance(2_000)
+        assert figures(d, "a") == (0, 3, 0, 0) and figures(d, "b") == (3, 0, 0, 3)
+        d.advance(5_000)  # a's ack timeout: its 3 wait 10 s for their second attempt
+        assert figures(d, "a") == (3, 0, 3, 3)
+        assert d.engine.scheduler.stats()["retrying"] == 3
+        assert d.cancel(r[0]).name == "CANCELLED"  # claimed during the backoff
+        d.catch_up()  # its tombstone passes the iterate service: out of every backlog
+        assert figures(d, "a") == (2, 0, 2, 2) and figures(d, "b") == (2, 0, 0, 2)
+        d.advance(10_000)  # the backoff ends: queued again (no credit), counted once
+        assert figures(d, "a") == (2, 0, 0, 2)
+        assert d.engine.scheduler.stats()["retrying"] == 0
+        sink.budget = {"a": 5, "b": 2}
+        d.advance(1)
+        assert sorted(m for g, m in sink.got if g == "a") == ["m0", "m1", "m1", "m2", "m2"]
+        assert sorted(m for g, m in sink.got if g == "b") == ["m1", "m2"]
+        assert figures(d, "a") == (0, 2, 0, 0)
+        assert d.engine.ack(sink.ack_ids["a"][-2:], "s", "a") == 2
+        assert d.engine.ack(sink.ack_ids["b"], "s", "b") == 2
+        d.advance(3 * 60_000)
+        assert d.engine.scheduler.done_before > T0 // 60_000, "the bucket is still held for the cancelled retry"
+    finally:
+        d.close()
+
+
+def test_a_deleted_groups_retries_leave_its_backlog_and_never_come_back(tmp_path):
+    """Deliveries of a group waiting out their retry's backoff when the group is deleted
+    are dropped with it: counted nowhere, never offered again, and their bucket is not
+    held for them."""
+    clock = FakeClock(T0)
+    sink = Acking()
+    d = Driver(tmp_path, clock, sink, implicit_group="", ack_timeout_ms=5_000, retry_backoff_ms=10_000)
+    try:
+        for name in ("a", "b"):
+            assert asyncio.run(d.engine.ensure_group("s", name))
+        d.send([message("s", T0 + 1_000, f"m{i}") for i in range(2)])
+        sink.budget = {"a": 2, "b": 2}
+        d.advance(2_000)
+        assert d.engine.ack(sink.ack_ids["b"], "s", "b") == 2
+        d.advance(5_000)  # a's ack timeout
+        assert figures(d, "a") == (2, 0, 2, 2) and figures(d, "b") == (0, 0, 0, 0)
+        assert asyncio.run(d.engine.delete_group("s", "a"))
+        assert [g["group"] for g in d.engine.groups(subject="s")] == ["b"]
+        assert d.engine.scheduler.stats()["retrying"] == 0
+        assert asyncio.run(d.engine.ensure_group("s", "a"))  # a new group of that name
+        sink.budget["a"] = 10
+        d.advance(10_000)  # the old backoff ends: nothing comes back, for the new group either
+        assert len(sink.got) == 4 and figures(d, "a") == (0, 0, 0, 0)
+        d.advance(3 * 60_000)
+        assert d.engine.scheduler.done_before > T0 // 60_000, "the bucket is still held for the deleted group"
+    finally:
+        d.close()

@@ -300,6 +300,35 @@ def test_redelivery_and_dead_letters_are_per_group(tmp_path):
         c.close()
 
 
+def test_stats_count_deliveries_waiting_out_their_retry_backoff_in_the_backlog(tmp_path):
+    """Deliveries whose ack timeout passed wait out their retry's backoff (60 s here): Stats
+    counts them in the group's backlog (``backlog_retrying`` says how many), not in flight;
+    a Cancel takes one out at once, a group deletion all of them."""
+    args = ["--set", "engine.ack_timeout_ms=300", "--set", "engine.retry_backoff_ms=60000"]
+    with ServerProc(tmp_path / "data", args=args) as srv:
+        c = srv.client(timeout=20)
+        s = subject()
+        assert c.create_group(s, "slow")
+        receipts = c.send_batch([c.message(s, b"r", delay_ms=0) for _ in range(3)])
+        sub = c.subscribe(s, group="slow", max_in_flight=3)
+        try:
+            got: list = []
+            assert wait_until(lambda: bool(got.extend(sub.receive(3 - len(got), timeout=0.2))) or len(got) == 3)
+
+            def figures() -> tuple[int, int, int]:
+                (g,) = c.groups(subject=s, group="slow")
+                return g["backlog"], g["in_flight"], g["backlog_retrying"]
+
+            assert wait_until(lambda: figures() == (3, 0, 3)), figures()  # before: (0, 0)
+            assert c.cancel(receipts[0]) == "CANCELLED"
+            assert wait_until(lambda: figures() == (2, 0, 2)), figures()
+        finally:
+            sub.close()
+        assert c.delete_group(s, "slow")
+        assert c.groups(subject=s) == []
+        c.close()
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_groups_and_their_progress_survive_a_restart(tmp_path, how):
     with ServerProc(tmp_path / "data", args=["--set", "engine.ack_timeout_ms=1000"]) as srv:

@@ -11,12 +11,14 @@ restarts the engine on the same folder. Checked on every pass:
   for a retry (so each is delivered at least once once the clock passes its due time);
 - an unacknowledged delivery comes back after ``ack_timeout + backoff`` with attempt + 1;
 - Cancel outcomes and Get states are exactly the model's;
-- every group's backlog (Stats: ready + on disk) is exactly its messages due by the last
-  pass, not cancelled, not acknowledged, not in flight and not waiting out a retry's
-  backoff: the idle subject's (below), and the others', whose consumers take everything
-  at each pass, so that only a message a Cancel held claimed through a pass and then gave
-  back (``claim_release``) waits there; in half the examples those subjects' groups hold
-  at most 2 entries in memory, so their bursts spill to disk and are read back.
+- every group's backlog (Stats: ready + on disk + waiting out a retry's backoff) is
+  exactly its messages due by the last pass, not cancelled, not acknowledged and not in
+  flight: the idle subject's (below), and the others', whose consumers take everything
+  at each pass, so that only a message whose ack timeout passed and whose backoff has not
+  ended (``retrying``, exactly those), or one a Cancel held claimed through a pass and
+  then gave back (``claim_release``) waits there; in half the examples those subjects'
+  groups hold at most 2 entries in memory, so their bursts spill to disk and are read
+  back.
 """
 
 from __future__ import annotations
@@ -276,14 +278,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         """The idle subject's backlog (Stats) is exactly its messages due by the last pass
         and not cancelled: one cancelled after it fell due left it at once (issue 14). The
         other subjects' backlog is exactly their messages due by the last pass, neither
-        cancelled, acknowledged, in flight nor waiting for a retry: their consumers took
-        everything else at that pass; one a Cancel holds claimed through that pass
-        (``claimed``) is set aside, in no backlog, if it was taken."""
+        cancelled, acknowledged nor in flight: their consumers took everything else at that
+        pass, but what waits out a retry's backoff (counted from its ack timeout until it is
+        queued again, issue 14's follow-up: before, in no figure at all); one a Cancel holds
+        claimed through that pass (``claimed``) is set aside, in no backlog, if it was taken
+        (queued again when its backoff ended, or never waiting for a retry)."""
         now = self.clock.now
         for subject in SUBJECTS:
             groups = self.d.engine.groups(subject=subject)
-            got = sum(g["ready"] + g["on_disk"] for g in groups)
+            for g in groups:
+                assert g["backlog"] == g["ready"] + g["on_disk"] + g["retrying"], g
+            got = sum(g["backlog"] for g in groups)
             mine = [self.msgs[seq] for seq in self.fired if self.msgs[seq].subject == subject]
+            retrying = [m for m in mine if m.cancelled is None and m.retry is not None and m.retry[0] > now]
+            assert sum(g["retrying"] for g in groups) == len(retrying), (subject, groups, len(retrying))
             if subject == self.idle:
                 assert not any(g["spilled"] for g in groups)  # far below the bound: all in memory
                 want = sum(1 for m in mine if m.cancelled is None)
@@ -294,8 +302,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if m.cancelled is None
                     and m.acked_at is None
                     and m.in_flight is None
-                    and (m.retry is None or m.retry[0] <= now)
-                    and m is not claimed
+                    and (m is not claimed or m in retrying)
                 )
             assert got == want, f"{subject}: backlog {got}, {want} due and waiting"
 
