@@ -473,7 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", default="1,2,4", help="shard counts S for the sharded clients (etcd cluster mode)")
     ap.add_argument("--nodes", default="1,2,4", help="server counts for ClusterClient (a master and its slaves)")
     ap.add_argument("--messages", type=int, default=20_000, help="messages sent per round (half are cancelled)")
-    ap.add_argument("--calls", type=int, default=300, help="get calls per kind per round (stats: a third)")
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=300,
+        help="calls per kind per round: get, refresh, and send, reschedule, cancel one at a time (stats: a third)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds per count; medians are printed")
     ap.add_argument(
         "--node", type=int, default=1, help="1: also the Node module's ShardedClient (needs node, make node-deps)"
