@@ -35,6 +35,13 @@ def use(c):
     assert c.reschedule(r, delay_ms=7_200_000)[0] == "RESCHEDULED"
 
 
+async def use_aio(c):  # as use(c), awaited
+    r = await c.send("close.case", b"x", delay_ms=3_600_000)
+    assert await c.cancel(r) == "CANCELLED"
+    r = await c.send("close.case", b"y", delay_ms=3_600_000)
+    assert (await c.reschedule(r, delay_ms=7_200_000))[0] == "RESCHEDULED"
+
+
 def bulk_threads():
     return [t for t in threading.enumerate() if t.name == "qdelay-client-bulk"]
 
@@ -79,15 +86,11 @@ elif case == "aio-loop-closed":  # never closed; its loop closed without cancell
     loop = asyncio.new_event_loop()
     kept = []
 
-    async def use_aio():
-        c = AioClient(address)
-        r = await c.send("close.case", b"x", delay_ms=3_600_000)
-        assert await c.cancel(r) == "CANCELLED"
-        r = await c.send("close.case", b"y", delay_ms=3_600_000)
-        assert (await c.reschedule(r, delay_ms=7_200_000))[0] == "RESCHEDULED"
-        kept.append(c)
+    async def open_and_use():
+        kept.append(AioClient(address))
+        await use_aio(kept[0])
 
-    loop.run_until_complete(use_aio())
+    loop.run_until_complete(open_and_use())
     server_stopped()
     loop.run_until_complete(settled())
     loop.close()
@@ -96,10 +99,7 @@ elif case == "aio-loop-closed":  # never closed; its loop closed without cancell
 elif case == "aio-dropped":  # never closed, dropped while its loop runs
     async def main():
         c = AioClient(address)
-        r = await c.send("close.case", b"x", delay_ms=3_600_000)
-        assert await c.cancel(r) == "CANCELLED"
-        r = await c.send("close.case", b"y", delay_ms=3_600_000)
-        assert (await c.reschedule(r, delay_ms=7_200_000))[0] == "RESCHEDULED"
+        await use_aio(c)
         server_stopped()
         await settled()
         del c
