@@ -79,8 +79,10 @@ def test_one_outcome_per_target_in_order(tmp_path):
 def test_moved_messages_are_never_delivered_at_the_old_time_and_once_at_the_new(tmp_path):
     with ServerProc(tmp_path / "data") as srv:
         c = srv.client()
-        near = [c.send("t.rb2", b"n", delay_ms=1200, message_id=f"near{i}") for i in range(5)]
         far = [c.send("t.rb2", b"f", delay_ms=HOUR, message_id=f"far{i}") for i in range(5)]
+        # due 2 s after one call, moved by the next (ten sends one by one before the move
+        # let a slow disk deliver them first); their old time passes while the test listens
+        near = c.send_batch([c.message("t.rb2", b"n", delay_ms=2000, message_id=f"near{i}") for i in range(5)])
         soon = _now() + 2500
         moved_away = c.reschedule_many(near, delay_ms=HOUR)
         moved_near = c.reschedule_many(far, deliver_at_ms=soon)
