@@ -30,7 +30,7 @@ from typing import Any
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
 from qdelay.client.failover import Backoff, retryable
-from qdelay.client.sharded import SEND_MANY_CHUNK, Joined, _chunks, _with_id
+from qdelay.client.sharded import SEND_MANY_CHUNK, Joined, _chunks, _with_id, resumed
 from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -171,21 +171,7 @@ class ClusterClient:
         out = Joined()
         for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
             msgs = [_with_id(m, self._ids) for m in chunk]
-            done = 0  # acknowledged so far: a retry sends the rest
-
-            def call(c: Client, msgs: list = msgs) -> None:
-                nonlocal done
-                rs: Sequence[Receipt] = []
-                try:
-                    rs = c.send_many(msgs[done:], batch_size, max_in_flight, timeout)
-                except errors.QdelayError as err:
-                    rs = getattr(err, "receipts", None) or []
-                    raise
-                finally:
-                    out.add(rs)
-                    done += len(rs)
-
-            self._retry(call)
+            self._retry(resumed(msgs, out, lambda c, rest: c.send_many(rest, batch_size, max_in_flight, timeout)))
         return out
 
     def cancel(

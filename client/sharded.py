@@ -147,6 +147,46 @@ def _as_message(m: pb.Message | Outgoing) -> pb.Message:
     return msg
 
 
+def resumed(msgs: list, into: Joined, send: Callable[[Any, list], Sequence[Receipt]]) -> Callable[[Any], None]:
+    """One try of a ``send_many`` that failover retries (``_retry``): ``send(client, rest)``
+    of what the tries before had not had acknowledged (same ids); what a try had
+    acknowledged, a failed one's ``receipts`` too, joins ``into`` in order."""
+    done = 0
+
+    def call(c: Any) -> None:
+        nonlocal done
+        rs: Sequence[Receipt] = []
+        try:
+            rs = send(c, msgs[done:])
+        except errors.QdelayError as err:
+            rs = getattr(err, "receipts", None) or []
+            raise
+        finally:
+            into.add(rs)
+            done += len(rs)
+
+    return call
+
+
+def aresumed(msgs: list, into: Joined, send: Callable[[Any, list], Any]) -> Callable[[Any], Any]:
+    """:func:`resumed`, awaited (``send`` a coroutine function)."""
+    done = 0
+
+    async def call(c: Any) -> None:
+        nonlocal done
+        rs: Sequence[Receipt] = []
+        try:
+            rs = await send(c, msgs[done:])
+        except errors.QdelayError as err:
+            rs = getattr(err, "receipts", None) or []
+            raise
+        finally:
+            into.add(rs)
+            done += len(rs)
+
+    return call
+
+
 class Joined(LazyReceipts):
     """Sequences one after another as one (send_many's receipts of a shard that failed over
     part-way, or of several chunks), without copying them: an index finds its part by
@@ -460,20 +500,10 @@ class ShardedClient(_Sharded):
             parts = {name: Joined() for name in topo.names}
 
             def send(shard: str, idx: list[int], msgs: list = msgs, parts: dict = parts) -> None:
-                done = 0  # acknowledged so far: a retry sends the rest
-
-                def call(c: Client) -> None:
-                    nonlocal done
-                    rs: Sequence[Receipt] = []
-                    try:
-                        rs = c.send_many([msgs[i] for i in idx[done:]], batch_size, max_in_flight, timeout)
-                    except errors.QdelayError as err:
-                        rs = getattr(err, "receipts", None) or []
-                        raise
-                    finally:
-                        parts[shard].add(rs)
-                        done += len(rs)
-
+                mine = [msgs[i] for i in idx]
+                call = resumed(
+                    mine, parts[shard], lambda c, rest: c.send_many(rest, batch_size, max_in_flight, timeout)
+                )
                 self._retry(lambda _t: shard, call)
 
             self._each_shard(send, _per_name(topo, positions))
@@ -872,20 +902,10 @@ class AioShardedClient(_Sharded):
             parts = {name: Joined() for name in topo.names}
 
             async def send(shard: str, idx: list[int], msgs: list = msgs, parts: dict = parts) -> None:
-                done = 0  # acknowledged so far: a retry sends the rest
-
-                async def call(c: AioClient) -> None:
-                    nonlocal done
-                    rs: Sequence[Receipt] = []
-                    try:
-                        rs = await c.send_many([msgs[i] for i in idx[done:]], batch_size, max_in_flight, timeout)
-                    except errors.QdelayError as err:
-                        rs = getattr(err, "receipts", None) or []
-                        raise
-                    finally:
-                        parts[shard].add(rs)
-                        done += len(rs)
-
+                mine = [msgs[i] for i in idx]
+                call = aresumed(
+                    mine, parts[shard], lambda c, rest: c.send_many(rest, batch_size, max_in_flight, timeout)
+                )
                 await self._retry(lambda _t: shard, call)
 
             await self._each_shard(send, _per_name(topo, positions))
