@@ -33,7 +33,7 @@ import grpc
 
 from qdelay import errors
 from qdelay.client import client as blocking
-from qdelay.client.batching import MAX_BACKOFF, Batching, CancelBatcher, RescheduleBatcher, SendBatcher
+from qdelay.client.batching import Batching, CancelBatcher, RescheduleBatcher, SendBatcher, retry_wait
 from qdelay.client.client import (
     CANCEL_OUTCOMES,
     DEFAULT_TARGET,
@@ -456,7 +456,7 @@ class Consumer:
                 self._carry_over()
                 attempt += 1
                 self.reconnects += 1
-                delay = min(self._client.retry_backoff * 2 ** (attempt - 1), MAX_BACKOFF)
+                delay = retry_wait(self._client.retry_backoff, attempt)
                 log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
                 try:
                     await asyncio.wait_for(self._closed.wait(), delay)

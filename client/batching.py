@@ -68,6 +68,12 @@ _SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
 MAX_BACKOFF = 2.0  # seconds between two tries at most: a restarted server is found soon after
 
 
+def retry_wait(backoff: float, attempt: int) -> float:
+    """Seconds before try ``attempt + 1`` (``attempt`` from 1): ``backoff`` doubled each
+    attempt, at most ``MAX_BACKOFF`` (every retry of the clients and their batchers)."""
+    return min(backoff * 2 ** (attempt - 1), MAX_BACKOFF)
+
+
 def lost_status(error: grpc.RpcError | None) -> bool:
     """grpc.aio's "Internal error from Core": it failed to write on a stream the server had
     just ended (a refusal racing the client's next write), and the server's own status is
@@ -422,7 +428,7 @@ class SendBatcher:
                         self._fail(self._take_resend(), errors.Unavailable("SendStream ended with batches unanswered"))
                         attempt = 0
                     else:
-                        await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+                        await asyncio.sleep(retry_wait(self._backoff, attempt))
                 continue
             code = error.code()
             # a lost status (nothing from the refused batch on was written): sent again, as
@@ -439,7 +445,7 @@ class SendBatcher:
                     self._fail(self._take_resend(), self._translate(error, attempt))
                     attempt = 0
                 else:
-                    await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+                    await asyncio.sleep(retry_wait(self._backoff, attempt))
                 continue
             if not unanswered:  # refused before any batch (e.g. UNAUTHENTICATED): the next ones
                 unanswered.append(self._cut(self._resend.popleft() if self._resend else None))
@@ -783,7 +789,7 @@ class CancelStreamCall:
                     if again.error is None:
                         raise errors.Unavailable("CancelStream ended with the request unanswered") from None
                     raise self._translate(again.error, attempt) from None
-                await asyncio.sleep(min(self._backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+                await asyncio.sleep(retry_wait(self._backoff, attempt))
                 continue
             return _as_first_try(response) if resent else response
 

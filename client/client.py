@@ -38,7 +38,6 @@ from typing import Any, NamedTuple, cast
 import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
-from qdelay.client.batching import MAX_BACKOFF as _MAX_BACKOFF
 from qdelay.client.batching import (
     BatchCall,
     Batching,
@@ -47,6 +46,7 @@ from qdelay.client.batching import (
     RescheduleBatcher,
     SendBatcher,
     TargetBatcher,
+    retry_wait,
 )
 from qdelay.client.handoff import WaitTimeout
 from qdelay.client.types import (
@@ -128,7 +128,7 @@ async def call_async(
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > retries:
                 raise translate(e, attempt) from None
-            await asyncio.sleep(min(backoff * (2 ** (attempt - 1)), _MAX_BACKOFF))
+            await asyncio.sleep(retry_wait(backoff, attempt))
 
 
 def deadline_exceeded(timeout: float) -> DeadlineExceeded:
@@ -529,7 +529,7 @@ class Client:
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
                     raise translate(e, attempt) from None
-                time.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+                time.sleep(retry_wait(self.retry_backoff, attempt))
 
     def close(self) -> None:
         """Waits for the answers of sends, cancels and reschedules still queued in the
@@ -729,7 +729,7 @@ class Client:
                         raise errors.Unavailable(
                             f"SendStream ended by the server with {len(unanswered)} batches unanswered"
                         )
-                    await asyncio.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+                    await asyncio.sleep(retry_wait(self.retry_backoff, attempt))
                     attempt += 1
                     continue
                 attempt = 1  # a stream ended on time: the next one starts a fresh count
@@ -738,7 +738,7 @@ class Client:
                     err = translate(e, attempt)
                     err.receipts = receipts
                     raise err from None
-                await asyncio.sleep(self.retry_backoff * (2 ** (attempt - 1)))
+                await asyncio.sleep(retry_wait(self.retry_backoff, attempt))
                 attempt += 1
             except errors.QdelayError as err:  # a message the client could not encode
                 err.receipts = receipts
@@ -1044,7 +1044,7 @@ class Consumer:
                     self._pending_acks.extend(item.ack_ids)
             old.put(_END)
         self.reconnects += 1
-        delay = min(self._client.retry_backoff * 2 ** (attempt - 1), _MAX_BACKOFF)
+        delay = retry_wait(self._client.retry_backoff, attempt)
         log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
         if self._closed.wait(delay):
             return False

@@ -245,3 +245,33 @@ def test_a_lone_sender_never_waits_for_the_linger(server):
         for k in range(20):
             c.send(s, b"%d" % k, delay_ms=HOUR_MS)
         assert time.monotonic() - start < 5.0  # 20 lingers would be 10 s
+
+
+def test_the_blocking_clients_unary_retries_wait_at_most_max_backoff(monkeypatch):
+    """A unary call retried after UNAVAILABLE waits backoff * 2^(attempt-1) between tries,
+    at most MAX_BACKOFF, as the asyncio client's and the batchers' retries: the blocking
+    client's was not capped, so retries=12 slept 204.8 s before its last try."""
+    import grpc
+
+    from qdelay.client import client as client_mod
+    from qdelay.client.batching import MAX_BACKOFF
+
+    class _Down(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connection refused"
+
+    def down(_request, timeout=None, metadata=None):
+        raise _Down()
+
+    slept: list[float] = []
+    monkeypatch.setattr(client_mod.time, "sleep", slept.append)
+    c = Client("127.0.0.1:1", retries=12, retry_backoff=0.1)
+    try:
+        with pytest.raises(errors.Unavailable):
+            c._call(down, None, 1)
+    finally:
+        c.close()
+    assert len(slept) == 12 and slept[:3] == [0.1, 0.2, 0.4] and max(slept) == MAX_BACKOFF, slept
