@@ -521,6 +521,7 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        self._open()  # a closed channel raises grpc's ValueError, outside the exception tree
         attempt = 0
         while True:
             attempt += 1
@@ -962,6 +963,7 @@ class Client:
     def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        self._open()
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=self.metadata)
@@ -971,6 +973,7 @@ class Client:
 
     # ------------------------------------------------------------------ consumer
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> Consumer:
+        self._open()
         return Consumer(self, subject, group, max_in_flight)
 
 

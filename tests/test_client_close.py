@@ -181,6 +181,11 @@ def test_blocking_client_used_after_close_refuses_at_once(server):
         c.cancel(r)
     with pytest.raises(errors.FailedPrecondition):
         c.reschedule(r, delay_ms=1000)
+    # the unary calls too, as the asyncio client's (they raised grpc's ValueError "Cannot
+    # invoke RPC on closed channel!", outside the client's exception tree)
+    for call in (lambda: c.get(r), lambda: c.stats(), lambda: c.cancel_many([r]), c.health, lambda: c.subscribe("s")):
+        with pytest.raises(errors.FailedPrecondition):
+            call()
     assert time.monotonic() - started < 5
 
 
