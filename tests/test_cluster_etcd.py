@@ -725,6 +725,8 @@ def test_cluster_up_goes_on_when_a_master_dies(tmp_path):
         victim.kill()
         survivor = next(s for s in seeds if s != old)
         wait_until(lambda: new_master(survivor, old), 30, "the slave to take over", ignore=RPC_ERRORS)
+        # etcd names the new master as soon as it holds the key; it serves writes once promoted
+        wait_until(lambda: status(survivor).role == "master", 30, "the new master promoted", ignore=RPC_ERRORS)
         assert up.poll() is None, "cluster up stopped when one server died"
         with Client(survivor) as c:
             assert c.send("after.failover", b"x", delay_ms=60_000).sequence > 0
