@@ -17,7 +17,8 @@ folders; every figure is one call at a time unless said otherwise. Per scenario:
   groups, ``g`` and ``h``, and B + 5,000 messages due at once (both groups hold them):
   a consumer of ``g`` takes B deliveries and holds them unacknowledged; with those in
   flight, Get and Cancel (``--calls`` each, one at a time) of far-future messages of
-  another subject (each asks whether its message is in flight); the Subscribe's setup
+  another subject (each asks whether its message is in flight), and Get of messages of
+  the subject's own minute (the one the B are out in); the Subscribe's setup
   (open to first delivery, credit 10) on ``h`` against its backlog of B + 5,000, and on
   an unrelated subject with one due message (the yardstick); then a second consumer of
   ``g`` receives and acknowledges the 5,000 others (credit 100, one ack request a batch):
@@ -198,10 +199,12 @@ def _consumer_level(s: _Server, b: int, calls: int, far: list) -> dict:
     c.create_group(subject, "g")
     c.create_group(subject, "h")
     total = b + DRAIN
-    c.send_many(
-        (Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"c{b}.{i}") for i in range(total)),
-        batch_size=1000,
-        max_in_flight=8,
+    sent = list(
+        c.send_many(
+            (Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"c{b}.{i}") for i in range(total)),
+            batch_size=1000,
+            max_in_flight=8,
+        )
     )
     c.send(live, b"x" * 100, delay_ms=0)
     c.create_group(live, "g")
@@ -234,6 +237,11 @@ def _consumer_level(s: _Server, b: int, calls: int, far: list) -> dict:
     targets = itertools.cycle(far[:calls])
     got_far = _calls(s.pid, lambda: c.get(next(targets)), calls)
     row["get_far_p50_ms"], row["get_far_cpu_us"] = got_far["p50_ms"], got_far["cpu_us"]
+    # and Get of messages of the minute being delivered, spread over all B + DRAIN (in
+    # flight or not): each asks about the minute the B deliveries are out in
+    busy = itertools.cycle(sent[:: max(1, total // calls)][:calls])
+    got_busy = _calls(s.pid, lambda: c.get(next(busy)), calls)
+    row["get_busy_p50_ms"], row["get_busy_cpu_us"] = got_busy["p50_ms"], got_busy["cpu_us"]
     lat = []
     with Meter(s.pid) as m:
         for r in far[calls : 2 * calls]:
@@ -444,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                 "setup, other subject ms",
                 "Get far p50 ms",
                 "µs CPU",
+                "Get busy-minute p50 ms",
+                "µs CPU",
                 "Cancel far first / p50 ms",
                 "µs CPU",
                 "drain /s (B in flight)",
@@ -462,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     r["setup_other_ms"],
                     r["get_far_p50_ms"],
                     r["get_far_cpu_us"],
+                    r["get_busy_p50_ms"],
+                    r["get_busy_cpu_us"],
                     f"{r['cancel_far_first_ms']:.2f} / {r['cancel_far_p50_ms']:.2f}",
                     r["cancel_far_cpu_us"],
                     r["drain_per_s"],
@@ -482,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"backlog {rows[0]['backlog']:,} -> {rows[-1]['backlog']:,}: setup x{_ratio(rows, 'setup_ms'):.2f},"
                 f" Get (far) CPU x{_ratio(rows, 'get_far_cpu_us'):.2f},"
+                f" Get (busy minute) CPU x{_ratio(rows, 'get_busy_cpu_us'):.2f},"
                 f" Cancel (far) CPU x{_ratio(rows, 'cancel_far_cpu_us'):.2f},"
                 f" drain CPU a delivery x{_ratio(rows, 'drain_cpu_us'):.2f},"
                 f" delete h x{_ratio(rows, 'delete_backlog_ms'):.2f},"
