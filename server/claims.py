@@ -18,7 +18,7 @@ message undelivered with neither a tombstone nor a DISPATCH record.
 
 from __future__ import annotations
 
-from collections.abc import Collection, KeysView
+from collections.abc import Container, KeysView
 
 from qdelay.server.ledger import Item
 
@@ -28,9 +28,10 @@ CLAIM_CANCELLING = 1  # another Cancel claimed it already (or an earlier entry o
 CLAIM_OUT = 2  # handed out and not acknowledged, or its dead-letter copy is being written
 
 
-def _disjoint(asked: set[int], out: Collection[int]) -> bool:
-    """No sequence of ``asked`` in ``out`` (a set, or a dict of sequences): compared from
-    the smaller side, in C (a set's or a dict's keys view's isdisjoint)."""
+def _disjoint(asked: set[int], out: Container[int]) -> bool:
+    """No sequence of ``asked`` in ``out``: a set or a dict of sequences compared from the
+    smaller side, in C (a set's or a dict's keys view's isdisjoint); any other container
+    (a bucket's in-flight index) asked per sequence."""
     if isinstance(out, (set, frozenset)):
         return asked.isdisjoint(out)
     if isinstance(out, dict):
@@ -47,7 +48,7 @@ class CancelClaims:
         # sequence -> group id -> the entry set aside while claimed
         self._skipped: dict[int, dict[int, Item]] = {}
 
-    def claim(self, sequences: list[int], out: list[Collection[int]]) -> list[int]:
+    def claim(self, sequences: list[int], out: list[Container[int]]) -> list[int]:
         """Claim each sequence unless it is claimed already or is in one of ``out`` (handed
         out, or being dead-lettered); one of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each (a
         repeat within ``sequences`` is CLAIM_CANCELLING)."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 
 import numpy as np
 
@@ -165,9 +166,40 @@ class Flight(Batch[int]):
 Acked = Taken[Flight, int]  # sequences of one flight an ack closed (``.batch``, ``.keys``, ``.start``)
 
 
-# ``in_flight_of``: past this many deliveries out in the buckets asked about, the groups'
-# indexes (built once, kept while asked) instead of a set of them made per question
-SCAN_MAX = 16384
+class BucketIndex:
+    """Per group, sequence -> the latest flight of one bucket that holds it: what answers
+    "is it in flight?" about a message of that bucket (Get, Cancel) with a lookup per
+    group, not a search of the bucket's flights. Built when the bucket is first asked
+    about; a flight handed out later waits in ``fresh`` (one list append per flight) and
+    is entered at the next question, so handing out and acknowledging pay nothing per
+    delivery for it. Entries are never removed one by one: the flight an entry names says
+    whether the delivery is still out (acknowledged, released, expired, its group
+    deleted). Flights that left the ledger count in ``stale``; once they are half of what
+    was entered, the next question builds the index again from the bucket's flights."""
+
+    __slots__ = ("of_group", "fresh", "entered", "stale")
+
+    def __init__(self, flights: Iterable[Flight]) -> None:
+        self.of_group: dict[int, dict[int, Flight]] = {}
+        self.fresh: list[Flight] = list(flights)
+        self.entered = 0  # deliveries entered (of flights still listed or not)
+        self.stale = 0  # deliveries of flights that left the ledger since it was built
+
+    def catch_up(self) -> int:
+        """Enter the fresh flights, in the order they were handed out (a sequence handed
+        out again comes in a later flight of its group, which replaces the earlier one);
+        how many deliveries were entered."""
+        n = 0
+        of_group = self.of_group
+        for fl in self.fresh:
+            mine = of_group.get(fl.gid)
+            if mine is None:
+                mine = of_group[fl.gid] = {}
+            mine.update(zip(fl.keys, itertools.repeat(fl)))
+            n += len(fl.keys)
+        self.fresh.clear()
+        self.entered += n
+        return n
 
 
 class AckLedger:
@@ -175,12 +207,12 @@ class AckLedger:
 
     Per group, the flights handed out, as ``Stretches`` (``server/stretches.py``): an ack
     request that returns stretches of flights in order, as consumers send them, is matched
-    without a per-delivery lookup; anything else (acks out of order, releases, a Cancel's
-    "is it in flight?") uses a per-group index of sequence -> flight, built on first need
+    without a per-delivery lookup; anything else (acks out of order, releases) uses a
+    per-group index of sequence -> flight, built on first need
     and kept while it is asked for. Registering each delivery in a dictionary, and popping
     it when acked, was the largest per-group cost of a fan-out burst (each group of a
-    subject registers the same deliveries). A Get's "is it in flight?" looks at the flights
-    of its message's bucket only (``is_in_flight``).
+    subject registers the same deliveries). A Get's or a Cancel's "is it in flight?" asks
+    an index of its message's bucket (``BucketIndex``), built when first asked.
     """
 
     def __init__(self) -> None:
@@ -200,6 +232,10 @@ class AckLedger:
         # looks at the flights of the message's bucket, not at every flight of every group
         # (with 200,000 in flight a search of them all cost a Get ~3 ms of the event loop)
         self._of_bucket: dict[int, dict[Flight, None]] = {}
+        # bucket -> its index of sequence -> flight, for buckets asked about while they have
+        # flights listed (``_index_of``); dropped with the bucket's list
+        self._indexes: dict[int, BucketIndex] = {}
+        self.entered = 0  # deliveries entered in bucket indexes (for tests: the work of questions)
 
     # --- groups -----------------------------------------------------------------------------------
 
@@ -208,6 +244,8 @@ class AckLedger:
         retries are not offered again."""
         self._groups.pop(gid, None)
         self._retrying.pop(gid, None)
+        # (its entries in bucket indexes stay, answering "not out", until their bucket's
+        # flights leave: freeing them here cost a delete with 200,000 out a few ms more)
 
     # --- handing out and closing -------------------------------------------------------------------
 
@@ -223,17 +261,30 @@ class AckLedger:
             if mine is None:
                 mine = of_bucket[fl.bucket] = {}
             mine[fl] = None
+        indexes = self._indexes
+        if indexes:  # a bucket asked about: its index enters the flight at the next question
+            for fl in flights:
+                bi = indexes.get(fl.bucket)
+                if bi is not None:
+                    bi.fresh.append(fl)
         self._deadlines.append((deadline, flights))
 
     def _forget(self, flights: list[Flight]) -> None:
         """Flights that left ``_deadlines`` (closed, or expired) leave their bucket's list."""
         of_bucket = self._of_bucket
+        indexes = self._indexes
         for fl in flights:
             mine = of_bucket.get(fl.bucket)
             if mine is not None:
                 mine.pop(fl, None)
                 if not mine:
                     del of_bucket[fl.bucket]
+                    if indexes:
+                        indexes.pop(fl.bucket, None)
+                elif indexes:
+                    bi = indexes.get(fl.bucket)
+                    if bi is not None:
+                        bi.stale += len(fl.keys)
 
     def _prune(self) -> None:
         """Drop the dispatched batches at the front of the deadlines whose flights are all
@@ -397,26 +448,23 @@ class AckLedger:
         sequences at once (``seq in m`` for each)."""
         return [g.index() for g in self._groups.values() if g.live]
 
-    def in_flight_of(self, buckets: Iterable[int]) -> list[Collection[int]]:
-        """Collections holding every sequence in flight (in some group) of ``buckets``: what
+    def in_flight_of(self, buckets: Iterable[int]) -> list[Container[int]]:
+        """Containers holding every sequence in flight (in some group) of ``buckets``: what
         a Cancel of messages of those buckets must not claim (``seq in c`` for each).
 
-        The live sequences of those buckets' flights, where ``in_flight_maps`` builds an
-        index of everything in flight (with 200,000 out in another minute, the first Cancel
-        after the index was dropped paid ~20 ms for it, and keeping it cost every later
-        delivery a dictionary entry). The groups' indexes all the same when every group
-        keeps one (then a question costs nothing), or when the buckets have more than
-        ``SCAN_MAX`` out (a Cancel of the minute being delivered: built once, kept while
-        Cancels keep asking)."""
+        The groups' indexes when every group keeps one (then a question costs nothing);
+        else the indexes of those buckets (``_index_of``): a lookup per group per target,
+        whatever is in flight, in those buckets or elsewhere (an index of every delivery
+        out, built for a Cancel after the groups' were dropped, cost ~20 ms at 200,000 in
+        flight; a set of those buckets' deliveries made per question grew with them)."""
         if self._all_indexed():
             return list(self.in_flight_maps())
-        flights = [fl for bucket in set(buckets) for fl in self._out_of(bucket)]
-        if sum(fl.left for fl in flights) > SCAN_MAX:
-            return list(self.in_flight_maps())
-        out: set[int] = set()
-        for fl in flights:
-            out.update(fl.live_keys())
-        return [out]
+        out: list[Container[int]] = []
+        for bucket in set(buckets):
+            bi = self._index_of(bucket)
+            if bi is not None:
+                out.append(_InFlight(self, bi))
+        return out
 
     def flights_listed(self) -> int:
         """Flights in the per-bucket lists (for tests: they leave with ``_deadlines``, so
@@ -425,31 +473,44 @@ class AckLedger:
 
     def is_in_flight(self, seq: int, bucket: int | None = None) -> bool:
         """Handed out to some group and not yet acknowledged. With the message's ``bucket``
-        (a flight holds deliveries of one bucket) only that bucket's flights are looked at:
-        a message of a bucket nothing was handed out from costs nothing, whatever is in
-        flight elsewhere. Without it, or when every group keeps its index, every group's (a
-        kept index, or a search of every flight)."""
+        (a flight holds deliveries of one bucket), that bucket's index answers: a lookup
+        per group, whatever is in flight (a search of the bucket's flights cost a Get of
+        the minute being delivered ~3 ms at 200,000 in flight). Without it, or when every
+        group keeps its index, every group's (a kept index, or a search of every flight)."""
         if bucket is None or self._all_indexed():
             return any(seq in g for g in self._groups.values())  # (a kept index answers at once)
-        for fl in self._out_of(bucket):
-            keys = fl.keys
-            if seq in keys and fl.live_at(keys.index(seq)):
+        bi = self._index_of(bucket)
+        return bi is not None and self.out_in(bi, seq)
+
+    def _index_of(self, bucket: int) -> BucketIndex | None:
+        """``bucket``'s index, up to date (built if not kept, or if half of it is stale);
+        None if the bucket has no flight listed."""
+        if bucket not in self._of_bucket:
+            return None
+        bi = self._indexes.get(bucket)
+        if bi is None or bi.stale * 2 > bi.entered:
+            bi = self._indexes[bucket] = BucketIndex(self._of_bucket[bucket])
+        if bi.fresh:
+            self.entered += bi.catch_up()
+        return bi
+
+    def out_in(self, bi: BucketIndex, seq: int) -> bool:
+        """``seq`` is out in some group, as ``bi`` (up to date) names its flights."""
+        groups = self._groups
+        for gid, mine in bi.of_group.items():
+            fl = mine.get(seq)
+            if fl is None or not fl.left:
+                continue
+            if fl.gone is not None and fl.gone[fl.index(seq)]:
+                continue
+            grp = groups.get(gid)
+            if grp is not None and fl in grp.batches:
                 return True
         return False
 
     def _all_indexed(self) -> bool:
         """Every group with deliveries out keeps its index (then a question costs nothing)."""
         return all(g.has_index() for g in self._groups.values() if g.live)
-
-    def _out_of(self, bucket: int) -> Iterator[Flight]:
-        """The flights of ``bucket`` with deliveries out: not acknowledged in full, still
-        their group's (not expired, the group not deleted)."""
-        groups = self._groups
-        for fl in self._of_bucket.get(bucket, ()):
-            if fl.left:
-                grp = groups.get(fl.gid)
-                if grp is not None and fl in grp.batches:
-                    yield fl
 
     def count(self) -> int:
         return sum(g.live for g in self._groups.values())
@@ -479,3 +540,17 @@ class AckLedger:
         out: set[int] = set(grp.keys_out()) if grp is not None else set()
         out.update(self._retrying.get(gid, ()))
         return out
+
+
+class _InFlight:
+    """The sequences in flight of one bucket, as a container (``seq in c``): what
+    ``in_flight_of`` gives a Cancel. Asked at once, while the ledger's owner holds it."""
+
+    __slots__ = ("_ledger", "_bi")
+
+    def __init__(self, ledger: AckLedger, bi: BucketIndex) -> None:
+        self._ledger = ledger
+        self._bi = bi
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, int) and self._ledger.out_in(self._bi, seq)
