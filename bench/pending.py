@@ -22,6 +22,12 @@ level N of ``--levels``; at each level, on the same server:
   concurrent cancels, here one at a time), 200 each of pending ids not otherwise touched,
   one call at a time: p50 and the server's CPU per call;
 - Topology, one call at a time: p50 (answered from memory);
+- the asyncio client (``qdelay.aio.Client``, grpc.aio and its asyncio batchers), on ids
+  not otherwise touched: Get by id, Stats, Reschedule by id, Cancel by id and Cancel by
+  receipt one call at a time (p50 and server CPU per call), then the same five from 64
+  tasks at once (calls/s, server and client CPU per call: the batchers gather the
+  reschedules and cancels into RescheduleBatch / CancelBatch calls; Get and Stats stay
+  unary);
 - the server's RSS.
 
 Cost per operation should be flat in N (docs/benchmarks.md, "Cost against the number of
@@ -31,6 +37,7 @@ pending messages"). Writes bench/out/pending.json (or ``--json``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import tempfile
 import time
@@ -39,6 +46,7 @@ import psutil
 
 from bench.common import Meter, machine, percentile, print_table, threads, until_idle, write_json
 from bench.peers import QdelayDriver
+from qdelay import aio
 from qdelay.client import Client, Outgoing
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -52,6 +60,78 @@ def _timed_calls(call, items: list) -> list[float]:
         call(item)
         lat.append((time.perf_counter() - t0) * 1000)
     return lat
+
+
+async def _aio_timed(call, items: list) -> list[float]:
+    lat = []
+    for item in items:
+        t0 = time.perf_counter()
+        await call(item)
+        lat.append((time.perf_counter() - t0) * 1000)
+    return lat
+
+
+async def _aio_tasks(call, items: list, tasks: int = 64) -> None:
+    """``call`` of every item from ``tasks`` tasks at once (each takes the next item)."""
+    it = iter(items)
+
+    async def worker() -> None:
+        for item in it:
+            await call(item)
+
+    await asyncio.gather(*(worker() for _ in range(tasks)))
+
+
+AIO_ONE = 100  # calls of each kind one at a time
+AIO_MANY = 1_000  # calls of each kind from 64 tasks
+
+
+def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int) -> dict:
+    """The asyncio client's single calls against this level's pending messages.
+    ``targets`` are (message id, receipt) of pending messages no other part touched: at
+    least 3 * AIO_ONE + 3 * AIO_MANY of them, each used once (a cancelled or rescheduled
+    one is not measured again)."""
+    if len(targets) < 3 * AIO_ONE + 3 * AIO_MANY:
+        raise SystemExit(f"only {len(targets)} untouched pending ids for the asyncio part")
+    row: dict = {}
+
+    async def go() -> None:
+        async with aio.Client(address, timeout=60) as c:
+            await c.wait_ready()
+            await c.get(message_id=targets[0][0])  # the channel's first call: not charged
+            pool = iter(targets)
+
+            def take(n: int) -> list[tuple[str, object]]:
+                return [next(pool) for _ in range(n)]
+
+            gets = [mid for mid, _ in targets[:AIO_ONE]]  # Get does not change them
+            for name, call, items in (
+                ("get", lambda t: c.get(message_id=t), gets),
+                ("stats", lambda _t: c.stats(), range(AIO_ONE)),
+                ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), take(AIO_ONE)),
+                ("cancel_id", lambda t: c.cancel(message_id=t[0]), take(AIO_ONE)),
+                ("cancel_receipt", lambda t: c.cancel(t[1]), take(AIO_ONE)),
+            ):
+                with Meter(pid) as m:
+                    lat = await _aio_timed(call, list(items))
+                row[f"aio_{name}_p50_ms"] = percentile(lat, 50)
+                row[f"aio_{name}_cpu_us"] = m.cpu / len(lat) * 1e6
+            many_gets = [mid for mid, _ in targets[: min(AIO_MANY, len(targets))]]
+            for name, call, items in (
+                ("get", lambda mid: c.get(message_id=mid), many_gets),
+                ("stats", lambda _t: c.stats(), range(AIO_MANY)),
+                ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), take(AIO_MANY)),
+                ("cancel_id", lambda t: c.cancel(message_id=t[0]), take(AIO_MANY)),
+                ("cancel_receipt", lambda t: c.cancel(t[1]), take(AIO_MANY)),
+            ):
+                with Meter(pid) as m, Meter() as mine:
+                    await _aio_tasks(call, list(items))
+                row[f"aio64_{name}_per_s"] = len(items) / m.wall
+                row[f"aio64_{name}_cpu_us"] = m.cpu / len(items) * 1e6
+                row[f"aio64_{name}_client_us"] = mine.cpu / len(items) * 1e6
+
+    asyncio.run(go())
+    return row
 
 
 def run(levels: list[int], messages: int) -> list[dict]:
@@ -201,6 +281,12 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     row["cancel_by_id_cpu_us"] = m.cpu / max(1, len(fresh_ids) - half) * 1e6
                     lat = _timed_calls(lambda _i: c.stub.Topology(pb.TopologyRequest(), timeout=5), range(200))
                     row["topology_p50_ms"] = percentile(lat, 50)
+                    # the asyncio client, on pending ids none of the above touched (the re-sends'
+                    # receipts are the messages' own: a duplicate answers the original receipt)
+                    used = touched | set(fresh_ids)
+                    targets = [(mid, r) for mid, r in zip(picks, receipts, strict=True) if mid not in used]
+                    until_idle(server.pid, 60.0)
+                    row.update(_aio_part(address, server.pid, targets, base + 5 * DAY_MS))
                     row["rss_mb"] = proc.memory_info().rss / 2**20
                     rows.append(row)
                     print(row, flush=True)
@@ -259,6 +345,25 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]
     print_table(headers, table, title="send, re-send and lookups against the number of pending messages")
+    kinds = ("get", "stats", "reschedule", "cancel_id", "cancel_receipt")
+    print_table(
+        ["pending N"] + [f"aio {k} p50 ms / µs CPU" for k in kinds],
+        [[r["pending"]] + [f"{r[f'aio_{k}_p50_ms']:.2f} / {r[f'aio_{k}_cpu_us']:.0f}" for k in kinds] for r in rows],
+        title="qdelay.aio.Client, one call at a time (server CPU a call)",
+    )
+    kinds = ("get", "stats", "reschedule", "cancel_id", "cancel_receipt")
+    print_table(
+        ["pending N"] + [f"aio x64 {k} calls/s · µs server · µs client" for k in kinds],
+        [
+            [r["pending"]]
+            + [
+                f"{r[f'aio64_{k}_per_s']:.0f} · {r[f'aio64_{k}_cpu_us']:.0f} · {r[f'aio64_{k}_client_us']:.0f}"
+                for k in kinds
+            ]
+            for r in rows
+        ],
+        title="qdelay.aio.Client, 64 tasks at once",
+    )
     write_json(args.json, {"machine": machine(), "rows": rows})
     return 0
 
