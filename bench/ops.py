@@ -20,7 +20,9 @@ folders; every figure is one call at a time unless said otherwise. Per scenario:
   another subject (each asks whether its message is in flight), and Get of messages of
   the subject's own minute (the one the B are out in); the Subscribe's setup
   (open to first delivery, credit 10) on ``h`` against its backlog of B + 5,000, and on
-  an unrelated subject with one due message (the yardstick); then a second consumer of
+  an unrelated subject with one due message (the yardstick); ``Consumer.add_credit`` on
+  ``h``: a consumer holding its whole credit (1) raises it by 10, ms until those 10
+  deliveries arrive (median of 5); then a second consumer of
   ``g`` receives and acknowledges the 5,000 others (credit 100, one ack request a batch):
   deliveries/s and the server's CPU per delivery against B in flight in the same group;
   the health check's p50/p99 during that drain against an idle server's; then
@@ -182,6 +184,29 @@ def _setup_ms(c: Client, subject: str, group: str) -> float:
     return took
 
 
+def _credit_ms(c: Client, subject: str, group: str, rounds: int = 5) -> float:
+    """A consumer holding its whole credit (1) raises it by 10 with ``add_credit``: ms from
+    the call to the 10 deliveries it allows, median of ``rounds``. Closed after."""
+    sub = c.subscribe(subject, group, max_in_flight=1)
+    try:
+        if not sub.receive(1, timeout=30):
+            raise SystemExit(f"bench.ops: no delivery on {subject}/{group} within 30 s")
+        lat, credit = [], 1
+        for _ in range(rounds):
+            credit += 10
+            t0 = time.perf_counter()
+            sub.add_credit(credit)
+            got, deadline = 0, time.monotonic() + 30
+            while got < 10 and time.monotonic() < deadline:
+                got += len(sub.receive(10 - got, timeout=5))
+            if got < 10:
+                raise SystemExit(f"bench.ops: add_credit on {subject}/{group} let {got} of 10 through")
+            lat.append((time.perf_counter() - t0) * 1000)
+    finally:
+        sub.close()
+    return percentile(lat, 50)
+
+
 def _health_during(c: Client, stop: threading.Event) -> list[float]:
     lat = []
     while not stop.is_set():
@@ -256,6 +281,8 @@ def _consumer_level(s: _Server, b: int, calls: int, far: list) -> dict:
     # consumer's close gives back what it held, which builds g's in-flight index if on g)
     row["setup_ms"] = min(_setup_ms(c, subject, "h") for _ in range(3))
     row["setup_other_ms"] = min(_setup_ms(c, live, "g") for _ in range(3))
+    # Consumer.add_credit on h (its backlog B + DRAIN, g's B in flight on the server)
+    row["add_credit_ms"] = _credit_ms(c, subject, "h")
     # the other DRAIN received and acknowledged by a second consumer of g, health probed meanwhile
     drainer = c.subscribe(subject, "g", max_in_flight=100)
     stop = threading.Event()
@@ -450,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 "on disk",
                 "setup ms",
                 "setup, other subject ms",
+                "add_credit +10 ms",
                 "Get far p50 ms",
                 "µs CPU",
                 "Get busy-minute p50 ms",
@@ -470,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["on_disk"],
                     r["setup_ms"],
                     r["setup_other_ms"],
+                    r["add_credit_ms"],
                     r["get_far_p50_ms"],
                     r["get_far_cpu_us"],
                     r["get_busy_p50_ms"],
@@ -493,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(rows) > 1:
             print(
                 f"backlog {rows[0]['backlog']:,} -> {rows[-1]['backlog']:,}: setup x{_ratio(rows, 'setup_ms'):.2f},"
+                f" add_credit x{_ratio(rows, 'add_credit_ms'):.2f},"
                 f" Get (far) CPU x{_ratio(rows, 'get_far_cpu_us'):.2f},"
                 f" Get (busy minute) CPU x{_ratio(rows, 'get_busy_cpu_us'):.2f},"
                 f" Cancel (far) CPU x{_ratio(rows, 'cancel_far_cpu_us'):.2f},"
