@@ -20,6 +20,8 @@ seeded with one server's address. Per round, on the same cluster:
 - ``send``, ``reschedule`` and ``cancel`` by id of ``--calls`` messages, one call at a time,
   and a ``ShardedConsumer`` (``AioShardedConsumer``) receiving and acknowledging
   ``--messages``/4 messages due at once, spread over the shards (a stream to each master);
+  and ``subscribe_all`` (a plain consumer per server, read by a thread or a task each)
+  receiving and acknowledging as many;
 - ``qdelay admin status --servers SEED`` (``--calls``/10 times, at least 10): in cluster
   mode it asks every server of every shard.
 
@@ -56,6 +58,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -191,6 +194,41 @@ def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base
         consumer.close()
     if got[0] < len(due):
         raise SystemExit(f"the ShardedConsumer received {got[0]} of {len(due)}")
+    # subscribe_all: a plain consumer per server, read by a thread each (as its docstring
+    # says), from the call to the last of messages/4 delivered and acknowledged
+    subject = f"bench.all.{tag}"
+    due = [Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"{tag}-all-{i}") for i in range(messages // 4)]
+    sc.send_many(due)
+    done, lock, count = threading.Event(), threading.Lock(), [0]
+    consumers: list = []
+    readers: list[threading.Thread] = []
+
+    def read(c) -> None:
+        while not done.is_set():
+            batch = c.receive(1, timeout=0.05)
+            c.ack(batch)
+            with lock:
+                count[0] += len(batch)
+                if count[0] >= len(due):
+                    done.set()
+
+    def drain_all() -> None:
+        consumers.extend(sc.subscribe_all(subject, "g", max_in_flight=1000))
+        readers.extend(threading.Thread(target=read, args=(c,), daemon=True) for c in consumers)
+        for t in readers:
+            t.start()
+        done.wait(120)
+
+    try:
+        out["subscribe_all: receive + ack"] = cost.measure(len(due), drain_all)
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+        for c in consumers:
+            c.close()
+    if count[0] < len(due):
+        raise SystemExit(f"subscribe_all's consumers received {count[0]} of {len(due)}")
     return out
 
 
@@ -270,6 +308,38 @@ def aio_round(seed: str, cost: Cost, messages: int, calls: int, base: int, tag: 
                 await consumer.close()
             if got[0] < len(due):
                 raise SystemExit(f"the AioShardedConsumer received {got[0]} of {len(due)}")
+            # subscribe_all: a plain qdelay.aio consumer per server, a task each
+            subject = f"bench.aall.{tag}"
+            due = [
+                Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"{tag}-aall-{i}") for i in range(messages // 4)
+            ]
+            await sc.send_many(due)
+            done, count = asyncio.Event(), [0]
+            consumers: list = []
+            readers: list[asyncio.Task] = []
+
+            async def read(c) -> None:
+                while not done.is_set():
+                    batch = await c.receive(1, timeout=0.05)
+                    c.ack(batch)
+                    count[0] += len(batch)
+                    if count[0] >= len(due):
+                        done.set()
+
+            async def drain_all() -> None:
+                consumers.extend(await sc.subscribe_all(subject, "g", max_in_flight=1000))
+                readers.extend(asyncio.create_task(read(c)) for c in consumers)
+                await asyncio.wait_for(done.wait(), 120)
+
+            try:
+                out["subscribe_all: receive + ack"] = await ameasure(cost, len(due), drain_all())
+            finally:
+                done.set()
+                await asyncio.gather(*readers)
+                for c in consumers:
+                    await c.close()
+            if count[0] < len(due):
+                raise SystemExit(f"subscribe_all's aio consumers received {count[0]} of {len(due)}")
 
     asyncio.run(go())
     return out
