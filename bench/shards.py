@@ -39,8 +39,11 @@ same clusters through bench/shards_node.js: batched ``send`` of ``--messages``,
 
 Part 2, the cluster client (``ClusterClient``, client/cluster.py: one master and its
 slaves, no etcd): for each k of ``--nodes``, a master with k-1 slaves (async
-replication), ``send_batch`` of 100, ``get``, ``cancel``, ``stats``, ``send`` one at a time
-and ``find_master`` from a client given all k addresses, the same figures.
+replication), ``send_batch`` of 100, ``get``, ``cancel``, ``stats``, ``send`` one at a time,
+``find_master`` and ``subscribe_all`` (a consumer per server, a thread each; the group
+made first and waited for on every slave, which refuses a Subscribe that would create it)
+receiving and acknowledging ``--messages``/4 due at once, from a client given all k
+addresses, the same figures.
 
 Writes bench/out/shards.json (or ``--json``); docs/benchmarks.md, "Sharded and cluster
 clients against the number of shards", records a run.
@@ -123,6 +126,43 @@ def _far(n: int, base: int, tag: str) -> list[Outgoing]:
     return [Outgoing("bench.shards", b"x" * 100, deliver_at_ms=base + i, message_id=f"{tag}-{i}") for i in range(n)]
 
 
+def _drain_all(cost: Cost, subscribe_all: Callable[[], list], n: int) -> dict[str, float]:
+    """A blocking client's ``subscribe_all()``: its consumers read by a thread each (as
+    its docstring says), from the call to the last of ``n`` due messages delivered and
+    acknowledged; the consumers are closed after the measure."""
+    done, lock, count = threading.Event(), threading.Lock(), [0]
+    consumers: list = []
+    readers: list[threading.Thread] = []
+
+    def read(c) -> None:
+        while not done.is_set():
+            batch = c.receive(1, timeout=0.05)
+            c.ack(batch)
+            with lock:
+                count[0] += len(batch)
+                if count[0] >= n:
+                    done.set()
+
+    def drain_all() -> None:
+        consumers.extend(subscribe_all())
+        readers.extend(threading.Thread(target=read, args=(c,), daemon=True) for c in consumers)
+        for t in readers:
+            t.start()
+        done.wait(120)
+
+    try:
+        figures = cost.measure(n, drain_all)
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+        for c in consumers:
+            c.close()
+    if count[0] < n:
+        raise SystemExit(f"subscribe_all's consumers received {count[0]} of {n}")
+    return figures
+
+
 def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base: int, tag: str) -> dict:
     rng = random.Random(tag)
     out: dict[str, dict] = {}
@@ -194,41 +234,13 @@ def sharded_round(sc: ShardedClient, cost: Cost, messages: int, calls: int, base
         consumer.close()
     if got[0] < len(due):
         raise SystemExit(f"the ShardedConsumer received {got[0]} of {len(due)}")
-    # subscribe_all: a plain consumer per server, read by a thread each (as its docstring
-    # says), from the call to the last of messages/4 delivered and acknowledged
+    # subscribe_all: a plain consumer per server, read by a thread each
     subject = f"bench.all.{tag}"
     due = [Outgoing(subject, b"x" * 100, delay_ms=0, message_id=f"{tag}-all-{i}") for i in range(messages // 4)]
     sc.send_many(due)
-    done, lock, count = threading.Event(), threading.Lock(), [0]
-    consumers: list = []
-    readers: list[threading.Thread] = []
-
-    def read(c) -> None:
-        while not done.is_set():
-            batch = c.receive(1, timeout=0.05)
-            c.ack(batch)
-            with lock:
-                count[0] += len(batch)
-                if count[0] >= len(due):
-                    done.set()
-
-    def drain_all() -> None:
-        consumers.extend(sc.subscribe_all(subject, "g", max_in_flight=1000))
-        readers.extend(threading.Thread(target=read, args=(c,), daemon=True) for c in consumers)
-        for t in readers:
-            t.start()
-        done.wait(120)
-
-    try:
-        out["subscribe_all: receive + ack"] = cost.measure(len(due), drain_all)
-    finally:
-        done.set()
-        for t in readers:
-            t.join()
-        for c in consumers:
-            c.close()
-    if count[0] < len(due):
-        raise SystemExit(f"subscribe_all's consumers received {count[0]} of {len(due)}")
+    out["subscribe_all: receive + ack"] = _drain_all(
+        cost, lambda: sc.subscribe_all(subject, "g", max_in_flight=1000), len(due)
+    )
     return out
 
 
@@ -446,6 +458,21 @@ def cluster_round(cc: ClusterClient, cost: Cost, messages: int, calls: int, base
         len(singles), lambda: [cc.send("bench.cc", b"x" * 100, message_id=m, deliver_at_ms=d) for m, d in singles]
     )
     out["find_master"] = cost.measure(n, lambda: [cc.find_master() for _ in range(n)])
+    # subscribe_all: a consumer per server (the slaves' never deliver), messages/4 due now;
+    # the group made first (a slave refuses a Subscribe that would create it: a write)
+    subject = f"bench.ccall.{tag}"
+    cc.create_group(subject, "g")
+    due = [cc.message(subject, b"x" * 100, message_id=f"{tag}-all-{i}") for i in range(max(100, messages // 4))]
+    for i in range(0, len(due), 100):
+        cc.send_batch(due[i : i + 100])
+    deadline = time.monotonic() + 30  # every slave has the group (replication is asynchronous)
+    while not all(c.groups(subject=subject, group="g") for c in cc.clients):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the group {subject}/g did not reach every slave within 30 s")
+        time.sleep(0.05)
+    out["subscribe_all: receive + ack"] = _drain_all(
+        cost, lambda: cc.subscribe_all(subject, "g", max_in_flight=1000), len(due)
+    )
     return out
 
 
