@@ -165,17 +165,25 @@ class Flight(Batch[int]):
 
 Acked = Taken[Flight, int]  # sequences of one flight an ack closed (``.batch``, ``.keys``, ``.start``)
 
+# a question enters at most about this many deliveries in its bucket's index; flights not
+# entered yet are searched (so the first question after a burst of 200,000 costs about
+# what the search of them all did, not the ~10x of entering them all at once)
+ENTER_MAX = 8192
+
 
 class BucketIndex:
     """Per group, sequence -> the latest flight of one bucket that holds it: what answers
     "is it in flight?" about a message of that bucket (Get, Cancel) with a lookup per
     group, not a search of the bucket's flights. Built when the bucket is first asked
-    about; a flight handed out later waits in ``fresh`` (one list append per flight) and
-    is entered at the next question, so handing out and acknowledging pay nothing per
-    delivery for it. Entries are never removed one by one: the flight an entry names says
-    whether the delivery is still out (acknowledged, released, expired, its group
-    deleted). Flights that left the ledger count in ``stale``; once they are half of what
-    was entered, the next question builds the index again from the bucket's flights."""
+    about; a flight handed out later waits in ``fresh`` (one list append per flight), so
+    handing out and acknowledging pay nothing per delivery for it. Each question enters
+    up to ``ENTER_MAX`` deliveries of the fresh flights still out (in hand-out order) and
+    searches the rest, as the ledger searched every flight before: a delivery is entered
+    at most once, and a question costs a lookup per group once the index caught up.
+    Entries are never removed one by one: the flight an entry names says whether the
+    delivery is still out (acknowledged, released, expired, its group deleted). Flights
+    that left the ledger count in ``stale``; past half of what was entered (and
+    ``ENTER_MAX``), the next question builds the index again from the bucket's flights."""
 
     __slots__ = ("of_group", "fresh", "entered", "stale")
 
@@ -185,19 +193,26 @@ class BucketIndex:
         self.entered = 0  # deliveries entered (of flights still listed or not)
         self.stale = 0  # deliveries of flights that left the ledger since it was built
 
-    def catch_up(self) -> int:
-        """Enter the fresh flights, in the order they were handed out (a sequence handed
-        out again comes in a later flight of its group, which replaces the earlier one);
-        how many deliveries were entered."""
+    def catch_up(self, limit: int) -> int:
+        """Enter fresh flights still out, in the order they were handed out (a sequence
+        handed out again comes in a later flight of its group, which replaces the earlier
+        one), until ``limit`` deliveries were; the rest stay fresh, those closed meanwhile
+        dropped (nothing of them is out). How many deliveries were entered."""
         n = 0
         of_group = self.of_group
-        for fl in self.fresh:
+        fresh = self.fresh
+        i = 0
+        while i < len(fresh) and n < limit:
+            fl = fresh[i]
+            i += 1
+            if not fl.left:
+                continue
             mine = of_group.get(fl.gid)
             if mine is None:
                 mine = of_group[fl.gid] = {}
             mine.update(zip(fl.keys, itertools.repeat(fl)))
             n += len(fl.keys)
-        self.fresh.clear()
+        self.fresh = [fl for fl in fresh[i:] if fl.left] if i < len(fresh) else []
         self.entered += n
         return n
 
@@ -488,14 +503,15 @@ class AckLedger:
         if bucket not in self._of_bucket:
             return None
         bi = self._indexes.get(bucket)
-        if bi is None or bi.stale * 2 > bi.entered:
+        if bi is None or bi.stale > max(bi.entered // 2, ENTER_MAX):
             bi = self._indexes[bucket] = BucketIndex(self._of_bucket[bucket])
         if bi.fresh:
-            self.entered += bi.catch_up()
+            self.entered += bi.catch_up(ENTER_MAX)
         return bi
 
     def out_in(self, bi: BucketIndex, seq: int) -> bool:
-        """``seq`` is out in some group, as ``bi`` (up to date) names its flights."""
+        """``seq`` is out in some group, as ``bi`` names its flights: its entries (a lookup
+        per group), then its flights not entered yet (searched)."""
         groups = self._groups
         for gid, mine in bi.of_group.items():
             fl = mine.get(seq)
@@ -506,6 +522,12 @@ class AckLedger:
             grp = groups.get(gid)
             if grp is not None and fl in grp.batches:
                 return True
+        for fl in bi.fresh:
+            keys = fl.keys
+            if fl.left and seq in keys and fl.live_at(keys.index(seq)):
+                grp = groups.get(fl.gid)
+                if grp is not None and fl in grp.batches:
+                    return True
         return False
 
     def _all_indexed(self) -> bool:

@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from qdelay.server import ledger as ledger_mod
 from qdelay.server import stretches as stretches_mod
 from qdelay.server.ledger import AckLedger, Flight
 
@@ -191,6 +192,12 @@ class LedgerMachine(RuleBasedStateMachine):
         """Kept indexes dropped early or late: both must answer the same."""
         stretches_mod.INDEX_IDLE_MIN = 4 if small else 65536
 
+    @rule(small=st.booleans())
+    def enter_threshold(self, small: bool) -> None:
+        """A question enters a few deliveries in its bucket's index and searches the flights
+        not entered yet, or enters them all: both must answer the same."""
+        ledger_mod.ENTER_MAX = 2 if small else 8192
+
     @invariant()
     def questions_agree(self) -> None:
         led = self.ledger
@@ -214,6 +221,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         stretches_mod.INDEX_IDLE_MIN = 65536
+        ledger_mod.ENTER_MAX = 8192
 
 
 LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -372,6 +380,29 @@ def test_in_flight_questions_cost_no_search_of_the_bucket_s_flights():
     led.hand_out(round_of(1, 5_001), TIMEOUT + 1)
     assert led.is_in_flight(5_001, 7) and not led.is_in_flight(10_001, 7)
     # no search of a flight's sequences (the scan made one per flight per question: ~4,300
-    # questions x 200 flights); 15,000 deliveries entered in the index once each
+    # questions x 200 flights); the 8,750 deliveries out when asked (3,750 of the first
+    # rounds, 5,000 of the last) entered in the index once each
     assert CountedKeys.searches == 0
-    assert led.entered == 15_000
+    assert led.entered == 8_750
+
+
+def test_a_question_enters_a_bounded_share_and_searches_the_rest(monkeypatch: Any) -> None:
+    """After a burst, the first questions do not pay the entry of every delivery at once
+    (~10x a search of them): each enters about ENTER_MAX and searches the flights not
+    entered yet; once caught up, none searches."""
+    monkeypatch.setattr(ledger_mod, "ENTER_MAX", 1_000)
+    led = AckLedger()
+    CountedKeys.searches = 0
+    flights = [
+        Flight(7, 1, 1, 0, CountedKeys(range(k, k + 50)), [0] * 50, [0] * 50, [1] * 50, [b""] * 50)
+        for k in range(1, 10_001, 50)
+    ]
+    led.hand_out(flights, TIMEOUT)
+    assert not led.is_in_flight(10_001, 7)  # not out: every flight not entered is searched
+    assert led.entered == 1_000 and CountedKeys.searches == 180
+    for k in range(2, 11):
+        assert led.is_in_flight(10_000, 7)  # the last flight: found once entered, or searched
+        assert led.entered == 1_000 * k
+    CountedKeys.searches = 0
+    assert all(led.is_in_flight(q, 7) for q in range(1, 10_001, 97)) and not led.is_in_flight(10_001, 7)
+    assert CountedKeys.searches == 0 and led.entered == 10_000
