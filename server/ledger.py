@@ -277,11 +277,17 @@ class AckLedger:
                 mine = of_bucket[fl.bucket] = {}
             mine[fl] = None
         indexes = self._indexes
-        if indexes:  # a bucket asked about: its index enters the flight at the next question
+        if indexes:  # a bucket asked about: its index enters the flight at a later question
             for fl in flights:
                 bi = indexes.get(fl.bucket)
                 if bi is not None:
-                    bi.fresh.append(fl)
+                    fresh = bi.fresh
+                    fresh.append(fl)
+                    # no question for a while (deliveries go on): the flights that left the
+                    # bucket's list go, so ``fresh`` holds at most about what is listed
+                    listed = of_bucket[fl.bucket]
+                    if len(fresh) > 2 * len(listed) + 64:
+                        bi.fresh = [f for f in fresh if f in listed]
         self._deadlines.append((deadline, flights))
 
     def _forget(self, flights: list[Flight]) -> None:
@@ -480,6 +486,11 @@ class AckLedger:
             if bi is not None:
                 out.append(_InFlight(self, bi))
         return out
+
+    def flights_waiting(self) -> int:
+        """Flights waiting to be entered in bucket indexes (for tests: without questions,
+        they do not outgrow the flights listed)."""
+        return sum(len(bi.fresh) for bi in self._indexes.values())
 
     def flights_listed(self) -> int:
         """Flights in the per-bucket lists (for tests: they leave with ``_deadlines``, so

@@ -406,3 +406,21 @@ def test_a_question_enters_a_bounded_share_and_searches_the_rest(monkeypatch: An
     CountedKeys.searches = 0
     assert all(led.is_in_flight(q, 7) for q in range(1, 10_001, 97)) and not led.is_in_flight(10_001, 7)
     assert CountedKeys.searches == 0 and led.entered == 10_000
+
+
+def test_flights_waiting_for_a_question_do_not_pile_up():
+    """A minute asked about once, then delivered and acknowledged for long without another
+    question: the flights waiting to be entered in its index are about those still listed
+    (here two), not every flight handed out since (2,000)."""
+    led = AckLedger()
+
+    def of(k: int) -> Flight:
+        return Flight(7, 1, 1, k, [2 * k, 2 * k + 1], [0] * 2, [0] * 2, [1] * 2, [b""] * 2)
+
+    led.hand_out([of(1)], TIMEOUT + 1)
+    assert led.is_in_flight(2, 7)
+    for k in range(2, 2_002):
+        led.hand_out([of(k)], TIMEOUT + k)
+        led.take_acked([2 * k - 2, 2 * k - 1], 1)  # the one before: it leaves
+        assert led.flights_listed() == 1 and led.flights_waiting() <= 2 * 2 + 64 + 1
+    assert led.is_in_flight(4_002, 7) and not led.is_in_flight(4_000, 7)
