@@ -60,6 +60,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("handoff", ["--rounds", "1", "--loops", "300"] if quick else [], out("handoff")),
         ("replication", ["--seconds", "2", "--catchup", "20000"] if quick else [], out("replication")),
         ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),
+        # qdelay spark import against the number of records (a real server, the Spark session)
+        ("spark_import", ["--records", "2000,5000"] if quick else [], out("spark_import")),
         # etcd cluster mode (issue 16): needs the etcd binary (make etcd-deps)
         ("cluster", ["--seconds", "1", "--trials", "2"] if quick else [], out("cluster")),
         # the sharded and cluster clients' calls against the number of shards (etcd too)

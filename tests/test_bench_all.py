@@ -30,6 +30,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "handoff",
             "replication",
             "spark",
+            "spark_import",
             "cluster",
             "shards",
             "admin",
