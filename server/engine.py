@@ -34,6 +34,7 @@ from qdelay.errors import (
     NotMaster,
     ShuttingDown,
     StorageError,
+    Unavailable,
 )
 from qdelay.segments import checkpoint, naming, reader, records
 from qdelay.segments.bucket_log import BucketLog
@@ -195,6 +196,8 @@ def _open_files_allowed(wanted: int) -> int:
 # a Cancel's claim is made on the event loop (``Engine._claims``) up to this many targets
 # (a few us each there), so that a batch never holds the loop for long
 CLAIM_NOW_MAX = 64
+# Engine.claim_wait_s: a target claimed by another Cancel waits this long at most for it
+CLAIM_WAIT_S = 10.0
 
 
 class _NotNow(Exception):
@@ -338,6 +341,10 @@ class Engine:
         # (bench.compare's ingest) never qualified. Cancels keep ``_far``: their argument
         # is the claim, not the timer (see cancel_many).
         self.far_ahead_ms = max(FAR_AHEAD_MIN_MS, 10 * config.iterate_gather_far_ms)
+        # how long a Cancel or Reschedule waits, in all, for claims another one holds on its
+        # targets to end (_after_other_claims); a claim ends within a commit and an iterate
+        # step (up to iterate_gather_far_ms) unless its write is stuck
+        self.claim_wait_s = CLAIM_WAIT_S
         self.scheduler = Scheduler(
             self.schedule,
             self.dispatch,
@@ -637,13 +644,32 @@ class Engine:
         Every target is looked up and claimed on one worker thread (a claimed message is
         skipped by the dispatcher from then on), then the tombstones of all claimed ones
         go to the message log in one append: one group commit for the whole batch. A target
-        named twice is CANCELLED once and ALREADY_CANCELLED after.
+        named twice is CANCELLED once and ALREADY_CANCELLED after. A target another Cancel
+        or Reschedule has claimed answers once that claim has ended (``_after_other_claims``).
         """
         self.check_writable()
-        outcomes, claimed = await self._claims(self._claim_cancels, targets, targets)
+        return await self._cancel_many(targets, None)
+
+    async def _cancel_many(
+        self, targets: list[tuple[str, int | None, int | None]], deadline: float | None
+    ) -> list[CancelOutcome]:
+        outcomes, claimed, elsewhere = await self._claims(self._claim_cancels, targets, targets)
         if not claimed:
             await self._nothing_claimed(outcomes)
-            return outcomes
+        else:
+            await self._write_cancels(claimed)
+        if elsewhere:
+            # this call's own tombstones are written first: it holds no claim while it waits
+            # (two Cancels each waiting for a claim the other holds would never end)
+            rows, deadline = await self._after_other_claims(elsewhere, deadline)
+            again = await self._cancel_many([targets[i] for i in rows], deadline)
+            for i, outcome in zip(rows, again):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def _write_cancels(self, claimed: list[tuple[str, int, int]]) -> None:
+        """The tombstones of ``claimed`` to the message log (their claims released if that
+        fails), then the replication wait and the write guard, as for any write."""
         # Tombstones of messages all due beyond the loading horizon may wait for the iterate
         # service as far-future sends do (expect_far: up to iterate_gather_far_ms), instead
         # of a step of its own after each commit (~0.25-0.3 ms of CPU holding the GIL right
@@ -658,11 +684,57 @@ class Engine:
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
+        # durable: another Cancel of these may answer ALREADY_CANCELLED now (the claims hold
+        # until the iterate service passes the tombstones, up to iterate_gather_far_ms)
+        self.scheduler.claims_written([seq for _mid, _due, seq in claimed])
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
             self.write_guard()
-        return outcomes
+
+    async def _after_other_claims(self, elsewhere: dict[int, int], deadline: float | None) -> tuple[list[int], float]:
+        """Wait, without holding the event loop, until the claims another Cancel or
+        Reschedule holds on the messages of ``elsewhere`` (row -> sequence: the targets the
+        scheduler answered CLAIM_CANCELLING) have ended; (those rows, in order, to be
+        claimed again as if fresh; the deadline of the whole call).
+
+        An answer before the other claim's outcome is known could be wrong (issue 13 item 6):
+        ALREADY_CANCELLED at once, then the first Cancel's write fails (a full disk, an I/O
+        error, a lost lease), its claim is released and the message is delivered. Once the
+        other call's tombstone is durable (the claim again answers CLAIM_WRITTEN:
+        ALREADY_CANCELLED) or its claim has ended, the message is either cancelled for good
+        (settled: the claim again answers ALREADY_CANCELLED, from the tombstone) or pending
+        again (the claim again may take it). The scheduler, the claims' owner, calls back
+        when each has; the callback hands that to this loop. Bounded by
+        ``claim_wait_s`` over the whole call (the other claimant may claim again and again,
+        or never finish): Unavailable after it, which the caller may retry."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.claim_wait_s
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def done() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        def on_scheduler() -> None:  # lock held: hand it over, never wait
+            try:
+                loop.call_soon_threadsafe(done)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        watch = self.scheduler.watch_claims(sorted(set(elsewhere.values())), on_scheduler)
+        try:
+            await asyncio.wait_for(ended, max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise Unavailable(
+                f"another cancel or reschedule of {len(set(elsewhere.values()))} of the targets did not "
+                f"finish within {self.claim_wait_s:g} s; their outcome is unknown, retry"
+            ) from None
+        finally:
+            if watch.left:
+                self.scheduler.unwatch_claims(watch)
+        return sorted(elsewhere), deadline
 
     async def _nothing_claimed(self, outcomes: list[CancelOutcome]) -> None:
         """Before a Cancel or Reschedule that wrote nothing answers: one that found a target
@@ -709,14 +781,37 @@ class Engine:
         would after the move.
         """
         self.check_writable()
+        return await self._reschedule_many(moves, None)
+
+    async def _reschedule_many(
+        self, moves: list[tuple[str, int | None, int | None, int]], deadline: float | None
+    ) -> list[tuple[RescheduleOutcome, Receipt | None]]:
         targets = [(mid, due, seq) for mid, due, seq, _new in moves]
-        outcomes, claimed, msgs = await self._claims(self._claim_to_move, targets, targets)
+        outcomes, claimed, msgs, elsewhere = await self._claims(self._claim_to_move, targets, targets)
         out: list[tuple[RescheduleOutcome, Receipt | None]] = [
             (self._MOVE_OUTCOME.get(o, RescheduleOutcome.RESCHEDULED), None) for o in outcomes
         ]
         if not claimed:
             await self._nothing_claimed(outcomes)
-            return out
+        else:
+            await self._write_moves(moves, outcomes, claimed, msgs, out)
+        if elsewhere:  # as _cancel_many: written first, then wait for the other claims
+            rows, deadline = await self._after_other_claims(elsewhere, deadline)
+            again = await self._reschedule_many([moves[i] for i in rows], deadline)
+            for i, answer in zip(rows, again):
+                out[i] = answer
+        return out
+
+    async def _write_moves(
+        self,
+        moves: list[tuple[str, int | None, int | None, int]],
+        outcomes: list[CancelOutcome],
+        claimed: list[tuple[str, int, int]],
+        msgs: list[records.Message],
+        out: list[tuple[RescheduleOutcome, Receipt | None]],
+    ) -> None:
+        """The claimed messages written again at their new times and their old ones'
+        tombstones, in one append (claims released if it fails); their answers into ``out``."""
         rows = [i for i, o in enumerate(outcomes) if o == CancelOutcome.CANCELLED]  # claimed, in order
         try:
             if len(rows) != len(claimed):  # each claim answers its target CANCELLED, in target order
@@ -739,6 +834,7 @@ class Engine:
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
+        self.scheduler.claims_written([seq for _mid, _due, seq in claimed])  # as _write_cancels
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
@@ -746,7 +842,6 @@ class Engine:
         first = appended.first_sequence
         for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed)):
             out[i] = (RescheduleOutcome.RESCHEDULED, Receipt(mid, moves[i][3], first + k))
-        return out
 
     async def _off_loop_claims(self, claim: Callable, *args):
         """``claim(*args)`` on a worker thread; its result, whose second item is the claimed
@@ -829,7 +924,7 @@ class Engine:
 
     def _claim_to_move(
         self, targets: list[tuple[str, int | None, int | None]], now: bool = False
-    ) -> tuple[list[CancelOutcome], list, list[records.Message]]:
+    ) -> tuple[list[CancelOutcome], list, list[records.Message], dict[int, int]]:
         """Reschedule's look-up (on the event loop or a worker thread: ``_claims``): the
         claims (as a Cancel's: ``_claim_cancels``) and the record of each claimed message,
         to write again. The claim has confirmed where each one is (its minute's index, or
@@ -837,21 +932,21 @@ class Engine:
         StorageError, every claim released, if one has gone meanwhile (the cleaner). A
         record damaged since it was indexed answers NOT_FOUND, its claim given back, as Get
         answers it (the loader never fires it): failing the batch, every retry of it failed."""
-        outcomes, claimed = self._claim_cancels(targets, now)
+        outcomes, claimed, elsewhere = self._claim_cancels(targets, now)
         try:
             msgs = self._records_of(claimed)
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
         if None not in msgs:
-            return outcomes, claimed, cast("list[records.Message]", msgs)
+            return outcomes, claimed, cast("list[records.Message]", msgs), elsewhere
         rows = [i for i, o in enumerate(outcomes) if o == CancelOutcome.CANCELLED]  # claimed, in order
         damaged = [k for k, msg in enumerate(msgs) if msg is None]
         self._release_claims([claimed[k][2] for k in damaged])
         for k in damaged:
             outcomes[rows[k]] = CancelOutcome.NOT_FOUND
         kept = [k for k, msg in enumerate(msgs) if msg is not None]
-        return outcomes, [claimed[k] for k in kept], [cast("records.Message", msgs[k]) for k in kept]
+        return outcomes, [claimed[k] for k in kept], [cast("records.Message", msgs[k]) for k in kept], elsewhere
 
     def _records_of(self, claimed: list[tuple[str, int, int]]) -> list[records.Message | None]:
         """The MESSAGE record of each claimed (message_id, due, sequence), in order: each
@@ -980,11 +1075,15 @@ class Engine:
 
     def _claim_cancels(
         self, targets: list[tuple[str, int | None, int | None]], now: bool = False
-    ) -> tuple[list[CancelOutcome], list]:
-        """Look every target up and claim the pending ones; (outcomes, claimed targets).
+    ) -> tuple[list[CancelOutcome], list, dict[int, int]]:
+        """Look every target up and claim the pending ones; (outcomes, claimed targets,
+        row -> sequence of the targets another Cancel has claimed).
 
         A claimed target's outcome is CANCELLED, which the caller makes true by writing its
-        tombstone (or releases the claims if that write fails).
+        tombstone (or releases the claims if that write fails). A target claimed elsewhere
+        (CLAIM_CANCELLING, and a repeat of one) has no outcome yet (ALREADY_CANCELLED stands
+        in): the caller waits for that claim to end and claims it again
+        (``_after_other_claims``).
 
         Batched (issue 13): the targets are found with one search of their minute's schedule
         index (or one multi-get of the id index), claimed by one request on the scheduler's
@@ -1037,9 +1136,13 @@ class Engine:
             got = sched.claim_cancels(asked, buckets)
         # every one claimed (the usual batch): counted in C, no array of the answers
         mine = keep if got.count(sched.CLAIMED) == len(got) else keep[np.asarray(got, dtype=np.int64) == sched.CLAIMED]
+        elsewhere: dict[int, int] = {}
         if len(mine) < len(keep):
             answers = np.asarray(got, dtype=np.int64)
             for i in keep[answers == sched.CLAIM_CANCELLING].tolist():
+                outcomes[i] = CancelOutcome.ALREADY_CANCELLED
+                elsewhere[i] = int(seqs[i])
+            for i in keep[answers == sched.CLAIM_WRITTEN].tolist():
                 outcomes[i] = CancelOutcome.ALREADY_CANCELLED
             for i in keep[answers == sched.CLAIM_OUT].tolist():
                 outcomes[i] = CancelOutcome.ALREADY_DELIVERED
@@ -1066,7 +1169,9 @@ class Engine:
             claimed = self._claimed_at(targets, mine, places)
         for i, j in repeats:  # a repeat answers as a second Cancel after the first would
             outcomes[i] = CancelOutcome.ALREADY_CANCELLED if outcomes[j] == CancelOutcome.CANCELLED else outcomes[j]
-        return outcomes, claimed
+            if j in elsewhere:  # ... once the other claim of its message has ended
+                elsewhere[i] = elsewhere[j]
+        return outcomes, claimed, elsewhere
 
     @staticmethod
     def _claimed_at(targets: list[tuple[str, int | None, int | None]], mine: np.ndarray, places: Places) -> list:
@@ -1074,7 +1179,9 @@ class Engine:
         and sequence of the message found)."""
         return list(zip([targets[i][0] for i in mine.tolist()], places.dues[mine].tolist(), places.seqs[mine].tolist()))
 
-    def _claim_one(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> tuple[list, list]:
+    def _claim_one(
+        self, message_id: str, deliver_at_ms: int | None, sequence: int | None
+    ) -> tuple[list, list, dict[int, int]]:
         """``_claim_cancels`` of one receipt on the event loop (a unary Cancel, a Reschedule,
         a lone ``cancel()``): the same steps with the one-record forms of each (the index
         entry, the claim, ``_closed_state``), since the arrays of a batch cost ~150 us of
@@ -1092,9 +1199,11 @@ class Engine:
         if got is None:
             raise _NotNow
         if got[0] == sched.CLAIM_CANCELLING:
-            return [CancelOutcome.ALREADY_CANCELLED], []
+            return [CancelOutcome.ALREADY_CANCELLED], [], {0: sequence}
+        if got[0] == sched.CLAIM_WRITTEN:
+            return [CancelOutcome.ALREADY_CANCELLED], [], {}
         if got[0] == sched.CLAIM_OUT:
-            return [CancelOutcome.ALREADY_DELIVERED], []
+            return [CancelOutcome.ALREADY_DELIVERED], [], {}
         try:
             state = self._closed_state(bucket, sequence, seg)[0]
         except BaseException:
@@ -1102,10 +1211,10 @@ class Engine:
             raise
         if state != MessageState.PENDING:
             sched.release_cancels([sequence])
-            return [self._NOT_PENDING[state]], []
-        return [CancelOutcome.CANCELLED], [(message_id, deliver_at_ms, sequence)]
+            return [self._NOT_PENDING[state]], [], {}
+        return [CancelOutcome.CANCELLED], [(message_id, deliver_at_ms, sequence)], {}
 
-    def _claim_few(self, targets: list[tuple[str, int | None, int | None]]) -> tuple[list, list] | None:
+    def _claim_few(self, targets: list[tuple[str, int | None, int | None]]) -> tuple[list, list, dict[int, int]] | None:
         """``_claim_cancels`` of a few receipts on the event loop (a gathered ``cancel()``
         batch, which ``_claimable_now`` let run there: receipts of copied messages, each
         bucket readable now), with lists where the batch form carries arrays: the same
@@ -1144,6 +1253,7 @@ class Engine:
         got = sched.claim_cancels_now(seqs, groups)
         if got is None:
             raise _NotNow
+        elsewhere: dict[int, int] = {}
         if got.count(sched.CLAIMED) == n:  # the usual batch: every one claimed
             outcomes = [CancelOutcome.CANCELLED] * n
             mine = list(range(n))
@@ -1153,7 +1263,10 @@ class Engine:
             for i, answer in enumerate(got):
                 if answer == sched.CLAIMED:
                     mine.append(i)
-                elif answer == sched.CLAIM_CANCELLING:
+                elif answer == sched.CLAIM_CANCELLING:  # answered once that claim ends
+                    outcomes[i] = CancelOutcome.ALREADY_CANCELLED
+                    elsewhere[i] = seqs[i]
+                elif answer == sched.CLAIM_WRITTEN:
                     outcomes[i] = CancelOutcome.ALREADY_CANCELLED
                 else:
                     outcomes[i] = CancelOutcome.ALREADY_DELIVERED
@@ -1164,12 +1277,12 @@ class Engine:
             raise
         if not closed:
             if len(mine) == n:
-                return outcomes, list(targets)  # every target claimed, as it came
-            return outcomes, [targets[i] for i in mine]
+                return outcomes, list(targets), elsewhere  # every target claimed, as it came
+            return outcomes, [targets[i] for i in mine], elsewhere
         for i, state in closed.items():
             outcomes[i] = self._NOT_PENDING[state]
         sched.release_cancels([seqs[i] for i in closed])
-        return outcomes, [targets[i] for i in mine if i not in closed]
+        return outcomes, [targets[i] for i in mine if i not in closed], elsewhere
 
     def _few_buckets(self, dues: list[int]) -> dict[int, list[int]]:
         """``_by_bucket`` of a few due times, as lists: bucket -> rows, ascending (one group

@@ -866,9 +866,11 @@ class Scheduler:
     CLAIMED = claims.CLAIMED
     CLAIM_CANCELLING = claims.CLAIM_CANCELLING  # another Cancel claimed it already (or an earlier entry)
     CLAIM_OUT = claims.CLAIM_OUT  # handed out and not acknowledged, or its dead-letter copy is being written
+    CLAIM_WRITTEN = claims.CLAIM_WRITTEN  # another Cancel claimed it, its tombstone is durable
 
     def claim_cancels(self, sequences: list[int], buckets: Iterable[int] | None = None) -> list[int]:
-        """Claim each sequence for a Cancel: one of CLAIMED, CLAIM_CANCELLING, CLAIM_OUT each.
+        """Claim each sequence for a Cancel: one of CLAIMED, CLAIM_CANCELLING, CLAIM_WRITTEN,
+        CLAIM_OUT each.
 
         The claims go on the scheduler's queue as one request (``call``) and the caller (a
         worker thread) gets the answer: they are applied under the lock in order with the
@@ -912,6 +914,35 @@ class Scheduler:
         for item in self.claims.release(sequences):
             self.timer.requeue(item)
         self.wake()
+
+    def claims_written(self, sequences: list[int]) -> None:
+        """The tombstones of these claimed sequences are durable (their Cancel's append
+        returned): another claim of one answers CLAIM_WRITTEN from then on. Queued without
+        waking the scheduler thread unless a watch waits (one wake-up a Cancel would cost a
+        thread switch): whatever asks about claims applies the queue first (``call``,
+        ``claim_cancels_now``). A watch made meanwhile that misses this ends no later than
+        the claim's settling (``on_written``)."""
+        fn = lambda: self.claims.written(sequences)  # noqa: E731
+        if self.claims.watched:
+            self.post(fn)
+        else:
+            self._inbox.append(("call", fn, None))
+
+    def watch_claims(self, sequences: list[int], callback: Callable[[], None]) -> claims.Watch:
+        """Have ``callback`` run (on the thread applying the queue, lock held: it must not
+        block) once none of ``sequences`` is claimed any more with its tombstone not known
+        durable: its tombstone written (``claims_written``) or passed (``on_written``), or
+        its claim released. Posted, not waited for, in order with
+        what was posted before, so a claim answered CLAIM_CANCELLING before this is either
+        still held when it is applied, or ended and the callback runs at once. The returned
+        watch is what ``unwatch_claims`` forgets."""
+        watch = claims.Watch(sequences, callback)
+        self.post(lambda: self.claims.watch(watch))
+        return watch
+
+    def unwatch_claims(self, watch: claims.Watch) -> None:
+        """Forget a watch whose waiter gave up (posted)."""
+        self.post(lambda: self.claims.unwatch(watch))
 
     def cancel_claimed(self, seq: int) -> bool:
         """Whether a Cancel claimed ``seq`` and its tombstone has not passed yet. Asked by
