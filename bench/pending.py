@@ -27,7 +27,8 @@ level N of ``--levels``; at each level, on the same server:
   receipt one call at a time (p50 and server CPU per call), then the same five from 64
   tasks at once (calls/s, server and client CPU per call: the batchers gather the
   reschedules and cancels into RescheduleBatch / CancelBatch calls; Get and Stats stay
-  unary);
+  unary); and ``send_batch`` of 100 new messages (20 calls, one at a time: server CPU a
+  message), ``create_group``, ``groups`` (one subject) and ``delete_group``, 20 each;
 - the server's RSS.
 
 Cost per operation should be flat in N (docs/benchmarks.md, "Cost against the number of
@@ -86,7 +87,7 @@ AIO_ONE = 100  # calls of each kind one at a time
 AIO_MANY = 1_000  # calls of each kind from 64 tasks
 
 
-def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int) -> dict:
+def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int, tag: str) -> dict:
     """The asyncio client's single calls against this level's pending messages.
     ``targets`` are (message id, receipt) of pending messages no other part touched: at
     least 3 * AIO_ONE + 3 * AIO_MANY of them, each used once (a cancelled or rescheduled
@@ -114,6 +115,25 @@ def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int
             ):
                 with Meter(pid) as m:
                     lat = await _aio_timed(call, list(items))
+                row[f"aio_{name}_p50_ms"] = percentile(lat, 50)
+                row[f"aio_{name}_cpu_us"] = m.cpu / len(lat) * 1e6
+            # send_batch of 100 new far-future messages (ids of this level), one call at a time
+            msgs = [
+                c.message("bench.aio", b"x" * 100, deliver_at_ms=at, message_id=f"aio{tag}.{i}") for i in range(2_000)
+            ]
+            with Meter(pid) as m:
+                lat = await _aio_timed(c.send_batch, [msgs[i : i + 100] for i in range(0, len(msgs), 100)])
+            row["aio_send_batch_p50_ms"] = percentile(lat, 50)
+            row["aio_send_batch_cpu_us"] = m.cpu / len(msgs) * 1e6  # a message
+            # the group calls, one at a time: create, list (one subject), delete
+            names = [f"g{i}" for i in range(20)]
+            for name, call in (
+                ("create_group", lambda g: c.create_group(f"bench.aio.{tag}", g)),
+                ("groups", lambda _g: c.groups(subject=f"bench.aio.{tag}")),
+                ("delete_group", lambda g: c.delete_group(f"bench.aio.{tag}", g)),
+            ):
+                with Meter(pid) as m:
+                    lat = await _aio_timed(call, names)
                 row[f"aio_{name}_p50_ms"] = percentile(lat, 50)
                 row[f"aio_{name}_cpu_us"] = m.cpu / len(lat) * 1e6
             many_gets = [mid for mid, _ in targets[: min(AIO_MANY, len(targets))]]
@@ -286,7 +306,7 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     used = touched | set(fresh_ids)
                     targets = [(mid, r) for mid, r in zip(picks, receipts, strict=True) if mid not in used]
                     until_idle(server.pid, 60.0)
-                    row.update(_aio_part(address, server.pid, targets, base + 5 * DAY_MS))
+                    row.update(_aio_part(address, server.pid, targets, base + 5 * DAY_MS, str(level)))
                     row["rss_mb"] = proc.memory_info().rss / 2**20
                     rows.append(row)
                     print(row, flush=True)
@@ -345,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]
     print_table(headers, table, title="send, re-send and lookups against the number of pending messages")
-    kinds = ("get", "stats", "reschedule", "cancel_id", "cancel_receipt")
+    kinds = (
+        *("get", "stats", "reschedule", "cancel_id", "cancel_receipt"),
+        *("send_batch", "create_group", "groups", "delete_group"),
+    )
     print_table(
         ["pending N"] + [f"aio {k} p50 ms / µs CPU" for k in kinds],
         [[r["pending"]] + [f"{r[f'aio_{k}_p50_ms']:.2f} / {r[f'aio_{k}_cpu_us']:.0f}" for k in kinds] for r in rows],
