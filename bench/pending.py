@@ -42,6 +42,8 @@ import asyncio
 import random
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psutil
 
@@ -105,14 +107,18 @@ def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int
             def take(n: int) -> list[tuple[str, object]]:
                 return [next(pool) for _ in range(n)]
 
-            gets = [mid for mid, _ in targets[:AIO_ONE]]  # Get does not change them
-            for name, call, items in (
-                ("get", lambda t: c.get(message_id=t), gets),
-                ("stats", lambda _t: c.stats(), range(AIO_ONE)),
-                ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), take(AIO_ONE)),
-                ("cancel_id", lambda t: c.cancel(message_id=t[0]), take(AIO_ONE)),
-                ("cancel_receipt", lambda t: c.cancel(t[1]), take(AIO_ONE)),
-            ):
+            def phases(n: int) -> list[tuple[str, Callable[[Any], Awaitable[Any]], list]]:
+                """Each single call of a phase with its ``n`` targets: Gets take the first ids
+                (a Get changes nothing), the others ``n`` targets none took before."""
+                return [
+                    ("get", lambda t: c.get(message_id=t), [mid for mid, _ in targets[: min(n, len(targets))]]),
+                    ("stats", lambda _t: c.stats(), list(range(n))),
+                    ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), take(n)),
+                    ("cancel_id", lambda t: c.cancel(message_id=t[0]), take(n)),
+                    ("cancel_receipt", lambda t: c.cancel(t[1]), take(n)),
+                ]
+
+            for name, call, items in phases(AIO_ONE):
                 with Meter(pid) as m:
                     lat = await _aio_timed(call, list(items))
                 row[f"aio_{name}_p50_ms"] = percentile(lat, 50)
@@ -136,14 +142,7 @@ def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int
                     lat = await _aio_timed(call, names)
                 row[f"aio_{name}_p50_ms"] = percentile(lat, 50)
                 row[f"aio_{name}_cpu_us"] = m.cpu / len(lat) * 1e6
-            many_gets = [mid for mid, _ in targets[: min(AIO_MANY, len(targets))]]
-            for name, call, items in (
-                ("get", lambda mid: c.get(message_id=mid), many_gets),
-                ("stats", lambda _t: c.stats(), range(AIO_MANY)),
-                ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), take(AIO_MANY)),
-                ("cancel_id", lambda t: c.cancel(message_id=t[0]), take(AIO_MANY)),
-                ("cancel_receipt", lambda t: c.cancel(t[1]), take(AIO_MANY)),
-            ):
+            for name, call, items in phases(AIO_MANY):
                 with Meter(pid) as m, Meter() as mine:
                     await _aio_tasks(call, list(items))
                 row[f"aio64_{name}_per_s"] = len(items) / m.wall

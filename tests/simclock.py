@@ -186,3 +186,13 @@ def files(root: str, sub: str, suffix: str) -> list[str]:
     for dirpath, _dirs, names in os.walk(os.path.join(str(root), sub)):
         out.extend(os.path.join(dirpath, n) for n in names if n.endswith(suffix))
     return sorted(out)
+
+
+def started_engine(data_dir) -> tuple[Engine, CollectingSink]:
+    """A started engine on ``data_dir`` (config's defaults) whose deliveries are collected;
+    the caller closes it."""
+    engine = Engine(config(data_dir))
+    sink = CollectingSink()
+    engine.set_sink(sink)
+    engine.start()
+    return engine, sink

@@ -16,16 +16,11 @@ from qdelay.server.engine import Engine, MessageState, RescheduleOutcome
 from qdelay.server.scheduler import Scheduler
 from tests.byte_surgery import HEADER_SIZE, flip_byte
 from tests.conftest import wait_until
-from tests.simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message
+from tests.simclock import MINUTE, T0, CollectingSink, Driver, FakeClock, config, message, started_engine
 
 
 def _started(tmp_path) -> tuple[Engine, CollectingSink]:
-    """A started engine in ``tmp_path`` whose deliveries are collected (the caller closes it)."""
-    engine = Engine(config(tmp_path / "data"))
-    sink = CollectingSink()
-    engine.set_sink(sink)
-    engine.start()
-    return engine, sink
+    return started_engine(tmp_path / "data")
 
 
 def test_a_claim_posted_while_a_round_reads_its_records_wins_and_a_release_gives_it_back(tmp_path):

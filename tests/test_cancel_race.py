@@ -19,7 +19,7 @@ from qdelay.errors import DiskFull, Unavailable
 from qdelay.segments import segment
 from qdelay.server.engine import CancelOutcome, Engine, MessageState, RescheduleOutcome
 from tests.conftest import wait_until
-from tests.simclock import CollectingSink, config, message
+from tests.simclock import CollectingSink, message, started_engine
 
 
 class HeldWrite:
@@ -45,11 +45,7 @@ class HeldWrite:
 
 
 def _started(tmp_path) -> tuple[Engine, CollectingSink]:
-    engine = Engine(config(tmp_path / "data"))
-    sink = CollectingSink()
-    engine.set_sink(sink)
-    engine.start()
-    return engine, sink
+    return started_engine(tmp_path / "data")
 
 
 def _send(engine: Engine, ahead_ms: int):
