@@ -972,9 +972,14 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     # ------------------------------------------------------------------ consumer
-    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> Consumer:
+    def subscribe(
+        self, subject: str, group: str = "default", max_in_flight: int = 1000, *, wait_for_group: bool = False
+    ) -> Consumer:
+        """A consumer of ``subject``/``group`` (the first Subscribe creates the group).
+        ``wait_for_group``: a refusal (FAILED_PRECONDITION: a slave, which may not create the
+        group, before the GROUP record reached it) is waited out like a lost stream."""
         self._open()
-        return Consumer(self, subject, group, max_in_flight)
+        return Consumer(self, subject, group, max_in_flight, wait_for_group=wait_for_group)
 
 
 _END = object()
@@ -994,10 +999,20 @@ class Consumer:
     tries), with the same subject, group and credit; acks not yet sent go on the new
     stream; what was in flight is delivered again by the server (at-least-once).
     Iteration ends only after :meth:`close`; other errors (UNAUTHENTICATED, ...) are raised.
+    With ``wait_for_group`` a FAILED_PRECONDITION (a slave refusing a group it has not got
+    yet, or a fenced master) is retried the same way: the cluster clients' consumers on
+    slaves wait for the group to be replicated, or for a promotion.
     """
 
-    def __init__(self, client: Client, subject: str, group: str, max_in_flight: int) -> None:
+    def __init__(
+        self, client: Client, subject: str, group: str, max_in_flight: int, *, wait_for_group: bool = False
+    ) -> None:
         self._client = client
+        self._resubscribe_on = (
+            (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION)
+            if wait_for_group
+            else (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        )
         self.subject = subject
         self.group = group
         self.max_in_flight = max_in_flight
@@ -1068,7 +1083,7 @@ class Consumer:
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                if e.code() not in self._resubscribe_on:
                     raise translate(e) from None
                 resp = None
             if resp is None:

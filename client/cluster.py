@@ -14,9 +14,9 @@ one id twice (at-least-once), never two different ids for one send.
 
 Every other call (send_many, get, cancel, cancel_many, reschedule, reschedule_many, the
 groups) follows the same rule: it goes to the master. Receipts are ``Receipt`` objects, as
-the other clients'. ``subscribe_all`` opens one Subscribe stream per
+the other clients'. ``subscribe_all`` creates the group on the master, then opens one Subscribe stream per
 server: only the master dispatches, so after a promotion deliveries simply start flowing
-from the new master's stream.
+from the new master's stream (a slave's refusal before the group reached it is waited out).
 """
 
 from __future__ import annotations
@@ -230,5 +230,9 @@ class ClusterClient:
         return dict(zip(self.targets, self._each_server(one)))
 
     def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list[Consumer]:
-        """One consumer per server (only the master delivers)."""
-        return [c.subscribe(subject, group, max_in_flight) for c in self.clients]
+        """One consumer per server (only the master delivers). The group is created on the
+        master first (a slave refuses a Subscribe that would create it); a slave's consumer
+        subscribes again with backoff while it refuses (FAILED_PRECONDITION: the GROUP record
+        has not reached it yet), as the sharded consumer does. Other errors end a consumer."""
+        self.create_group(subject, group)
+        return [c.subscribe(subject, group, max_in_flight, wait_for_group=True) for c in self.clients]

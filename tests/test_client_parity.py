@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from conftest import wait_until
 from test_cluster_etcd import etcd, node, wait_shard  # noqa: F401 - etcd is the fixture
 from test_replication import RPC_ERRORS, master, slave, status
 
+from qdelay import errors
 from qdelay.aio import Client as AioClient
 from qdelay.client import AioShardedClient, Client, ClusterClient, Outgoing, Receipt, ShardedClient
 
@@ -142,3 +144,42 @@ def test_sharded_clients_reschedule_many_and_groups_per_shard(tmp_path, etcd):  
     finally:
         for p in nodes:
             p.kill9()
+
+
+def test_cluster_client_subscribe_all_waits_out_a_slave_without_the_group(tmp_path):
+    """subscribe_all with a group that does not exist yet: the slave refuses the Subscribe
+    that would create it (FAILED_PRECONDITION). Its consumer ended with that error; now the
+    group is made on the master and the slave's consumer subscribes again with backoff until
+    the GROUP record reached it, while the master's delivers."""
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address])
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        with ClusterClient([b.address, a.address], failover_timeout=10, backoff=0.01) as cc:
+            consumers = cc.subscribe_all("par.sub", "fresh")
+            try:
+                assert cc.groups(subject="par.sub")[0]["group"] == "fresh"  # made on the master
+                sent = cc.send("par.sub", b"now")
+                got: list = []
+
+                def delivered() -> bool:
+                    for cons in consumers:  # a refusal would be raised here
+                        got.extend(cons.receive(1, 0.05))
+                    return bool(got)
+
+                wait_until(delivered, 20, "the delivery")
+                assert [(d.message_id, d.payload) for d in got] == [(sent.message_id, b"now")]
+                # the slave's consumer is still subscribed, not ended by the refusal
+                assert consumers[0].receive(1, 0.05) == []
+                assert consumers[0]._pump.is_alive()
+            finally:
+                for cons in consumers:
+                    cons.close()
+            with pytest.raises(errors.InvalidArgument):  # a real error still ends the call
+                cc.subscribe_all("", "fresh")
+    finally:
+        for p in (b, a):  # the slave first: a master stopped with its slave attached takes ~10 s
+            if p.alive():
+                p.stop()
