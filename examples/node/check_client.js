@@ -7,7 +7,7 @@
 //   node check_client.js HOST:PORT receipts SUBJECT PYTHON_RECEIPT_TEXT
 //       receipt text both ways (cancels the Python client's receipt by its text, prints
 //       "text <its own receipt's text>" and "rescheduled <the new receipt's text>"),
-//       reschedule, cancelMany across batches, in the caller's order.
+//       reschedule, cancelMany and rescheduleMany across batches, in the caller's order.
 'use strict';
 
 const { Client, parseReceipt } = require('./qdelay');
@@ -52,6 +52,21 @@ async function receipts() {
   const rs = await Promise.all([0, 1, 2].map((i) => client.send(subject, `m${i}`, { delayMs: 3600000 })));
   const outcomes = await client.cancelMany([rs[0], String(rs[1]), rs[2].message_id, 'no-such-id', rs[0]], { batchSize: 2 });
   expect('cancelMany', outcomes, ['CANCELLED', 'CANCELLED', 'CANCELLED', 'NOT_FOUND', 'ALREADY_CANCELLED']);
+  const ms = await Promise.all([0, 1, 2].map((i) => client.send(subject, `r${i}`, { delayMs: 3600000 })));
+  const many = await client.rescheduleMany([ms[0], String(ms[1]), ms[2].message_id, rs[0]], { delayMs: 7200000, batchSize: 3 });
+  expect('rescheduleMany', many.map((m) => m.outcome), ['RESCHEDULED', 'RESCHEDULED', 'RESCHEDULED', 'CANCELLED']);
+  many.slice(0, 3).forEach((m, i) => {
+    if (m.receipt.message_id !== ms[i].message_id || BigInt(m.receipt.deliver_at_ms) <= BigInt(ms[i].deliver_at_ms)) {
+      throw new Error(`rescheduleMany[${i}]: ${String(m.receipt)}`);
+    }
+  });
+  if (many[3].receipt !== null) throw new Error('rescheduleMany of a cancelled one has a receipt');
+  try {
+    await client.rescheduleMany([ms[0]], {});
+    throw new Error('rescheduleMany without a time was sent');
+  } catch (err) {
+    expect('rescheduleMany without a time', err.code, 'INVALID_ARGUMENT');
+  }
   try {
     parseReceipt('qd1:x');
     throw new Error('a bad text parsed');

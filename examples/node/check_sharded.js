@@ -3,7 +3,7 @@
 //
 //   node check_sharded.js SEED spread    sends spread over the shards, cancel/get by receipt,
 //                                        cancelMany over both shards (caller's order),
-//                                        reschedule and get by receipt text, a consumer
+//                                        reschedule, rescheduleMany and get by receipt text, a consumer
 //                                        receives from every shard (acks to their stream)
 //   node check_sharded.js SEED follow    sends one after another until stdin closes, printing
 //                                        "acked <message_id> <shard>"; then "sent N failed F"
@@ -37,6 +37,11 @@ async function spread() {
   const moved = await Promise.all(later.slice(4).map((r) => client.reschedule(String(r), { delayMs: 7200000 })));
   if (moved.some((m) => m.outcome !== 'RESCHEDULED' || m.receipt.shard === undefined)) throw new Error('reschedule');
   if ((await client.get(String(moved[0].receipt))).state !== 'PENDING') throw new Error('get by text');
+  // rescheduleMany grouped per shard, answers in the caller's order
+  const again = await client.rescheduleMany([...moved.map((m) => m.receipt), later[0]], { delayMs: 10800000, batchSize: 2 });
+  const got = again.map((m) => m.outcome).join();
+  if (got !== [...moved.map(() => 'RESCHEDULED'), 'CANCELLED'].join()) throw new Error(`rescheduleMany: ${got}`);
+  if (again.slice(0, -1).some((m, i) => m.receipt.message_id !== moved[i].receipt.message_id)) throw new Error('rescheduleMany order');
   const want = new Set(receipts.slice(5).map((r) => r.message_id));
   const consumer = client.subscribe('failover', { group: 'node-sharded' });
   await new Promise((resolve, reject) => {

@@ -7,6 +7,7 @@
 //   row.receipt = String(receipt);                // 'qd1:…', the Python clients' text too
 //   await client.reschedule(parseReceipt(row.receipt), { delayMs: 60000 });
 //   await client.cancelMany([r1, String(r2), 'some-id']);   // outcomes in order
+//   await client.rescheduleMany([r3, 'other-id'], { delayMs: 60000 });  // answers in order
 //   const consumer = client.subscribe('order.close', { group: 'billing', maxInFlight: 100 });
 //   consumer.on('batch', (deliveries) => { handle(deliveries); consumer.ack(deliveries); });
 //   ...
@@ -117,6 +118,22 @@ function ref(target) {
   }
   return { receipt: target };
 }
+
+// A RescheduleRequest for target at opts' one new time (deliverAtMs or delayMs).
+function rescheduleRequest(method, target, opts) {
+  if ((opts.deliverAtMs === undefined) === (opts.delayMs === undefined)) {
+    throw new QdelayError(method, { code: grpc.status.INVALID_ARGUMENT, details: 'give one of deliverAtMs or delayMs' });
+  }
+  const request = ref(target);
+  if (opts.deliverAtMs !== undefined) request.deliver_at_ms = String(opts.deliverAtMs);
+  else request.delay_ms = String(opts.delayMs);
+  return request;
+}
+
+// A RescheduleResponse as callers get it: {outcome, receipt} (receipt null unless RESCHEDULED).
+function rescheduled(r) {
+  return { outcome: r.outcome, receipt: r.outcome === 'RESCHEDULED' ? withText(r.receipt) : null };
+}
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 class Client {
@@ -218,14 +235,22 @@ class Client {
   // {outcome: 'RESCHEDULED', receipt} (its new receipt) or {outcome, receipt: null}
   // ('ALREADY_DELIVERED', 'CANCELLED', 'NOT_FOUND').
   async reschedule(target, opts = {}) {
-    const request = ref(target);
-    if ((opts.deliverAtMs === undefined) === (opts.delayMs === undefined)) {
-      throw new QdelayError('Reschedule', { code: grpc.status.INVALID_ARGUMENT, details: 'give one of deliverAtMs or delayMs' });
+    const r = await this.unary('Reschedule', rescheduleRequest('Reschedule', target, opts), opts.timeoutMs);
+    return rescheduled(r);
+  }
+
+  // Move many messages to one new time (opts as reschedule, plus batchSize, default 1000)
+  // in RescheduleBatch calls; one answer per target, in order, as reschedule answers. A
+  // batch with one bad target is refused whole (INVALID_ARGUMENT naming requests[i]).
+  async rescheduleMany(targets, opts = {}) {
+    const batchSize = opts.batchSize || 1000;
+    const out = [];
+    for (let i = 0; i < targets.length; i += batchSize) {
+      const requests = targets.slice(i, i + batchSize).map((t) => rescheduleRequest('RescheduleBatch', t, opts));
+      const response = await this.unary('RescheduleBatch', { requests }, opts.timeoutMs);
+      out.push(...response.responses.map(rescheduled));
     }
-    if (opts.deliverAtMs !== undefined) request.deliver_at_ms = String(opts.deliverAtMs);
-    else request.delay_ms = String(opts.delayMs);
-    const r = await this.unary('Reschedule', request, opts.timeoutMs);
-    return { outcome: r.outcome, receipt: r.outcome === 'RESCHEDULED' ? withText(r.receipt) : null };
+    return out;
   }
 
   async get(receipt) {
@@ -598,6 +623,12 @@ class ShardedClient {
   // Cancel many, grouped per shard (the shards' CancelBatch calls at the same time); one
   // outcome per target, in the caller's order.
   async cancelMany(targets, opts = {}) {
+    return this.perShard(targets, (c, part) => c.cancelMany(part, opts));
+  }
+
+  // Split targets by the shard that owns each, call `many` on every shard's client at the
+  // same time, and put the answers back in the caller's order.
+  async perShard(targets, many) {
     if (this.cluster === null) await this.refresh();
     const byShard = new Map();
     targets.forEach((t, i) => {
@@ -607,7 +638,7 @@ class ShardedClient {
     });
     const out = new Array(targets.length);
     await Promise.all([...byShard].map(async ([shard, idx]) => {
-      const got = await this.retry(() => shard, (c) => c.cancelMany(idx.map((i) => targets[i]), opts));
+      const got = await this.retry(() => shard, (c) => many(c, idx.map((i) => targets[i])));
       idx.forEach((i, k) => { out[i] = got[k]; });
     }));
     return out;
@@ -615,6 +646,11 @@ class ShardedClient {
 
   reschedule(target, opts = {}) {
     return this.retry(() => this.shardOf(target), (c) => c.reschedule(target, opts));
+  }
+
+  // Reschedule many, grouped per shard like cancelMany; answers in the caller's order.
+  async rescheduleMany(targets, opts = {}) {
+    return this.perShard(targets, (c, part) => c.rescheduleMany(part, opts));
   }
 
   get(receipt) {
