@@ -49,6 +49,7 @@ from qdelay.client.client import (
     outgoing,
     reschedule_batcher,
     reschedule_when,
+    resubscribe_on,
     translate,
 )
 from qdelay.client.types import (
@@ -363,10 +364,13 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     # ------------------------------------------------------------------ consumer
-    def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> Consumer:
-        """A :class:`Consumer` (the stream opens on first read)."""
+    def subscribe(
+        self, subject: str, group: str = "default", max_in_flight: int = 1000, *, wait_for_group: bool = False
+    ) -> Consumer:
+        """A :class:`Consumer` (the stream opens on first read); ``wait_for_group`` as for
+        :meth:`qdelay.client.Client.subscribe` (a slave's refusal waited out)."""
         self._open()
-        return Consumer(self, subject, group, max_in_flight)
+        return Consumer(self, subject, group, max_in_flight, wait_for_group=wait_for_group)
 
 
 _END = object()
@@ -383,11 +387,16 @@ class Consumer:
     same subject, group and credit; acks not yet sent go on the new stream. Deliveries that
     were in flight are delivered again by the server, as for any ended stream
     (at-least-once). Iteration ends only after :meth:`close`; other errors
-    (UNAUTHENTICATED, INVALID_ARGUMENT, ...) are raised to the reader of the iterator.
+    (UNAUTHENTICATED, INVALID_ARGUMENT, ...) are raised to the reader of the iterator. With
+    ``wait_for_group`` a FAILED_PRECONDITION is subscribed again too, as the blocking
+    consumer does (``resubscribe_on``).
     """
 
-    def __init__(self, client: Client, subject: str, group: str, max_in_flight: int) -> None:
+    def __init__(
+        self, client: Client, subject: str, group: str, max_in_flight: int, *, wait_for_group: bool = False
+    ) -> None:
         self._client = client
+        self._resubscribe_on = resubscribe_on(wait_for_group)
         self.subject = subject
         self.group = group
         self.max_in_flight = max_in_flight
@@ -444,10 +453,7 @@ class Consumer:
                         if resp:  # a list of Delivery (the deserializer's)
                             self._inbox.put_nowait(resp)
                 except grpc.RpcError as e:
-                    if not self._closed.is_set() and e.code() not in (
-                        grpc.StatusCode.UNAVAILABLE,
-                        grpc.StatusCode.CANCELLED,
-                    ):
+                    if not self._closed.is_set() and e.code() not in self._resubscribe_on:
                         self._inbox.put_nowait(translate(e))
                         return
                 if self._closed.is_set():

@@ -986,6 +986,15 @@ _END = object()
 log = logging.getLogger("qdelay.client")
 
 
+def resubscribe_on(wait_for_group: bool) -> tuple[grpc.StatusCode, ...]:
+    """The codes that end a consumer's stream without ending the consumer (it subscribes
+    again with backoff), for the blocking and the asyncio consumers: a server gone or
+    shutting down, and with ``wait_for_group`` a refusal too (FAILED_PRECONDITION: a slave,
+    which may not create a group, before the GROUP record reached it; or a fenced master)."""
+    lost = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    return (*lost, grpc.StatusCode.FAILED_PRECONDITION) if wait_for_group else lost
+
+
 class Consumer:
     """One subscription: iterate deliveries (or batches of them) and ack them; it survives
     the server.
@@ -1008,11 +1017,7 @@ class Consumer:
         self, client: Client, subject: str, group: str, max_in_flight: int, *, wait_for_group: bool = False
     ) -> None:
         self._client = client
-        self._resubscribe_on = (
-            (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION)
-            if wait_for_group
-            else (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        )
+        self._resubscribe_on = resubscribe_on(wait_for_group)
         self.subject = subject
         self.group = group
         self.max_in_flight = max_in_flight

@@ -29,7 +29,7 @@ from typing import Any
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
-from qdelay.client.failover import Backoff, retryable
+from qdelay.client.failover import Backoff, consumers_everywhere, retryable
 from qdelay.client.sharded import SEND_MANY_CHUNK, Joined, _chunks, _with_id, resumed
 from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
@@ -235,4 +235,4 @@ class ClusterClient:
         subscribes again with backoff while it refuses (FAILED_PRECONDITION: the GROUP record
         has not reached it yet), as the sharded consumer does. Other errors end a consumer."""
         self.create_group(subject, group)
-        return [c.subscribe(subject, group, max_in_flight, wait_for_group=True) for c in self.clients]
+        return consumers_everywhere(self.clients, subject, group, max_in_flight)

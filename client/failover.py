@@ -4,6 +4,8 @@ server, and how long and how often (a deadline, exponential backoff)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from typing import Any
 
 from qdelay import errors
 
@@ -42,3 +44,13 @@ def retryable(err: Exception) -> bool:
     if not isinstance(err, errors.QdelayError):
         return False
     return "Internal error from Core" in str(err) or getattr(getattr(err, "code", None), "name", None) == "CANCELLED"
+
+
+def consumers_everywhere(clients: Iterable[Any], subject: str, group: str, max_in_flight: int) -> list:
+    """``subscribe_all`` of the cluster clients (ClusterClient, ShardedClient and
+    AioShardedClient): one consumer per server, the group made on every master before
+    (``create_group``: a slave refuses a Subscribe that would create it). Each is made
+    ``wait_for_group``: a slave's consumer subscribes again with backoff while the slave
+    refuses (FAILED_PRECONDITION), until the GROUP record reached it or it was promoted,
+    instead of ending with the refusal. Other errors still end a consumer."""
+    return [c.subscribe(subject, group, max_in_flight, wait_for_group=True) for c in clients]

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
-from qdelay.client.failover import Backoff, retryable
+from qdelay.client.failover import Backoff, consumers_everywhere, retryable
 from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, by_id, ref
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -643,9 +643,12 @@ class ShardedClient(_Sharded):
 
     def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list[Consumer]:
         """One resubscribing consumer per server of every shard (only masters dispatch), as
-        :meth:`AioShardedClient.subscribe_all`: read them concurrently (a thread each)."""
+        :meth:`AioShardedClient.subscribe_all`: read them concurrently (a thread each). The
+        group is made on every shard's master first, and a slave's consumer waits out the
+        slave's refusal until the group reached it (``failover.consumers_everywhere``)."""
+        self.create_group(subject, group)
         topo = self.topology or self.refresh()
-        return [self.client(a).subscribe(subject, group, max_in_flight) for a in topo.addresses()]
+        return consumers_everywhere((self.client(a) for a in topo.addresses()), subject, group, max_in_flight)
 
 
 class _AckRouter:
@@ -1017,9 +1020,12 @@ class AioShardedClient(_Sharded):
 
     async def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list:
         """One resubscribing consumer per server of every shard (only masters dispatch):
-        read them concurrently (e.g. a task per consumer)."""
+        read them concurrently (e.g. a task per consumer). The group is made on every
+        shard's master first, and a slave's consumer waits out the slave's refusal, as
+        :meth:`ShardedClient.subscribe_all`."""
+        await self.create_group(subject, group)
         topo = self.topology or await self.refresh()
-        return [self.client(a).subscribe(subject, group, max_in_flight) for a in topo.addresses()]
+        return consumers_everywhere((self.client(a) for a in topo.addresses()), subject, group, max_in_flight)
 
 
 class AioShardedConsumer:

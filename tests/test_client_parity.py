@@ -183,3 +183,121 @@ def test_cluster_client_subscribe_all_waits_out_a_slave_without_the_group(tmp_pa
         for p in (b, a):  # the slave first: a master stopped with its slave attached takes ~10 s
             if p.alive():
                 p.stop()
+
+
+def test_a_consumer_waiting_for_its_group_outlives_a_slave_refusal(tmp_path):
+    """``subscribe(..., wait_for_group=True)`` on a slave, the group nowhere yet: the slave
+    refuses (FAILED_PRECONDITION) and the consumer subscribes again (``reconnects``) instead
+    of ending; once the group is made on the master and replicated, the slave takes the
+    subscription (its stats list the consumer). Blocking and asyncio consumers alike; without
+    ``wait_for_group`` the refusal is raised."""
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address])
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        on_slave = Client(b.address, retry_backoff=0.01)
+        on_master = Client(a.address)
+
+        def consumers(group: str) -> int:
+            return sum(g["consumers"] for g in on_slave.groups(subject="par.wait", group=group))
+
+        try:
+            cons = on_slave.subscribe("par.wait", "late", wait_for_group=True)
+            try:
+                wait_until(lambda: cons.receive(1, 0.05) == [] and cons.reconnects >= 2, 10, "refused twice")
+                assert on_master.create_group("par.wait", "late") is True
+                wait_until(lambda: consumers("late") == 1 and cons.receive(1, 0.05) == [], 10, "subscribed")
+            finally:
+                cons.close()
+            with pytest.raises(errors.FailedPrecondition, match="slave"):
+                on_slave.subscribe("par.wait", "other").receive(1, 5.0)
+
+            async def aio_round() -> None:
+                async with AioClient(b.address, retry_backoff=0.01) as ac:
+                    acons = ac.subscribe("par.wait", "late2", wait_for_group=True)
+                    try:
+                        for _ in range(200):  # until refused twice; a refusal would be raised here
+                            if await acons.receive(1, 0.05) == [] and acons.reconnects >= 2:
+                                break
+                        assert acons.reconnects >= 2
+                        assert on_master.create_group("par.wait", "late2") is True
+                        for _ in range(200):
+                            if await acons.receive(1, 0.05) == [] and consumers("late2") == 1:
+                                break
+                        assert consumers("late2") == 1
+                    finally:
+                        await acons.close()
+                    with pytest.raises(errors.FailedPrecondition, match="slave"):
+                        await ac.subscribe("par.wait", "other").receive(1, 5.0)
+
+            asyncio.run(asyncio.wait_for(aio_round(), 60))
+        finally:
+            on_slave.close()
+            on_master.close()
+    finally:
+        for p in (b, a):  # the slave first: a master stopped with its slave attached takes ~10 s
+            if p.alive():
+                p.stop()
+
+
+def test_sharded_subscribe_all_makes_the_group_and_waits_out_a_slave(tmp_path, etcd):  # noqa: F811 - the fixture
+    """The sharded clients' subscribe_all with a new group on a shard of a master and a
+    slave: the group is made on the master first, the slave's consumer waits out its refusal
+    (FAILED_PRECONDITION: it may not create the group) instead of ending with it, and the
+    master's consumer delivers (blocking and asyncio)."""
+    nodes = [node(tmp_path, "a", etcd.endpoint).start(), node(tmp_path, "b", etcd.endpoint).start()]
+    try:
+        s1 = wait_shard(nodes[0].address, "s1", 1)
+        wait_shard(s1.slaves[0], "s1", 1)  # the seed: the client reads the topology from it
+        wait_until(lambda: status(s1.slaves[0]).connected, 20, "slave attached", ignore=RPC_ERRORS)
+
+        def receive_one(consumers: list) -> list:
+            got: list = []
+
+            def delivered() -> bool:
+                for cons in consumers:  # a refusal would be raised here
+                    got.extend(cons.receive(1, 0.05))
+                return bool(got)
+
+            wait_until(delivered, 20, "the delivery")
+            return got
+
+        with ShardedClient(s1.slaves[0]) as sc:
+            consumers = sc.subscribe_all("par.sub", "fresh")
+            try:
+                assert len(consumers) == 2
+                assert [g["group"] for g in sc.groups(subject="par.sub")] == ["fresh"]  # made on the master
+                sent = sc.send("par.sub", b"now")
+                got = receive_one(consumers)
+                assert [(d.message_id, d.payload) for d in got] == [(sent.message_id, b"now")]
+                assert all(cons.receive(1, 0.05) == [] for cons in consumers)  # neither ended
+            finally:
+                for cons in consumers:
+                    cons.close()
+
+        async def aio_round() -> None:
+            async with AioShardedClient(s1.slaves[0]) as ac:
+                consumers = await ac.subscribe_all("par.sub", "fresh2")
+                try:
+                    assert len(consumers) == 2
+                    assert [g["group"] for g in await ac.groups(subject="par.sub", group="fresh2")] == ["fresh2"]
+                    sent = await ac.send("par.sub", b"aio")
+                    got: list = []
+                    for _ in range(400):
+                        for cons in consumers:  # a refusal would be raised here
+                            got.extend(await cons.receive(1, 0.05))
+                        if got:
+                            break
+                    assert [(d.message_id, d.payload) for d in got] == [(sent.message_id, b"aio")]
+                    for cons in consumers:
+                        assert await cons.receive(1, 0.05) == []  # neither ended
+                finally:
+                    for cons in consumers:
+                        await cons.close()
+
+        asyncio.run(asyncio.wait_for(aio_round(), 60))
+    finally:
+        for p in nodes:
+            p.kill9()
