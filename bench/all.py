@@ -63,7 +63,7 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         # qdelay spark import against the number of records (a real server, the Spark session)
         ("spark_import", ["--records", "2000,5000"] if quick else [], out("spark_import")),
         # etcd cluster mode (issue 16): needs the etcd binary (make etcd-deps)
-        ("cluster", ["--seconds", "1", "--trials", "2"] if quick else [], out("cluster")),
+        ("cluster", ["--seconds", "1", "--trials", "2", "--up-shards", "1,2"] if quick else [], out("cluster")),
         # the sharded and cluster clients' calls against the number of shards (etcd too)
         (
             "shards",

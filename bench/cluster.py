@@ -1,7 +1,8 @@
-"""Cluster-mode benchmark (issue 16): failover time, ingest with 1 vs 2 shards, sync cost.
+"""Cluster-mode benchmark (issue 16): failover time, ingest with 1 vs 2 shards, sync cost,
+and ``qdelay cluster up`` against its number of shards.
 
     python -m bench.cluster [--seconds 5] [--producers 4] [--batch 100] [--trials 5]
-                            [--ttl-ms 2000]
+                            [--ttl-ms 2000] [--only ingest,failover,up] [--up-shards 1,2,4]
 
 All real processes on 127.0.0.1 with one etcd (Debian ``etcd-server``), temporary data
 folders on the same disk, the sharded Python client (``qdelay.client.ShardedClient``).
@@ -11,7 +12,11 @@ folders on the same disk, the sharded Python client (``qdelay.client.ShardedClie
   TTL ``ttl_ms``, renewal every ttl/8, acknowledgements stop at 0.6 ttl), p50 and max;
 - ingest: ``producers`` threads sending batches of ``batch`` 100-byte messages for
   ``seconds`` into 1 shard vs 2 shards (one node each), msgs/s and server CPU per message;
-- sync: 1 shard of 1 node vs 1 shard of 2 nodes in sync mode (goal: >= 50 %).
+- sync: 1 shard of 1 node vs 1 shard of 2 nodes in sync mode (goal: >= 50 %);
+- up: ``qdelay cluster up --shards N --nodes 2`` as a user runs it, for each N of
+  ``up_shards``: seconds until it prints its seed address, until every shard has a master
+  and its slave (etcd's view, through ``ShardedClient.refresh``), until one write per shard
+  is acknowledged, and from SIGINT (Ctrl-C) until the command has exited with every server.
 
 Writes bench/out/cluster.json.
 """
@@ -22,6 +27,9 @@ import argparse
 import json
 import os
 import random
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -151,6 +159,82 @@ def failover(root: str, etcd: str, trials: int, ttl_ms: int) -> dict:
     }
 
 
+def free_run(width: int) -> int:
+    """The first of ``width`` consecutive loopback ports that are free now (cluster up numbers
+    its servers from a base port and puts etcd's peer port right after its client port)."""
+    rnd = random.Random()
+    for _ in range(200):
+        base = rnd.randrange(20000, 40000)
+        socks = []
+        try:
+            for port in range(base, base + width):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {width} consecutive free ports")
+
+
+def cluster_up(shards: int, nodes: int = 2) -> dict:
+    """Time ``qdelay cluster up`` from launch to serving, and from Ctrl-C to exited."""
+    with tempfile.TemporaryDirectory() as root:
+        etcd_port = free_run(2)
+        base = free_run(shards * nodes)
+        cmd = [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", root]
+        cmd += ["--shards", str(shards), "--nodes", str(nodes), "--base-port", str(base), "--etcd-port", str(etcd_port)]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            seed = ""
+            for line in proc.stdout:
+                if line.startswith("seed address: "):
+                    seed = line.split()[2]
+                    break
+            if not seed:
+                raise RuntimeError(f"cluster up printed no seed: {proc.stderr.read()[-2000:]}")
+            listening = time.monotonic() - t0
+            want = [f"s{k}" for k in range(1, shards + 1)]
+            with ShardedClient(seed, failover_timeout=60, backoff=0.02, max_backoff=0.2) as sc:
+                while True:
+                    t = sc.refresh()
+                    if all(s in t.shards and t.master(s) and len(t.shards[s].slaves) == nodes - 1 for s in want):
+                        break
+                    if time.monotonic() - t0 > 120:
+                        raise RuntimeError("the cluster did not form in 120 s")
+                    time.sleep(0.02)
+                formed = time.monotonic() - t0
+                # one write acknowledged by every shard's master (ids chosen until each shard got one)
+                hit: set[str] = set()
+                k = 0
+                while len(hit) < shards:
+                    r = sc.send("bench.up", b"p", delay_ms=3_600_000, message_id=f"up-{k}")
+                    hit.add(r.shard)
+                    k += 1
+                writable = time.monotonic() - t0
+            t1 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+            stopped = time.monotonic() - t1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {
+        "shards": shards,
+        "servers": shards * nodes,
+        "listening_s": round(listening, 2),
+        "formed_s": round(formed, 2),
+        "writable_s": round(writable, 2),
+        "stop_s": round(stopped, 2),
+        "exit_code": proc.returncode,
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=5.0)
@@ -158,8 +242,34 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=100)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--ttl-ms", type=int, default=2000)
+    p.add_argument("--only", default="ingest,failover,up", help="comma list of ingest, failover, up")
+    p.add_argument("--up-shards", default="1,2,4", help="cluster up: the shard counts (2 servers each)")
     args = p.parse_args(argv)
-    out: dict = {"params": vars(args), "cpus": os.cpu_count()}
+    only = set(args.only.split(","))
+    out: dict = {"params": vars(args), "cpus": os.cpu_count(), "load": os.getloadavg()[0]}
+    if "ingest" in only:
+        ingest_cases(args, out)
+    if "failover" in only:
+        with tempfile.TemporaryDirectory() as root, EtcdProc(os.path.join(root, "etcd")) as etcd:
+            out["failover"] = failover(root, etcd.endpoint, args.trials, args.ttl_ms)
+    if "up" in only:
+        out["cluster_up"] = []
+        for n in (int(x) for x in args.up_shards.split(",")):
+            r = cluster_up(n)
+            out["cluster_up"].append(r)
+            print(
+                f"cluster up {n} shard(s) x 2: seed printed {r['listening_s']} s, formed {r['formed_s']} s, "
+                f"a write per shard {r['writable_s']} s; Ctrl-C to exited {r['stop_s']} s (exit {r['exit_code']})",
+                flush=True,
+            )
+    print(json.dumps(out, indent=1))
+    os.makedirs(OUT_DIR, exist_ok=True)
+    with open(os.path.join(OUT_DIR, "cluster.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+def ingest_cases(args: argparse.Namespace, out: dict) -> None:
     # the 2-shard case sends batches twice as large: each shard gets batches of ~``batch``
     cases = [
         ("1 shard x 1 node", {"s1": 1}, [], 1),
@@ -182,13 +292,6 @@ def main(argv=None) -> int:
     out["sync_vs_no_slave"] = round(
         ing["1 shard x 2 nodes, sync"]["msgs_per_s"] / ing["1 shard x 1 node"]["msgs_per_s"], 3
     )
-    with tempfile.TemporaryDirectory() as root, EtcdProc(os.path.join(root, "etcd")) as etcd:
-        out["failover"] = failover(root, etcd.endpoint, args.trials, args.ttl_ms)
-    print(json.dumps(out, indent=1))
-    os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "cluster.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
