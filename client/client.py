@@ -517,6 +517,7 @@ class Client:
         # concurrent cancel() calls share CancelBatch calls on the bulk loop, as sends share batches
         self._canceller: CancelBatcher | None = None
         self._rescheduler: RescheduleBatcher | None = None  # reschedule()'s, as cancel()'s
+        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()  # closed by close()
         self._closed = False
 
     # ------------------------------------------------------------------ plumbing
@@ -533,11 +534,14 @@ class Client:
                 time.sleep(retry_wait(self.retry_backoff, attempt))
 
     def close(self) -> None:
-        """Waits for the answers of sends, cancels and reschedules still queued in the
-        batching paths, then closes. A batched call from another thread meanwhile, or after
-        it, raises FailedPrecondition (a batcher made again would be one nobody closes: its
-        stream cut by the channel's close, its callers left waiting for their timeout)."""
+        """Closes the consumers (their iteration ends, as the asyncio client's), waits for
+        the answers of sends, cancels and reschedules still queued in the batching paths,
+        then closes. A batched call from another thread meanwhile, or after it, raises
+        FailedPrecondition (a batcher made again would be one nobody closes: its stream cut
+        by the channel's close, its callers left waiting for their timeout)."""
         self._closed = True
+        for consumer in list(self._consumers):
+            consumer.close()
         for name in ("_batcher", "_canceller", "_rescheduler"):
             batcher = getattr(self, name)
             if batcher is not None:
@@ -979,7 +983,9 @@ class Client:
         ``wait_for_group``: a refusal (FAILED_PRECONDITION: a slave, which may not create the
         group, before the GROUP record reached it) is waited out like a lost stream."""
         self._open()
-        return Consumer(self, subject, group, max_in_flight, wait_for_group=wait_for_group)
+        consumer = Consumer(self, subject, group, max_in_flight, wait_for_group=wait_for_group)
+        self._consumers.add(consumer)
+        return consumer
 
 
 _END = object()
@@ -1071,7 +1077,12 @@ class Consumer:
         log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
         if self._closed.wait(delay):
             return False
-        self._open()
+        try:
+            self._open()
+        except ValueError:  # grpc's 'Channel closed!': the client's close() is ending this one
+            if self._closed.is_set() or self._client._closed:
+                return False
+            raise
         if self._closed.is_set():
             self._call.cancel()
             return False

@@ -215,3 +215,24 @@ def test_blocking_client_refuses_a_call_made_while_it_closes(server):
     c.close()
     assert [type(g) for g in got] == [errors.FailedPrecondition] * 3, got
     assert c._canceller is None and c._rescheduler is None and c._batcher is None
+
+
+def test_blocking_client_close_ends_its_consumers(server):
+    """close() ends the client's consumers, as the asyncio client's close() does: their
+    streams, cut by the channel's close (CANCELLED), were subscribed again on the closed
+    channel, so iterating raised grpc's ValueError 'Cannot invoke RPC: Channel closed!'
+    (outside the exception tree) and receive() - whose reader thread had died of it -
+    waited out every timeout instead of ending."""
+    from qdelay.client import Client
+
+    c = Client(server.address, retry_backoff=0.01)
+    read = c.subscribe("close.consumer")
+    received = c.subscribe("close.consumer")
+    assert received.receive(1, 0.2) == []  # its reader thread runs
+    c.close()
+    assert list(read.batches()) == []  # ends, raises nothing
+    started = time.monotonic()
+    assert received.receive(1, 20.0) == []
+    assert time.monotonic() - started < 10  # ended, not its whole timeout waited
+    with pytest.raises(errors.FailedPrecondition):
+        c.subscribe("close.consumer")
