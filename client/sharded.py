@@ -41,6 +41,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -363,6 +364,7 @@ class _Sharded:
         self.client_kw = client_kw
         self._clients: dict[str, Any] = {}
         self.closed = False  # set by close(): nothing is retried after it
+        self._consumers: weakref.WeakSet = weakref.WeakSet()  # merged consumers, ended by close()
         self._ids = _Ids()
         self.topology: Topology | None = None
         self.retries = 0  # writes repeated (same ids) after a refusal or a failure
@@ -373,6 +375,20 @@ class _Sharded:
     def _give_up(self, err: Exception) -> bool:
         """Whether a failed try ends the call: not retryable, or the client is closed."""
         return self.closed or not retryable(err)
+
+    def _open(self) -> None:
+        """FailedPrecondition once closed, as the single-server clients: a server's client
+        made again after close() would be a channel nobody closes (a merged consumer's
+        reader asked for one, and went on consuming from a closed client)."""
+        if self.closed:
+            raise errors.FailedPrecondition("the client is closed")
+
+    def _closing(self) -> list:
+        """close()'s first step: refuse from now on; the merged consumers to end and the
+        servers' clients to close."""
+        self.closed = True
+        consumers, self._consumers = list(self._consumers), weakref.WeakSet()
+        return consumers
 
 
 class ShardedClient(_Sharded):
@@ -387,6 +403,7 @@ class ShardedClient(_Sharded):
     # --- plumbing -----------------------------------------------------------------------------------
     def client(self, address: str) -> Client:
         with self._lock:
+            self._open()
             c = self._clients.get(address)
             if c is None:
                 c = self._clients[address] = Client(address, retries=0, timeout=self.timeout, **self.client_kw)
@@ -438,7 +455,11 @@ class ShardedClient(_Sharded):
                 pass
 
     def close(self) -> None:
-        self.closed = True
+        """Ends the merged consumers, then closes every server's client."""
+        with self._lock:
+            consumers = self._closing()
+        for consumer in consumers:
+            consumer.close()
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
             pool, self._executor = self._executor, None
@@ -639,7 +660,12 @@ class ShardedClient(_Sharded):
         return _stats_of(topo, answers)
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> ShardedConsumer:
-        return ShardedConsumer(self, subject, group, max_in_flight)
+        """Deliveries of ``subject``/``group`` from every shard as one consumer (see
+        :class:`ShardedConsumer`); ended by :meth:`close` if not closed before."""
+        self._open()
+        consumer = ShardedConsumer(self, subject, group, max_in_flight)
+        self._consumers.add(consumer)
+        return consumer
 
     def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list[Consumer]:
         """One resubscribing consumer per server of every shard (only masters dispatch), as
@@ -726,7 +752,10 @@ class ShardedConsumer:
         """Keep a subscription on ``address``. A slave refuses one (FAILED_PRECONDITION) while
         the group does not exist there yet: try again, it may be master after a failover."""
         while not self._closed.is_set():
-            cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
+            try:
+                cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
+            except errors.FailedPrecondition:  # the sharded client was closed
+                return
             with self._lock:
                 self._consumers[address] = cons
             tag = self._acks.register(cons)
@@ -764,6 +793,9 @@ class ShardedConsumer:
                 batch = self._inbox.get(timeout=left)
             except queue.Empty:
                 break
+            if batch is None:  # closed
+                self._inbox.put(None)
+                break
             got.extend(batch)
         return got
 
@@ -773,11 +805,13 @@ class ShardedConsumer:
         self._acks.ack(deliveries)
 
     def close(self) -> None:
+        """Close every stream (queued acks are sent first); receive() returns at once after."""
         self._closed.set()
         with self._lock:
             consumers = [c for c in self._consumers.values() if c is not None]
         for c in consumers:
             c.close()
+        self._inbox.put(None)
 
     def __enter__(self) -> ShardedConsumer:
         return self
@@ -792,6 +826,7 @@ class AioShardedClient(_Sharded):
     def client(self, address: str) -> AioClient:
         from qdelay.client.aio import Client as AioClient
 
+        self._open()
         c = self._clients.get(address)
         if c is None:
             c = self._clients[address] = AioClient(address, retries=0, timeout=self.timeout, **self.client_kw)
@@ -841,7 +876,9 @@ class AioShardedClient(_Sharded):
                 pass
 
     async def close(self) -> None:
-        self.closed = True
+        """Ends the merged consumers, then closes every server's client."""
+        for consumer in self._closing():
+            await consumer.close()
         clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             await c.close()
@@ -1015,8 +1052,12 @@ class AioShardedClient(_Sharded):
 
     def subscribe(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> AioShardedConsumer:
         """Deliveries of ``subject``/``group`` from every shard as one consumer (see
-        :class:`AioShardedConsumer`); the streams open on first read or ``async with``."""
-        return AioShardedConsumer(self, subject, group, max_in_flight)
+        :class:`AioShardedConsumer`); the streams open on first read or ``async with``;
+        ended by :meth:`close` if not closed before."""
+        self._open()
+        consumer = AioShardedConsumer(self, subject, group, max_in_flight)
+        self._consumers.add(consumer)
+        return consumer
 
     async def subscribe_all(self, subject: str, group: str = "default", max_in_flight: int = 1000) -> list:
         """One resubscribing consumer per server of every shard (only masters dispatch):
@@ -1066,7 +1107,10 @@ class AioShardedConsumer:
         """Keep a subscription on ``address`` (its Consumer resubscribes by itself when the
         server goes away; a refusal ends it, and it is made again after ``RETRY_S``)."""
         while not self._closed:
-            cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
+            try:
+                cons = self.sc.client(address).subscribe(self.subject, self.group, self.max_in_flight)
+            except errors.FailedPrecondition:  # the sharded client was closed
+                return
             self._consumers[address] = cons
             tag = self._acks.register(cons)
             try:

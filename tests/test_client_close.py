@@ -236,3 +236,53 @@ def test_blocking_client_close_ends_its_consumers(server):
     assert time.monotonic() - started < 10  # ended, not its whole timeout waited
     with pytest.raises(errors.FailedPrecondition):
         c.subscribe("close.consumer")
+
+
+def test_sharded_client_close_ends_its_merged_consumers(server):
+    """A merged consumer outlived its closed sharded client: its reader, finding its stream
+    ended, asked the closed client for the server's client again, which made a new one
+    (a channel nobody closes) and subscribed again, a consumer still taking deliveries; its
+    receive() waited out every timeout. Now close() ends them (receive returns at once),
+    and the closed client refuses to make clients or consumers (FailedPrecondition), as
+    the single-server clients do; blocking and asyncio."""
+    import asyncio
+
+    from conftest import wait_until
+
+    from qdelay.client import AioShardedClient, Client, ShardedClient
+
+    with Client(server.address) as plain:
+
+        def consumers(group: str) -> int:
+            return sum(g["consumers"] for g in plain.groups(subject="close.merged", group=group))
+
+        sc = ShardedClient(server.address)
+        merged = sc.subscribe("close.merged", "g1")
+        wait_until(lambda: merged.receive(1, 0.05) == [] and consumers("g1") == 1, 10, "subscribed")
+        sc.close()
+        started = time.monotonic()
+        assert merged.receive(1, 20.0) == []
+        assert time.monotonic() - started < 10  # ended, not its whole timeout waited
+        for call in (lambda: sc.client(server.address), lambda: sc.subscribe("close.merged", "g1")):
+            with pytest.raises(errors.FailedPrecondition):
+                call()
+        wait_until(lambda: consumers("g1") == 0, 10, "the stream closed")
+
+        async def aio_round() -> None:
+            ac = AioShardedClient(server.address)
+            amerged = ac.subscribe("close.merged", "g2")
+            for _ in range(200):
+                if await amerged.receive(1, 0.05) == [] and consumers("g2") == 1:
+                    break
+            assert consumers("g2") == 1
+            await ac.close()
+            started = time.monotonic()
+            assert await amerged.receive(1, 20.0) == []
+            assert time.monotonic() - started < 10
+            with pytest.raises(errors.FailedPrecondition):
+                ac.client(server.address)
+            with pytest.raises(errors.FailedPrecondition):
+                ac.subscribe("close.merged", "g2")
+
+        asyncio.run(asyncio.wait_for(aio_round(), 60))
+        wait_until(lambda: consumers("g2") == 0, 10, "the aio stream closed")
