@@ -898,7 +898,7 @@ class Scheduler:
 
     def _claim(self, sequences: list[int], buckets: Iterable[int] | None = None) -> list[int]:
         ledger = self.ledger
-        out = ledger.in_flight_maps() if buckets is None else ledger.in_flight_of(buckets)
+        out = ledger.in_flight_maps() if buckets is None else ledger.in_flight_of(buckets, len(sequences))
         return self.claims.claim(sequences, [self.dead_letters.writing, *out])
 
     def release_cancels(self, sequences: list[int]) -> None:

@@ -424,3 +424,35 @@ def test_flights_waiting_for_a_question_do_not_pile_up():
         led.take_acked([2 * k - 2, 2 * k - 1], 1)  # the one before: it leaves
         assert led.flights_listed() == 1 and led.flights_waiting() <= 2 * 2 + 64 + 1
     assert led.is_in_flight(4_002, 7) and not led.is_in_flight(4_000, 7)
+
+
+def test_a_cancel_s_question_about_many_targets_does_not_search_the_flights_once_each(monkeypatch: Any) -> None:
+    """A Cancel of many messages of the minute being delivered asks ``in_flight_of`` once and
+    then ``seq in c`` per target (``CancelClaims.claim``). With the flights not entered yet
+    searched at each lookup, a CancelBatch of 1,000 in a minute with 200,000 out searched
+    every flight 1,000 times (seconds under the scheduler's lock; 64 targets on the event
+    loop ~0.1 s): a question about n targets enters up to n x ENTER_MAX, so the lookups
+    search nothing once it has caught up."""
+    monkeypatch.setattr(ledger_mod, "ENTER_MAX", 1_000)
+    led = AckLedger()
+    CountedKeys.searches = 0
+    flights = [
+        Flight(7, 1, 1, 0, CountedKeys(range(k, k + 50)), [0] * 50, [0] * 50, [1] * 50, [b""] * 50)
+        for k in range(1, 10_001, 50)
+    ]
+    led.hand_out(flights, TIMEOUT)
+    targets = list(range(10_001, 10_501))  # none out: each lookup looks at everything
+    containers = led.in_flight_of([7], len(targets))
+    assert not any(q in c for q in targets for c in containers)
+    assert CountedKeys.searches == 0 and led.entered == 10_000
+    assert all(any(q in c for c in containers) for q in range(1, 10_001, 97))
+    # one target asks as a Get does: a bounded share entered, the rest searched
+    led2 = AckLedger()
+    led2.hand_out(
+        [
+            Flight(8, 1, 1, 0, CountedKeys(range(k, k + 50)), [0] * 50, [0] * 50, [1] * 50, [b""] * 50)
+            for k in range(1, 10_001, 50)
+        ],
+        TIMEOUT,
+    )
+    assert led2.in_flight_of([8], 1) and led2.entered == 1_000
