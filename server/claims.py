@@ -179,5 +179,9 @@ class CancelClaims:
     def holds(self, seq: int) -> bool:
         return seq in self.claimed
 
+    def holds_written(self, seq: int) -> bool:
+        """Claimed, and its tombstone durable (``written``): the claim will not be given back."""
+        return seq in self.durable
+
     def __bool__(self) -> bool:
         return bool(self.claimed)

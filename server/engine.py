@@ -1595,7 +1595,9 @@ class Engine:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found
         state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, detail=True)
-        if state == MessageState.PENDING and self.scheduler.cancel_claimed(sequence):
+        # claimed by a Cancel: cancelled once its tombstone is durable, not while the write
+        # that may still fail is under way
+        if state == MessageState.PENDING and self.scheduler.cancel_written(sequence):
             state = MessageState.CANCELLED
         groups = self._group_states(msg, closes) if msg is not None and state != MessageState.CANCELLED else []
         return MessageStatus(state, msg, msg.deliver_at_ms if msg else deliver_at_ms, delivered_at, groups)

@@ -953,6 +953,17 @@ class Scheduler:
             self._drain()
             return self.claims.holds(seq)
 
+    def cancel_written(self, seq: int) -> bool:
+        """Whether a Cancel (or Reschedule) claimed ``seq`` and its tombstone is durable
+        (``claims_written``) but has not passed yet: what Get answers CANCELLED for a
+        pending message. A claim whose write is under way does not count: that write may
+        still fail and give the claim back, and a Get that said CANCELLED would then be
+        followed by a delivery (issue 13 item 6). As ``cancel_claimed``: a short hold of
+        the lock after applying what was posted before (the news of the write among it)."""
+        with self.lock:
+            self._drain()
+            return self.claims.holds_written(seq)
+
     def dispatch_view(self, bucket: int, seq: int) -> tuple[bytes, int, bool]:
         """(DISPATCH frames of ``bucket`` not yet in its file, the file's size then, whether
         ``seq`` was in flight then): taken together under the lock, so that no ack slips

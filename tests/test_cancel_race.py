@@ -182,3 +182,55 @@ def test_an_ordinary_double_cancel_still_answers_already_cancelled_promptly(tmp_
         assert sorted(both) == [CancelOutcome.CANCELLED, CancelOutcome.ALREADY_CANCELLED]
     finally:
         engine.close()
+
+
+def test_a_get_during_a_cancel_s_write_does_not_say_cancelled_before_the_tombstone_is_durable(
+    tmp_path, monkeypatch
+):
+    """Get of a message a Cancel has claimed, while that Cancel's tombstone is being written,
+    answered CANCELLED (the claim alone); the write then failed, the claim was given back
+    and the message was delivered after that answer. Until the tombstone is durable the
+    message is pending; once it is (the Cancel answered), Get says CANCELLED."""
+    engine, sink = _started(tmp_path)
+    try:
+        target, _after = _send(engine, 1500)
+        key = (target.message_id, target.deliver_at_ms, target.sequence)
+        held = HeldWrite(monkeypatch, fail=1)
+
+        async def main():
+            first = asyncio.ensure_future(engine.cancel(*key))
+            assert await asyncio.to_thread(held.entered.wait, 10)
+            during = (await engine.get(*key)).state
+            during_now = engine.get_now(*key)
+            held.go.set()
+            with pytest.raises(DiskFull):
+                await first
+            return during, during_now
+
+        during, during_now = asyncio.run(main())
+        assert during == MessageState.PENDING
+        assert during_now is None or during_now.state == MessageState.PENDING
+        assert wait_until(lambda: "target" in sink.ids(), timeout=10)  # the write failed: delivered
+
+        # a Cancel that succeeds: Get says CANCELLED as soon as it has answered, before the
+        # iterate service settles the claim (held here: the tombstone is far from settled
+        # only if the iterate service lags, so look right after the answer)
+        target2, _after2 = _send(engine, 60_000)
+        key2 = (target2.message_id, target2.deliver_at_ms, target2.sequence)
+
+        async def cancel_then_get():
+            assert await engine.cancel(*key2) == CancelOutcome.CANCELLED
+            return (await engine.get(*key2)).state
+
+        assert asyncio.run(cancel_then_get()) == MessageState.CANCELLED
+        # the rule itself, before the iterate service settles a claim: claimed is not enough
+        (third,) = engine.send_sync([message("t.race", target2.deliver_at_ms + 60_000, "third")])
+        sched = engine.scheduler
+        assert sched.claim_cancels([third.sequence]) == [sched.CLAIMED]
+        assert not sched.cancel_written(third.sequence)
+        sched.claims_written([third.sequence])
+        assert sched.cancel_written(third.sequence)
+        sched.release_cancels([third.sequence])
+        assert not sched.cancel_written(third.sequence)
+    finally:
+        engine.close()
