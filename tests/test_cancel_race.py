@@ -184,9 +184,7 @@ def test_an_ordinary_double_cancel_still_answers_already_cancelled_promptly(tmp_
         engine.close()
 
 
-def test_a_get_during_a_cancel_s_write_does_not_say_cancelled_before_the_tombstone_is_durable(
-    tmp_path, monkeypatch
-):
+def test_a_get_during_a_cancel_s_write_does_not_say_cancelled_before_the_tombstone_is_durable(tmp_path, monkeypatch):
     """Get of a message a Cancel has claimed, while that Cancel's tombstone is being written,
     answered CANCELLED (the claim alone); the write then failed, the claim was given back
     and the message was delivered after that answer. Until the tombstone is durable the
