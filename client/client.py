@@ -964,13 +964,15 @@ class Client:
         backlog_retrying."""
         return self.stats(timeout, subject=subject, group=group)["groups"]
 
-    def health(self, timeout: float = 5.0) -> str:
+    def health(self, timeout: float = 5.0, service: str = "") -> str:
+        """The server's gRPC health status ('SERVING', 'NOT_SERVING'...) for ``service``:
+        ``""`` the server, ``"qdelay.master"`` whether it takes writes now (docs/api.md)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         self._open()
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=self.metadata)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise translate(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -44,6 +44,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("qdelay.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DelayService"].full_name
 ACK_GRACE_SECONDS = 2.0
+# the health name a load balancer routing producers checks: SERVING only where writes go
+MASTER_HEALTH_NAME = "qdelay.master"
+HEALTH_POLL_SECONDS = 0.5
+
+
+def _serving(yes: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if yes else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class JsonFormatter(logging.Formatter):
@@ -214,6 +221,7 @@ class App:
         await server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(MASTER_HEALTH_NAME, _serving(engine.takes_writes()))
         if cfg.metrics_listen:
             mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
             try:
@@ -221,7 +229,7 @@ class App:
             except OSError as e:
                 raise OSError(f"cannot serve metrics on {cfg.metrics_listen}: {e.strerror or e}") from None
             log.info("metrics on %s", format_address(mhost, self.metrics_port))
-        self._watch = asyncio.ensure_future(self._watch_health())
+        self._watch = asyncio.ensure_future(self._watch_health(engine))
         address = format_address(host, port)
         self.service.address = address
         if self.node is not None:
@@ -240,17 +248,23 @@ class App:
         )
         return address
 
-    async def _watch_health(self) -> None:
-        """Health follows the engine: NOT_SERVING while its WAL, iterate or scheduler failed."""
+    async def _watch_health(self, engine: Engine) -> None:
+        """Health follows the engine: NOT_SERVING while its WAL, iterate or scheduler failed;
+        ``qdelay.master`` SERVING only while this server takes writes (not on a slave, a fenced
+        master, or a cluster master that cannot prove its lease)."""
         serving = True
+        writes = engine.takes_writes()
         while True:
-            await asyncio.sleep(1.0)
-            healthy = getattr(self.engine, "healthy", lambda: True)()
+            await asyncio.sleep(HEALTH_POLL_SECONDS)
+            healthy = engine.healthy()
+            now_writes = healthy and engine.takes_writes()
+            if now_writes != writes:
+                writes = now_writes
+                await self.health.set(MASTER_HEALTH_NAME, _serving(writes))
+                log.info("health: %s %s", MASTER_HEALTH_NAME, "serving" if writes else "not serving")
             if healthy != serving:
                 serving = healthy
-                status = (
-                    health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-                )
+                status = _serving(healthy)
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, status)
                 log.log(

@@ -32,6 +32,7 @@ from qdelay.errors import (
     InvalidArgument,
     InvariantViolation,
     NotMaster,
+    QdelayError,
     ShuttingDown,
     StorageError,
     Unavailable,
@@ -552,6 +553,15 @@ class Engine:
             raise NotMaster("this server is a slave; send writes to the master")
         if self.write_guard is not None:
             self.write_guard()
+
+    def takes_writes(self) -> bool:
+        """Whether a write would be let through now (:meth:`check_writable`): what the health
+        service reports under ``qdelay.master`` for load balancers that route producers."""
+        try:
+            self.check_writable()
+        except QdelayError:
+            return False
+        return True
 
     def now_ms(self) -> int:
         return self.clock()
