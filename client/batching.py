@@ -70,8 +70,10 @@ MAX_BACKOFF = 2.0  # seconds between two tries at most: a restarted server is fo
 
 def retry_wait(backoff: float, attempt: int) -> float:
     """Seconds before try ``attempt + 1`` (``attempt`` from 1): ``backoff`` doubled each
-    attempt, at most ``MAX_BACKOFF`` (every retry of the clients and their batchers)."""
-    return min(backoff * 2 ** (attempt - 1), MAX_BACKOFF)
+    attempt, at most ``MAX_BACKOFF`` (every retry of the clients and their batchers). The
+    doubling stops at 2^63: a consumer counts its attempts for as long as its server is away,
+    and 2^1024 is past a float (OverflowError, after ~34 minutes of 2 s waits)."""
+    return min(backoff * 2 ** min(attempt - 1, 63), MAX_BACKOFF)
 
 
 def lost_status(error: grpc.RpcError | None) -> bool:

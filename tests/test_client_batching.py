@@ -275,3 +275,15 @@ def test_the_blocking_clients_unary_retries_wait_at_most_max_backoff(monkeypatch
     finally:
         c.close()
     assert len(slept) == 12 and slept[:3] == [0.1, 0.2, 0.4] and max(slept) == MAX_BACKOFF, slept
+
+
+def test_retry_wait_stays_at_max_backoff_however_long_the_outage():
+    """The attempt count of a consumer's resubscription grows for as long as the server is
+    away (or, waiting for its group, a slave refuses): backoff * 2 ** (attempt - 1) overflowed
+    a float at attempt 1025, about 34 minutes of 2 s waits, and the consumer's reader died of
+    the OverflowError (outside the exception tree); every later try waits MAX_BACKOFF."""
+    from qdelay.client.batching import MAX_BACKOFF, retry_wait
+
+    assert [retry_wait(0.1, a) for a in (1, 2, 3)] == [0.1, 0.2, 0.4]
+    assert [retry_wait(0.1, a) for a in (30, 1024, 1025, 10**6)] == [MAX_BACKOFF] * 4
+    assert retry_wait(0.0, 10**6) == 0.0
