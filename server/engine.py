@@ -672,6 +672,9 @@ class Engine:
             # this call's own tombstones are written first: it holds no claim while it waits
             # (two Cancels each waiting for a claim the other holds would never end)
             rows, deadline = await self._after_other_claims(elsewhere, deadline)
+            # the wait may have outlived this server's right to write (fenced, demoted, a
+            # lease lost): asked again before claiming and writing anew, as a new call would
+            self.check_writable()
             again = await self._cancel_many([targets[i] for i in rows], deadline)
             for i, outcome in zip(rows, again):
                 outcomes[i] = outcome
@@ -807,6 +810,7 @@ class Engine:
             await self._write_moves(moves, outcomes, claimed, msgs, out)
         if elsewhere:  # as _cancel_many: written first, then wait for the other claims
             rows, deadline = await self._after_other_claims(elsewhere, deadline)
+            self.check_writable()  # as _cancel_many: the wait may have outlived the right to write
             again = await self._reschedule_many([moves[i] for i in rows], deadline)
             for i, answer in zip(rows, again):
                 out[i] = answer

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from qdelay.errors import DiskFull, Unavailable
+from qdelay.errors import DiskFull, Fenced, Unavailable
 from qdelay.segments import segment
 from qdelay.server.engine import CancelOutcome, Engine, MessageState, RescheduleOutcome
 from tests.conftest import wait_until
@@ -230,5 +230,38 @@ def test_a_get_during_a_cancel_s_write_does_not_say_cancelled_before_the_tombsto
         assert sched.cancel_written(third.sequence)
         sched.release_cancels([third.sequence])
         assert not sched.cancel_written(third.sequence)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("op", ["cancel", "reschedule"])
+def test_a_second_cancel_that_waited_asks_whether_it_may_still_write(tmp_path, monkeypatch, op):
+    """A call waiting for another's claim (up to claim_wait_s) claims and writes again when
+    it ends; this server was fenced meanwhile (a newer master exists): the retry must not
+    append a tombstone (or a moved message) to a fenced server's log and answer as if it
+    held, but refuse as any write would now (Fenced)."""
+    engine, _sink = _started(tmp_path)
+    try:
+        target, _after = _send(engine, 60_000)
+        held = HeldWrite(monkeypatch, fail=1)
+        key = (target.message_id, target.deliver_at_ms, target.sequence)
+        second = _ops(engine, target)[op]
+
+        async def main():
+            first = asyncio.ensure_future(engine.cancel(*key))
+            assert await asyncio.to_thread(held.entered.wait, 10)
+            other = asyncio.ensure_future(second())
+            claims = engine.scheduler.claims
+            assert await asyncio.to_thread(wait_until, lambda: claims.watched, 10)
+            before = engine.wal.committed_sequence
+            await asyncio.to_thread(engine.set_role, "fenced", engine.epoch + 1)
+            held.go.set()
+            got = await asyncio.gather(first, other, return_exceptions=True)
+            return got, before
+
+        (first, other), before = asyncio.run(main())
+        assert isinstance(first, DiskFull)
+        assert isinstance(other, Fenced), other
+        assert engine.wal.committed_sequence == before  # nothing written after the fencing
     finally:
         engine.close()
