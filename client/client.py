@@ -22,6 +22,7 @@ repeats the same id (the consumer sees one id, maybe twice: at-least-once).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import bisect
 import itertools
 import logging
@@ -303,11 +304,14 @@ class _BulkSender:
 
     The loop's thread ends the loop as ``asyncio.run`` does (:func:`_serve`): whatever task is
     left on it (the batchers' of a client that was never closed) is cancelled and finishes
-    before the loop closes. It is stopped by :meth:`close`, or by a ``weakref.finalize``
-    when the client is collected without ``close()`` or is still open at interpreter exit
-    (it runs at exit): else those tasks were destroyed pending, each logged as "Task was
-    destroyed but it is pending!". (A client whose streams are open is referenced by grpc
-    until they end; the batchers' tasks end by themselves once idle.)"""
+    before the loop closes. It is stopped by :meth:`close` (which waits for its end), by a
+    ``weakref.finalize`` when the client is collected without ``close()`` (which only tells
+    the loop to stop: a finalizer runs in whatever thread the collection happens, and must
+    not stall it while the loop ends), and at interpreter exit by :func:`_end_loops_at_exit`
+    for every loop not ended yet (it waits for each): else those tasks were destroyed
+    pending, each logged as "Task was destroyed but it is pending!". (A client whose streams
+    are open is referenced by grpc until they end; the batchers' tasks end by themselves
+    once idle.)"""
 
     def __init__(self, target: str, creds: grpc.ChannelCredentials | None, options: list) -> None:
         self._target = target
@@ -347,9 +351,13 @@ class _BulkSender:
                 thread = threading.Thread(
                     target=_serve, args=(loop, self._channels), name="qdelay-client-bulk", daemon=True
                 )
+                with _LIVE_LOCK:
+                    _LIVE[thread] = loop
                 thread.start()
-                # references the loop and its thread, not self: runs when self is collected or at exit
+                # references the loop and its thread, not self: runs when self is collected
+                # (never waits); at exit _end_loops_at_exit ends what is left, waiting
                 self._stop = weakref.finalize(self, _stop_loop, loop, thread)
+                self._stop.atexit = False
                 self._loop, self._thread = loop, thread
             return self._loop
 
@@ -365,14 +373,21 @@ class _BulkSender:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            loop, stop, self._loop, self._thread, self._stop = self._loop, self._stop, None, None, None
+            loop, thread, stop = self._loop, self._thread, self._stop
+            self._loop, self._thread, self._stop = None, None, None
         if loop is None or stop is None:
             return
         if self._channel is not None:
             asyncio.run_coroutine_threadsafe(self._channel.close(), loop).result(10)
             self._channel = None
             self._channels.clear()
-        stop()  # the thread cancels what is left on the loop, closes it and ends; joined
+        stop.detach()
+        _stop_loop(loop, thread, wait=10.0)  # close() waits for the loop's end
+
+
+# the bulk loops whose thread has not ended yet (by thread), for _end_loops_at_exit
+_LIVE: dict[threading.Thread, asyncio.AbstractEventLoop] = {}
+_LIVE_LOCK = threading.Lock()
 
 
 def _serve(loop: asyncio.AbstractEventLoop, channels: list) -> None:
@@ -393,17 +408,30 @@ def _serve(loop: asyncio.AbstractEventLoop, channels: list) -> None:
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
+            with _LIVE_LOCK:
+                _LIVE.pop(threading.current_thread(), None)
 
 
-def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Stop the bulk loop; wait for its thread to end it (unless this is that thread: a
-    client collected on its own loop)."""
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread | None, wait: float = 0.0) -> None:
+    """Stop the bulk loop; with ``wait``, wait up to that many seconds for its thread to end
+    it (never when this is that thread: a client collected on its own loop)."""
     try:
         loop.call_soon_threadsafe(loop.stop)
     except RuntimeError:  # closed already
-        return
-    if thread is not threading.current_thread():
-        thread.join(10)
+        pass
+    if wait and thread is not None and thread is not threading.current_thread():
+        thread.join(wait)
+
+
+@atexit.register
+def _end_loops_at_exit() -> None:
+    """At interpreter exit, every bulk loop not ended yet (its client still open, or collected
+    and ending) is stopped and waited for, so that its tasks end before the interpreter
+    does."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.items())
+    for thread, loop in live:
+        _stop_loop(loop, thread, wait=10.0)
 
 
 class _Ids:

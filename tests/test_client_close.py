@@ -286,3 +286,42 @@ def test_sharded_client_close_ends_its_merged_consumers(server):
 
         asyncio.run(asyncio.wait_for(aio_round(), 60))
         wait_until(lambda: consumers("g2") == 0, 10, "the aio stream closed")
+
+
+def test_a_collected_blocking_client_does_not_wait_for_its_loop_to_end(server):
+    """The finalizer of a blocking client collected without close() stopped its I/O loop
+    and joined the loop's thread for up to 10 s, in whatever thread the collection ran: a
+    loop slow to end (here a task that takes 3 s to cancel, standing for anything that
+    delays it) stalled that thread. It now only tells the loop to stop; the loop's thread
+    ends it by itself (and is joined at interpreter exit)."""
+    import asyncio
+    import gc
+    import threading
+
+    from conftest import wait_until
+
+    from qdelay.client import Client
+
+    def bulk_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "qdelay-client-bulk"]
+
+    before = set(bulk_threads())
+    c = Client(server.address)
+
+    async def plant(_channel) -> None:
+        async def slow_to_cancel() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                time.sleep(3)  # blocks the loop's thread while it ends the loop
+
+        asyncio.get_running_loop().create_task(slow_to_cancel())
+
+    c._bulk.run(plant)  # starts its loop
+    mine = set(bulk_threads()) - before
+    assert len(mine) == 1
+    started = time.monotonic()
+    del c
+    gc.collect()
+    assert time.monotonic() - started < 1.5  # not the loop's 3 s end
+    wait_until(lambda: not (set(bulk_threads()) & mine), 20, "the loop's thread ended by itself")
