@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
             ch = _channel(args.master, args)
             try:
                 stream = rpb_grpc.ReplicationStub(ch).Snapshot(
-                    rpb.SnapshotRequest(slave_name=args.data_dir), timeout=3600, metadata=_md(args)
+                    rpb.SnapshotRequest(slave_name=common.slave_name(args.data_dir)), timeout=3600, metadata=_md(args)
                 )
                 info = write_snapshot(args.data_dir, stream)
             finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 
 from qdelay.segments import framing, reader
@@ -9,6 +11,12 @@ from qdelay.segments import framing, reader
 HEADER = framing.HEADER
 HS = framing.HEADER_SIZE
 MAX_MESSAGE = 80 * 1024 * 1024
+
+
+def slave_name(data_dir: str) -> str:
+    """The name a slave gives its master (its hello, and ``qdelay admin resync``'s snapshot
+    request): the master's hold for the resync is then the one the slave's stream takes over."""
+    return f"{os.uname().nodename}:{os.path.abspath(data_dir)}"
 
 
 def channel_options() -> list[tuple]:

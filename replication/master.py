@@ -5,8 +5,10 @@ what it reported durable, and which dispatch-log bytes it holds. The :class:`Hub
 answers three questions for the rest of the server:
 
 - ``floor()`` (the cleaner): the lowest offset a slave confirmed (attached slaves, detached
-  ones for ``slave_hold_ms``, and a resync's start); the cleaner keeps the segment holding
-  the record that ends there, which a reconnect compares (``check_hello``);
+  ones for ``slave_hold_ms`` and within ``slave_hold_bytes``, and a resync's start); the
+  cleaner keeps the segment holding the record that ends there, which a reconnect compares
+  (``check_hello``). The holds are saved in ``checkpoint/slave_holds.ckpt``
+  (replication/holds.py) and restored at start, so a restart keeps them;
 - ``wait(end_offset)`` (sync mode, the send path): resolve once a slave reported the
   bytes up to ``end_offset`` durable, or raise :class:`ReplicationTimeout` after
   ``replication_timeout_ms`` -- the write is then answered UNAVAILABLE, never acknowledged;
@@ -25,6 +27,7 @@ import xxhash
 
 from qdelay.errors import ReplicationTimeout
 from qdelay.replication import common
+from qdelay.replication.holds import Hold, HoldFile
 from qdelay.segments import reader
 from qdelay.v1 import replication_pb2 as rpb
 
@@ -34,6 +37,7 @@ WINDOW_BYTES = 32 * 1024 * 1024  # sent but not yet confirmed durable, per slave
 DISPATCH_SCAN_S = 0.02
 PROGRESS_S = 0.25
 IDLE_WAIT_S = 0.05
+HOLD_SAVE_S = 1.0  # the holds file is replaced at most this often while acks come in
 
 
 class SlaveSession:
@@ -43,7 +47,9 @@ class SlaveSession:
         self.sent = offset
         self.acked = offset
         self.connected = True
-        self.last_seen = time.monotonic()
+        # wall clock (s): a detached slave's hold ages from here, across restarts too
+        self.last_seen = time.time()
+        self.expired = False  # its hold ran out (logged once, left out of the holds file)
         self.known: dict[int, int] = {}  # dispatch bucket -> bytes the slave holds (-1: reset it)
         self.acked_event = asyncio.Event()
 
@@ -55,12 +61,115 @@ class Hub:
         self.sync = cfg.replication == "sync"
         self.timeout = cfg.replication_timeout_ms / 1000.0
         self.hold = cfg.slave_hold_ms / 1000.0
+        self.hold_bytes = cfg.slave_hold_bytes
         self.sessions: dict[str, SlaveSession] = {}
         self._waiters: list[tuple[int, int, asyncio.Future]] = []
         self._tie = itertools.count()
         self.best_acked = 0
         self.sync_timeouts = 0
         self.sync_waits = 0
+        self.holds = HoldFile(engine.config.data_dir)
+        self._changes = 0  # bumped by every change of a hold; the saver compares it
+        self._saved_changes = 0
+        self._saved: dict[str, int] = {}  # name -> offset in the file (to see a hold lowered)
+        self._restore()
+
+    # --- holds on disk ------------------------------------------------------------------------
+    def _restore(self) -> None:
+        holds, note = self.holds.load()
+        if note:
+            log.error("%s", note)
+        now = time.time()
+        for name, h in holds.items():
+            s = SlaveSession(name, "restored", h.offset)
+            s.connected = False
+            s.last_seen = h.seen_ms / 1000.0
+            self.sessions[name] = s
+            if self._held(s, now, self.engine.wal.committed_offset):
+                self._saved[name] = h.offset
+                log.info(
+                    "holding the message log for slave %s from offset %d (restored; away for %.0f s)",
+                    name,
+                    h.offset,
+                    now - s.last_seen,
+                    extra={"slave": name, "offset": h.offset},
+                )
+        self._expire(now)
+
+    def _held(self, s: SlaveSession, now: float, end: int) -> bool:
+        """Whether the cleaner keeps the log for ``s``: attached, or detached within both
+        limits (``slave_hold_ms`` since it was last heard of, ``slave_hold_bytes`` behind)."""
+        if s.connected:
+            return True
+        if s.expired or now - s.last_seen >= self.hold:
+            return False
+        return not self.hold_bytes or end - s.acked <= self.hold_bytes
+
+    def _expire(self, now: float) -> None:
+        """Mark (once, logged) the detached slaves whose hold ran out; event loop only."""
+        end = self.engine.wal.committed_offset
+        for s in list(self.sessions.values()):
+            if s.connected or s.expired or self._held(s, now, end):
+                continue
+            s.expired = True
+            self._changes += 1
+            log.warning(
+                "hold expired for slave %s (away %.0f s, %d bytes behind; limits slave_hold_ms=%d, "
+                "slave_hold_bytes=%d): the cleaner may delete the message log from offset %d; the slave "
+                "will be refused as behind retention and need 'qdelay admin resync'",
+                s.name,
+                now - s.last_seen,
+                max(0, end - s.acked),
+                self.cfg.slave_hold_ms,
+                self.hold_bytes,
+                s.acked,
+                extra={"slave": s.name, "offset": s.acked},
+            )
+
+    def expired(self, name: str) -> bool:
+        s = self.sessions.get(name)
+        return s is not None and s.expired
+
+    def _holds_now(self) -> dict[str, Hold]:
+        now = time.time()
+        end = self.engine.wal.committed_offset
+        out = {}
+        for s in list(self.sessions.values()):
+            if self._held(s, now, end):
+                seen = now if s.connected else s.last_seen
+                out[s.name] = Hold(s.acked, int(seen * 1000))
+        self._saved = {n: h.offset for n, h in out.items()}
+        return out
+
+    def save(self) -> None:
+        """Replace the holds file with the holds now (any thread; blocking: fsyncs)."""
+        changes = self._changes
+        self.holds.save(self._holds_now)
+        self._saved_changes = max(self._saved_changes, changes)
+
+    async def save_now(self) -> None:
+        await asyncio.to_thread(self.save)
+
+    async def keep_saved(self) -> None:
+        """The saver (a task on the event loop): expire holds, and save the file after a
+        change, at most once every ``HOLD_SAVE_S``. Attached slaves' acks change it all the
+        time; a second-old offset on disk only keeps a little more."""
+        while True:
+            await asyncio.sleep(HOLD_SAVE_S)
+            try:
+                await self.save_if_changed()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a failed save keeps the previous file; retried
+                log.exception("saving the slave holds failed")
+
+    async def save_if_changed(self) -> bool:
+        """One turn of the saver: expire what ran out, save if anything changed."""
+        self._expire(time.time())
+        if self._changes == self._saved_changes:
+            return False
+        await self.save_now()
+        return True
 
     # --- sessions -----------------------------------------------------------------------------
     def attach(self, name: str, peer: str, offset: int) -> SlaveSession:
@@ -69,24 +178,35 @@ class Hub:
             log.warning("slave %s reconnected; dropping its previous stream", name)
             old.connected = False
         s = self.sessions[name] = SlaveSession(name, peer, offset)
+        self._changes += 1
         log.info("slave attached", extra={"slave": name, "peer": peer, "offset": offset})
         return s
 
+    def lowers_a_hold(self, name: str, offset: int) -> bool:
+        """Whether the file holds ``name`` from above ``offset`` or not at all: then it is
+        saved before the slave is served (a crash must not leave the higher hold)."""
+        saved = self._saved.get(name)
+        return saved is None or offset < saved
+
     def detach(self, session: SlaveSession) -> None:
         session.connected = False
-        session.last_seen = time.monotonic()
+        session.last_seen = time.time()
+        self._changes += 1
         log.info("slave detached", extra={"slave": session.name, "acked": session.acked})
 
     def hold_for(self, name: str, offset: int) -> None:
-        """Keep the message log from ``offset`` for a slave that is about to attach (resync)."""
+        """Keep the message log from ``offset`` for a slave that is about to attach (resync);
+        the caller saves the holds (``save_now``) before it hands the offset out."""
         s = SlaveSession(name, "snapshot", offset)
         s.connected = False
         self.sessions[name] = s
+        self._changes += 1
 
     def on_ack(self, session: SlaveSession, offset: int) -> None:
         if offset > session.acked:
             session.acked = offset
-            session.last_seen = time.monotonic()
+            session.last_seen = time.time()
+            self._changes += 1
             session.acked_event.set()
             if offset > self.best_acked:
                 self.best_acked = offset
@@ -104,8 +224,10 @@ class Hub:
 
     # --- for the engine -----------------------------------------------------------------------
     def floor(self) -> int | None:
-        now = time.monotonic()
-        offsets = [s.acked for s in list(self.sessions.values()) if s.connected or now - s.last_seen < self.hold]
+        """The lowest offset a held slave confirmed (the cleaner's thread; reads only)."""
+        now = time.time()
+        end = self.engine.wal.committed_offset
+        offsets = [s.acked for s in list(self.sessions.values()) if self._held(s, now, end)]
         return min(offsets) if offsets else None
 
     async def wait(self, end_offset: int) -> None:
@@ -160,7 +282,7 @@ class PullServer:
         self.hub: Hub = node.hub
         self.batch = node.cfg.replication_batch_bytes
 
-    def check_hello(self, hello) -> None:
+    def check_hello(self, hello, name: str = "") -> None:
         """Raise (code, message) when the slave cannot continue from where it is."""
         wal = self.engine.wal
         end = hello.end_offset
@@ -178,10 +300,15 @@ class PullServer:
         if end < first or (hello.last_sequence and hello.last_frame_offset < first):
             need = end if end < first else hello.last_frame_offset
             what = "" if end < first else " (its last record, where the two logs are compared)"
+            why = (
+                " (the master's hold for this slave expired: slave_hold_ms / slave_hold_bytes)"
+                if self.hub.expired(name)
+                else ""
+            )
             raise _Refuse(
                 "OUT_OF_RANGE",
                 f"behind retention: the slave needs message-log offset {need}{what} but the master's oldest "
-                f"segment starts at {first}; stop the slave and run "
+                f"segment starts at {first}{why}; stop the slave and run "
                 f"'qdelay admin resync --data-dir DIR --master HOST:PORT', then start it again",
             )
         if hello.last_sequence:
@@ -255,8 +382,11 @@ class PullServer:
                 "FAILED_PRECONDITION",
                 f"this server is {engine.role} at epoch {engine.epoch}, not a master; pull from the current master",
             )
-        self.check_hello(hello)
+        self.check_hello(hello, name)
+        lowered = self.hub.lowers_a_hold(name, hello.end_offset)
         session = self.hub.attach(name, context.peer(), hello.end_offset)
+        if lowered:  # on disk before the slave relies on it (a crash now must not lose it)
+            await self.hub.save_now()
         self.node.slave_attached()
         await asyncio.to_thread(self.dispatch_states, hello, session)
 

@@ -74,6 +74,7 @@ class Node:
             self.puller.start()
         if self.peers:
             self._tasks.append(asyncio.ensure_future(self._watch_peers()))
+        self._tasks.append(asyncio.ensure_future(self.hub.keep_saved()))
 
     def on_listening(self, address: str) -> None:
         """The server accepts calls at ``address``: join the cluster (cluster mode)."""
@@ -88,6 +89,10 @@ class Node:
                 t.cancel()
         if self.puller is not None:
             await self.puller.stop()
+        try:
+            await self.hub.save_now()  # the holds as they are at the stop
+        except Exception:  # noqa: BLE001 - the file saved last stays; the stop goes on
+            log.exception("saving the slave holds failed")
 
     # --- peers ------------------------------------------------------------------------------------------
     def _channel(self, target: str, aio: bool = True):
@@ -347,7 +352,7 @@ class Node:
         if self.agent is not None and self.agent.error and not st.error:
             # cluster mode: an etcd outage (no renewal, no election) showed nowhere in status
             st.error = self.agent.error
-        now = time.monotonic()
+        now = time.time()
         end = wal.committed_offset
         for sess in self.hub.sessions.values():
             st.slaves.add(
@@ -356,7 +361,7 @@ class Node:
                 connected=sess.connected,
                 acked_offset=sess.acked,
                 lag_bytes=max(0, end - sess.acked),
-                lag_ms=int((now - sess.last_seen) * 1000),
+                lag_ms=max(0, int((now - sess.last_seen) * 1000)),
             )
         return st
 

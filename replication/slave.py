@@ -47,7 +47,7 @@ class Puller:
         self.cfg = node.cfg
         self.master = master
         self.token, self.ca, self.tls = common.slave_credentials(node.cfg)
-        self.name = f"{os.uname().nodename}:{os.path.abspath(self.cfg.data_dir)}"
+        self.name = common.slave_name(self.cfg.data_dir)
         self.connected = False
         self.error = ""
         self.note = ""

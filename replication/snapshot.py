@@ -7,7 +7,7 @@ master still needs (bucket >= done_before, or reopened) is copied up to its last
 with sequence <= S, every dispatch segment in full, and the new slave's message log
 starts empty at offset O. Pulling from O then replays exactly the records after S.
 The master keeps its message log from O for the slave while the copy runs (and for
-``slave_hold_ms`` after).
+``slave_hold_ms`` after), a hold saved before the stream's head is sent (replication/holds.py).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ async def serve_snapshot(node, request):
     if offset < engine.wal.first_offset:
         raise _Refuse("UNAVAILABLE", "the iterate checkpoint is behind the message log; retry in a moment")
     node.hub.hold_for(request.slave_name or "snapshot", offset)
+    await node.hub.save_now()  # the hold survives a restart of this master during the resync
     done_before = int(state.get("done_before", 0))
     reopened = [int(b) for b in state.get("reopened", ())]
     head = rpb.SnapshotChunk(epoch=engine.epoch, offset=offset, sequence=sequence)

@@ -45,6 +45,7 @@ class Cleaner:
         self._thread: threading.Thread | None = None
         self.removed_message_segments = 0
         self.removed_buckets = 0
+        self._kept_from: int | None = None  # where the log was last said kept for slaves
 
     def start(self) -> None:
         if not self.cfg.enabled:
@@ -88,8 +89,26 @@ class Cleaner:
         wal = self.engine.wal
         floor = self.message_log_floor()
         cutoff = time.time() - self.cfg.message_retention_ms / 1000
+        upto = self._deletable_upto(floor, cutoff)
+        saved = self.engine.iterate.saved_offset
+        unheld = self._deletable_upto(saved, cutoff) if floor < saved else upto
+        kept_from = upto if upto is not None else wal.first_offset
+        if unheld != upto and kept_from != self._kept_from:
+            # segments a slave's hold keeps (docs/operations.md 3.4): said once per position
+            self._kept_from = kept_from
+            log.info("message log kept for slaves from offset %d (else deleted up to %d)", kept_from, unheld)
+        if upto is None:
+            return []
+        removed = wal.delete_before(upto)
+        self.removed_message_segments += len(removed)
+        if removed:
+            log.info("message log segments deleted", extra={"count": len(removed), "upto": upto})
+        return removed
+
+    def _deletable_upto(self, floor: int, cutoff: float) -> int | None:
+        """The end of the last segment the cleaner may delete below ``floor`` (None: none)."""
         upto = None
-        for seg in wal.segments()[:-1]:
+        for seg in self.engine.wal.segments()[:-1]:
             if seg.key + seg.size > floor:
                 break
             try:
@@ -98,13 +117,7 @@ class Cleaner:
             except FileNotFoundError:
                 continue
             upto = seg.key + seg.size
-        if upto is None:
-            return []
-        removed = wal.delete_before(upto)
-        self.removed_message_segments += len(removed)
-        if removed:
-            log.info("message log segments deleted", extra={"count": len(removed), "upto": upto})
-        return removed
+        return upto
 
     def _clean_buckets(self, now_ms: int) -> list[int]:
         engine = self.engine

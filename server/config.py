@@ -104,6 +104,8 @@ class ServerConfig:
     replication_batch_bytes: int = 1024 * 1024
     # how long the master keeps message-log segments for a slave that disconnected
     slave_hold_ms: int = 3_600_000
+    # ... and at most this many bytes of it behind the log's end (0: no bound by size)
+    slave_hold_bytes: int = 0
     # cluster mode (replication/cluster.py): etcd endpoints, names, lease timing
     etcd: str | None = None
     cluster: str | None = None

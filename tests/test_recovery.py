@@ -666,3 +666,32 @@ def test_schedule_index_written_after_the_checkpoint(tmp_path, clock):
     assert d.engine.iterate.duplicates_skipped > 0
     _assert_index_answers(d, receipts, cancelled, sidx)
     d.close()
+
+
+def test_slave_holds_file_lost_or_corrupt(tmp_path, clock, caplog):
+    """Row 16: the master's saved holds for its slaves (checkpoint/slave_holds.ckpt) are not
+    the data: a file missing or damaged opens with no holds, said in the log (the slaves
+    that were away may then need a resync); a whole one is restored, detached."""
+    from qdelay.replication import holds
+    from qdelay.replication.master import Hub
+    from qdelay.server.config import ServerConfig
+
+    d = new_driver(tmp_path, clock)
+    send_due_soon(d, 5)
+    d.catch_up()
+    end = d.engine.wal.committed_offset
+    hub = Hub(d.engine, ServerConfig())
+    assert hub.sessions == {} and hub.floor() is None  # never written: nothing held, nothing said
+    hub.on_ack(hub.attach("s1", "peer", 0), end)
+    hub.save()
+    path = holds.path_in(str(tmp_path))
+    assert Hub(d.engine, ServerConfig()).floor() == end  # restored
+    bs.flip_byte(path, 40)
+    with caplog.at_level(logging.ERROR, logger="qdelay.replication"):
+        hub = Hub(d.engine, ServerConfig())
+    assert hub.sessions == {} and hub.floor() is None
+    (said,) = [r.getMessage() for r in caplog.records if "slave holds file unreadable" in r.getMessage()]
+    assert path in said and "no slave is held until it reconnects" in said
+    hub.save()  # the next save replaces the damaged file
+    assert holds.HoldFile(str(tmp_path)).load() == ({}, "")
+    d.close()

@@ -450,7 +450,8 @@ def test_a_slave_ending_at_the_masters_oldest_segment_is_behind_retention(tmp_pa
             st = wait_until(lambda: (s := status(b.address)).error and s, 20, "retention error", ignore=RPC_ERRORS)
             want = "(its last record, where the two logs are compared) but the master's oldest segment "
             assert st.error.startswith("behind retention: the slave needs message-log offset "), st.error
-            assert f"{want}starts at {end}; stop the slave and run 'qdelay admin resync " in st.error, st.error
+            why = "(the master's hold for this slave expired: slave_hold_ms / slave_hold_bytes)"
+            assert f"{want}starts at {end} {why}; stop the slave and run 'qdelay admin resync " in st.error, st.error
             assert not st.connected and st.end_offset == end
 
 

@@ -1,0 +1,251 @@
+"""A master's hold on its message log for a stopped slave survives the master's restart
+(docs/operations.md §3.4), with real server processes on 127.0.0.1.
+
+Before the holds were saved (``checkpoint/slave_holds.ckpt``, docs/formats.md), a master
+restarted while a slave was away held nothing for it: its cleaner deleted the segments
+the slave still needed, and the slave, when it came back, was refused as behind
+retention and needed a full resync.
+"""
+
+from __future__ import annotations
+
+from conftest import wait_until
+from test_replication import (
+    RPC_ERRORS,
+    assert_same_message_log,
+    master,
+    send_some,
+    slave,
+    status,
+    wait_caught_up,
+    wal_files,
+)
+
+from qdelay.segments import naming
+
+CLEAN_FAST = [
+    "--set",
+    "engine.message_retention_ms=0",
+    "--set",
+    "engine.cleaner_interval_ms=200",
+    "--set",
+    "engine.checkpoint_interval_ms=50",
+]
+KEPT_LINE = "message log kept for slaves"
+
+
+def _log_since(proc, start: int) -> str:
+    return proc.log_path.read_bytes()[start:].decode(errors="replace")
+
+
+def _held_base(data_dir, end: int) -> int:
+    """Base offset of the message-log segment holding the record that ends at ``end``."""
+    return max(int(n.split(".")[0]) for n in wal_files(data_dir) if int(n.split(".")[0]) < end)
+
+
+def _settled(a, since: int):
+    """The restarted master iterated everything and its cleaner has had a pass with the
+    slaves' holds (it logs what it keeps for them) -- or it deleted past ``since``."""
+    s = status(a.address)
+    return s.iterate_offset == s.end_offset and (s.first_offset >= since or KEPT_LINE in a.logged_after) and s
+
+
+def test_a_stopped_slave_catches_up_after_the_master_restarts(tmp_path):
+    with master(tmp_path, args=CLEAN_FAST) as a:
+        with slave(tmp_path, a) as b:
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            for _ in range(3):  # a batch goes into one segment: three batches, two segments at least
+                send_some(a.address, 40, delay_ms=3_600_000, size=1000)
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        held = _held_base(tmp_path / "a", end)
+        assert held > 0
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        a.stop()
+        mark = a.log_path.stat().st_size
+        a.start()
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        a.logged_after = ""
+
+        def settled():
+            a.logged_after = _log_since(a, mark)
+            return _settled(a, end)
+
+        wait_until(settled, 30, "the restarted master's cleaner", ignore=RPC_ERRORS)
+        first = status(a.address).first_offset
+
+        def a_end():
+            return status(a.address).end_offset
+
+        with b:
+            st = wait_until(
+                lambda: (s := status(b.address)).error or (s.connected and s.end_offset == a_end()),
+                30,
+                "the slave to catch up or be refused",
+                ignore=RPC_ERRORS,
+            )
+            st = status(b.address)
+            assert st.error == "" and st.note == "", (st.error, st.note, first, end)
+        assert first == held, f"the master kept from {first}; the slave's last record is in the segment at {held}"
+        assert [p.name for p in tmp_path.iterdir() if "before-resync" in p.name] == []
+        assert not (tmp_path / "b" / naming.DIVERGED_DIR).exists()
+    assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
+
+
+def _holds_file(data_dir) -> dict:
+    from qdelay.replication import holds
+    from qdelay.segments import checkpoint
+
+    return (checkpoint.read(holds.path_in(str(data_dir))) or {}).get("slaves", {})
+
+
+def test_a_stopped_slave_catches_up_after_the_master_is_killed(tmp_path):
+    """The same with SIGKILL: no save at the stop, the saver's last one (within a second of
+    the slave detaching) is what the restarted master holds."""
+    with master(tmp_path, args=CLEAN_FAST) as a:
+        with slave(tmp_path, a) as b:
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            for _ in range(3):
+                send_some(a.address, 40, delay_ms=3_600_000, size=1000)
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        name = next(iter(status(a.address).slaves)).name
+        wait_until(lambda: _holds_file(tmp_path / "a").get(name, {}).get("offset") == end, 10, "the hold saved")
+        held = _held_base(tmp_path / "a", end)
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        a.kill9()
+        mark = a.log_path.stat().st_size
+        a.start()
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        a.logged_after = ""
+
+        def settled():
+            a.logged_after = _log_since(a, mark)
+            return _settled(a, end)
+
+        wait_until(settled, 30, "the restarted master's cleaner", ignore=RPC_ERRORS)
+        assert status(a.address).first_offset == held
+        with b:
+            wait_caught_up(a.address, b.address)
+            st = status(b.address)
+            assert st.error == "" and st.note == "", (st.error, st.note)
+    assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
+
+
+def test_an_expired_hold_sends_the_slave_to_a_resync_never_past_a_gap(tmp_path):
+    """A hold past its limit (here slave_hold_bytes, lowered at the restart) is dropped and
+    logged; the cleaner deletes what the slave needs, and the slave, asking for an offset
+    below the master's oldest, is refused (behind retention, naming the expired hold) -- it
+    writes nothing, skips nothing -- until it is resynced, after which it holds every
+    record the master's schedule log does."""
+    from test_replication import admin, schedule_records
+
+    with master(tmp_path, args=CLEAN_FAST) as a:
+        with slave(tmp_path, a) as b:
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            for _ in range(3):
+                send_some(a.address, 40, delay_ms=3_600_000, size=1000)
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        name = next(iter(status(a.address).slaves)).name
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        a.stop()
+        mark = a.log_path.stat().st_size
+        a.args += ["--set", "slave_hold_bytes=10000"]
+        a.start()
+        logged = wait_until(lambda: "hold expired for slave" in (t := _log_since(a, mark)) and t, 10, "expiry logged")
+        assert "slave_hold_bytes=10000): the cleaner may delete the message log from offset" in logged
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)  # a segment after the slave's end
+        wait_until(lambda: status(a.address).first_offset > end, 20, "the master cleaned", ignore=RPC_ERRORS)
+        with b:
+            st = wait_until(lambda: (s := status(b.address)).error and s, 20, "retention error", ignore=RPC_ERRORS)
+            assert st.error.startswith(f"behind retention: the slave needs message-log offset {end} "), st.error
+            assert "(the master's hold for this slave expired: slave_hold_ms / slave_hold_bytes)" in st.error
+            assert not st.connected and st.end_offset == end, "nothing written past the gap"
+        admin("resync", "--data-dir", str(tmp_path / "b"), "--master", a.address)
+        with b:
+            send_some(a.address, 50, delay_ms=3_600_000, size=1000)
+            wait_caught_up(a.address, b.address)
+            for p in (a, b):
+                wait_until(lambda p=p: (s := status(p.address)).iterate_offset == s.end_offset, 20, "iterated")
+            assert status(b.address).error == ""
+            # the resync's hold was taken under the slave's own name: its stream took it over
+            # (it was a second hold, by the folder's path, kept for slave_hold_ms)
+            assert [(s.name, s.connected) for s in status(a.address).slaves] == [(name, True)]
+    assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
+    assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")
+
+
+# --- the Hub and its file, in process ---------------------------------------------------------------
+
+
+def _engine(tmp_path, end: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config=SimpleNamespace(data_dir=str(tmp_path)), wal=SimpleNamespace(committed_offset=end))
+
+
+def _hub(engine, **cfg):
+    from qdelay.replication.master import Hub
+    from qdelay.server.config import ServerConfig
+
+    return Hub(engine, ServerConfig(**cfg))
+
+
+def _run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_holds_are_saved_at_a_bounded_rate_and_restored(tmp_path):
+    engine = _engine(tmp_path, end=10_000)
+    hub = _hub(engine)
+    s = hub.attach("s1", "peer", 0)
+    saves = hub.holds.saves
+    for off in range(1, 5_001):  # a slave confirming record after record
+        hub.on_ack(s, off)
+    assert hub.holds.saves == saves, "an ack writes nothing: the saver does, at most once a HOLD_SAVE_S"
+    assert _run(hub.save_if_changed()) and hub.holds.saves == saves + 1
+    assert not _run(hub.save_if_changed()) and hub.holds.saves == saves + 1, "nothing changed, nothing written"
+    hub.detach(s)
+    assert _run(hub.save_if_changed())
+
+    again = _hub(engine)  # a restart: the slave is held where it confirmed, detached
+    (r,) = again.sessions.values()
+    assert (r.name, r.acked, r.connected, r.last_seen) == ("s1", 5_000, False, s.last_seen // 0.001 / 1000)
+    assert again.floor() == 5_000
+    # it reconnects behind what the file says (it cut a divergent tail): saved before it is served
+    assert again.lowers_a_hold("s1", 4_000) and not again.lowers_a_hold("s1", 5_000)
+    assert again.lowers_a_hold("new slave", 0)
+
+
+def test_a_hold_expires_by_age_and_by_size_and_is_then_left_out_of_the_file(tmp_path, caplog):
+    import logging
+    import time
+
+    from qdelay.replication import holds
+
+    engine = _engine(tmp_path, end=1_000_000)
+    now_ms = int(time.time() * 1000)
+    holds.HoldFile(str(tmp_path)).save(
+        lambda: {
+            "old": holds.Hold(100, now_ms - 2 * 3_600_000),  # away two hours (slave_hold_ms: one)
+            "far": holds.Hold(200, now_ms - 1_000),  # a second, but 999,800 bytes behind
+            "near": holds.Hold(900_000, now_ms - 1_000),
+        }
+    )
+    with caplog.at_level(logging.INFO, logger="qdelay.replication"):
+        hub = _hub(engine, slave_hold_bytes=500_000)
+    expired = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("hold expired for slave"))
+    assert len(expired) == 2 and "slave far (away 1 s, 999800 bytes behind" in expired[0], expired
+    assert "slave old (away 7200 s" in expired[1] and "need 'qdelay admin resync'" in expired[1]
+    assert any("holding the message log for slave near from offset 900000" in r.getMessage() for r in caplog.records)
+    assert hub.floor() == 900_000 and hub.expired("old") and hub.expired("far") and not hub.expired("near")
+    hub.save()
+    assert set(holds.HoldFile(str(tmp_path)).load()[0]) == {"near"}
+    # the age limit, counted from when the master last heard of the slave, restarts included
+    short = _hub(engine, slave_hold_ms=60_000)
+    assert short.floor() == 900_000
+    short.sessions["near"].last_seen -= 60.0
+    assert short.floor() is None
