@@ -72,6 +72,7 @@ class Hub:
         self._changes = 0  # bumped by every change of a hold; the saver compares it
         self._saved_changes = 0
         self._saved: dict[str, int] = {}  # name -> offset in the file (to see a hold lowered)
+        self.holds_expired = 0
         self._restore()
 
     # --- holds on disk ------------------------------------------------------------------------
@@ -113,6 +114,7 @@ class Hub:
                 continue
             s.expired = True
             self._changes += 1
+            self.holds_expired += 1
             log.warning(
                 "hold expired for slave %s (away %.0f s, %d bytes behind; limits slave_hold_ms=%d, "
                 "slave_hold_bytes=%d): the cleaner may delete the message log from offset %d; the slave "
@@ -125,6 +127,11 @@ class Hub:
                 s.acked,
                 extra={"slave": s.name, "offset": s.acked},
             )
+
+    def held_detached(self) -> int:
+        """Detached slaves whose hold is still kept (metric ``qdelay_replication_slaves_held``)."""
+        now, end = time.time(), self.engine.wal.committed_offset
+        return sum(1 for s in list(self.sessions.values()) if not s.connected and self._held(s, now, end))
 
     def expired(self, name: str) -> bool:
         s = self.sessions.get(name)

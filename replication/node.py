@@ -298,6 +298,7 @@ class Node:
         if engine.role == "master":
             lag_bytes, lag_ms = self.hub.lag()
             out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms, slaves_attached=len(self.hub.live()))
+            out.update(slaves_held=self.hub.held_detached(), slave_holds_expired=self.hub.holds_expired)
         elif self.puller is not None:
             lag_bytes, lag_ms = self.puller.lag()
             out.update(

@@ -87,6 +87,16 @@ ENGINE_STATS = {
         "counter",
     ),
     "slaves_attached": ("qdelay_replication_slaves_attached", "Slaves connected to this master", "gauge"),
+    "slaves_held": (
+        "qdelay_replication_slaves_held",
+        "Detached slaves this master still keeps its message log for (slave_hold_ms, slave_hold_bytes)",
+        "gauge",
+    ),
+    "slave_holds_expired": (
+        "qdelay_replication_slave_holds_expired",
+        "Holds for detached slaves that ran out since the start: such a slave needs a resync if its log was cleaned",
+        "counter",
+    ),
     "replication_delay_p99_ms": (
         "qdelay_replication_delay_p99_ms",
         "Slave: p99 of record age when applied, recent window (ms)",

@@ -45,6 +45,10 @@ def test_replication_stats_exported(tmp_path):
             s = scrape(b)
             assert s["qdelay_replication_connected"] == 1
             assert s["qdelay_replication_lag_ms"] >= 0 and "qdelay_replication_delay_p99_ms" in s
+            assert m["qdelay_replication_slaves_held"] == 0  # attached: not counted there
+        # stopped: held (slave_hold_ms), not expired
+        m = wait_until(lambda: (m := scrape(a))["qdelay_replication_slaves_held"] == 1 and m, 20, "the slave held")
+        assert m["qdelay_replication_slave_holds_expired_total"] == 0
         c.close()
 
 

@@ -242,6 +242,7 @@ def test_a_hold_expires_by_age_and_by_size_and_is_then_left_out_of_the_file(tmp_
     assert "slave old (away 7200 s" in expired[1] and "need 'qdelay admin resync'" in expired[1]
     assert any("holding the message log for slave near from offset 900000" in r.getMessage() for r in caplog.records)
     assert hub.floor() == 900_000 and hub.expired("old") and hub.expired("far") and not hub.expired("near")
+    assert (hub.held_detached(), hub.holds_expired) == (1, 2)
     hub.save()
     assert set(holds.HoldFile(str(tmp_path)).load()[0]) == {"near"}
     # the age limit, counted from when the master last heard of the slave, restarts included
