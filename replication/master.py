@@ -38,6 +38,9 @@ DISPATCH_SCAN_S = 0.02
 PROGRESS_S = 0.25
 IDLE_WAIT_S = 0.05
 HOLD_SAVE_S = 1.0  # the holds file is replaced at most this often while acks come in
+# ... and at least this often while a slave is attached, acks or not: an attached slave is
+# saved as seen at the save, so after a kill its hold counts from at most this long before
+HOLD_REFRESH_S = 60.0
 
 
 class SlaveSession:
@@ -73,6 +76,7 @@ class Hub:
         self._saved_changes = 0
         self._saved: dict[str, int] = {}  # name -> offset in the file (to see a hold lowered)
         self.holds_expired = 0
+        self._saved_at = 0.0  # time.time() of the last save
         self._restore()
 
     # --- holds on disk ------------------------------------------------------------------------
@@ -153,14 +157,16 @@ class Hub:
         changes = self._changes
         self.holds.save(self._holds_now)
         self._saved_changes = max(self._saved_changes, changes)
+        self._saved_at = time.time()
 
     async def save_now(self) -> None:
         await asyncio.to_thread(self.save)
 
     async def keep_saved(self) -> None:
         """The saver (a task on the event loop): expire holds, and save the file after a
-        change, at most once every ``HOLD_SAVE_S``. Attached slaves' acks change it all the
-        time; a second-old offset on disk only keeps a little more."""
+        change, at most once every ``HOLD_SAVE_S`` (attached slaves' acks change it all the
+        time; a second-old offset on disk only keeps a little more), and at least once every
+        ``HOLD_REFRESH_S`` while a slave is attached."""
         while True:
             await asyncio.sleep(HOLD_SAVE_S)
             try:
@@ -170,10 +176,14 @@ class Hub:
             except Exception:  # noqa: BLE001 - a failed save keeps the previous file; retried
                 log.exception("saving the slave holds failed")
 
-    async def save_if_changed(self) -> bool:
-        """One turn of the saver: expire what ran out, save if anything changed."""
-        self._expire(time.time())
-        if self._changes == self._saved_changes:
+    async def save_if_changed(self, final: bool = False) -> bool:
+        """One turn of the saver: expire what ran out, save if anything changed, or if a
+        slave is attached and the last save is ``HOLD_REFRESH_S`` old (or this is the save
+        at the stop: ``final``), so that its time on disk stays recent."""
+        now = time.time()
+        self._expire(now)
+        refresh = bool(self.live()) and (final or now - self._saved_at >= HOLD_REFRESH_S)
+        if self._changes == self._saved_changes and not refresh:
             return False
         await self.save_now()
         return True

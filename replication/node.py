@@ -90,7 +90,7 @@ class Node:
         if self.puller is not None:
             await self.puller.stop()
         try:
-            await self.hub.save_now()  # the holds as they are at the stop
+            await self.hub.save_if_changed(final=True)  # the holds as they are at the stop
         except Exception:  # noqa: BLE001 - the file saved last stays; the stop goes on
             log.exception("saving the slave holds failed")
 

@@ -199,6 +199,8 @@ def _run(coro):
 
 
 def test_holds_are_saved_at_a_bounded_rate_and_restored(tmp_path):
+    from qdelay.replication.master import HOLD_REFRESH_S
+
     engine = _engine(tmp_path, end=10_000)
     hub = _hub(engine)
     s = hub.attach("s1", "peer", 0)
@@ -208,6 +210,9 @@ def test_holds_are_saved_at_a_bounded_rate_and_restored(tmp_path):
     assert hub.holds.saves == saves, "an ack writes nothing: the saver does, at most once a HOLD_SAVE_S"
     assert _run(hub.save_if_changed()) and hub.holds.saves == saves + 1
     assert not _run(hub.save_if_changed()) and hub.holds.saves == saves + 1, "nothing changed, nothing written"
+    # an attached slave's time on disk is refreshed, acks or not, every HOLD_REFRESH_S (and at the stop)
+    hub._saved_at -= HOLD_REFRESH_S
+    assert _run(hub.save_if_changed()) and _run(hub.save_if_changed(final=True)) and hub.holds.saves == saves + 3
     hub.detach(s)
     assert _run(hub.save_if_changed())
 
