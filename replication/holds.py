@@ -18,10 +18,10 @@ slave), from which its hold's age is counted across restarts. Holds past their a
 (or byte limit) are left out of the file.
 
 Written by the event loop's saver (``Hub.keep_saved``, at most once a second and only
-after a change, at least once a minute while a slave is attached) on a worker thread, and at once, before the slave is served, when a hold
-is added or lowered (a slave attaching behind its saved offset, a resync's snapshot): a
-save that comes a second late can only leave a *lower* offset on disk (more kept), never a
-higher one. An unreadable file is not fatal: the master starts with no holds and logs it
+after a change, at least once a minute while a slave is attached) on a worker thread, and
+at once, before the slave is served, when a hold is added or lowered (a slave attaching
+behind its saved offset, a resync's snapshot): a save that comes a second late can only
+leave a *lower* offset on disk (more kept), never a higher one. An unreadable file is not fatal: the master starts with no holds and logs it
 (docs/recovery.md, row 16).
 """
 
