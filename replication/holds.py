@@ -21,8 +21,8 @@ Written by the event loop's saver (``Hub.keep_saved``, at most once a second and
 after a change, at least once a minute while a slave is attached) on a worker thread, and
 at once, before the slave is served, when a hold is added or lowered (a slave attaching
 behind its saved offset, a resync's snapshot): a save that comes a second late can only
-leave a *lower* offset on disk (more kept), never a higher one. An unreadable file is not fatal: the master starts with no holds and logs it
-(docs/recovery.md, row 16).
+leave a *lower* offset on disk (more kept), never a higher one. An unreadable file is not
+fatal: the master starts with no holds and logs it (docs/recovery.md, row 16).
 """
 
 from __future__ import annotations
