@@ -46,6 +46,7 @@ from qdelay.client.client import (
     cancel_batcher,
     deadline_exceeded,
     deliveries_of,
+    not_ready,
     outgoing,
     reschedule_batcher,
     reschedule_when,
@@ -172,7 +173,13 @@ class Client:
         await self.close()
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
-        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        """See :meth:`qdelay.client.Client.wait_ready` (DeadlineExceeded, not asyncio's
+        TimeoutError; FailedPrecondition once closed)."""
+        self._open()
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise not_ready(timeout) from None
 
     # ------------------------------------------------------------------ producer
     async def send(
@@ -358,6 +365,7 @@ class Client:
         ``""`` the server, ``"qdelay.master"`` whether it takes writes now (docs/api.md)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        self._open()  # a closed grpc.aio channel raises its UsageError, outside the exception tree
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
             req = health_pb2.HealthCheckRequest(service=service)

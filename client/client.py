@@ -132,6 +132,11 @@ async def call_async(
             await asyncio.sleep(retry_wait(backoff, attempt))
 
 
+def not_ready(timeout: float) -> DeadlineExceeded:
+    """What ``wait_ready`` raises when the channel did not connect within its timeout."""
+    return DeadlineExceeded(f"DEADLINE_EXCEEDED: the channel was not ready within {timeout} s")
+
+
 def deadline_exceeded(timeout: float) -> DeadlineExceeded:
     """What a caller gets when its own timeout passed before its answer."""
     return DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer within {timeout} s")
@@ -592,7 +597,15 @@ class Client:
         self.close()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        """Wait until the channel is connected; DeadlineExceeded if it is not within
+        ``timeout`` seconds (grpc's FutureTimeoutError is outside the exception tree)."""
+        self._open()  # a closed channel is never ready: say so at once
+        future = grpc.channel_ready_future(self.channel)
+        try:
+            future.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            future.cancel()  # stops its polling thread
+            raise not_ready(timeout) from None
 
     # ------------------------------------------------------------------ producer
     def message(

@@ -325,3 +325,40 @@ def test_a_collected_blocking_client_does_not_wait_for_its_loop_to_end(server):
     gc.collect()
     assert time.monotonic() - started < 1.5  # not the loop's 3 s end
     wait_until(lambda: not (set(bulk_threads()) & mine), 20, "the loop's thread ended by itself")
+
+
+def test_wait_ready_answers_in_the_exception_tree(server):
+    """wait_ready() of a channel that does not become ready raised grpc's FutureTimeoutError
+    (blocking) or the builtin TimeoutError (asyncio), outside the clients' exception tree;
+    now DeadlineExceeded (an Unavailable). After close() it waited out its timeout (and a
+    grpc thread died of 'Channel closed!'), and the asyncio health() raised grpc.aio's
+    UsageError; now FailedPrecondition at once, as every other call."""
+    import asyncio
+
+    from qdelay.aio import Client as AioClient
+    from qdelay.client import Client, DeadlineExceeded
+
+    nowhere = "127.0.0.1:1"  # nothing listens there: never ready
+    with Client(nowhere) as c, pytest.raises(DeadlineExceeded):
+        c.wait_ready(0.3)
+    c = Client(server.address)
+    c.wait_ready(10)
+    c.close()
+    started = time.monotonic()
+    with pytest.raises(errors.FailedPrecondition):
+        c.wait_ready(5)
+    assert time.monotonic() - started < 2.5  # at once, not its 5 s
+
+    async def aio_round() -> None:
+        async with AioClient(nowhere) as ac:
+            with pytest.raises(DeadlineExceeded):
+                await ac.wait_ready(0.3)
+        ac = AioClient(server.address)
+        await ac.wait_ready(10)
+        await ac.close()
+        with pytest.raises(errors.FailedPrecondition):
+            await asyncio.wait_for(ac.wait_ready(5), 2.5)
+        with pytest.raises(errors.FailedPrecondition):  # it raised grpc.aio's UsageError
+            await ac.health()
+
+    asyncio.run(aio_round())
