@@ -25,8 +25,8 @@ native-deps:
 		(apt-get update -q && apt-get install -y -q libxxhash-dev) || \
 		echo "libxxhash-dev not installed: the native codec will not be built (Python twins run)"
 
-# the install also builds the native codecs (segments/_codec.c, qdelay/_wire.c) next to their sources
-$(STAMP): pyproject.toml segments/_codec.c qdelay/_wire.c segments/layout.h segments/pyint.h | native-deps
+# the install also builds the native extensions (segments/_codec.c, qdelay/_wire.c, qdelay/_handoff.c) next to their sources
+$(STAMP): pyproject.toml segments/_codec.c qdelay/_wire.c qdelay/_handoff.c segments/layout.h segments/pyint.h | native-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[server,dev,test,spark,bench]'

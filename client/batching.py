@@ -24,8 +24,9 @@ How a send travels:
   batch of the first few and one of the rest. Callers wake the sender only once the
   queue reaches the size it waits for (see ``SendBatcher._due``), not once per message.
 - Threads (the blocking client) hand their messages over with :mod:`handoff`: a
-  pre-acquired lock per call instead of a ``concurrent.futures.Future``, room in the
-  queue given back once per batch.
+  one-shot gate per call instead of a ``concurrent.futures.Future``, room in the queue
+  given back once per batch, and a batch's callers woken together with the GIL released
+  (``handoff.settle_all``).
 - Each batch asks for compact receipts; every message carries its client-made id, so a
   batch sent again after a broken stream repeats the same ids (the server answers a
   repeated id with the original receipt once it deduplicates).
@@ -60,7 +61,7 @@ from typing import Any, cast
 import grpc
 
 from qdelay import errors
-from qdelay.client.handoff import Inbox, Room, Waiter
+from qdelay.client.handoff import Inbox, Room, Waiter, settle_all
 from qdelay.client.types import CancelTarget, Receipt, cancel_request
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -151,6 +152,22 @@ def _resolve(future: AnyFuture, result: object) -> None:
         future.set_result(result)
     except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
         pass  # its caller gave up (cancelled, timed out) in between
+
+
+def _resolve_all(futures: list[AnyFuture], results: list) -> None:
+    """Each caller its result (those who gave up are skipped); the threads among them are
+    woken together, with the GIL released (:func:`handoff.settle_all`), after the tasks'
+    futures are set."""
+    waiters: list[Waiter] = []
+    values: list = []
+    for future, result in zip(futures, results):
+        if type(future) is Waiter:
+            waiters.append(future)
+            values.append(result)
+        elif not future.done():
+            _resolve(future, result)
+    if waiters:
+        settle_all(waiters, values)
 
 
 def _reject(future: AnyFuture, error: BaseException) -> None:
@@ -579,9 +596,7 @@ class SendBatcher:
     def _answer(self, batch: _Batch, response: pb.SendBatchResponse) -> None:
         entries = batch.entries
         if response.receipts:  # full receipts (a duplicate id, or a server without compact ones)
-            for e, r in zip(entries, response.receipts):
-                if not e.future.done():
-                    _resolve(e.future, Receipt.from_pb(r))
+            _resolve_all([e.future for e in entries], [Receipt.from_pb(r) for r in response.receipts])
             return
         dues = response.deliver_at_ms
         if len(dues) != len(entries):
@@ -590,9 +605,10 @@ class SendBatcher:
             return
         first = response.first_sequence
         shard = response.shard
-        for i, e in enumerate(entries):
-            if not e.future.done():
-                _resolve(e.future, Receipt(e.message[4], dues[i], first + i, shard))
+        _resolve_all(
+            [e.future for e in entries],
+            [Receipt(e.message[4], dues[i], first + i, shard) for i, e in enumerate(entries)],
+        )
 
     @staticmethod
     def _fail(batches: list[_Batch], error: BaseException) -> None:
@@ -1065,8 +1081,7 @@ class TargetBatcher(abc.ABC):
                 await asyncio.gather(*(self._one(e) for e in batch if not e.future.done()))
                 return
             self._coming(len(batch))
-            for e, outcome in zip(batch, outcomes):
-                _resolve(e.future, outcome)
+            _resolve_all([e.future for e in batch], outcomes)
         finally:
             self._under_way -= 1
             self._wakeup.set()

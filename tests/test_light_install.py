@@ -11,7 +11,8 @@ Checked here: a real, clean install of qdelay-client into a fresh virtualenv, us
 real server (slow: ~15-20 s); and, in this process's full install, that both clients work
 where none of the server's dependencies (numpy, psutil, xxhash, prometheus-client,
 grpcio-tools, grpcio-reflection) nor the storage code (qdelay.segments, its native codec
-included) can be imported: with the native wire codec and without it (its Python twins)."""
+included) can be imported: with the native wire codec and handoff and without them (their
+Python twins)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ class Block:
 sys.meta_path.insert(0, Block())
 from qdelay.client import Client, Outgoing
 from qdelay import aio, wire
+from qdelay.client import handoff
 assert (wire.native is None) == bool(MORE), wire.native
+assert (handoff.native is None) == bool(MORE), handoff.native
 with Client(ADDRESS) as c:
     r = c.send("light.s", b"x", delay_ms=60_000)
     assert c.get(str(r)).state == "PENDING"
@@ -72,7 +75,7 @@ print("light client: OK")
 
 @pytest.mark.parametrize("wire_codec", ["native", "twins"])
 def test_the_clients_work_without_the_servers_dependencies(tmp_path, wire_codec):
-    more = ("qdelay._wire",) if wire_codec == "twins" else ()
+    more = ("qdelay._wire", "qdelay._handoff") if wire_codec == "twins" else ()
     with ServerProc(tmp_path / "data") as srv:
         code = f"BLOCKED = {SERVER_ONLY!r}\nMORE = {more!r}\nADDRESS = {srv.address!r}\n" + CHILD
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -93,7 +96,9 @@ import importlib.util, sys
 for name in BLOCKED + ["qdelay.segments", "qdelay.server", "qdelay.replication", "qdelay.tools"]:
     assert importlib.util.find_spec(name.split(".")[0]) is None or importlib.util.find_spec(name) is None, name
 from qdelay import wire
+from qdelay.client import handoff
 assert wire.native is not None, "the wire codec was not built"
+assert handoff.native is not None, "the handoff extension was not built"
 """
 
 

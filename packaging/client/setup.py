@@ -1,4 +1,4 @@
-"""qdelay-client's build: the wire codec extension (paths from this folder) and a check that
+"""qdelay-client's build: the wire codec and handoff extensions (paths from this folder) and a check that
 the generated gRPC code is there (it is made by `make proto`, never committed)."""
 
 import os
@@ -40,6 +40,8 @@ setup(
             depends=["../../segments/layout.h", "../../segments/pyint.h"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        # the same extension as the root's qdelay._handoff
+        Extension("qdelay._handoff", sources=["../../qdelay/_handoff.c"], extra_compile_args=["-O2"], optional=True),
     ],
 )
