@@ -29,7 +29,7 @@ from typing import Any
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
-from qdelay.client.failover import Backoff, consumers_everywhere, retryable
+from qdelay.client.failover import Backoff, cancel_tries, consumers_everywhere, retryable
 from qdelay.client.sharded import SEND_MANY_CHUNK, Joined, _chunks, _with_id, resumed
 from qdelay.client.types import Receipt, Status, Target
 from qdelay.v1 import qdelay_pb2 as pb
@@ -177,8 +177,10 @@ class ClusterClient:
     def cancel(
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
-        """As ``Client.cancel`` (a receipt, its text, an id, or ``message_id=``), on the master."""
-        return self._retry(lambda c: c.cancel(receipt, timeout, message_id=message_id))
+        """As ``Client.cancel`` (a receipt, its text, an id, or ``message_id=``), on the master;
+        tried again after a failure whose outcome is unknown, ALREADY_CANCELLED is answered
+        CANCELLED (``failover.cancel_tries``)."""
+        return self._retry(cancel_tries(lambda c: c.cancel(receipt, timeout, message_id=message_id)))
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """As ``Client.cancel_many``, on the master. A call that fails over is made again on

@@ -4,7 +4,7 @@ server, and how long and how often (a deadline, exponential backoff)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from qdelay import errors
@@ -54,3 +54,44 @@ def consumers_everywhere(clients: Iterable[Any], subject: str, group: str, max_i
     refuses (FAILED_PRECONDITION), until the GROUP record reached it or it was promoted,
     instead of ending with the refusal. Other errors still end a consumer."""
     return [c.subscribe(subject, group, max_in_flight, wait_for_group=True) for c in clients]
+
+
+def outcome_unknown(err: Exception) -> bool:
+    """A failed try that may still have taken effect: one failover retries, other than a
+    refusal (FAILED_PRECONDITION: a slave or a fenced master wrote nothing)."""
+    return retryable(err) and not isinstance(err, errors.FailedPrecondition)
+
+
+def cancel_tries(call: Callable[[Any], str]) -> Callable[[Any], str]:
+    """One ``cancel()`` that failover retries (``_retry``): ``call(client)`` each try. After a
+    try whose outcome is unknown, ALREADY_CANCELLED may be that try's own work, and is
+    answered CANCELLED, as the single-server client answers a re-sent cancel (docs/api.md:
+    CANCELLED whenever its cancel was, or may have been, the first to reach the message)."""
+    unknown = False
+
+    def one(client: Any) -> str:
+        nonlocal unknown
+        try:
+            outcome = call(client)
+        except errors.QdelayError as err:
+            unknown = unknown or outcome_unknown(err)
+            raise
+        return "CANCELLED" if unknown and outcome == "ALREADY_CANCELLED" else outcome
+
+    return one
+
+
+def acancel_tries(call: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+    """:func:`cancel_tries`, awaited."""
+    unknown = False
+
+    async def one(client: Any) -> str:
+        nonlocal unknown
+        try:
+            outcome = await call(client)
+        except errors.QdelayError as err:
+            unknown = unknown or outcome_unknown(err)
+            raise
+        return "CANCELLED" if unknown and outcome == "ALREADY_CANCELLED" else outcome
+
+    return one

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
-from qdelay.client.failover import Backoff, consumers_everywhere, retryable
+from qdelay.client.failover import Backoff, acancel_tries, cancel_tries, consumers_everywhere, retryable
 from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, by_id, ref
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -552,8 +552,12 @@ class ShardedClient(_Sharded):
     def cancel(
         self, target: Target | None = None, timeout: float | None = None, *, message_id: str | None = None
     ) -> str:
-        """As ``Client.cancel``, on the master of the receipt's shard (by id alone: the id's)."""
-        return self._retry(_named_shard(target, message_id), lambda c: c.cancel(target, timeout, message_id=message_id))
+        """As ``Client.cancel``, on the master of the receipt's shard (by id alone: the id's);
+        tried again after a failure whose outcome is unknown, ALREADY_CANCELLED is answered
+        CANCELLED (``failover.cancel_tries``)."""
+        return self._retry(
+            _named_shard(target, message_id), cancel_tries(lambda c: c.cancel(target, timeout, message_id=message_id))
+        )
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """As ``Client.cancel_many``: the targets grouped by shard (CancelBatch calls of up to
@@ -957,7 +961,7 @@ class AioShardedClient(_Sharded):
     ) -> str:
         """As :meth:`ShardedClient.cancel`."""
         return await self._retry(
-            _named_shard(target, message_id), lambda c: c.cancel(target, timeout, message_id=message_id)
+            _named_shard(target, message_id), acancel_tries(lambda c: c.cancel(target, timeout, message_id=message_id))
         )
 
     async def cancel_many(

@@ -301,3 +301,66 @@ def test_sharded_subscribe_all_makes_the_group_and_waits_out_a_slave(tmp_path, e
     finally:
         for p in nodes:
             p.kill9()
+
+
+def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_path):
+    """The cluster clients' cancel() whose try failed with its outcome unknown (UNAVAILABLE:
+    here sync replication unconfirmed, the tombstone durable on the master) is tried again
+    and finds the message cancelled by its own first try: CANCELLED, as the single-server
+    client answers a re-sent cancel (docs/api.md), not ALREADY_CANCELLED, which says another
+    cancel got there first. ClusterClient, ShardedClient and AioShardedClient (on a
+    standalone master: one shard)."""
+    import os
+    import signal
+    import threading
+
+    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
+    a.start()
+    b = slave(tmp_path, a)
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        with Client(a.address) as plain:
+            targets = [plain.send("par.unknown", b"%d" % i, delay_ms=HOUR_MS) for i in range(3)]
+
+        def cancel_while_the_slave_is_stopped(cancel, tried) -> str:
+            """``cancel()`` in a thread, the slave stopped until its first try has failed."""
+            out: list = []
+            os.kill(b.pid, signal.SIGSTOP)
+            try:
+                t = threading.Thread(target=lambda: out.append(cancel()))
+                t.start()
+                wait_until(lambda: tried() >= 1, 20, "the first try refused (unconfirmed)")
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+            t.join(30)
+            return out[0]
+
+        with ClusterClient([a.address], failover_timeout=20, backoff=0.05) as cc:
+            assert cancel_while_the_slave_is_stopped(lambda: cc.cancel(targets[0]), lambda: cc.retries) == "CANCELLED"
+            assert cc.cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
+        with ShardedClient(a.address, failover_timeout=20, backoff=0.05) as sc:
+            assert cancel_while_the_slave_is_stopped(lambda: sc.cancel(targets[1]), lambda: sc.retries) == "CANCELLED"
+            assert sc.cancel(targets[1]) == "ALREADY_CANCELLED"
+
+        async def aio_round() -> tuple[str, str]:
+            async with AioShardedClient(a.address, failover_timeout=20, backoff=0.05) as ac:
+                os.kill(b.pid, signal.SIGSTOP)
+                try:
+                    task = asyncio.ensure_future(ac.cancel(targets[2]))
+                    for _ in range(400):
+                        if ac.retries >= 1:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert ac.retries >= 1
+                finally:
+                    os.kill(b.pid, signal.SIGCONT)
+                return await task, await ac.cancel(targets[2])
+
+        assert asyncio.run(asyncio.wait_for(aio_round(), 60)) == ("CANCELLED", "ALREADY_CANCELLED")
+    finally:
+        if b.alive():
+            os.kill(b.pid, signal.SIGCONT)
+        for p in (b, a):
+            if p.alive():
+                p.stop()
