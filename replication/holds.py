@@ -74,12 +74,15 @@ class HoldFile:
             return {}, f"{note}; no slave is held until it reconnects"
         return holds, ""
 
-    def save(self, holds_now) -> None:
+    def save(self, holds_now, on_saved=None) -> None:
         """Replace the file with ``holds_now()`` (called under the writer's lock, so that of
-        two saves the later one on disk is also the later state)."""
+        two saves the later one on disk is also the later state); ``on_saved(holds)`` once
+        they are on disk, under the lock too. An OSError (a full disk) leaves the old file."""
         with self._lock:
             holds: dict[str, Hold] = holds_now()
             checkpoint.write(
                 self.path, {"slaves": {n: {"offset": h.offset, "seen_ms": h.seen_ms} for n, h in sorted(holds.items())}}
             )
             self.saves += 1
+            if on_saved is not None:
+                on_saved(holds)

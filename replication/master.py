@@ -149,18 +149,25 @@ class Hub:
             if self._held(s, now, end):
                 seen = now if s.connected else s.last_seen
                 out[s.name] = Hold(s.acked, int(seen * 1000))
-        self._saved = {n: h.offset for n, h in out.items()}
         return out
+
+    def _on_saved(self, holds: dict[str, Hold]) -> None:
+        self._saved = {n: h.offset for n, h in holds.items()}
 
     def save(self) -> None:
         """Replace the holds file with the holds now (any thread; blocking: fsyncs)."""
         changes = self._changes
-        self.holds.save(self._holds_now)
+        self.holds.save(self._holds_now, self._on_saved)
         self._saved_changes = max(self._saved_changes, changes)
         self._saved_at = time.time()
 
     async def save_now(self) -> None:
-        await asyncio.to_thread(self.save)
+        """Save on a worker thread; a failed save (a full disk) is logged, not raised: the
+        holds stay in memory, the previous file stays, and the saver tries again."""
+        try:
+            await asyncio.to_thread(self.save)
+        except OSError:
+            log.exception("saving the slave holds failed; the previous file stays, retried in %g s", HOLD_SAVE_S)
 
     async def keep_saved(self) -> None:
         """The saver (a task on the event loop): expire holds, and save the file after a

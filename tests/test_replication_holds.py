@@ -227,6 +227,11 @@ def test_holds_are_saved_at_a_bounded_rate_and_restored(tmp_path):
     # it reconnects behind what the file says (it cut a divergent tail): saved before it is served
     assert again.lowers_a_hold("s1", 4_000) and not again.lowers_a_hold("s1", 5_000)
     assert again.lowers_a_hold("new slave", 0)
+    # a resync's snapshot: held from its offset, saved before the stream's head goes out
+    # (replication/snapshot.py), so a restart of the master during the copy keeps it
+    again.hold_for("resynced", 3_000)
+    again.save()
+    assert _hub(engine).floor() == 3_000
 
 
 def test_a_hold_expires_by_age_and_by_size_and_is_then_left_out_of_the_file(tmp_path, caplog):
@@ -259,3 +264,30 @@ def test_a_hold_expires_by_age_and_by_size_and_is_then_left_out_of_the_file(tmp_
     assert short.floor() == 900_000
     short.sessions["near"].last_seen -= 60.0
     assert short.floor() is None
+
+
+def test_a_failed_save_is_logged_and_tried_again(tmp_path, monkeypatch, caplog):
+    """A full disk: the save fails, the old file stays, the attach or snapshot that asked for
+    it goes on (the hold is in memory), and the saver writes it once it can."""
+    import errno
+    import logging
+
+    from qdelay.segments import checkpoint
+
+    engine = _engine(tmp_path, end=1_000)
+    hub = _hub(engine)
+    real = checkpoint.write
+
+    def full(path, state):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write", full)
+    hub.attach("s1", "peer", 500)
+    with caplog.at_level(logging.ERROR, logger="qdelay.replication"):
+        _run(hub.save_now())  # does not raise
+    assert any("saving the slave holds failed" in r.getMessage() for r in caplog.records)
+    assert hub.lowers_a_hold("s1", 500), "not on disk: an attach there still saves first"
+    assert hub.holds.load() == ({}, "")
+    monkeypatch.setattr(checkpoint, "write", real)
+    assert _run(hub.save_if_changed())
+    assert not hub.lowers_a_hold("s1", 500) and _hub(engine).floor() == 500
