@@ -138,6 +138,15 @@ class Ready:
             out.update(_rest(chunk).seq.tolist())
         return out
 
+    def holding(self, targets: list[int]) -> set[int]:
+        """Which of ``targets`` are queued here, or were until a cancel marked them (held in
+        memory, not on disk): a look-up in the sorted runs, as ``cancel`` makes."""
+        out = self._retry_seqs.intersection(targets)
+        if self.chunks and targets:
+            for chunk, i in self._find(np.asarray(targets, dtype=np.int64)):
+                out.add(int(chunk[0].seq[i]))
+        return out
+
     def drop_chunks(self) -> list[np.ndarray]:
         """Forget the queued entries (not the retries); returns their bucket columns (those
         cancelled while queued left out: they were counted out already)."""
@@ -332,14 +341,14 @@ class Lane:
     entries it forgot (its queue when it spilled, what became due for it meanwhile, what
     its subject kept for it while it had no group, what fired for its subject's other
     groups from its ``since`` on before it was made: ``Pass.counting``) less those read
-    back; 0 when it is whole again. A message cancelled while it waited on disk stays
-    counted until the lane is whole again: the read-back pass skips it without knowing
-    whether it was one of those counted. One a pass meets while a Cancel has claimed it is
-    set aside and counted as read back (``Timer.set_aside``): a release queues it again,
+    back, less those cancelled while they waited there (found by their records once their
+    tombstones passed: ``ReadBack.apply_cancelled``; a pass skips a cancelled entry without
+    counting it); 0 when it is whole again. One a pass meets while a Cancel has claimed it
+    is set aside and counted as read back (``Timer.set_aside``): a release queues it again,
     its tombstone drops it.
     """
 
-    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk", "in_rr")
+    __slots__ = ("sid", "gid", "bound", "ready", "spilled", "drop_from", "walk", "recent", "on_disk", "in_rr", "serial")
 
     def __init__(self, sid: int, gid: int, bound: int) -> None:
         self.sid = sid
@@ -356,6 +365,9 @@ class Lane:
         # in the timer's round-robin (``Timer.rr``), whatever its count: a queue emptied
         # outside a round (a spill, cancels) stays there until the next round passes it
         self.in_rr = False
+        # the timer's lane epoch when it was made or last became whole (``Timer.lane_epoch``):
+        # what it counts on disk dates from then
+        self.serial = 0
 
     def dropped(self, buckets: np.ndarray, counted: int | None = None) -> None:
         """Entries of ``buckets`` (one per entry) forgotten: they wait on disk; ``counted``
@@ -368,6 +380,10 @@ class Lane:
     def counted(self, n: int) -> None:
         """``n`` entries found on disk by a counting walk (``Pass.counting``)."""
         self.on_disk += n
+
+    def cancelled(self, n: int) -> None:
+        """``n`` entries it counted on disk were cancelled: no longer due to the group."""
+        self.on_disk = max(0, self.on_disk - n)
 
     def read_back(self, n: int) -> None:
         """``n`` entries read back from disk into the ready queue."""

@@ -564,6 +564,11 @@ class AckLedger:
         mine = self._retrying.get(gid)
         return len(mine) if mine is not None else 0
 
+    def retrying_among(self, gid: int, seqs: list[int]) -> set[int]:
+        """Which of ``seqs`` group ``gid`` has waiting out a retry's backoff."""
+        mine = self._retrying.get(gid)
+        return mine.intersection(seqs) if mine else set()
+
     def retrying_count(self) -> int:
         return sum(map(len, self._retrying.values()))
 

@@ -19,15 +19,19 @@ between ``read`` and ``apply`` is in the writer's buffers, which ``apply`` consu
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from qdelay.errors import QdelayError
 from qdelay.segments import bucket_log, framing, records
 from qdelay.segments.bucket_log import BucketLog
 from qdelay.segments.framing import RecordKind
+from qdelay.segments.lookup import RecordFinder
 from qdelay.segments.naming import bucket_of
 from qdelay.segments.reader import Columns, columns_past_damage
 from qdelay.server.buckets import BucketBook, BucketState
@@ -40,6 +44,8 @@ from qdelay.server.timer import Timer
 
 if TYPE_CHECKING:
     from qdelay.server.scheduler import SchedulerConfig
+
+log = logging.getLogger("qdelay.scheduler")
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # (seqs, file offsets, due times)
 
@@ -60,6 +66,22 @@ class Step:
     rows: Rows | None = None  # the lane's entries in the chunk
     closes_to: int = 0  # the dispatch log's size when it was read
     closes: set[int] | None = None  # the group's closes in [closes_from, closes_to)
+
+
+@dataclass(slots=True)
+class Cancelled:
+    """Messages of one bucket cancelled after they fired while some lane was spilled
+    (``Scheduler.on_written``): a spilled lane of a message's subject counted it on disk
+    unless it held it in memory then (``held``), and the tombstone names no subject, so
+    which lane loses which is known once the records are read (``ReadBack.read_cancelled``).
+    """
+
+    st: BucketState
+    seqs: list[int]
+    held: dict[Lane, set[int]]  # each lane spilled then -> those of ``seqs`` it held in memory
+    walks: dict[Lane, tuple[Pass, int, int]]  # counting walks then: (walk, bucket, offset reached)
+    epoch: int  # Timer.lane_epoch then: a lane made or made whole since counts none of them
+    rows: list[tuple[int, bytes, int, int]] | None = None  # (seq, subject, due, offset) read
 
 
 class ReadBack:
@@ -83,6 +105,55 @@ class ReadBack:
         self.claims = claims
         self.dead_lettering = dead_lettering  # read only: messages whose dead-letter copy is being written
         self.grown = 0  # steps whose dispatch log grew between read and apply (never, see above)
+        self.cancelled: collections.deque[Cancelled] = collections.deque()  # waiting for their records
+        self._finder = RecordFinder()
+
+    # --- messages cancelled while counted on a spilled lane's disk ---------------------------------
+
+    def note_cancelled(self, c: Cancelled) -> None:
+        """Take ``c`` off the lanes' counts on disk once its records are read (lock held)."""
+        self.cancelled.append(c)
+
+    def read_cancelled(self, c: Cancelled) -> None:
+        """The records of ``c`` (no lock): subject, due time and offset of each; a damaged
+        one is left counted (its subject cannot be told)."""
+        rows: list[tuple[int, bytes, int, int]] = []
+        c.rows = rows
+        try:
+            frames = self._finder.find_many(c.st.seg, c.seqs)
+        except (OSError, ValueError, QdelayError) as err:  # (a bucket done and cleaned meanwhile)
+            log.warning("cancelled records not read: left counted on disk", extra={"error": str(err)})
+            return
+        for seq, frame in zip(c.seqs, frames):
+            if frame is None or frame.kind != RecordKind.MESSAGE:
+                continue
+            msg = records.decode_message(frame.body)
+            rows.append((seq, msg.subject.encode(), msg.deliver_at_ms, frame.offset))
+
+    def apply_cancelled(self, c: Cancelled) -> None:
+        """Each lane spilled when the tombstones passed, and still in the same spill, stops
+        counting on disk the messages of its subject and group it counted there: due for
+        the group (from its ``since``), not held in memory, and not left to a counting walk
+        that had not reached them (it skips them now, uncounted). Lock held."""
+        timer, bucket = self.timer, c.st.bucket
+        for lane, held in c.held.items():
+            g = timer.live_lane(lane)
+            if g is None or not lane.spilled or lane.serial > c.epoch:
+                continue
+            walk = c.walks.get(lane)
+            n = 0
+            for seq, subject, due, off in c.rows or ():
+                if seq in held or due < g.since or timer.sid_of(subject) != lane.sid:
+                    continue
+                if walk is not None:
+                    w, at_bucket, at_offset = walk
+                    upto = w.counting.get(bucket, -1) if w.counting is not None else -1
+                    ahead = bucket > at_bucket or (bucket == at_bucket and off >= at_offset)
+                    if off < upto and due <= w.hi and ahead:
+                        continue
+                n += 1
+            if n:
+                timer.cancelled_on_disk(lane, n)
 
     def next_step(self, credit: Callable[[str, str], int]) -> Step | bool:
         """The next chunk to read for a spilled lane (lock held); or True if the step was

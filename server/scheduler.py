@@ -49,9 +49,10 @@ from qdelay.server.dispatch_log import DispatchLogWriter
 from qdelay.server.dispatcher import Dispatcher
 from qdelay.server.groups import Group, GroupTable
 from qdelay.server.iterate import Written
+from qdelay.server.lanes import Lane, Pass
 from qdelay.server.ledger import AckLedger, Item, ack_attempts
 from qdelay.server.loader import Loader
-from qdelay.server.readback import ReadBack
+from qdelay.server.readback import Cancelled, ReadBack
 from qdelay.server.timer import Timer
 
 log = logging.getLogger("qdelay.scheduler")
@@ -59,6 +60,10 @@ log = logging.getLogger("qdelay.scheduler")
 __all__ = ["DEAD_LETTER_HEADER", "DeadLetter", "Deliveries", "Delivery", "DeliverySink", "Scheduler", "SchedulerConfig"]
 
 T = TypeVar("T")
+# messages cancelled after they fired, while some lane was spilled (``on_written``): the
+# timer's lane epoch then, its counting walks then, and per bucket (its state, the targets,
+# the (sequence, group id) a pass had set aside while claimed)
+_OnDisk = tuple[int, dict[Lane, tuple[Pass, int, int]], list[tuple[BucketState, list[int], set[tuple[int, int]]]]]
 
 
 # groups whose figures ``group_stats`` reads per hold of the lock (~2 us each)
@@ -361,25 +366,50 @@ class Scheduler:
                 if sleeping_until is None or w.first_due < sleeping_until:
                     wake = True
             fired: list[tuple[int, list[int]]] = []
+            # while some lane is spilled: the targets that fired already, which a spilled lane
+            # of their subject may count on disk (known by their records, read later)
+            spilled = bool(self.timer.spilled)
+            on_disk: list[tuple[BucketState, list[int], set[tuple[int, int]]]] = []
             for b, targets in cancels.items():
                 got = book.get(b)
+                gone: list[int] = []
                 if got is not None:
+                    if spilled:
+                        gone = self.timer.fired_among(got, targets)
                     if self.timer.may_hold_fired(got, targets):
                         fired.append((b, targets))
                     got.cancel(targets)
+                aside: set[tuple[int, int]] = set()
                 for item in self.claims.settled(targets):
                     # set aside while claimed, cancelled now: no longer held by the bucket
                     st = book.get(item[2])
                     if st is not None and self.timer.has_lane(item[5], item[6]):
                         st.owe(item[6], -1)
-        if fired:
+                    aside.add((item[0], item[6]))  # counted read back (Timer.set_aside)
+                if gone and got is not None:
+                    on_disk.append((got, gone, aside))
+            disk = (self.timer.lane_epoch, self.timer.counting_walks(), on_disk) if on_disk else None
+        if fired or disk:
             # fired already, they may wait in ready queues: taken out of them (and out of
-            # the groups' backlog) by the scheduler thread, which owns the lanes
-            self.post(lambda: self._cancel_ready(fired))
+            # the groups' backlog) by the scheduler thread, which owns the lanes; or on a
+            # spilled lane's disk, taken off its count once their records tell their subject
+            self.post(lambda: self._cancel_ready(fired, disk))
         if wake:
             self.wake()
 
-    def _cancel_ready(self, fired: list[tuple[int, list[int]]]) -> None:
+    def _cancel_ready(self, fired: list[tuple[int, list[int]]], disk: _OnDisk | None = None) -> None:
+        if disk is not None:
+            # which spilled lanes hold each in memory (ready, retrying, set aside): looked at
+            # before the ready queues and the ledger let go of them below
+            epoch, walks, parts = disk
+            for state, seqs, aside in parts:
+                held = self.timer.spilled_holding(seqs, epoch)
+                for lane, mine in held.items():
+                    mine |= self.ledger.retrying_among(lane.gid, seqs)
+                    mine.update(q for q, gid in aside if gid == lane.gid)
+                if held:
+                    self.readback.note_cancelled(Cancelled(state, seqs, held, walks, epoch))
+                    self.wake()
         for b, targets in fired:
             gone = set(targets)
             self.timer.cancel_ready(b, gone)
@@ -517,6 +547,17 @@ class Scheduler:
     def _reread(self) -> bool:
         """One step of a spilled lane's pass (``server/readback.py``); True if it did work.
         The chunk and the dispatch log are read outside the lock."""
+        rb = self.readback
+        if rb.cancelled:  # messages cancelled on a spilled lane's disk: their records first
+            with self.lock:
+                c = rb.cancelled.popleft() if rb.cancelled else None
+                if c is not None and self.timer.spill_floor() > c.st.bucket:
+                    c = None  # no spilled lane counts anything of that bucket any more
+            if c is not None:
+                rb.read_cancelled(c)  # outside the lock
+                with self.lock:
+                    rb.apply_cancelled(c)
+                return True
         sink = self.sink
         if sink is None:
             return False

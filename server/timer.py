@@ -73,6 +73,9 @@ class Timer:
         self.spilled: set[Lane] = set()
         self._partial_any = False  # some loaded bucket has entries closed for some groups only
         self.fired_to = 0  # every wheel entry due at or before this has fired
+        # counts lanes made and lanes made whole (``Lane.serial``): a lane with a later
+        # serial than a moment's count counts nothing on disk of before that moment
+        self.lane_epoch = 0
 
     # --- subjects and groups ----------------------------------------------------------------------
 
@@ -103,6 +106,8 @@ class Timer:
         lane = self.lanes.get((sid, gid))
         if lane is None:
             lane = self.lanes[(sid, gid)] = Lane(sid, gid, self.lane_bound(sid, gid))
+            self.lane_epoch += 1
+            lane.serial = self.lane_epoch
             self._lanes_of.setdefault(gid, []).append(lane)
         return lane
 
@@ -401,6 +406,41 @@ class Timer:
                         total += n
         return total
 
+    def fired_among(self, st: BucketState, targets: list[int]) -> list[int]:
+        """Of ``targets`` (of ``st``, cancelled now), those that fired already: put in the
+        wheel (at or below the highest sequence its load read) and no longer there. Asked
+        (lock held, before a later fire) only while some lane is spilled: fired, a target
+        may be counted on a lane's disk (``ReadBack.apply_cancelled``)."""
+        top = st.top_indexed
+        got = [q for q in targets if q <= top]
+        if not got or st.unfired <= 0:
+            return got
+        seqs = np.asarray(got, dtype=np.int64)
+        lo = st.bucket * 60_000
+        held = self.wheel.holding(st.bucket, lo, lo + self.cfg.scale_minutes * 60_000, seqs)
+        return [int(q) for q in seqs[~held]]
+
+    def counting_walks(self) -> dict[Lane, tuple[Pass, int, int]]:
+        """Spilled lanes with a counting walk under way: (the walk, the bucket and offset it
+        has counted to), what decides whether a message cancelled now was counted by it."""
+        return {
+            ln: (ln.walk, ln.walk.bucket, ln.walk.offset)
+            for ln in self.spilled
+            if ln.walk is not None and ln.walk.counting is not None
+        }
+
+    def spilled_holding(self, seqs: list[int], epoch: int) -> dict[Lane, set[int]]:
+        """Each lane spilled since ``epoch`` or before -> which of ``seqs`` its ready queue
+        holds in memory (those a cancel marked too): not on its disk."""
+        return {ln: ln.ready.holding(seqs) for ln in self.spilled if ln.serial <= epoch}
+
+    def sid_of(self, subject: bytes) -> int | None:
+        return self._subject_ids.get(subject)
+
+    def cancelled_on_disk(self, lane: Lane, n: int) -> None:
+        """``n`` entries the spilled ``lane`` counted on disk were cancelled."""
+        lane.cancelled(n)
+
     def may_hold_fired(self, st: BucketState, targets: list[int]) -> bool:
         """Whether some of ``targets`` (cancelled now) may wait in a lane's ready queue:
         the bucket has entries held in memory for some group, and a target was put in the
@@ -486,6 +526,8 @@ class Timer:
         if lane.walk is None:
             if lane.drop_from is None:
                 lane.whole()
+                self.lane_epoch += 1
+                lane.serial = self.lane_epoch
                 self.spilled.discard(lane)
                 return None
             lane.walk = Pass(lane.drop_from, self.fired_to)

@@ -209,5 +209,20 @@ class TimerWheel:
         self._size -= removed
         return removed
 
+    def holding(self, bucket: int, lo: int, hi: int, seqs: np.ndarray) -> np.ndarray:
+        """Which of ``seqs`` (of ``bucket``, whose due times lie in [lo, hi)) are still in the
+        wheel, as a mask: each run searched for that range of due times, not scanned."""
+        found = np.zeros(len(seqs), dtype=bool)
+        for r in self._runs:
+            a = max(r.cursor, int(np.searchsorted(r.e.due, lo, "left")))
+            b = int(np.searchsorted(r.e.due, hi, "left"))
+            if b > a:
+                found |= np.isin(seqs, r.e.seq[a:b][r.e.bucket[a:b] == bucket])
+        f = self._fresh
+        if len(f):
+            fresh_seqs = np.array(f.seq, dtype=np.int64)
+            found |= np.isin(seqs, fresh_seqs[np.array(f.bucket, dtype=np.int32) == bucket])
+        return found
+
     def memory_bytes(self) -> int:
         return sum(len(r.e.due) for r in self._runs) * ENTRY_BYTES + len(self._fresh) * ENTRY_BYTES

@@ -363,3 +363,101 @@ def test_a_deleted_groups_retries_leave_its_backlog_and_never_come_back(tmp_path
         assert d.engine.scheduler.done_before > T0 // 60_000, "the bucket is still held for the deleted group"
     finally:
         d.close()
+
+
+def test_messages_cancelled_while_their_group_s_backlog_is_on_disk_leave_it(tmp_path):
+    """A group with no credit, spilled: its due messages wait on disk, counted in its
+    backlog (``on_disk``). Those cancelled there leave it once their tombstones pass the
+    iterate service (before: the tombstone names no subject, so they stayed counted until
+    the group had read everything back, for ever with no consumer). Only the lanes of the
+    message's subject lose it; one already read back, set aside or queued counts once."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="", group_max_ready=4)
+    try:
+        for subject, name in (("s", "a"), ("s", "b"), ("t", "c")):
+            assert asyncio.run(d.engine.ensure_group(subject, name))
+        r = d.send([message("s", T0 + 1_000, f"m{i}") for i in range(10)])
+        other = d.send([message("t", T0 + 1_000, f"o{i}") for i in range(6)])
+        d.advance(2_000)
+        for subject, name, n in (("s", "a", 10), ("s", "b", 10), ("t", "c", 6)):
+            (g,) = d.engine.groups(subject=subject, group=name)
+            assert g["spilled"] and g["ready"] == 0 and g["on_disk"] == n, g
+        assert d.cancel(r[2]).name == "CANCELLED"
+        batch = [(x.message_id, x.deliver_at_ms, x.sequence) for x in (r[5], r[7], other[1])]
+        d.catch_up()
+        assert [o.name for o in asyncio.run(d.engine.cancel_many(batch))] == ["CANCELLED"] * 3
+        d.catch_up()  # the tombstones pass the iterate service
+        d.advance(1)  # (a turn of the scheduler)
+        settled_backlog(d, "s", "a", 7)
+        settled_backlog(d, "s", "b", 7)
+        settled_backlog(d, "t", "c", 5)
+        (g,) = d.engine.groups(subject="s", group="a")
+        assert g["backlog"] == 7, g
+        # group a reads some back: 3 delivered; a cancel of a queued one counts once
+        sink.budget["a"] = 3
+        d.advance(1)
+        settled_backlog(d, "s", "a", 4)
+        sink.budget["a"] = 100
+        sink.budget["b"] = 100
+        d.advance(1)
+        want = sorted(x.message_id for i, x in enumerate(r) if i not in (2, 5, 7))
+        assert sorted(m for g, m in sink.got if g == "a") == want
+        assert sorted(m for g, m in sink.got if g == "b") == want
+        settled_backlog(d, "s", "a", 0)
+        settled_backlog(d, "s", "b", 0)
+        settled_backlog(d, "t", "c", 5)  # no credit: still on disk, less its cancelled one
+    finally:
+        d.close()
+
+
+def test_a_cancel_counts_once_whether_its_message_waits_in_memory_or_on_disk(tmp_path):
+    """A spilled lane whose pass read some entries back: a message cancelled in its ready
+    queue leaves the ready count, one on disk the count on disk; neither counts twice."""
+    d, sink, r = spilled_group(tmp_path)
+    try:
+        sched = d.engine.scheduler
+        sched.cfg.load_chunk_bytes = 256  # a pass step reads a few records back, not all ten
+        sink.budget["a"] = 1
+        d.advance(1)  # a pass reads entries back; one is delivered, some wait in memory
+        (g,) = d.engine.groups(subject="s")
+        (lane,) = sched.timer.lanes_of(sched.gid_of("s", "a"))
+        queued = lane.ready.holding([x.sequence for x in r])
+        delivered = {m for _g, m in sink.got}
+        in_memory = [x for x in r if x.sequence in queued]
+        on_disk = [x for x in r if x.sequence not in queued and x.message_id not in delivered]
+        assert g["spilled"] and in_memory and on_disk and g["ready"] + g["on_disk"] == 9, g
+        for x in (in_memory[0], on_disk[-1]):
+            assert d.cancel(x).name == "CANCELLED"
+        d.catch_up()
+        d.run()
+        settled_backlog(d, "s", "a", 7)
+        sink.budget["a"] = 100
+        d.advance(1)
+        want = sorted(x.message_id for x in r if x not in (in_memory[0], on_disk[-1]))
+        assert sorted(m for _g, m in sink.got) == want
+        settled_backlog(d, "s", "a", 0)
+    finally:
+        d.close()
+
+
+def test_a_message_cancelled_after_a_counting_walk_counted_it_leaves_the_backlog(tmp_path):
+    """A group created after its subject's messages fired for another group counts them on
+    disk (a counting walk); one cancelled afterwards leaves that count."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="")
+    try:
+        assert asyncio.run(d.engine.ensure_group("s", "a"))
+        r = d.send([message("s", T0 + 1_000, f"m{i}") for i in range(5)])
+        d.run(T0 + 1_000)  # fired for a (no credit: in its ready queue)
+        assert asyncio.run(d.engine.ensure_group("s", "b"))  # since T0 + 1,000: they are for it
+        d.advance(1)  # b's counting walk: the 5 on its disk
+        settled_backlog(d, "s", "b", 5)
+        assert d.cancel(r[1]).name == "CANCELLED"
+        d.catch_up()
+        d.run()
+        settled_backlog(d, "s", "a", 4)
+        settled_backlog(d, "s", "b", 4)
+    finally:
+        d.close()
