@@ -269,3 +269,55 @@ def test_a_failed_save_is_logged_and_tried_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(checkpoint, "write", real)
     assert _run(hub.save_if_changed())
     assert not hub.lowers_a_hold("s1", 500) and _hub(engine).floor() == 500
+
+
+def test_a_bucket_the_master_cleaned_while_the_slave_was_away_is_emptied_on_the_slave(tmp_path):
+    """Dispatch segments are not held for slaves (docs/operations.md 3.4): a bucket finished
+    and cleaned on the master while a slave was away is answered, when the slave comes back
+    with its copy, by a reset (that copy emptied, nothing appended). The slave needs no more:
+    the master's progress it adopts (common.apply_progress) has the bucket below
+    done_before, so a promotion never loads it (here, is_done says so)."""
+    from types import SimpleNamespace
+
+    from qdelay.replication.master import PullServer, SlaveSession
+    from qdelay.replication.slave import Puller
+    from qdelay.v1 import replication_pb2 as rpb
+
+    gone, kept = 28_000_000, 28_000_001
+
+    class Seg:
+        def __init__(self, data: bytes) -> None:
+            self.data = bytearray(data)
+
+        @property
+        def size(self) -> int:
+            return len(self.data)
+
+        synced_size = size
+
+        def read(self, at: int, n: int) -> bytes:
+            return bytes(self.data[at : at + n])
+
+        def truncate(self, n: int) -> None:
+            del self.data[n:]
+
+    master_disp = {kept: Seg(b"")}
+    server = object.__new__(PullServer)
+    server.engine = SimpleNamespace(dispatch=SimpleNamespace(get=master_disp.get, buckets=lambda: sorted(master_disp)))
+    session = SlaveSession("s", "peer", 0)
+    hello = rpb.PullRequest()
+    hello.dispatch.add(bucket=gone, size=3, checksum=1)  # the slave's copy of the cleaned bucket
+    server.dispatch_states(hello, session)
+    (chunk,) = server.dispatch_chunks(session, 1 << 20)
+    assert (chunk.bucket, chunk.offset, chunk.data, chunk.reset) == (gone, 0, b"", True)
+    assert server.dispatch_chunks(session, 1 << 20) == [], "said once"
+
+    slave_disp = {gone: Seg(b"abc")}
+    puller = object.__new__(Puller)
+    puller.engine = SimpleNamespace(
+        dispatch=SimpleNamespace(get=slave_disp.get),
+        scheduler=SimpleNamespace(is_done=lambda b: True),
+        schedule=SimpleNamespace(get=lambda b: None),
+    )
+    assert puller._apply_dispatch(chunk) is False  # nothing appended, no fsync needed
+    assert slave_disp[gone].size == 0
