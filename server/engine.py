@@ -1608,11 +1608,17 @@ class Engine:
             if found is None:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found
+        settles = self.scheduler.settles
         state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, detail=True)
         # claimed by a Cancel: cancelled once its tombstone is durable, not while the write
         # that may still fail is under way
         if state == MessageState.PENDING and self.scheduler.cancel_written(sequence):
             state = MessageState.CANCELLED
+        elif state == MessageState.PENDING and self.scheduler.settles != settles:
+            # a claim settled during the look: its tombstone passed the iterate service after
+            # the look and the claim ended before the question (a Cancel may have answered
+            # CANCELLED, and this said PENDING); the tombstone is in the segment now
+            state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, detail=True)
         groups = self._group_states(msg, closes) if msg is not None and state != MessageState.CANCELLED else []
         return MessageStatus(state, msg, msg.deliver_at_ms if msg else deliver_at_ms, delivered_at, groups)
 

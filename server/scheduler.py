@@ -994,6 +994,13 @@ class Scheduler:
             self._drain()
             return self.claims.holds(seq)
 
+    @property
+    def settles(self) -> int:
+        """How many times claims were settled (tombstones passed the iterate service), read
+        without the lock: a Get that looked at a message while a claim of it may have
+        settled (neither the tombstone seen nor the claim held any more) looks again."""
+        return self.claims.settled_total
+
     def cancel_written(self, seq: int) -> bool:
         """Whether a Cancel (or Reschedule) claimed ``seq`` and its tombstone is durable
         (``claims_written``) but has not passed yet: what Get answers CANCELLED for a

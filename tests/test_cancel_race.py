@@ -19,7 +19,7 @@ from qdelay.errors import DiskFull, Fenced, Unavailable
 from qdelay.segments import segment
 from qdelay.server.engine import CancelOutcome, Engine, MessageState, RescheduleOutcome
 from tests.conftest import wait_until
-from tests.simclock import CollectingSink, message, started_engine
+from tests.simclock import T0, CollectingSink, Driver, FakeClock, message, started_engine
 
 
 class HeldWrite:
@@ -265,3 +265,33 @@ def test_a_second_cancel_that_waited_asks_whether_it_may_still_write(tmp_path, m
         assert engine.wal.committed_sequence == before  # nothing written after the fencing
     finally:
         engine.close()
+
+
+def test_a_get_after_a_cancel_answered_says_cancelled_while_the_tombstone_settles(tmp_path):
+    """Get looks at the message (its tombstone not yet past the iterate service: pending by
+    the segment), then asks whether a Cancel holds it: the tombstone passed meanwhile and
+    settled the claim, so neither look saw the cancel and Get said PENDING after the Cancel
+    had answered CANCELLED. A Get that sees a claim settle while it looks, looks again."""
+    clock = FakeClock(T0)
+    d = Driver(tmp_path, clock, CollectingSink(clock))
+    try:
+        (r,) = d.send([message("s", T0 + 3_600_000, "m")])
+        d.catch_up()
+        key = (r.message_id, r.deliver_at_ms, r.sequence)
+        assert asyncio.run(d.engine.cancel(*key)) == CancelOutcome.CANCELLED
+        eng = d.engine
+        real = eng._locate
+        calls = []
+
+        def locate(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if not calls:
+                d.catch_up()  # the tombstone passes the iterate service right after the look
+            calls.append(out[0])
+            return out
+
+        eng._locate = locate  # type: ignore[method-assign]
+        assert eng.get_sync(*key).state == MessageState.CANCELLED
+        assert calls == [MessageState.PENDING, MessageState.CANCELLED]
+    finally:
+        d.close()
