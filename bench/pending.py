@@ -108,12 +108,15 @@ def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int
                 return [next(pool) for _ in range(n)]
 
             def phases(n: int) -> list[tuple[str, Callable[[Any], Awaitable[Any]], list]]:
-                """Each single call of a phase with its ``n`` targets: Gets take the first ids
-                (a Get changes nothing), the others ``n`` targets none took before."""
+                """Each single call of a phase with its ``n`` targets, ``n`` none took before
+                for each call that changes them; the Gets read the ones the reschedules move
+                after them, still pending then (the first ids of the list were cancelled and
+                moved by the phase before: a Get of them is not a pending message's)."""
+                moved = take(n)
                 return [
-                    ("get", lambda t: c.get(message_id=t), [mid for mid, _ in targets[: min(n, len(targets))]]),
+                    ("get", lambda t: c.get(message_id=t), [mid for mid, _ in moved]),
                     ("stats", lambda _t: c.stats(), list(range(n))),
-                    ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), take(n)),
+                    ("reschedule", lambda t: c.reschedule(t[0], deliver_at_ms=at), moved),
                     ("cancel_id", lambda t: c.cancel(message_id=t[0]), take(n)),
                     ("cancel_receipt", lambda t: c.cancel(t[1]), take(n)),
                 ]
