@@ -90,11 +90,17 @@ class Appended:
 
 
 class _Pending:
-    __slots__ = ("appended", "callback")
+    __slots__ = ("appended", "callback", "tombstones")
 
-    def __init__(self, appended: Appended, callback: Callable[[Appended | None, Exception | None], None]):
+    def __init__(
+        self,
+        appended: Appended,
+        callback: Callable[[Appended | None, Exception | None], None],
+        tombstones: bool = False,
+    ):
         self.appended = appended
         self.callback = callback
+        self.tombstones = tombstones  # CANCEL records alone (committed_past_tombstones)
 
 
 class _Waiter:
@@ -307,6 +313,12 @@ class MessageLog:
         self._segments[-1].prealloc = self.prealloc_bytes
         self.committed_offset = self._segments[-1].key + self._segments[-1].size
         self.committed_sequence = last_seq
+        # the highest committed sequence but for appends of CANCEL records alone made by this
+        # process (``submit_bodies`` of CANCEL): a reader that needs every MESSAGE copied (a
+        # by-id lookup, Engine.resolve_ids) waits for this, not for the tombstones a Cancel
+        # claims cover until they are copied. Everything found at open, or replicated, counts
+        # (no claim of this process covers those tombstones).
+        self.committed_past_tombstones = last_seq
 
     @staticmethod
     def _last_sequence_of(seg: Segment) -> int:
@@ -359,10 +371,17 @@ class MessageLog:
         callback: Callable[[Appended | None, Exception | None], None],
     ) -> Appended:
         """:meth:`submit` for records of one kind and timestamp (a SendBatch)."""
-        return self._submit(lambda buf, seq: framing.encode_many_into(buf, kind, seq, timestamp, bodies), callback)
+        return self._submit(
+            lambda buf, seq: framing.encode_many_into(buf, kind, seq, timestamp, bodies),
+            callback,
+            tombstones=kind == framing.RecordKind.CANCEL,
+        )
 
     def _submit(
-        self, frame: Callable[[bytearray, int], int], callback: Callable[[Appended | None, Exception | None], None]
+        self,
+        frame: Callable[[bytearray, int], int],
+        callback: Callable[[Appended | None, Exception | None], None],
+        tombstones: bool = False,
     ) -> Appended:
         buf = bytearray()
         with self._lock:
@@ -391,7 +410,7 @@ class MessageLog:
             self._plan_size += len(buf)
             self._next_sequence = seq
             appended = Appended(first, seq - first, start, start + len(buf))
-            self._waiters.append(_Pending(appended, callback))
+            self._waiters.append(_Pending(appended, callback, tombstones))
             self._wake.notify()
         return appended
 
@@ -477,6 +496,10 @@ class MessageLog:
             with self._commit:
                 self.committed_offset = end.end_offset
                 self.committed_sequence = end.first_sequence + end.count - 1
+                for w in reversed(waiters):
+                    if not w.tombstones:
+                        self.committed_past_tombstones = w.appended.first_sequence + w.appended.count - 1
+                        break
                 self.records_appended += sum(w.appended.count for w in waiters)
                 self._commit.notify_all()
         _complete(waiters, error)
@@ -700,7 +723,7 @@ class MessageLog:
             self._next_sequence = seq
         with self._commit:
             self.committed_offset = end + n
-            self.committed_sequence = seq - 1
+            self.committed_sequence = self.committed_past_tombstones = seq - 1
             self.records_appended += len(stamps)
             self._commit.notify_all()
         return stamps
@@ -730,7 +753,7 @@ class MessageLog:
             self._next_sequence = last_sequence + 1
         with self._commit:
             self.committed_offset = seg.key + seg.size
-            self.committed_sequence = last_sequence
+            self.committed_sequence = self.committed_past_tombstones = last_sequence
             self._commit.notify_all()
         return removed
 

@@ -266,6 +266,9 @@ class Engine:
             corruption=self.policy,
             min_next_sequence=int(state.get("sequence", 0)) + 1,
         )
+        # by-id lookups wait for every record committed before this server became master
+        # (set_role moves it): only this term's tombstones are covered by its claims
+        self._claims_from = self.wal.committed_sequence
         self.schedule = BucketLog(
             os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool, indexed=True
         )
@@ -511,6 +514,9 @@ class Engine:
         self.role, self.epoch = role, epoch
         if was != "master" and role == "master" and self._started:
             sched = self.scheduler
+            # tombstones committed before this promotion (an earlier term's) are covered by
+            # no claim this term holds: by-id lookups wait for them (_ids_current)
+            self._claims_from = self.wal.committed_sequence
             # also master -> fenced -> master in one process (cluster mode: a lease proven
             # again, or elected again later): start() after stop() runs the threads again
             with self.iterate.append_lock:
@@ -1010,21 +1016,35 @@ class Engine:
             )
         raise StorageError("the iterate service is behind; retry shortly")
 
+    def _ids_current(self) -> int:
+        """The sequence the iterate service must have copied for a by-id lookup to see
+        every message committed before it: the message log's committed sequence but for
+        the Cancels' own tombstone appends since this server became master.
+
+        Such a tombstone changes no id's entry, and until the iterate service has copied it
+        its target stays claimed (``Scheduler.on_written`` settles the claim), which a Get,
+        a Cancel and a Reschedule read: waiting for it would only hurry the service into a
+        step per by-id call. Under 64 tasks cancelling by id that was a step per
+        CancelBatch, each appending to every minute its targets touch (~0.57 appends a
+        call over 50 minutes, against ~0.07 by receipt, whose steps gather several
+        batches; docs/benchmarks.md)."""
+        return max(self.wal.committed_past_tombstones, self._claims_from)
+
     def resolve_id(self, message_id: str) -> tuple[int, int] | None:
         """(deliver_at_ms, sequence) of the newest message with ``message_id``, or None.
 
         Waits until the iterate service has copied (and so indexed) every message committed
-        before this call, so that an id just sent is found."""
+        before this call, so that an id just sent is found (``_ids_current``)."""
         if self.ids is None:
             raise FailedPrecondition("by-id lookups are off on this server (engine.id_index = false); give the receipt")
-        self._iterated(self.wal.committed_sequence)
+        self._iterated(self._ids_current())
         return self.ids.get(message_id)
 
     def resolve_ids(self, message_ids: list[str]) -> list[tuple[int, int] | None]:
         """``resolve_id`` of each id, with one wait and one multi-get."""
         if self.ids is None:
             raise FailedPrecondition("by-id lookups are off on this server (engine.id_index = false); give the receipt")
-        self._iterated(self.wal.committed_sequence)
+        self._iterated(self._ids_current())
         return self.ids.get_many(message_ids)
 
     def duplicates_among(
@@ -1589,7 +1609,7 @@ class Engine:
         first Get of a minute builds its index: milliseconds) or is in use by a worker."""
         iterate = self.iterate
         if sequence is None or deliver_at_ms is None:  # by id: the index answers once iterated
-            if self.ids is None or iterate.sequence < self.wal.committed_sequence:
+            if self.ids is None or iterate.sequence < self._ids_current():
                 return None
             found = self.ids.get(message_id)
             if found is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from simclock import MINUTE, T0, FakeClock, config, message
 
@@ -108,5 +109,42 @@ def test_a_claim_on_the_loop_never_waits_for_the_append_lock(tmp_path):
         # nothing was left claimed: the worker thread's claim (flushing, waiting) cancels them
         outcomes = asyncio.run(engine.cancel_many(targets))
         assert [str(o.name) for o in outcomes] == ["CANCELLED", "CANCELLED"]
+    finally:
+        engine.close()
+
+
+def test_by_id_calls_wait_for_messages_not_for_the_tombstones_claims_cover(tmp_path):
+    """A by-id lookup waits for every MESSAGE committed before it (an id just sent or moved
+    is found), not for the Cancels' own tombstones: until the iterate service copies one,
+    its target stays claimed, and a Get, a Cancel and a Reschedule by id read the claim
+    (Engine._ids_current). With the iterate service held (its append lock), a second Cancel
+    by id answers ALREADY_CANCELLED at once instead of waiting for the tombstone's copy."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    due = T0 + 90 * MINUTE
+    try:
+        engine.send_sync([message("t.i", due + k, f"i{k}") for k in range(3)])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        before = engine.iterate.sequence
+        with engine.iterate.append_lock:  # the iterate service copies nothing meanwhile
+            assert asyncio.run(engine.cancel_many([("i0", None, None)]))[0].name == "CANCELLED"
+            assert engine.wal.committed_sequence > engine.iterate.sequence == before  # not copied
+            t0 = time.monotonic()
+            assert asyncio.run(engine.cancel_many([("i0", None, None)]))[0].name == "ALREADY_CANCELLED"
+            assert engine.get_sync("i0", None, None).state == MessageState.CANCELLED
+            moved = asyncio.run(engine.reschedule_many([("i0", None, None, due + MINUTE)]))
+            assert moved[0][0].name == "CANCELLED"
+            assert time.monotonic() - t0 < 4.0  # none waited out _iterated's 5 s
+            # a message committed meanwhile is waited for: sent now, found once copied
+            engine.send_sync([message("t.i", due + 5, "i1")])  # the id i1 again, newer
+            got: list[object] = []
+            t = threading.Thread(target=lambda: got.append(engine.resolve_id("i1")), daemon=True)
+            t.start()
+            t.join(0.2)
+            assert t.is_alive()  # it waits for the new MESSAGE's copy
+        t.join(10.0)
+        assert got and got[0] is not None and got[0][0] == due + 5
     finally:
         engine.close()

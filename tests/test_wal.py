@@ -229,6 +229,34 @@ def test_reopen_continues_sequences_and_offsets(wal_dir):
     log.close()
 
 
+def test_committed_past_tombstones_leaves_out_appends_of_cancel_records_alone(wal_dir):
+    """What a by-id lookup waits for (Engine._ids_current): every commit but this process's
+    appends of CANCEL records alone (submit_bodies of CANCEL); whatever was in the log at
+    open counts, and a mixed append (a Reschedule's MESSAGE and CANCEL records) counts."""
+    log = MessageLog(wal_dir)
+    log.append(entries(3))
+    assert (log.committed_sequence, log.committed_past_tombstones) == (3, 3)
+
+    async def tombstones(n: int):
+        return await log.append_bodies_async(RecordKind.CANCEL, 0, [b"t" * 24] * n)
+
+    asyncio.run(tombstones(2))
+    assert (log.committed_sequence, log.committed_past_tombstones) == (5, 3)
+    log.append([(RecordKind.MESSAGE, 0, b"m"), (RecordKind.CANCEL, 0, b"t" * 24)])
+    assert (log.committed_sequence, log.committed_past_tombstones) == (7, 7)
+
+    async def both():  # one commit, a tombstone append queued after a message's
+        return await asyncio.gather(log.append_async(entries(1)), tombstones(1))
+
+    asyncio.run(both())
+    assert log.committed_sequence == 9 and log.committed_past_tombstones in (8, 9)
+    asyncio.run(tombstones(1))
+    log.close()
+    log = MessageLog(wal_dir)  # reopened: no claim covers what the log holds
+    assert (log.committed_sequence, log.committed_past_tombstones) == (10, 10)
+    log.close()
+
+
 def test_segments_roll_by_size_and_are_named_by_base_offset(wal_dir):
     log = MessageLog(wal_dir, segment_bytes=1000)
     for _ in range(30):
