@@ -81,6 +81,7 @@ class Cancelled:
     held: dict[Lane, set[int]]  # each lane spilled then -> those of ``seqs`` it held in memory
     walks: dict[Lane, tuple[Pass, int, int]]  # counting walks then: (walk, bucket, offset reached)
     epoch: int  # Timer.lane_epoch then: a lane made or made whole since counts none of them
+    kept: frozenset[int]  # subjects then keeping their due messages for a first group (Timer.kept_count)
     rows: list[tuple[int, bytes, int, int]] | None = None  # (seq, subject, due, offset) read
 
 
@@ -134,8 +135,13 @@ class ReadBack:
         """Each lane spilled when the tombstones passed, and still in the same spill, stops
         counting on disk the messages of its subject and group it counted there: due for
         the group (from its ``since``), not held in memory, and not left to a counting walk
-        that had not reached them (it skips them now, uncounted). Lock held."""
+        that had not reached them (it skips them now, uncounted). A subject with no group
+        then and still none stops keeping them for its first group. Lock held."""
         timer, bucket = self.timer, c.st.bucket
+        for _seq, subject, due, _off in c.rows or ():
+            sid = timer.sid_of(subject)
+            if sid is not None and sid in c.kept:
+                timer.cancelled_kept(sid, due)
         for lane, held in c.held.items():
             g = timer.live_lane(lane)
             if g is None or not lane.spilled or lane.serial > c.epoch:

@@ -60,10 +60,13 @@ log = logging.getLogger("qdelay.scheduler")
 __all__ = ["DEAD_LETTER_HEADER", "DeadLetter", "Deliveries", "Delivery", "DeliverySink", "Scheduler", "SchedulerConfig"]
 
 T = TypeVar("T")
-# messages cancelled after they fired, while some lane was spilled (``on_written``): the
-# timer's lane epoch then, its counting walks then, and per bucket (its state, the targets,
-# the (sequence, group id) a pass had set aside while claimed)
-_OnDisk = tuple[int, dict[Lane, tuple[Pass, int, int]], list[tuple[BucketState, list[int], set[tuple[int, int]]]]]
+# messages cancelled after they fired, while some lane was spilled or some subject kept its
+# due messages for its first group (``on_written``): the timer's lane epoch then, its
+# counting walks then, per bucket (its state, the targets, the (sequence, group id) a pass
+# had set aside while claimed), and the subjects keeping then
+_OnDisk = tuple[
+    int, dict[Lane, tuple[Pass, int, int]], list[tuple[BucketState, list[int], set[tuple[int, int]]]], frozenset[int]
+]
 
 
 # groups whose figures ``group_stats`` reads per hold of the lock (~2 us each)
@@ -368,7 +371,7 @@ class Scheduler:
             fired: list[tuple[int, list[int]]] = []
             # while some lane is spilled: the targets that fired already, which a spilled lane
             # of their subject may count on disk (known by their records, read later)
-            spilled = bool(self.timer.spilled)
+            spilled = bool(self.timer.spilled) or bool(self.timer.kept_count)
             on_disk: list[tuple[BucketState, list[int], set[tuple[int, int]]]] = []
             for b, targets in cancels.items():
                 got = book.get(b)
@@ -388,7 +391,10 @@ class Scheduler:
                     aside.add((item[0], item[6]))  # counted read back (Timer.set_aside)
                 if gone and got is not None:
                     on_disk.append((got, gone, aside))
-            disk = (self.timer.lane_epoch, self.timer.counting_walks(), on_disk) if on_disk else None
+            disk = None
+            if on_disk:
+                timer = self.timer
+                disk = (timer.lane_epoch, timer.counting_walks(), on_disk, frozenset(timer.kept_count))
         if fired or disk:
             # fired already, they may wait in ready queues: taken out of them (and out of
             # the groups' backlog) by the scheduler thread, which owns the lanes; or on a
@@ -401,14 +407,14 @@ class Scheduler:
         if disk is not None:
             # which spilled lanes hold each in memory (ready, retrying, set aside): looked at
             # before the ready queues and the ledger let go of them below
-            epoch, walks, parts = disk
+            epoch, walks, parts, kept = disk
             for state, seqs, aside in parts:
                 held = self.timer.spilled_holding(seqs, epoch)
                 for lane, mine in held.items():
                     mine |= self.ledger.retrying_among(lane.gid, seqs)
                     mine.update(q for q, gid in aside if gid == lane.gid)
-                if held:
-                    self.readback.note_cancelled(Cancelled(state, seqs, held, walks, epoch))
+                if held or kept:
+                    self.readback.note_cancelled(Cancelled(state, seqs, held, walks, epoch, kept))
                     self.wake()
         for b, targets in fired:
             gone = set(targets)

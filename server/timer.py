@@ -437,6 +437,14 @@ class Timer:
     def sid_of(self, subject: bytes) -> int | None:
         return self._subject_ids.get(subject)
 
+    def cancelled_kept(self, sid: int, due: int) -> None:
+        """A message of subject ``sid`` (no group since it fired) was cancelled: no longer
+        kept for its first group, if it was counted for it (due from the subject's
+        ``kept_since``, as ``fire`` counts)."""
+        n = self.kept_count.get(sid)
+        if n and due >= self.groups.kept_since(self.subjects[sid]):
+            self.kept_count[sid] = n - 1
+
     def cancelled_on_disk(self, lane: Lane, n: int) -> None:
         """``n`` entries the spilled ``lane`` counted on disk were cancelled."""
         lane.cancelled(n)

@@ -461,3 +461,28 @@ def test_a_message_cancelled_after_a_counting_walk_counted_it_leaves_the_backlog
         settled_backlog(d, "s", "b", 4)
     finally:
         d.close()
+
+
+def test_a_message_cancelled_while_its_subject_had_no_group_is_not_counted_for_the_first(tmp_path):
+    """Due messages of a subject with no group wait on disk for its first group, which
+    counts them on its disk when it is made; one cancelled meanwhile is not among them."""
+    clock = FakeClock(T0)
+    sink = Budget()
+    d = Driver(tmp_path, clock, sink, implicit_group="")
+    try:
+        assert asyncio.run(d.engine.ensure_group("other", "a"))  # (not this subject's)
+        r = d.send([message("s", T0 + 1_000, f"m{i}") for i in range(5)])
+        d.advance(2_000)  # due, kept for the subject's first group
+        assert d.cancel(r[1]).name == "CANCELLED"
+        d.catch_up()
+        d.run()
+        clock.now = T0 - 1  # the group is for everything due from then on
+        assert asyncio.run(d.engine.ensure_group("s", "b"))
+        d.run(T0 + 2_001)
+        settled_backlog(d, "s", "b", 4)
+        sink.budget["b"] = 100
+        d.advance(1)
+        assert sorted(m for g, m in sink.got if g == "b") == ["m0", "m2", "m3", "m4"]
+        settled_backlog(d, "s", "b", 0)
+    finally:
+        d.close()
