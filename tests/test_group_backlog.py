@@ -7,8 +7,12 @@ cancel by id, Reschedule), and is never delivered."""
 from __future__ import annotations
 
 import asyncio
+import time
 
-from simclock import T0, Driver, FakeClock, message
+from simclock import T0, Driver, FakeClock, config, message
+
+from qdelay.server.engine import Engine
+from tests.conftest import wait_until
 
 
 class Sink:
@@ -486,3 +490,28 @@ def test_a_message_cancelled_while_its_subject_had_no_group_is_not_counted_for_t
         settled_backlog(d, "s", "b", 0)
     finally:
         d.close()
+
+
+def test_a_running_scheduler_takes_a_cancelled_message_off_a_spilled_backlog(tmp_path):
+    """The same with the engine's own threads (iterate service, scheduler thread): the
+    records of a message cancelled on a spilled lane's disk are read by a turn of the
+    scheduler thread soon after its tombstone passes, without a delivery or a consumer."""
+    engine = Engine(config(tmp_path / "data", implicit_group="", group_max_ready=4))
+    sink = Sink()  # no credit: nothing is delivered
+    engine.set_sink(sink)
+    engine.start()
+    try:
+        assert asyncio.run(engine.ensure_group("s", "a"))
+        due = int(time.time() * 1000) + 300
+        r = engine.send_sync([message("s", due, f"m{i}") for i in range(10)])
+
+        def figures():
+            (g,) = engine.groups(subject="s")
+            return g
+
+        assert wait_until(lambda: figures()["spilled"] and figures()["on_disk"] == 10, timeout=10)
+        assert asyncio.run(engine.cancel(r[4].message_id, r[4].deliver_at_ms, r[4].sequence)).name == "CANCELLED"
+        assert wait_until(lambda: figures()["backlog"] == 9, timeout=10), figures()
+        assert sink.got == []
+    finally:
+        engine.close()
