@@ -11,8 +11,12 @@ trading the GIL cost on this machine, whatever the client does between two sends
 Settings: ``bare`` (nothing between two sends), ``outgoing`` (the blocking client's own
 argument check of a send, ``qdelay.client.client.outgoing``, between two sends), each on
 the process's CPUs and pinned to one (``os.sched_setaffinity``, set before the threads
-start). Printed per run: µs a round, CPU µs and voluntary context switches a message, and
-the msgs/s 16 threads would make if the server answered every batch at once.
+start), and each with the two ways of waking a round's 16 threads: ``locks`` (a
+``threading.Lock`` each, released one by one with the GIL held: the client before 26 Nov
+11:00) and ``gates`` (a ``handoff.Gate`` each, all opened by one ``handoff.open_all`` with
+the GIL released: the client since). Printed per run: µs a round, CPU µs and voluntary
+context switches a message, and the msgs/s 16 threads would make if the server answered
+every batch at once.
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 THREADS = 16
 
 
-def _one(work: str, loops: int) -> dict:
-    """One run in this process: ``loops`` rounds of 16 threads released and back."""
+def _one(work: str, loops: int, wake: str = "locks") -> dict:
+    """One run in this process: ``loops`` rounds of 16 threads released and back, woken as
+    ``wake`` says (see the module's docstring)."""
     from qdelay.client.client import outgoing
+    from qdelay.client.handoff import Gate, open_all
 
     body = b"p" * 100
     mu = threading.Lock()
@@ -40,9 +47,12 @@ def _one(work: str, loops: int) -> dict:
     gate: list = [None]
     stop = False
 
-    def hand_back() -> threading.Lock:
-        lock = threading.Lock()
-        lock.acquire()
+    def hand_back() -> Any:
+        if wake == "gates":
+            lock = Gate()
+        else:
+            lock = threading.Lock()
+            lock.acquire()
         with mu:
             back.append(lock)
             if len(back) == THREADS:
@@ -52,7 +62,10 @@ def _one(work: str, loops: int) -> dict:
     def caller() -> None:
         lock = hand_back()
         while True:
-            lock.acquire()
+            if wake == "gates":
+                lock.wait(None)
+            else:
+                lock.acquire()
             if stop:
                 return
             if work == "outgoing":
@@ -74,14 +87,20 @@ def _one(work: str, loops: int) -> dict:
             done = threading.Lock()
             done.acquire()
             gate[0] = done
-        for lock in locks:
-            lock.release()
+        if wake == "gates":
+            open_all(locks)
+        else:
+            for lock in locks:
+                lock.release()
         done.acquire()
     t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     stop = True
     with mu:
-        for lock in back:
-            lock.release()
+        if wake == "gates":
+            open_all(back)
+        else:
+            for lock in back:
+                lock.release()
     for t in threads:
         t.join(5)
     msgs = loops * THREADS
@@ -100,28 +119,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:  # one run, in a fresh process (its own affinity, no threads left over)
-        work, pin = args.child.split(",")
+        work, pin, wake = args.child.split(",")
         if pin == "1cpu":
             os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
-        print(json.dumps(_one(work, args.loops)))
+        print(json.dumps(_one(work, args.loops, wake)))
         return 0
-    settings = [(w, p) for w in ("bare", "outgoing") for p in ("all", "1cpu")]
-    results: dict[str, list[dict]] = {f"{w},{p}": [] for w, p in settings}
+    settings = [(w, p, k) for w in ("bare", "outgoing") for p in ("all", "1cpu") for k in ("locks", "gates")]
+    results: dict[str, list[dict]] = {",".join(s): [] for s in settings}
     for r in range(args.rounds):
-        for w, p in settings:
+        for setting in settings:
+            key = ",".join(setting)
             out = subprocess.run(
-                [sys.executable, "-m", "bench.handoff", "--child", f"{w},{p}", "--loops", str(args.loops)],
+                [sys.executable, "-m", "bench.handoff", "--child", key, "--loops", str(args.loops)],
                 capture_output=True,
                 text=True,
                 check=True,
             )
             got = json.loads(out.stdout)
-            results[f"{w},{p}"].append(got)
-            print(f"[{r + 1}/{args.rounds}] {w:8s} cpus={p:4s} {got}", flush=True)
+            results[key].append(got)
+            w, p, k = setting
+            print(f"[{r + 1}/{args.rounds}] {w:8s} cpus={p:4s} {k:5s} {got}", flush=True)
     print(f"\nmedians (load {os.getloadavg()[0]:.2f}):")
     for key, runs in results.items():
         med = {k: sorted(run[k] for run in runs)[len(runs) // 2] for k in runs[0]}
-        print(f"  {key:14s} {med}")
+        print(f"  {key:20s} {med}")
     out_dir = Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "handoff.json").write_text(json.dumps(results, indent=1))
