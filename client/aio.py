@@ -44,6 +44,7 @@ from qdelay.client.client import (
     _set_due,
     call_async,
     cancel_batcher,
+    cancel_outcomes,
     deadline_exceeded,
     deliveries_of,
     not_ready,
@@ -137,10 +138,12 @@ class Client:
         self._closed = False
 
     # ------------------------------------------------------------------ plumbing
-    async def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+    async def _call(
+        self, method: Callable[..., Any], request: Any, timeout: float | None, tries: list[int] | None = None
+    ) -> Any:
         self._open()
         return await call_async(
-            method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff
+            method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff, tries
         )
 
     async def close(self) -> None:
@@ -280,11 +283,13 @@ class Client:
     ) -> list[str]:
         """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
         server's ``limits.max_batch``) targets each; one outcome per target, in order (as
-        :meth:`cancel` answers). Each target is anything :meth:`cancel` takes."""
+        :meth:`cancel` answers: after a retried call, ALREADY_CANCELLED reads CANCELLED). Each
+        target is anything :meth:`cancel` takes."""
         out: list[str] = []
         for req in cancel_batches(targets, batch_size):
-            resp = await self._call(self.stub.CancelBatch, req, timeout)
-            out.extend(CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in resp.responses)
+            tries: list[int] = []
+            resp = await self._call(self.stub.CancelBatch, req, timeout, tries)
+            out.extend(cancel_outcomes(resp, tries[0]))
         return out
 
     async def reschedule(

@@ -809,7 +809,7 @@ class CancelStreamCall:
                     raise self._translate(again.error, attempt) from None
                 await asyncio.sleep(retry_wait(self._backoff, attempt))
                 continue
-            return _as_first_try(response) if resent else response
+            return as_first_try(response) if resent else response
 
     async def close(self) -> None:
         """End the stream (the batcher calls this once nothing is under way)."""
@@ -818,9 +818,9 @@ class CancelStreamCall:
             await stream.close()
 
 
-def _as_first_try(response: pb.CancelBatchResponse) -> pb.CancelBatchResponse:
+def as_first_try(response: pb.CancelBatchResponse) -> pb.CancelBatchResponse:
     """A re-sent request's response with ALREADY_CANCELLED read as CANCELLED (see
-    :class:`CancelStreamCall`)."""
+    :class:`CancelStreamCall`; the clients' ``cancel_many`` after a retried CancelBatch)."""
     if all(r.outcome != _ALREADY_CANCELLED for r in response.responses):
         return response
     return pb.CancelBatchResponse(

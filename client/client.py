@@ -47,6 +47,7 @@ from qdelay.client.batching import (
     RescheduleBatcher,
     SendBatcher,
     TargetBatcher,
+    as_first_try,
     retry_wait,
 )
 from qdelay.client.handoff import WaitTimeout
@@ -117,19 +118,35 @@ async def call_async(
     metadata: tuple,
     retries: int,
     backoff: float,
+    tries: list[int] | None = None,
 ) -> Any:
     """One grpc.aio call with the clients' retry policy: UNAVAILABLE is tried again with
     exponential backoff (at most ``MAX_BACKOFF`` between tries), ``retries`` times; any other
-    error, or the last one, is raised as the qdelay error."""
+    error, or the last one, is raised as the qdelay error. ``tries``, if given, gets the
+    number of tries made appended (a retried write's answer may report its own first try's
+    work: :func:`cancel_outcomes`)."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            return await method(request, timeout=timeout, metadata=metadata)
+            response = await method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > retries:
                 raise translate(e, attempt) from None
             await asyncio.sleep(retry_wait(backoff, attempt))
+            continue
+        if tries is not None:
+            tries.append(attempt)
+        return response
+
+
+def cancel_outcomes(response: pb.CancelBatchResponse, tries: int) -> list[str]:
+    """``cancel_many``'s outcomes of one CancelBatch answered after ``tries`` tries: after a
+    retry, ALREADY_CANCELLED may be the first try's own work and reads CANCELLED, as for a
+    re-sent ``cancel()`` (docs/api.md)."""
+    if tries > 1:
+        response = as_first_try(response)
+    return [CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in response.responses]
 
 
 def not_ready(timeout: float) -> DeadlineExceeded:
@@ -554,17 +571,24 @@ class Client:
         self._closed = False
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+    def _call(
+        self, method: Callable[..., Any], request: Any, timeout: float | None, tries: list[int] | None = None
+    ) -> Any:
+        """One call with the retry policy of :func:`call_async` (``tries`` as there)."""
         self._open()  # a closed channel raises grpc's ValueError, outside the exception tree
         attempt = 0
         while True:
             attempt += 1
             try:
-                return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+                response = method(request, timeout=timeout or self.timeout, metadata=self.metadata)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
                     raise translate(e, attempt) from None
                 time.sleep(retry_wait(self.retry_backoff, attempt))
+                continue
+            if tries is not None:
+                tries.append(attempt)
+            return response
 
     def close(self) -> None:
         """Closes the consumers (their iteration ends, as the asyncio client's), waits for
@@ -912,11 +936,13 @@ class Client:
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """Cancel many messages with CancelBatch calls of up to ``batch_size`` (at most the
         server's ``limits.max_batch``) targets each; one outcome per target, in order (as
-        :meth:`cancel` answers). Each target is anything :meth:`cancel` takes."""
+        :meth:`cancel` answers: after a retried call, ALREADY_CANCELLED reads CANCELLED). Each
+        target is anything :meth:`cancel` takes."""
         out: list[str] = []
         for req in cancel_batches(targets, batch_size):
-            resp = self._call(self.stub.CancelBatch, req, timeout)
-            out.extend(CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in resp.responses)
+            tries: list[int] = []
+            resp = self._call(self.stub.CancelBatch, req, timeout, tries)
+            out.extend(cancel_outcomes(resp, tries[0]))
         return out
 
     def reschedule(

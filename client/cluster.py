@@ -184,9 +184,10 @@ class ClusterClient:
 
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """As ``Client.cancel_many``, on the master. A call that fails over is made again on
-        the new master (a target the lost try cancelled then answers ALREADY_CANCELLED)."""
+        the new master; after a try whose outcome is unknown, ALREADY_CANCELLED (maybe that
+        try's work) is answered CANCELLED (``failover.cancel_tries``)."""
         items = list(targets)
-        return self._retry(lambda c: c.cancel_many(items, timeout, batch_size))
+        return self._retry(cancel_tries(lambda c: c.cancel_many(items, timeout, batch_size)))
 
     def get(
         self, receipt: Target | None = None, timeout: float | None = None, *, message_id: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from qdelay import errors
 
@@ -62,36 +62,47 @@ def outcome_unknown(err: Exception) -> bool:
     return retryable(err) and not isinstance(err, errors.FailedPrecondition)
 
 
-def cancel_tries(call: Callable[[Any], str]) -> Callable[[Any], str]:
-    """One ``cancel()`` that failover retries (``_retry``): ``call(client)`` each try. After a
-    try whose outcome is unknown, ALREADY_CANCELLED may be that try's own work, and is
-    answered CANCELLED, as the single-server client answers a re-sent cancel (docs/api.md:
-    CANCELLED whenever its cancel was, or may have been, the first to reach the message)."""
+Outcomes = TypeVar("Outcomes", str, list[str])
+
+
+def _first_try(outcomes: Outcomes) -> Outcomes:
+    """ALREADY_CANCELLED read as CANCELLED (one outcome, or a cancel_many's list)."""
+    if isinstance(outcomes, str):
+        return "CANCELLED" if outcomes == "ALREADY_CANCELLED" else outcomes
+    return ["CANCELLED" if o == "ALREADY_CANCELLED" else o for o in outcomes]
+
+
+def cancel_tries(call: Callable[[Any], Outcomes]) -> Callable[[Any], Outcomes]:
+    """One ``cancel()`` or ``cancel_many()`` that failover retries (``_retry``): ``call(client)``
+    each try. After a try whose outcome is unknown, ALREADY_CANCELLED may be that try's own
+    work, and is answered CANCELLED, as the single-server client answers a re-sent cancel
+    (docs/api.md: CANCELLED whenever its cancel was, or may have been, the first to reach
+    the message)."""
     unknown = False
 
-    def one(client: Any) -> str:
+    def one(client: Any) -> Outcomes:
         nonlocal unknown
         try:
-            outcome = call(client)
+            outcomes = call(client)
         except errors.QdelayError as err:
             unknown = unknown or outcome_unknown(err)
             raise
-        return "CANCELLED" if unknown and outcome == "ALREADY_CANCELLED" else outcome
+        return _first_try(outcomes) if unknown else outcomes
 
     return one
 
 
-def acancel_tries(call: Callable[[Any], Awaitable[str]]) -> Callable[[Any], Awaitable[str]]:
+def acancel_tries(call: Callable[[Any], Awaitable[Outcomes]]) -> Callable[[Any], Awaitable[Outcomes]]:
     """:func:`cancel_tries`, awaited."""
     unknown = False
 
-    async def one(client: Any) -> str:
+    async def one(client: Any) -> Outcomes:
         nonlocal unknown
         try:
-            outcome = await call(client)
+            outcomes = await call(client)
         except errors.QdelayError as err:
             unknown = unknown or outcome_unknown(err)
             raise
-        return "CANCELLED" if unknown and outcome == "ALREADY_CANCELLED" else outcome
+        return _first_try(outcomes) if unknown else outcomes
 
     return one

@@ -562,14 +562,17 @@ class ShardedClient(_Sharded):
     def cancel_many(self, targets: Iterable[Target], timeout: float | None = None, batch_size: int = 1000) -> list[str]:
         """As ``Client.cancel_many``: the targets grouped by shard (CancelBatch calls of up to
         ``batch_size`` on each shard's master, the shards at the same time); one outcome per
-        target, in the caller's order. A shard whose call fails over is asked again (a target
-        cancelled by the lost try then answers ALREADY_CANCELLED)."""
+        target, in the caller's order. A shard whose call fails over is asked again; after a
+        try whose outcome is unknown, ALREADY_CANCELLED (maybe that try's work) is answered
+        CANCELLED (``failover.cancel_tries``)."""
         items = list(targets)
         topo = self.topology or self.refresh()
         out: list[str] = [""] * len(items)
 
         def cancel(shard: str, idx: list[int]) -> None:
-            got = self._retry(lambda _t: shard, lambda c: c.cancel_many([items[i] for i in idx], timeout, batch_size))
+            got = self._retry(
+                lambda _t: shard, cancel_tries(lambda c: c.cancel_many([items[i] for i in idx], timeout, batch_size))
+            )
             for i, outcome in zip(idx, got):
                 out[i] = outcome
 
@@ -974,7 +977,7 @@ class AioShardedClient(_Sharded):
 
         async def cancel(shard: str, idx: list[int]) -> None:
             got = await self._retry(
-                lambda _t: shard, lambda c: c.cancel_many([items[i] for i in idx], timeout, batch_size)
+                lambda _t: shard, acancel_tries(lambda c: c.cancel_many([items[i] for i in idx], timeout, batch_size))
             )
             for i, outcome in zip(idx, got):
                 out[i] = outcome

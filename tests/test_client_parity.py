@@ -309,7 +309,8 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
     and finds the message cancelled by its own first try: CANCELLED, as the single-server
     client answers a re-sent cancel (docs/api.md), not ALREADY_CANCELLED, which says another
     cancel got there first. ClusterClient, ShardedClient and AioShardedClient (on a
-    standalone master: one shard)."""
+    standalone master: one shard); cancel_many likewise, the cluster clients' failover and
+    the single-server clients' own retries of a CancelBatch (blocking and asyncio)."""
     import os
     import signal
     import threading
@@ -321,16 +322,17 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
     try:
         wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
         with Client(a.address) as plain:
-            targets = [plain.send("par.unknown", b"%d" % i, delay_ms=HOUR_MS) for i in range(3)]
+            targets = [plain.send("par.unknown", b"%d" % i, delay_ms=HOUR_MS) for i in range(8)]
 
         def cancel_while_the_slave_is_stopped(cancel, tried) -> str:
             """``cancel()`` in a thread, the slave stopped until its first try has failed."""
             out: list = []
+            before = tried()
             os.kill(b.pid, signal.SIGSTOP)
             try:
                 t = threading.Thread(target=lambda: out.append(cancel()))
                 t.start()
-                wait_until(lambda: tried() >= 1, 20, "the first try refused (unconfirmed)")
+                wait_until(lambda: tried() > before, 20, "the first try refused (unconfirmed)")
             finally:
                 os.kill(b.pid, signal.SIGCONT)
             t.join(30)
@@ -339,9 +341,24 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
         with ClusterClient([a.address], failover_timeout=20, backoff=0.05) as cc:
             assert cancel_while_the_slave_is_stopped(lambda: cc.cancel(targets[0]), lambda: cc.retries) == "CANCELLED"
             assert cc.cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
+            many = cancel_while_the_slave_is_stopped(lambda: cc.cancel_many([targets[3], "nobody"]), lambda: cc.retries)
+            assert many == ["CANCELLED", "NOT_FOUND"]
         with ShardedClient(a.address, failover_timeout=20, backoff=0.05) as sc:
             assert cancel_while_the_slave_is_stopped(lambda: sc.cancel(targets[1]), lambda: sc.retries) == "CANCELLED"
             assert sc.cancel(targets[1]) == "ALREADY_CANCELLED"
+            many = cancel_while_the_slave_is_stopped(
+                lambda: sc.cancel_many([targets[4], targets[1]]), lambda: sc.retries
+            )
+            assert many == ["CANCELLED", "CANCELLED"]  # the second: as it may have been this call's
+            single = Client(a.address, retries=8, retry_backoff=0.2)  # its own retries
+            try:
+                many = cancel_while_the_slave_is_stopped(
+                    lambda: single.cancel_many([targets[5], "nobody"]),
+                    lambda: status(a.address).sync_timeouts,
+                )
+                assert many == ["CANCELLED", "NOT_FOUND"]
+            finally:
+                single.close()
 
         async def aio_round() -> tuple[str, str]:
             async with AioShardedClient(a.address, failover_timeout=20, backoff=0.05) as ac:
@@ -358,6 +375,22 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
                 return await task, await ac.cancel(targets[2])
 
         assert asyncio.run(asyncio.wait_for(aio_round(), 60)) == ("CANCELLED", "ALREADY_CANCELLED")
+
+        async def aio_many() -> list[str]:  # the asyncio client's own retries
+            async with AioClient(a.address, retries=8, retry_backoff=0.2) as ac:
+                timeouts = status(a.address).sync_timeouts
+                os.kill(b.pid, signal.SIGSTOP)
+                try:
+                    task = asyncio.ensure_future(ac.cancel_many([targets[6], targets[7]]))
+                    for _ in range(400):
+                        if status(a.address).sync_timeouts > timeouts:
+                            break
+                        await asyncio.sleep(0.05)
+                finally:
+                    os.kill(b.pid, signal.SIGCONT)
+                return await task
+
+        assert asyncio.run(asyncio.wait_for(aio_many(), 60)) == ["CANCELLED", "CANCELLED"]
     finally:
         if b.alive():
             os.kill(b.pid, signal.SIGCONT)
