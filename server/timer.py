@@ -411,12 +411,14 @@ class Timer:
         wheel (at or below the highest sequence its load read) and no longer there. Asked
         (lock held, before a later fire) only while some lane is spilled: fired, a target
         may be counted on a lane's disk (``ReadBack.apply_cancelled``)."""
+        lo = st.bucket * 60_000
+        if lo > self.fired_to:
+            return []  # nothing of a minute the wheel has not reached has fired (the usual cancel)
         top = st.top_indexed
         got = [q for q in targets if q <= top]
         if not got or st.unfired <= 0:
             return got
         seqs = np.asarray(got, dtype=np.int64)
-        lo = st.bucket * 60_000
         held = self.wheel.holding(st.bucket, lo, lo + self.cfg.scale_minutes * 60_000, seqs)
         return [int(q) for q in seqs[~held]]
 

@@ -515,3 +515,20 @@ def test_a_running_scheduler_takes_a_cancelled_message_off_a_spilled_backlog(tmp
         assert sink.got == []
     finally:
         engine.close()
+
+
+def test_a_cancel_of_a_message_not_yet_due_leaves_a_spilled_backlog_as_it_is(tmp_path):
+    """Cancels of messages that have not fired (loaded in the wheel, or not loaded yet)
+    were never counted on a spilled lane's disk: the backlog keeps its count."""
+    d, _sink, _r = spilled_group(tmp_path)
+    try:
+        soon, far = d.send([message("s", T0 + 30_000, "soon"), message("s", T0 + 3_600_000, "far")])
+        d.advance(1)  # "soon" is loaded into the wheel (its minute is near)
+        assert d.cancel(soon).name == "CANCELLED" and d.cancel(far).name == "CANCELLED"
+        d.catch_up()
+        d.advance(1)
+        settled_backlog(d, "s", "a", 10)
+        d.advance(60_000)  # past their times: neither fires
+        settled_backlog(d, "s", "a", 10)
+    finally:
+        d.close()
