@@ -62,10 +62,18 @@ class ClusterClient:
         self.retries = 0  # writes repeated (same message ids)
         self.epoch = 0
         self._executor: ThreadPoolExecutor | None = None
+        self.closed = False  # set by close(): every call refuses, nothing is retried
+
+    def _open(self) -> None:
+        """FailedPrecondition once closed: its clients' own refusal would be retried as a
+        slave's, for the whole failover_timeout."""
+        if self.closed:
+            raise errors.FailedPrecondition("the client is closed")
 
     # --- plumbing --------------------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             pool, self._executor = self._executor, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -76,9 +84,11 @@ class ClusterClient:
         """``fn(client)`` for every server at the same time (stats, finding the master): a
         call waits for the slowest server once, not for each in turn (a server that does not
         answer costs its timeout once per call, not once per server behind it)."""
+        self._open()
         if len(self.clients) == 1:
             return [fn(self.clients[0])]
         with self._lock:
+            self._open()  # a pool made again after close() would be one nobody shuts down
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     max_workers=min(16, len(self.clients)), thread_name_prefix="qdelay-cluster"
@@ -118,11 +128,12 @@ class ClusterClient:
         backoff = Backoff(self.failover_timeout, self.backoff, self.max_backoff)
         while True:
             with self._lock:
+                self._open()
                 i = self._current
             try:
                 return call(self.clients[i])
             except errors.QdelayError as err:
-                if not retryable(err) or backoff.expired():
+                if self.closed or not retryable(err) or backoff.expired():
                     raise err
                 self.retries += 1
                 found = self.find_master()
@@ -237,5 +248,6 @@ class ClusterClient:
         master first (a slave refuses a Subscribe that would create it); a slave's consumer
         subscribes again with backoff while it refuses (FAILED_PRECONDITION: the GROUP record
         has not reached it yet), as the sharded consumer does. Other errors end a consumer."""
+        self._open()
         self.create_group(subject, group)
         return consumers_everywhere(self.clients, subject, group, max_in_flight)

@@ -362,3 +362,32 @@ def test_wait_ready_answers_in_the_exception_tree(server):
             await ac.health()
 
     asyncio.run(aio_round())
+
+
+def test_a_closed_cluster_client_refuses_at_once(server):
+    """ClusterClient after close(): each call met its closed clients' FailedPrecondition,
+    which it retries as a slave's refusal, asking every server for the master, for the
+    whole failover_timeout (30 s by default) before raising it; and its server pool was made
+    again (threads nobody shuts down). Now FailedPrecondition at once, as the other clients
+    (the sharded ones give up once closed)."""
+    import threading
+
+    from qdelay.client import ClusterClient
+
+    cc = ClusterClient([server.address, server.address], failover_timeout=20)
+    r = cc.send("close.cluster", b"x", delay_ms=3_600_000)
+    assert cc.stats()[server.address]["role"] == "master"  # its pool made
+    cc.close()
+    started = time.monotonic()
+    for call in (
+        lambda: cc.send("close.cluster", b"y"),
+        lambda: cc.get(r),
+        lambda: cc.cancel(r),
+        lambda: cc.stats(),
+        lambda: cc.find_master(),
+        lambda: cc.subscribe_all("close.cluster"),
+    ):
+        with pytest.raises(errors.FailedPrecondition):
+            call()
+    assert time.monotonic() - started < 10  # not 20 s for each
+    assert not [t for t in threading.enumerate() if t.name.startswith("qdelay-cluster")]
