@@ -41,6 +41,10 @@ HOLD_SAVE_S = 1.0  # the holds file is replaced at most this often while acks co
 # ... and at least this often while a slave is attached, acks or not: an attached slave is
 # saved as seen at the save, so after a kill its hold counts from at most this long before
 HOLD_REFRESH_S = 60.0
+# the stop: how long the master lets its attached slaves confirm its whole log before it ends
+# their streams, and then waits for the streams to end
+STOP_CATCH_UP_S = 3.0
+STOP_DETACH_S = 1.0
 
 
 class SlaveSession:
@@ -77,6 +81,7 @@ class Hub:
         self._saved: dict[str, int] = {}  # name -> offset in the file (to see a hold lowered)
         self.holds_expired = 0
         self._saved_at = 0.0  # time.time() of the last save
+        self.stopping = False  # the server stops: the Pull streams end (end_streams)
         self._restore()
 
     # --- holds on disk ------------------------------------------------------------------------
@@ -245,6 +250,24 @@ class Hub:
 
     def live(self) -> list[SlaveSession]:
         return [s for s in self.sessions.values() if s.connected]
+
+    async def end_streams(self) -> None:
+        """The stop: let the attached slaves confirm the whole log (at most
+        ``STOP_CATCH_UP_S``; a write still waiting for a sync slave gets its answer), then
+        end their Pull streams (each says the master is shutting down; the slave retries)
+        and wait for them to detach. A Pull stream never ends by itself: the server's stop
+        waited its whole ``grace_seconds`` for them, and the holds saved at the stop had
+        the slaves as seen that much before they last spoke."""
+        end = self.engine.wal.committed_offset
+        deadline = time.monotonic() + STOP_CATCH_UP_S
+        while any(s.acked < end for s in self.live()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.stopping = True
+        for s in self.live():
+            s.acked_event.set()  # a stream waiting for acks looks at ``stopping`` now
+        deadline = time.monotonic() + STOP_DETACH_S
+        while self.live() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     # --- for the engine -----------------------------------------------------------------------
     def floor(self) -> int | None:
@@ -430,6 +453,8 @@ class PullServer:
         last_progress = 0.0
         try:
             while session.connected:
+                if self.hub.stopping:
+                    raise _Refuse("UNAVAILABLE", "the master is shutting down; the slave will reconnect")
                 if engine.role != "master":
                     raise _Refuse("FAILED_PRECONDITION", f"this server is now {engine.role} at epoch {engine.epoch}")
                 committed = wal.committed_offset

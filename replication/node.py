@@ -89,6 +89,7 @@ class Node:
                 t.cancel()
         if self.puller is not None:
             await self.puller.stop()
+        await self.hub.end_streams()  # before the save: the slaves as seen when their streams end
         try:
             await self.hub.save_if_changed(final=True)  # the holds as they are at the stop
         except Exception:  # noqa: BLE001 - the file saved last stays; the stop goes on

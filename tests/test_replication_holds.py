@@ -321,3 +321,28 @@ def test_a_bucket_the_master_cleaned_while_the_slave_was_away_is_emptied_on_the_
     )
     assert puller._apply_dispatch(chunk) is False  # nothing appended, no fsync needed
     assert slave_disp[gone].size == 0
+
+
+def test_a_master_with_an_attached_slave_stops_at_once_and_saves_its_hold_after_the_stream(tmp_path):
+    """SIGTERM on a master with a slave attached: the slave's Pull stream ends at the stop
+    (the master says it is shutting down; the slave retries), so the master exits without
+    waiting out ``grace_seconds``, and its holds file, saved after the stream ended, has
+    the slave as seen at the stop. Before, the stream ran on: the master waited its whole
+    grace period (10 s by default) every time, and the hold saved before the stream ended
+    was the grace period older than the slave's last word."""
+    import time
+
+    with master(tmp_path, args=["--set", "grace_seconds=30"]) as a:
+        with slave(tmp_path, a) as b:
+            send_some(a.address, 20)
+            wait_caught_up(a.address, b.address)
+            name = next(iter(status(a.address).slaves)).name
+            mark = b.log_path.stat().st_size
+            t0 = time.monotonic()
+            assert a.stop() == 0
+            took = time.monotonic() - t0
+            stopped_ms = time.time() * 1000
+            assert took < 10, f"the master took {took:.1f} s to stop (grace_seconds=30)"
+            saved = _holds_file(tmp_path / "a")[name]
+            assert saved["seen_ms"] >= stopped_ms - took * 1000 - 1000, (saved, stopped_ms, took)
+            wait_until(lambda: "shutting down" in _log_since(b, mark), 10, "the slave told the master stops")
