@@ -294,7 +294,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{counted(info['bytes'], 'byte')}; its message log starts at offset {info['offset']} "
                 f"(after sequence {info['sequence']})"
                 + (f"; the old folder was moved to {info['moved_old_to']}" if info["moved_old_to"] else "")
-                + f"\nnow start it: qdelay server --data-dir {args.data_dir} --role slave --master {args.master}"
+                # the slave's own flags are not known here: a bare command started it on the default
+                # listen address with no token (the master refused it), or out of its cluster
+                + f"\nnow start it within slave_hold_ms (the master holds its log for it that long) with its usual "
+                f"flags (--listen, --peers, --auth-token-file, TLS): qdelay server --data-dir {args.data_dir} "
+                f"--role slave --master {args.master} --listen HOST:PORT ...; in cluster mode its --etcd, --cluster "
+                f"and --shard instead of --role and --master (docs/operations.md 4.4)"
             )
             return 0
     except grpc.RpcError as e:

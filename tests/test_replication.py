@@ -404,6 +404,9 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("b.before-resync")] == []
         cp = admin("resync", "--data-dir", str(tmp_path / "b"), "--master", a.address)
         assert "resynced" in cp.stdout
+        # the next step names the slave's own flags: a bare 'qdelay server --data-dir D --role
+        # slave --master M' listened on the default address and presented no token
+        assert "--listen HOST:PORT" in cp.stdout and "--auth-token-file" in cp.stdout, cp.stdout
         with b:
             b.start() if not b.alive() else None
             send_some(a.address, 200, delay_ms=3_600_000)
