@@ -61,6 +61,13 @@ async function receipts() {
     }
   });
   if (many[3].receipt !== null) throw new Error('rescheduleMany of a cancelled one has a receipt');
+  // any iterable, as the Python clients take: a Set or a generator used to answer [] and
+  // move or cancel nothing
+  const it = await Promise.all([0, 1].map((i) => client.send(subject, `s${i}`, { delayMs: 3600000 })));
+  const viaSet = await client.rescheduleMany(new Set(it.map(String)), { delayMs: 7200000 });
+  expect('rescheduleMany of a Set', viaSet.map((m) => m.outcome), ['RESCHEDULED', 'RESCHEDULED']);
+  const viaGenerator = await client.cancelMany((function* moved() { yield* viaSet.map((m) => m.receipt); }()));
+  expect('cancelMany of a generator', viaGenerator, ['CANCELLED', 'CANCELLED']);
   try {
     await client.rescheduleMany([ms[0]], {});
     throw new Error('rescheduleMany without a time was sent');

@@ -221,6 +221,7 @@ class Client {
   // Cancel many in CancelBatch calls of up to batchSize targets (anything cancel takes);
   // resolves to one outcome per target, in order.
   async cancelMany(targets, opts = {}) {
+    targets = Array.from(targets); // any iterable (a Set, a generator): .length of one was undefined, so nothing went
     const batchSize = opts.batchSize || 1000;
     const out = [];
     for (let i = 0; i < targets.length; i += batchSize) {
@@ -243,6 +244,7 @@ class Client {
   // in RescheduleBatch calls; one answer per target, in order, as reschedule answers. A
   // batch with one bad target is refused whole (INVALID_ARGUMENT naming requests[i]).
   async rescheduleMany(targets, opts = {}) {
+    targets = Array.from(targets); // any iterable, as cancelMany
     const batchSize = opts.batchSize || 1000;
     const out = [];
     for (let i = 0; i < targets.length; i += batchSize) {
@@ -629,6 +631,7 @@ class ShardedClient {
   // Split targets by the shard that owns each, call `many` on every shard's client at the
   // same time, and put the answers back in the caller's order.
   async perShard(targets, many) {
+    targets = Array.from(targets); // any iterable (Set.forEach passes no index)
     if (this.cluster === null) await this.refresh();
     const byShard = new Map();
     targets.forEach((t, i) => {
