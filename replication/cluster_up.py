@@ -14,6 +14,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,12 +25,16 @@ from qdelay.units import counted
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cluster_command", required=True)
     p = sub.add_parser("up", help="etcd + shards x nodes on loopback until Ctrl-C")
-    p.add_argument("--data-dir", default="./data-cluster")
-    p.add_argument("--shards", type=int, default=2)
-    p.add_argument("--nodes", type=int, default=2, help="servers per shard (one master, the rest slaves)")
-    p.add_argument("--base-port", type=int, default=7601)
-    p.add_argument("--etcd-port", type=int, default=2379)
-    p.add_argument("--replication", choices=["sync", "async"], default="async")
+    p.add_argument("--data-dir", default="./data-cluster", help="default ./data-cluster")
+    p.add_argument("--shards", type=int, default=2, help="default 2")
+    p.add_argument("--nodes", type=int, default=2, help="servers per shard (one master, the rest slaves; default 2)")
+    p.add_argument(
+        "--base-port", type=int, default=7601, help="the servers listen on this port and the next ones (default 7601)"
+    )
+    p.add_argument(
+        "--etcd-port", type=int, default=2379, help="etcd's client port, and this + 1 its peer port (default 2379)"
+    )
+    p.add_argument("--replication", choices=["sync", "async"], default="async", help="default async")
 
 
 class _NotStarted(Exception):
@@ -43,8 +48,7 @@ def _wait_listening(proc: subprocess.Popen, what: str, log_path: str, timeout: f
         if not line:
             proc.wait()
             # the server's own last line says why (an address in use, a folder in use, ...)
-            with open(log_path, "rb") as f:
-                last = (f.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+            last = _last_line(log_path)
             raise _NotStarted(f"{what} exited with {proc.returncode} before listening: {last} (log: {log_path})")
         text = line.decode(errors="replace").strip()
         if text.startswith("qdelay listening on "):
@@ -52,11 +56,38 @@ def _wait_listening(proc: subprocess.Popen, what: str, log_path: str, timeout: f
     raise _NotStarted(f"{what} did not start in {timeout}s (log: {log_path})")
 
 
+def _in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` (SO_REUSEADDR: a socket in TIME_WAIT
+    does not count, as it does not stop etcd)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _last_line(path: str) -> str:
+    with open(path, "rb") as f:
+        return (f.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+
+
 def run(args: argparse.Namespace) -> int:
     etcd_bin = shutil.which("etcd")
     if etcd_bin is None:
         print("qdelay cluster up: etcd is not installed (apt-get install etcd-server, or make setup)", file=sys.stderr)
         return 2
+    # the servers start at the same moment as etcd: with its port taken (an etcd of the
+    # user's own on 2379), etcd exited at once and the servers joined whatever answered there
+    for p in (args.etcd_port, args.etcd_port + 1):
+        if _in_use(p):
+            print(
+                f"qdelay cluster up: 127.0.0.1:{p} is in use (another etcd, or a cluster up already running): "
+                f"give --etcd-port PORT with PORT and PORT+1 free (client and peer ports)",
+                file=sys.stderr,
+            )
+            return 1
     root = os.path.abspath(args.data_dir)
     os.makedirs(root, exist_ok=True)
     procs: list[tuple[str, subprocess.Popen]] = []
@@ -144,8 +175,10 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 gone.add(name)
                 if name == "etcd":
-                    print(f"etcd exited with {p.returncode}; see {root}/etcd.log; stopping", file=sys.stderr)
+                    last = _last_line(os.path.join(root, "etcd.log"))
+                    print(f"etcd exited with {p.returncode}: {last} (log: {root}/etcd.log); stopping", file=sys.stderr)
                     stop["now"] = True
+                    code = 1  # the cluster did not run until Ctrl-C: a script must not read success
                 else:
                     print(
                         f"{name} exited with {p.returncode}; see {root}/{name}.log (its shard fails over by "

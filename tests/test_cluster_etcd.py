@@ -796,3 +796,34 @@ def test_cluster_up_says_why_a_server_did_not_start(tmp_path):
     want = f"qdelay cluster up: s1-1 exited with 1 before listening: qdelay server: cannot listen on 127.0.0.1:{base}"
     assert want in cp.stderr and f"(log: {root}/s1-1.log)" in cp.stderr, cp.stderr
     assert cp.stdout.strip() == "stopped", cp.stdout
+
+
+def test_cluster_up_refuses_an_etcd_port_in_use(tmp_path):
+    """``qdelay cluster up`` with its etcd port taken (an etcd of the user's own on 2379, the
+    default): its etcd exited at once, but the servers, started at the same moment, joined
+    whatever answered on that port, the seed address was printed as if the cluster were
+    up, then 'etcd exited with 1; see .../etcd.log; stopping' and exit 0. It says which
+    port is in use and what to give, starts nothing, and exits 1."""
+    import socket
+    import subprocess
+    import sys
+
+    from etcdproc import require_etcd
+
+    require_etcd()
+    base, etcd_port = _two_free_ports(), _two_free_ports()
+    root = tmp_path / "cluster"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", etcd_port))
+        taken.listen()
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", str(root), "--shards", "1"]
+            + ["--nodes", "1", "--base-port", str(base), "--etcd-port", str(etcd_port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert cp.returncode == 1 and "Traceback" not in cp.stderr, (cp.stdout, cp.stderr)
+    assert f"qdelay cluster up: 127.0.0.1:{etcd_port} is in use" in cp.stderr, cp.stderr
+    assert "--etcd-port" in cp.stderr and "seed address" not in cp.stdout, (cp.stdout, cp.stderr)
+    assert not (root / "s1-1").exists(), "a server was started"
