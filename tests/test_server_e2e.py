@@ -622,6 +622,20 @@ def test_slave_refuses_writes(tmp_path):
             c.send("a.b", b"x", delay_ms=0)
         assert c.stats()["role"] == "slave"
         c.close()
+        # the example pointed at a slave (the runbook's B after a failover left it as is)
+        # printed a FailedPrecondition traceback; it says in a line to use the master
+        import os
+        import subprocess
+        import sys
+
+        path = os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python", "example.py"
+        )
+        cp = subprocess.run([sys.executable, path, srv.address], capture_output=True, text=True, timeout=60)
+        assert cp.returncode == 1 and "Traceback" not in cp.stderr, cp.stderr
+        lines = cp.stderr.splitlines()
+        assert len(lines) == 1 and f"the server at {srv.address} takes no writes" in lines[0], lines
+        assert "the master" in lines[0], lines[0]
 
 
 def test_python_example_runs(server):

@@ -4,7 +4,8 @@ qdelay server --data-dir ./data &            # listens on 127.0.0.1:7600
 python examples/python/example.py [HOST:PORT] [--token TOKEN] [--tls-ca FILE]
 
 A server started with --auth-token-file needs --token (one of the file's tokens); without
-it, or with a wrong one, the example says so in one line and exits with 1.
+it, or with a wrong one, the example says so in one line and exits with 1, as it does when
+nothing answers at the address or the server there takes no writes (a slave).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def main() -> int:
         said = "refused the token given" if args.token else "requires a token"
         print(
             f"example.py: the server at {args.address} {said} ({e.details}); pass one of its tokens with --token TOKEN",
+            file=sys.stderr,
+        )
+        return 1
+    except errors.FailedPrecondition as e:
+        # a slave, or a fenced master (after a failover): it answers but takes no writes
+        print(
+            f"example.py: the server at {args.address} takes no writes ({e.details}); give the master's address",
             file=sys.stderr,
         )
         return 1
