@@ -736,8 +736,8 @@ class CancelStreamCall:
     shutting down) is sent again, unchanged, on a new stream, with exponential backoff,
     ``retries`` times in a row; then its callers get the error. A request that was behind a
     refused one on the same stream was not read by the server and goes again at once. A
-    refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is raised to the batcher, which
-    sends that batch again one Cancel per target. Against a server without CancelStream
+    refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is raised to the batcher, whose
+    policy says who gets it (:class:`TargetBatcher`). Against a server without CancelStream
     (UNIMPLEMENTED) every batch goes as a CancelBatch call (``fallback``) from then on.
 
     Cancel is idempotent, and a request sent again may find its targets cancelled by its
@@ -861,12 +861,16 @@ class TargetBatcher(abc.ABC):
     of its callers'), and whether the cancel took effect is unknown to the one who gave up,
     as for a unary call that timed out.
 
-    A batch refused as a whole (one bad target is INVALID_ARGUMENT for all; by id on a
-    server without the id index; a server without CancelBatch) goes again one Cancel per
-    target still awaited, so that each caller gets its own answer or its own error (a
-    server without the batch RPC, UNIMPLEMENTED, gets single calls from then on). An
-    error after the client's retries (UNAVAILABLE, the call's deadline) is every caller's
-    of that call, as it would have been each one's.
+    A batch refused for what a target is (one bad target is INVALID_ARGUMENT for all; a
+    server without CancelBatch) goes again one Cancel per target still awaited, so that
+    each caller gets its own answer or its own error (a server without the batch RPC,
+    UNIMPLEMENTED, gets single calls from then on). FAILED_PRECONDITION for a batch with
+    targets named by id (by-id lookups off, or a slave): those callers get it, the others'
+    targets are carried again. Any other refusal is the server's (RESOURCE_EXHAUSTED, a
+    slave's or fenced master's FAILED_PRECONDITION, UNAUTHENTICATED, ...), as is an error
+    after the client's retries (UNAVAILABLE, the call's deadline): every caller's of that
+    call, as it would have been each one's, and not one call per target at a server that
+    refuses.
 
     State has one owner: the runner task cuts the calls; callers only append and wake it."""
 
@@ -1078,6 +1082,15 @@ class TargetBatcher(abc.ABC):
                     own = own_field(err, "requests[0].", "") if batched and isinstance(err, errors.QdelayError) else err
                     _reject(batch[0].future, own)
                     return
+                elif isinstance(err, errors.FailedPrecondition) and self._requeue_by_receipt(batch, err):
+                    return
+                elif not isinstance(err, errors.InvalidArgument):
+                    # the server's refusal (disk full, overloaded, a slave, auth, ...): each of
+                    # its calls would say the same; one per target would be up to max_batch
+                    # calls at a server that refuses
+                    for e in batch:
+                        _reject(e.future, err)
+                    return
                 await asyncio.gather(*(self._one(e) for e in batch if not e.future.done()))
                 return
             self._coming(len(batch))
@@ -1105,6 +1118,29 @@ class TargetBatcher(abc.ABC):
         tasks by ``_want``, threads by the inbox's ``wake_at``."""
         self._want = total
         self._inbox.wake_at = max(1, total - len(self._queue))
+
+    def _requeue_by_receipt(self, batch: list[_Target], err: Exception) -> bool:
+        """A batch refused with FAILED_PRECONDITION that names targets by id: the server may
+        have by-id lookups off (a fault of those targets), or be a slave (every target's).
+        The by-id targets get the error (their own call would get it either way), those
+        named by receipt go back to the head of the queue, to be carried again (refused
+        again by a slave, now with no by-id target among them: every caller's). Whether
+        any was by id."""
+        by_id = [self._by_id(e.request) for e in batch]
+        if not any(by_id):
+            return False
+        for e, named_by_id in zip(batch, by_id):
+            if named_by_id:
+                _reject(e.future, err)
+        self._queue.extendleft(reversed([e for e, named_by_id in zip(batch, by_id) if not named_by_id]))
+        self._wake(asyncio.get_running_loop())
+        return True
+
+    @staticmethod
+    def _by_id(request: Any) -> bool:
+        """Whether a target names its message by id alone (a request without a receipt; a
+        Receipt's fields, ``cancel()``'s usual target, never)."""
+        return not isinstance(request, tuple) and not request.HasField("receipt")
 
     async def _one(self, e: _Target) -> None:
         try:

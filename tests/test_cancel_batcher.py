@@ -17,7 +17,7 @@ import pytest
 from conftest import wait_until
 
 from qdelay import errors
-from qdelay.client import Batching, Client, DeadlineExceeded, Outgoing
+from qdelay.client import Batching, Client, DeadlineExceeded, Outgoing, Receipt
 from qdelay.client.batching import CancelBatcher
 from qdelay.v1 import qdelay_pb2 as pb
 
@@ -396,3 +396,77 @@ def test_a_lone_cancel_on_a_server_without_the_batch_rpcs_is_a_cancel_call():
 
     asyncio.run(asyncio.wait_for(main(), 30))
     assert calls == {"batch": 1, "single": 2}  # asked once, then Cancel calls
+
+
+def _counted(batcher, calls: list) -> None:
+    """Every call ``batcher`` makes (batch or single) appended to ``calls``."""
+    for name in ("_batch_call", "_single_call"):
+        made = getattr(batcher, name)
+
+        async def call(request, timeout, made=made, name=name):
+            calls.append(name)
+            return await made(request, timeout)
+
+        setattr(batcher, name, call)
+
+
+def test_a_refusal_of_the_whole_server_fails_every_gathered_caller_without_single_calls(tmp_path):
+    """A server that refuses every write (here its disk below the free-space floors:
+    RESOURCE_EXHAUSTED; a slave or a fenced master says FAILED_PRECONDITION) refuses a
+    gathered batch for a reason no target of it is to blame for: each caller gets that
+    error from the batch's one call. Splitting it into one Cancel/Reschedule per target
+    (as a batch refused for one bad target is) sent up to max_batch calls at a server that
+    was refusing, for the same error each."""
+    from serverproc import ServerProc
+
+    huge = str(1 << 60)
+    args = ["--min-free-bytes", huge, "--set", f"min_free_bytes_hard={huge}"]
+    at = int(time.time() * 1000) + HOUR_MS
+    targets = [Receipt(f"full{i}", at + i, i + 1, "") for i in range(40)]
+    with ServerProc(tmp_path / "full", args=args) as srv, Client(srv.address, batching=Batching(linger=0.01)) as c:
+        for what, do in (("cancel", lambda t: c.cancel(t)), ("reschedule", lambda t: c.reschedule(t, delay_ms=1000))):
+            with pytest.raises(errors.ResourceExhausted):
+                do(targets[0])  # the batcher made (a lone target: its own call)
+            batcher = c._canceller if what == "cancel" else c._rescheduler
+            calls: list[str] = []
+            _counted(batcher, calls)
+            carried = batcher.batches
+            barrier = threading.Barrier(len(targets))
+
+            def one(target, do=do, barrier=barrier):
+                barrier.wait()  # together: they share calls
+                try:
+                    return do(target)
+                except errors.QdelayError as err:
+                    return err
+
+            with ThreadPoolExecutor(len(targets)) as pool:
+                out = list(pool.map(one, targets))
+            assert all(isinstance(o, errors.ResourceExhausted) for o in out), out
+            made = batcher.batches - carried
+            assert made < len(targets) / 2, what  # gathered
+            assert len(calls) == made, (what, calls)  # one call each, none split
+
+
+def test_by_id_targets_refused_by_a_server_without_the_id_index_fail_only_their_callers(tmp_path):
+    """FAILED_PRECONDITION for a batch with targets named by id (by-id lookups off) is
+    theirs: those callers get it, the targets named by receipt are carried again and
+    cancelled."""
+    from serverproc import ServerProc
+
+    with ServerProc(tmp_path / "noids", args=["--set", "engine.id_index=false"]) as srv:
+        with Client(srv.address, batching=Batching(linger=0.01)) as c:
+            receipts = _pending(c, 30, "noids")
+            barrier = threading.Barrier(len(receipts))
+
+            def one(k: int):
+                barrier.wait()
+                try:
+                    return c.cancel(message_id=receipts[k].message_id) if k % 3 == 0 else c.cancel(receipts[k])
+                except errors.QdelayError as err:
+                    return err
+
+            with ThreadPoolExecutor(len(receipts)) as pool:
+                out = list(pool.map(one, range(len(receipts))))
+            assert all(isinstance(o, errors.FailedPrecondition) and "by-id" in str(o) for o in out[::3]), out
+            assert [o for k, o in enumerate(out) if k % 3] == ["CANCELLED"] * 20
