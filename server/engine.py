@@ -1620,16 +1620,23 @@ class Engine:
                 bucket_of(deliver_at_ms, self.config.scale_minutes)
             ):
                 return None
-        return self.get_sync(message_id, deliver_at_ms, sequence)
+        try:
+            return self.get_sync(message_id, deliver_at_ms, sequence, now=True)
+        except _NotNow:  # written behind since the check: the flush would wait for the append lock
+            return None
 
-    def get_sync(self, message_id: str, deliver_at_ms: int | None, sequence: int | None) -> MessageStatus:
+    def get_sync(
+        self, message_id: str, deliver_at_ms: int | None, sequence: int | None, now: bool = False
+    ) -> MessageStatus:
+        """Get's answer. ``now`` (on the event loop, ``get_now``): _NotNow rather than a wait
+        for the iterate service's append lock (``_flush``)."""
         if sequence is None or deliver_at_ms is None:  # by id
             found = self.resolve_id(message_id)
             if found is None:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found
         settles = self.scheduler.settles
-        state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, detail=True)
+        state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, True, now)
         # claimed by a Cancel: cancelled once its tombstone is durable, not while the write
         # that may still fail is under way
         if state == MessageState.PENDING and self.scheduler.cancel_written(sequence):
@@ -1638,14 +1645,15 @@ class Engine:
             # a claim settled during the look: its tombstone passed the iterate service after
             # the look and the claim ended before the question (a Cancel may have answered
             # CANCELLED, and this said PENDING); the tombstone is in the segment now
-            state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, detail=True)
+            state, _off, msg, delivered_at, closes = self._locate(message_id, deliver_at_ms, sequence, True, now)
         groups = self._group_states(msg, closes) if msg is not None and state != MessageState.CANCELLED else []
         return MessageStatus(state, msg, msg.deliver_at_ms if msg else deliver_at_ms, delivered_at, groups)
 
-    def _locate(self, message_id: str, deliver_at_ms: int, sequence: int, detail: bool = False):
+    def _locate(self, message_id: str, deliver_at_ms: int, sequence: int, detail: bool = False, now: bool = False):
         """Where a message stands: NOT_FOUND, PENDING, DELIVERED or CANCELLED.
 
         DELIVERED includes dead-lettered messages and, for Cancel, deliveries in flight.
+        ``now``: on the event loop (``_flush``).
         """
 
         def answer(state, offset=0, msg=None, at=0):
@@ -1655,7 +1663,7 @@ class Engine:
             return answer(MessageState.NOT_FOUND)
         self._iterated(sequence)
         bucket = bucket_of(deliver_at_ms, self.config.scale_minutes)
-        self.iterate.flush_bucket(bucket)  # a far-future record may still be written behind
+        self._flush(bucket, now)  # a far-future record may still be written behind
         seg = self.schedule.get(bucket)
         if seg is None:
             return answer(MessageState.NOT_FOUND)

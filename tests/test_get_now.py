@@ -148,3 +148,36 @@ def test_by_id_calls_wait_for_messages_not_for_the_tombstones_claims_cover(tmp_p
         assert got and got[0] is not None and got[0][0] == due + 5
     finally:
         engine.close()
+
+
+def test_a_get_on_the_loop_never_waits_for_the_append_lock(tmp_path):
+    """As for a claim: a far minute written behind again after get_now found it readable (a
+    send of that minute copied meanwhile by the iterate thread) makes the Get on the event
+    loop decline (None: the caller hands it to a worker thread) instead of waiting for the
+    append lock, which an iterate step holds across its writes and a full disk."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    due = T0 + 90 * MINUTE
+    try:
+        (r,) = engine.send_sync([message("t.g", due, "g")])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        assert engine.get_now(r.message_id, r.deliver_at_ms, r.sequence).state == MessageState.PENDING
+        engine.send_sync([message("t.g", due + 9, "later")])  # copied behind...
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        assert engine.iterate.written_behind(bucket_of(due))
+        readable = engine._readable_now
+        engine._readable_now = lambda bucket: True  # type: ignore[method-assign]  # ...after the check
+        got: list[object] = []
+        with engine.iterate.append_lock:  # an iterate step under way
+            t = threading.Thread(target=lambda: got.append(engine.get_now(r.message_id, due, r.sequence)), daemon=True)
+            t.start()
+            t.join(2.0)
+            stuck = t.is_alive()
+        t.join(10.0)
+        assert not stuck and got == [None]
+        engine._readable_now = readable  # type: ignore[method-assign]
+        assert asyncio.run(engine.get(r.message_id, due, r.sequence)).state == MessageState.PENDING
+    finally:
+        engine.close()
