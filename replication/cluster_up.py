@@ -22,17 +22,41 @@ import time
 from qdelay.units import counted
 
 
+def _whole(least: int, most: int = 65535):
+    """An argparse type: a whole number in [least, most] (--shards 0 ended in an IndexError
+    traceback after etcd had been started)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {least} to {most}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="cluster_command", required=True)
     p = sub.add_parser("up", help="etcd + shards x nodes on loopback until Ctrl-C")
     p.add_argument("--data-dir", default="./data-cluster", help="default ./data-cluster")
-    p.add_argument("--shards", type=int, default=2, help="default 2")
-    p.add_argument("--nodes", type=int, default=2, help="servers per shard (one master, the rest slaves; default 2)")
+    p.add_argument("--shards", type=_whole(1, 1000), default=2, help="default 2")
     p.add_argument(
-        "--base-port", type=int, default=7601, help="the servers listen on this port and the next ones (default 7601)"
+        "--nodes", type=_whole(1, 100), default=2, help="servers per shard (one master, the rest slaves; default 2)"
     )
     p.add_argument(
-        "--etcd-port", type=int, default=2379, help="etcd's client port, and this + 1 its peer port (default 2379)"
+        "--base-port",
+        type=_whole(1),
+        default=7601,
+        help="the servers listen on this port and the next ones (default 7601)",
+    )
+    p.add_argument(
+        "--etcd-port",
+        type=_whole(1, 65534),
+        default=2379,
+        help="etcd's client port, and this + 1 its peer port (default 2379)",
     )
     p.add_argument("--replication", choices=["sync", "async"], default="async", help="default async")
 

@@ -827,3 +827,26 @@ def test_cluster_up_refuses_an_etcd_port_in_use(tmp_path):
     assert f"qdelay cluster up: 127.0.0.1:{etcd_port} is in use" in cp.stderr, cp.stderr
     assert "--etcd-port" in cp.stderr and "seed address" not in cp.stdout, (cp.stdout, cp.stderr)
     assert not (root / "s1-1").exists(), "a server was started"
+
+
+def test_cluster_up_refuses_a_count_or_port_out_of_range():
+    """``qdelay cluster up --shards 0`` started etcd, then ended in an IndexError traceback
+    (no seed to print); a count below 1 or a port out of range is a usage error (exit 2)
+    before anything starts."""
+    import subprocess
+    import sys
+
+    for args, want in [
+        (["--shards", "0"], "argument --shards: '0' is not a whole number from 1 to 1000"),
+        (["--nodes", "0"], "argument --nodes: '0' is not a whole number from 1 to 100"),
+        (["--etcd-port", "65535"], "argument --etcd-port: '65535' is not a whole number from 1 to 65534"),
+        (["--base-port", "x"], "argument --base-port: 'x' is not a whole number from 1 to 65535"),
+    ]:
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", "unused", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cp.returncode == 2 and "Traceback" not in cp.stderr and want in cp.stderr, (args, cp.stderr)
+        assert cp.stdout == "", cp.stdout
