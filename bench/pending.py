@@ -27,8 +27,12 @@ level N of ``--levels``; at each level, on the same server:
   receipt one call at a time (p50 and server CPU per call), then the same five from 64
   tasks at once (calls/s, server and client CPU per call: the batchers gather the
   reschedules and cancels into RescheduleBatch / CancelBatch calls; Get and Stats stay
-  unary); and ``send_batch`` of 100 new messages (20 calls, one at a time: server CPU a
-  message), ``create_group``, ``groups`` (one subject) and ``delete_group``, 20 each;
+  unary); the three batched ones again on 3,000 messages sent for them over 50 minutes of
+  a day of their own at every level (the targets above lie in one minute at N = 0, this
+  level's send_many, and over the fill's 50 minutes at 3 M: a batch costs the minutes it
+  touches, which these hold the same at every level); and ``send_batch`` of 100 new
+  messages (20 calls, one at a time: server CPU a message), ``create_group``, ``groups``
+  (one subject) and ``delete_group``, 20 each;
 - the server's RSS.
 
 Cost per operation should be flat in N (docs/benchmarks.md, "Cost against the number of
@@ -87,13 +91,17 @@ async def _aio_tasks(call, items: list, tasks: int = 64) -> None:
 
 AIO_ONE = 100  # calls of each kind one at a time
 AIO_MANY = 1_000  # calls of each kind from 64 tasks
+SPREAD_MINUTES = 50  # the fill's minutes at 3 M: the batched calls' targets spread as widely at every level
 
 
-def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int, tag: str) -> dict:
+def _aio_part(
+    address: str, pid: int, targets: list[tuple[str, object]], spread: list[tuple[str, object]], at: int, tag: str
+) -> dict:
     """The asyncio client's single calls against this level's pending messages.
     ``targets`` are (message id, receipt) of pending messages no other part touched: at
     least 3 * AIO_ONE + 3 * AIO_MANY of them, each used once (a cancelled or rescheduled
-    one is not measured again)."""
+    one is not measured again). ``spread``: 3 * AIO_MANY more, sent for this part over
+    SPREAD_MINUTES minutes, for the batched calls on targets of one shape at every level."""
     if len(targets) < 3 * AIO_ONE + 3 * AIO_MANY:
         raise SystemExit(f"only {len(targets)} untouched pending ids for the asyncio part")
     row: dict = {}
@@ -151,6 +159,14 @@ def _aio_part(address: str, pid: int, targets: list[tuple[str, object]], at: int
                 row[f"aio64_{name}_per_s"] = len(items) / m.wall
                 row[f"aio64_{name}_cpu_us"] = m.cpu / len(items) * 1e6
                 row[f"aio64_{name}_client_us"] = mine.cpu / len(items) * 1e6
+            # the batched calls again on targets of the same shape at every level (the ones
+            # above come from this level's send_many at N = 0, all in one minute, and from
+            # the fill's 50 minutes at 3 M: a batch's cost grows with the minutes it touches)
+            pool = iter(spread)
+            for name, call, items in phases(AIO_MANY)[2:]:
+                with Meter(pid) as m:
+                    await _aio_tasks(call, list(items))
+                row[f"aio64s_{name}_cpu_us"] = m.cpu / len(items) * 1e6
 
     asyncio.run(go())
     return row
@@ -307,8 +323,25 @@ def run(levels: list[int], messages: int) -> list[dict]:
                     # receipts are the messages' own: a duplicate answers the original receipt)
                     used = touched | set(fresh_ids)
                     targets = [(mid, r) for mid, r in zip(picks, receipts, strict=True) if mid not in used]
+                    # and 3 * AIO_MANY more, over SPREAD_MINUTES minutes of a day of their own,
+                    # a batch's targets in random minutes as the fill's are
+                    day = base + (6 + levels.index(level)) * DAY_MS
+                    spread = [
+                        c.message(
+                            "bench.spread",
+                            b"x" * 100,
+                            deliver_at_ms=day + i % SPREAD_MINUTES * 60_000 + i // SPREAD_MINUTES,
+                            message_id=f"s{level}.{i}",
+                        )
+                        for i in range(3 * AIO_MANY)
+                    ]
+                    rng.shuffle(spread)
+                    sent = []
+                    for i in range(0, len(spread), 100):
+                        sent += c.send_batch(spread[i : i + 100])
+                    spread_targets = [(m.message_id, r) for m, r in zip(spread, sent, strict=True)]
                     until_idle(server.pid, 60.0)
-                    row.update(_aio_part(address, server.pid, targets, base + 5 * DAY_MS, str(level)))
+                    row.update(_aio_part(address, server.pid, targets, spread_targets, base + 5 * DAY_MS, str(level)))
                     row["rss_mb"] = proc.memory_info().rss / 2**20
                     rows.append(row)
                     print(row, flush=True)
@@ -388,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
         title="qdelay.aio.Client, 64 tasks at once",
+    )
+    kinds = ("reschedule", "cancel_id", "cancel_receipt")
+    print_table(
+        ["pending N"] + [f"aio x64 {k} µs server" for k in kinds],
+        [[r["pending"]] + [f"{r[f'aio64s_{k}_cpu_us']:.0f}" for k in kinds] for r in rows],
+        title=f"qdelay.aio.Client, 64 tasks at once, targets over {SPREAD_MINUTES} minutes at every level",
     )
     write_json(args.json, {"machine": machine(), "rows": rows})
     return 0

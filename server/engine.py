@@ -1415,6 +1415,19 @@ class Engine:
                 if place is not None:  # as the index says: that is its message's record
                     places.dues[i], places.seqs[i] = place
             unsure = by_id
+            got = [i for i in by_id if places.seqs[i] >= 0]
+            if got:
+                # confirmed in their minutes' indexes by one native search for the batch, as
+                # receipts are: the closed-state look after the claim then reads their flags
+                # where this found them (``_closed_states``), instead of searching each
+                # minute again (~25 us a minute touched: a CancelBatch by id over 50 minutes)
+                at = np.asarray(got, dtype=np.int64)
+                held, where, _flagged = self._held_by_segments(
+                    [targets[i][0] for i in got], places.dues[at], places.seqs[at], places.segs, now
+                )
+                places.where[at[held]] = where[held]
+                sure = set(at[held].tolist())  # their segments are there: nothing more to check
+                unsure = [i for i in by_id if i not in sure]
         if rec:
             if len(rec) == n:
                 ids_l = list(mids)
