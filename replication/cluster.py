@@ -111,7 +111,9 @@ class ClusterAgent:
         self.insync: list[str] = []
         self._samples: collections.deque = collections.deque()  # (monotonic, committed offset)
         self._published = (None, 0.0)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task] = []  # the logic loop and the watchdog
+        self._renewing: asyncio.Task | None = None  # the renew loop
+        self.stopping = False
         self.error = ""
         self._step_error = ""  # the last etcd error the logic loop logged (once, not every poll)
         self.renewals = 0
@@ -124,31 +126,35 @@ class ClusterAgent:
     def start(self, address: str) -> None:
         self.address = self.cfg.advertise or address
         self.engine.write_guard = self.check_writable
-        for fn in (self._renew_loop, self._logic_loop, self._watchdog):
-            self._tasks.append(asyncio.ensure_future(fn()))
+        self._renewing = asyncio.ensure_future(self._renew_loop())
+        self._tasks = [asyncio.ensure_future(fn()) for fn in (self._logic_loop, self._watchdog)]
         log.info(
             "joining cluster %s as %s in shard %s (etcd %s)", self.cluster, self.address, self.shard, self.cfg.etcd
         )
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: float | None = None) -> None:
         """Stop acknowledging, let an attached slave confirm everything (async mode too), then
         give the leadership up at once (revoke the lease: the leader and member keys go with
-        it) so that the slave takes over without waiting for the TTL."""
+        it) so that the slave takes over without waiting for the TTL. The hand-over waits
+        ``HANDOVER_S`` at most, and never past ``deadline`` (the server's shutdown deadline).
+
+        The watchdog and the logic loop stop first: the watchdog, seeing the lease no longer
+        valid, fenced the engine on a worker thread that went on while the server closed the
+        engine. The renewals go on until the hand-over is over (the lease must not expire
+        before the slave has the whole log)."""
+        self.stopping = True  # acknowledges nothing more, whatever a renewal says
+        await self._cancel(self._tasks)
         self.valid_until = 0.0
         if self.engine.role == "master":
             end = self.engine.wal.committed_offset
-            deadline = time.monotonic() + HANDOVER_S
-            while time.monotonic() < deadline and self.node.hub.live():
+            until = time.monotonic() + HANDOVER_S
+            if deadline is not None:
+                until = min(until, deadline)
+            while time.monotonic() < until and self.node.hub.live():
                 if max(s.acked for s in self.node.hub.live()) >= end:
                     break
                 await asyncio.sleep(0.01)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await self._cancel([self._renewing] if self._renewing is not None else [])
         if self.lease_id is not None:
             try:
                 await self.leases.revoke(self.lease_id)
@@ -157,10 +163,21 @@ class ClusterAgent:
         await self.kv.close()
         await self.leases.close()
 
+    @staticmethod
+    async def _cancel(tasks: list[asyncio.Task]) -> None:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+
     # --- the write guard --------------------------------------------------------------------------------
     def lease_ok(self) -> bool:
         return (
-            self.leading_lease is not None
+            not self.stopping
+            and self.leading_lease is not None
             and self.leading_lease == self.lease_id
             and time.monotonic() < self.valid_until
         )

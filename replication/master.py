@@ -13,6 +13,11 @@ answers three questions for the rest of the server:
   bytes up to ``end_offset`` durable, or raise :class:`ReplicationTimeout` after
   ``replication_timeout_ms`` -- the write is then answered UNAVAILABLE, never acknowledged;
 - ``stats()``: lag in bytes and milliseconds of the slowest attached slave.
+
+A stopping server ends its slaves' streams itself (:meth:`Hub.end_streams`), once they
+confirmed everything committed and no sync write waits (3 s at most, never past the
+shutdown deadline); a new stream is refused meanwhile. gRPC's stop used to wait its whole
+grace period for them (a slave never ends its stream by itself).
 """
 
 from __future__ import annotations
@@ -251,16 +256,26 @@ class Hub:
     def live(self) -> list[SlaveSession]:
         return [s for s in self.sessions.values() if s.connected]
 
-    async def end_streams(self) -> None:
+    def waiting(self) -> bool:
+        """Whether a sync-mode write waits for a slave's confirmation."""
+        return any(not fut.done() for _off, _n, fut in self._waiters)
+
+    def _catching_up(self, end: int) -> bool:
+        live = self.live()
+        return bool(live) and (any(s.acked < end for s in live) or self.waiting())
+
+    async def end_streams(self, deadline: float | None = None) -> None:
         """The stop: let the attached slaves confirm the whole log (at most
-        ``STOP_CATCH_UP_S``; a write still waiting for a sync slave gets its answer), then
-        end their Pull streams (each says the master is shutting down; the slave retries)
-        and wait for them to detach. A Pull stream never ends by itself: the server's stop
-        waited its whole ``grace_seconds`` for them, and the holds saved at the stop had
-        the slaves as seen that much before they last spoke."""
-        end = self.engine.wal.committed_offset
-        deadline = time.monotonic() + STOP_CATCH_UP_S
-        while any(s.acked < end for s in self.live()) and time.monotonic() < deadline:
+        ``STOP_CATCH_UP_S``, never past ``deadline``, the server's shutdown deadline; a write
+        still waiting for a sync slave gets its answer), then end their Pull streams (each
+        says the master is shutting down; the slave retries; a new one is refused) and wait
+        for them to detach (``STOP_DETACH_S`` at most). A Pull stream never ends by itself:
+        the server's stop waited its whole ``grace_seconds`` for them, and the holds saved
+        at the stop had the slaves as seen that much before they last spoke."""
+        now = time.monotonic()
+        until = now + STOP_CATCH_UP_S if deadline is None else min(now + STOP_CATCH_UP_S, deadline)
+        wal = self.engine.wal
+        while time.monotonic() < until and self._catching_up(wal.committed_offset):
             await asyncio.sleep(0.01)
         self.stopping = True
         for s in self.live():
@@ -424,6 +439,8 @@ class PullServer:
         name = hello.slave_name or context.peer()
         if hello.epoch > engine.epoch:
             await self.node.fence(hello.epoch, "", f"slave {name} knows epoch {hello.epoch}")
+        if self.hub.stopping:  # refused before it attaches
+            raise _Refuse("UNAVAILABLE", "the master is shutting down; the slave will reconnect")
         if engine.role != "master":
             raise _Refuse(
                 "FAILED_PRECONDITION",

@@ -81,15 +81,22 @@ class Node:
         if self.agent is not None:
             self.agent.start(address)
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: float | None = None) -> None:
+        """The server is stopping (``App.stop``); every wait here ends by ``deadline`` (a
+        ``time.monotonic()`` instant; None: ``cfg.grace_seconds`` from now): the cluster
+        agent's hand-over, the puller's last write, and the slaves' streams, which end once
+        their slaves confirmed everything (``Hub.end_streams``)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.cfg.grace_seconds
         if self.agent is not None:
-            await self.agent.stop()
+            await self.agent.stop(deadline)
         for t in [*self._tasks, self._reattach_task]:
             if t is not None:
                 t.cancel()
         if self.puller is not None:
             await self.puller.stop()
-        await self.hub.end_streams()  # before the save: the slaves as seen when their streams end
+        # the slaves' streams end first: the holds saved next have the slaves as seen then
+        await self.hub.end_streams(deadline)
         try:
             await self.hub.save_if_changed(final=True)  # the holds as they are at the stop
         except Exception:  # noqa: BLE001 - the file saved last stays; the stop goes on

@@ -38,6 +38,9 @@ from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 log = logging.getLogger("qdelay.replication.slave")
 
 MERGE_BYTES = 8 * 1024 * 1024
+# put in a session's inbox when the master ends the stream without an error (None, before,
+# read as "no end": the slave waited on a finished stream, still "connected", for ever)
+_ENDED = object()
 
 
 class Puller:
@@ -60,6 +63,10 @@ class Puller:
         self._stop = False
         self._last: tuple[int, int, int] | None = None  # last frame (offset, sequence, checksum)
         self._retarget: str | None = None
+        # the writes to the engine under way on worker threads (_apply, a repair's truncation):
+        # a cancelled await leaves its thread running, and stop() must not return (the
+        # server then closes the engine) before they end
+        self._writing: set[asyncio.Future] = set()
 
     # --- control ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -73,7 +80,21 @@ class Puller:
                 await self._task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
+        if self._writing:
+            await asyncio.wait(list(self._writing))
         self.connected = False
+
+    async def _write(self, fn, *args):
+        """``fn(*args)`` on a worker thread, as a write stop() waits for (see _writing)."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._writing.add(fut)
+        fut.add_done_callback(self._written)
+        return await asyncio.shield(fut)
+
+    def _written(self, fut: asyncio.Future) -> None:
+        self._writing.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # seen by the awaiting session, or by nobody once it was cancelled
 
     def follow(self, master: str) -> None:
         """Switch to another master (told by a promotion or found among the peers)."""
@@ -107,8 +128,10 @@ class Puller:
                 self.master, self._retarget = self._retarget, None
             try:
                 await self._session()
+                # the master ended the stream without an error (a stopping master ends it with
+                # UNAVAILABLE, Hub.end_streams): try again after the backoff, as for that
                 backoff = 0.2
-                continue
+                self._set_error(f"master {self.master} ended the stream", logging.WARNING)
             except asyncio.CancelledError:
                 if self._stop:
                     raise
@@ -173,11 +196,11 @@ class Puller:
                     f"({engine.epoch}, was {persisted}); start this server with --role master, or promote "
                     f"a server with a higher epoch"
                 )
-            await asyncio.to_thread(engine.set_role, "slave", st.epoch)
+            await self._write(engine.set_role, "slave", st.epoch)
             self.note = f"re-attached as slave of {self.master} (epoch {st.epoch}); was {persisted}"
             log.warning(self.note)
         elif st.epoch > engine.epoch:
-            await asyncio.to_thread(engine.set_role, "slave", st.epoch)
+            await self._write(engine.set_role, "slave", st.epoch)
         elif st.epoch < engine.epoch:
             raise _Stop(
                 f"the configured master {self.master} has epoch {st.epoch}, older than this slave's "
@@ -231,7 +254,7 @@ class Puller:
                 try:
                     async for resp in call:
                         await inbox.put(resp)
-                    await inbox.put(None)
+                    await inbox.put(_ENDED)
                 except BaseException as err:  # noqa: BLE001
                     await inbox.put(err)
 
@@ -245,16 +268,15 @@ class Puller:
                         nxt = inbox.get_nowait()
                         batch.append(nxt)
                         size += len(nxt.data) if isinstance(nxt, rpb.PullResponse) else 0
-                    stop = None
                     good = [b for b in batch if isinstance(b, rpb.PullResponse)]
-                    if len(good) < len(batch):
-                        stop = batch[len(good)]
+                    # the stream's end (_ENDED) or its error, after the responses before it
+                    stop = batch[len(good)] if len(good) < len(batch) else None
                     if good:
                         if not self.connected:
                             self.connected = True
                             self.error = ""
                             log.info("replicating from %s", self.master)
-                        durable = await asyncio.to_thread(self._apply, good)
+                        durable = await self._write(self._apply, good)
                         await requests.put(rpb.PullRequest(durable_offset=durable))
                     if stop is not None:
                         if isinstance(stop, BaseException):
@@ -356,7 +378,7 @@ class Puller:
             fork = await find_fork(self.engine.wal, master_frames)
         finally:
             await channel.close()
-        note = await asyncio.to_thread(truncate_divergent, self.engine, fork[0], fork[1])
+        note = await self._write(truncate_divergent, self.engine, fork[0], fork[1])
         self.note = note
         self._last = None
 

@@ -3,19 +3,24 @@
 Start-up prints exactly one line on stdout, ``qdelay listening on HOST:PORT`` (the real
 port when the listen address asked for port 0), once calls are accepted.
 
-SIGTERM (or SIGINT) drains gracefully: health goes NOT_SERVING and new writes and
-subscriptions are refused (UNAVAILABLE); no new deliveries are handed out and consumers
-get ``ack_grace_seconds`` to acknowledge what they hold; then subscription streams end,
-in-flight calls finish (up to ``grace_seconds``), the engine flushes and checkpoints
-(``engine.close()``), and the process exits 0.
+SIGTERM (or SIGINT) drains gracefully within one deadline, ``grace_seconds`` from the
+signal, that every step shares (``App.stop``; docs/internals.md "Stopping"): health goes
+NOT_SERVING and new writes and subscriptions are refused (UNAVAILABLE); no new deliveries
+are handed out and consumers get up to ``ACK_GRACE_SECONDS`` to acknowledge what they hold;
+subscription streams end; writes under way finish; the replication hook ends its streams
+(a slave's Pull stream once that slave confirmed everything); the remaining calls get what
+is left of the deadline; the engine flushes and checkpoints (``engine.close()``), and the
+process exits 0. Streams the server can end are ended by it, never waited out.
 
 Extension point: a module ``qdelay.replication.hooks`` with ``install(server, engine, cfg)``
-(returning an optional async ``stop()``) adds its services to the same gRPC server.
+(returning an optional async ``stop(deadline)``, ``deadline`` a ``time.monotonic()`` instant)
+adds its services to the same gRPC server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import importlib
 import json
@@ -44,6 +49,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("qdelay.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DelayService"].full_name
 ACK_GRACE_SECONDS = 2.0
+# the engine's last iterate catch-up gets what is left of the deadline, and at least this
+ENGINE_CLOSE_MIN_SECONDS = 1.0
+# a stop still running this long after its deadline dumps every thread's stack to the log:
+# a stop that hangs says where
+STOP_OVERRUN_SECONDS = 10.0
+# once the engine is closed (everything durable, checkpoint written), the process exits
+# within this long or dumps its threads' stacks and exits 1 (faulthandler): a thread or
+# task that outlives the stop cannot keep a stopped server's process alive
+EXIT_SECONDS = 10.0
 # the health name a load balancer routing producers checks: SERVING only where writes go
 MASTER_HEALTH_NAME = "qdelay.master"
 HEALTH_POLL_SECONDS = 0.5
@@ -148,7 +162,7 @@ class App:
         self.port = 0
         self.metrics_port = 0
         self.stopping = asyncio.Event()
-        self._hook_stops: list[Callable[[], Awaitable[object]]] = []
+        self._hook_stops: list[Callable[[float], Awaitable[object]]] = []  # stop(deadline)
         self.node = None  # the replication node (qdelay.replication.node.Node), when installed
 
     async def start(self) -> str:
@@ -292,28 +306,50 @@ class App:
         return list(names)
 
     async def stop(self) -> None:
+        """The drain (see the module's docstring): every wait below ends by ``deadline``,
+        ``grace_seconds`` from now; only the engine's close goes past it, by its bounded
+        last work (iterate catch-up of at least ENGINE_CLOSE_MIN_SECONDS, the message log's
+        final fsync, the checkpoint)."""
         cfg = self.cfg
-        log.info("shutting down")
+        started = time.monotonic()
+        deadline = started + cfg.grace_seconds
+        log.info("shutting down", extra={"deadline_seconds": cfg.grace_seconds})
         self._watch.cancel()
         await self.health.enter_graceful_shutdown()
         self.service.begin_shutdown()
         # no new deliveries; give consumers a moment to ack what they hold
         self.consumers.pause()
-        deadline = time.monotonic() + min(ACK_GRACE_SECONDS, cfg.grace_seconds)
-        while self.consumers.outstanding() and time.monotonic() < deadline:
+        ack_by = min(deadline, started + ACK_GRACE_SECONDS)
+        while self.consumers.outstanding() and time.monotonic() < ack_by:
             await asyncio.sleep(0.02)
         self.consumers.close_all()
+        # writes under way finish before the replication streams end (sync mode: a write
+        # waits for a slave's confirmation, which needs its stream)
+        while self.service.active_writes and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for stop in self._hook_stops:
             try:
-                await stop()
+                await stop(deadline)
             except Exception:  # noqa: BLE001
                 log.exception("replication hook stop failed")
         if self.server is not None:
-            await self.server.stop(cfg.grace_seconds)
+            await self._stop_server(deadline)
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.close)
+            left = max(ENGINE_CLOSE_MIN_SECONDS, deadline - time.monotonic())
+            await asyncio.to_thread(self.engine.close, left)
         self.metrics.close()
-        log.info("stopped")
+        log.info("stopped", extra={"stop_seconds": round(time.monotonic() - started, 3)})
+
+    async def _stop_server(self, deadline: float) -> None:
+        """gRPC's stop: calls still open at ``deadline`` are cancelled. grpc.aio then waits
+        for every handler to return, with no bound of its own: a handler that outlives its
+        cancellation is reported and left behind (the engine refuses its writes once closed)."""
+        assert self.server is not None
+        stopping = asyncio.ensure_future(self.server.stop(max(0.0, deadline - time.monotonic())))
+        try:
+            await asyncio.wait_for(asyncio.shield(stopping), max(0.0, deadline - time.monotonic()) + 1.0)
+        except TimeoutError:
+            log.error("gRPC calls still running after the shutdown deadline and their cancellation; closing anyway")
 
 
 async def _main(cfg: ServerConfig) -> int:
@@ -332,7 +368,11 @@ async def _main(cfg: ServerConfig) -> int:
         raise
     print(f"qdelay listening on {address}", flush=True)
     await stop.wait()
+    # process-wide watchdogs (faulthandler has one timer), so here and not in App.stop,
+    # which tests also run in their own process
+    faulthandler.dump_traceback_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, exit=False)
     await app.stop()
+    faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
 
 

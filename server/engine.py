@@ -18,6 +18,7 @@ import asyncio
 import enum
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -246,6 +247,11 @@ class Engine:
         self.finder = RecordFinder()
         self.dispatched = DispatchIndex()
         self._closed = False
+        # set_role and close one at a time: a role change on a worker thread (a cluster
+        # agent's fence, a slave's re-attach) still running when the server stops stopped the
+        # scheduler concurrently with close() (two joins of one thread, its dispatch writer
+        # flushed after the files closed)
+        self._role_lock = threading.Lock()
         self._started = False
         self.recovery_notes: list[str] = []
 
@@ -486,21 +492,28 @@ class Engine:
             self.scheduler.start()
         self.cleaner.start()
 
-    def close(self) -> None:
-        """Stop dispatching, let the iterate catch up, write the last checkpoint."""
-        if self._closed:
-            return
-        self._closed = True
-        self.cleaner.stop()
-        self.scheduler.stop()
-        if self._started:
-            self.iterate.wait_for(self.wal.committed_sequence, timeout=10)
-        self.wal.close()
-        self.iterate.stop()
-        if self.ids is not None:
-            self.ids.close()
-        self.pool.close()
-        self.folder_lock.release()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop dispatching, let the iterate catch up (``timeout`` at most: the server's
+        shutdown deadline), write the last checkpoint. What the iterate has not copied by
+        then is copied again from the message log at the next start (docs/recovery.md)."""
+        with self._role_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.cleaner.stop()
+            self.scheduler.stop()
+            if self._started and not self.iterate.wait_for(self.wal.committed_sequence, timeout=timeout):
+                log.warning(
+                    "the iterate service did not catch up before the shutdown deadline: the next "
+                    "start copies the rest from the message log",
+                    extra={"lag_records": self.iterate.lag_records(), "timeout_s": round(timeout, 3)},
+                )
+            self.wal.close()
+            self.iterate.stop()
+            if self.ids is not None:
+                self.ids.close()
+            self.pool.close()
+            self.folder_lock.release()
 
     def set_role(self, role: str, epoch: int) -> None:
         """Persist a new role and epoch (promotion, demotion, fencing).
@@ -509,6 +522,12 @@ class Engine:
         the reopened ones, skipping what their dispatch logs say was delivered. Leaving the
         master role (fenced) stops dispatching at once.
         """
+        with self._role_lock:
+            if self._closed:  # the folder may already belong to the next process
+                raise ShuttingDown(f"the server is shutting down: not becoming {role}")
+            self._set_role(role, epoch)
+
+    def _set_role(self, role: str, epoch: int) -> None:
         checkpoint.write(self.role_path, {"role": role, "epoch": epoch})
         was = self.role
         self.role, self.epoch = role, epoch
