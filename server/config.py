@@ -30,7 +30,7 @@ silently)::
     min_free_bytes_hard = 16777216  # refuse cancels too below this
     ingest_queue_messages = 200000  # messages accepted but not yet durable, server-wide
     ingest_queue_bytes = 536870912
-    grace_seconds = 10              # SIGTERM: time given to in-flight calls
+    grace_seconds = 10              # SIGTERM: the stop's one deadline, shared by every step
     log_level = "info"
     log_format = "text"             # or "json"
 
@@ -132,7 +132,7 @@ class ServerConfig:
     # on a connection it sends nothing on (faster ones get GOAWAY "too_many_pings"; the
     # Python and Node clients ping every 30 s while a call is open)
     min_ping_interval_ms: int = 10_000
-    grace_seconds: float = 10.0
+    grace_seconds: float = 10.0  # SIGTERM: one deadline for the whole stop (App.stop)
     log_level: str = "info"
     log_format: str = "text"
     limits: Limits = field(default_factory=Limits)
