@@ -85,8 +85,9 @@ class Puller:
         self.connected = False
 
     async def _write(self, fn, *args):
-        """``fn(*args)`` on a worker thread, as a write stop() waits for (see _writing)."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        """``fn(*args)`` on a worker thread, as a write stop() waits for (see _writing); the
+        executor's future itself, no task around it (this is the per-batch path)."""
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         self._writing.add(fut)
         fut.add_done_callback(self._written)
         return await asyncio.shield(fut)
