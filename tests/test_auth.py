@@ -111,6 +111,19 @@ def test_tls_with_token(tmp_path, token_file):
         assert cp.returncode == 1 and "give its token file with --token-file FILE" in cp.stderr, cp.stderr
         cp = admin("status", "--servers", srv.address, "--tls-ca", str(cert), "--token-file", str(token_file))
         assert cp.returncode == 0 and " master " in cp.stdout, cp.stdout + cp.stderr
+        # examples/python/example.py in plaintext against it said "no qdelay server answers
+        # at ...; start one with 'make run'" of a server that answers: it names --tls-ca
+        import os
+
+        path = os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python", "example.py"
+        )
+        cp = subprocess.run(
+            [sys.executable, path, srv.address, "--token", TOKEN], capture_output=True, text=True, timeout=60
+        )
+        lines = cp.stderr.splitlines()
+        assert cp.returncode == 1 and len(lines) == 1 and "Traceback" not in cp.stderr, cp.stderr
+        assert "make run" not in lines[0] and "--tls-ca FILE" in lines[0], lines[0]
 
 
 def test_unreadable_token_file_refuses_to_start(tmp_path):

@@ -44,6 +44,14 @@ def main() -> int:
         )
         return 1
     except errors.Unavailable as e:
+        if not args.tls_ca and "Socket closed" in e.details:
+            # a plaintext call to a TLS port: gRPC says only "Socket closed" (not 'make run')
+            print(
+                f"example.py: the server at {args.address} closed the connection ({e.details}); "
+                f"if it serves TLS, pass its CA certificate with --tls-ca FILE",
+                file=sys.stderr,
+            )
+            return 1
         # nothing listening (the server not started yet, another address): say so in a line
         said = f"no qdelay server answers at {args.address} ({e.details})"
         print(f"example.py: {said}; start one with 'make run'", file=sys.stderr)
