@@ -272,8 +272,8 @@ class Engine:
             corruption=self.policy,
             min_next_sequence=int(state.get("sequence", 0)) + 1,
         )
-        # by-id lookups wait for every record committed before this server became master
-        # (set_role moves it): only this term's tombstones are covered by its claims
+        # by-id lookups wait for every record committed before this engine opened or last
+        # changed its role (set_role): only this term's tombstones are covered by its claims
         self._claims_from = self.wal.committed_sequence
         self.schedule = BucketLog(
             os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool, indexed=True
@@ -531,11 +531,12 @@ class Engine:
         checkpoint.write(self.role_path, {"role": role, "epoch": epoch})
         was = self.role
         self.role, self.epoch = role, epoch
+        # tombstones committed before a change of role (an earlier term's, or a fenced
+        # master's whose claims its scheduler no longer settles) are covered by no claim of
+        # the new role: by-id lookups wait for them (_ids_current)
+        self._claims_from = self.wal.committed_sequence
         if was != "master" and role == "master" and self._started:
             sched = self.scheduler
-            # tombstones committed before this promotion (an earlier term's) are covered by
-            # no claim this term holds: by-id lookups wait for them (_ids_current)
-            self._claims_from = self.wal.committed_sequence
             # also master -> fenced -> master in one process (cluster mode: a lease proven
             # again, or elected again later): start() after stop() runs the threads again
             with self.iterate.append_lock:
@@ -1038,7 +1039,8 @@ class Engine:
     def _ids_current(self) -> int:
         """The sequence the iterate service must have copied for a by-id lookup to see
         every message committed before it: the message log's committed sequence but for
-        the Cancels' own tombstone appends since this server became master.
+        the Cancels' own tombstone appends since this engine opened or last changed its
+        role.
 
         Such a tombstone changes no id's entry, and until the iterate service has copied it
         its target stays claimed (``Scheduler.on_written`` settles the claim), which a Get,
