@@ -129,6 +129,22 @@ class Hub:
             s.expired = True
             self._changes += 1
             self.holds_expired += 1
+            if self.engine.role != "master":
+                # the holds an old master kept for its slaves then (one of them, after a
+                # failover, the new master): its advice below would send an operator to
+                # resync a server that needs nothing
+                log.info(
+                    "hold for slave %s ended (away %.0f s; limits slave_hold_ms=%d, slave_hold_bytes=%d): this "
+                    "server is %s now, so it only stops keeping its message log from offset %d",
+                    s.name,
+                    now - s.last_seen,
+                    self.cfg.slave_hold_ms,
+                    self.hold_bytes,
+                    self.engine.role,
+                    s.acked,
+                    extra={"slave": s.name, "offset": s.acked},
+                )
+                continue
             log.warning(
                 "hold expired for slave %s (away %.0f s, %d bytes behind; limits slave_hold_ms=%d, "
                 "slave_hold_bytes=%d): the cleaner may delete the message log from offset %d; the slave "

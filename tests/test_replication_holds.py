@@ -161,10 +161,12 @@ def test_an_expired_hold_sends_the_slave_to_a_resync_never_past_a_gap(tmp_path):
 # --- the Hub and its file, in process ---------------------------------------------------------------
 
 
-def _engine(tmp_path, end: int = 0):
+def _engine(tmp_path, end: int = 0, role: str = "master"):
     from types import SimpleNamespace
 
-    return SimpleNamespace(config=SimpleNamespace(data_dir=str(tmp_path)), wal=SimpleNamespace(committed_offset=end))
+    return SimpleNamespace(
+        config=SimpleNamespace(data_dir=str(tmp_path)), wal=SimpleNamespace(committed_offset=end), role=role
+    )
 
 
 def _hub(engine, **cfg):
@@ -346,3 +348,26 @@ def test_a_master_with_an_attached_slave_stops_at_once_and_saves_its_hold_after_
             saved = _holds_file(tmp_path / "a")[name]
             assert saved["seen_ms"] >= stopped_ms - took * 1000 - 1000, (saved, stopped_ms, took)
             wait_until(lambda: "shutting down" in _log_since(b, mark), 10, "the slave told the master stops")
+
+
+def test_a_hold_kept_from_its_master_days_ends_quietly_on_a_slave(tmp_path, caplog):
+    """An old master re-attached as a slave (operations.md 4.3) still has the holds it kept
+    for its slaves then -- one of them the new master. When they ran out it warned "hold
+    expired for slave <the new master> ...: the slave will be refused as behind retention and
+    need 'qdelay admin resync'", advice for a server that is no slave of it and needs
+    nothing. On a server that is not master the end of a hold is an INFO line saying so."""
+    import logging
+    import time
+
+    from qdelay.replication import holds
+
+    now_ms = int(time.time() * 1000)
+    holds.HoldFile(str(tmp_path)).save(lambda: {"new-master:/data": holds.Hold(100, now_ms - 2 * 3_600_000)})
+    with caplog.at_level(logging.INFO, logger="qdelay.replication"):
+        hub = _hub(_engine(tmp_path, end=1_000, role="slave"))
+    said = [r for r in caplog.records if "new-master:/data" in r.getMessage()]
+    assert hub.expired("new-master:/data") and hub.floor() is None
+    assert said and all(r.levelno < logging.WARNING and "resync" not in r.getMessage() for r in said), [
+        (r.levelname, r.getMessage()) for r in said
+    ]
+    assert "this server is slave now" in said[-1].getMessage(), said[-1].getMessage()
