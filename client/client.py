@@ -48,7 +48,9 @@ from qdelay.client.batching import (
     SendBatcher,
     TargetBatcher,
     as_first_try,
+    lost_status,
     retry_wait,
+    tries_allowed,
 )
 from qdelay.client.handoff import WaitTimeout
 from qdelay.client.types import (
@@ -804,7 +806,11 @@ class Client:
                     continue
                 attempt = 1  # a stream ended on time: the next one starts a fresh count
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
+                # a lost status (a refusal racing the next batch's write: INTERNAL "Internal
+                # error from Core", ~1 in 7 refused streams) is tried again, as SendBatcher's:
+                # the refused batch is refused again, this time with the server's own status
+                transient = e.code() == grpc.StatusCode.UNAVAILABLE or lost_status(e)
+                if not transient or attempt > tries_allowed(self.retries, e):
                     err = translate(e, attempt)
                     err.receipts = receipts
                     raise err from None

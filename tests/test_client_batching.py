@@ -89,6 +89,24 @@ def test_a_refused_send_names_its_field_as_the_unary_send_does_send_many_keeps_t
             c.send_many([c.message("no spaces", b"x")])
 
 
+def test_a_refused_send_many_raises_the_servers_status_not_a_lost_one(server):
+    """A batch refused mid-pipeline ends the SendStream while the client writes the next
+    batch: grpc.aio then reports INTERNAL "Internal error from Core" instead of the
+    server's status (9 of 60 such send_many calls did). send_many sends the unanswered
+    again once, as SendBatcher does, and the refused batch is refused again with its own
+    INVALID_ARGUMENT; the batches before it stay acknowledged."""
+    from qdelay.client import Outgoing
+
+    later = int(time.time() * 1000) + 3_600_000
+    with Client(server.address) as c:
+        for k in range(25):
+            msgs = [Outgoing("lost", b"p", deliver_at_ms=later, message_id=f"lost{k}-{i}") for i in range(80)]
+            msgs[50] = msgs[50]._replace(subject="")
+            with pytest.raises(errors.InvalidArgument) as info:
+                c.send_many(msgs, batch_size=10, max_in_flight=4)
+            assert "messages[0].subject" in str(info.value) and len(info.value.receipts) == 50
+
+
 def test_batching_off_sends_one_call_per_message(server):
     with Client(server.address, batching=False) as c:
         r = c.send(subject(), b"x", delay_ms=HOUR_MS)
