@@ -176,13 +176,20 @@ class ClusterClient:
         """As ``Client.send_many`` (pipelined SendStream batches; ``Outgoing`` tuples are the
         cheap form), on the master; receipts in input order. The messages are read
         ``SEND_MANY_CHUNK`` at a time (held until acknowledged: a stream that fails over is
-        sent again on the new master with what it had not acknowledged, same ids)."""
+        sent again on the new master with what it had not acknowledged, same ids). An error
+        carries ``.receipts``, those of every message acknowledged before it."""
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
         out = Joined()
         for chunk in _chunks(messages, max(SEND_MANY_CHUNK, batch_size * max_in_flight)):
             msgs = [_with_id(m, self._ids) for m in chunk]
-            self._retry(resumed(msgs, out, lambda c, rest: c.send_many(rest, batch_size, max_in_flight, timeout)))
+            try:
+                self._retry(resumed(msgs, out, lambda c, rest: c.send_many(rest, batch_size, max_in_flight, timeout)))
+            except errors.QdelayError as err:
+                # every message acknowledged before it, from the first (the failed try's own
+                # receipts are of the chunk's rest only), as Client.send_many's error
+                err.receipts = out
+                raise
         return out
 
     def cancel(

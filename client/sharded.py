@@ -277,6 +277,19 @@ def _placed(
     return Spread(where, positions, [parts[name] for name in topology.names])
 
 
+def _acknowledged(
+    before: Sequence[Receipt], count: int, per_name: dict[str, list[int]], parts: dict[str, Sequence[Receipt]]
+) -> list[Receipt | None]:
+    """A failed send's ``.receipts``: those of the chunks sent before (``before``), then the
+    failed chunk's ``count`` messages in the caller's order, each its receipt where its
+    shard acknowledged it (a prefix of that shard's positions, ``per_name``), else None."""
+    mine: list[Receipt | None] = [None] * count
+    for name, idx in per_name.items():
+        for i, r in zip(idx, parts[name]):
+            mine[i] = r
+    return [*before, *mine]
+
+
 def _chunks(messages: Iterable, size: int) -> Iterator[list]:
     source = iter(messages)
     while chunk := list(itertools.islice(source, size)):
@@ -482,7 +495,9 @@ class ShardedClient(_Sharded):
 
     def send_batch(self, messages: Iterable[pb.Message | Outgoing], timeout: float | None = None) -> list[Receipt]:
         """Many messages, grouped by shard (one SendBatch per shard, the shards' at the same
-        time); receipts in input order."""
+        time); receipts in input order. A message without an id gets one before the first
+        try (a ``Message`` in place; an ``Outgoing`` tuple is copied). An error raised once
+        every shard answered carries ``.receipts`` as :meth:`send_many`'s does."""
         msgs = [_as_message(_with_id(m, self._ids)) for m in messages]
         topo = self.topology or self.refresh()
         out: list[Receipt | None] = [None] * len(msgs)
@@ -493,7 +508,11 @@ class ShardedClient(_Sharded):
             for i, r in zip(idx, rs):
                 out[i] = Receipt.from_pb(r)
 
-        self._each_shard(send, _by_shard(topo.shard_for(m.message_id) for m in msgs))
+        try:
+            self._each_shard(send, _by_shard(topo.shard_for(m.message_id) for m in msgs))
+        except errors.QdelayError as err:
+            err.receipts = list(out)  # the shards that acknowledged theirs: see send_many
+            raise
         return cast("list[Receipt]", out)  # every index was filled above
 
     def send_many(
@@ -509,7 +528,10 @@ class ShardedClient(_Sharded):
         receipts in input order, each made when it is read (as ``SentReceipts``). A shard's
         stream that fails over is retried on its new master with the messages it had not
         acknowledged (same ids). Raises the first error that is not retried, or the last one
-        after ``failover_timeout``."""
+        after ``failover_timeout``, once every shard of that chunk answered, with
+        ``.receipts``: one entry per message read so far, in the caller's order, its receipt
+        where its shard acknowledged it, else None (sent again with the same id, an
+        acknowledged message is deduplicated; docs/api.md)."""
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
         out = Joined()
@@ -527,7 +549,12 @@ class ShardedClient(_Sharded):
                 )
                 self._retry(lambda _t: shard, call)
 
-            self._each_shard(send, _per_name(topo, positions))
+            per_name = _per_name(topo, positions)
+            try:
+                self._each_shard(send, per_name)
+            except errors.QdelayError as err:
+                err.receipts = _acknowledged(out, len(msgs), per_name, parts)
+                raise
             out.add(_placed(topo, where, positions, parts))
         return out
 
@@ -927,7 +954,11 @@ class AioShardedClient(_Sharded):
             for i, r in zip(idx, await self._retry(lambda _t: shard, call)):
                 out[i] = Receipt.from_pb(r)
 
-        await self._each_shard(send, _by_shard(topo.shard_for(m.message_id) for m in msgs))
+        try:
+            await self._each_shard(send, _by_shard(topo.shard_for(m.message_id) for m in msgs))
+        except errors.QdelayError as err:
+            err.receipts = list(out)  # as ShardedClient.send_batch
+            raise
         return cast("list[Receipt]", out)
 
     async def send_many(
@@ -955,7 +986,12 @@ class AioShardedClient(_Sharded):
                 )
                 await self._retry(lambda _t: shard, call)
 
-            await self._each_shard(send, _per_name(topo, positions))
+            per_name = _per_name(topo, positions)
+            try:
+                await self._each_shard(send, per_name)
+            except errors.QdelayError as err:
+                err.receipts = _acknowledged(out, len(msgs), per_name, parts)
+                raise
             out.add(_placed(topo, where, positions, parts))
         return out
 

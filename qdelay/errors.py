@@ -19,7 +19,9 @@ class QdelayError(Exception):
     code: Any  # the grpc.StatusCode (this module never imports gRPC)
     details: str
     attempts: int
-    receipts: Any  # send_many: the receipts of every batch acknowledged before the failure
+    # send_many (send_batch of the sharded clients): message i's receipt at i, for the messages
+    # acknowledged before the failure (the sharded clients: None where a shard did not)
+    receipts: Any
 
     def said(self, code: Any, details: str) -> None:
         """Take a call's status as this error's (``CODE: details`` its message): one wording

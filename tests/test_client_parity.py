@@ -397,3 +397,22 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
         for p in (b, a):
             if p.alive():
                 p.stop()
+
+
+def test_a_failed_send_many_carries_the_acknowledged_prefix_in_every_client(server, monkeypatch):
+    """A send_many refused part-way raises with ``.receipts``: message ``i``'s receipt at
+    ``i``, for every message acknowledged before the refusal (the sharded clients: None
+    for a message its shard did not acknowledge, test_cluster_etcd). ClusterClient's held
+    only the last try's of the chunk it failed in: index 0 was some later message's."""
+    from qdelay.client import cluster
+
+    monkeypatch.setattr(cluster, "SEND_MANY_CHUNK", 100)  # the refusal in the second chunk
+    later = int(time.time() * 1000) + 3_600_000
+    makers = (("single", lambda: Client(server.address)), ("cluster", lambda: ClusterClient([server.address])))
+    for name, make in makers:
+        msgs = [Outgoing("prefix", b"p", deliver_at_ms=later, message_id=f"{name}-{i}") for i in range(200)]
+        msgs[150] = msgs[150]._replace(subject="")
+        with make() as c, pytest.raises(errors.InvalidArgument) as info:
+            c.send_many(msgs, batch_size=10, max_in_flight=4)
+        rs = list(info.value.receipts)
+        assert [r.message_id for r in rs] == [m.message_id for m in msgs[:150]], name

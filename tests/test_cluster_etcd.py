@@ -854,3 +854,64 @@ def test_cluster_up_refuses_a_count_or_port_out_of_range():
         )
         assert cp.returncode == 2 and "Traceback" not in cp.stderr and want in cp.stderr, (args, cp.stderr)
         assert cp.stdout == "", cp.stdout
+
+
+def test_a_sharded_send_that_fails_on_one_shard_says_what_the_others_acknowledged(tmp_path, etcd):
+    """send_many and send_batch (blocking and asyncio) refused on one shard raise that
+    shard's error with ``.receipts``: one entry per message in the caller's order, its
+    receipt where its shard acknowledged it, None where not (the single-server send_many's
+    ``.receipts`` are the acknowledged prefix: index ``i`` is message ``i`` in both). The
+    caller sends the None ones again; those acknowledged, sent again with their ids, are
+    deduplicated (the same receipt), so nothing is written twice."""
+    import asyncio
+
+    from qdelay.client import AioShardedClient, ShardedClient
+
+    nodes = [node(tmp_path, "a", etcd.endpoint, shard="s1").start(), node(tmp_path, "b", etcd.endpoint, shard="s2")]
+    nodes[1].start()
+    try:
+        for shard in ("s1", "s2"):
+            wait_shard(nodes[0].address, shard, 0)
+        later = int(time.time() * 1000) + 3_600_000
+
+        def messages(tag: str) -> list[Outgoing]:
+            return [Outgoing("part", b"%d" % i, deliver_at_ms=later, message_id=f"{tag}{i}") for i in range(60)]
+
+        def check(msgs: list[Outgoing], bad: int, err: errors.QdelayError, shard_for) -> list[int]:
+            """The positions left unacknowledged (every one of the bad message's shard)."""
+            assert isinstance(err, errors.InvalidArgument)
+            rs = err.receipts
+            assert len(rs) == len(msgs)
+            ok = [i for i, m in enumerate(msgs) if shard_for(m.message_id) != shard_for(msgs[bad].message_id)]
+            assert ok and all(rs[i] is not None and rs[i].message_id == msgs[i].message_id for i in ok)
+            assert all(rs[i] is None for i in range(len(msgs)) if i not in ok)
+            return [i for i in range(len(msgs)) if i not in ok]
+
+        with ShardedClient(nodes[1].address) as sc:
+            for how in ("send_many", "send_batch"):
+                msgs = messages(f"sync-{how}-")
+                bad = next(i for i, m in enumerate(msgs) if sc.topology.shard_for(m.message_id) == "s2")
+                good = msgs[bad]
+                msgs[bad] = good._replace(subject="")
+                with pytest.raises(errors.InvalidArgument) as info:
+                    getattr(sc, how)(msgs)
+                check(msgs, bad, info.value, sc.topology.shard_for)
+                first = info.value.receipts
+                msgs[bad] = good
+                again = list(getattr(sc, how)(msgs))  # all again: the acknowledged ones deduplicated
+                assert all(r == first[i] for i, r in enumerate(again) if first[i] is not None)
+
+        async def aio() -> None:
+            async with AioShardedClient(nodes[0].address) as ac:
+                for how in ("send_many", "send_batch"):
+                    msgs = messages(f"aio-{how}-")
+                    bad = next(i for i, m in enumerate(msgs) if ac.topology.shard_for(m.message_id) == "s1")
+                    msgs[bad] = msgs[bad]._replace(subject="")
+                    with pytest.raises(errors.InvalidArgument) as info:
+                        await getattr(ac, how)(msgs)
+                    check(msgs, bad, info.value, ac.topology.shard_for)
+
+        asyncio.run(aio())
+    finally:
+        for n in nodes:
+            n.stop()
