@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
@@ -278,7 +278,7 @@ def _placed(
 
 
 def _acknowledged(
-    before: Sequence[Receipt], count: int, per_name: dict[str, list[int]], parts: dict[str, Sequence[Receipt]]
+    before: Sequence[Receipt], count: int, per_name: dict[str, list[int]], parts: Mapping[str, Sequence[Receipt]]
 ) -> list[Receipt | None]:
     """A failed send's ``.receipts``: those of the chunks sent before (``before``), then the
     failed chunk's ``count`` messages in the caller's order, each its receipt where its
