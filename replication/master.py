@@ -164,8 +164,13 @@ class Hub:
         return sum(1 for s in list(self.sessions.values()) if not s.connected and self._held(s, now, end))
 
     def expired(self, name: str) -> bool:
+        """Whether ``name`` was held and is no longer: marked by the saver's last turn, or
+        run out since (a slave asking right after its hold ran out must hear why, whether
+        or not the saver has had its turn yet)."""
         s = self.sessions.get(name)
-        return s is not None and s.expired
+        if s is None:
+            return False
+        return s.expired or (not s.connected and not self._held(s, time.time(), self.engine.wal.committed_offset))
 
     def _holds_now(self) -> dict[str, Hold]:
         now = time.time()
