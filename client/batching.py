@@ -52,6 +52,7 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -267,6 +268,10 @@ class SendBatcher:
         # their backpressure; one call_soon_threadsafe wakes the loop per burst
         self._tspace = Room(config.max_queued)
         self._inbox = Inbox(self._take_handed)
+        # a thread's check of _closing and its hand-over are one step against close()'s
+        # setting it: a message handed over is one close() sends, else its caller is refused
+        # (it met the closed loop, or sat in an inbox nobody read, until its timeout)
+        self._handover = threading.Lock()
         self._wakeup = asyncio.Event()
         # natural batching (see _due): the queue size that makes a batch due, callers wake
         # the sender only once it is reached; the callers of the batches answered last and
@@ -320,11 +325,17 @@ class SendBatcher:
             raise errors.FailedPrecondition("the client is closed")
         self._tspace.take()
         waiter = Waiter()
-        self._inbox.put(loop, _Entry(message, waiter, True))
+        with self._handover:
+            if self._closing:  # close() began while this waited for room
+                self._tspace.give(1)
+                raise errors.FailedPrecondition("the client is closed")
+            self._inbox.put(loop, _Entry(message, waiter, True))
         return waiter
 
     def _take_handed(self, entries: list[_Entry]) -> None:
         """On the loop: what threads handed over joins the queue."""
+        if not entries:  # drained already (close(), the sender)
+            return
         waiting = self._waiting
         waiting.extend(entries)
         if len(waiting) > self.peak_queued:
@@ -334,8 +345,11 @@ class SendBatcher:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="qdelay-send-batcher")
 
     async def close(self) -> None:
-        """Send what is queued, wait for its answers, then end the stream."""
-        self._closing = True
+        """Send what is queued (what threads handed over included), wait for its answers,
+        then end the stream."""
+        with self._handover:  # from here no thread hands a message over
+            self._closing = True
+        self._take_handed(self._inbox.drain())  # makes a sender if none runs
         self._wakeup.set()
         if self._task is not None:
             await self._task
@@ -910,8 +924,10 @@ class TargetBatcher(abc.ABC):
         self.linger = linger
         self._timers = _Deadlines(timeout_error)
         self._queue: deque[_Target] = deque()
-        # threads hand cancels over through _inbox; one call_soon_threadsafe wakes the loop per burst
+        # threads hand cancels over through _inbox; one call_soon_threadsafe wakes the loop per burst;
+        # _handover makes a thread's check of _closing and its hand-over one step (SendBatcher's)
         self._inbox = Inbox(self._take_handed)
+        self._handover = threading.Lock()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._carriers: set[asyncio.Task] = set()
@@ -945,13 +961,17 @@ class TargetBatcher(abc.ABC):
     def submit_threadsafe(self, loop: asyncio.AbstractEventLoop, request: Any, timeout: float | None) -> Waiter:
         """From any thread: queue one target on ``loop`` (the batcher's); the Waiter of its
         answer. The thread waits on it with its own timeout (and so gives up)."""
-        if self._closing:
-            raise errors.FailedPrecondition("the client is closed")
         waiter = Waiter()
-        self._inbox.put(loop, _Target(request, waiter, None if timeout is None else time.monotonic() + timeout))
+        target = _Target(request, waiter, None if timeout is None else time.monotonic() + timeout)
+        with self._handover:
+            if self._closing:
+                raise errors.FailedPrecondition("the client is closed")
+            self._inbox.put(loop, target)
         return waiter
 
     def _take_handed(self, targets: list[_Target]) -> None:
+        if not targets:  # drained already (close(), the runner)
+            return
         self._queue.extend(targets)
         self._wake(asyncio.get_running_loop())
 
@@ -962,8 +982,11 @@ class TargetBatcher(abc.ABC):
             self._task = loop.create_task(self._run(), name=f"qdelay-{self.KIND}-batcher")
 
     async def close(self) -> None:
-        """Carry what is queued, wait for the calls under way."""
-        self._closing = True
+        """Carry what is queued (what threads handed over included), wait for the calls
+        under way."""
+        with self._handover:  # from here no thread hands a target over
+            self._closing = True
+        self._take_handed(self._inbox.drain())  # makes a runner if none runs
         self._wakeup.set()
         if self._task is not None:
             await self._task

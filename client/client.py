@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import bisect
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -353,9 +354,22 @@ class _BulkSender:
         """``await work(channel)`` on the loop; its result or its exception. Interrupting the
         caller (KeyboardInterrupt) cancels the work."""
         loop = self.loop  # before the coroutine is made: FailedPrecondition once closed
-        future = asyncio.run_coroutine_threadsafe(self._on_channel(work), loop)
+        with self._lock:  # scheduled before close() stops the loop, or refused
+            if self._closed:
+                raise errors.FailedPrecondition("the client is closed")
+            future = asyncio.run_coroutine_threadsafe(self._on_channel(work), loop)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            raise errors.FailedPrecondition("the client was closed during the call") from None
+        except grpc.aio.AioRpcError as err:
+            if self._closed and err.code() == grpc.StatusCode.CANCELLED:  # its channel closed under it
+                raise errors.FailedPrecondition("the client was closed during the call") from None
+            raise
+        except errors.QdelayError as err:
+            if self._closed and getattr(err, "code", None) == grpc.StatusCode.CANCELLED:  # translated
+                raise errors.FailedPrecondition("the client was closed during the call") from None
+            raise
         except BaseException:
             future.cancel()
             raise

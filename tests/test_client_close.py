@@ -391,3 +391,123 @@ def test_a_closed_cluster_client_refuses_at_once(server):
             call()
     assert time.monotonic() - started < 10  # not 20 s for each
     assert not [t for t in threading.enumerate() if t.name.startswith("qdelay-cluster")]
+
+
+@pytest.mark.parametrize("call", ["send", "cancel", "reschedule"])
+def test_a_call_handing_over_as_close_runs_is_refused_or_answered(server, call):
+    """A thread that passed its batcher's "closed?" check and hands its target to the I/O
+    loop only as close() runs (held there by a hook on the batcher's inbox until close()
+    ended, or until close() waits for it): it met the closed loop (RuntimeError "Event
+    loop is closed", outside the exception tree), or its target sat in an inbox nobody
+    read until the caller's timeout. Now the check and the hand-over are one step against
+    close()'s flag: the call is answered (close() sends what was handed over) or refused
+    with FailedPrecondition."""
+    import threading
+
+    from qdelay.client import Client
+
+    c = Client(server.address, timeout=20)
+    r = c.send("close.race", b"x", delay_ms=3_600_000)
+    do = {
+        "send": lambda: c.send("close.race", b"y", delay_ms=3_600_000, timeout=5),
+        "cancel": lambda: c.cancel(r, timeout=5),
+        "reschedule": lambda: c.reschedule(r, delay_ms=1000, timeout=5),
+    }[call]
+    do()  # the batcher exists
+    batcher = {"send": c._batcher, "cancel": c._canceller, "reschedule": c._rescheduler}[call]
+    handing, go = threading.Event(), threading.Event()
+    put = batcher._inbox.put
+
+    def held_put(loop, item):  # past the batcher's check, before the hand-over
+        handing.set()
+        go.wait(30)
+        put(loop, item)
+
+    class Seen:
+        """The batcher's hand-over lock; close() waiting for it lets the held caller go."""
+
+        def __init__(self, lock) -> None:
+            self._lock = lock
+
+        def __enter__(self):
+            if threading.current_thread() is not caller:
+                go.set()
+            return self._lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self._lock.__exit__(*exc)
+
+    batcher._inbox.put = held_put
+    batcher._handover = Seen(getattr(batcher, "_handover", threading.Lock()))
+    got: list = []
+
+    def call_it() -> None:
+        try:
+            got.append(do())
+        except BaseException as err:  # noqa: BLE001 - what it raises is the test's subject
+            got.append(err)
+
+    caller = threading.Thread(target=call_it)
+    caller.start()
+    assert handing.wait(10)
+    c.close()
+    go.set()
+    caller.join(30)
+    assert not caller.is_alive() and len(got) == 1
+    assert not isinstance(got[0], BaseException) or isinstance(got[0], errors.FailedPrecondition), repr(got[0])
+
+
+def test_a_bulk_call_scheduled_as_close_runs_is_refused_or_answered(server):
+    """send_many (any work on the I/O loop) from a thread that got the loop, and schedules
+    its work there only as close() runs (held by a hook until close() ended, or until
+    close() waits for it): it met the closed loop (RuntimeError), or its work was cancelled
+    with the loop (CancelledError) or cut by the channel's close (CANCELLED), all outside
+    FailedPrecondition. Now it is answered or refused with FailedPrecondition."""
+    import threading
+
+    from qdelay.client import Client, Outgoing
+
+    c = Client(server.address, timeout=20)
+    c.send_many([Outgoing("close.bulk", b"x", delay_ms=3_600_000)])  # the loop and its channel exist
+    bulk = c._bulk
+    handing, go = threading.Event(), threading.Event()
+    on_channel = bulk._on_channel
+
+    def held(work):  # the loop got, the work not scheduled yet
+        if threading.current_thread() is caller:
+            handing.set()
+            go.wait(30)
+        return on_channel(work)
+
+    class Seen:
+        """The bulk loop's lock; close() waiting for it lets the held caller go."""
+
+        def __init__(self, lock) -> None:
+            self._lock = lock
+
+        def __enter__(self):
+            if threading.current_thread() is not caller:
+                go.set()
+            return self._lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self._lock.__exit__(*exc)
+
+    bulk._on_channel = held
+    bulk._lock = Seen(bulk._lock)
+    got: list = []
+
+    def call_it() -> None:
+        try:
+            got.append(list(c.send_many([Outgoing("close.bulk", b"y", delay_ms=3_600_000)] * 50, batch_size=5)))
+        except BaseException as err:  # noqa: BLE001 - what it raises is the test's subject
+            got.append(err)
+
+    caller = threading.Thread(target=call_it)
+    caller.start()
+    assert handing.wait(10)
+    c.close()
+    go.set()
+    caller.join(30)
+    assert not caller.is_alive() and len(got) == 1
+    assert not isinstance(got[0], BaseException) or isinstance(got[0], errors.FailedPrecondition), repr(got[0])
