@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, cast
 
@@ -422,6 +422,32 @@ class _BulkSender:
         stop.detach()
         _stop_loop(loop, thread, wait=10.0)  # close() waits for the loop's end
 
+    def on_loop(self) -> bool:
+        """Whether the caller runs on the loop's own thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def close_later(self, closing: list[Callable[[], Awaitable[Any]]]) -> None:
+        """:meth:`close` from the loop's own thread, which must not wait for the loop: the
+        loop awaits each of ``closing`` (the batchers' close), then stops; ``_serve`` then
+        closes the channel and the loop, as it does after :meth:`close`."""
+        with self._lock:
+            self._closed = True
+            loop, stop = self._loop, self._stop
+            self._loop, self._thread, self._stop = None, None, None
+        if loop is None or stop is None:
+            return
+        stop.detach()
+
+        async def end() -> None:
+            for close in closing:
+                try:
+                    await close()
+                except errors.QdelayError:
+                    pass  # each waiting caller got its own error
+            loop.stop()
+
+        loop.create_task(end(), name="qdelay-client-close")
+
 
 # the bulk loops whose thread has not ended yet (by thread), for _end_loops_at_exit
 _LIVE: dict[threading.Thread, asyncio.AbstractEventLoop] = {}
@@ -611,19 +637,29 @@ class Client:
         the answers of sends, cancels and reschedules still queued in the batching paths,
         then closes. A batched call from another thread meanwhile, or after it, raises
         FailedPrecondition (a batcher made again would be one nobody closes: its stream cut
-        by the channel's close, its callers left waiting for their timeout)."""
+        by the channel's close, its callers left waiting for their timeout). Called on the
+        client's own I/O loop (a callback run there), it does not wait: the loop closes the
+        batchers, then ends."""
         self._closed = True
         for consumer in list(self._consumers):
             consumer.close()
+        batchers = []
         for name in ("_batcher", "_canceller", "_rescheduler"):
             batcher = getattr(self, name)
             if batcher is not None:
                 setattr(self, name, None)
+                batchers.append(batcher)
+        if self._bulk.on_loop():
+            # called on the I/O loop itself (a callback run there): waiting for that loop
+            # here would wait for ever; the loop closes the batchers, then ends
+            self._bulk.close_later([b.close for b in batchers])
+        else:
+            for batcher in batchers:
                 try:
                     self._bulk.run(lambda _channel, b=batcher: b.close())
                 except errors.QdelayError:
                     pass  # each waiting caller got its own error
-        self._bulk.close()
+            self._bulk.close()
         self.channel.close()
 
     def _open(self) -> None:

@@ -511,3 +511,40 @@ def test_a_bulk_call_scheduled_as_close_runs_is_refused_or_answered(server):
     caller.join(30)
     assert not caller.is_alive() and len(got) == 1
     assert not isinstance(got[0], BaseException) or isinstance(got[0], errors.FailedPrecondition), repr(got[0])
+
+
+@pytest.mark.parametrize("batchers", [False, True])
+def test_close_called_on_the_clients_own_io_loop_does_not_wait_for_itself(server, batchers):
+    """close() from the blocking client's I/O loop thread (a callback run there): it waited
+    on that loop for the batchers' close (forever: the loop was the thread waiting) and for
+    the channel's close (10 s). It hands that work to the loop and returns; the loop then
+    ends by itself, and calls after it are refused."""
+    import threading
+
+    from qdelay.client import Client, Outgoing
+
+    c = Client(server.address, timeout=20)
+    r = c.send_many([Outgoing("close.self", b"x", delay_ms=3_600_000)])[0]  # the loop and its channel
+    if batchers:
+        r = c.send("close.self", b"y", delay_ms=3_600_000)
+        assert c.cancel(c.send("close.self", b"z", delay_ms=3_600_000)) == "CANCELLED"
+    loop, thread = c._bulk.loop, c._bulk._thread
+    done = threading.Event()
+    got: list = []
+
+    def on_loop() -> None:
+        try:
+            c.close()
+        except BaseException as err:  # noqa: BLE001 - what it raises is the test's subject
+            got.append(err)
+        done.set()
+
+    loop.call_soon_threadsafe(on_loop)
+    assert done.wait(5), "close() on the I/O loop waited for that loop"
+    assert got == []
+    thread.join(10)
+    assert not thread.is_alive()  # the loop ended by itself
+    with pytest.raises(errors.FailedPrecondition):
+        c.send("close.self", b"w")
+    with pytest.raises(errors.FailedPrecondition):
+        c.cancel(r)
