@@ -10,10 +10,12 @@ stream waited out), which, with the other waits of the stop in sequence, ran pas
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import wait_until
 from simclock import started_engine
@@ -21,6 +23,8 @@ from test_replication import RPC_ERRORS, assert_same_message_log, master, send_s
 
 from qdelay.errors import ShuttingDown
 from qdelay.segments import checkpoint
+from qdelay.v1 import replication_pb2 as rpb
+from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
 # well below the tests' stop timeouts (15-30 s) and gRPC's own grace (10 s, the deadline)
 STOP_BOUND_S = 8.0
@@ -99,3 +103,35 @@ def test_a_role_change_after_the_engine_closed_is_refused(tmp_path):
     with pytest.raises(ShuttingDown):
         engine.set_role("fenced", engine.epoch + 1)
     assert engine.role == "master"
+
+
+class _EndingMaster(rpb_grpc.ReplicationServicer):
+    """A master that answers a Pull stream once and then ends it without an error."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    def Status(self, request, context):
+        return rpb.ReplicationStatus(role="master", epoch=1)
+
+    def Pull(self, request_iterator, context):
+        next(request_iterator)  # the hello
+        self.pulls += 1
+        yield rpb.PullResponse(master_epoch=1)
+
+
+def test_a_slave_whose_stream_the_master_ends_without_an_error_connects_again(tmp_path):
+    """The end of a Pull stream without an error was read as no end at all (the inbox's end
+    marker was None, also "nothing stopped the batch"): the slave sat on the finished stream,
+    'connected', for ever. It now logs it and connects again."""
+    fake = _EndingMaster()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    rpb_grpc.add_ReplicationServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with slave(tmp_path, f"127.0.0.1:{port}") as b:
+            wait_until(lambda: fake.pulls >= 2, 15, "the slave to pull again after the stream ended")
+            assert "ended the stream" in b.tail_log()
+    finally:
+        server.stop(None)
