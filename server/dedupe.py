@@ -12,6 +12,9 @@ Where an id can be found, in the order it is looked in:
    holds it and no lookup that started before that is still running;
 3. ``_writing``: client-chosen ids being written right now; a second batch with one of
    them waits for the first and then answers its receipt (or writes, if the first failed).
+   A batch's ids are entered there only once another batch's lookup begins while it is
+   being written (``_flying`` until then): with one batch at a time (a generated stub's
+   SendBatch, one call in flight) no id is ever entered, and no future made.
 
 Ids the server generates for a batch are never looked up for it, and never wait in
 ``_writing``: nobody can send one again before its batch is answered, and by then it is in
@@ -41,15 +44,17 @@ from qdelay.server.recent_ids import RecentIds
 from qdelay.server.validation import Made
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Claim:
     """The ids a batch is about to write, in batch order (settled by ``written`` or
-    ``failed``), and the ones of them it holds in ``Deduper._writing`` with one future for
-    the whole batch, which other batches with one of those ids wait on."""
+    ``failed``), and the ones of them it holds, with one future for the whole batch, which
+    other batches with one of those ids wait on: in ``Deduper._flying`` (no future yet)
+    until another batch's lookup enters them in ``Deduper._writing`` (``entered``)."""
 
     ids: list[str]
     future: asyncio.Future | None
     held: list[str] = field(default_factory=list)
+    entered: bool = False
 
 
 TIDY_AFTER = 1.0  # seconds: how soon ids are forgotten once sends stop coming
@@ -65,6 +70,9 @@ class Deduper:
         # however far the index lags.
         self._recent = RecentIds()
         self._writing: dict[str, asyncio.Future] = {}
+        # claims being written whose ids are not in ``_writing`` (yet): entered by the next
+        # lookup that begins while they are (``_enter_flying``), or just dropped when written
+        self._flying: dict[int, Claim] = {}
         self._active: dict[int, int] = {}  # lookup token -> indexed sequence when it began
         self._token = 0
         self._tidy: asyncio.TimerHandle | None = None  # a prune once sends stop coming
@@ -120,11 +128,13 @@ class Deduper:
             if hits.count(None) != len(hits):
                 found = await asyncio.to_thread(engine.duplicates_among, ids, hits, self.window_ms)
             writing = self._writing
-            while writing and not writing.keys().isdisjoint(ids):  # one of these ids is being written
-                busy = {writing[m] for m in writing.keys() & ids}
-                if not busy:
+            while True:
+                if self._flying:  # batches claimed since the last look (none while alone)
+                    self._enter_flying()
+                if not writing or writing.keys().isdisjoint(ids):
                     break
-                await asyncio.gather(*busy)
+                # one of these ids is being written
+                await asyncio.gather(*{writing[m] for m in writing.keys() & ids})
         finally:
             del self._active[token]
         # (no await from here to the claim: no other batch can claim one of these ids between)
@@ -137,10 +147,22 @@ class Deduper:
         return found, self._claim(claimed)
 
     def _claim(self, claimed: list[str]) -> Claim:
-        fut = asyncio.get_running_loop().create_future() if claimed else None
-        if fut is not None:
-            self._writing.update(dict.fromkeys(claimed, fut))
-        return Claim(claimed, fut, claimed)
+        claim = Claim(claimed, None, claimed)
+        if claimed:
+            self._flying[id(claim)] = claim
+        return claim
+
+    def _enter_flying(self) -> None:
+        """Enter the ids of the claims being written in ``_writing``, each claim with its
+        future, for a lookup that must not claim one of them (on the loop, no await: the
+        claims were made with no await between their look and the claim, so no id is in
+        two of them)."""
+        loop = asyncio.get_running_loop()
+        for claim in self._flying.values():
+            claim.future = fut = loop.create_future()
+            claim.entered = True
+            self._writing.update(dict.fromkeys(claim.held, fut))
+        self._flying.clear()
 
     def written(self, claim: Claim, first: int, dues: list[int]) -> None:
         """The claimed ids were written with sequences from ``first``, due at ``dues``."""
@@ -156,6 +178,9 @@ class Deduper:
             claim.future.set_result(False)
 
     def _release(self, claim: Claim) -> None:
+        if not claim.entered:
+            self._flying.pop(id(claim), None)
+            return
         # each held id maps to this claim's future alone: check() claims only ids no other
         # batch is writing, with no await between its look and its claim
         collections.deque(map(self._writing.pop, claim.held, itertools.repeat(None)), maxlen=0)
@@ -193,7 +218,7 @@ class Deduper:
             self._tidy = asyncio.get_running_loop().call_later(TIDY_AFTER, self._tidy_up)
             return
         self._recent.trim(self._floor_now(), idle=True)  # sends stopped: the smallest table
-        if not self._writing:  # a burst forgotten: hand the freed heap back (RSS)
+        if not self._writing and not self._flying:  # a burst forgotten: hand the freed heap back (RSS)
             allocator.trim()
 
     def _floor_now(self) -> int:

@@ -65,6 +65,34 @@ def test_a_batch_with_an_id_being_written_waits_for_that_write():
         await asyncio.sleep(0.01)
         d.failed(claim)  # the write of r failed: the waiting batch writes r itself
         dups, claim = await third
-        assert dups == {} and claim.ids == ["r"] and set(d._writing) == {"r"}
+        assert dups == {} and claim.ids == ["r"]
+        # r is being written by the third alone: entered for a lookup that began meanwhile
+        # (below), not before (no other batch looked while it was being written)
+        assert d._writing == {} and [c.ids for c in d._flying.values()] == [["r"]]
+        fourth = asyncio.ensure_future(d.check(["r", "s"]))
+        await asyncio.sleep(0.01)
+        assert not fourth.done() and set(d._writing) == {"r"} and not d._flying
+        d.written(claim, 30, [3])
+        dups, claim = await fourth
+        assert dups == {0: Receipt("r", 3, 30)} and claim.ids == ["s"]
+        d.written(claim, 31, [4])
+        assert d._writing == {} and not d._flying
+
+    asyncio.run(main())
+
+
+def test_batches_one_at_a_time_enter_no_id_and_make_no_future():
+    """A generated stub's SendBatch, one call in flight: each batch's claim is dropped when
+    written, nothing entered in ``_writing`` and no future made for nobody to wait on."""
+
+    async def main():
+        d = Deduper(_engine(), 600_000)
+        for k in range(3):
+            _dups, claim = await d.check([f"a{k}", f"b{k}"])
+            assert claim.future is None and d._writing == {} and len(d._flying) == 1
+            d.written(claim, 10 + 2 * k, [1, 2])
+            assert not d._flying
+        dups, _claim = await d.check(["a1", "z"])
+        assert dups == {0: Receipt("a1", 1, 12)}
 
     asyncio.run(main())
