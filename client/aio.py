@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -134,7 +135,8 @@ class Client:
         self._batcher: SendBatcher | None = None
         self._canceller: CancelBatcher | None = None  # concurrent cancel() calls share CancelBatch calls
         self._rescheduler: RescheduleBatcher | None = None  # and reschedule() calls RescheduleBatch calls
-        self._consumers: set[Consumer] = set()
+        # closed by close(); weak: a consumer dropped unclosed is freed (its stream ends)
+        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
         self._closed = False
 
     # ------------------------------------------------------------------ plumbing
@@ -392,6 +394,30 @@ class Client:
 _END = object()
 
 
+class _Live:
+    """A consumer's stream as its finalizer sees it (never the consumer itself): the loop
+    its reader runs on and the current stream's request queue."""
+
+    def __init__(self, closed: asyncio.Event) -> None:
+        self.closed = closed
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.requests: asyncio.Queue | None = None
+
+    def end_soon(self) -> None:
+        """The consumer was collected unclosed: end its stream on its loop."""
+        if self.loop is None:
+            return  # never started: no stream
+        try:
+            self.loop.call_soon_threadsafe(self._end)
+        except RuntimeError:  # the loop is closed: its tasks and streams are gone
+            pass
+
+    def _end(self) -> None:
+        self.closed.set()
+        if self.requests is not None:
+            self.requests.put_nowait(_END)  # half-close: queued acks go, then the server ends it
+
+
 class Consumer:
     """One subscription as an async iterator (of deliveries, or of batches with
     :meth:`batches`), surviving the server.
@@ -405,7 +431,9 @@ class Consumer:
     (at-least-once). Iteration ends only after :meth:`close`; other errors
     (UNAUTHENTICATED, INVALID_ARGUMENT, ...) are raised to the reader of the iterator. With
     ``wait_for_group`` a FAILED_PRECONDITION is subscribed again too, as the blocking
-    consumer does (``resubscribe_on``).
+    consumer does (``resubscribe_on``). A consumer dropped without :meth:`close` is freed
+    by the collector and its stream half-closed (what it held goes to the group's other
+    consumers at once); neither its client nor its reader task keeps it.
     """
 
     def __init__(
@@ -429,6 +457,11 @@ class Consumer:
             response_deserializer=deliveries_of(group),
         )
         client._consumers.add(self)
+        # what ends the stream of a consumer dropped without close(): the reader task holds
+        # the consumer only weakly (``_read``), so it is collected, and this half-closes
+        # its stream, on its loop (the collector may run in any thread)
+        self._live = _Live(self._closed)
+        self._finalizer = weakref.finalize(self, self._live.end_soon)
 
     def _open(self):
         requests: asyncio.Queue = asyncio.Queue()
@@ -445,7 +478,7 @@ class Consumer:
                     return
                 yield item
 
-        self._requests = requests
+        self._requests = self._live.requests = requests
         self._call = self._subscribe(stream(), metadata=self._client.metadata)
         return self._call
 
@@ -457,39 +490,49 @@ class Consumer:
             if isinstance(item, pb.SubscribeRequest):
                 self._pending_acks.extend(item.ack_ids)
 
-    async def _read(self) -> None:
-        """The reader task: one stream after another until the consumer is closed."""
+    @staticmethod
+    async def _read(ref: weakref.ref[Consumer], closed: asyncio.Event, inbox: asyncio.Queue) -> None:
+        """The reader task: one stream after another until the consumer is closed, or
+        collected (it holds the consumer only while it opens a stream or counts a retry)."""
         attempt = 0
         try:
-            while not self._closed.is_set():
-                call = self._open()
+            while not closed.is_set():
+                me = ref()
+                if me is None:
+                    return
+                call, resubscribe_on = me._open(), me._resubscribe_on
+                del me
                 try:
                     async for resp in call:
                         attempt = 0
                         if resp:  # a list of Delivery (the deserializer's)
-                            self._inbox.put_nowait(resp)
+                            inbox.put_nowait(resp)
                 except grpc.RpcError as e:
-                    if not self._closed.is_set() and e.code() not in self._resubscribe_on:
-                        self._inbox.put_nowait(translate(e))
+                    if not closed.is_set() and e.code() not in resubscribe_on:
+                        inbox.put_nowait(translate(e))
                         return
-                if self._closed.is_set():
+                me = ref()
+                if closed.is_set() or me is None:
                     return
                 # the server went away or ended the stream: subscribe again
-                self._carry_over()
+                me._carry_over()
                 attempt += 1
-                self.reconnects += 1
-                delay = retry_wait(self._client.retry_backoff, attempt)
-                log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
+                me.reconnects += 1
+                delay = retry_wait(me._client.retry_backoff, attempt)
+                log.info("subscription %s/%s ended; subscribing again in %.2f s", me.subject, me.group, delay)
+                del me
                 try:
-                    await asyncio.wait_for(self._closed.wait(), delay)
+                    await asyncio.wait_for(closed.wait(), delay)
                 except TimeoutError:
                     pass
         finally:
-            self._inbox.put_nowait(_END)
+            inbox.put_nowait(_END)
 
     def _start(self) -> None:
         if self._reader is None and not self._closed.is_set():
-            self._reader = asyncio.get_running_loop().create_task(self._read(), name="qdelay-consumer")
+            loop = self._live.loop = asyncio.get_running_loop()
+            reading = self._read(weakref.ref(self), self._closed, self._inbox)
+            self._reader = loop.create_task(reading, name="qdelay-consumer")
 
     async def _next(self, timeout: float | None = None) -> list[Delivery] | None:
         """The next batch, None at the end (after close) or on timeout."""
@@ -559,6 +602,7 @@ class Consumer:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._finalizer.detach()
         self._client._consumers.discard(self)
         if self._requests is not None:
             self._requests.put_nowait(_END)  # half-close: the server applies the acks, then ends

@@ -353,3 +353,34 @@ def test_tasks_cancelled_mid_call_and_while_queued_and_a_short_timeout(server):
             assert await c.cancel(receipts[10]) == "CANCELLED"  # the client goes on
 
     run(main())
+
+
+def test_a_consumer_dropped_without_close_ends_its_stream_and_task(server):
+    """A consumer the user drops without close() (and its stream open, deliveries in its
+    hands) is freed by the collector, and its stream ends, so the server gives what it held
+    to the group's other consumers at once: the client kept every unclosed consumer in a
+    strong set until close(), and the reader task kept it too, its stream open and its
+    deliveries held for ever. A never-started one is freed as well."""
+    import gc
+    import weakref
+
+    async def main():
+        async with Client(server.address) as c:
+            s = subject()
+            sent = [await c.send(s, b"x") for _ in range(3)]
+            dropped = c.subscribe(s, group="g", max_in_flight=10)
+            held = await dropped.receive(3, 10)  # its stream open, the messages in its hands
+            assert sorted(d.message_id for d in held) == sorted(r.message_id for r in sent)
+            unstarted = weakref.ref(c.subscribe(s, group="g"))
+            gone = weakref.ref(dropped)
+            del dropped, held
+            gc.collect()
+            assert gone() is None and unstarted() is None
+            await until(lambda: not [t for t in asyncio.all_tasks() if t.get_name() == "qdelay-consumer"], "reader")
+            async with c.subscribe(s, group="g", max_in_flight=10) as other:  # given at once, not after the ack timeout
+                again = await other.receive(3, 10)
+                assert sorted(d.message_id for d in again) == sorted(r.message_id for r in sent)
+                assert all(d.attempt == 2 for d in again)
+                other.ack(again)
+
+    run(main())
