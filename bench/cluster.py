@@ -37,7 +37,7 @@ import time
 
 import psutil
 
-from bench.common import OUT_DIR
+from bench.common import write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from etcdproc import EtcdProc  # noqa: E402
@@ -263,9 +263,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     print(json.dumps(out, indent=1))
-    os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "cluster.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    write_json("cluster", out)
     return 0
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from bench.common import OUT_DIR, cpu_seconds, until_idle
+from bench.common import cpu_seconds, until_idle, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from serverproc import ServerProc  # noqa: E402
@@ -275,9 +275,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     print(json.dumps(out, indent=1))
-    os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "replication.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    write_json("replication", out)
     return 0
 
 

@@ -168,6 +168,25 @@ def test_no_client_task_is_left_pending(tmp_path, case):
     assert "was never awaited" not in err, err
 
 
+class LetsCallerGo:
+    """A lock stand-in for the close races below: a caller is held just before it takes the
+    lock; close() (any other thread) taking it sets ``go``, so the held caller goes on while
+    close() runs."""
+
+    def __init__(self, lock, go, caller) -> None:
+        self._lock, self._go, self._caller = lock, go, caller
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is not self._caller():
+            self._go.set()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self._lock.__exit__(*exc)
+
+
 def test_blocking_client_used_after_close_refuses_at_once(server):
     from qdelay.client import Client
 
@@ -423,22 +442,8 @@ def test_a_call_handing_over_as_close_runs_is_refused_or_answered(server, call):
         go.wait(30)
         put(loop, item)
 
-    class Seen:
-        """The batcher's hand-over lock; close() waiting for it lets the held caller go."""
-
-        def __init__(self, lock) -> None:
-            self._lock = lock
-
-        def __enter__(self):
-            if threading.current_thread() is not caller:
-                go.set()
-            return self._lock.__enter__()
-
-        def __exit__(self, *exc):
-            return self._lock.__exit__(*exc)
-
     batcher._inbox.put = held_put
-    batcher._handover = Seen(getattr(batcher, "_handover", threading.Lock()))
+    batcher._handover = LetsCallerGo(getattr(batcher, "_handover", threading.Lock()), go, lambda: caller)
     got: list = []
 
     def call_it() -> None:
@@ -479,22 +484,8 @@ def test_a_bulk_call_scheduled_as_close_runs_is_refused_or_answered(server):
             go.wait(30)
         return on_channel(work)
 
-    class Seen:
-        """The bulk loop's lock; close() waiting for it lets the held caller go."""
-
-        def __init__(self, lock) -> None:
-            self._lock = lock
-
-        def __enter__(self):
-            if threading.current_thread() is not caller:
-                go.set()
-            return self._lock.__enter__()
-
-        def __exit__(self, *exc):
-            return self._lock.__exit__(*exc)
-
     bulk._on_channel = held
-    bulk._lock = Seen(bulk._lock)
+    bulk._lock = LetsCallerGo(bulk._lock, go, lambda: caller)  # the bulk loop's lock
     got: list = []
 
     def call_it() -> None:

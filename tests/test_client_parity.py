@@ -146,6 +146,19 @@ def test_sharded_clients_reschedule_many_and_groups_per_shard(tmp_path, etcd):  
             p.kill9()
 
 
+def receive_one(consumers: list) -> list:
+    """The first delivery any of ``consumers`` gets (a consumer's refusal is raised here)."""
+    got: list = []
+
+    def delivered() -> bool:
+        for cons in consumers:
+            got.extend(cons.receive(1, 0.05))
+        return bool(got)
+
+    wait_until(delivered, 20, "the delivery")
+    return got
+
+
 def test_cluster_client_subscribe_all_waits_out_a_slave_without_the_group(tmp_path):
     """subscribe_all with a group that does not exist yet: the slave refuses the Subscribe
     that would create it (FAILED_PRECONDITION). Its consumer ended with that error; now the
@@ -162,14 +175,7 @@ def test_cluster_client_subscribe_all_waits_out_a_slave_without_the_group(tmp_pa
             try:
                 assert cc.groups(subject="par.sub")[0]["group"] == "fresh"  # made on the master
                 sent = cc.send("par.sub", b"now")
-                got: list = []
-
-                def delivered() -> bool:
-                    for cons in consumers:  # a refusal would be raised here
-                        got.extend(cons.receive(1, 0.05))
-                    return bool(got)
-
-                wait_until(delivered, 20, "the delivery")
+                got = receive_one(consumers)
                 assert [(d.message_id, d.payload) for d in got] == [(sent.message_id, b"now")]
                 # the slave's consumer is still subscribed, not ended by the refusal
                 assert consumers[0].receive(1, 0.05) == []
@@ -252,17 +258,6 @@ def test_sharded_subscribe_all_makes_the_group_and_waits_out_a_slave(tmp_path, e
         s1 = wait_shard(nodes[0].address, "s1", 1)
         wait_shard(s1.slaves[0], "s1", 1)  # the seed: the client reads the topology from it
         wait_until(lambda: status(s1.slaves[0]).connected, 20, "slave attached", ignore=RPC_ERRORS)
-
-        def receive_one(consumers: list) -> list:
-            got: list = []
-
-            def delivered() -> bool:
-                for cons in consumers:  # a refusal would be raised here
-                    got.extend(cons.receive(1, 0.05))
-                return bool(got)
-
-            wait_until(delivered, 20, "the delivery")
-            return got
 
         with ShardedClient(s1.slaves[0]) as sc:
             consumers = sc.subscribe_all("par.sub", "fresh")

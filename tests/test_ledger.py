@@ -386,10 +386,10 @@ def test_in_flight_questions_cost_no_search_of_the_bucket_s_flights():
     assert led.entered == 8_750
 
 
-def test_a_question_enters_a_bounded_share_and_searches_the_rest(monkeypatch: Any) -> None:
-    """After a burst, the first questions do not pay the entry of every delivery at once
-    (~10x a search of them): each enters about ENTER_MAX and searches the flights not
-    entered yet; once caught up, none searches."""
+def burst_of_flights(monkeypatch: Any) -> AckLedger:
+    """A ledger right after a burst: 10,000 deliveries of minute 7 handed out in 200 flights
+    of 50 (sequences 1..10,000), none entered in the minute's index yet, ENTER_MAX 1,000 and
+    the searches counted from 0."""
     monkeypatch.setattr(ledger_mod, "ENTER_MAX", 1_000)
     led = AckLedger()
     CountedKeys.searches = 0
@@ -398,6 +398,14 @@ def test_a_question_enters_a_bounded_share_and_searches_the_rest(monkeypatch: An
         for k in range(1, 10_001, 50)
     ]
     led.hand_out(flights, TIMEOUT)
+    return led
+
+
+def test_a_question_enters_a_bounded_share_and_searches_the_rest(monkeypatch: Any) -> None:
+    """After a burst, the first questions do not pay the entry of every delivery at once
+    (~10x a search of them): each enters about ENTER_MAX and searches the flights not
+    entered yet; once caught up, none searches."""
+    led = burst_of_flights(monkeypatch)
     assert not led.is_in_flight(10_001, 7)  # not out: every flight not entered is searched
     assert led.entered == 1_000 and CountedKeys.searches == 180
     for k in range(2, 11):
@@ -433,14 +441,7 @@ def test_a_cancel_s_question_about_many_targets_does_not_search_the_flights_once
     every flight 1,000 times (seconds under the scheduler's lock; 64 targets on the event
     loop ~0.1 s): a question about n targets enters up to n x ENTER_MAX, so the lookups
     search nothing once it has caught up."""
-    monkeypatch.setattr(ledger_mod, "ENTER_MAX", 1_000)
-    led = AckLedger()
-    CountedKeys.searches = 0
-    flights = [
-        Flight(7, 1, 1, 0, CountedKeys(range(k, k + 50)), [0] * 50, [0] * 50, [1] * 50, [b""] * 50)
-        for k in range(1, 10_001, 50)
-    ]
-    led.hand_out(flights, TIMEOUT)
+    led = burst_of_flights(monkeypatch)
     targets = list(range(10_001, 10_501))  # none out: each lookup looks at everything
     containers = led.in_flight_of([7], len(targets))
     assert not any(q in c for q in targets for c in containers)
