@@ -54,7 +54,10 @@ class PyGate:
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once open, False after ``timeout`` seconds (None: no limit)."""
-        if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+        # beyond TIMEOUT_MAX (inf) waits without limit, as the native one (Lock raised
+        # OverflowError); NaN stays Lock's ValueError
+        unlimited = timeout is None or timeout > threading.TIMEOUT_MAX
+        if not self._lock.acquire(True, -1 if unlimited else max(timeout, 0.0)):
             return False
         self._lock.release()  # the gate stays open: a second wait returns True
         return True

@@ -11,7 +11,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pythread.h>
+#include <math.h>
 #include <time.h>
+
+/* whether a str is the given ASCII name (public API only: PyUnicode_CompareWithASCIIString) */
+static int is_name(PyObject *s, const char *name) {
+    return PyUnicode_Check(s) && PyUnicode_CompareWithASCIIString(s, name) == 0;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -55,19 +61,32 @@ static double monotonic(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* wait(timeout=None) -> bool: True once open, False after ``timeout`` seconds. Signals are
- * handled as threading.Lock.acquire handles them: the handler runs, and its exception
+/* wait(timeout=None) -> bool: True once open, False after ``timeout`` seconds (by position
+ * or keyword, as the twin; NaN is a ValueError, as threading.Lock says; one beyond
+ * PY_TIMEOUT_MAX waits without limit, as the twin). Signals are handled as
+ * threading.Lock.acquire handles them: the handler runs, and its exception
  * (KeyboardInterrupt) is raised from here. */
-static PyObject *gate_wait(Gate *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs > 1) {
+static PyObject *gate_wait(Gate *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs + nkw > 1) {
         PyErr_SetString(PyExc_TypeError, "wait() takes at most one argument");
         return NULL;
     }
+    if (nkw == 1 && !is_name(PyTuple_GET_ITEM(kwnames, 0), "timeout")) {
+        PyErr_Format(PyExc_TypeError, "wait() got an unexpected keyword argument '%S'", PyTuple_GET_ITEM(kwnames, 0));
+        return NULL;
+    }
+    PyObject *arg = nargs + nkw == 1 ? args[0] : Py_None;
     double timeout = -1.0;
-    if (nargs == 1 && args[0] != Py_None) {
-        timeout = PyFloat_AsDouble(args[0]);
+    if (arg != Py_None) {
+        timeout = PyFloat_AsDouble(arg);
         if (timeout == -1.0 && PyErr_Occurred())
             return NULL;
+        if (isnan(timeout)) {
+            PyErr_SetString(PyExc_ValueError, "Invalid value NaN (not a number)");
+            return NULL;
+        }
         if (timeout < 0)
             timeout = 0;
     }
@@ -157,7 +176,7 @@ static PyObject *open_all(PyObject *module, PyObject *gates) {
 }
 
 static PyMethodDef gate_methods[] = {
-    {"wait", (PyCFunction)(void (*)(void))gate_wait, METH_FASTCALL,
+    {"wait", (PyCFunction)(void (*)(void))gate_wait, METH_FASTCALL | METH_KEYWORDS,
      "wait(timeout=None) -> bool: True once open, False after timeout seconds (the GIL released)"},
     {"open", (PyCFunction)gate_open, METH_NOARGS, "open(): wake the waiter (once; again is a no-op)"},
     {NULL, NULL, 0, NULL},

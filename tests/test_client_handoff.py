@@ -223,3 +223,33 @@ def test_the_inbox_wakes_the_loop_once_wake_at_items_wait():
     assert inbox.drain() == [5]  # the loop pulls what it finds when it looks anyway
     loop.run()  # the wake-up scheduled for 5 finds nothing left
     assert taken == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("which", SIDES)
+def test_both_gates_take_the_same_timeouts(which):
+    """The twins agree on every timeout, not only the usual ones: ``timeout=`` by keyword
+    (the native one refused it), one beyond the platform's limit (inf, 1e300: the twin
+    raised OverflowError, outside the exception tree, where the native one waits without
+    limit, so ``send(timeout=float('inf'))`` failed only without the extension) and NaN
+    (ValueError, as threading.Lock: the native one waited for ever)."""
+    gate_type, _open_all = _impl(which)
+    g = gate_type()
+    assert g.wait(timeout=0) is False and g.wait(timeout=0.01) is False
+    with pytest.raises(TypeError):
+        g.wait(0, 0)
+    with pytest.raises(TypeError):
+        g.wait(when=0)
+    with pytest.raises(ValueError):
+        g.wait(float("nan"))
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(g.wait(float("inf"))), daemon=True)
+    t.start()
+    t2 = threading.Thread(target=lambda: got.append(g.wait(1e300)), daemon=True)
+    t2.start()
+    g.open()
+    t.join(30)
+    t2.join(30)
+    assert got == [True, True]
+    assert g.wait(timeout=float("inf")) is True and g.wait(1e300) is True
+    with pytest.raises(ValueError):
+        g.wait(float("nan"))  # open or not: the argument is checked first
