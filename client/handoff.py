@@ -56,8 +56,11 @@ class PyGate:
         """True once open, False after ``timeout`` seconds (None: no limit)."""
         # beyond TIMEOUT_MAX (inf) waits without limit, as the native one (Lock raised
         # OverflowError); NaN stays Lock's ValueError
-        unlimited = timeout is None or timeout > threading.TIMEOUT_MAX
-        if not self._lock.acquire(True, -1 if unlimited else max(timeout, 0.0)):
+        if timeout is None or timeout > threading.TIMEOUT_MAX:
+            timeout = -1
+        elif timeout < 0:
+            timeout = 0.0
+        if not self._lock.acquire(True, timeout):
             return False
         self._lock.release()  # the gate stays open: a second wait returns True
         return True
