@@ -272,8 +272,10 @@ class Engine:
             corruption=self.policy,
             min_next_sequence=int(state.get("sequence", 0)) + 1,
         )
-        # by-id lookups wait for every record committed before this engine opened or last
+        # every look at a message (by id or by receipt) and every delivery wait until the
+        # iterate service has copied what was committed before this engine opened or last
         # changed its role (set_role): only this term's tombstones are covered by its claims
+        # (a tombstone durable before a crash may still be in the message log alone)
         self._claims_from = self.wal.committed_sequence
         self.schedule = BucketLog(
             os.path.join(root, naming.SCHEDULE_DIR), naming.SCHEDULE_SUFFIX, self.pool, indexed=True
@@ -489,8 +491,19 @@ class Engine:
         self.scheduler.prime(self.clock())
         self.iterate.start()
         if self.role == "master":
+            self._hold_deliveries()
             self.scheduler.start()
         self.cleaner.start()
+
+    def _hold_deliveries(self) -> None:
+        """No delivery before the iterate service has copied what the message log held when
+        this engine opened or became master (``_claims_from``): a tombstone durable before a
+        crash (or replicated to a slave now promoted) may be there alone, covered by no claim
+        of this process, and the loader may meanwhile fire its target from the schedule log
+        (docs/recovery.md row 17). Once copied, each such tombstone has been published to
+        the scheduler (``on_written``) before the hold ends."""
+        floor, iterate = self._claims_from, self.iterate
+        self.scheduler.hold_deliveries(lambda: iterate.sequence >= floor)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop dispatching, let the iterate catch up (``timeout`` at most: the server's
@@ -542,6 +555,7 @@ class Engine:
             with self.iterate.append_lock:
                 sched.prime(self.clock())
                 self.iterate.on_written = sched.on_written
+            self._hold_deliveries()
             sched.start()
         elif was == "master" and role != "master":
             self.scheduler.stop()
@@ -923,8 +937,8 @@ class Engine:
         for a Get: at most CLAIM_NOW_MAX receipts (no id: the id index may wait), each of a
         message the iterate service has copied, in a bucket with nothing written behind,
         its schedule index there and its dispatch index current."""
-        if len(targets) > CLAIM_NOW_MAX:
-            return False
+        if len(targets) > CLAIM_NOW_MAX or self.iterate.sequence < self._claims_from:
+            return False  # (the replay after a restart not past the log's end at open: _iterated)
         ready = min(self.wal.committed_sequence, self.iterate.sequence)
         dues: list[int] = []
         for _mid, due, seq in targets:
@@ -1025,10 +1039,16 @@ class Engine:
 
     def _iterated(self, sequence: int) -> None:
         """Wait (up to 5 s) until the schedule log and the id index hold every record up to
-        ``sequence``, the lookups' precondition. A service that stopped on an error is said
+        ``sequence``, and every record the message log held when this engine opened or last
+        changed its role (``_claims_from``): the lookups' precondition. A look at a target
+        needs more than its own record: a tombstone of it committed before a crash and not
+        yet copied is covered by no claim of this process (claims live in memory), so a
+        Get would say PENDING and a Reschedule move a message a Cancel had answered
+        CANCELLED (docs/recovery.md row 17). Once the replay after a restart has passed that
+        floor, this is one comparison. A service that stopped on an error is said
         to have stopped, with the error: "behind; retry" would send users retrying against a
         server whose log says it needs an operator."""
-        if self.iterate.wait_for(sequence, timeout=5.0):
+        if self.iterate.wait_for(max(sequence, self._claims_from), timeout=5.0):
             return
         if self.iterate.error is not None:
             raise StorageError(
@@ -1650,7 +1670,8 @@ class Engine:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found
         if 0 < sequence <= self.wal.committed_sequence:
-            if iterate.sequence < sequence or not self._readable_now(
+            # as _iterated: also the records the log held at open (a tombstone of this one)
+            if iterate.sequence < max(sequence, self._claims_from) or not self._readable_now(
                 bucket_of(deliver_at_ms, self.config.scale_minutes)
             ):
                 return None

@@ -179,6 +179,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._sleeping_until: float | None = None  # when the timer thread, waiting, wakes by itself
+        # while set and False, nothing is handed out (hold_deliveries); None once it said True
+        self._held: Callable[[], bool] | None = None
         self._last_done_check = 0
         # counters
         self.acked = 0
@@ -221,6 +223,15 @@ class Scheduler:
     def set_sink(self, sink: DeliverySink | None) -> None:
         self.sink = sink
         self.wake()
+
+    def hold_deliveries(self, until: Callable[[], bool]) -> None:
+        """Hand nothing out until ``until()`` is true (asked at each dispatch round, every
+        10 ms while it is false; forgotten once true): the engine's rule after a restart or a
+        promotion, until the iterate service has copied the tombstones the message log held
+        then (Engine._hold_deliveries). Loading and firing go on meanwhile; a tombstone
+        copied in the meantime takes its target out of the wheel or the ready queues
+        (``on_written``) before the hold ends."""
+        self._held = until
 
     @property
     def error(self) -> BaseException | None:
@@ -310,6 +321,8 @@ class Scheduler:
             t = min(t, now + self.cfg.dispatch_flush_ms)
         if self.timer.ready_total and self.sink is not None and self.cfg.dispatch_rate > 0:
             t = min(t, now + 5)
+        if self._held is not None:
+            t = min(t, now + 10)  # deliveries held (hold_deliveries): look again soon
         return max(0.0, (t - now) / 1000.0)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -593,6 +606,11 @@ class Scheduler:
         sink = self.sink
         if sink is None:
             return False
+        held = self._held
+        if held is not None:
+            if not held():
+                return False
+            self._held = None
         d = self.dispatcher
         for _round in range(64):  # then let the loop flush dispatch records and fire new entries
             with self.lock:
