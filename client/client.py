@@ -903,15 +903,19 @@ class Client:
         cannot be encoded ends the requests; the batches before it are answered, then it is
         raised."""
         credit = asyncio.Semaphore(max_in_flight)
-        state: dict = {"exhausted": False, "error": None}
+        state: dict = {"exhausted": False, "error": None, "ended": False}
         ends_at = time.monotonic() + timeout / 2
 
         async def requests():
             for request, _ids in list(unanswered):  # sent again, in order, ahead of anything new
                 await credit.acquire()
+                if state["ended"]:
+                    return
                 yield request
             while time.monotonic() < ends_at:
                 await credit.acquire()
+                if state["ended"]:
+                    return
                 try:
                     item = next_request()
                 except errors.QdelayError as err:
@@ -932,6 +936,11 @@ class Client:
                 credit.release()
         finally:
             call.cancel()  # a no-op once the call ended; stops the request generator otherwise
+            # a generator waiting for credit the ended call will never give back ends now:
+            # else grpc's task that reads it stayed pending for the loop's life, one per
+            # refused stream ("Task was destroyed but it is pending!" when the loop closed)
+            state["ended"] = True
+            credit.release()
         if state["error"] is not None:
             raise state["error"]
         if unanswered:

@@ -107,6 +107,27 @@ def test_a_refused_send_many_raises_the_servers_status_not_a_lost_one(server):
             assert "messages[0].subject" in str(info.value) and len(info.value.receipts) == 50
 
 
+def test_a_refused_send_many_leaves_no_task_pending_on_the_io_loop(server):
+    """A refused SendStream left its request generator waiting for credit the ended call
+    never gave back, and grpc's task reading it pending for the loop's life: one per refused
+    send_many ("Task was destroyed but it is pending!" by the dozen when the loop closed)."""
+    import asyncio
+
+    from qdelay.client import Outgoing
+
+    async def tasks(_channel) -> list:
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    later = int(time.time() * 1000) + 3_600_000
+    with Client(server.address, batching=False) as c:
+        for k in range(3):
+            msgs = [Outgoing("left", b"p", deliver_at_ms=later, message_id=f"left{k}-{i}") for i in range(40)]
+            msgs[20] = msgs[20]._replace(subject="")
+            with pytest.raises(errors.InvalidArgument):
+                c.send_many(msgs, batch_size=5, max_in_flight=2)
+        wait_until(lambda: not c._bulk.run(tasks), timeout=10, what="no task left on the I/O loop")
+
+
 def test_batching_off_sends_one_call_per_message(server):
     with Client(server.address, batching=False) as c:
         r = c.send(subject(), b"x", delay_ms=HOUR_MS)
