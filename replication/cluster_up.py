@@ -97,7 +97,27 @@ def _last_line(path: str) -> str:
         return (f.read().decode(errors="replace").strip().splitlines() or [""])[-1]
 
 
+def _ports_refused(args: argparse.Namespace) -> str:
+    """Why the servers' ports (``--base-port`` and the next ones, one a server) cannot be
+    used, or "": past 65535, or on etcd's client or peer port. Each flag's own range is
+    argparse's; this is what they say together."""
+    count = args.shards * args.nodes
+    first, last = args.base_port, args.base_port + count - 1
+    if last > 65535:
+        return f"--base-port {first}: the {count} servers need ports {first} to {last}; the last is 65535"
+    if first <= args.etcd_port + 1 and args.etcd_port <= last:
+        return (
+            f"--base-port {first}: the {count} servers' ports 127.0.0.1:{first}-{last} take etcd's "
+            f"{args.etcd_port} or {args.etcd_port + 1} (--etcd-port): give ports apart"
+        )
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
+    refused = _ports_refused(args)
+    if refused:  # a usage error, as a port out of range given alone: nothing started
+        print(f"qdelay cluster up: {refused}", file=sys.stderr)
+        return 2
     etcd_bin = shutil.which("etcd")
     if etcd_bin is None:
         print("qdelay cluster up: etcd is not installed (apt-get install etcd-server, or make setup)", file=sys.stderr)

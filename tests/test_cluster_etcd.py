@@ -917,3 +917,29 @@ def test_a_sharded_send_that_fails_on_one_shard_says_what_the_others_acknowledge
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_cluster_up_refuses_servers_ports_out_of_range_or_on_etcds(tmp_path):
+    """``--base-port`` is checked with the servers it numbers: ``--base-port 65535`` with 2
+    shards x 2 nodes started etcd and four servers, the last three on ports 65536-65538
+    (exit 1 once one failed to listen); a base that puts a server on etcd's client or peer
+    port started them all to collide. Both are usage errors (exit 2) before anything
+    starts, as a port out of range given alone is."""
+    import subprocess
+    import sys
+
+    etcd_port = _two_free_ports()
+    for args, want in [
+        (["--base-port", "65535"], "--base-port 65535: the 4 servers need ports 65535 to 65538; the last is 65535"),
+        (["--base-port", str(etcd_port - 1)], f"--base-port {etcd_port - 1}: the 4 servers' ports 127.0.0.1:"),
+    ]:
+        root = tmp_path / f"c{args[1]}"
+        cp = subprocess.run(
+            [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", str(root), "--shards", "2"]
+            + ["--nodes", "2", "--etcd-port", str(etcd_port), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cp.returncode == 2 and "Traceback" not in cp.stderr and want in cp.stderr, (args, cp.stderr)
+        assert not root.exists(), "something was started"
