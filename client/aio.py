@@ -33,6 +33,7 @@ from typing import Any, cast
 import grpc
 
 from qdelay import errors
+from qdelay.addresses import check_target
 from qdelay.client import client as blocking
 from qdelay.client.batching import Batching, CancelBatcher, RescheduleBatcher, SendBatcher, retry_wait
 from qdelay.client.client import (
@@ -108,6 +109,7 @@ class Client:
         batching: Batching | bool = True,
         keepalive: float | None = KEEPALIVE_S,
     ) -> None:
+        check_target(target)  # as the blocking client: HOST:PORT, refused at once without its port
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, cast
 import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
+from qdelay.addresses import check_target
 from qdelay.client.batching import (
     BatchCall,
     Batching,
@@ -577,7 +578,9 @@ class Client:
         unary Send per call. ``keepalive``: seconds between HTTP/2 pings while a call is open
         (a consumer's idle stream), so that a dead connection is noticed; None turns them
         off. Keep it at or above the server's ``min_ping_interval_ms`` (10 s), which refuses
-        faster pings with GOAWAY."""
+        faster pings with GOAWAY. ``target``: HOST:PORT (or a gRPC ``unix:``/``dns:`` target),
+        refused at once (InvalidArgument) without its port, which gRPC would take as 443."""
+        check_target(target)
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

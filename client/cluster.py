@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from qdelay import errors
+from qdelay.addresses import check_target
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids
 from qdelay.client.failover import Backoff, cancel_tries, consumers_everywhere, retryable
 from qdelay.client.sharded import SEND_MANY_CHUNK, Joined, _chunks, _with_id, resumed
@@ -50,7 +51,8 @@ class ClusterClient:
             targets = [t.strip() for t in targets.split(",") if t.strip()]
         if not targets:
             raise errors.InvalidArgument("ClusterClient needs at least one server")
-        self.targets = list(targets)
+        # all before any channel is made: one bad address must not leave the others' open
+        self.targets = [check_target(t, "a server address") for t in targets]
         self.clients = [Client(t, retries=0, timeout=timeout, **client_kw) for t in self.targets]
         self.failover_timeout = failover_timeout
         self.backoff = backoff

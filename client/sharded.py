@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
+from qdelay.addresses import check_target
 from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
 from qdelay.client.failover import Backoff, acancel_tries, cancel_tries, consumers_everywhere, retryable
 from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, by_id, ref
@@ -352,7 +353,8 @@ def _seeds(seeds: Sequence[str] | str) -> list[str]:
         seeds = [t.strip() for t in seeds.split(",") if t.strip()]
     if not seeds:
         raise errors.InvalidArgument("a sharded client needs at least one seed address")
-    return list(seeds)
+    # each at once: the asyncio client makes its servers' clients only at its first call
+    return [check_target(seed, "a seed address") for seed in seeds]
 
 
 class _Sharded:

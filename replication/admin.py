@@ -11,6 +11,7 @@
                                                     (none: "no groups ...", exit 0)
 
 Every command takes ``--token-file`` / ``--tls-ca`` / ``--tls-server-name`` like a client.
+Every address (A, B, M above) is HOST:PORT; one without its port is a usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 
 import grpc
 
-from qdelay.errors import QdelayError
+from qdelay.addresses import check_target
+from qdelay.errors import InvalidArgument, QdelayError
 from qdelay.replication import common
 from qdelay.units import counted
 from qdelay.v1 import replication_pb2 as rpb
@@ -195,9 +197,23 @@ def _unreadable(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _bad_address(args: argparse.Namespace) -> str | None:
+    """Why an address flag is not HOST:PORT (None when all are), before any call: without
+    its port gRPC tried 443, its default, and the server was reported unreachable there."""
+    for flag in ("--servers", "--server", "--target", "--master"):
+        value = getattr(args, flag[2:], None) or ""
+        for address in value.split(",") if flag == "--servers" else [value]:
+            if address.strip():
+                try:
+                    check_target(address.strip(), flag)
+                except InvalidArgument as e:
+                    return str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.admin_command
-    problem = _unreadable(args)
+    problem = _unreadable(args) or _bad_address(args)
     if problem:
         print(f"qdelay admin {cmd}: {problem}", file=sys.stderr)
         return 2

@@ -35,8 +35,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from qdelay.addresses import parse_hostport
 from qdelay.server import auth
-from qdelay.server.config import ServerConfig, parse_hostport
+from qdelay.server.config import ServerConfig
 from qdelay.server.consumers import ConsumerRegistry
 from qdelay.server.metrics import Metrics
 from qdelay.server.service import DelayService

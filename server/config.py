@@ -54,6 +54,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from qdelay.addresses import parse_hostport
 from qdelay.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -147,9 +148,9 @@ class ServerConfig:
 
     def validate(self) -> ServerConfig:
         self._validate_types()
-        parse_hostport(self.listen, "listen")
+        parse_hostport(self.listen, "listen", ConfigError)
         if self.metrics_listen:
-            parse_hostport(self.metrics_listen, "metrics_listen")
+            parse_hostport(self.metrics_listen, "metrics_listen", ConfigError)
         if self.role not in ("master", "slave"):
             raise ConfigError(f"role must be 'master' or 'slave', not {self.role!r}")
         if self.replication not in ("sync", "async"):
@@ -157,9 +158,9 @@ class ServerConfig:
         if self.role == "slave" and not self.master:
             raise ConfigError("role 'slave' needs --master HOST:PORT")
         if self.master:
-            parse_hostport(self.master, "master")
+            parse_hostport(self.master, "master", ConfigError)
         for peer in self.peer_list():
-            parse_hostport(peer, "peers")
+            parse_hostport(peer, "peers", ConfigError)
         if self.etcd:
             self._validate_cluster(self.etcd)
         elif self.cluster or self.shard:
@@ -222,14 +223,14 @@ class ServerConfig:
 
     def _validate_cluster(self, etcd: str) -> None:
         for e in etcd.split(","):
-            parse_hostport(e.strip().removeprefix("http://"), "etcd")
+            parse_hostport(e.strip().removeprefix("http://"), "etcd", ConfigError)
         name = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
         for what in ("cluster", "shard"):
             value = getattr(self, what)
             if not value or not name.match(value):
                 raise ConfigError(f"cluster mode needs --{what} NAME ([A-Za-z0-9._-]{{1,64}}), not {value!r}")
         if self.advertise:
-            parse_hostport(self.advertise, "advertise")
+            parse_hostport(self.advertise, "advertise", ConfigError)
         if self.role != "master" or self.master or self.peers:
             raise ConfigError("cluster mode (--etcd) elects masters by itself: leave out --role, --master and --peers")
         ttl, renew, deadline = self.lease_ttl_ms, self.lease_renew_ms, self.lease_deadline_ms
@@ -246,19 +247,6 @@ class ServerConfig:
         if isinstance(peers, str):
             peers = peers.split(",")
         return [p.strip() for p in peers if p and p.strip()]
-
-
-def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{what} must be HOST:PORT, not {text!r}")
-    try:
-        number = int(port)
-    except ValueError:
-        raise ConfigError(f"{what}: port {port!r} is not a number") from None
-    if not 0 <= number <= 65535:
-        raise ConfigError(f"{what}: port {number} is out of range")
-    return host.strip("[]"), number
 
 
 _SCALARS = {f.name for f in dataclasses.fields(ServerConfig)} - {"limits", "engine_options"}

@@ -657,8 +657,8 @@ def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
     """Walking the operator's side: ``qdelay admin status --token-file`` (or ``--tls-ca``) with
     a path that is not there printed a FileNotFoundError traceback (exit 1), a token file
     holding only comments sent no token and came back UNAUTHENTICATED "missing ...", and
-    ``--servers ,`` printed nothing and exited 0. Each is a usage error (exit 2) naming
-    the flag, before any call."""
+    ``--servers ,`` printed nothing and exited 0, and an address without its port was tried
+    on port 443. Each is a usage error (exit 2) naming the flag, before any call."""
     empty = tmp_path / "tokens"
     empty.write_text("# rotate here\n\n")
     binary = tmp_path / "key.der"  # not text: a UnicodeDecodeError traceback
@@ -681,6 +681,18 @@ def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
             f"qdelay admin promote: --tls-ca {tmp_path / 'ca.pem'}: cannot read it",
         ),
         (("status", "--servers", " , "), "qdelay admin status: --servers ' , ' names no HOST:PORT"),
+        # without its port gRPC tried 443 (its default): "127.0.0.1 unreachable ... :443", exit 1
+        (
+            ("status", "--servers", "127.0.0.1:1,127.0.0.1"),
+            "qdelay admin status: --servers must be HOST:PORT, not '127.0.0.1'",
+        ),
+        (("promote", "--target", "host"), "qdelay admin promote: --target must be HOST:PORT, not 'host'"),
+        (("group", "list", "--server", "h:x"), "qdelay admin group: --server must be HOST:PORT, not 'h:x': the port"),
+        (
+            ("fence", "--target", "127.0.0.1:1", "--epoch", "2", "--master", "m"),
+            "qdelay admin fence: --master must be HOST:PORT, not 'm'",
+        ),
+        (("resync", "--data-dir", str(tmp_path), "--master", "m:0"), "qdelay admin resync: --master must be HOST:PORT"),
     ):
         cp = admin(*args, check=False)
         assert cp.returncode == 2 and cp.stdout == "", (args, cp.returncode, cp.stdout, cp.stderr)

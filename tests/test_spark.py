@@ -532,13 +532,18 @@ def test_import_into_a_tls_server_with_a_token(spark, tmp_path, capsys):
             "argument --hours: '0' is not a whole number of at least 1",
         ),
         (["lateness", "--data-dir", "{tmp}", "--conf", "foo"], "argument --conf: 'foo' is not KEY=VALUE"),
+        (
+            ["import", "--input", "{tmp}", "--target", "127.0.0.1"],
+            "argument --target: the server's address must be HOST:PORT, not '127.0.0.1'",
+        ),
     ],
 )
 def test_bad_arguments_are_usage_errors_before_spark_starts(tmp_path, argv, want):
     """Walking the Spark CLI: a --data-dir that is not there, ``export --log bogus`` and
     ``import --input`` of a missing file each started Spark, then died in a Python-in-Java
     traceback (exit 1); a missing --token-file in a FileNotFoundError one; ``--grace-ms -5``,
-    ``--hours 0`` and ``--conf foo`` (set as key 'foo', value '') were taken. Each is
+    ``--hours 0`` and ``--conf foo`` (set as key 'foo', value '') were taken, and
+    ``--target`` without its port was tried on port 443. Each is
     argparse's usage error now: exit 2, one line naming the flag, and no JVM started (the
     run takes a second, not a minute)."""
     import subprocess

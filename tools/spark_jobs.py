@@ -29,6 +29,8 @@ import re  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 
+from qdelay.addresses import check_target  # noqa: E402
+from qdelay.errors import InvalidArgument  # noqa: E402
 from qdelay.tools import spark_source  # noqa: E402
 from qdelay.tools.inspect import time_arg  # noqa: E402
 from qdelay.units import counted  # noqa: E402
@@ -45,6 +47,14 @@ def folder_arg(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a folder (give a server's data folder)")
     return text
+
+
+def target_arg(text: str) -> str:
+    # without its port gRPC would try 443, its default, task after task
+    try:
+        return check_target(text, "the server's address")
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def logs_arg(text: str) -> str:
@@ -161,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: from the file extension (csv when it ends in .csv)",
     )
-    p.add_argument("--target", default="127.0.0.1:7600", help="qdelay server HOST:PORT")
+    p.add_argument("--target", default="127.0.0.1:7600", type=target_arg, help="qdelay server HOST:PORT")
     p.add_argument("--token-file", default=None, type=token_file_arg, help="file holding the bearer token")
     # qdelay admin's TLS flags; the CA file is read here, on the driver, and its bytes go
     # with each task (a cluster's workers need not have the file)
