@@ -235,7 +235,7 @@ class ServerConfig:
             raise ConfigError("cluster mode (--etcd) elects masters by itself: leave out --role, --master and --peers")
         ttl, renew, deadline = self.lease_ttl_ms, self.lease_renew_ms, self.lease_deadline_ms
         if ttl % 1000 or ttl < 1000:
-            raise ConfigError(f"lease_ttl_ms must be whole seconds (etcd's unit), not {ttl}")
+            raise ConfigError(f"lease_ttl_ms must be a multiple of 1000 (etcd counts whole seconds), not {ttl}")
         if not 0 < renew < deadline < ttl:
             raise ConfigError(
                 f"need 0 < lease_renew_ms ({renew}) < lease_deadline_ms ({deadline}) < lease_ttl_ms ({ttl}): "

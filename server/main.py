@@ -37,7 +37,11 @@ FLAGS = [
     ("--log-format", "log_format", "text (default) or json"),
 ]
 INT_FLAGS = [
-    ("--lease-ttl-ms", "lease_ttl_ms", "cluster mode: etcd lease TTL, whole seconds (default 5000)"),
+    (
+        "--lease-ttl-ms",
+        "lease_ttl_ms",
+        "cluster mode: etcd lease TTL in ms, a multiple of 1000: etcd counts whole seconds (default 5000)",
+    ),
     ("--lease-renew-ms", "lease_renew_ms", "cluster mode: lease renewal interval (default 1000)"),
     (
         "--lease-deadline-ms",

@@ -341,6 +341,25 @@ def test_main_flags_override_file(tmp_path):
     assert cfg.listen == "127.0.0.1:7600" and cfg.data_dir == "./data" and cfg.role == "master"
 
 
+def test_the_lease_ttl_is_in_ms_a_multiple_of_1000_as_its_help_says():
+    """``--lease-ttl-ms`` read "etcd lease TTL, whole seconds (default 5000)": a value in ms
+    that said seconds. Help and refusal now say what the check is: ms, a multiple of 1000."""
+    import argparse
+
+    from qdelay.server import main
+
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    text = " ".join(next(a.help for a in parser._actions if a.dest == "lease_ttl_ms").split())
+    assert "in ms, a multiple of 1000" in text and "(default 5000)" in text, text
+    assert ServerConfig().lease_ttl_ms == 5000
+    base = {"etcd": "127.0.0.1:2379", "cluster": "c", "shard": "s"}
+    ServerConfig(**base, lease_ttl_ms=4000).validate()
+    for ttl in (1500, 0, 999):
+        with pytest.raises(ConfigError, match=f"lease_ttl_ms must be a multiple of 1000 .*, not {ttl}"):
+            ServerConfig(**base, lease_ttl_ms=ttl).validate()
+
+
 def test_bad_settings_are_refused_before_the_folder_is_opened(tmp_path):
     """Walking the operator's side: ``--set engine.ack_timeout_ms=abc`` (a bare word is a
     string) and ``--flush sometimes`` ended in a TypeError / ValueError traceback once the
