@@ -498,6 +498,7 @@ def truncate_divergent(engine, offset: int, last_sequence: int) -> str:
                 engine.schedule.truncate(b, keep)  # its index is re-derived with it
             seg.last_sequence = keep_seq
         wal.truncate_to(offset, last_sequence)
+        engine.log_cut_to(last_sequence)  # lookups no longer wait for the cut records
         if it.offset > offset:
             it.offset = it.saved_offset = offset
         it.sequence = min(it.sequence, last_sequence)

@@ -594,6 +594,15 @@ class Engine:
         if self.write_guard is not None:
             self.write_guard()
 
+    def log_cut_to(self, last_sequence: int) -> None:
+        """The message log was cut back to ``last_sequence`` (a slave's divergent tail,
+        replication/slave.py ``truncate_divergent``): the records past it, tombstones among
+        them, are gone, so lookups no longer wait for the iterate service to reach them
+        (``_claims_from``). Else an old master re-attached as a slave, which opened with that
+        tail, kept every Get waiting 5 s and failing 'the iterate service is behind' until
+        the new master had written past it."""
+        self._claims_from = min(self._claims_from, last_sequence)
+
     def takes_writes(self) -> bool:
         """Whether a write would be let through now (:meth:`check_writable`): what the health
         service reports under ``qdelay.master`` for load balancers that route producers."""

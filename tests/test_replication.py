@@ -771,3 +771,42 @@ def test_a_slave_refuses_a_retried_send_it_holds_a_duplicate_of(tmp_path):
         with pytest.raises(errors.FailedPrecondition, match="this server is a slave"):
             b.client(retries=0).send("dup.s", b"x", delay_ms=600_000, message_id="held-1")
         assert ca.send("dup.s", b"x", delay_ms=600_000, message_id="held-1").sequence == r.sequence  # the master's
+
+
+def test_gets_on_an_old_master_whose_divergent_tail_was_cut_answer_at_once(tmp_path):
+    """Lookups wait until the iterate service has copied what the message log held when the
+    engine opened or last changed role (``Engine._claims_from``). An old master re-attached
+    as a slave opened (and re-attached) with its divergent tail in that count; the tail is
+    then cut, and the iterate service can reach that sequence only once the new master has
+    written past it. Until then every Get on it, by receipt or by id, waited 5 s and failed
+    'the iterate service is behind; retry shortly' (a quiet shard: for as long as nobody
+    writes). The cut lowers that point with the log."""
+    from qdelay.client import Client
+
+    a = master(tmp_path)
+    a.start()
+    b = slave(tmp_path, a)
+    try:
+        b.start()
+        kept = send_some(a.address, 20)
+        wait_caught_up(a.address, b.address)
+        b.stop()
+        with Client(a.address) as c:  # acknowledged by A alone (async): the tail B never gets
+            c.send_many(c.message("only.a", b"lost %d" % i, delay_ms=600_000, message_id=f"a-{i}") for i in range(5))
+        a.kill9()
+        b.start()
+        admin("promote", "--target", b.address)
+        after = send_some(b.address, 2)  # fewer than the cut tail: B's log ends before A's did
+        a.args = [*SMALL_SEGMENTS, "--role", "slave", "--master", b.address]
+        a.start()
+        wait_until(lambda: status(a.address).note, 20, "divergence noted", ignore=RPC_ERRORS)
+        wait_caught_up(b.address, a.address)
+        with Client(a.address, retries=0) as c:
+            for r in (kept[0], after[-1]):
+                t0 = time.monotonic()
+                assert c.get(r, timeout=3.0).state == "PENDING"
+                assert time.monotonic() - t0 < 2.0
+    finally:
+        for p in (a, b):
+            if p.alive():
+                p.stop()
