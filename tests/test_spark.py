@@ -559,6 +559,30 @@ def test_bad_arguments_are_usage_errors_before_spark_starts(tmp_path, argv, want
     assert time.monotonic() - started < 30  # no Spark session was started
 
 
+def test_the_import_defaults_are_in_its_help_and_in_the_docs():
+    """``spark import --target`` defaulted to 127.0.0.1:7600 while its help did not say so and
+    docs/tools.md showed it as required. Every import flag with a default now says it in its
+    help and shows it in the docs' synopsis (``[--flag DEFAULT]``)."""
+    from pathlib import Path
+
+    from qdelay.tools import spark_jobs
+
+    parser = argparse.ArgumentParser()
+    spark_jobs.add_arguments(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "tools.md").read_text()
+    synopsis = " ".join(docs[docs.index("qdelay spark import ") :].split("```")[0].split())
+    flags = 0
+    for action in sub.choices["import"]._actions:
+        if action.default in (None, [], False, argparse.SUPPRESS) or not action.option_strings:
+            continue
+        flag = action.option_strings[0]
+        assert f"(default {action.default})" in action.help, (flag, action.help)
+        assert f"[{flag} {action.default}]" in synopsis, (flag, synopsis)
+        flags += 1
+    assert flags >= 2  # --target and --batch-size
+
+
 def test_import_to_a_server_that_does_not_answer_says_so_before_spark_starts(tmp_path):
     """``qdelay spark import --target`` with no server there started Spark, retried every
     batch for ~16 s and ended in a 250-line Java and Python traceback (exit 1). The target

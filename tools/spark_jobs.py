@@ -4,7 +4,7 @@
     qdelay spark lateness --data-dir DIR ... [--out DIR]
     qdelay spark forecast --data-dir DIR ... [--now T] [--hours H]
     qdelay spark export   --data-dir DIR ... [--log message|schedule|dispatch|all]
-    qdelay spark import   --input DATASET [--format parquet|csv] --target HOST:PORT
+    qdelay spark import   --input DATASET [--format parquet|csv] [--target 127.0.0.1:7600]
 
 Embedded ``local[*]`` by default; ``--master URL`` for a cluster, or submit this very file
 with ``spark-submit --master ... <path of qdelay/tools/spark_jobs.py> JOB ...`` (same code;
@@ -171,7 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: from the file extension (csv when it ends in .csv)",
     )
-    p.add_argument("--target", default="127.0.0.1:7600", type=target_arg, help="qdelay server HOST:PORT")
+    p.add_argument(
+        "--target", default="127.0.0.1:7600", type=target_arg, help="qdelay server HOST:PORT (default 127.0.0.1:7600)"
+    )
     p.add_argument("--token-file", default=None, type=token_file_arg, help="file holding the bearer token")
     # qdelay admin's TLS flags; the CA file is read here, on the driver, and its bytes go
     # with each task (a cluster's workers need not have the file)
