@@ -49,6 +49,7 @@ from qdelay.client.client import (
     cancel_outcomes,
     deadline_exceeded,
     deliveries_of,
+    first_try_cancel,
     not_ready,
     outgoing,
     reschedule_batcher,
@@ -273,7 +274,10 @@ class Client:
         before its target was sent leaves it out of the call. ``batching=False``: one unary
         Cancel per call."""
         if self.batching is None:
-            resp = await self._call(self.stub.Cancel, cancel_request(receipt, message_id), timeout)
+            tries: list[int] = []
+            resp = await self._call(self.stub.Cancel, cancel_request(receipt, message_id), timeout, tries)
+            if tries[0] > 1:  # tried again: ALREADY_CANCELLED may be its first try's work
+                resp = first_try_cancel(resp)
             return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
         target = cancel_target(receipt, message_id)
         if self._canceller is None:

@@ -243,28 +243,59 @@ def outgoing(
     return Outgoing(subject, payload, at, rel, message_id, headers or None)
 
 
-def _retried(settings: Any) -> Callable[[Callable[..., Any]], BatchCall]:
+def _retried(
+    settings: Any, retried_answer: Callable[[Any], Any] | None = None
+) -> Callable[[Callable[..., Any]], BatchCall]:
     """A batcher's call of a grpc.aio ``method``: (request, timeout) with a client's
-    ``settings`` (timeout when none is given, metadata, retries, retry_backoff)."""
+    ``settings`` (timeout when none is given, metadata, retries, retry_backoff). With
+    ``retried_answer``, a response that took more than one try is read through it (a
+    Cancel's: :func:`first_try_cancel`)."""
 
     def call(method: Callable[..., Any]) -> BatchCall:
-        return lambda request, timeout: call_async(
-            method,
-            request,
-            timeout or settings.timeout,
-            settings.metadata,
-            settings.retries,
-            settings.retry_backoff,
-        )
+        if retried_answer is None:
+            return lambda request, timeout: call_async(
+                method,
+                request,
+                timeout or settings.timeout,
+                settings.metadata,
+                settings.retries,
+                settings.retry_backoff,
+            )
+
+        async def tried(request: Any, timeout: float | None) -> Any:
+            tries: list[int] = []
+            response = await call_async(
+                method,
+                request,
+                timeout or settings.timeout,
+                settings.metadata,
+                settings.retries,
+                settings.retry_backoff,
+                tries,
+            )
+            return retried_answer(response) if tries[0] > 1 else response
+
+        return tried
 
     return call
+
+
+def first_try_cancel(response: pb.CancelResponse | pb.CancelBatchResponse) -> Any:
+    """A Cancel's or CancelBatch's response after a retry (UNAVAILABLE: the first try may
+    have written its tombstone): ALREADY_CANCELLED read as CANCELLED, as a re-sent
+    cancel's (docs/api.md)."""
+    if isinstance(response, pb.CancelBatchResponse):
+        return as_first_try(response)
+    if response.outcome == pb.CancelResponse.ALREADY_CANCELLED:
+        return pb.CancelResponse(outcome=pb.CancelResponse.CANCELLED)
+    return response
 
 
 def cancel_batcher(stub: pb_grpc.DelayServiceStub, settings: Any, batching: Batching) -> CancelBatcher:
     """``cancel()``'s batcher on a grpc.aio ``stub`` with a client's ``settings`` (timeout,
     metadata, retries, retry_backoff): the blocking client's on its bulk loop, the asyncio
     client's on the user's loop."""
-    call = _retried(settings)
+    call = _retried(settings, first_try_cancel)  # a retried Cancel/CancelBatch: its first try's work
     stream = CancelStreamCall(
         lambda requests: stub.CancelStream(requests, metadata=settings.metadata),
         call(stub.CancelBatch),  # a server without CancelStream
@@ -966,7 +997,9 @@ class Client:
         then unknown, as for a unary call that timed out; cancelling again is safe)."""
         if self.batching is None:
             request = cancel_request(receipt, message_id)
-            outcome = self._call(self.stub.Cancel, request, timeout).outcome
+            tries: list[int] = []
+            response = self._call(self.stub.Cancel, request, timeout, tries)
+            outcome = (first_try_cancel(response) if tries[0] > 1 else response).outcome
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
         outcome = self._gathered("_canceller", cancel_batcher, cancel_target(receipt, message_id), timeout)
         return CANCEL_OUTCOMES.get(outcome, str(outcome))

@@ -394,6 +394,59 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
                 p.stop()
 
 
+def test_an_unbatched_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_path):
+    """``Client(batching=False).cancel()`` (blocking and asyncio) is one unary Cancel the
+    client tries again after UNAVAILABLE (here sync replication unconfirmed: the tombstone
+    is durable on the master); the retry found the message cancelled by that first try and
+    answered ALREADY_CANCELLED, where the batched cancel(), cancel_many and the cluster
+    clients answer CANCELLED (docs/api.md: CANCELLED whenever its cancel was, or may have
+    been, the first to reach the message). A later first try still answers
+    ALREADY_CANCELLED."""
+    import os
+    import signal
+    import threading
+
+    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
+    a.start()
+    b = slave(tmp_path, a)
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        with Client(a.address) as plain:
+            targets = [plain.send("par.unbatched", b"%d" % i, delay_ms=HOUR_MS) for i in range(2)]
+
+        def with_the_slave_stopped(cancel) -> str:
+            """``cancel()`` in a thread, the slave stopped until the master's first answer
+            timed out waiting for it."""
+            out: list = []
+            before = status(a.address).sync_timeouts
+            os.kill(b.pid, signal.SIGSTOP)
+            try:
+                t = threading.Thread(target=lambda: out.append(cancel()))
+                t.start()
+                wait_until(lambda: status(a.address).sync_timeouts > before, 20, "the first try unconfirmed")
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+            t.join(30)
+            return out[0]
+
+        with Client(a.address, batching=False, retries=8, retry_backoff=0.2) as c:
+            assert with_the_slave_stopped(lambda: c.cancel(targets[0])) == "CANCELLED"
+            assert c.cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
+
+        async def aio_cancel() -> str:
+            async with AioClient(a.address, batching=False, retries=8, retry_backoff=0.2) as ac:
+                return await ac.cancel(targets[1])
+
+        assert with_the_slave_stopped(lambda: asyncio.run(aio_cancel())) == "CANCELLED"
+    finally:
+        if b.alive():
+            os.kill(b.pid, signal.SIGCONT)
+        for p in (b, a):
+            if p.alive():
+                p.stop()
+
+
 def test_a_failed_send_many_carries_the_acknowledged_prefix_in_every_client(server, monkeypatch):
     """A send_many refused part-way raises with ``.receipts``: message ``i``'s receipt at
     ``i``, for every message acknowledged before the refusal (the sharded clients: None
