@@ -160,8 +160,8 @@ class Client:
         batchers = [self._batcher, self._canceller, self._rescheduler]
         self._batcher = self._canceller = self._rescheduler = None
         try:
-            for consumer in list(self._consumers):
-                await consumer.close()
+            # together: one after another, a server that does not answer cost each its timeout
+            await asyncio.gather(*(consumer.close() for consumer in list(self._consumers)))
         finally:
             try:
                 for batcher in batchers:

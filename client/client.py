@@ -675,8 +675,7 @@ class Client:
         client's own I/O loop (a callback run there), it does not wait: the loop closes the
         batchers, then ends."""
         self._closed = True
-        for consumer in list(self._consumers):
-            consumer.close()
+        close_consumers(list(self._consumers))  # together: one timeout for all
         batchers = []
         for name in ("_batcher", "_canceller", "_rescheduler"):
             batcher = getattr(self, name)
@@ -1162,6 +1161,18 @@ _END = object()
 log = logging.getLogger("qdelay.client")
 
 
+def close_consumers(consumers: Iterable[Consumer], timeout: float = 5.0) -> None:
+    """Close blocking consumers together (:meth:`Consumer.close` of each): every stream
+    half-closed first, then one ``timeout`` for all of them to end (a call not ended by then
+    is cancelled). One after another, a server that does not answer (stopped, a network
+    gone silent) cost each consumer its whole timeout: Client.close() with 3 took 15 s."""
+    ending = [e for e in (c._end() for c in consumers) if e is not None]
+    deadline = time.monotonic() + timeout
+    for ended, call in ending:
+        if not ended.wait(max(0.0, deadline - time.monotonic())):
+            call.cancel()
+
+
 def resubscribe_on(wait_for_group: bool) -> tuple[grpc.StatusCode, ...]:
     """The codes that end a consumer's stream without ending the consumer (it subscribes
     again with backoff), for the blocking and the asyncio consumers: a server gone or
@@ -1342,8 +1353,13 @@ class Consumer:
         left unacknowledged to other consumers at once). Cancels the call if the server has
         not ended it within ``timeout`` seconds (acks not yet sent then are lost, and those
         deliveries come again: at-least-once)."""
+        close_consumers([self], timeout)
+
+    def _end(self) -> tuple[threading.Event, Any] | None:
+        """:meth:`close` but the wait: the stream half-closed; (set once the call has ended,
+        the call), or None when closed already."""
         if self._closed.is_set():
-            return
+            return None
         self._closed.set()
         with self._lock:
             self._requests.put(_END)
@@ -1365,8 +1381,7 @@ class Consumer:
                         return
 
         threading.Thread(target=drain, name="qdelay-consumer-close", daemon=True).start()
-        if not ended.wait(timeout):
-            call.cancel()
+        return ended, call
 
     def __enter__(self) -> Consumer:
         return self

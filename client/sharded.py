@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from qdelay import errors
 from qdelay.addresses import check_target
-from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due
+from qdelay.client.client import Client, Consumer, Outgoing, _Ids, _set_due, close_consumers
 from qdelay.client.failover import Backoff, acancel_tries, cancel_tries, consumers_everywhere, retryable
 from qdelay.client.types import Delivery, LazyReceipts, Receipt, Status, Target, by_id, ref
 from qdelay.v1 import qdelay_pb2 as pb
@@ -845,8 +845,7 @@ class ShardedConsumer:
         self._closed.set()
         with self._lock:
             consumers = [c for c in self._consumers.values() if c is not None]
-        for c in consumers:
-            c.close()
+        close_consumers(consumers)  # together: one timeout for all the servers' streams
         self._inbox.put(None)
 
     def __enter__(self) -> ShardedConsumer:

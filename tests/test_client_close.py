@@ -543,3 +543,49 @@ def test_close_called_on_the_clients_own_io_loop_does_not_wait_for_itself(server
         c.send("close.self", b"w")
     with pytest.raises(errors.FailedPrecondition):
         c.cancel(r)
+
+
+def test_close_ends_the_consumers_of_a_server_that_does_not_answer_together(tmp_path):
+    """close() of a client whose server does not answer (stopped: its streams neither end
+    nor fail) waited each consumer's 5 s close one after another (Client.close() with 4:
+    20 s); it half-closes them all, then waits once. Blocking and asyncio."""
+    import asyncio
+    import os
+    import signal
+
+    from serverproc import ServerProc
+
+    from qdelay.aio import Client as AioClient
+    from qdelay.client import Client
+
+    with ServerProc(tmp_path / "s") as srv:
+        c = Client(srv.address)
+        consumers = [c.subscribe("close.hung", f"g{i}") for i in range(4)]
+        for consumer in consumers:
+            assert consumer.receive(1, 0.2) == []  # subscribed
+
+        async def subscribed() -> tuple:
+            ac = AioClient(srv.address)  # made on the loop it runs on
+            out = [ac.subscribe("close.hung", f"a{i}") for i in range(4)]
+            for consumer in out:
+                assert await consumer.receive(1, 0.2) == []
+            return ac, out
+
+        loop = asyncio.new_event_loop()
+        try:
+            ac, held = loop.run_until_complete(subscribed())  # held: a dropped one is freed
+            os.kill(srv.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                c.close()
+                took = time.monotonic() - started
+                started = time.monotonic()
+                loop.run_until_complete(ac.close())
+                atook = time.monotonic() - started
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+        finally:
+            loop.close()
+        # one 5 s wait each, not 4 x 5 s (a margin of 3 consumers' waits for a loaded box)
+        assert took < 14 and atook < 14, (took, atook)
+        assert len(held) == 4
