@@ -5,16 +5,18 @@ Claims live in memory: after a restart, a tombstone that was durable in the mess
 is known only once the replay from the iterate checkpoint has copied it. Before the fix, the
 lookups of Get, Cancel, Reschedule and their batches by receipt waited only for their
 target's own record, and the scheduler handed out what the loader fired at once: in that
-window a Get said PENDING, a Reschedule moved the cancelled message (delivered a second
-later) and a past-due cancelled message went to its consumer. Now both wait until the replay
-has passed the message log's end at open.
+window a Get said PENDING, a Reschedule moved the cancelled message (delivered soon after),
+a Cancel answered CANCELLED again and a past-due cancelled message went to its consumer. Now
+both wait until the replay has passed the message log's end at open.
 
-The construction is deterministic, with a real process and settings only: the iterate
-checkpoint is left before the targets' tombstones (a clean stop writes it; the next run
-takes none, ``checkpoint_interval_ms``), a backlog of 100,000 records lies between it and
-them (the replay takes about a second), and the tombstones are not copied before the kill
-(the iterate service gathers commits for ``iterate_gather_ms`` after a step: 2 s here; the
-Stats calls that show them uncopied do not hurry it).
+The window is held open with a real process and settings only, not by timing. The iterate
+service copies a step at once when it was idle, then lets commits gather for
+``iterate_gather_ms`` (Stats does not hurry it; a lookup that waits for it does). Run 1 ends
+with a clean stop: its checkpoint covers the targets. Run 2 gathers for 5 s after its first
+send, takes no checkpoint, and within that time gets ~1.2 MiB of records and the targets'
+tombstones, then is killed: none of them were copied. Run 3 replays that tail from the
+checkpoint: its first step reads 1 MiB (``read_bytes``), and what is left, the tombstones
+among it, less than half a read, waits for a gather of 5 s.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tests.serverproc import ServerProc
 
 HOUR = 3_600_000
 SUBJECT = "t.restart"
-BACKLOG = 100_000
+MIB = 1024 * 1024
+GATHER = ["--set", "engine.iterate_gather_ms=5000"]
 
 
 def now_ms() -> int:
@@ -37,41 +40,41 @@ def now_ms() -> int:
 
 
 def test_cancelled_before_a_sigkill_stays_cancelled_while_the_replay_runs(tmp_path):
-    data = tmp_path / "data"
-    srv = ServerProc(data)
+    srv = ServerProc(tmp_path / "data")
     with srv:
         c = srv.client()
-        names = ["get", "resched", "resched_id", "batch1", "batch2", "cancel", "cancel_batch", "soon"]
-        far = {n: c.send(SUBJECT, n.encode(), delay_ms=HOUR, message_id=n) for n in names[:-1]}
+        names = ["get", "resched", "resched_id", "batch1", "batch2", "cancel", "cancel_batch"]
+        far = {n: c.send(SUBJECT, n.encode(), delay_ms=HOUR, message_id=n) for n in names}
         soon = c.send(SUBJECT, b"soon", delay_ms=3_000, message_id="soon")  # past due at the restart
         c.close()
         srv.stop()  # the checkpoint covers the targets: the replay starts after them
 
-        srv.args = ["--set", "engine.checkpoint_interval_ms=600000", "--set", "engine.iterate_gather_ms=2000"]
+        srv.args = ["--set", "engine.checkpoint_interval_ms=600000", *GATHER]
         srv.start()
         c = srv.client()
-        for _k in range(0, BACKLOG, 10_000):
-            c.send_many([Outgoing("t.fill", b"x" * 64, delay_ms=2 * HOUR + i * 60_000) for i in range(10_000)])
-        # copied to its end by a step just now (Stats does not hurry the service): the next
-        # step comes after a gather of 2 s, long after the kill
-        wait_until(lambda: c.stats()["iterate_lag_bytes"] == 0, timeout=60, what="the backlog copied")
-        assert c.cancel_many([*far.values(), soon]) == ["CANCELLED"] * len(names)
-        assert c.stats()["iterate_lag_bytes"] > 0  # the tombstones are in the message log alone
+        c.send("t.fill", b"first", delay_ms=2 * HOUR)  # copied at once: the service now gathers for 5 s
+        while c.stats()["iterate_lag_bytes"] < 1.1 * MIB:  # between one read and one and a half
+            c.send_many([Outgoing("t.fill", b"x" * 64, delay_ms=2 * HOUR + (i % 50) * 60_000) for i in range(1000)])
+        assert c.cancel_many([*far.values(), soon]) == ["CANCELLED"] * (len(names) + 1)
+        lag = c.stats()["iterate_lag_bytes"]
+        assert 1.1 * MIB < lag < 1.4 * MIB  # the tombstones too are in the message log alone
         srv.kill9()
         c.close()
 
         wait_until(lambda: now_ms() > soon.deliver_at_ms + 100, timeout=30, what="soon is due")
-        srv.args = []
+        srv.args = GATHER
         srv.start()
         c = srv.client(batching=False)
         batched = srv.client()
         consumer = c.subscribe(SUBJECT)
-        assert c.stats()["iterate_lag_bytes"] > 0, "the replay ended before the first call: no window tested"
+        # the replay's first step has left the tombstones for after its gather (Stats, which
+        # does not hurry it, tells when that step is done)
+        wait_until(lambda: 0 < c.stats()["iterate_lag_bytes"] < MIB / 2, timeout=4, what="the first step")
+        # by receipt first: a look by id waits for the whole log (it was right before), and
+        # its wait would hurry the iterate service past the tombstones
         calls = {
             "get": lambda: c.get(far["get"]).state,
-            "get_id": lambda: c.get(message_id="get").state,
             "resched": lambda: c.reschedule(far["resched"], delay_ms=500)[0],
-            "resched_id": lambda: c.reschedule("resched_id", delay_ms=500)[0],
             "batch": lambda: [o for o, _r in batched.reschedule_many([far["batch1"], far["batch2"]], delay_ms=500)],
             "cancel": lambda: c.cancel(far["cancel"]),
             "cancel_batch": lambda: batched.cancel_many([far["cancel_batch"]]),
@@ -80,19 +83,22 @@ def test_cancelled_before_a_sigkill_stays_cancelled_while_the_replay_runs(tmp_pa
         with ThreadPoolExecutor(len(calls)) as pool:
             futures = {k: pool.submit(fn) for k, fn in calls.items()}
             answers = {k: f.result(timeout=30) for k, f in futures.items()}
+        answers["get_id"] = c.get(message_id="get").state
+        answers["resched_id"] = c.reschedule("resched_id", delay_ms=500)[0]
         assert answers == {
             "get": "CANCELLED",
-            "get_id": "CANCELLED",
             "resched": "CANCELLED",
-            "resched_id": "CANCELLED",
             "batch": ["CANCELLED", "CANCELLED"],
             "cancel": "ALREADY_CANCELLED",
             "cancel_batch": ["ALREADY_CANCELLED"],
             "get_soon": "CANCELLED",
+            "get_id": "CANCELLED",
+            "resched_id": "CANCELLED",
         }
-        # a message due after what a wrong move would have made due: once it is delivered,
-        # nothing cancelled was (past due ones are handed out first)
+        # due after what a wrong move would have made due, and found by id (which hurries
+        # the iterate service past its gather): once it is delivered, nothing cancelled was
         c.send(SUBJECT, b"marker", delay_ms=1_000, message_id="marker")
+        assert c.get(message_id="marker").state == "PENDING"
         seen: list[str] = []
         deadline = time.monotonic() + 20
         while "marker" not in seen and time.monotonic() < deadline:
