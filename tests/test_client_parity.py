@@ -394,6 +394,27 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
                 p.stop()
 
 
+def with_the_slave_stopped(a, b, call):
+    """``call()`` in a thread, sync master ``a``'s slave ``b`` stopped (SIGSTOP) until ``a``'s
+    first answer timed out waiting for it: the call's first try has an unknown outcome (its
+    write is durable on the master, the client hears UNAVAILABLE and tries again)."""
+    import os
+    import signal
+    import threading
+
+    out: list = []
+    before = status(a.address).sync_timeouts
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: out.append(call()))
+        t.start()
+        wait_until(lambda: status(a.address).sync_timeouts > before, 20, "the first try unconfirmed")
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    t.join(30)
+    return out[0]
+
+
 def test_an_unbatched_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_path):
     """``Client(batching=False).cancel()`` (blocking and asyncio) is one unary Cancel the
     client tries again after UNAVAILABLE (here sync replication unconfirmed: the tombstone
@@ -404,7 +425,6 @@ def test_an_unbatched_cancel_tried_again_after_an_unknown_outcome_answers_cancel
     ALREADY_CANCELLED."""
     import os
     import signal
-    import threading
 
     a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
     a.start()
@@ -415,30 +435,15 @@ def test_an_unbatched_cancel_tried_again_after_an_unknown_outcome_answers_cancel
         with Client(a.address) as plain:
             targets = [plain.send("par.unbatched", b"%d" % i, delay_ms=HOUR_MS) for i in range(2)]
 
-        def with_the_slave_stopped(cancel) -> str:
-            """``cancel()`` in a thread, the slave stopped until the master's first answer
-            timed out waiting for it."""
-            out: list = []
-            before = status(a.address).sync_timeouts
-            os.kill(b.pid, signal.SIGSTOP)
-            try:
-                t = threading.Thread(target=lambda: out.append(cancel()))
-                t.start()
-                wait_until(lambda: status(a.address).sync_timeouts > before, 20, "the first try unconfirmed")
-            finally:
-                os.kill(b.pid, signal.SIGCONT)
-            t.join(30)
-            return out[0]
-
         with Client(a.address, batching=False, retries=8, retry_backoff=0.2) as c:
-            assert with_the_slave_stopped(lambda: c.cancel(targets[0])) == "CANCELLED"
+            assert with_the_slave_stopped(a, b, lambda: c.cancel(targets[0])) == "CANCELLED"
             assert c.cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
 
         async def aio_cancel() -> str:
             async with AioClient(a.address, batching=False, retries=8, retry_backoff=0.2) as ac:
                 return await ac.cancel(targets[1])
 
-        assert with_the_slave_stopped(lambda: asyncio.run(aio_cancel())) == "CANCELLED"
+        assert with_the_slave_stopped(a, b, lambda: asyncio.run(aio_cancel())) == "CANCELLED"
     finally:
         if b.alive():
             os.kill(b.pid, signal.SIGCONT)

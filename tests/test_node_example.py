@@ -147,3 +147,49 @@ def test_node_consumer_keeps_receiving_across_a_restart(tmp_path, node_modules, 
         assert "reconnect 1" in out and "closed after" in out
     finally:
         srv.kill9()
+
+
+def test_node_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_path, node_modules):
+    """The Node module's cancel() and cancelMany() are tried again after UNAVAILABLE (here
+    sync replication unconfirmed: the tombstone is durable on the master); the retry found
+    the message cancelled by its own first try and answered ALREADY_CANCELLED, where the
+    Python clients answer CANCELLED (docs/api.md). A later first try still answers
+    ALREADY_CANCELLED."""
+    import os
+    import signal
+
+    from test_client_parity import with_the_slave_stopped
+    from test_replication import RPC_ERRORS, master, slave, status
+
+    from qdelay.client import Client
+
+    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
+    a.start()
+    b = slave(tmp_path, a)
+    b.start()
+
+    def node_cancel(text: str, *many: str) -> str:
+        cp = subprocess.run(
+            ["node", "check_client.js", a.address, "cancel", text, *many],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cp.returncode == 0, cp.stderr
+        return cp.stdout.split()[-1]
+
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        with Client(a.address) as c:
+            targets = [str(c.send("node.retried", b"%d" % i, delay_ms=3_600_000)) for i in range(2)]
+        assert with_the_slave_stopped(a, b, lambda: node_cancel(targets[0])) == "CANCELLED"
+        assert node_cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
+        assert with_the_slave_stopped(a, b, lambda: node_cancel(targets[1], "many")) == "CANCELLED"
+        assert node_cancel(targets[1], "many") == "ALREADY_CANCELLED"
+    finally:
+        if b.alive():
+            os.kill(b.pid, signal.SIGCONT)
+        for p in (b, a):
+            if p.alive():
+                p.stop()

@@ -8,6 +8,8 @@
 //       receipt text both ways (cancels the Python client's receipt by its text, prints
 //       "text <its own receipt's text>" and "rescheduled <the new receipt's text>"),
 //       reschedule, cancelMany and rescheduleMany across batches, in the caller's order.
+//   node check_client.js HOST:PORT cancel RECEIPT_TEXT [many]
+//       cancel() (or cancelMany([it]) with "many") with retries; prints "outcome <OUTCOME>".
 'use strict';
 
 const { Client, parseReceipt } = require('./qdelay');
@@ -92,6 +94,12 @@ async function receipts() {
   console.log('receipts: OK');
 }
 
+async function cancel() {
+  const text = subject;
+  const outcome = pythonText === 'many' ? (await client.cancelMany([text]))[0] : await client.cancel(text);
+  console.log(`outcome ${outcome}`);
+}
+
 function consume() {
   const consumer = client.subscribe(subject, { group: 'node-check', maxInFlight: 50 });
   consumer.on('batch', (deliveries) => {
@@ -107,6 +115,6 @@ function consume() {
   }).then(() => consumer.close()).then(() => console.log(`closed after ${consumer.reconnects} reconnects`));
 }
 
-({ batching, receipts }[mode] || consume)()
+({ batching, receipts, cancel }[mode] || consume)()
   .then(() => client.close()).then(() => process.exit(0))
   .catch((err) => { console.error(`check failed: ${err.message}`); process.exit(1); });

@@ -119,6 +119,11 @@ function ref(target) {
   return { receipt: target };
 }
 
+// A CancelResponse of a cancel tried again: its first try may have cancelled the message.
+function firstTry(r) {
+  return r.outcome === 'ALREADY_CANCELLED' ? { ...r, outcome: 'CANCELLED' } : r;
+}
+
 // A RescheduleRequest for target at opts' one new time (deliverAtMs or delayMs).
 function rescheduleRequest(method, target, opts) {
   if ((opts.deliverAtMs === undefined) === (opts.delayMs === undefined)) {
@@ -172,13 +177,16 @@ class Client {
     return this.idPrefix + this.idCount.toString(16);
   }
 
-  async unary(method, request, timeoutMs = this.timeoutMs) {
+  // One call, tried again on UNAVAILABLE (`retries` times); `retried`, if given, reads the
+  // response of a call tried again (its first try's work may have been done: see cancel).
+  async unary(method, request, timeoutMs = this.timeoutMs, retried = null) {
     for (let attempt = 1; ; attempt += 1) {
       try {
-        return await new Promise((resolve, reject) => {
+        const response = await new Promise((resolve, reject) => {
           this.stub[method](request, this.metadata(), { deadline: Date.now() + timeoutMs },
             (err, response) => (err ? reject(err) : resolve(response)));
         });
+        return attempt > 1 && retried ? retried(response) : response;
       } catch (err) {
         if (err.code !== grpc.status.UNAVAILABLE || attempt > this.retries) throw new QdelayError(method, err);
         await sleep(backoff(attempt, this.backoffMs));
@@ -214,8 +222,11 @@ class Client {
     return ref(target);
   }
 
+  // Resolves to 'CANCELLED', 'ALREADY_CANCELLED', 'ALREADY_DELIVERED' or 'NOT_FOUND'. Tried
+  // again after UNAVAILABLE, the first try may have written the tombstone: ALREADY_CANCELLED
+  // then reads CANCELLED, as the Python clients answer (docs/api.md).
   async cancel(receipt) {
-    return (await this.unary('Cancel', ref(receipt))).outcome;
+    return (await this.unary('Cancel', ref(receipt), this.timeoutMs, firstTry)).outcome;
   }
 
   // Cancel many in CancelBatch calls of up to batchSize targets (anything cancel takes);
@@ -226,7 +237,9 @@ class Client {
     const out = [];
     for (let i = 0; i < targets.length; i += batchSize) {
       const requests = targets.slice(i, i + batchSize).map(ref);
-      const response = await this.unary('CancelBatch', { requests }, opts.timeoutMs);
+      const response = await this.unary('CancelBatch', { requests }, opts.timeoutMs, (b) => ({
+        responses: b.responses.map(firstTry),
+      }));
       out.push(...response.responses.map((r) => r.outcome));
     }
     return out;
@@ -618,18 +631,27 @@ class ShardedClient {
     return this.retry(() => this.shardFor(messageId), (c) => c.send(subject, payload, { ...opts, messageId }));
   }
 
+  // Tried again on the shard's new master, a cancel reads ALREADY_CANCELLED as CANCELLED
+  // (its first try may have cancelled it), as Client.cancel after UNAVAILABLE.
   cancel(receipt) {
-    return this.retry(() => this.shardOf(receipt), (c) => c.cancel(receipt));
+    let tries = 0;
+    return this.retry(() => this.shardOf(receipt), async (c) => {
+      tries += 1;
+      const outcome = await c.cancel(receipt);
+      return tries > 1 ? firstTry({ outcome }).outcome : outcome;
+    });
   }
 
   // Cancel many, grouped per shard (the shards' CancelBatch calls at the same time); one
   // outcome per target, in the caller's order.
   async cancelMany(targets, opts = {}) {
-    return this.perShard(targets, (c, part) => c.cancelMany(part, opts));
+    return this.perShard(targets, (c, part, tries) => c.cancelMany(part, opts)
+      .then((outcomes) => (tries > 1 ? outcomes.map((o) => firstTry({ outcome: o }).outcome) : outcomes)));
   }
 
-  // Split targets by the shard that owns each, call `many` on every shard's client at the
-  // same time, and put the answers back in the caller's order.
+  // Split targets by the shard that owns each, call `many(client, part, tries)` on every
+  // shard's client at the same time (tries: 1, then 2... when retried on a new master), and
+  // put the answers back in the caller's order.
   async perShard(targets, many) {
     targets = Array.from(targets); // any iterable (Set.forEach passes no index)
     if (this.cluster === null) await this.refresh();
@@ -641,7 +663,8 @@ class ShardedClient {
     });
     const out = new Array(targets.length);
     await Promise.all([...byShard].map(async ([shard, idx]) => {
-      const got = await this.retry(() => shard, (c) => many(c, idx.map((i) => targets[i])));
+      let tries = 0;
+      const got = await this.retry(() => shard, (c) => many(c, idx.map((i) => targets[i]), (tries += 1)));
       idx.forEach((i, k) => { out[i] = got[k]; });
     }));
     return out;
