@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 from qdelay.segments import checkpoint, framing, naming, records
 from qdelay.segments.framing import RecordKind
-from qdelay.segments.records import Cancel, Dispatch, Message, Outcome
+from qdelay.segments.records import Cancel, Dispatch, Group, GroupOp, Message, Outcome
 from qdelay.segments.segment import HandlePool, Segment
 from qdelay.segments.wal import MessageLog
+from qdelay.server.groups import GroupTable
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z: the fixed origin of the golden scenarios
 
@@ -63,6 +64,7 @@ class DataFolderBuilder:
         self._iterated = 0  # index into self.order
         self._iterate_offset = 0
         self._iterate_sequence = 0
+        self.groups = GroupTable()
 
     # --- message log ---------------------------------------------------------------------
 
@@ -95,6 +97,12 @@ class DataFolderBuilder:
             entries.append((RecordKind.MESSAGE, created_ms, body))
             metas.append((due_ms, message_id))
         return self._append(entries, metas)
+
+    def group(self, subject: str, name: str, *, at_ms: int, op: GroupOp = GroupOp.CREATE) -> int:
+        """A GROUP record (a consumer group created or deleted), as Subscribe or ChangeGroup
+        writes it; iterate() leaves it in the message log, as the iterate service does."""
+        body = records.encode_group(Group(op, subject, name))
+        return self._append([(RecordKind.GROUP, at_ms, body)], [(0, "")])[0]
 
     def cancel(self, sequence: int, *, at_ms: int) -> int:
         target = self.written[sequence]
@@ -133,6 +141,17 @@ class DataFolderBuilder:
             if upto_sequence is not None and seq > upto_sequence:
                 break
             w = self.written[seq]
+            if w.kind == RecordKind.GROUP:  # applied to the group table, never copied
+                g = records.decode_group(w.body)
+                if g.op == GroupOp.CREATE:
+                    self.groups.create(g.subject, g.group, w.timestamp)
+                else:
+                    self.groups.delete(g.subject, g.group, w.timestamp)
+                self.groups.applied_seq = seq
+                self._iterated += 1
+                self._iterate_offset = w.offset + len(framing.encode(w.kind, w.sequence, w.timestamp, w.body))
+                self._iterate_sequence = seq
+                continue
             seg, rel = self._segment(
                 naming.SCHEDULE_DIR, naming.bucket_of(w.due_ms, self.scale), naming.SCHEDULE_SUFFIX
             )
@@ -149,6 +168,8 @@ class DataFolderBuilder:
         path = os.path.join(self.root, naming.CHECKPOINT_DIR, "iterate" + naming.CHECKPOINT_SUFFIX)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {"offset": self._iterate_offset, "sequence": self._iterate_sequence}
+        if self.groups.applied_seq:  # the group table, as the server saves it (the golden
+            state.update(self.groups.state())  # files' folders, written before groups, have none)
         with open(path, "wb") as f:  # fixed frame timestamp: deterministic bytes
             f.write(checkpoint.encode(state, at_ms))
 
@@ -230,7 +251,8 @@ def build_audit_planted(root: str) -> DataFolderBuilder:
     seq 1 clean delivered; seq 2 lost (due T0+120 s, never dispatched nor cancelled);
     seq 3 delivered twice; seq 4 cancelled by seq 5 at T0+10 s, yet delivered at T0+180 s;
     seq 6 delivered early (dispatched 5 s before due); seq 7 due after ``now`` (pending, fine);
-    seq 8 cancelled (fine).
+    seq 8 cancelled (fine); seq 10 the group ``billing`` of seq 2's subject (without a group,
+    seq 2 would be kept for the subject's first group, not lost).
     """
     b = DataFolderBuilder(root)
     s1 = b.send("a.ok", b"1", due_ms=T0 + 60_000, created_ms=T0)
@@ -242,6 +264,7 @@ def build_audit_planted(root: str) -> DataFolderBuilder:
     b.send("a.later", b"7", due_ms=T0 + 3_600_000, created_ms=T0)
     s8 = b.send("a.cxl", b"8", due_ms=T0 + 300_000, created_ms=T0)
     b.cancel(s8, at_ms=T0 + 20_000)
+    b.group("a.lost", "billing", at_ms=T0 + 25_000)
     b.iterate(at_ms=T0 + 30_000)
     b.dispatch(s1, dispatched_ms=T0 + 60_010, acked_ms=T0 + 60_020)
     b.dispatch(s3, dispatched_ms=T0 + 120_010, acked_ms=T0 + 120_020)

@@ -24,6 +24,7 @@ from datafolder import T0  # noqa: E402
 from serverproc import ServerProc, make_tls_cert  # noqa: E402
 
 from qdelay.segments import naming  # noqa: E402
+from qdelay.segments.records import GroupOp  # noqa: E402
 
 pytestmark = pytest.mark.spark
 
@@ -230,6 +231,49 @@ def test_audit_finds_every_planted_problem(spark, folders, tmp_path, capsys):
         for line in open(os.path.join(out, "findings", p))
     ]
     assert sorted(r["message_id"] for r in rows) == ["cancelled-one", "dup-one", "early-one", "lost-one"]
+
+
+def test_audit_keeps_messages_waiting_for_a_first_group_apart(spark, tmp_path, capsys):
+    """A past-due message of a subject no group has yet was reported lost (exit 1), though
+    the server keeps it for the subject's first group, which receives it (docs/api.md,
+    "Groups"); so is one that fell due after the subject's last group was deleted. Both are
+    counted apart as waiting for a first group and do not fail the audit; a message whose
+    subject has a group on its server (the same subject on another server is no excuse)
+    and that never went out is still lost."""
+    from qdelay.tools import spark_jobs
+
+    waiting = str(tmp_path / "waiting")
+    a = datafolder.DataFolderBuilder(waiting)
+    never = a.send("w.none", b"1", due_ms=T0 + 60_000, created_ms=T0, message_id="no-group-yet")
+    a.group("w.had", "billing", at_ms=T0)
+    sent = a.send("w.had", b"2", due_ms=T0 + 60_000, created_ms=T0)
+    a.group("w.had", "billing", at_ms=T0 + 100_000, op=GroupOp.DELETE)
+    after = a.send("w.had", b"3", due_ms=T0 + 200_000, created_ms=T0 + 1_000, message_id="after-delete")
+    a.iterate(at_ms=T0 + 110_000)
+    a.dispatch(sent, dispatched_ms=T0 + 60_010, acked_ms=T0 + 60_020, group="billing")
+    a.close()
+    out = str(tmp_path / "audit")
+    assert _job(["audit", "--data-dir", waiting, "--now", str(NOW), "--out", out]) == 0
+    text = capsys.readouterr().out
+    assert "lost                     0" in text, text
+    assert "waiting_for_first_group  2 (not lost: " in text, text
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["findings"]["lost"] == 0 and s[spark_jobs.WAITING] == 2 and not s["failed"]
+    assert [(r["message_id"], r["sequence"], r["subject"]) for r in s["examples"][spark_jobs.WAITING]] == [
+        ("no-group-yet", never, "w.none"),
+        ("after-delete", after, "w.had"),
+    ]
+
+    lost = str(tmp_path / "lost")
+    b = datafolder.DataFolderBuilder(lost)
+    b.group("w.other", "billing", at_ms=T0)
+    b.send("w.none", b"4", due_ms=T0 + 60_000, created_ms=T0, message_id="really-lost")
+    b.iterate(at_ms=T0 + 1_000)
+    b.group("w.none", "billing", at_ms=T0 + 2_000)  # past the checkpoint: replayed by the audit
+    b.close()
+    s = spark_jobs.audit(spark, [waiting, lost], NOW, 60_000)
+    assert s["findings"]["lost"] == 1 and s[spark_jobs.WAITING] == 2 and s["failed"]
+    assert [r["message_id"] for r in s["examples"]["lost"]] == ["really-lost"]
 
 
 def test_audit_is_quiet_on_a_clean_folder(spark, folders, tmp_path):

@@ -302,6 +302,11 @@ FINDING_COLUMNS = {
     "delivered_after_cancel": ["server", "sequence", "message_id", "cancelled_ms", "last_delivered_ms"],
     "early": ["server", "sequence", "message_id", "due_ms", "first_dispatched_ms", "early_by_ms"],
 }
+# past due, never dispatched nor cancelled, of a subject no group has (yet): kept for the
+# subject's first group, which receives them all (docs/api.md, "Groups"). Counted and listed
+# apart from the findings; the audit does not fail for them.
+WAITING = "waiting_for_first_group"
+FINDING_COLUMNS[WAITING] = FINDING_COLUMNS["lost"]
 
 
 def _servers(data_dirs) -> list[str]:
@@ -394,6 +399,90 @@ def _damage(spark, data_dirs):
     )
 
 
+def group_tables(data_dirs) -> dict:
+    """Each server's consumer groups (server -> the server's own GroupTable) as its
+    scheduler has them after its logs: the iterate checkpoint's table, then the GROUP
+    records of the message log past the checkpoint, replayed as the scheduler replays them
+    (``apply_group``). Read on the driver: the log past the checkpoint is the part not yet
+    iterated, normally small. None for a server whose groups are not known: an unreadable
+    checkpoint (the older GROUP records may be cleaned away) or one from before groups (its
+    server gives each subject the group ``default`` when a message falls due)."""
+    from qdelay.segments import records
+    from qdelay.segments.framing import RecordKind
+    from qdelay.server.groups import GroupTable
+    from qdelay.tools.inspect import open_buffer, read_checkpoint, segment_files, walk
+
+    tables: dict = {}
+    for server in _servers(data_dirs):
+        state, err = read_checkpoint(server)
+        if err is not None or (
+            state is not None and ("groups" not in state or not isinstance(state.get("offset"), int))
+        ):
+            tables[server] = None
+            continue
+        table = GroupTable.from_state(state or {})
+        copied = state["offset"] if state else 0  # the message log before it is in the table
+        for sf in segment_files(server, ("message",)):
+            if sf.key + sf.size <= copied:
+                continue
+            with open_buffer(sf.path) as buf:
+                for item in walk(buf, 0, False, max(0, copied - sf.key)):
+                    f = item.frame
+                    if f is None or f.kind != RecordKind.GROUP or f.sequence <= table.applied_seq:
+                        continue
+                    try:
+                        rec = records.decode_group(f.body)
+                    except ValueError:
+                        continue  # reported with the damage
+                    table.applied_seq = f.sequence
+                    if rec.op == records.GroupOp.CREATE:
+                        table.create(rec.subject, rec.group, f.timestamp)
+                    else:
+                        table.delete(rec.subject, rec.group, f.timestamp)
+        tables[server] = table
+    return tables
+
+
+def _waiting_for_a_first_group(spark, data_dirs, unsent):
+    """(server, sequence) of the ``unsent`` rows (past due, never dispatched nor cancelled)
+    whose subject has no group and that became due since it last had one: the server keeps
+    them for the subject's first group, which receives them all (docs/api.md, "Groups").
+    Not lost. A scan of the MESSAGE rows for the subjects: only when something is unsent."""
+    from pyspark.sql import functions as F
+
+    from qdelay.server.groups import BEGINNING
+
+    # a subject with groups: never waiting; one without: waiting from kept_since on
+    known = []
+    for server, table in group_tables(data_dirs).items():
+        if table is None:  # groups unknown: nothing is excused
+            known.append((server, None, True, BEGINNING))
+            continue
+        known += [(server, g.subject, True, BEGINNING) for g in table.listed()]
+        known += [(server, subject, False, at) for subject, at in table.state()["groups_kept_since"]]
+    schema = "server string, subject string, has_group boolean, kept_since long"
+    groups = spark.createDataFrame(known, schema)
+    cols = ["server", "sequence", "kind", "subject"]
+    subjects = (
+        spark_source.read(spark, data_dirs, log="all", corrupt="skip", columns=cols, pushdown=True)
+        .where(F.col("kind") == "MESSAGE")
+        .select("server", "sequence", "subject")
+        .dropDuplicates(["server", "sequence"])  # iterated: in the message and the schedule log
+        .join(unsent.select("server", "sequence", "due_ms"), ["server", "sequence"])
+    )
+    whole = groups.where(F.col("subject").isNull()).select("server", F.lit(True).alias("unknown"))
+    return (
+        subjects.join(F.broadcast(groups.where(F.col("subject").isNotNull())), ["server", "subject"], "left")
+        .join(F.broadcast(whole), ["server"], "left")
+        .where(
+            F.col("unknown").isNull()
+            & ~F.coalesce(F.col("has_group"), F.lit(False))
+            & (F.col("due_ms") >= F.coalesce(F.col("kept_since"), F.lit(BEGINNING)))
+        )
+        .select("server", "sequence", F.lit(True).alias("waiting"))
+    )
+
+
 def _names(spark, data_dirs, keys, sequences=None, due=None):
     """message_id, subject and the sorted attempts of the (server, sequence) rows of
     ``keys`` (a small DataFrame, broadcast): a second scan of MESSAGE and DISPATCH rows,
@@ -430,8 +519,10 @@ def _names(spark, data_dirs, keys, sequences=None, due=None):
 def audit(
     spark, data_dirs, now_ms: int, grace_ms: int = 60_000, out: str | None = None, allow_duplicates: bool = False
 ) -> dict:
-    """Find lost (past due, never dispatched nor cancelled), duplicated (more than one
-    dispatch record), delivered-after-cancel and early (dispatched before due) messages.
+    """Find lost (past due, never dispatched nor cancelled, though its subject has a group
+    to receive it), duplicated (more than one dispatch record), delivered-after-cancel and
+    early (dispatched before due) messages. Past-due messages kept for their subject's first
+    group are counted apart (``waiting_for_first_group``), not as findings.
 
     ``allow_duplicates``: duplicates are what at-least-once delivery promises for a message
     in flight when a consumer or the server restarted; they are still counted and listed,
@@ -493,6 +584,22 @@ def audit(
         counts["duplicated"] = checked.where("duplicated").count()
         found.unpersist()
         found = checked
+    found = found.withColumn(WAITING, F.lit(False))
+    if counts["lost"]:  # what a subject without a group keeps for its first one is not lost
+        waiting = _waiting_for_a_first_group(spark, data_dirs, found.where("lost"))
+        split = (
+            found.join(waiting, ["server", "sequence"], "left")
+            .withColumn(WAITING, F.coalesce(col("waiting"), F.lit(False)))
+            .withColumn("lost", col("lost") & ~col(WAITING))
+            .drop("waiting")
+            .cache()
+        )
+        n_waiting = split.where(WAITING).count()
+        counts["lost"] -= n_waiting
+        found.unpersist()
+        found = split
+    else:
+        n_waiting = 0
     summary: dict = {
         "now_ms": now_ms,
         "grace_ms": grace_ms,
@@ -500,10 +607,11 @@ def audit(
         "cancelled": totals["cancelled"],
         "dispatch_records": int(totals["dispatch_records"] or 0),
         "findings": counts,
-        "examples": {n: [] for n in FINDINGS},
+        WAITING: n_waiting,
+        "examples": {n: [] for n in FINDINGS + (WAITING,)},
         "allow_duplicates": allow_duplicates,
     }
-    if any(summary["findings"].values()):
+    if any(summary["findings"].values()) or n_waiting:
         # names for every finding when they are all written, else for the examples only
         picked = found if out else found.orderBy("server", "sequence").limit(100 * EXAMPLES)
         sequences = due = None
@@ -528,9 +636,10 @@ def audit(
             "overdue_ms",
             "early_by_ms",
             *FINDINGS,
+            WAITING,
         ).cache()
         for r in findings.orderBy("server", "sequence").limit(100 * EXAMPLES).collect():
-            for n in FINDINGS:
+            for n in FINDINGS + (WAITING,):
                 if r[n] and len(summary["examples"][n]) < EXAMPLES:
                     summary["examples"][n].append({c: r[c] for c in FINDING_COLUMNS[n]})
         if out:
@@ -563,6 +672,13 @@ def _audit_cmd(spark, args) -> int:
         if n:
             rows = s["examples"][name]
             _print_rows(f"first {len(rows)}", rows, list(rows[0]))
+    n = s[WAITING]
+    print(
+        f"{WAITING:<24} {n}" + (" (not lost: their subjects have no group yet; the first one gets them)" if n else "")
+    )
+    if n:
+        rows = s["examples"][WAITING]
+        _print_rows(f"first {len(rows)}", rows, list(rows[0]))
     for key, label in (
         ("corrupt_records", "corrupt records (run 'qdelay inspect verify')"),
         ("torn_tails", "torn tails (a live or crashed writer; recovery cuts them)"),
@@ -571,7 +687,8 @@ def _audit_cmd(spark, args) -> int:
             print(f"{label}: {len(s[key])}")
             _print_rows("where", s[key][:EXAMPLES], ["server", "segment", "offset", "error"])
     _print_outputs(
-        [os.path.join(out, "summary.json")] + ([os.path.join(out, "findings")] if any(s["findings"].values()) else [])
+        [os.path.join(out, "summary.json")]
+        + ([os.path.join(out, "findings")] if any(s["findings"].values()) or s[WAITING] else [])
     )
     return 1 if s["failed"] else 0
 
