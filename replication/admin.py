@@ -21,6 +21,7 @@ import json
 import sys
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from qdelay.addresses import check_target
 from qdelay.errors import InvalidArgument, QdelayError
@@ -115,9 +116,32 @@ def _cluster_shards(targets: list[str], args) -> list:
 
 
 def _to_dict(msg) -> dict:
+    """The message as JSON-ready dict with the proto's field names, every field present, and
+    64-bit integers as numbers: protobuf's JSON mapping writes them as strings ("epoch": "3"),
+    which a script comparing offsets or lag then compares as text."""
     from google.protobuf.json_format import MessageToDict
 
-    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _numbers(msg, d)
+
+
+_INT64 = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+
+
+def _numbers(msg, d: dict) -> dict:
+    """``d`` (MessageToDict of ``msg``) with its 64-bit integer fields as ints, nested too."""
+    for f in msg.DESCRIPTOR.fields:
+        if f.name not in d:
+            continue
+        value, repeated = getattr(msg, f.name), f.is_repeated
+        if f.message_type is not None and not f.message_type.GetOptions().map_entry:
+            if repeated:
+                d[f.name] = [_numbers(m, x) for m, x in zip(value, d[f.name])]
+            else:
+                _numbers(value, d[f.name])
+        elif f.cpp_type in _INT64:
+            d[f.name] = list(value) if repeated else value
+    return d
 
 
 def _no_groups(subject: str | None, group: str | None) -> str:

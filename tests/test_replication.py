@@ -699,6 +699,25 @@ def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
         assert cp.stderr.startswith(want) and len(cp.stderr.splitlines()) == 1, (args, cp.stderr)
 
 
+def test_admin_status_json_prints_64_bit_numbers_as_numbers(tmp_path):
+    """``qdelay admin status --json`` printed every 64-bit field as a string ("epoch": "1",
+    "end_offset": "4183"): protobuf's JSON mapping. A script comparing offsets or lag then
+    compared text. They are JSON numbers now, under the same field names, nested too."""
+    import json
+
+    with master(tmp_path) as a, slave(tmp_path, a) as b:
+        send_some(a.address, 10)
+        wait_caught_up(a.address, b.address)
+        out = json.loads(admin("status", "--servers", f"{a.address},{b.address}", "--json").stdout)
+    m, s = out[a.address], out[b.address]
+    assert (m["role"], s["role"]) == ("master", "slave")
+    for field in ("epoch", "first_offset", "end_offset", "last_sequence", "lag_bytes", "lag_ms", "sync_timeouts"):
+        assert type(m[field]) is int and type(s[field]) is int, (field, m[field], s[field])
+    assert m["end_offset"] == s["end_offset"] > 0 and m["last_sequence"] == 10
+    assert s["delay_p99_ms"] >= -1 and m["slaves"] and type(m["slaves"][0]["acked_offset"]) is int
+    assert m["slaves"][0]["acked_offset"] == m["end_offset"] and type(m["slaves"][0]["connected"]) is bool
+
+
 def test_a_master_restart_is_a_warning_on_its_slave_not_an_error(tmp_path):
     """A slave whose master restarts (a rolling restart, or the master started after the
     slave) logged 'ERROR ... replication: master M: UNAVAILABLE ...' each time, though it
