@@ -1166,7 +1166,7 @@ def close_consumers(consumers: Iterable[Consumer], timeout: float = 5.0) -> None
     half-closed first, then one ``timeout`` for all of them to end (a call not ended by then
     is cancelled). One after another, a server that does not answer (stopped, a network
     gone silent) cost each consumer its whole timeout: Client.close() with 3 took 15 s."""
-    ending = [e for e in (c._end() for c in consumers) if e is not None]
+    ending = [e for e in (c.half_close() for c in consumers) if e is not None]
     deadline = time.monotonic() + timeout
     for ended, call in ending:
         if not ended.wait(max(0.0, deadline - time.monotonic())):
@@ -1355,9 +1355,10 @@ class Consumer:
         deliveries come again: at-least-once)."""
         close_consumers([self], timeout)
 
-    def _end(self) -> tuple[threading.Event, Any] | None:
-        """:meth:`close` but the wait: the stream half-closed; (set once the call has ended,
-        the call), or None when closed already."""
+    def half_close(self) -> tuple[threading.Event, Any] | None:
+        """:meth:`close` but the wait (what :func:`close_consumers` does to many at once): the
+        stream half-closed; (an event set once the call has ended, the call), or None when
+        closed already."""
         if self._closed.is_set():
             return None
         self._closed.set()

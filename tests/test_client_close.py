@@ -589,3 +589,49 @@ def test_close_ends_the_consumers_of_a_server_that_does_not_answer_together(tmp_
         # one 5 s wait each, not 4 x 5 s (a margin of 3 consumers' waits for a loaded box)
         assert took < 14 and atook < 14, (took, atook)
         assert len(held) == 4
+
+
+def test_sharded_close_ends_merged_consumers_of_a_server_that_does_not_answer_together(tmp_path):
+    """ShardedClient.close() (and the asyncio one's) closed its merged consumers one after
+    another, each waiting up to 5 s for a server that does not answer (stopped): 3 merged
+    consumers took 15 s. They are half-closed together, then waited for once."""
+    import asyncio
+    import os
+    import signal
+
+    from serverproc import ServerProc
+
+    from qdelay.client import AioShardedClient, ShardedClient
+
+    with ServerProc(tmp_path / "s") as srv:
+        sc = ShardedClient(srv.address)
+        merged = [sc.subscribe("close.hung.sharded", f"g{i}") for i in range(3)]
+        for m in merged:
+            assert m.receive(1, 0.3) == []
+
+        async def subscribed() -> tuple:
+            ac = AioShardedClient(srv.address)
+            await ac.refresh()
+            out = [ac.subscribe("close.hung.sharded", f"a{i}") for i in range(3)]
+            for m in out:
+                assert await m.receive(1, 0.3) == []
+            return ac, out
+
+        loop = asyncio.new_event_loop()
+        try:
+            ac, held = loop.run_until_complete(subscribed())
+            os.kill(srv.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                sc.close()
+                took = time.monotonic() - started
+                started = time.monotonic()
+                loop.run_until_complete(ac.close())
+                atook = time.monotonic() - started
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+        finally:
+            loop.close()
+        # one 5 s wait, not 3 x 5 s (a margin of about one more wait for a loaded box)
+        assert took < 11 and atook < 11, (took, atook)
+        assert len(held) == 3
