@@ -57,6 +57,8 @@ log = logging.getLogger("qdelay.engine")
 
 TWO_YEARS_MS = 2 * 365 * 24 * 3600 * 1000
 FAR_AHEAD_MIN_MS = 1000  # see Engine.far_ahead_ms
+# how long a lookup waits for the iterate service to copy what it must see (Engine._iterated)
+LOOKUP_WAIT_S = 5.0
 
 __all__ = [
     "Engine",
@@ -1057,13 +1059,15 @@ class Engine:
         floor, this is one comparison. A service that stopped on an error is said
         to have stopped, with the error: "behind; retry" would send users retrying against a
         server whose log says it needs an operator."""
-        if self.iterate.wait_for(max(sequence, self._claims_from), timeout=5.0):
+        if self.iterate.wait_for(max(sequence, self._claims_from), timeout=LOOKUP_WAIT_S):
             return
         if self.iterate.error is not None:
             raise StorageError(
                 f"the iterate service stopped ({self.iterate.error!r}); the server needs a restart, see its log"
             )
-        raise StorageError("the iterate service is behind; retry shortly")
+        # UNAVAILABLE, not INTERNAL: nothing is wrong, the answer needs the replay (after a
+        # restart) or a burst's copy to finish, and the clients retry UNAVAILABLE by themselves
+        raise Unavailable("the iterate service is behind (replaying the message log, or a burst); retry shortly")
 
     def _ids_current(self) -> int:
         """The sequence the iterate service must have copied for a by-id lookup to see

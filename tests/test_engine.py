@@ -103,6 +103,24 @@ def test_a_lookup_after_the_iterate_service_stopped_on_an_error_says_so(tmp_path
         e.close()
 
 
+def test_a_lookup_while_the_iterate_service_is_behind_is_unavailable(tmp_path, clock, monkeypatch):
+    """A lookup that waited out its wait for the iterate service (the replay after a restart,
+    or a burst) answered INTERNAL, which no client retries: a user's Get right after a
+    restart failed. Nothing is wrong: UNAVAILABLE, which the clients retry by themselves."""
+    from qdelay.errors import Unavailable
+    from qdelay.server import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "LOOKUP_WAIT_S", 0.05)
+    e = Engine(config(tmp_path), clock=clock)
+    try:
+        r = e.send_sync([message("a", clock.now + 1000, "m1")])  # not iterated: never started
+        for lookup in (lambda: e.resolve_id("m1"), lambda: e.get_sync("m1", r[0].deliver_at_ms, r[0].sequence)):
+            with pytest.raises(Unavailable, match="iterate service is behind"):
+                lookup()
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize(
     ("gather_far_ms", "ahead_ms", "far"),
     [
