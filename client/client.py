@@ -252,16 +252,6 @@ def _retried(
     Cancel's: :func:`first_try_cancel`)."""
 
     def call(method: Callable[..., Any]) -> BatchCall:
-        if retried_answer is None:
-            return lambda request, timeout: call_async(
-                method,
-                request,
-                timeout or settings.timeout,
-                settings.metadata,
-                settings.retries,
-                settings.retry_backoff,
-            )
-
         async def tried(request: Any, timeout: float | None) -> Any:
             tries: list[int] = []
             response = await call_async(
@@ -273,7 +263,7 @@ def _retried(
                 settings.retry_backoff,
                 tries,
             )
-            return retried_answer(response) if tries[0] > 1 else response
+            return retried_answer(response) if retried_answer is not None and tries[0] > 1 else response
 
         return tried
 

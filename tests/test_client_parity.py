@@ -6,7 +6,11 @@ the shard that owns it; in a replicated pair: the master; groups: every shard's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
@@ -306,16 +310,9 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
     cancel got there first. ClusterClient, ShardedClient and AioShardedClient (on a
     standalone master: one shard); cancel_many likewise, the cluster clients' failover and
     the single-server clients' own retries of a CancelBatch (blocking and asyncio)."""
-    import os
-    import signal
     import threading
 
-    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
-    a.start()
-    b = slave(tmp_path, a)
-    b.start()
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+    with sync_master_and_slave(tmp_path) as (a, b):
         with Client(a.address) as plain:
             targets = [plain.send("par.unknown", b"%d" % i, delay_ms=HOUR_MS) for i in range(8)]
 
@@ -386,6 +383,19 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
                 return await task
 
         assert asyncio.run(asyncio.wait_for(aio_many(), 60)) == ["CANCELLED", "CANCELLED"]
+
+
+@contextlib.contextmanager
+def sync_master_and_slave(tmp_path) -> Iterator[tuple]:
+    """A sync master (replication timeout 300 ms) and its attached slave, stopped after (the
+    slave let go first if a test left it SIGSTOPped)."""
+    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
+    a.start()
+    b = slave(tmp_path, a)
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        yield a, b
     finally:
         if b.alive():
             os.kill(b.pid, signal.SIGCONT)
@@ -398,8 +408,6 @@ def with_the_slave_stopped(a, b, call):
     """``call()`` in a thread, sync master ``a``'s slave ``b`` stopped (SIGSTOP) until ``a``'s
     first answer timed out waiting for it: the call's first try has an unknown outcome (its
     write is durable on the master, the client hears UNAVAILABLE and tries again)."""
-    import os
-    import signal
     import threading
 
     out: list = []
@@ -423,15 +431,8 @@ def test_an_unbatched_cancel_tried_again_after_an_unknown_outcome_answers_cancel
     clients answer CANCELLED (docs/api.md: CANCELLED whenever its cancel was, or may have
     been, the first to reach the message). A later first try still answers
     ALREADY_CANCELLED."""
-    import os
-    import signal
 
-    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
-    a.start()
-    b = slave(tmp_path, a)
-    b.start()
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+    with sync_master_and_slave(tmp_path) as (a, b):
         with Client(a.address) as plain:
             targets = [plain.send("par.unbatched", b"%d" % i, delay_ms=HOUR_MS) for i in range(2)]
 
@@ -444,12 +445,6 @@ def test_an_unbatched_cancel_tried_again_after_an_unknown_outcome_answers_cancel
                 return await ac.cancel(targets[1])
 
         assert with_the_slave_stopped(a, b, lambda: asyncio.run(aio_cancel())) == "CANCELLED"
-    finally:
-        if b.alive():
-            os.kill(b.pid, signal.SIGCONT)
-        for p in (b, a):
-            if p.alive():
-                p.stop()
 
 
 def test_a_failed_send_many_carries_the_acknowledged_prefix_in_every_client(server, monkeypatch):

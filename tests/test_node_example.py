@@ -155,18 +155,10 @@ def test_node_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_
     the message cancelled by its own first try and answered ALREADY_CANCELLED, where the
     Python clients answer CANCELLED (docs/api.md). A later first try still answers
     ALREADY_CANCELLED."""
-    import os
-    import signal
 
-    from test_client_parity import with_the_slave_stopped
-    from test_replication import RPC_ERRORS, master, slave, status
+    from test_client_parity import sync_master_and_slave, with_the_slave_stopped
 
     from qdelay.client import Client
-
-    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
-    a.start()
-    b = slave(tmp_path, a)
-    b.start()
 
     def node_cancel(text: str, *many: str) -> str:
         cp = subprocess.run(
@@ -179,17 +171,10 @@ def test_node_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_
         assert cp.returncode == 0, cp.stderr
         return cp.stdout.split()[-1]
 
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+    with sync_master_and_slave(tmp_path) as (a, b):
         with Client(a.address) as c:
             targets = [str(c.send("node.retried", b"%d" % i, delay_ms=3_600_000)) for i in range(2)]
         assert with_the_slave_stopped(a, b, lambda: node_cancel(targets[0])) == "CANCELLED"
         assert node_cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
         assert with_the_slave_stopped(a, b, lambda: node_cancel(targets[1], "many")) == "CANCELLED"
         assert node_cancel(targets[1], "many") == "ALREADY_CANCELLED"
-    finally:
-        if b.alive():
-            os.kill(b.pid, signal.SIGCONT)
-        for p in (b, a):
-            if p.alive():
-                p.stop()
