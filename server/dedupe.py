@@ -49,12 +49,11 @@ class Claim:
     """The ids a batch is about to write, in batch order (settled by ``written`` or
     ``failed``), and the ones of them it holds, with one future for the whole batch, which
     other batches with one of those ids wait on: in ``Deduper._flying`` (no future yet)
-    until another batch's lookup enters them in ``Deduper._writing`` (``entered``)."""
+    until another batch's lookup enters them in ``Deduper._writing`` and makes the future."""
 
     ids: list[str]
     future: asyncio.Future | None
     held: list[str] = field(default_factory=list)
-    entered: bool = False
 
 
 TIDY_AFTER = 1.0  # seconds: how soon ids are forgotten once sends stop coming
@@ -160,7 +159,6 @@ class Deduper:
         loop = asyncio.get_running_loop()
         for claim in self._flying.values():
             claim.future = fut = loop.create_future()
-            claim.entered = True
             self._writing.update(dict.fromkeys(claim.held, fut))
         self._flying.clear()
 
@@ -178,7 +176,7 @@ class Deduper:
             claim.future.set_result(False)
 
     def _release(self, claim: Claim) -> None:
-        if not claim.entered:
+        if claim.future is None:  # never entered in ``_writing``
             self._flying.pop(id(claim), None)
             return
         # each held id maps to this claim's future alone: check() claims only ids no other
