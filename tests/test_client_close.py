@@ -545,13 +545,29 @@ def test_close_called_on_the_clients_own_io_loop_does_not_wait_for_itself(server
         c.cancel(r)
 
 
+def close_times_with_the_server_stopped(srv, close, loop, aclose) -> tuple[float, float]:
+    """Seconds ``close()`` and then ``aclose()`` (a coroutine function, run on ``loop``)
+    take while ``srv`` is stopped (SIGSTOP: its streams neither end nor fail)."""
+    import os
+    import signal
+
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        close()
+        took = time.monotonic() - started
+        started = time.monotonic()
+        loop.run_until_complete(aclose())
+        return took, time.monotonic() - started
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+
+
 def test_close_ends_the_consumers_of_a_server_that_does_not_answer_together(tmp_path):
     """close() of a client whose server does not answer (stopped: its streams neither end
     nor fail) waited each consumer's 5 s close one after another (Client.close() with 4:
     20 s); it half-closes them all, then waits once. Blocking and asyncio."""
     import asyncio
-    import os
-    import signal
 
     from serverproc import ServerProc
 
@@ -574,16 +590,7 @@ def test_close_ends_the_consumers_of_a_server_that_does_not_answer_together(tmp_
         loop = asyncio.new_event_loop()
         try:
             ac, held = loop.run_until_complete(subscribed())  # held: a dropped one is freed
-            os.kill(srv.pid, signal.SIGSTOP)
-            try:
-                started = time.monotonic()
-                c.close()
-                took = time.monotonic() - started
-                started = time.monotonic()
-                loop.run_until_complete(ac.close())
-                atook = time.monotonic() - started
-            finally:
-                os.kill(srv.pid, signal.SIGCONT)
+            took, atook = close_times_with_the_server_stopped(srv, c.close, loop, ac.close)
         finally:
             loop.close()
         # one 5 s wait each, not 4 x 5 s (a margin of 3 consumers' waits for a loaded box)
@@ -596,8 +603,6 @@ def test_sharded_close_ends_merged_consumers_of_a_server_that_does_not_answer_to
     another, each waiting up to 5 s for a server that does not answer (stopped): 3 merged
     consumers took 15 s. They are half-closed together, then waited for once."""
     import asyncio
-    import os
-    import signal
 
     from serverproc import ServerProc
 
@@ -620,16 +625,7 @@ def test_sharded_close_ends_merged_consumers_of_a_server_that_does_not_answer_to
         loop = asyncio.new_event_loop()
         try:
             ac, held = loop.run_until_complete(subscribed())
-            os.kill(srv.pid, signal.SIGSTOP)
-            try:
-                started = time.monotonic()
-                sc.close()
-                took = time.monotonic() - started
-                started = time.monotonic()
-                loop.run_until_complete(ac.close())
-                atook = time.monotonic() - started
-            finally:
-                os.kill(srv.pid, signal.SIGCONT)
+            took, atook = close_times_with_the_server_stopped(srv, sc.close, loop, ac.close)
         finally:
             loop.close()
         # one 5 s wait, not 3 x 5 s (a margin of about one more wait for a loaded box)

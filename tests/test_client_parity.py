@@ -10,7 +10,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 from conftest import wait_until
@@ -41,6 +41,30 @@ SHARED = {
 HOUR_MS = 3_600_000
 
 
+@contextlib.contextmanager
+def master_and_slave(tmp_path, master_args: Sequence[str] = (), peers: bool = False) -> Iterator[tuple]:
+    """A master and its attached slave (``peers``: the master is the slave's peer), stopped
+    after (the slave let go first if a test left it SIGSTOPped)."""
+    a = master(tmp_path, args=list(master_args))
+    a.start()
+    b = slave(tmp_path, a, args=["--peers", a.address] if peers else [])
+    b.start()
+    try:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        yield a, b
+    finally:
+        if b.alive():
+            os.kill(b.pid, signal.SIGCONT)
+        for p in (b, a):
+            if p.alive():
+                p.stop()
+
+
+def sync_master_and_slave(tmp_path) -> contextlib.AbstractContextManager[tuple]:
+    """:func:`master_and_slave` in sync mode with a 300 ms replication timeout."""
+    return master_and_slave(tmp_path, ["--replication", "sync", "--replication-timeout-ms", "300"])
+
+
 def test_every_client_has_the_shared_surface():
     for cls in (Client, AioClient, ShardedClient, AioShardedClient, ClusterClient):
         missing = SHARED - set(dir(cls))
@@ -55,12 +79,7 @@ def test_cluster_client_routes_every_call_to_the_master(tmp_path):
     """ClusterClient with the slave listed first: each call is refused by the slave
     (FAILED_PRECONDITION) and made on the master; cancel and get by id, cancel_many,
     reschedule, reschedule_many (answers in order) and the groups."""
-    a = master(tmp_path)
-    a.start()
-    b = slave(tmp_path, a, args=["--peers", a.address])
-    b.start()
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+    with master_and_slave(tmp_path, peers=True) as (a, b):
         later = int(time.time() * 1000) + HOUR_MS
         with ClusterClient([b.address, a.address], failover_timeout=10, backoff=0.01) as cc:
             # send_many first: the slave refuses the stream, the messages go to the master
@@ -96,10 +115,6 @@ def test_cluster_client_routes_every_call_to_the_master(tmp_path):
             assert cc.delete_group("par.c", "billing") is True
             assert cc.groups(subject="par.c") == []
             assert cc.get(many[49]).state == "PENDING"
-    finally:
-        for p in (a, b):
-            if p.alive():
-                p.stop()
 
 
 def test_sharded_clients_reschedule_many_and_groups_per_shard(tmp_path, etcd):  # noqa: F811 - the fixture
@@ -168,12 +183,7 @@ def test_cluster_client_subscribe_all_waits_out_a_slave_without_the_group(tmp_pa
     that would create it (FAILED_PRECONDITION). Its consumer ended with that error; now the
     group is made on the master and the slave's consumer subscribes again with backoff until
     the GROUP record reached it, while the master's delivers."""
-    a = master(tmp_path)
-    a.start()
-    b = slave(tmp_path, a, args=["--peers", a.address])
-    b.start()
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+    with master_and_slave(tmp_path, peers=True) as (a, b):
         with ClusterClient([b.address, a.address], failover_timeout=10, backoff=0.01) as cc:
             consumers = cc.subscribe_all("par.sub", "fresh")
             try:
@@ -189,10 +199,6 @@ def test_cluster_client_subscribe_all_waits_out_a_slave_without_the_group(tmp_pa
                     cons.close()
             with pytest.raises(errors.InvalidArgument):  # a real error still ends the call
                 cc.subscribe_all("", "fresh")
-    finally:
-        for p in (b, a):  # the slave first: a master stopped with its slave attached takes ~10 s
-            if p.alive():
-                p.stop()
 
 
 def test_a_consumer_waiting_for_its_group_outlives_a_slave_refusal(tmp_path):
@@ -201,12 +207,7 @@ def test_a_consumer_waiting_for_its_group_outlives_a_slave_refusal(tmp_path):
     of ending; once the group is made on the master and replicated, the slave takes the
     subscription (its stats list the consumer). Blocking and asyncio consumers alike; without
     ``wait_for_group`` the refusal is raised."""
-    a = master(tmp_path)
-    a.start()
-    b = slave(tmp_path, a, args=["--peers", a.address])
-    b.start()
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+    with master_and_slave(tmp_path, peers=True) as (a, b):
         on_slave = Client(b.address, retry_backoff=0.01)
         on_master = Client(a.address)
 
@@ -246,10 +247,6 @@ def test_a_consumer_waiting_for_its_group_outlives_a_slave_refusal(tmp_path):
         finally:
             on_slave.close()
             on_master.close()
-    finally:
-        for p in (b, a):  # the slave first: a master stopped with its slave attached takes ~10 s
-            if p.alive():
-                p.stop()
 
 
 def test_sharded_subscribe_all_makes_the_group_and_waits_out_a_slave(tmp_path, etcd):  # noqa: F811 - the fixture
@@ -383,25 +380,6 @@ def test_a_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_pat
                 return await task
 
         assert asyncio.run(asyncio.wait_for(aio_many(), 60)) == ["CANCELLED", "CANCELLED"]
-
-
-@contextlib.contextmanager
-def sync_master_and_slave(tmp_path) -> Iterator[tuple]:
-    """A sync master (replication timeout 300 ms) and its attached slave, stopped after (the
-    slave let go first if a test left it SIGSTOPped)."""
-    a = master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"])
-    a.start()
-    b = slave(tmp_path, a)
-    b.start()
-    try:
-        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
-        yield a, b
-    finally:
-        if b.alive():
-            os.kill(b.pid, signal.SIGCONT)
-        for p in (b, a):
-            if p.alive():
-                p.stop()
 
 
 def with_the_slave_stopped(a, b, call):
