@@ -144,11 +144,15 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
     async def _call(
-        self, method: Callable[..., Any], request: Any, timeout: float | None, tries: list[int] | None = None
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        timeout: float | None,
+        retried_answer: Callable[[Any], Any] | None = None,
     ) -> Any:
         self._open()
         return await call_async(
-            method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff, tries
+            method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff, retried_answer
         )
 
     async def close(self) -> None:
@@ -274,10 +278,8 @@ class Client:
         before its target was sent leaves it out of the call. ``batching=False``: one unary
         Cancel per call."""
         if self.batching is None:
-            tries: list[int] = []
-            resp = await self._call(self.stub.Cancel, cancel_request(receipt, message_id), timeout, tries)
-            if tries[0] > 1:  # tried again: ALREADY_CANCELLED may be its first try's work
-                resp = first_try_cancel(resp)
+            # tried again: ALREADY_CANCELLED may be its first try's work (first_try_cancel)
+            resp = await self._call(self.stub.Cancel, cancel_request(receipt, message_id), timeout, first_try_cancel)
             return CANCEL_OUTCOMES.get(resp.outcome, str(resp.outcome))
         target = cancel_target(receipt, message_id)
         if self._canceller is None:
@@ -295,9 +297,8 @@ class Client:
         target is anything :meth:`cancel` takes."""
         out: list[str] = []
         for req in cancel_batches(targets, batch_size):
-            tries: list[int] = []
-            resp = await self._call(self.stub.CancelBatch, req, timeout, tries)
-            out.extend(cancel_outcomes(resp, tries[0]))
+            resp = await self._call(self.stub.CancelBatch, req, timeout, first_try_cancel)
+            out.extend(cancel_outcomes(resp))
         return out
 
     async def reschedule(

@@ -122,13 +122,13 @@ async def call_async(
     metadata: tuple,
     retries: int,
     backoff: float,
-    tries: list[int] | None = None,
+    retried_answer: Callable[[Any], Any] | None = None,
 ) -> Any:
     """One grpc.aio call with the clients' retry policy: UNAVAILABLE is tried again with
     exponential backoff (at most ``MAX_BACKOFF`` between tries), ``retries`` times; any other
-    error, or the last one, is raised as the qdelay error. ``tries``, if given, gets the
-    number of tries made appended (a retried write's answer may report its own first try's
-    work: :func:`cancel_outcomes`)."""
+    error, or the last one, is raised as the qdelay error. With ``retried_answer``, a
+    response that took more than one try is read through it (a retried write's answer may
+    report its own first try's work: :func:`first_try_cancel`)."""
     attempt = 0
     while True:
         attempt += 1
@@ -139,17 +139,12 @@ async def call_async(
                 raise translate(e, attempt) from None
             await asyncio.sleep(retry_wait(backoff, attempt))
             continue
-        if tries is not None:
-            tries.append(attempt)
-        return response
+        return retried_answer(response) if retried_answer is not None and attempt > 1 else response
 
 
-def cancel_outcomes(response: pb.CancelBatchResponse, tries: int) -> list[str]:
-    """``cancel_many``'s outcomes of one CancelBatch answered after ``tries`` tries: after a
-    retry, ALREADY_CANCELLED may be the first try's own work and reads CANCELLED, as for a
-    re-sent ``cancel()`` (docs/api.md)."""
-    if tries > 1:
-        response = as_first_try(response)
+def cancel_outcomes(response: pb.CancelBatchResponse) -> list[str]:
+    """``cancel_many``'s outcomes of one CancelBatch (called with ``first_try_cancel`` as
+    its ``retried_answer``: after a retry, ALREADY_CANCELLED reads CANCELLED, docs/api.md)."""
     return [CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in response.responses]
 
 
@@ -253,17 +248,15 @@ def _retried(
 
     def call(method: Callable[..., Any]) -> BatchCall:
         async def tried(request: Any, timeout: float | None) -> Any:
-            tries: list[int] = []
-            response = await call_async(
+            return await call_async(
                 method,
                 request,
                 timeout or settings.timeout,
                 settings.metadata,
                 settings.retries,
                 settings.retry_backoff,
-                tries,
+                retried_answer,
             )
-            return retried_answer(response) if retried_answer is not None and tries[0] > 1 else response
 
         return tried
 
@@ -638,9 +631,13 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
     def _call(
-        self, method: Callable[..., Any], request: Any, timeout: float | None, tries: list[int] | None = None
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        timeout: float | None,
+        retried_answer: Callable[[Any], Any] | None = None,
     ) -> Any:
-        """One call with the retry policy of :func:`call_async` (``tries`` as there)."""
+        """One call with the retry policy of :func:`call_async` (``retried_answer`` as there)."""
         self._open()  # a closed channel raises grpc's ValueError, outside the exception tree
         attempt = 0
         while True:
@@ -652,9 +649,7 @@ class Client:
                     raise translate(e, attempt) from None
                 time.sleep(retry_wait(self.retry_backoff, attempt))
                 continue
-            if tries is not None:
-                tries.append(attempt)
-            return response
+            return retried_answer(response) if retried_answer is not None and attempt > 1 else response
 
     def close(self) -> None:
         """Closes the consumers (their iteration ends, as the asyncio client's), waits for
@@ -986,9 +981,7 @@ class Client:
         then unknown, as for a unary call that timed out; cancelling again is safe)."""
         if self.batching is None:
             request = cancel_request(receipt, message_id)
-            tries: list[int] = []
-            response = self._call(self.stub.Cancel, request, timeout, tries)
-            outcome = (first_try_cancel(response) if tries[0] > 1 else response).outcome
+            outcome = self._call(self.stub.Cancel, request, timeout, first_try_cancel).outcome
             return CANCEL_OUTCOMES.get(outcome, str(outcome))
         outcome = self._gathered("_canceller", cancel_batcher, cancel_target(receipt, message_id), timeout)
         return CANCEL_OUTCOMES.get(outcome, str(outcome))
@@ -1030,9 +1023,7 @@ class Client:
         target is anything :meth:`cancel` takes."""
         out: list[str] = []
         for req in cancel_batches(targets, batch_size):
-            tries: list[int] = []
-            resp = self._call(self.stub.CancelBatch, req, timeout, tries)
-            out.extend(cancel_outcomes(resp, tries[0]))
+            out.extend(cancel_outcomes(self._call(self.stub.CancelBatch, req, timeout, first_try_cancel)))
         return out
 
     def reschedule(
