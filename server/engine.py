@@ -722,13 +722,9 @@ class Engine:
         if elsewhere:
             # this call's own tombstones are written first: it holds no claim while it waits
             # (two Cancels each waiting for a claim the other holds would never end)
-            rows, deadline = await self._after_other_claims(elsewhere, deadline)
-            # the wait may have outlived this server's right to write (fenced, demoted, a
-            # lease lost): asked again before claiming and writing anew, as a new call would
-            self.check_writable()
-            again = await self._cancel_many([targets[i] for i in rows], deadline)
-            for i, outcome in zip(rows, again):
-                outcomes[i] = outcome
+            await self._after_other_claims(
+                elsewhere, deadline, lambda rows, d: self._cancel_many([targets[i] for i in rows], d), outcomes
+            )
         return outcomes
 
     async def _write_cancels(self, claimed: list[tuple[str, int, int]]) -> None:
@@ -756,11 +752,17 @@ class Engine:
         if self.write_guard is not None:
             self.write_guard()
 
-    async def _after_other_claims(self, elsewhere: dict[int, int], deadline: float | None) -> tuple[list[int], float]:
+    async def _after_other_claims(
+        self,
+        elsewhere: dict[int, int],
+        deadline: float | None,
+        again: Callable[[list[int], float], Awaitable[list]],
+        out: list,
+    ) -> None:
         """Wait, without holding the event loop, until the claims another Cancel or
         Reschedule holds on the messages of ``elsewhere`` (row -> sequence: the targets the
-        scheduler answered CLAIM_CANCELLING) have ended; (those rows, in order, to be
-        claimed again as if fresh; the deadline of the whole call).
+        scheduler answered CLAIM_CANCELLING) have ended; then answer those rows, in order,
+        as if fresh: ``again(rows, deadline of the whole call)``, its answers into ``out``.
 
         An answer before the other claim's outcome is known could be wrong (issue 13 item 6):
         ALREADY_CANCELLED at once, then the first Cancel's write fails (a full disk, an I/O
@@ -798,7 +800,12 @@ class Engine:
         finally:
             if watch.left:
                 self.scheduler.unwatch_claims(watch)
-        return sorted(elsewhere), deadline
+        # the wait may have outlived this server's right to write (fenced, demoted, a lease
+        # lost): asked again before claiming and writing anew, as a new call would
+        self.check_writable()
+        rows = sorted(elsewhere)
+        for i, answer in zip(rows, await again(rows, deadline)):
+            out[i] = answer
 
     async def _nothing_claimed(self, outcomes: list[CancelOutcome]) -> None:
         """Before a Cancel or Reschedule that wrote nothing answers: one that found a target
@@ -860,11 +867,9 @@ class Engine:
         else:
             await self._write_moves(moves, outcomes, claimed, msgs, out)
         if elsewhere:  # as _cancel_many: written first, then wait for the other claims
-            rows, deadline = await self._after_other_claims(elsewhere, deadline)
-            self.check_writable()  # as _cancel_many: the wait may have outlived the right to write
-            again = await self._reschedule_many([moves[i] for i in rows], deadline)
-            for i, answer in zip(rows, again):
-                out[i] = answer
+            await self._after_other_claims(
+                elsewhere, deadline, lambda rows, d: self._reschedule_many([moves[i] for i in rows], d), out
+            )
         return out
 
     async def _write_moves(
