@@ -121,7 +121,9 @@ def _observe_row(s: _Server, axis: str, n: int, calls: int, one: tuple[str, str]
     stats_one = _calls(s.pid, lambda: c.stub.Stats(pb.StatsRequest(subject=one[0], group=one[1]), timeout=30), calls)
     scrape = _calls(s.pid, s.scrape, calls, whole_process=True)
     health = _calls(s.pid, c.health, calls)
-    for name, fig in (("stats_all", stats_all), ("stats_one", stats_one), ("scrape", scrape), ("health", health)):
+    master = _calls(s.pid, lambda: c.health(service="qdelay.master"), calls)  # the writes' name
+    figures = (("stats_all", stats_all), ("stats_one", stats_one), ("scrape", scrape), ("health", health))
+    for name, fig in (*figures, ("health_master", master)):
         for k, v in fig.items():
             row[f"{name}_{k}"] = v
     row["scrape_bytes"] = s.scrape()
@@ -444,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 "µs CPU",
                 "scrape KB",
                 "health p50 ms",
+                "qdelay.master p50 ms",
             ],
             [
                 [
@@ -456,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["scrape_cpu_us"],
                     r["scrape_bytes"] / 1000,
                     r["health_p50_ms"],
+                    r["health_master_p50_ms"],
                 ]
                 for r in rows
             ],
@@ -467,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{axis} {sel[0]['n']:,} -> {sel[-1]['n']:,}: Stats all x{_ratio(sel, 'stats_all_cpu_us'):.2f},"
                     f" Stats one x{_ratio(sel, 'stats_one_cpu_us'):.2f}, scrape x{_ratio(sel, 'scrape_cpu_us'):.2f},"
-                    f" health x{_ratio(sel, 'health_cpu_us'):.2f} (server CPU a call)"
+                    f" health x{_ratio(sel, 'health_cpu_us'):.2f},"
+                    f" qdelay.master x{_ratio(sel, 'health_master_cpu_us'):.2f}"
+                    " (server CPU a call)"
                 )
     if "consumer" in wanted:
         rows = out["consumer"] = consumer(_ints(args.backlogs), args.calls)
