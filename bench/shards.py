@@ -34,7 +34,7 @@ topology read per call) shows as a per-op cost rising from S=1 to S=4.
 With ``--node 1`` (the default; skipped, saying why, without node or the module's npm
 packages) the Node module's ``ShardedClient`` (examples/node/qdelay.js) is measured on the
 same clusters through bench/shards_node.js: batched ``send`` of ``--messages``,
-``cancelMany`` of half, ``get`` by receipt and by id, ``refresh`` (its CPU from
+``cancelMany`` of half, ``rescheduleMany`` of the other half, ``get`` by receipt and by id, ``refresh`` (its CPU from
 ``process.cpuUsage``).
 
 Part 2, the cluster client (``ClusterClient``, client/cluster.py: one master and its
@@ -414,6 +414,7 @@ class NodeDriver:
 def node_round(node: NodeDriver, cost: Cost, messages: int, calls: int, base: int) -> dict:
     out = {"send (batched)": node.call(cost, f"send {messages} {base}")}
     out["cancelMany"] = node.call(cost, "cancelMany")
+    out["rescheduleMany"] = node.call(cost, "rescheduleMany")
     cost.settle()
     out["get by receipt"] = node.call(cost, f"getReceipt {calls}")
     out["get by id"] = node.call(cost, f"getId {calls}")

@@ -9,6 +9,7 @@
 //   send N BASE      N concurrent send() of far-future messages (the client batches them
 //                    per shard on SendStream); keeps the receipts
 //   cancelMany       cancelMany of every other kept receipt (grouped per shard)
+//   rescheduleMany   rescheduleMany of the other half (grouped per shard) an hour later
 //   getReceipt N     N get() one after another, of kept receipts (routed by their shard)
 //   getId N          N get() by message id alone (routed by the id's CRC-32)
 //   refresh N        N refresh() (one Topology call each)
@@ -41,6 +42,14 @@ async function run(op, n, base) {
       const bad = out.filter((o) => o !== 'CANCELLED').length;
       if (bad) throw new Error(`cancelMany: ${bad} not CANCELLED`);
       return doomed.length;
+    }
+    case 'rescheduleMany': {
+      const kept = receipts.filter((_r, i) => i % 2 === 1);
+      const out = await client.rescheduleMany(kept, { delayMs: 3600000 });
+      const bad = out.filter((o) => o.outcome !== 'RESCHEDULED').length;
+      if (bad) throw new Error(`rescheduleMany: ${bad} not RESCHEDULED`);
+      receipts = out.map((o) => o.receipt); // the pending ones, at their new place
+      return kept.length;
     }
     case 'getReceipt':
       for (let i = 0; i < n; i += 1) await client.get(pick());
