@@ -329,8 +329,14 @@ class App:
         while self.service.active_writes and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for stop in self._hook_stops:
+            # bounded here too, not only inside: a stop that hung in the cluster agent's
+            # hand-over right after a takeover kept a SIGTERMed server alive past 30 s (a
+            # fresh-clone run, 26 Nov); the steps after it (gRPC's stop, the engine's close
+            # and checkpoint) must run whatever a hook does
             try:
-                await stop(deadline)
+                await asyncio.wait_for(stop(deadline), max(0.0, deadline - time.monotonic()) + 1.0)
+            except TimeoutError:
+                log.error("the replication hook did not stop by the shutdown deadline; closing anyway")
             except Exception:  # noqa: BLE001
                 log.exception("replication hook stop failed")
         if self.server is not None:
