@@ -10,6 +10,8 @@ unreachable.
 
 from __future__ import annotations
 
+import re
+
 from qdelay.errors import InvalidArgument
 
 # gRPC target schemes (its naming doc) a client's target may start with instead of HOST:PORT.
@@ -17,6 +19,20 @@ from qdelay.errors import InvalidArgument
 _PATH_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
 # These name HOST:PORT endpoints after the scheme, with the same port-443 default: checked.
 _ENDPOINT_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+# A URL's ``scheme://`` ("http://host:7600", "grpc://host:7600"): HOST:PORT's parse took
+# "http://host" for the host, and gRPC later failed to resolve it (UNAVAILABLE, far from the
+# cause), so it is refused where it is given, with the HOST:PORT to pass instead.
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _refuse_a_url(text: str, what: str, error: type[Exception], takes: str = "") -> None:
+    found = _URL_SCHEME.match(text)
+    if found:
+        bare = text[found.end() :].partition("/")[0]  # "http://host:7600/" -> "host:7600"
+        raise error(
+            f"{what} must be HOST:PORT{takes}, not {text!r}: gRPC takes no URL, drop the "
+            f"{found.group(1)}://; pass {bare or 'HOST:PORT'!r}"
+        )
 
 
 def parse_hostport(
@@ -27,8 +43,9 @@ def parse_hostport(
     Raises ``error`` (InvalidArgument; the server's config passes its ConfigError) saying
     HOST:PORT is expected when the host or port is missing or the port is not a number from
     ``least_port`` (0 for a server's listen address: any free port) to 65535."""
+    _refuse_a_url(text, what, error)
     host, sep, port = text.rpartition(":")
-    if not sep or not host.strip("[]") or "]" in port:  # "]": an IPv6 literal with no port
+    if not sep or not host.strip("[]") or "]" in port or "/" in host:  # "]": an IPv6 literal with no port
         raise error(f"{what} must be HOST:PORT, not {text!r}")
     try:
         number = int(port)
@@ -42,11 +59,14 @@ def parse_hostport(
 def check_target(target: object, what: str = "target") -> str:
     """A client's server address, checked when the client is made (InvalidArgument): HOST:PORT,
     or a gRPC target with a scheme: ``unix:PATH``, ``unix-abstract:NAME``, ``vsock:CID:PORT``
-    as they are; ``dns:[//AUTHORITY/]HOST:PORT``, ``ipv4:``/``ipv6:`` lists with their ports."""
+    as they are; ``dns:[//AUTHORITY/]HOST:PORT``, ``ipv4:``/``ipv6:`` lists with their ports.
+    Any other ``scheme://`` (``http://host:7600``) is refused, naming the HOST:PORT to pass."""
     if not isinstance(target, str):
         raise InvalidArgument(f"{what} must be a HOST:PORT string, not {type(target).__name__}")
     if target.startswith(_PATH_SCHEMES):
         return target
+    if not target.startswith(_ENDPOINT_SCHEMES):
+        _refuse_a_url(target, what, InvalidArgument, " (or a gRPC target: unix:, dns:, ipv4:, ...)")
     if target.startswith("dns:"):
         rest = target.removeprefix("dns:")
         endpoints = [rest.removeprefix("//").partition("/")[2] if rest.startswith("//") else rest]

@@ -10,6 +10,7 @@ tests/test_replication.py and tests/test_spark.py, with their other usage errors
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -70,3 +71,22 @@ def test_the_clients_still_take_host_port_and_grpc_targets(target):
         await AioClient(target).close()
 
     asyncio.run(aio())
+
+
+URLS = ["http://127.0.0.1:7600", "https://host:7600/", "grpc://host:7600", "HTTP://[::1]:7600", "xds:///host"]
+
+
+@pytest.mark.parametrize("target", URLS)
+def test_every_client_refuses_a_url_naming_the_host_port_to_pass(target):
+    """``http://host:7600`` was taken as HOST:PORT with the host ``http://host`` and failed only
+    at the first call, when gRPC could not resolve it. gRPC's own target forms still pass
+    (test_the_clients_still_take_host_port_and_grpc_targets: ``unix:``, ``dns:///``)."""
+    bare = target.partition("://")[2].partition("/")[0] or "HOST:PORT"
+    for make in (Client, AioClient, ClusterClient, ShardedClient, AioShardedClient):
+        with pytest.raises(errors.InvalidArgument, match="must be HOST:PORT") as err:
+            make(target)
+        assert f"drop the {target.partition('://')[0]}://; pass {bare!r}" in str(err.value)
+    with pytest.raises(ConfigError, match=re.escape(f"master must be HOST:PORT, not {target!r}: gRPC takes no URL")):
+        ServerConfig(master=target).validate()
+    with pytest.raises(errors.InvalidArgument, match="endpoint must be HOST:PORT"):
+        addresses.check_target("ipv4://127.0.0.1:7600")  # a path, not HOST:PORT, after ipv4:

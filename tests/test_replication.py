@@ -687,6 +687,12 @@ def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
             "qdelay admin status: --servers must be HOST:PORT, not '127.0.0.1'",
         ),
         (("promote", "--target", "host"), "qdelay admin promote: --target must be HOST:PORT, not 'host'"),
+        # a URL: "http://host" was taken for the host, and gRPC failed to resolve it, exit 1
+        (
+            ("promote", "--target", "http://127.0.0.1:1"),
+            "qdelay admin promote: --target must be HOST:PORT (or a gRPC target: unix:, dns:, ipv4:, ...), "
+            "not 'http://127.0.0.1:1': gRPC takes no URL, drop the http://; pass '127.0.0.1:1'",
+        ),
         (("group", "list", "--server", "h:x"), "qdelay admin group: --server must be HOST:PORT, not 'h:x': the port"),
         (
             ("fence", "--target", "127.0.0.1:1", "--epoch", "2", "--master", "m"),
