@@ -61,7 +61,6 @@ class SlaveSession:
         self.connected = True
         # wall clock (s): a detached slave's hold ages from here, across restarts too
         self.last_seen = time.time()
-        self.expired = False  # its hold ran out (logged once, left out of the holds file)
         self.known: dict[int, int] = {}  # dispatch bucket -> bytes the slave holds (-1: reset it)
         self.acked_event = asyncio.Event()
 
@@ -75,6 +74,10 @@ class Hub:
         self.hold = cfg.slave_hold_ms / 1000.0
         self.hold_bytes = cfg.slave_hold_bytes
         self.sessions: dict[str, SlaveSession] = {}
+        # slaves whose hold ran out: dropped from ``sessions`` (so from Status and the holds
+        # file; they were listed, detached, until the next restart), their names kept so that
+        # a refusal can say why (``expired``); a name is forgotten when that slave attaches
+        self._expired_names: set[str] = set()
         self._waiters: list[tuple[int, int, asyncio.Future]] = []
         self._tie = itertools.count()
         self.best_acked = 0
@@ -116,17 +119,18 @@ class Hub:
         limits (``slave_hold_ms`` since it was last heard of, ``slave_hold_bytes`` behind)."""
         if s.connected:
             return True
-        if s.expired or now - s.last_seen >= self.hold:
+        if now - s.last_seen >= self.hold:
             return False
         return not self.hold_bytes or end - s.acked <= self.hold_bytes
 
     def _expire(self, now: float) -> None:
-        """Mark (once, logged) the detached slaves whose hold ran out; event loop only."""
+        """Drop (logged once) the detached slaves whose hold ran out; event loop only."""
         end = self.engine.wal.committed_offset
         for s in list(self.sessions.values()):
-            if s.connected or s.expired or self._held(s, now, end):
+            if self._held(s, now, end):
                 continue
-            s.expired = True
+            del self.sessions[s.name]
+            self._expired_names.add(s.name)
             self._changes += 1
             self.holds_expired += 1
             if self.engine.role != "master":
@@ -164,13 +168,19 @@ class Hub:
         return sum(1 for s in list(self.sessions.values()) if not s.connected and self._held(s, now, end))
 
     def expired(self, name: str) -> bool:
-        """Whether ``name`` was held and is no longer: marked by the saver's last turn, or
+        """Whether ``name`` was held and is no longer: dropped by the saver's last turn, or
         run out since (a slave asking right after its hold ran out must hear why, whether
         or not the saver has had its turn yet)."""
         s = self.sessions.get(name)
         if s is None:
-            return False
-        return s.expired or (not s.connected and not self._held(s, time.time(), self.engine.wal.committed_offset))
+            return name in self._expired_names
+        return not self._held(s, time.time(), self.engine.wal.committed_offset)
+
+    def listed(self) -> list[SlaveSession]:
+        """The slaves Status lists: attached, or detached and still held (one whose hold ran
+        out since the saver's last turn is left out already; the saver drops it)."""
+        now, end = time.time(), self.engine.wal.committed_offset
+        return [s for s in list(self.sessions.values()) if self._held(s, now, end)]
 
     def _holds_now(self) -> dict[str, Hold]:
         now = time.time()
@@ -233,6 +243,7 @@ class Hub:
             log.warning("slave %s reconnected; dropping its previous stream", name)
             old.connected = False
         s = self.sessions[name] = SlaveSession(name, peer, offset)
+        self._expired_names.discard(name)
         self._changes += 1
         log.info("slave attached", extra={"slave": name, "peer": peer, "offset": offset})
         return s
@@ -246,6 +257,11 @@ class Hub:
     def detach(self, session: SlaveSession) -> None:
         session.connected = False
         session.last_seen = time.time()
+        if session.name not in self.sessions:
+            # dropped as expired between its stream's end and this call (counted from its
+            # last ack before): held from now, as any slave that just detached
+            self.sessions[session.name] = session
+            self._expired_names.discard(session.name)
         self._changes += 1
         log.info("slave detached", extra={"slave": session.name, "acked": session.acked})
 
@@ -255,6 +271,7 @@ class Hub:
         s = SlaveSession(name, "snapshot", offset)
         s.connected = False
         self.sessions[name] = s
+        self._expired_names.discard(name)
         self._changes += 1
 
     def on_ack(self, session: SlaveSession, offset: int) -> None:
@@ -482,6 +499,10 @@ class PullServer:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the stream ended
                 pass
             finally:
+                # seen now: a hold counts from when its stream ended, not from its last ack
+                # (an idle slave's could be older than slave_hold_ms: the saver, running before
+                # ``detach``, dropped its hold at once)
+                session.last_seen = time.time()
                 session.connected = False
                 session.acked_event.set()
 

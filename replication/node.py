@@ -363,7 +363,7 @@ class Node:
             st.error = self.agent.error
         now = time.time()
         end = wal.committed_offset
-        for sess in self.hub.sessions.values():
+        for sess in self.hub.listed():  # an expired hold is not listed (it was until a restart)
             st.slaves.add(
                 name=sess.name,
                 peer=sess.peer,

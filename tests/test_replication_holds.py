@@ -137,6 +137,8 @@ def test_an_expired_hold_sends_the_slave_to_a_resync_never_past_a_gap(tmp_path):
         a.start()
         logged = wait_until(lambda: "hold expired for slave" in (t := _log_since(a, mark)) and t, 10, "expiry logged")
         assert "slave_hold_bytes=10000): the cleaner may delete the message log from offset" in logged
+        # no longer listed by Status (it was, detached, until the next restart): held no more
+        assert [s.name for s in status(a.address).slaves] == []
         send_some(a.address, 100, delay_ms=3_600_000, size=1000)  # a segment after the slave's end
         wait_until(lambda: status(a.address).first_offset > end, 20, "the master cleaned", ignore=RPC_ERRORS)
         with b:
@@ -237,13 +239,25 @@ def test_a_hold_expires_by_age_and_by_size_and_is_then_left_out_of_the_file(tmp_
     assert any("holding the message log for slave near from offset 900000" in r.getMessage() for r in caplog.records)
     assert hub.floor() == 900_000 and hub.expired("old") and hub.expired("far") and not hub.expired("near")
     assert (hub.held_detached(), hub.holds_expired) == (1, 2)
+    # out of memory and of what Status lists (they stayed there until the next restart)
+    assert set(hub.sessions) == {"near"} and [s.name for s in hub.listed()] == ["near"]
     hub.save()
     assert set(holds.HoldFile(str(tmp_path)).load()[0]) == {"near"}
     # the age limit, counted from when the master last heard of the slave, restarts included
     short = _hub(engine, slave_hold_ms=60_000)
     assert short.floor() == 900_000
     short.sessions["near"].last_seen -= 60.0
-    assert short.floor() is None
+    # ran out: not listed at once, dropped (logged once) by the saver's next turn
+    assert short.floor() is None and short.listed() == [] and short.expired("near")
+    with caplog.at_level(logging.INFO, logger="qdelay.replication"):
+        _run(short.save_if_changed())
+        _run(short.save_if_changed())
+    assert short.sessions == {} and short.expired("near") and short.holds_expired == 1
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hold expired for slave near")]
+    assert len(said) == 1 and "slave_hold_ms=60000" in said[0], said
+    # the slave attaches again: held, listed, its old expiry forgotten
+    again = short.attach("near", "peer", 900_000)
+    assert short.listed() == [again] and not short.expired("near")
 
 
 def test_a_failed_save_is_logged_and_tried_again(tmp_path, monkeypatch, caplog):
