@@ -195,7 +195,7 @@ class App:
             },
             consumers=consumers,
         )
-        engine.start()
+        engine.start(cleaner=False)  # started below, once the replication hook holds the slaves' log
         self.service = service = DelayService(engine, cfg, consumers, self.metrics)
 
         interceptors = []
@@ -219,6 +219,9 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         names += self._install_hooks(server, engine)
+        # the hook set engine.replication_floor (the holds restored from the file): a pass
+        # before it saw no slave and could delete the segments a stopped slave needs
+        engine.start_cleaner()
         reflection.enable_server_reflection(names, server)
 
         host, want_port = parse_hostport(cfg.listen, "listen")

@@ -48,7 +48,7 @@ class Cleaner:
         self._kept_from: int | None = None  # where the log was last said kept for slaves
 
     def start(self) -> None:
-        if not self.cfg.enabled:
+        if not self.cfg.enabled or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="qdelay-cleaner", daemon=True)
         self._thread.start()

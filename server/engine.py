@@ -486,7 +486,13 @@ class Engine:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, cleaner: bool = True) -> None:
+        """Start the iterate service, the scheduler (a master) and, unless ``cleaner`` is
+        False, the cleaner. The server passes False and starts the cleaner itself
+        (``start_cleaner``) once the replication hook has set ``replication_floor`` with the
+        slaves' restored holds: until then the floor says "no slave", and a first pass (after
+        ``cleaner_interval_ms``, which may be a millisecond) deleted what a stopped slave
+        needed."""
         if self._started:
             return
         self._started = True
@@ -495,7 +501,14 @@ class Engine:
         if self.role == "master":
             self._hold_deliveries()
             self.scheduler.start()
-        self.cleaner.start()
+        if cleaner:
+            self.cleaner.start()
+
+    def start_cleaner(self) -> None:
+        """Start the cleaner of an engine started with ``cleaner=False`` (once; not after close)."""
+        with self._role_lock:
+            if self._started and not self._closed:
+                self.cleaner.start()
 
     def _hold_deliveries(self) -> None:
         """No delivery before the iterate service has copied what the message log held when

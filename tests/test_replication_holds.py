@@ -114,6 +114,35 @@ def test_a_stopped_slave_catches_up_after_the_master_restarts(tmp_path, restart)
     assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")
 
 
+def test_a_restarted_master_cleans_nothing_a_held_slave_needs_before_its_holds_are_restored(tmp_path):
+    """The cleaner started with the engine, before the replication hook restored the holds
+    (``engine.replication_floor`` was still "no slave"): with a short enough
+    ``cleaner_interval_ms`` its first pass after a restart deleted, unheld, every segment
+    behind the saved iterate checkpoint -- the stopped slave's among them. It starts once the
+    hooks are installed now: the master keeps the segment holding the slave's last record,
+    and the slave catches up from the log."""
+    args = [*CLEAN_FAST, "--set", "engine.cleaner_interval_ms=1"]
+    with master(tmp_path, args=args) as a:
+        with slave(tmp_path, a) as b:
+            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+            for _ in range(3):  # three batches, two segments at least
+                send_some(a.address, 40, delay_ms=3_600_000, size=1000)
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        held = _held_base(tmp_path / "a", end)
+        assert held > 0
+        send_some(a.address, 100, delay_ms=3_600_000, size=1000)
+        wait_until(lambda: (s := status(a.address)).iterate_offset == s.end_offset, 20, "iterated")
+        a.stop()  # its last checkpoint: the iterate service past every segment but the active one
+        a.start()
+        assert status(a.address).first_offset == held, "cleaned before the holds were restored"
+        with b:
+            wait_caught_up(a.address, b.address)
+            st = status(b.address)
+            assert st.error == "" and st.note == "", (st.error, st.note)
+    assert_same_message_log(tmp_path / "a", tmp_path / "b", allow_missing_head=True)
+
+
 def test_an_expired_hold_sends_the_slave_to_a_resync_never_past_a_gap(tmp_path):
     """A hold past its limit (here slave_hold_bytes, lowered at the restart) is dropped and
     logged; the cleaner deletes what the slave needs, and the slave, asking for an offset
