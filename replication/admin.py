@@ -1,7 +1,9 @@
 """``qdelay admin``: cluster administration.
 
-    qdelay admin status  --servers A,B,C            role, epoch, offsets, lag of each server
-                                                    (cluster mode: every shard and server, from any one)
+    qdelay admin status  --servers A,B,C            role, epoch, offsets, lag of each server, and
+                                                    which slaves of a master are in sync
+                                                    (cluster mode: every shard, its in-sync set, and
+                                                    every server, from any one)
     qdelay admin promote --target B [--force]       make slave B the master (epoch + 1)
     qdelay admin fence   --target A --epoch N       tell A a master with epoch N exists
     qdelay admin resync  --data-dir DIR --master M  rebuild a slave's data folder from M
@@ -90,7 +92,10 @@ def _fmt_status(target: str, st) -> str:
     if st.role == "master":
         line += f" mode={st.replication} sync_timeouts={st.sync_timeouts}"
         for s in st.slaves:
-            line += f"\n    slave {s.name} connected={s.connected} acked={s.acked_offset} lag_bytes={s.lag_bytes}"
+            line += (
+                f"\n    slave {s.name} connected={s.connected} in_sync={s.in_sync} acked={s.acked_offset} "
+                f"lag_bytes={s.lag_bytes}"
+            )
     if st.error:
         line += f"\n    error: {st.error}"
     if st.note:
@@ -256,13 +261,16 @@ def run(args: argparse.Namespace) -> int:
                     dict.fromkeys(a for s in shards for a in ([s.master] if s.master else []) + list(s.slaves))
                 )
                 out["shards"] = {
-                    s.name: {"master": s.master, "slaves": list(s.slaves), "epoch": s.epoch} for s in shards
+                    s.name: {"master": s.master, "slaves": list(s.slaves), "epoch": s.epoch, "in_sync": list(s.in_sync)}
+                    for s in shards
                 }
                 if not args.json:
                     for s in shards:
+                        # in_sync: who may take over (etcd's set, its writer first); check it
+                        # before stopping a master ('-': none written yet, a new shard)
                         print(
                             f"shard {s.name}: master={s.master or '(electing)'} epoch={s.epoch} "
-                            f"slaves={','.join(s.slaves) or '-'}"
+                            f"slaves={','.join(s.slaves) or '-'} in_sync={','.join(s.in_sync) or '-'}"
                         )
             for target in targets:
                 ch = _channel(target, args)

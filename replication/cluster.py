@@ -28,7 +28,6 @@ but never acknowledged, is cut and kept by the ordinary rejoin path, replication
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import os
@@ -99,7 +98,6 @@ class ClusterAgent:
         self.renew_s = cfg.lease_renew_ms / 1000
         self.deadline_s = cfg.lease_deadline_ms / 1000
         self.poll_s = min(self.renew_s, 0.5)
-        self.sync_bound_s = cfg.sync_bound_ms / 1000
         # two connections: a slow KV call never delays a lease renewal
         self.kv = Etcd(cfg.etcd)
         self.leases = Etcd(cfg.etcd, timeout=self.renew_s)
@@ -109,7 +107,6 @@ class ClusterAgent:
         self.self_fenced = False  # fenced by the deadline watchdog (not by a newer master)
         self.view: dict[str, ShardView] = {}
         self.insync: list[str] = []
-        self._samples: collections.deque = collections.deque()  # (monotonic, committed offset)
         self._published = (None, 0.0)
         self._tasks: list[asyncio.Task] = []  # the logic loop and the watchdog
         self._renewing: asyncio.Task | None = None  # the renew loop
@@ -378,7 +375,6 @@ class ClusterAgent:
         self.self_fenced = False
         view = self.view.setdefault(self.shard, ShardView(self.shard))
         view.master, view.epoch, view.leader_lease, view.insync = self.address, epoch, lease, [self.address]
-        self._samples.clear()
         self.insync = [self.address]
         await asyncio.to_thread(engine.set_role, "master", epoch)
         self.leader_changes += 1
@@ -391,18 +387,13 @@ class ClusterAgent:
         )
 
     async def _maintain_insync(self, me: ShardView) -> None:
-        now = time.monotonic()
-        committed = self.engine.wal.committed_offset
-        samples = self._samples
-        samples.append((now, committed))
-        while len(samples) > 1 and samples[1][0] <= now - self.sync_bound_s:
-            samples.popleft()
-        target = samples[0][1]  # what was committed sync_bound ago (or at the takeover)
+        # the hub keeps what was committed sync_bound ago (or at the takeover: its samples
+        # start again at a new epoch); here its in-sync slaves are named by their addresses
         by_name = {m.get("name"): addr for addr, m in me.members.items() if m.get("name")}
         members = [self.address]
-        for sess in self.node.hub.live():
+        for sess in self.node.hub.in_sync():
             addr = by_name.get(sess.name)
-            if addr is not None and sess.acked >= target:
+            if addr is not None:
                 members.append(addr)
         members = [members[0], *sorted(set(members[1:]))]
         if members != me.insync:

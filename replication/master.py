@@ -12,7 +12,10 @@ answers three questions for the rest of the server:
 - ``wait(end_offset)`` (sync mode, the send path): resolve once a slave reported the
   bytes up to ``end_offset`` durable, or raise :class:`ReplicationTimeout` after
   ``replication_timeout_ms`` -- the write is then answered UNAVAILABLE, never acknowledged;
-- ``stats()``: lag in bytes and milliseconds of the slowest attached slave.
+- ``stats()``: lag in bytes and milliseconds of the slowest attached slave;
+- ``in_sync()``: the attached slaves that had, ``sync_bound_ms`` ago, everything the
+  master had committed then (cluster mode writes their addresses to etcd's ``insync`` key,
+  replication/cluster.py; ``Status`` marks them, any mode).
 
 A stopping server ends its slaves' streams itself (:meth:`Hub.end_streams`), once they
 confirmed everything committed and no sync write waits (3 s at most, never past the
@@ -23,6 +26,7 @@ grace period for them (a slave never ends its stream by itself).
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -90,6 +94,11 @@ class Hub:
         self.holds_expired = 0
         self._saved_at = 0.0  # time.time() of the last save
         self.stopping = False  # the server stops: the Pull streams end (end_streams)
+        self.sync_bound = cfg.sync_bound_ms / 1000.0
+        # (monotonic, committed offset) while master at one epoch (event loop only): the
+        # offset ``sync_bound`` ago that an in-sync slave has confirmed (``in_sync``)
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._samples_epoch = -1
         self._restore()
 
     # --- holds on disk ------------------------------------------------------------------------
@@ -293,6 +302,38 @@ class Hub:
 
     def live(self) -> list[SlaveSession]:
         return [s for s in self.sessions.values() if s.connected]
+
+    # --- the in-sync set ----------------------------------------------------------------------
+    def sample(self) -> None:
+        """Note the committed offset now (event loop; Node samples every ``IN_SYNC_SAMPLE_S``,
+        and every ``in_sync`` call does). The samples start again at each new epoch as
+        master: what this server had as a slave (or as an older master, whose tail may have
+        been cut since) says nothing about what it has acknowledged as master."""
+        engine = self.engine
+        samples = self._samples
+        if engine.role != "master":
+            samples.clear()
+            self._samples_epoch = -1
+            return
+        if engine.epoch != self._samples_epoch:
+            samples.clear()
+            self._samples_epoch = engine.epoch
+        now = time.monotonic()
+        samples.append((now, engine.wal.committed_offset))
+        # keep the newest sample at or before now - sync_bound, and those after it
+        while len(samples) > 1 and samples[1][0] <= now - self.sync_bound:
+            samples.popleft()
+
+    def in_sync(self) -> list[SlaveSession]:
+        """The attached slaves whose confirmed offset reached what this master had committed
+        ``sync_bound_ms`` ago (or when it became master at this epoch, if later): the ones
+        that may take over without losing more than that bound's writes (async mode; in
+        sync mode every acknowledged write is on at least one of them). [] unless master."""
+        self.sample()
+        if not self._samples:
+            return []
+        target = self._samples[0][1]
+        return [s for s in self.live() if s.acked >= target]
 
     def waiting(self) -> bool:
         """Whether a sync-mode write waits for a slave's confirmation."""

@@ -33,6 +33,9 @@ PEER_CHECK_S = 1.0
 # after a slave attaches, how long the servers a promotion did not make slaves are asked
 # whether it was one of them (its hello can come before its own port listens)
 REATTACH_CHECK_S = 5.0
+# how often a master notes its committed offset for the in-sync set (Hub.sample): a slave is
+# in sync if it has what the master had sync_bound_ms ago, this much more at most
+IN_SYNC_SAMPLE_S = 0.25
 
 
 class Node:
@@ -75,6 +78,7 @@ class Node:
         if self.peers:
             self._tasks.append(asyncio.ensure_future(self._watch_peers()))
         self._tasks.append(asyncio.ensure_future(self.hub.keep_saved()))
+        self._tasks.append(asyncio.ensure_future(self._sample_in_sync()))
 
     def on_listening(self, address: str) -> None:
         """The server accepts calls at ``address``: join the cluster (cluster mode)."""
@@ -101,6 +105,11 @@ class Node:
             await self.hub.save_if_changed(final=True)  # the holds as they are at the stop
         except Exception:  # noqa: BLE001 - the file saved last stays; the stop goes on
             log.exception("saving the slave holds failed")
+
+    async def _sample_in_sync(self) -> None:
+        while True:
+            await asyncio.sleep(IN_SYNC_SAMPLE_S)
+            self.hub.sample()
 
     # --- peers ------------------------------------------------------------------------------------------
     def _channel(self, target: str, aio: bool = True):
@@ -363,6 +372,7 @@ class Node:
             st.error = self.agent.error
         now = time.time()
         end = wal.committed_offset
+        in_sync = {id(sess) for sess in self.hub.in_sync()}
         for sess in self.hub.listed():  # an expired hold is not listed (it was until a restart)
             st.slaves.add(
                 name=sess.name,
@@ -371,6 +381,7 @@ class Node:
                 acked_offset=sess.acked,
                 lag_bytes=max(0, end - sess.acked),
                 lag_ms=max(0, int((now - sess.last_seen) * 1000)),
+                in_sync=id(sess) in in_sync,
             )
         return st
 

@@ -23,6 +23,7 @@ silently)::
     lease_deadline_ms = 3500        # a master stops acknowledging this long after its last
                                     # renewal was sent (< TTL: before another can be elected)
     sync_bound_ms = 2000            # a slave is in sync if it has what the master had then
+                                    # (cluster mode: who may take over; any mode: Status)
     tls_cert = "/etc/qdelay/server.crt"
     tls_key = "/etc/qdelay/server.key"
     metrics_listen = "127.0.0.1:9600"

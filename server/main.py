@@ -49,7 +49,12 @@ INT_FLAGS = [
         "cluster mode: a master stops acknowledging writes this long after its last lease renewal "
         "was sent (default 3500; must be below the TTL)",
     ),
-    ("--sync-bound-ms", "sync_bound_ms", "cluster mode: how far behind a slave may be and stay in sync (default 2000)"),
+    (
+        "--sync-bound-ms",
+        "sync_bound_ms",
+        "how far behind a slave may be and stay in sync (cluster mode: the in-sync set; any mode: "
+        "Status's in_sync; default 2000)",
+    ),
     ("--min-free-bytes", "min_free_bytes", "refuse new messages when the data disk has less free space"),
     ("--ingest-queue-messages", "ingest_queue_messages", "messages accepted but not yet durable (bound)"),
     (

@@ -503,8 +503,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
 
     @status.unary
     async def Topology(self, request, context):
-        """The shards, their masters, slaves and epochs, as this server last read them from
-        etcd (cluster mode); a standalone server is one shard named "" (itself)."""
+        """The shards, their masters, slaves, epochs and in-sync sets, as this server last read
+        them from etcd (cluster mode); a standalone server is one shard named "" (itself)."""
         agent = self.agent
         if agent is None:
             engine = self.engine
@@ -518,7 +518,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         cluster, shards = agent.topology()
         resp = pb.TopologyResponse(cluster=cluster)
         for s in shards:
-            resp.shards.add(name=s.name, master=s.master, slaves=s.slaves(), epoch=s.epoch)
+            resp.shards.add(name=s.name, master=s.master, slaves=s.slaves(), epoch=s.epoch, in_sync=s.insync or [])
         return resp
 
     # --- Subscribe ----------------------------------------------------------------------------------

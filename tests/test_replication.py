@@ -835,3 +835,75 @@ def test_gets_on_an_old_master_whose_divergent_tail_was_cut_answer_at_once(tmp_p
         for p in (a, b):
             if p.alive():
                 p.stop()
+
+
+def test_admin_status_marks_which_slaves_are_in_sync(tmp_path):
+    """Which slaves could take over without losing more than ``sync_bound_ms`` of writes was
+    known only to a cluster master's log (its in-sync set). Status marks each slave of a
+    master ``in_sync`` in any mode, and ``qdelay admin status`` shows it: a slave that stops
+    confirming (SIGSTOP: attached, its stream open) drops out while the other stays in, and
+    comes back once it has caught up."""
+    import json
+    import signal
+
+    bound = ["--sync-bound-ms", "300"]
+    with master(tmp_path, args=bound) as a, slave(tmp_path, a) as b, slave(tmp_path, a, name="c") as c:
+        send_some(a.address, 10)
+        wait_caught_up(a.address, b.address)
+        wait_caught_up(a.address, c.address)
+
+        def marks() -> dict[str, tuple[bool, bool]]:
+            """{b or c: (connected, in_sync)} as the master's Status says."""
+            out = {}
+            for s in status(a.address).slaves:
+                for p, letter in ((b, "b"), (c, "c")):
+                    if s.name.endswith(os.path.abspath(p.data_dir)):
+                        out[letter] = (s.connected, s.in_sync)
+            return out
+
+        wait_until(lambda: marks() == {"b": (True, True), "c": (True, True)}, 20, "both in sync", ignore=RPC_ERRORS)
+        out = admin("status", "--servers", a.address).stdout
+        assert out.count(" connected=True in_sync=True acked=") == 2, out
+        os.kill(c.pid, signal.SIGSTOP)
+        try:
+            send_some(a.address, 10)  # async mode: acknowledged without c, b confirms them
+            wait_until(lambda: marks() == {"b": (True, True), "c": (True, False)}, 20, "c out", ignore=RPC_ERRORS)
+            out = admin("status", "--servers", a.address).stdout
+            lines = [line for line in out.splitlines() if line.strip().startswith("slave ")]
+            assert sorted("in_sync=True" in line for line in lines) == [False, True], out
+            assert any(os.path.abspath(c.data_dir) in line and "connected=True in_sync=False" in line for line in lines)
+            js = json.loads(admin("status", "--servers", a.address, "--json").stdout)[a.address]
+            assert sorted(s["in_sync"] for s in js["slaves"]) == [False, True], js
+        finally:
+            os.kill(c.pid, signal.SIGCONT)
+        wait_until(lambda: marks() == {"b": (True, True), "c": (True, True)}, 20, "c back", ignore=RPC_ERRORS)
+        # a slave's own Status has no slaves to mark
+        assert list(status(b.address).slaves) == []
+
+
+def test_the_in_sync_bound_starts_again_at_a_new_epoch_as_master(tmp_path):
+    """The hub's in-sync target is what the master had ``sync_bound_ms`` ago, but never
+    before it became master at its epoch: a promoted slave's offsets from before say
+    nothing of what it acknowledged since (in process, no clock: a bound of a minute)."""
+    from types import SimpleNamespace
+
+    from qdelay.replication.master import Hub
+    from qdelay.server.config import ServerConfig
+
+    folder = SimpleNamespace(data_dir=str(tmp_path))
+    engine = SimpleNamespace(config=folder, wal=SimpleNamespace(committed_offset=100), role="slave", epoch=1)
+    hub = Hub(engine, ServerConfig(sync_bound_ms=60_000))
+    s = hub.attach("s", "peer", 0)
+    assert hub.in_sync() == [], "not a master: none"
+    engine.role = "master"
+    hub.on_ack(s, 100)
+    assert hub.in_sync() == [s]
+    engine.wal.committed_offset = 200
+    hub.on_ack(s, 150)
+    assert hub.in_sync() == [s], "it has what the master had a minute ago (at 100)"
+    engine.epoch = 2  # fenced and elected again, or promoted: a new epoch
+    assert hub.in_sync() == [], "the target is what the master had at its new epoch: 200"
+    hub.on_ack(s, 200)
+    assert hub.in_sync() == [s]
+    hub.detach(s)
+    assert hub.in_sync() == [], "a detached slave is not in sync"
