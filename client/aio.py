@@ -34,6 +34,7 @@ import grpc
 
 from qdelay import errors
 from qdelay.addresses import check_target
+from qdelay.cancellation import cancel_and_wait
 from qdelay.client import client as blocking
 from qdelay.client.batching import Batching, CancelBatcher, RescheduleBatcher, SendBatcher, retry_wait
 from qdelay.client.client import (
@@ -189,7 +190,8 @@ class Client:
         TimeoutError; FailedPrecondition once closed)."""
         self._open()
         try:
-            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.channel.channel_ready()
         except TimeoutError:
             raise not_ready(timeout) from None
 
@@ -529,7 +531,8 @@ class Consumer:
                 log.info("subscription %s/%s ended; subscribing again in %.2f s", me.subject, me.group, delay)
                 del me
                 try:
-                    await asyncio.wait_for(closed.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await closed.wait()
                 except TimeoutError:
                     pass
         finally:
@@ -545,9 +548,8 @@ class Consumer:
         """The next batch, None at the end (after close) or on timeout."""
         self._start()
         try:
-            item = (
-                await asyncio.wait_for(self._inbox.get(), timeout) if timeout is not None else await self._inbox.get()
-            )
+            async with asyncio.timeout(timeout):  # None: no limit
+                item = await self._inbox.get()
         except TimeoutError:
             return None
         if item is _END:
@@ -618,15 +620,12 @@ class Consumer:
             self._inbox.put_nowait(_END)
             return
         try:
-            await asyncio.wait_for(asyncio.shield(reader), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(reader)
         except TimeoutError:
             if self._call is not None:
                 self._call.cancel()
-            reader.cancel()
-            try:
-                await reader
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: nothing left to report
-                pass
+            await cancel_and_wait([reader])  # closing: what it raised is nobody's any more
 
     async def __aenter__(self) -> Consumer:
         self._start()

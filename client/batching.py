@@ -298,7 +298,8 @@ class SendBatcher:
             deadline = loop.time() + timeout
             if self._space.locked():
                 try:
-                    await asyncio.wait_for(self._space.acquire(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await self._space.acquire()
                 except TimeoutError:
                     raise self._timeout_error(timeout) from None
             else:

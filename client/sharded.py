@@ -1190,7 +1190,8 @@ class AioShardedConsumer:
     async def _next(self, timeout: float | None) -> list[Delivery] | None:
         await self._start()
         try:
-            item = await asyncio.wait_for(self._inbox.get(), timeout)
+            async with asyncio.timeout(timeout):
+                item = await self._inbox.get()
         except TimeoutError:
             return None
         if item is None:  # closed

@@ -34,6 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from qdelay.cancellation import cancel_and_wait
 from qdelay.errors import Fenced, LeaseLost
 from qdelay.replication.etcd import Etcd, EtcdError, absent, created_at, delete, put
 
@@ -140,7 +141,7 @@ class ClusterAgent:
         engine. The renewals go on until the hand-over is over (the lease must not expire
         before the slave has the whole log)."""
         self.stopping = True  # acknowledges nothing more, whatever a renewal says
-        await self._cancel(self._tasks)
+        await cancel_and_wait(self._tasks)
         self.valid_until = 0.0
         if self.engine.role == "master":
             end = self.engine.wal.committed_offset
@@ -151,7 +152,7 @@ class ClusterAgent:
                 if max(s.acked for s in self.node.hub.live()) >= end:
                     break
                 await asyncio.sleep(0.01)
-        await self._cancel([self._renewing] if self._renewing is not None else [])
+        await cancel_and_wait([self._renewing])
         if self.lease_id is not None:
             try:
                 await self.leases.revoke(self.lease_id)
@@ -159,16 +160,6 @@ class ClusterAgent:
                 pass  # it expires by itself
         await self.kv.close()
         await self.leases.close()
-
-    @staticmethod
-    async def _cancel(tasks: list[asyncio.Task]) -> None:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
 
     # --- the write guard --------------------------------------------------------------------------------
     def lease_ok(self) -> bool:

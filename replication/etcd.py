@@ -148,8 +148,9 @@ class Etcd:
             if self._ka_call is None:
                 self._ka_call = lease.LeaseKeepAlive()
             call = self._ka_call
-            await asyncio.wait_for(call.write(epb.LeaseKeepAliveRequest(ID=lease_id)), timeout)
-            resp = await asyncio.wait_for(call.read(), max(0.01, timeout - (time.monotonic() - sent)))
+            async with asyncio.timeout(timeout):
+                await call.write(epb.LeaseKeepAliveRequest(ID=lease_id))
+                resp = await call.read()
         except Exception as e:  # noqa: BLE001 - timeout, RPC error, or a stream that already ended
             call, self._ka_call = self._ka_call, None
             if call is not None:

@@ -380,7 +380,8 @@ class Hub:
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (end_offset, next(self._tie), fut))
         try:
-            await asyncio.wait_for(fut, self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await fut
         except TimeoutError:
             self.sync_timeouts += 1
             attached = len(self.live())
@@ -584,7 +585,8 @@ class PullServer:
                 if session.sent - session.acked >= WINDOW_BYTES:
                     session.acked_event.clear()
                     try:
-                        await asyncio.wait_for(session.acked_event.wait(), IDLE_WAIT_S)
+                        async with asyncio.timeout(IDLE_WAIT_S):
+                            await session.acked_event.wait()
                     except TimeoutError:
                         pass
                 else:

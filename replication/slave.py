@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 import xxhash
 
+from qdelay.cancellation import cancel_and_wait
 from qdelay.errors import InvariantViolation
 from qdelay.replication import common
 from qdelay.segments import naming, reader, records
@@ -74,12 +75,10 @@ class Puller:
 
     async def stop(self) -> None:
         self._stop = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        # not try/await/except-CancelledError: that also swallowed the caller's own
+        # cancellation (a cluster agent stopped while it stopped this puller went on and
+        # started another one, and its stop waited for it for ever)
+        await cancel_and_wait([self._task])
         if self._writing:
             await asyncio.wait(list(self._writing))
         self.connected = False

@@ -332,12 +332,13 @@ class App:
         while self.service.active_writes and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for stop in self._hook_stops:
-            # bounded here too, not only inside: a stop that hung in the cluster agent's
-            # hand-over right after a takeover kept a SIGTERMed server alive past 30 s (a
-            # fresh-clone run, 26 Nov); the steps after it (gRPC's stop, the engine's close
+            # bounded here too, not only inside: a cluster server's stop once hung here past
+            # 30 s (a lease-renewal loop that lost its cancellation in asyncio.wait_for:
+            # qdelay/cancellation.py); the steps after it (gRPC's stop, the engine's close
             # and checkpoint) must run whatever a hook does
             try:
-                await asyncio.wait_for(stop(deadline), max(0.0, deadline - time.monotonic()) + 1.0)
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 1.0):
+                    await stop(deadline)
             except TimeoutError:
                 log.error("the replication hook did not stop by the shutdown deadline; closing anyway")
             except Exception:  # noqa: BLE001
@@ -357,7 +358,8 @@ class App:
         assert self.server is not None
         stopping = asyncio.ensure_future(self.server.stop(max(0.0, deadline - time.monotonic())))
         try:
-            await asyncio.wait_for(asyncio.shield(stopping), max(0.0, deadline - time.monotonic()) + 1.0)
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 1.0):
+                await asyncio.shield(stopping)
         except TimeoutError:
             log.error("gRPC calls still running after the shutdown deadline and their cancellation; closing anyway")
 
@@ -381,9 +383,22 @@ async def _main(cfg: ServerConfig) -> int:
     # process-wide watchdogs (faulthandler has one timer), so here and not in App.stop,
     # which tests also run in their own process
     faulthandler.dump_traceback_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, exit=False)
+    # faulthandler shows threads only: a stop that hangs in an await (the event loop idle)
+    # says where through the tasks' stacks
+    overrun = loop.call_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, dump_tasks)
     await app.stop()
+    overrun.cancel()
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
+
+
+def dump_tasks() -> None:
+    """Every asyncio task's stack to stderr (where faulthandler writes the threads')."""
+    tasks = asyncio.all_tasks()
+    print(f"--- stop overran its deadline: {len(tasks)} asyncio tasks ---", file=sys.stderr, flush=True)
+    for task in tasks:
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
 
 
 def tune_runtime() -> None:

@@ -804,7 +804,8 @@ class Engine:
 
         watch = self.scheduler.watch_claims(sorted(set(elsewhere.values())), on_scheduler)
         try:
-            await asyncio.wait_for(ended, max(0.0, deadline - loop.time()))
+            async with asyncio.timeout_at(deadline):
+                await ended
         except TimeoutError:
             raise Unavailable(
                 f"another cancel or reschedule of {len(set(elsewhere.values()))} of the targets did not "

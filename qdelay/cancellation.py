@@ -1,0 +1,40 @@
+"""Stopping asyncio tasks without losing a cancellation, the caller's or the task's.
+
+Two ways a cancellation gets lost in Python 3.11, both seen in this tree:
+
+- ``try: await task`` / ``except (CancelledError, Exception): pass`` after ``task.cancel()``
+  also catches the *caller's* own cancellation (the caller cancelled while it waits): the
+  caller goes on as if nothing happened, e.g. starts a new puller during a shutdown.
+- ``asyncio.wait_for`` (3.11) returns the result instead of raising when a cancellation
+  meets an awaited future that has just completed (the task not yet resumed): a loop
+  around it goes on for ever, and whoever waits for that task waits for ever. A SIGTERMed
+  cluster server hung this way (26 Nov). ``asyncio.timeout`` does not lose it; the tree uses
+  it instead (``asyncio.wait_for`` is banned by the lint gate, pyproject.toml).
+
+:func:`cancel_and_wait` is the one way the tree stops its own tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+# a task still running this long after its cancellation is cancelled again: it swallowed one
+RECANCEL_SECONDS = 0.1
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future | None]) -> None:
+    """Cancel ``tasks`` (None entries skipped) and return once every one has ended.
+
+    What the tasks raised is retrieved and dropped (they are being stopped: their outcome is
+    no longer anyone's); the caller's own cancellation is not: it propagates at once, the
+    tasks having been cancelled. A task that swallowed its cancellation is cancelled again
+    every ``RECANCEL_SECONDS`` until it ends."""
+    pending = {t for t in tasks if t is not None and not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        done, pending = await asyncio.wait(pending, timeout=RECANCEL_SECONDS)
+        for t in done:
+            if not t.cancelled():
+                t.exception()  # retrieved: no "exception was never retrieved" at collection
