@@ -1067,10 +1067,24 @@ class Engine:
         MessageState.DEAD_LETTERED: CancelOutcome.DEAD_LETTERED,
     }
 
+    def _lookup_floor(self) -> int:
+        """The sequence every lookup waits for the iterate service to have copied, beside
+        its target's own: on a master, what the message log held when this engine opened or
+        last changed its role (``_claims_from``; its own Cancels' tombstones since are
+        covered by their claims). On a slave (or a joining or fenced server), everything its
+        message log holds at the call: a replicated tombstone is covered by no claim of this
+        process, and a Get by receipt on a slave answered PENDING for a message whose
+        Cancel its log already held, until the iterate service copied it (up to a gather,
+        or a backlog, later)."""
+        if self.role == "master":
+            return self._claims_from
+        return max(self._claims_from, self.wal.committed_sequence)
+
     def _iterated(self, sequence: int) -> None:
         """Wait (up to 5 s) until the schedule log and the id index hold every record up to
         ``sequence``, and every record the message log held when this engine opened or last
-        changed its role (``_claims_from``): the lookups' precondition. A look at a target
+        changed its role (``_claims_from``; on a slave, at this call: ``_lookup_floor``):
+        the lookups' precondition. A look at a target
         needs more than its own record: a tombstone of it committed before a crash and not
         yet copied is covered by no claim of this process (claims live in memory), so a
         Get would say PENDING and a Reschedule move a message a Cancel had answered
@@ -1078,7 +1092,7 @@ class Engine:
         floor, this is one comparison. A service that stopped on an error is said
         to have stopped, with the error: "behind; retry" would send users retrying against a
         server whose log says it needs an operator."""
-        if self.iterate.wait_for(max(sequence, self._claims_from), timeout=LOOKUP_WAIT_S):
+        if self.iterate.wait_for(max(sequence, self._lookup_floor()), timeout=LOOKUP_WAIT_S):
             return
         if self.iterate.error is not None:
             raise StorageError(
@@ -1086,7 +1100,10 @@ class Engine:
             )
         # UNAVAILABLE, not INTERNAL: nothing is wrong, the answer needs the replay (after a
         # restart) or a burst's copy to finish, and the clients retry UNAVAILABLE by themselves
-        raise Unavailable("the iterate service is behind (replaying the message log, or a burst); retry shortly")
+        raise Unavailable(
+            "the iterate service is behind (replaying the message log, a burst, or on a slave what replication "
+            "brought) and this answer needs what it has not copied yet; retry shortly"
+        )
 
     def _ids_current(self) -> int:
         """The sequence the iterate service must have copied for a by-id lookup to see
@@ -1101,7 +1118,7 @@ class Engine:
         CancelBatch, each appending to every minute its targets touch (~0.57 appends a
         call over 50 minutes, against ~0.07 by receipt, whose steps gather several
         batches; docs/benchmarks.md)."""
-        return max(self.wal.committed_past_tombstones, self._claims_from)
+        return max(self.wal.committed_past_tombstones, self._lookup_floor())
 
     def resolve_id(self, message_id: str) -> tuple[int, int] | None:
         """(deliver_at_ms, sequence) of the newest message with ``message_id``, or None.
@@ -1703,7 +1720,7 @@ class Engine:
             deliver_at_ms, sequence = found
         if 0 < sequence <= self.wal.committed_sequence:
             # as _iterated: also the records the log held at open (a tombstone of this one)
-            if iterate.sequence < max(sequence, self._claims_from) or not self._readable_now(
+            if iterate.sequence < max(sequence, self._lookup_floor()) or not self._readable_now(
                 bucket_of(deliver_at_ms, self.config.scale_minutes)
             ):
                 return None

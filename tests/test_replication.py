@@ -653,6 +653,36 @@ def test_reschedule_is_replicated_and_a_slave_answers_get_by_id(tmp_path):
                 p.stop()
 
 
+def test_a_slave_answers_a_get_with_every_record_its_log_holds_a_replicated_cancel_too(tmp_path):
+    """A read on a slave after a replicated write sees it. Lookups waited for the iterate
+    service to copy their target's own record (and what the log held at open), which covers
+    a master's own Cancels (their claims answer until then) but not a tombstone that came by
+    replication: a Get by receipt on the slave said PENDING for a message whose Cancel its
+    message log already held, until its iterate service copied it. The window here: the
+    slave's ``iterate_gather_ms`` of 3 s, the wait after a step that lets commits share the
+    next one (a backlog makes it as real). A lookup now waits for everything the slave's
+    log holds at the call, and hurries the service (no 3 s wait)."""
+    from qdelay.client import Client
+
+    with master(tmp_path) as a, slave(tmp_path, a, args=["--set", "engine.iterate_gather_ms=3000"]) as b:
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        with Client(a.address) as c, Client(b.address, retries=0) as cb:
+            for n, by_id in enumerate((False, True)):
+                target = c.send("stale.get", b"x", delay_ms=3_600_000, message_id=f"t{n}")
+                end = status(a.address).end_offset
+                # the slave copied it, and its iterate service now gathers for 3 s
+                wait_until(lambda e=end: status(b.address).iterate_offset >= e, 20, "iterated", ignore=RPC_ERRORS)
+                assert c.cancel(target) == "CANCELLED"
+                end = status(a.address).end_offset
+                st = wait_until(lambda e=end: (s := status(b.address)).end_offset >= e and s, 20, "cancel replicated")
+                assert st.iterate_offset < end, "the window: the tombstone in the slave's log, not yet copied"
+                t0 = time.monotonic()
+                got = cb.get(message_id=f"t{n}") if by_id else cb.get(target)
+                assert got.state == "CANCELLED", (by_id, got)
+                assert time.monotonic() - t0 < 2.0, "the lookup hurries the iterate service"
+                assert cb.get(target).state == cb.get(message_id=f"t{n}").state == "CANCELLED"
+
+
 def test_admin_names_an_unusable_file_or_an_empty_server_list(tmp_path):
     """Walking the operator's side: ``qdelay admin status --token-file`` (or ``--tls-ca``) with
     a path that is not there printed a FileNotFoundError traceback (exit 1), a token file
