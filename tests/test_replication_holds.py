@@ -414,3 +414,20 @@ def test_a_hold_kept_from_its_master_days_ends_quietly_on_a_slave(tmp_path, capl
         (r.levelname, r.getMessage()) for r in said
     ]
     assert "this server is slave now" in said[-1].getMessage(), said[-1].getMessage()
+
+
+def test_a_stream_ending_after_its_slave_idled_past_the_hold_keeps_the_slave_held(tmp_path):
+    """An attached slave's ``last_seen`` moves only when it confirms more; an idle one's can
+    be older than ``slave_hold_ms``. When its stream ends, the saver may run before the
+    stream's ``detach``: it then dropped the hold as expired at once (it stayed marked
+    expired after the detach, too). The detach lists the slave again, held from then."""
+    engine = _engine(tmp_path, end=5_000)
+    hub = _hub(engine, slave_hold_ms=60_000)
+    s = hub.attach("idle", "peer", 5_000)
+    s.last_seen -= 3_600  # confirmed its last record an hour ago: idle since
+    s.connected = False  # its stream ended (PullServer's reader) ...
+    _run(hub.save_if_changed())  # ... and the saver ran before the detach
+    assert hub.expired("idle") and hub.floor() is None
+    hub.detach(s)
+    assert hub.floor() == 5_000 and hub.held_detached() == 1 and not hub.expired("idle")
+    assert hub.listed() == [s]
