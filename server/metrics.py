@@ -9,12 +9,14 @@ between scrapes.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 log = logging.getLogger("qdelay.metrics")
 
@@ -270,6 +272,17 @@ class BulkHistogram:
         yield family
 
 
+# how often the endpoint's thread looks whether it is to stop: close() waits for that look.
+# prometheus_client's start_http_server serves with socketserver's default, 0.5 s, so every
+# stop of a server with --metrics-listen took 0.25-0.5 s more, blocking the event loop
+HTTP_POLL_S = 0.05
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        pass  # a line on stderr per scrape
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -304,7 +317,17 @@ class Metrics:
             log_obj.on_fsync = self.fsync_seconds.observe
 
     def serve(self, host: str, port: int) -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics on a daemon thread (what prometheus_client's start_http_server
+        does, IPv6 included, but polled every HTTP_POLL_S for close())."""
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        server = make_server(str(sockaddr[0]), port, make_wsgi_app(self.registry), Server, handler_class=_QuietHandler)
+        threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": HTTP_POLL_S}, name="qdelay-metrics", daemon=True
+        ).start()
         self._http = server
         return server.server_port
 
