@@ -2,7 +2,8 @@
 
     python -m bench.replication [--seconds 8] [--producers 4] [--batch 100] [--rate 20000]
                                 [--catchup 100000,1000000] [--catchup-minutes 1]
-                                [--only ingest,lag,catchup]
+                                [--slaves 0,1,2,4] [--slave-rounds 3]
+                                [--only ingest,lag,catchup,slaves]
 
 - ingest: ``producers`` threads each send SendBatch of ``batch`` 100-byte messages for
   ``seconds``; messages/s durable-acknowledged, for a lone master, a master with an async
@@ -18,6 +19,17 @@
   iterate service copies what it pulled), MB/s. Copying the log is linear in it by
   design; the per-message figures should be flat in L. Then ``Frames`` (100 frames at
   the log's start, middle and end, 30 calls): p50 ms, flat in L.
+- slaves: for each S of ``--slaves`` (attached slaves), ``--slave-rounds`` rounds of: an
+  async master under a steady 2,000 msgs/s for 3 s (the slaves' acks change their holds,
+  so the saver replaces ``checkpoint/slave_holds.ckpt`` about once a second), the slaves
+  caught up, then the master stopped with SIGTERM and started again on its port (the
+  slaves re-attach). Per S: the holds file's save, wall (fsyncs included) and the saving
+  thread's CPU, from the server's own counters (metrics
+  ``qdelay_replication_holds_save_seconds`` / ``_cpu_seconds`` / ``_saves``); the stop,
+  SIGTERM to the process reaped (wall; its CPU from ``wait4``'s rusage) and the
+  server's own "stopped stop_seconds=" (the drain, without the interpreter's exit).
+  The master and its S slaves are S + 1 processes on the same disk: on a box with fewer
+  cores than that the slaves' work competes with the master's.
 
 Servers are real processes on 127.0.0.1 with temporary data folders (same disk).
 Writes bench/out/replication.json.
@@ -37,7 +49,7 @@ from typing import Any
 
 import grpc
 
-from bench.common import cpu_seconds, until_idle, write_json
+from bench.common import cpu_seconds, median, until_idle, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from serverproc import ServerProc  # noqa: E402
@@ -222,6 +234,123 @@ def catchup(root: str, messages: int, minutes: int = 1) -> dict:
                 s.stop()
 
 
+def _metrics(srv: ServerProc, names: Sequence[str]) -> dict[str, float]:
+    """The unlabelled metrics ``names`` of a server started with --metrics-listen."""
+    import urllib.request
+
+    port = int(srv.tail_log(1_000_000).rsplit("metrics on 127.0.0.1:", 1)[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[name] = float(value)
+    return out
+
+
+HOLDS = (
+    "qdelay_replication_holds_saves_total",
+    "qdelay_replication_holds_save_seconds_total",
+    "qdelay_replication_holds_save_cpu_seconds_total",
+)
+
+
+def _until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = cond()
+            if got:
+                return got
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _sigterm_timed(srv: ServerProc) -> tuple[float, float]:
+    """SIGTERM to the process reaped: (wall s, CPU s of the stop, from wait4's rusage less
+    what /proc said just before the signal: +-10 ms, its clock ticks)."""
+    import signal
+
+    assert srv.proc is not None
+    pid = srv.pid
+    cpu0 = cpu_seconds(pid)
+    t0 = time.perf_counter()
+    os.kill(pid, signal.SIGTERM)
+    _pid, code, usage = os.wait4(pid, 0)
+    wall = time.perf_counter() - t0
+    srv.proc.returncode = os.waitstatus_to_exitcode(code)
+    srv.stop()  # reaped already: closes its pipe and log
+    if srv.proc.returncode != 0:
+        raise RuntimeError(f"the master exited with {srv.proc.returncode}; log: {srv.tail_log()}")
+    return wall, usage.ru_utime + usage.ru_stime - cpu0
+
+
+def _stop_seconds(srv: ServerProc) -> float:
+    """The server's own figure of its last stop (its log's "stopped stop_seconds=")."""
+    return float(srv.tail_log(20_000).rsplit("stopped stop_seconds=", 1)[1].split()[0])
+
+
+def slaves_level(root: str, n: int, rounds: int, seconds: float = 3.0, rate: int = 2000) -> dict:
+    """The holds file's saves and the master's SIGTERM stop with ``n`` attached slaves."""
+    a = ServerProc(os.path.join(root, "a"), args=["--replication", "async", "--metrics-listen", "127.0.0.1:0"])
+    a.start()
+    slaves = []
+    saves = wall = cpu = 0.0
+    stops, stop_cpus, drains = [], [], []
+    try:
+        for i in range(n):
+            slaves.append(ServerProc(os.path.join(root, f"s{i}"), args=["--role", "slave", "--master", a.address]))
+            slaves[-1].start()
+
+        def attached() -> bool:
+            return sum(1 for s in status(a.address).slaves if s.connected) == n
+
+        payload = b"x" * 100
+        per_tick = rate // 20
+        for _ in range(rounds):
+            _until(attached, 60, f"{n} slave(s) attached")
+            before = _metrics(a, HOLDS)
+            with Client(a.address) as c:
+                t0 = time.monotonic()
+                tick = 0
+                while time.monotonic() - t0 < seconds:
+                    c.send_batch([c.message("bench.holds", payload, delay_ms=3_600_000) for _ in range(per_tick)])
+                    tick += 1
+                    wait = t0 + tick * 0.05 - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+            end = status(a.address).end_offset
+            for s in slaves:
+                _until(lambda s=s, end=end: status(s.address).end_offset >= end, 60, "a slave caught up")
+            after = _metrics(a, HOLDS)
+            saves += after[HOLDS[0]] - before[HOLDS[0]]
+            wall += after[HOLDS[1]] - before[HOLDS[1]]
+            cpu += after[HOLDS[2]] - before[HOLDS[2]]
+            took, stop_cpu = _sigterm_timed(a)
+            stops.append(took)
+            stop_cpus.append(stop_cpu)
+            drains.append(_stop_seconds(a))
+            a.start()  # on its port: the slaves re-attach
+    finally:
+        for s in [*slaves, a]:
+            s.stop()
+    return {
+        "slaves": n,
+        "rounds": rounds,
+        "holds_saves": int(saves),
+        "holds_save_ms": round(wall / saves * 1000, 3) if saves else None,
+        "holds_save_cpu_us": round(cpu / saves * 1e6, 1) if saves else None,
+        "stop_s_median": round(median(stops), 3),
+        "stop_s_max": round(max(stops), 3),
+        "stop_cpu_ms_median": round(median(stop_cpus) * 1000, 1),
+        "stop_drain_s_median": round(median(drains), 3),
+        "loadavg": os.getloadavg(),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=8.0)
@@ -230,11 +359,14 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=int, default=20_000)
     p.add_argument("--catchup", default="100000,1000000", help="catchup: messages in the master's log, ascending")
     p.add_argument("--catchup-minutes", type=int, default=1, help="catchup: due minutes the messages are spread over")
-    p.add_argument("--only", default="ingest,lag,catchup", help="comma-separated: ingest,lag,catchup")
+    p.add_argument("--slaves", default="0,1,2,4", help="slaves: attached slaves per level")
+    p.add_argument("--slave-rounds", type=int, default=3, help="slaves: master stops per level")
+    p.add_argument("--only", default="ingest,lag,catchup,slaves", help="comma-separated: ingest,lag,catchup,slaves")
     args = p.parse_args(argv)
     wanted = {w for w in args.only.split(",") if w}
-    if wanted - {"ingest", "lag", "catchup"}:
-        p.error(f"unknown part(s): {', '.join(sorted(wanted - {'ingest', 'lag', 'catchup'}))}")
+    parts = {"ingest", "lag", "catchup", "slaves"}
+    if wanted - parts:
+        p.error(f"unknown part(s): {', '.join(sorted(wanted - parts))}")
     out: dict = {"ingest_msgs_per_s": {}, "params": vars(args), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
     for mode in (None, "async", "sync") if "ingest" in wanted else ():
         with tempfile.TemporaryDirectory() as root:
@@ -274,6 +406,13 @@ def main(argv=None) -> int:
                 f"{rows[-1]['slave_cpu_until_idle_us_per_msg'] / rows[0]['slave_cpu_until_idle_us_per_msg']:.2f}",
                 flush=True,
             )
+    if "slaves" in wanted:
+        out["slaves"] = []
+        for n in sorted(int(x) for x in args.slaves.split(",") if x):
+            with tempfile.TemporaryDirectory() as root:
+                row = slaves_level(root, n, args.slave_rounds)
+            out["slaves"].append(row)
+            print(f"slaves {n}: {row}", flush=True)
     print(json.dumps(out, indent=1))
     write_json("replication", out)
     return 0

@@ -328,6 +328,12 @@ class Node:
             )
         else:
             out.update(replication_lag_bytes=-1, replication_lag_ms=-1)
+        holds = self.hub.holds  # any role: a slave promoted and back keeps its counts
+        out.update(
+            holds_saves=holds.saves,
+            holds_save_seconds=holds.save_seconds,
+            holds_save_cpu_seconds=holds.save_cpu_seconds,
+        )
         if self.agent is not None:
             out.update(self.agent.stats())
         return out

@@ -94,6 +94,21 @@ ENGINE_STATS = {
         "Detached slaves this master still keeps its message log for (slave_hold_ms, slave_hold_bytes)",
         "gauge",
     ),
+    "holds_saves": (
+        "qdelay_replication_holds_saves",
+        "Saves of checkpoint/slave_holds.ckpt (at most one a second while slaves confirm, and at the stop)",
+        "counter",
+    ),
+    "holds_save_seconds": (
+        "qdelay_replication_holds_save_seconds",
+        "Time the saves of checkpoint/slave_holds.ckpt took (their fsyncs included)",
+        "counter",
+    ),
+    "holds_save_cpu_seconds": (
+        "qdelay_replication_holds_save_cpu_seconds",
+        "CPU time the saves of checkpoint/slave_holds.ckpt took (the saving thread's)",
+        "counter",
+    ),
     "slave_holds_expired": (
         "qdelay_replication_slave_holds_expired",
         "Holds for detached slaves that ran out since the start: such a slave needs a resync if its log was cleaned",
