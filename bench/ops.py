@@ -1,8 +1,9 @@
 """The operations no other benchmark varies against what could make them grow.
 
-    python -m bench.ops [--only observe,consumer,inspect] [--groups 10,1000,5000]
+    python -m bench.ops [--only observe,consumer,inspect,reschedule] [--groups 10,1000,5000]
                         [--subjects 10,1000,5000] [--backlogs 0,20000,200000]
-                        [--records 10000,100000,300000] [--calls 100] [--json FILE]
+                        [--records 10000,100000,300000] [--pending 0,1000000]
+                        [--rounds 1] [--base-pythonpath DIR] [--calls 100] [--json FILE]
 
 Real servers (``qdelay server``, sync flush, the defaults) on 127.0.0.1 with temporary
 folders; every figure is one call at a time unless said otherwise. Per scenario:
@@ -34,6 +35,17 @@ folders; every figure is one call at a time unless said otherwise. Per scenario:
   /dev/null) on the folder: ``ls``, ``verify``, ``stats``, ``find --id`` (a message in
   the middle), ``find --sequence`` and ``dump --limit 10``: seconds, and µs per record
   where the command reads them all.
+- ``reschedule``: for each N of ``--pending`` (far-future messages, a day and more
+  ahead, each with its own id), on one server: Reschedule by id and by receipt, (a) one
+  call at a time through a ``batching=False`` client (a unary Reschedule each: p50 and
+  the server's CPU a call) and (b) from 64 asyncio tasks (``qdelay.aio``: its batcher
+  gathers them into RescheduleBatch calls; calls/s and the server's CPU a call), each
+  phase on messages sent for it at that level over 50 minutes of a day of their own (the
+  same shape at every N), and the iterate service's steps a call (``qdelay_iterate_steps``:
+  by id, a lookup after a reschedule waits for the service to have copied it).
+  ``--rounds`` fresh servers; ``--base-pythonpath DIR`` alternates them with servers whose
+  ``qdelay`` package comes from DIR (``pip install --no-deps --target DIR <checkout>``):
+  a same-run A/B.
 
 A cost that grows with N where the work does not is printed as the ratio of the largest
 level's figure to the smallest's, same run. Writes bench/out/ops.json (or ``--json``).
@@ -91,8 +103,9 @@ def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
 class _Server:
     """A QdelayDriver in a temporary folder, with a client and its metrics URL."""
 
-    def __init__(self, tmp: str, extra: list[str] | None = None) -> None:
+    def __init__(self, tmp: str, extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.driver = QdelayDriver(extra=extra)
+        self.driver.env = env
         self.driver.start(tmp)
         self.pid = self.driver.pid
         self.address = f"127.0.0.1:{self.driver.port}"
@@ -408,6 +421,119 @@ def inspect(levels: list[int]) -> list[dict]:
 # --- main ------------------------------------------------------------------------------------
 
 
+# --- reschedule --------------------------------------------------------------------------
+
+
+MOVE_MINUTES = 50  # the measured targets of every level lie over this many minutes
+MOVE_MANY = 3_000  # targets of each 64-task phase
+MOVE_TASKS = 64
+
+
+def _steps(driver: QdelayDriver) -> float:
+    return driver.gauges().get("qdelay_iterate_steps_total", float("nan"))
+
+
+def _fill_far(c: Client, n: int, base: int, tag: str) -> None:
+    """``n`` pending messages a day and more ahead (``base``), one id each."""
+    msgs = (
+        Outgoing("bench.fill", b"x" * 100, deliver_at_ms=base + i % (300 * 60_000), message_id=f"{tag}{i}")
+        for i in range(n)
+    )
+    c.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=600)
+
+
+def _move_targets(c: Client, n: int, day: int, tag: str) -> list:
+    """``n`` messages sent now over MOVE_MINUTES minutes of ``day`` (ms): their receipts."""
+    per = max(1, n // MOVE_MINUTES)
+    msgs = [
+        Outgoing("bench.move", b"x" * 100, deliver_at_ms=day + (i // per) * 60_000 + i % 60_000, message_id=f"{tag}{i}")
+        for i in range(n)
+    ]
+    return list(c.send_many(msgs, batch_size=1000, max_in_flight=8, timeout=600))
+
+
+def _reschedule_level(s: _Server, n: int, calls: int, day: int) -> dict:
+    import asyncio
+
+    from qdelay import aio
+
+    c, row = s.client, {"n": n}
+    sets = {
+        name: _move_targets(c, count, day, f"{name}.{n}.")
+        for name, count in (
+            ("one_id", calls),
+            ("one_receipt", calls),
+            ("many_id", MOVE_MANY),
+            ("many_receipt", MOVE_MANY),
+        )
+    }
+    until_idle(s.pid, 120.0)
+    later = day + 7 * DAY_MS
+    with Client(s.address, timeout=60, batching=False) as unary:
+        unary.wait_ready()
+        for name in ("one_id", "one_receipt"):
+            targets = iter([r.message_id if name == "one_id" else r for r in sets[name]])
+            steps0 = _steps(s.driver)
+            fig = _calls(
+                s.pid, lambda t=targets: _moved(unary.reschedule(next(t), deliver_at_ms=later)), len(sets[name])
+            )
+            row[f"{name}_steps"] = (_steps(s.driver) - steps0) / len(sets[name])
+            row.update({f"{name}_{k}": v for k, v in fig.items()})
+
+    async def many(targets: list) -> None:
+        async with aio.Client(s.address, timeout=120) as ac:
+            await ac.wait_ready()
+            it = iter(targets)
+
+            async def worker() -> None:
+                for t in it:
+                    _moved(await ac.reschedule(t, deliver_at_ms=later))
+
+            await asyncio.gather(*(worker() for _ in range(MOVE_TASKS)))
+
+    for name in ("many_id", "many_receipt"):
+        targets = [r.message_id if name == "many_id" else r for r in sets[name]]
+        until_idle(s.pid, 60.0)
+        steps0 = _steps(s.driver)
+        with Meter(s.pid) as m:
+            asyncio.run(many(targets))
+        row[f"{name}_per_s"] = len(targets) / m.wall
+        row[f"{name}_cpu_us"] = m.cpu / len(targets) * 1e6
+        row[f"{name}_steps"] = (_steps(s.driver) - steps0) / len(targets)
+    row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    print(row, flush=True)
+    return row
+
+
+def _moved(answer: tuple) -> None:
+    if answer[0] != "RESCHEDULED":
+        raise SystemExit(f"bench.ops: a reschedule answered {answer[0]}")
+
+
+def reschedule(levels: list[int], calls: int, rounds: int, base_pythonpath: str | None) -> list[dict]:
+    """Per round, per server ("new": this tree; "base": ``base_pythonpath``, alternating),
+    per level: the figures of ``_reschedule_level``."""
+    rows = []
+    variants = [("new", None)] + ([("base", base_pythonpath)] if base_pythonpath else [])
+    for k in range(rounds):
+        for name, path in variants:
+            with tempfile.TemporaryDirectory(prefix="qdelay-bench-move-") as tmp:
+                driver_env = dict(os.environ, PYTHONPATH=path) if path else None
+                s = _Server(tmp, env=driver_env)
+                try:
+                    now_min = int(time.time() * 1000) // 60_000 * 60_000
+                    filled = 0
+                    for level_no, n in enumerate(levels):
+                        _fill_far(s.client, n - filled, now_min + DAY_MS + filled, f"f{filled}.")
+                        filled = n
+                        row = _reschedule_level(s, n, calls, now_min + (10 + 10 * level_no) * DAY_MS)
+                        row.update(server=name, round=k)
+                        rows.append(row)
+                finally:
+                    s.stop()
+    return rows
+
+
 def _ints(text: str) -> list[int]:
     return sorted(int(x) for x in text.split(",") if x)
 
@@ -419,16 +545,21 @@ def _ratio(rows: list[dict], key: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ops", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="observe,consumer,inspect", help="comma-separated: observe,consumer,inspect")
+    ap.add_argument(
+        "--only", default="observe,consumer,inspect", help="comma-separated: observe,consumer,inspect,reschedule"
+    )
     ap.add_argument("--groups", default="10,1000,5000", help="observe: groups G, ascending")
     ap.add_argument("--subjects", default="10,1000,5000", help="observe: subjects K holding a due message, ascending")
     ap.add_argument("--backlogs", default="0,20000,200000", help="consumer: due backlog B per group, ascending")
     ap.add_argument("--records", default="10000,100000,300000", help="inspect: records N in the folder, ascending")
     ap.add_argument("--calls", type=int, default=100, help="calls of each kind per level (observe, health)")
+    ap.add_argument("--pending", default="0,1000000", help="reschedule: pending messages N, ascending")
+    ap.add_argument("--rounds", type=int, default=1, help="reschedule: fresh servers (each variant)")
+    ap.add_argument("--base-pythonpath", help="reschedule: alternate with servers whose qdelay package is in DIR")
     ap.add_argument("--json", default="ops", help="output name under bench/out, or a path")
     args = ap.parse_args(argv)
     wanted = [w for w in args.only.split(",") if w]
-    unknown = set(wanted) - {"observe", "consumer", "inspect"}
+    unknown = set(wanted) - {"observe", "consumer", "inspect", "reschedule"}
     if unknown:
         ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     out: dict = {"machine": machine()}
@@ -550,6 +681,33 @@ def main(argv: list[str] | None = None) -> int:
                 f" (x{rows[-1]['records'] / rows[0]['records']:.0f}): "
                 + ", ".join(f"{n} x{_ratio(rows, n + '_s'):.1f}" for n in names)
             )
+    if "reschedule" in wanted:
+        rows = out["reschedule"] = reschedule(_ints(args.pending), args.calls, args.rounds, args.base_pythonpath)
+        groups: dict[tuple, list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["server"], r["n"]), []).append(r)
+        fields = [
+            ("one_id_p50_ms", "by id, one: p50 ms"),
+            ("one_id_cpu_us", "µs CPU"),
+            ("one_id_steps", "steps a call"),
+            ("one_receipt_p50_ms", "by receipt, one: p50 ms"),
+            ("one_receipt_cpu_us", "µs CPU"),
+            ("one_receipt_steps", "steps a call"),
+            ("many_id_per_s", "by id, 64 tasks: /s"),
+            ("many_id_cpu_us", "µs CPU"),
+            ("many_id_steps", "steps a call"),
+            ("many_receipt_per_s", "by receipt, 64 tasks: /s"),
+            ("many_receipt_cpu_us", "µs CPU"),
+            ("many_receipt_steps", "steps a call"),
+        ]
+        print_table(
+            ["server", "pending N", "rounds"] + [title for _f, title in fields],
+            [
+                [server, n, len(rs)] + [sorted(r[f] for r in rs)[len(rs) // 2] for f, _t in fields]
+                for (server, n), rs in sorted(groups.items())
+            ],
+            title="Reschedule by id and by receipt against pending messages (medians of the rounds)",
+        )
     out["loadavg_before"] = [round(x, 2) for x in load0]
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average before {out['loadavg_before']}, after {out['loadavg_after']}")

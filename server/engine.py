@@ -1933,6 +1933,7 @@ class Engine:
             committed_offset=self.wal.committed_offset,
             committed_sequence=self.wal.committed_sequence,
             iterate_offset=self.iterate.offset,
+            iterate_steps=self.iterate.steps,
             fsyncs=self.wal.fsyncs,
             schedule_segments=len(self.schedule),
             open_files=self.pool.open_count,

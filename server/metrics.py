@@ -28,6 +28,11 @@ ENGINE_STATS = {
     "pending": ("qdelay_pending_messages", "Scheduled messages not yet delivered or cancelled", "gauge"),
     "wheel_size": ("qdelay_wheel_size", "Message indexes loaded in the in-memory timer wheel", "gauge"),
     "iterate_lag_bytes": ("qdelay_iterate_lag_bytes", "Message-log bytes not yet copied to the schedule log", "gauge"),
+    "iterate_steps": (
+        "qdelay_iterate_steps",
+        "Steps of the iterate service (each copies what the message log committed since the last)",
+        "counter",
+    ),
     "iterate_lag_records": ("qdelay_iterate_lag_records", "Message-log records not yet in the schedule log", "gauge"),
     "in_flight": ("qdelay_in_flight_deliveries", "Deliveries handed to consumers and not yet acknowledged", "gauge"),
     "retrying": (
