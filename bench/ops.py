@@ -64,7 +64,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import Meter, cpu_seconds, machine, percentile, print_table, until_idle, write_json
+from bench.common import Meter, cpu_seconds, machine, median, percentile, print_table, until_idle, write_json
 from bench.peers import QdelayDriver
 from qdelay.client import Client, Outgoing
 from qdelay.server.service import MAX_IN_FLIGHT_CAP
@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(
             ["server", "pending N", "rounds"] + [title for _f, title in fields],
             [
-                [server, n, len(rs)] + [sorted(r[f] for r in rs)[len(rs) // 2] for f, _t in fields]
+                [server, n, len(rs)] + [median([r[f] for r in rs]) for f, _t in fields]
                 for (server, n), rs in sorted(groups.items())
             ],
             title="Reschedule by id and by receipt against pending messages (medians of the rounds)",
