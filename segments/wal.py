@@ -100,7 +100,9 @@ class _Pending:
     ):
         self.appended = appended
         self.callback = callback
-        self.tombstones = tombstones  # CANCEL records alone (committed_past_tombstones)
+        # CANCEL records alone, or a Reschedule's whose new MESSAGE records the engine keeps
+        # findable by id until copied (committed_past_tombstones)
+        self.tombstones = tombstones
 
 
 class _Waiter:
@@ -314,10 +316,12 @@ class MessageLog:
         self.committed_offset = self._segments[-1].key + self._segments[-1].size
         self.committed_sequence = last_seq
         # the highest committed sequence but for appends of CANCEL records alone made by this
-        # process (``submit_bodies`` of CANCEL): a reader that needs every MESSAGE copied (a
-        # by-id lookup, Engine.resolve_ids) waits for this, not for the tombstones a Cancel
-        # claims cover until they are copied. Everything found at open, or replicated, counts
-        # (no claim of this process covers those tombstones).
+        # process (``submit_bodies`` of CANCEL) and for its Reschedules' appends (``covered``:
+        # their new MESSAGE records are in the engine's moved ids until copied, Engine._moved):
+        # a reader that needs every MESSAGE findable by id (a by-id lookup,
+        # Engine.resolve_ids) waits for this, not for the tombstones a Cancel's or a
+        # Reschedule's claims cover until they are copied. Everything found at open, or
+        # replicated, counts (no claim of this process covers those tombstones).
         self.committed_past_tombstones = last_seq
 
     @staticmethod
@@ -350,9 +354,13 @@ class MessageLog:
     # --- appending ------------------------------------------------------------------------
 
     def submit(
-        self, entries: Iterable[Entry], callback: Callable[[Appended | None, Exception | None], None]
+        self,
+        entries: Iterable[Entry],
+        callback: Callable[[Appended | None, Exception | None], None],
+        covered: bool = False,
     ) -> Appended:
-        """Queue records; ``callback(appended, error)`` runs on the writer thread once durable."""
+        """Queue records; ``callback(appended, error)`` runs on the writer thread once durable.
+        ``covered``: left out of ``committed_past_tombstones`` (a Reschedule's append)."""
 
         def frame(buf: bytearray, seq: int) -> int:
             encode_into = framing.encode_into
@@ -361,7 +369,7 @@ class MessageLog:
                 seq += 1
             return seq
 
-        return self._submit(frame, callback)
+        return self._submit(frame, callback, tombstones=covered)
 
     def submit_bodies(
         self,
@@ -427,12 +435,12 @@ class MessageLog:
         return waiter.appended
 
     async def append_async(
-        self, entries: Iterable[Entry], queued: Callable[[Appended], None] | None = None
+        self, entries: Iterable[Entry], queued: Callable[[Appended], None] | None = None, covered: bool = False
     ) -> Appended:
         """Append from asyncio code; resolves once durable, without blocking the loop.
         ``queued(appended)`` runs once they are queued (their sequences known), before they
-        are durable."""
-        return await self._append_async(lambda cb: self.submit(entries, cb), queued)
+        are durable. ``covered``: as :meth:`submit`'s."""
+        return await self._append_async(lambda cb: self.submit(entries, cb, covered), queued)
 
     async def append_bodies_async(
         self,

@@ -51,6 +51,7 @@ from qdelay.server import allocator
 from qdelay.server.cleaner import Cleaner, CleanerConfig
 from qdelay.server.groups import GroupTable
 from qdelay.server.iterate import IterateService, Written
+from qdelay.server.moved_ids import MovedIds
 from qdelay.server.scheduler import DEAD_LETTER_HEADER, Delivery, DeliverySink, Scheduler, SchedulerConfig
 
 log = logging.getLogger("qdelay.engine")
@@ -322,6 +323,7 @@ class Engine:
 
         # message id -> (due, sequence): derived from the schedule log, rebuilt when missing
         self.ids = IdIndex(os.path.join(root, "index", "ids")) if config.id_index else None
+        self._moved = MovedIds()  # ids moved by this term's Reschedules, until copied (resolve_ids)
         if self.ids is not None and not self.ids.built:
             t0 = time.monotonic()
             n = self.ids.rebuild(self.schedule)
@@ -563,6 +565,7 @@ class Engine:
         # master's whose claims its scheduler no longer settles) are covered by no claim of
         # the new role: by-id lookups wait for them (_ids_current)
         self._claims_from = self.wal.committed_sequence
+        self._moved.clear()  # (those lookups wait for every move before this: _ids_current)
         if was != "master" and role == "master" and self._started:
             sched = self.scheduler
             # also master -> fenced -> master in one process (cluster mode: a lease proven
@@ -914,16 +917,23 @@ class Engine:
             far = self._far(min(due for _mid, due, _seq in claimed)) and (
                 min(moves[i][3] for i in rows) - now >= self.far_ahead_ms
             )
-            appended = await self.wal.append_async(entries, self._expect_far if far else None)
+            # covered: by-id lookups do not wait for its copy (_ids_current); its new
+            # messages are findable by id meanwhile through _moved, entered before the
+            # claims are marked written (a Get of the old one then says CANCELLED)
+            appended = await self.wal.append_async(entries, self._expect_far if far else None, covered=True)
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
+        first = appended.first_sequence
+        self._moved.add(
+            [(mid, moves[i][3], first + k) for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed))],
+            self.iterate.sequence,
+        )
         self.scheduler.claims_written([seq for _mid, _due, seq in claimed])  # as _write_cancels
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
             self.write_guard()
-        first = appended.first_sequence
         for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed)):
             out[i] = (RescheduleOutcome.RESCHEDULED, Receipt(mid, moves[i][3], first + k))
 
@@ -1108,8 +1118,9 @@ class Engine:
     def _ids_current(self) -> int:
         """The sequence the iterate service must have copied for a by-id lookup to see
         every message committed before it: the message log's committed sequence but for
-        the Cancels' own tombstone appends since this engine opened or last changed its
-        role.
+        the Cancels' own tombstone appends and the Reschedules' appends since this engine
+        opened or last changed its role (a Reschedule's new messages are found in
+        ``_moved`` until copied: ``_index_get_many``).
 
         Such a tombstone changes no id's entry, and until the iterate service has copied it
         its target stays claimed (``Scheduler.on_written`` settles the claim), which a Get,
@@ -1124,18 +1135,35 @@ class Engine:
         """(deliver_at_ms, sequence) of the newest message with ``message_id``, or None.
 
         Waits until the iterate service has copied (and so indexed) every message committed
-        before this call, so that an id just sent is found (``_ids_current``)."""
-        if self.ids is None:
-            raise FailedPrecondition("by-id lookups are off on this server (engine.id_index = false); give the receipt")
-        self._iterated(self._ids_current())
-        return self.ids.get(message_id)
+        before this call, so that an id just sent is found (``_ids_current``), but for the
+        Reschedules' (found in ``_moved``); and, when the newest is a moved message not yet
+        copied, for its copy (its record is read from its minute's segment next)."""
+        return self.resolve_ids([message_id])[0]
 
     def resolve_ids(self, message_ids: list[str]) -> list[tuple[int, int] | None]:
         """``resolve_id`` of each id, with one wait and one multi-get."""
         if self.ids is None:
             raise FailedPrecondition("by-id lookups are off on this server (engine.id_index = false); give the receipt")
         self._iterated(self._ids_current())
-        return self.ids.get_many(message_ids)
+        found, moved_to = self._index_get_many(message_ids)
+        if moved_to > self.iterate.sequence:
+            self._iterated(moved_to)
+        return found
+
+    def _index_get_many(self, message_ids: list[str]) -> tuple[list[tuple[int, int] | None], int]:
+        """(each id's newest (due, sequence) from ``_moved`` and the id index, the highest
+        sequence taken from ``_moved``: 0 if none). ``_moved`` first: an entry dropped
+        between the two looks is one the index holds by then."""
+        assert self.ids is not None
+        moved = self._moved.get_many(message_ids, self.iterate.sequence) if len(self._moved) else None
+        found = self.ids.get_many(message_ids)
+        top = 0
+        if moved is not None:
+            for k, m in enumerate(moved):
+                if m is not None and (found[k] is None or found[k][1] < m[1]):  # type: ignore[index]
+                    found[k] = m
+                    top = max(top, m[1])
+        return found, top
 
     def duplicates_among(
         self, ids: list[str], hits: list[tuple[int, int] | None], window_ms: int
@@ -1714,7 +1742,7 @@ class Engine:
         if sequence is None or deliver_at_ms is None:  # by id: the index answers once iterated
             if self.ids is None or iterate.sequence < self._ids_current():
                 return None
-            found = self.ids.get(message_id)
+            found = self._index_get_many([message_id])[0][0]  # (a move not yet copied: declined below)
             if found is None:
                 return MessageStatus(MessageState.NOT_FOUND, None, 0, 0)
             deliver_at_ms, sequence = found

@@ -181,3 +181,48 @@ def test_a_get_on_the_loop_never_waits_for_the_append_lock(tmp_path):
         assert asyncio.run(engine.get(r.message_id, due, r.sequence)).state == MessageState.PENDING
     finally:
         engine.close()
+
+
+def test_by_id_calls_do_not_wait_for_a_reschedule_but_its_own_id_finds_the_move(tmp_path):
+    """A Reschedule's append is not waited for by the by-id lookups of other ids (it forced
+    the iterate service into a step per by-id batch after a move): its new messages are in
+    Engine._moved until copied, and its old ones stay claimed. A lookup of the moved id
+    itself finds the new message: from get_now (declined while not copied), a Get by id
+    (waits for the copy, then answers the new time) and a Cancel by id. With the iterate
+    service held (its append lock), the other ids' calls answer at once."""
+    clock = FakeClock(T0)
+    engine = Engine(config(tmp_path / "data"), clock=clock)
+    engine.start()
+    due, later = T0 + 90 * MINUTE, T0 + 200 * MINUTE
+    try:
+        engine.send_sync([message("t.m", due + k, f"m{k}") for k in range(3)])
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        engine.iterate.flush_bucket(bucket_of(due))
+        before = engine.iterate.sequence
+        got: list[object] = []
+        with engine.iterate.append_lock:  # the iterate service copies nothing meanwhile
+            ((outcome, receipt),) = asyncio.run(engine.reschedule_many([("m0", None, None, later)]))
+            assert outcome.name == "RESCHEDULED" and receipt is not None and receipt.deliver_at_ms == later
+            assert engine.wal.committed_sequence > engine.iterate.sequence == before  # not copied
+            t0 = time.monotonic()
+            assert asyncio.run(engine.cancel_many([("m1", None, None)]))[0].name == "CANCELLED"
+            assert engine.get_sync("m2", None, None).state == MessageState.PENDING
+            ((again, moved2),) = asyncio.run(engine.reschedule_many([("m2", None, None, later + 1)]))
+            assert again.name == "RESCHEDULED" and moved2 is not None
+            assert time.monotonic() - t0 < 4.0  # none waited out _iterated's 5 s
+            assert engine.get_now("m0", None, None) is None  # the move, not yet copied: declined
+            t = threading.Thread(target=lambda: got.append(engine.get_sync("m0", None, None)), daemon=True)
+            t.start()
+            t.join(0.2)
+            assert t.is_alive()  # it waits for the moved message's copy
+        t.join(10.0)
+        assert got and got[0].state == MessageState.PENDING and got[0].deliver_at_ms == later, got
+        assert got[0].message is not None and got[0].message.message_id == "m0"
+        # copied now: found through the index, and the table is empty
+        assert engine.resolve_id("m0") == (later, receipt.sequence)
+        assert engine.resolve_id("m2") == (later + 1, moved2.sequence)
+        assert asyncio.run(engine.cancel_many([("m0", None, None)]))[0].name == "CANCELLED"
+        assert engine.get_sync("m0", None, None).state == MessageState.CANCELLED
+        assert len(engine._moved) == 0
+    finally:
+        engine.close()
