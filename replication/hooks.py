@@ -1,5 +1,8 @@
-"""Entry point the server loads (``qdelay.server.app``): ``install(server, engine, cfg)``."""
+"""Entry points the server loads (``qdelay.server.app``): ``install(server, engine, cfg)``,
+and ``before_open(cfg)``, run before the engine opens the data folder (a slave's automatic
+full resync, replication/autoresync.py)."""
 
+from qdelay.replication.autoresync import before_open
 from qdelay.replication.node import install
 
-__all__ = ["install"]
+__all__ = ["before_open", "install"]

@@ -161,7 +161,8 @@ class Hub:
             log.warning(
                 "hold expired for slave %s (away %.0f s, %d bytes behind; limits slave_hold_ms=%d, "
                 "slave_hold_bytes=%d): the cleaner may delete the message log from offset %d; the slave "
-                "will be refused as behind retention and need 'qdelay admin resync'",
+                "will be refused as behind retention and need a full resync (automatic on the slave unless "
+                "auto_resync = false; else 'qdelay admin resync')",
                 s.name,
                 now - s.last_seen,
                 max(0, end - s.acked),

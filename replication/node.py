@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -56,6 +57,9 @@ class Node:
         self._reattach_task: asyncio.Task | None = None
         self.fenced_master = ""  # the newer master named when this one was fenced ("" unknown)
         self.agent = None  # cluster mode (--etcd): replication/cluster.py
+        # stop the server gracefully and execute it again (the App's; None: it cannot):
+        # the puller's automatic full resync (replication/autoresync.py)
+        self.restart_process: Callable[[str], None] | None = None
         if cfg.etcd:
             from qdelay.replication.cluster import ClusterAgent
 

@@ -8,7 +8,9 @@ fdatasync per batch), then reports the durable offset back -- which is what a ma
 sync mode waits for. The slave's own iterate service builds its schedule log.
 
 Failures: the stream is re-opened with exponential backoff (0.2 s .. 5 s, jittered).
-A slave behind the master's retention gets OUT_OF_RANGE and stays stopped with a clear
+A slave behind the master's retention gets OUT_OF_RANGE: it resyncs its folder by itself
+when it may (replication/autoresync.py: ``auto_resync`` on, its log known to hold nothing
+the master lacks; the server restarts itself for it), else it stays stopped with a clear
 error (status, log) until an operator runs ``qdelay admin resync``. A slave whose log
 diverges from the master's (ABORTED) finds the fork point, cuts its divergent tail
 (saved under ``diverged/`` in the data folder and reported), and pulls again.
@@ -29,10 +31,11 @@ import xxhash
 
 from qdelay.cancellation import cancel_and_wait
 from qdelay.errors import InvariantViolation
-from qdelay.replication import common
+from qdelay.replication import autoresync, common
 from qdelay.segments import naming, reader, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
+from qdelay.units import counted
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
@@ -64,6 +67,7 @@ class Puller:
         self._stop = False
         self._last: tuple[int, int, int] | None = None  # last frame (offset, sequence, checksum)
         self._retarget: str | None = None
+        self._followed: int | None = None  # the epoch in checkpoint/followed.ckpt (autoresync)
         # the writes to the engine under way on worker threads (_apply, a repair's truncation):
         # a cancelled await leaves its thread running, and stop() must not return (the
         # server then closes the engine) before they end
@@ -148,8 +152,14 @@ class Puller:
                     except Exception as err:  # noqa: BLE001
                         self._set_error(f"cannot repair a divergent log: {err}")
                 elif code == grpc.StatusCode.OUT_OF_RANGE:
-                    self._set_error(details)
                     backoff = 10.0
+                    if autoresync.is_behind_retention(code, details):
+                        wait = await self._auto_resync(details)
+                        if wait is None:
+                            return  # the server stops and starts again on a resynced folder
+                        backoff = wait
+                    else:
+                        self._set_error(details)
                 elif code == grpc.StatusCode.UNAUTHENTICATED:
                     self._set_error(f"the master refused this slave: {details}")
                 else:
@@ -169,6 +179,43 @@ class Puller:
             self.connected = False
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 5.0 if backoff < 10 else 10.0)
+
+    async def _auto_resync(self, details: str) -> float | None:
+        """Refused as behind retention: resync by itself if it may (autoresync.why_not) and
+        the backoff of earlier failures is over; None once the restart for it is asked for,
+        else the seconds to wait before asking the master again (the refusal stays the
+        error, with why it was not automatic, or when it is tried again)."""
+        restart = self.node.restart_process
+        why = await asyncio.to_thread(autoresync.why_not, self.cfg, self.engine, self.master_epoch)
+        if not why and restart is None:
+            why = "this server cannot restart itself (not run by 'qdelay server')"
+        if why:
+            self._set_error(f"{details} (not resynced automatically: {why})")
+            return 10.0
+        left, failed = await asyncio.to_thread(autoresync.retry_delay, self.cfg.data_dir)
+        if left > 0:
+            at = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
+            self._set_error(
+                f"{details} (the automatic full resync failed {counted(failed['attempts'], 'time')}, last: "
+                f"{failed.get('error', '')}; tried again at {at})",
+                logging.WARNING,  # the failure itself was the ERROR (autoresync.before_open)
+            )
+            return left
+        reason = autoresync.without_advice(details)
+        end = self.engine.wal.committed_offset
+        log.warning(
+            "starting an automatic full resync: %s; this server stops, resyncs its data folder from %s "
+            "(the old one, its message log ending at offset %d, is moved aside, never deleted) and starts again",
+            reason,
+            self.master,
+            end,
+            extra={"master": self.master, "epoch": self.master_epoch},
+        )
+        await self._write(autoresync.request, self.cfg.data_dir, self.master, reason, self.master_epoch, end)
+        self.error = f"automatic full resync from {self.master}: restarting"
+        self.connected = False
+        restart(f"automatic full resync from {self.master}")
+        return None
 
     def _set_error(self, text: str, level: int = logging.ERROR) -> None:
         if text != self.error:
@@ -278,6 +325,11 @@ class Puller:
                             log.info("replicating from %s", self.master)
                         durable = await self._write(self._apply, good)
                         await requests.put(rpb.PullRequest(durable_offset=durable))
+                        if self._followed != self.master_epoch:
+                            # the master accepted this log (its hello): a prefix of its own
+                            epoch = self.master_epoch
+                            await self._write(autoresync.note_followed, self.cfg.data_dir, epoch)
+                            self._followed = epoch
                     if stop is not None:
                         if isinstance(stop, BaseException):
                             raise stop

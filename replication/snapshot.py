@@ -13,6 +13,7 @@ The master keeps its message log from O for the slave while the copy runs (and f
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import time
@@ -21,6 +22,7 @@ from qdelay.replication import common
 from qdelay.replication.master import _Refuse
 from qdelay.segments import checkpoint, naming, reader
 from qdelay.segments.folder_lock import FolderLock
+from qdelay.segments.segment import fsync_dir
 from qdelay.v1 import replication_pb2 as rpb
 
 CHUNK = 1024 * 1024
@@ -86,37 +88,123 @@ async def serve_snapshot(node, request):
                 yield rpb.SnapshotChunk(log=log_name, bucket=b, at=at, data=data)
 
 
-def write_snapshot(data_dir: str, chunks, master_epoch_hint: int = 0) -> dict:
+def write_snapshot(
+    data_dir: str, chunks, master_epoch_hint: int = 0, hand_over: bool = False, lock: FolderLock | None = None
+) -> dict:
     """Build a fresh slave data folder from a Snapshot stream (the old one is moved aside).
 
     The old folder's lock is taken first (a running server on it is refused: its folder
-    was moved from under it) and the stream's head read before anything moves (a master
-    that does not answer left the old folder moved aside and an empty one in its place).
-    The new folder is locked from its creation until it is whole: a server started on it
-    meanwhile (a unit its supervisor restarted) opened it without its checkpoints and wrote
-    into it beside this run."""
-    lock = FolderLock(data_dir, "qdelay admin resync") if os.path.isdir(data_dir) else None
+    would be moved from under it) and the stream's head read before anything is written (a
+    master that does not answer changes nothing). The new folder is written beside the old
+    one, in ``<data>.resync-incoming``, locked from its creation: the old folder stays in
+    place, whole and locked, until the new one is complete and fsynced, so a master that
+    stops answering midway leaves the old folder as it was (the incoming one is removed).
+    Then the two are swapped in one step (``renameat2(RENAME_EXCHANGE)``; where the file
+    system lacks it, two renames) and the old one renamed to ``<data>.before-resync-<time>``:
+    at no moment is there no locked folder at ``data_dir``. ``hand_over``: the new folder's
+    lock stays held for the next ``FolderLock`` of this process (the server that opens it).
+    ``lock``: the old folder's, taken by the caller, who keeps it (after the swap it locks
+    the folder moved aside)."""
+    data_dir = os.path.abspath(data_dir)
+    own = lock is None
+    if own and os.path.isdir(data_dir):
+        lock = FolderLock(data_dir, "qdelay admin resync")
     try:
         it = iter(chunks)
         head = next(it)
-        moved = None
-        if os.path.exists(data_dir) and set(os.listdir(data_dir)) - {naming.LOCK_FILE}:
-            moved = f"{data_dir.rstrip(os.sep)}.before-resync-{time.strftime('%Y%m%d-%H%M%S')}"
-            shutil.move(data_dir, moved)
-        elif os.path.exists(data_dir):
-            shutil.rmtree(data_dir)  # nothing in it but the lock this run took
-        os.makedirs(data_dir)
-        new = FolderLock(data_dir, "qdelay admin resync")
+        staging = _fresh_incoming(data_dir)
+        new = FolderLock(staging, "qdelay admin resync")
         try:
-            return _write_snapshot(data_dir, head, it, moved, master_epoch_hint)
-        finally:
+            info = _write_snapshot(staging, head, it, master_epoch_hint)
+            os.unlink(os.path.join(staging, naming.INCOMING_FILE))
+            fsync_dir(staging)
+            info["moved_old_to"] = _swap_in(data_dir, staging)
+        except BaseException:
             new.release()
+            if os.path.exists(os.path.join(staging, naming.INCOMING_FILE)):
+                shutil.rmtree(staging, ignore_errors=True)  # a partial copy of the master's
+            raise
+        if hand_over:
+            new.hand_over()
+        else:
+            new.release()
+        return info
     finally:
-        if lock is not None:
+        if own and lock is not None:
             lock.release()
 
 
-def _write_snapshot(data_dir: str, head, it, moved: str | None, master_epoch_hint: int) -> dict:
+def incoming_path(data_dir: str) -> str:
+    return f"{os.path.abspath(data_dir)}.resync-incoming"
+
+
+def _aside_path(data_dir: str) -> str:
+    base = f"{data_dir}.before-resync-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while os.path.exists(path):  # two resyncs within a second
+        path, n = f"{base}.{n}", n + 1
+    return path
+
+
+def _fresh_incoming(data_dir: str) -> str:
+    """An empty ``<data>.resync-incoming`` holding its INCOMING mark. One left by an earlier
+    run is removed when it still holds the mark (a partial copy), and moved aside like an
+    old folder when it does not (a crash between the swap and the old folder's rename)."""
+    staging = incoming_path(data_dir)
+    if os.path.exists(staging):
+        if os.path.exists(os.path.join(staging, naming.INCOMING_FILE)):
+            shutil.rmtree(staging)
+        else:
+            os.rename(staging, _aside_path(data_dir))
+    os.makedirs(staging)
+    with open(os.path.join(staging, naming.INCOMING_FILE), "wb") as f:
+        os.fsync(f.fileno())
+    fsync_dir(staging)
+    fsync_dir(os.path.dirname(staging))
+    return staging
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap two paths atomically (Linux ``renameat2`` with ``RENAME_EXCHANGE``); OSError
+    where the C library or the file system cannot."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), a)
+
+
+def _swap_in(data_dir: str, staging: str) -> str | None:
+    """Put the complete ``staging`` folder at ``data_dir``; the old folder's new path (None
+    when there was none worth keeping: missing, or holding only its lock file)."""
+    keep = os.path.isdir(data_dir) and bool(set(os.listdir(data_dir)) - {naming.LOCK_FILE})
+    parent = os.path.dirname(data_dir)
+    if not os.path.exists(data_dir):
+        os.rename(staging, data_dir)
+        fsync_dir(parent)
+        return None
+    aside = _aside_path(data_dir)
+    try:
+        _exchange(staging, data_dir)
+        os.rename(staging, aside)  # the old folder, now at the staging path
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise
+        os.rename(data_dir, aside)
+        os.rename(staging, data_dir)
+    fsync_dir(parent)
+    if not keep:
+        shutil.rmtree(aside)
+        return None
+    return aside
+
+
+def _write_snapshot(data_dir: str, head, it, master_epoch_hint: int) -> dict:
     """The new folder's files from the stream's ``head`` and the chunks after it (``it``)."""
     offset, sequence = head.offset, head.sequence
     msg_dir = os.path.join(data_dir, naming.MESSAGE_DIR)
@@ -156,6 +244,8 @@ def _write_snapshot(data_dir: str, head, it, moved: str | None, master_epoch_hin
         os.path.join(data_dir, naming.CHECKPOINT_DIR, "role.ckpt"),
         {"role": "slave", "epoch": max(head.epoch, master_epoch_hint)},
     )
+    # the new folder holds nothing but what the master at this epoch had (autoresync.py)
+    checkpoint.write(os.path.join(data_dir, naming.CHECKPOINT_DIR, naming.FOLLOWED_FILE), {"epoch": head.epoch})
     for root, dirs, _files in os.walk(data_dir):
         for d in dirs:
             fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY)
@@ -166,6 +256,6 @@ def _write_snapshot(data_dir: str, head, it, moved: str | None, master_epoch_hin
         "sequence": sequence,
         "files": files,
         "bytes": total,
-        "moved_old_to": moved,
+        "moved_old_to": None,
         "epoch": head.epoch,
     }

@@ -29,6 +29,15 @@ LOCK_FILE = "LOCK"
 # message-log bytes a re-attached master cut as divergent (replication/slave.py), kept for
 # the operator: ``diverged/<from offset, 20 digits>-<to offset, 20 digits>.wal``
 DIVERGED_DIR = "diverged"
+# checkpoint files of a slave's automatic full resync (replication/autoresync.py): the
+# master epoch its message log was last compared with and found a prefix of that master's
+# log; the request a running slave leaves for its re-executed self; the failures so far
+FOLLOWED_FILE = "followed.ckpt"
+RESYNC_REQUEST_FILE = "resync_request.ckpt"
+RESYNC_FAILED_FILE = "resync_failed.ckpt"
+# a resync's new folder while it is written (``<data>.resync-incoming``) holds this file:
+# without it, such a folder is an old one a crash left between the swap and its rename
+INCOMING_FILE = "INCOMING"
 _DIVERGED_NAME = re.compile(r"^(\d{20})-(\d{20})\.wal$")
 
 

@@ -14,7 +14,13 @@ process exits 0. Streams the server can end are ended by it, never waited out.
 
 Extension point: a module ``qdelay.replication.hooks`` with ``install(server, engine, cfg)``
 (returning an optional async ``stop(deadline)``, ``deadline`` a ``time.monotonic()`` instant)
-adds its services to the same gRPC server.
+adds its services to the same gRPC server; its optional ``before_open(cfg)`` runs before the
+engine opens the data folder.
+
+Re-execution: the replication node may ask the App to stop and start again
+(``App.restart_process``, a slave's automatic full resync): the same drain as SIGTERM, then
+``serve`` executes the same command line again in this process (same pid, same listen
+address), keeping the data folder's lock held across the exec (segments/folder_lock.py).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import gc
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -165,6 +172,11 @@ class App:
         self.stopping = asyncio.Event()
         self._hook_stops: list[Callable[[float], Awaitable[object]]] = []  # stop(deadline)
         self.node = None  # the replication node (qdelay.replication.node.Node), when installed
+        # restart_process: why the server stops to execute itself again, and the value of
+        # $QDELAY_FOLDER_LOCK that keeps the folder locked across the exec (set at the stop)
+        self.reexec_reason: str | None = None
+        self.reexec_wanted = asyncio.Event()
+        self.kept_lock: str | None = None
 
     async def start(self) -> str:
         from qdelay.server.engine import Engine
@@ -173,6 +185,7 @@ class App:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         engine_cfg = cfg.engine
+        await asyncio.to_thread(self._before_open)
         self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
         self.consumers = consumers = ConsumerRegistry(
             loop, engine_cfg.scheduler.ack_timeout_ms, notify=engine.notify_credit
@@ -224,12 +237,16 @@ class App:
         engine.start_cleaner()
         reflection.enable_server_reflection(names, server)
 
-        host, want_port = parse_hostport(cfg.listen, "listen")
+        listen = cfg.listen
+        again = os.environ.pop(REEXEC_LISTEN_ENV, "")
+        if again and parse_hostport(listen, "listen")[1] == 0:
+            listen = again  # re-executed (_reexec): the port it had
+        host, want_port = parse_hostport(listen, "listen")
         try:
             if cfg.tls_cert and cfg.tls_key:  # the config has both or neither
-                port = server.add_secure_port(cfg.listen, auth.server_credentials(cfg.tls_cert, cfg.tls_key))
+                port = server.add_secure_port(listen, auth.server_credentials(cfg.tls_cert, cfg.tls_key))
             else:
-                port = server.add_insecure_port(cfg.listen)
+                port = server.add_insecure_port(listen)
         except RuntimeError:  # grpcio >= 1.60 raises where older ones returned 0
             port = 0
         if not port:
@@ -291,6 +308,25 @@ class App:
                     "serving" if healthy else "not serving (engine failed; see the errors above)",
                 )
 
+    def _before_open(self) -> None:
+        """The replication hook's ``before_open(cfg)`` (a requested automatic full resync)."""
+        try:
+            hooks = importlib.import_module("qdelay.replication.hooks")
+        except ModuleNotFoundError as e:
+            if e.name not in ("qdelay.replication.hooks",):
+                raise
+            return
+        before_open = getattr(hooks, "before_open", None)
+        if before_open is not None:
+            before_open(self.cfg)
+
+    def restart_process(self, reason: str) -> None:
+        """Stop gracefully, then execute this server again (``serve``); event loop only."""
+        if self.reexec_reason is None:
+            log.info("restarting this server: %s", reason)  # (the caller's WARNING says why)
+            self.reexec_reason = reason
+            self.reexec_wanted.set()
+
     def _install_hooks(self, server, engine) -> list[str]:
         try:
             hooks = importlib.import_module("qdelay.replication.hooks")
@@ -305,6 +341,8 @@ class App:
             self.node = rest[0] if rest else None
         else:
             stop = result
+        if self.node is not None and hasattr(self.node, "restart_process"):
+            self.node.restart_process = self.restart_process
         if stop is not None:
             self._hook_stops.append(stop)
         return list(names)
@@ -346,6 +384,9 @@ class App:
         if self.server is not None:
             await self._stop_server(deadline)
         if self.engine is not None:
+            if self.reexec_reason is not None:
+                # a duplicate of the lock's descriptor outlives the engine's close and the exec
+                self.kept_lock = self.engine.folder_lock.keep_across_exec()
             left = max(ENGINE_CLOSE_MIN_SECONDS, deadline - time.monotonic())
             await asyncio.to_thread(self.engine.close, left)
         self.metrics.close()
@@ -364,7 +405,20 @@ class App:
             log.error("gRPC calls still running after the shutdown deadline and their cancellation; closing anyway")
 
 
-async def _main(cfg: ServerConfig) -> int:
+# the address a re-executed server listens on when its --listen asked for port 0 (the port
+# it had, not a new one: its slaves, clients and peers know it)
+REEXEC_LISTEN_ENV = "QDELAY_REEXEC_LISTEN"
+
+
+class Reexec:
+    """``_main``'s answer when the server is to execute itself again (``App.restart_process``)."""
+
+    def __init__(self, kept_lock: str | None, listen: str) -> None:
+        self.kept_lock = kept_lock
+        self.listen = listen
+
+
+async def _main(cfg: ServerConfig) -> int | Reexec:
     app = App(cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -379,7 +433,11 @@ async def _main(cfg: ServerConfig) -> int:
             await asyncio.to_thread(app.engine.close)
         raise
     print(f"qdelay listening on {address}", flush=True)
-    await stop.wait()
+    signalled = asyncio.ensure_future(stop.wait())
+    restart = asyncio.ensure_future(app.reexec_wanted.wait())
+    await asyncio.wait([signalled, restart], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    restart.cancel()
     # process-wide watchdogs (faulthandler has one timer), so here and not in App.stop,
     # which tests also run in their own process
     faulthandler.dump_traceback_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, exit=False)
@@ -388,6 +446,9 @@ async def _main(cfg: ServerConfig) -> int:
     overrun = loop.call_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, dump_tasks)
     await app.stop()
     overrun.cancel()
+    if app.reexec_reason is not None and not stop.is_set():  # a signal meanwhile: just stop
+        faulthandler.cancel_dump_traceback_later()
+        return Reexec(app.kept_lock, address)
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
 
@@ -411,4 +472,28 @@ def tune_runtime() -> None:
 def serve(cfg: ServerConfig) -> int:
     setup_logging(cfg)
     tune_runtime()
-    return asyncio.run(_main(cfg))
+    result = asyncio.run(_main(cfg))
+    if isinstance(result, Reexec):
+        return _reexec(result)
+    return result
+
+
+def _reexec(result: Reexec) -> int:
+    """Execute this server's command line again in this process (same pid: a supervisor
+    sees no exit; same listen address), the folder's lock kept held across the exec."""
+    from qdelay.segments.folder_lock import INHERIT_ENV
+
+    if result.kept_lock:
+        os.environ[INHERIT_ENV] = result.kept_lock
+    os.environ[REEXEC_LISTEN_ENV] = result.listen
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    log.info("executing again: %s", " ".join(argv))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, argv)
+    except OSError as e:
+        log.error("cannot execute the server again (%s): start it again by hand", e)
+    return 1

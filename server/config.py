@@ -10,6 +10,9 @@ silently)::
     replication = "async"           # or "sync"
     replication_timeout_ms = 5000   # sync: answer UNAVAILABLE if no slave confirmed by then
     peers = "10.0.0.2:7600,10.0.0.3:7600"  # other cluster members: fencing and failover
+    slave_hold_ms = 3600000         # the master keeps its log this long for a slave away
+    auto_resync = true              # slave: a full resync by itself when refused as behind
+                                    # the master's retention (replication/autoresync.py)
     replication_tls_ca = "/etc/qdelay/ca.crt"  # slave/admin: CA to verify the master's TLS
     replication_token_file = "/etc/qdelay/tokens"  # slave/admin: token to present (default:
                                     # the first line of auth_token_file)
@@ -108,6 +111,9 @@ class ServerConfig:
     slave_hold_ms: int = 3_600_000
     # ... and at most this many bytes of it behind the log's end (0: no bound by size)
     slave_hold_bytes: int = 0
+    # slave: refused as behind the master's retention (away longer than its hold), resync the
+    # folder from the master's snapshot by itself (replication/autoresync.py)
+    auto_resync: bool = True
     # cluster mode (replication/cluster.py): etcd endpoints, names, lease timing
     etcd: str | None = None
     cluster: str | None = None

@@ -23,6 +23,8 @@ from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
 SMALL_SEGMENTS = ["--set", "engine.segment_bytes=65536"]
+# a slave left refused as behind retention, for an operator's 'qdelay admin resync'
+MANUAL_RESYNC = ["--set", "auto_resync=false"]
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -372,7 +374,8 @@ def test_behind_retention_is_reported_then_full_resync(tmp_path):
         "engine.checkpoint_interval_ms=50",
     ]
     with master(tmp_path, args=args) as a:
-        with slave(tmp_path, a) as b:  # attached: the master keeps what it has not confirmed
+        # the manual path (automatic resync: tests/test_autoresync.py)
+        with slave(tmp_path, a, args=MANUAL_RESYNC) as b:  # attached: the master keeps what it has not confirmed
             wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             send_some(a.address, 1500, delay_ms=3_600_000)
             wait_caught_up(a.address, b.address)
@@ -438,7 +441,7 @@ def test_a_slave_ending_at_the_masters_oldest_segment_is_behind_retention(tmp_pa
     args = ["--set", "engine.message_retention_ms=0", "--set", "engine.cleaner_interval_ms=200"]
     args += ["--set", "slave_hold_ms=0", "--set", "engine.checkpoint_interval_ms=50"]
     with master(tmp_path, args=args) as a:
-        with slave(tmp_path, a) as b:
+        with slave(tmp_path, a, args=MANUAL_RESYNC) as b:
             wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             send_some(a.address, 100, delay_ms=3_600_000)
             wait_caught_up(a.address, b.address)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from conftest import wait_until
 from test_replication import (
+    MANUAL_RESYNC,
     RPC_ERRORS,
     assert_same_message_log,
     master,
@@ -152,7 +153,7 @@ def test_an_expired_hold_sends_the_slave_to_a_resync_never_past_a_gap(tmp_path):
     from test_replication import admin
 
     with master(tmp_path, args=CLEAN_FAST) as a:
-        with slave(tmp_path, a) as b:
+        with slave(tmp_path, a, args=MANUAL_RESYNC) as b:
             wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
             for _ in range(3):
                 send_some(a.address, 40, delay_ms=3_600_000, size=1000)
@@ -264,7 +265,7 @@ def test_a_hold_expires_by_age_and_by_size_and_is_then_left_out_of_the_file(tmp_
         hub = _hub(engine, slave_hold_bytes=500_000)
     expired = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("hold expired for slave"))
     assert len(expired) == 2 and "slave far (away 1 s, 999800 bytes behind" in expired[0], expired
-    assert "slave old (away 7200 s" in expired[1] and "need 'qdelay admin resync'" in expired[1]
+    assert "slave old (away 7200 s" in expired[1] and "need a full resync (automatic on the slave unless" in expired[1]
     assert any("holding the message log for slave near from offset 900000" in r.getMessage() for r in caplog.records)
     assert hub.floor() == 900_000 and hub.expired("old") and hub.expired("far") and not hub.expired("near")
     assert (hub.held_detached(), hub.holds_expired) == (1, 2)

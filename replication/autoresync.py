@@ -1,0 +1,242 @@
+"""A slave's automatic full resync (docs/operations.md §4.4, docs/internals.md "Automatic full resync").
+
+A slave refused as behind retention (the master's cleaner deleted the message log it
+needs: it was away longer than its hold, ``slave_hold_ms``) cannot catch up from the log;
+``qdelay admin resync`` rebuilds its folder from the master's snapshot. This does the same
+by itself, as safely, in three steps:
+
+1. The puller (replication/slave.py), refused with OUT_OF_RANGE "behind retention", asks
+   :func:`why_not` whether it may: ``auto_resync`` on, the server a slave, and its message
+   log known to hold nothing the master lacks: it never held a record, or it was compared
+   with this master's log at the master's current epoch (``checkpoint/followed.ckpt``,
+   written when a Pull stream of that epoch was accepted, or by the resync that made the
+   folder). One master per epoch, whose log only grows during it: a log found to be a prefix
+   of it then is one still. A log last compared under another epoch (a former master, a
+   slave of an earlier master) may hold records this master never had, which a resync would
+   put out of sight: that case, like a divergence (ABORTED) and an auth refusal, is left to
+   an operator, and the refusal says why.
+2. It writes ``checkpoint/resync_request.ckpt`` (the master, the reason: :func:`request`)
+   and asks the App to stop gracefully and execute itself again (same argv: same pid, same
+   listen address); a duplicate of the folder lock's descriptor stays open across the exec
+   (segments/folder_lock.py), so no other server can take the folder meanwhile.
+3. The new process, before the engine opens anything (:func:`before_open`, called by the
+   App through qdelay.replication.hooks), finds the request and resyncs the folder from that
+   master as ``qdelay admin resync`` does (replication/snapshot.py: the master takes its
+   hold for this slave, by the slave's name, before it sends the snapshot; the new folder is
+   written beside the old one and swapped in once whole; the old one is moved to
+   ``<data>.before-resync-<time>``, never deleted), then opens the new folder, whose lock it
+   has held since it was created. A failure (the master gone, refusing, or stopping midway)
+   leaves the old folder in place as it was: it is logged (ERROR), counted in
+   ``checkpoint/resync_failed.ckpt``, and the server opens the old folder; refused again,
+   the puller waits :func:`retry_delay` (2 s doubling to 5 min) before the next try.
+
+Why a re-execution rather than replacing the folder under the running engine: the App
+wires the engine into the service, the consumer registry, the metrics, the replication node
+and the health watch, and each keeps its own view of it (threads, open files, the id
+index, caches); a fresh process opens the new folder through the one start-up path every
+other start takes, with nothing of the old folder's state left anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import grpc
+
+from qdelay.errors import CorruptRecord
+from qdelay.replication import common
+from qdelay.segments import checkpoint, naming
+from qdelay.segments.folder_lock import FolderLock
+from qdelay.units import counted
+
+log = logging.getLogger("qdelay.replication.resync")
+
+RETRY_FIRST_S = 2.0
+RETRY_MAX_S = 300.0
+SNAPSHOT_TIMEOUT_S = 3600.0
+
+
+def _path(data_dir: str, name: str) -> str:
+    return os.path.join(data_dir, naming.CHECKPOINT_DIR, name)
+
+
+def _read(path: str) -> dict | None:
+    try:
+        return checkpoint.read(path)
+    except (CorruptRecord, OSError, ValueError):
+        return None
+
+
+# --- what the running slave keeps -----------------------------------------------------------------
+def note_followed(data_dir: str, epoch: int) -> None:
+    """This folder's message log was found a prefix of the log of the master at ``epoch``."""
+    checkpoint.write(_path(data_dir, naming.FOLLOWED_FILE), {"epoch": epoch})
+
+
+def followed_epoch(data_dir: str) -> int | None:
+    state = _read(_path(data_dir, naming.FOLLOWED_FILE)) or {}
+    epoch = state.get("epoch")
+    return epoch if isinstance(epoch, int) else None
+
+
+def is_behind_retention(code: grpc.StatusCode, details: str) -> bool:
+    """The one refusal an automatic resync answers (replication/master.py, check_hello and
+    _wal_chunk)."""
+    return code == grpc.StatusCode.OUT_OF_RANGE and details.startswith("behind retention")
+
+
+def why_not(cfg, engine, master_epoch: int) -> str:
+    """Why this slave may not resync by itself now ("" when it may)."""
+    if not cfg.auto_resync:
+        return "auto_resync is off"
+    if engine.role != "slave":
+        return f"this server is {engine.role}"
+    if engine.wal.committed_offset == 0:
+        return ""  # a folder that never held a record has nothing to lose
+    followed = followed_epoch(cfg.data_dir)
+    if followed == master_epoch:
+        return ""
+    if followed is None:
+        was = f"never compared with this master's at its epoch {master_epoch}"
+    else:
+        was = f"last compared with a master's at epoch {followed}, not this master's epoch {master_epoch}"
+    return (
+        f"its message log was {was}: it may "
+        f"hold records this master never had (a former master, or a slave of an earlier one); "
+        f"check, then resync it by hand (docs/operations.md 4.4)"
+    )
+
+
+def retry_delay(data_dir: str) -> tuple[float, dict]:
+    """(seconds still to wait before the next try, the failures so far: attempts, error)."""
+    failed = _read(_path(data_dir, naming.RESYNC_FAILED_FILE)) or {}
+    attempts = int(failed.get("attempts", 0) or 0)
+    if attempts <= 0:
+        return 0.0, {}
+    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
+    left = int(failed.get("at_ms", 0)) / 1000.0 + delay - time.time()
+    return max(0.0, left), failed
+
+
+def without_advice(details: str) -> str:
+    """The master's refusal without its advice to the operator (to run the resync by hand)."""
+    for advice in ("; stop the slave and run 'qdelay admin resync", "; run 'qdelay admin resync'"):
+        details = details.split(advice)[0]
+    return details
+
+
+def request(data_dir: str, master: str, reason: str, epoch: int, end_offset: int) -> None:
+    """Leave the request the re-executed server acts on before it opens the folder."""
+    checkpoint.write(
+        _path(data_dir, naming.RESYNC_REQUEST_FILE),
+        {
+            "master": master,
+            "reason": reason,
+            "epoch": epoch,
+            "end_offset": end_offset,
+            "requested_ms": int(time.time() * 1000),
+        },
+    )
+
+
+# --- what the re-executed server does first -------------------------------------------------------
+def before_open(cfg) -> None:
+    """At start-up, before the engine opens the folder: act on a resync request. Never
+    raises for a failed resync (the old folder is opened as it was, the failure counted)."""
+    data_dir = cfg.data_dir
+    req_path = _path(data_dir, naming.RESYNC_REQUEST_FILE)
+    if not os.path.exists(req_path):
+        return
+    req = _read(req_path) or {}
+    master = str(req.get("master") or "")
+    problem = ""
+    role = (_read(_path(data_dir, "role.ckpt")) or {}).get("role", "slave")
+    if not master:
+        problem = f"the request {req_path} is unreadable"
+    elif not cfg.auto_resync:
+        problem = "auto_resync is off"
+    elif not (cfg.role == "slave" or cfg.etcd):
+        problem = "this server is started as a master (--role master)"
+    elif role != "slave":
+        problem = f"this folder's persisted role is {role}, not slave"
+    if problem:
+        _failed(data_dir, req_path, master, f"not done: {problem}")
+        return
+    started = time.monotonic()
+    lock = FolderLock(data_dir, "qdelay server (automatic full resync)")
+    try:
+        info = _resync(cfg, master, lock)
+    except Exception as err:  # noqa: BLE001 - any failure leaves the old folder, which opens
+        lock.hand_over()
+        _failed(data_dir, req_path, master, _describe(err))
+        return
+    lock.release()  # the old folder's, now aside; the new one's is held for the engine
+    moved = info["moved_old_to"]
+    if moved:  # the request and failures went with the old folder: they are done there
+        for name in (naming.RESYNC_REQUEST_FILE, naming.RESYNC_FAILED_FILE):
+            try:
+                os.unlink(_path(moved, name))
+            except FileNotFoundError:
+                pass
+    log.info(
+        "automatic full resync done from %s in %.1f s: %s, %s; the message log starts at offset %d "
+        "(after sequence %d); the old folder %s",
+        master,
+        time.monotonic() - started,
+        counted(info["files"], "segment file"),
+        counted(info["bytes"], "byte"),
+        info["offset"],
+        info["sequence"],
+        (
+            f"(its message log ending at offset {req.get('end_offset', '?')}) was moved to {moved} (delete it "
+            f"once this slave shows lag_bytes=0)"
+            if moved
+            else "held nothing to keep"
+        ),
+        extra={"master": master, "offset": info["offset"], "sequence": info["sequence"], "moved_old_to": moved},
+    )
+
+
+def _resync(cfg, master: str, lock: FolderLock) -> dict:
+    from qdelay.replication.snapshot import write_snapshot
+    from qdelay.v1 import replication_pb2 as rpb
+    from qdelay.v1 import replication_pb2_grpc as rpb_grpc
+
+    token, ca, tls = common.slave_credentials(cfg)
+    ch = common.make_channel(master, tls=tls, ca=ca, server_name=cfg.replication_tls_server_name, aio=False)
+    try:
+        stream = rpb_grpc.ReplicationStub(ch).Snapshot(
+            rpb.SnapshotRequest(slave_name=common.slave_name(cfg.data_dir)),
+            timeout=SNAPSHOT_TIMEOUT_S,
+            metadata=common.metadata(token),
+        )
+        return write_snapshot(cfg.data_dir, stream, hand_over=True, lock=lock)
+    finally:
+        ch.close()
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, grpc.RpcError):
+        return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+    return f"{type(err).__name__}: {err}"
+
+
+def _failed(data_dir: str, req_path: str, master: str, reason: str) -> None:
+    """The request is consumed; the failure counted (the puller's backoff) and logged."""
+    failed = _read(_path(data_dir, naming.RESYNC_FAILED_FILE)) or {}
+    attempts = int(failed.get("attempts", 0) or 0) + 1
+    checkpoint.write(
+        _path(data_dir, naming.RESYNC_FAILED_FILE),
+        {"attempts": attempts, "error": reason, "master": master, "at_ms": int(time.time() * 1000)},
+    )
+    os.unlink(req_path)
+    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, attempts - 1))
+    log.error(
+        "automatic full resync from %s failed: %s; this server opens its folder as it was%s",
+        master or "(unknown master)",
+        reason,
+        f" and tries again once refused, {delay:g} s from now at the earliest (attempt {attempts})",
+        extra={"master": master, "attempts": attempts},
+    )
