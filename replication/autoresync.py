@@ -28,7 +28,8 @@ by itself, as safely, in three steps:
    has held since it was created. A failure (the master gone, refusing, or stopping midway)
    leaves the old folder in place as it was: it is logged (ERROR), counted in
    ``checkpoint/resync_failed.ckpt``, and the server opens the old folder; refused again,
-   the puller waits :func:`retry_delay` (2 s doubling to 5 min) before the next try.
+   the puller waits :func:`retry_delay` (2 s doubling to 5 min) before the next try; a
+   folder a resync made that is refused again before it ever attached waits a minute.
 
 Why a re-execution rather than replacing the folder under the running engine: the App
 wires the engine into the service, the consumer registry, the metrics, the replication node
@@ -55,6 +56,7 @@ log = logging.getLogger("qdelay.replication.resync")
 
 RETRY_FIRST_S = 2.0
 RETRY_MAX_S = 300.0
+AGAIN_AFTER_RESYNC_S = 60.0
 SNAPSHOT_TIMEOUT_S = 3600.0
 
 
@@ -109,15 +111,32 @@ def why_not(cfg, engine, master_epoch: int) -> str:
     )
 
 
-def retry_delay(data_dir: str) -> tuple[float, dict]:
-    """(seconds still to wait before the next try, the failures so far: attempts, error)."""
+def retry_delay(data_dir: str) -> tuple[float, str]:
+    """(seconds still to wait before the next try, why): after failed tries, 2 s doubling to
+    5 min from the last (``resync_failed.ckpt``); and a folder a resync made that is refused
+    again before it ever attached (the master cleaned the resync's offset before this slave
+    was back: ``slave_hold_ms`` shorter than its start?) waits ``AGAIN_AFTER_RESYNC_S`` from
+    that resync, so that such a master cannot keep it copying snapshots back to back."""
     failed = _read(_path(data_dir, naming.RESYNC_FAILED_FILE)) or {}
     attempts = int(failed.get("attempts", 0) or 0)
-    if attempts <= 0:
-        return 0.0, {}
-    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
-    left = int(failed.get("at_ms", 0)) / 1000.0 + delay - time.time()
-    return max(0.0, left), failed
+    now = time.time()
+    if attempts > 0:
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
+        left = int(failed.get("at_ms", 0)) / 1000.0 + delay - now
+        if left > 0:
+            return (
+                left,
+                f"the automatic full resync failed {counted(attempts, 'time')}, last: {failed.get('error', '')}",
+            )
+    resynced = (_read(_path(data_dir, naming.FOLLOWED_FILE)) or {}).get("resynced_ms")
+    if isinstance(resynced, int):
+        left = resynced / 1000.0 + AGAIN_AFTER_RESYNC_S - now
+        if left > 0:
+            return left, (
+                f"refused again {now - resynced / 1000.0:.0f} s after the full resync that made this folder, "
+                f"before it attached: is the master's slave_hold_ms shorter than this slave's start?"
+            )
+    return 0.0, ""
 
 
 def without_advice(details: str) -> str:

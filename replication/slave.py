@@ -35,7 +35,6 @@ from qdelay.replication import autoresync, common
 from qdelay.segments import naming, reader, records
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.naming import bucket_of
-from qdelay.units import counted
 from qdelay.v1 import replication_pb2 as rpb
 from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
@@ -192,13 +191,12 @@ class Puller:
         if why:
             self._set_error(f"{details} (not resynced automatically: {why})")
             return 10.0
-        left, failed = await asyncio.to_thread(autoresync.retry_delay, self.cfg.data_dir)
+        left, why_wait = await asyncio.to_thread(autoresync.retry_delay, self.cfg.data_dir)
         if left > 0:
             at = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
             self._set_error(
-                f"{details} (the automatic full resync failed {counted(failed['attempts'], 'time')}, last: "
-                f"{failed.get('error', '')}; tried again at {at})",
-                logging.WARNING,  # the failure itself was the ERROR (autoresync.before_open)
+                f"{details} ({why_wait}; tried again at {at})",
+                logging.WARNING,  # a failure itself was the ERROR (autoresync.before_open)
             )
             return left
         reason = autoresync.without_advice(details)

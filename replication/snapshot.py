@@ -245,7 +245,11 @@ def _write_snapshot(data_dir: str, head, it, master_epoch_hint: int) -> dict:
         {"role": "slave", "epoch": max(head.epoch, master_epoch_hint)},
     )
     # the new folder holds nothing but what the master at this epoch had (autoresync.py)
-    checkpoint.write(os.path.join(data_dir, naming.CHECKPOINT_DIR, naming.FOLLOWED_FILE), {"epoch": head.epoch})
+    # (resynced_ms: until a stream is accepted, autoresync.retry_delay)
+    checkpoint.write(
+        os.path.join(data_dir, naming.CHECKPOINT_DIR, naming.FOLLOWED_FILE),
+        {"epoch": head.epoch, "resynced_ms": int(time.time() * 1000)},
+    )
     for root, dirs, _files in os.walk(data_dir):
         for d in dirs:
             fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY)

@@ -310,7 +310,14 @@ def test_leftovers_of_a_crashed_resync(tmp_path):
     assert info["moved_old_to"] == str(aside) and (aside / naming.MESSAGE_DIR / naming.wal_name(0)).exists()
     assert not incoming.exists()
     assert (data / naming.MESSAGE_DIR / naming.wal_name(100)).read_bytes() == b""
-    assert checkpoint.read(str(data / naming.CHECKPOINT_DIR / naming.FOLLOWED_FILE)) == {"epoch": 1}
+    followed = checkpoint.read(str(data / naming.CHECKPOINT_DIR / naming.FOLLOWED_FILE))
+    assert followed is not None and followed["epoch"] == 1 and followed["resynced_ms"] > 0
+    # refused again before it attached (the master cleaned the resync's offset): a minute's wait
+    left, why = autoresync.retry_delay(str(data))
+    assert autoresync.AGAIN_AFTER_RESYNC_S - 5 < left <= autoresync.AGAIN_AFTER_RESYNC_S, left
+    assert "after the full resync that made this folder, before it attached" in why
+    autoresync.note_followed(str(data), 1)  # a stream accepted: no more wait
+    assert autoresync.retry_delay(str(data)) == (0.0, "")
 
     # an old folder left at the incoming path
     incoming.mkdir()
