@@ -43,6 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from qdelay.addresses import parse_hostport
+from qdelay.cancellation import cancel_and_wait
 from qdelay.server import auth
 from qdelay.server.config import ServerConfig
 from qdelay.server.consumers import ConsumerRegistry
@@ -436,8 +437,7 @@ async def _main(cfg: ServerConfig) -> int | Reexec:
     signalled = asyncio.ensure_future(stop.wait())
     restart = asyncio.ensure_future(app.reexec_wanted.wait())
     await asyncio.wait([signalled, restart], return_when=asyncio.FIRST_COMPLETED)
-    signalled.cancel()
-    restart.cancel()
+    await cancel_and_wait([signalled, restart])
     # process-wide watchdogs (faulthandler has one timer), so here and not in App.stop,
     # which tests also run in their own process
     faulthandler.dump_traceback_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, exit=False)
