@@ -178,6 +178,9 @@ class App:
         self.reexec_reason: str | None = None
         self.reexec_wanted = asyncio.Event()
         self.kept_lock: str | None = None
+        # whether a stop can be followed by the re-execution (``_main`` runs this App and
+        # sets it; an App run some other way, as in tests, offers no restart_process)
+        self.can_reexec = False
 
     async def start(self) -> str:
         from qdelay.server.engine import Engine
@@ -342,7 +345,7 @@ class App:
             self.node = rest[0] if rest else None
         else:
             stop = result
-        if self.node is not None and hasattr(self.node, "restart_process"):
+        if self.can_reexec and self.node is not None and hasattr(self.node, "restart_process"):
             self.node.restart_process = self.restart_process
         if stop is not None:
             self._hook_stops.append(stop)
@@ -421,6 +424,7 @@ class Reexec:
 
 async def _main(cfg: ServerConfig) -> int | Reexec:
     app = App(cfg)
+    app.can_reexec = True
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
