@@ -178,3 +178,48 @@ def test_node_cancel_tried_again_after_an_unknown_outcome_answers_cancelled(tmp_
         assert node_cancel(targets[0]) == "ALREADY_CANCELLED"  # a first try: another's cancel
         assert with_the_slave_stopped(a, b, lambda: node_cancel(targets[1], "many")) == "CANCELLED"
         assert node_cancel(targets[1], "many") == "ALREADY_CANCELLED"
+
+
+def test_node_module_refuses_a_url_or_an_address_without_its_port_when_made_as_the_python_clients(node_modules):
+    """grpc-js took any address: ``new Client('http://host:7600')`` was made and failed only at
+    its first call (UNAVAILABLE: the name could not be resolved), and ``'host'`` was tried on
+    port 443. The Node module now refuses them when a client is made (no server, no call),
+    with the Python clients' check and words (qdelay/addresses.py), naming the HOST:PORT to
+    pass; gRPC's own target forms are still taken."""
+    import json
+
+    from qdelay import errors
+    from qdelay.client import Client, ShardedClient
+
+    bad = ["http://127.0.0.1:7600", "https://host:7600/", "grpc://host:7600", "HTTP://[::1]:7600", "xds:///host"]
+    bad += ["", "host", "127.0.0.1", "127.0.0.1:", "127.0.0.1:abc", "host:0", "host:70000", "[::1]", "dns:///host"]
+    bad += ["ipv4://127.0.0.1:7600", "ipv4:127.0.0.1:1,127.0.0.2", "a:1,b", "it's:x"]
+    good = ["127.0.0.1:7600", "[::1]:1", "unix:/nonexistent/q.sock", "dns:///localhost:1"]
+    good += ["ipv4:127.0.0.1:1,127.0.0.2:2"]
+    result = subprocess.run(
+        ["node", "check_targets.js", json.dumps(bad + good)], cwd=NODE_DIR, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = {row["target"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert list(got) == bad + good
+
+    def python(make, target):
+        try:
+            make(target).close()
+        except errors.InvalidArgument as err:
+            return str(err)
+        except errors.QdelayError:
+            pass  # taken: the sharded client's first Topology found no server there
+        return None
+
+    for target in bad + good:
+        row = got[target]
+        assert row["client"] == python(Client, target), target
+        assert row["sharded"] == python(ShardedClient, target), target
+    for target in good:
+        assert got[target]["client"] is None and got[target]["sharded"] is None, target
+    url = got["http://127.0.0.1:7600"]
+    assert url["message"] == (
+        "Client: INVALID_ARGUMENT: target must be HOST:PORT (or a gRPC target: unix:, dns:, ipv4:, ...), not "
+        "'http://127.0.0.1:7600': gRPC takes no URL, drop the http://; pass '127.0.0.1:7600'"
+    )

@@ -23,6 +23,8 @@
 //   backoff and its unanswered batches sent again with the same ids;
 // - a consumer acks in batches, keeps its credit, and subscribes again with backoff when the
 //   server goes away (SIGTERM drain or crash); it ends only on close().
+// - the server's address is checked when a client is made (checkTarget: HOST:PORT or a gRPC
+//   target; a URL is refused naming the HOST:PORT to pass), not at the first call.
 'use strict';
 
 const crypto = require('crypto');
@@ -141,8 +143,82 @@ function rescheduled(r) {
 }
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+// A server's address, checked when a client is made, with the Python clients' check and words
+// (qdelay/addresses.py check_target): HOST:PORT, or a gRPC target with a scheme: unix:PATH,
+// unix-abstract:NAME, vsock:CID:PORT as they are; dns:[//AUTHORITY/]HOST:PORT, ipv4:/ipv6:
+// lists with their ports. grpc-js took anything: 'http://host:7600' failed only at the first
+// call, when the name 'http' could not be resolved (UNAVAILABLE, far from the cause), and an
+// address without its port was tried on port 443. A URL's scheme:// is refused naming the
+// HOST:PORT to pass.
+const PATH_SCHEMES = ['unix:', 'unix-abstract:', 'vsock:'];
+const ENDPOINT_SCHEMES = ['dns:', 'ipv4:', 'ipv6:'];
+const URL_SCHEME = /^([A-Za-z][A-Za-z0-9+.-]*):\/\//;
+
+// Python's repr() of a string, so that the messages read as the Python clients' do.
+function pyRepr(text) {
+  const escaped = text.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/\r/g, '\\r').replace(/\t/g, '\\t');
+  if (text.includes("'") && !text.includes('"')) return `"${escaped}"`;
+  return `'${escaped.replace(/'/g, "\\'")}'`;
+}
+
+function badTarget(details) {
+  return new QdelayError('Client', { code: grpc.status.INVALID_ARGUMENT, details });
+}
+
+function refuseUrl(text, what, takes = '') {
+  const found = URL_SCHEME.exec(text);
+  if (found) {
+    const bare = text.slice(found[0].length).split('/')[0]; // 'http://host:7600/' -> 'host:7600'
+    throw badTarget(`${what} must be HOST:PORT${takes}, not ${pyRepr(text)}: gRPC takes no URL, drop the ` +
+      `${found[1]}://; pass ${pyRepr(bare || 'HOST:PORT')}`);
+  }
+}
+
+function checkHostPort(text, what) {
+  refuseUrl(text, what);
+  const cut = text.lastIndexOf(':');
+  const host = cut < 0 ? '' : text.slice(0, cut);
+  const port = cut < 0 ? text : text.slice(cut + 1);
+  if (cut < 0 || !host.replace(/^[[\]]+|[[\]]+$/g, '') || port.includes(']') || host.includes('/')) {
+    throw badTarget(`${what} must be HOST:PORT, not ${pyRepr(text)}`);
+  }
+  if (!/^\s*[+-]?\d+(_\d+)*\s*$/.test(port)) { // what Python's int() takes
+    throw badTarget(`${what} must be HOST:PORT, not ${pyRepr(text)}: the port ${pyRepr(port)} is not a number`);
+  }
+  const number = Number(port.trim().replace(/_/g, ''));
+  if (!(number >= 1 && number <= 65535)) {
+    throw badTarget(`${what} must be HOST:PORT, not ${pyRepr(text)}: the port is not from 1 to 65535`);
+  }
+}
+
+function checkTarget(target, what = 'target') {
+  if (typeof target !== 'string') {
+    const kind = target === null || target === undefined ? String(target) : target.constructor?.name || typeof target;
+    throw badTarget(`${what} must be a HOST:PORT string, not ${kind}`);
+  }
+  if (PATH_SCHEMES.some((s) => target.startsWith(s))) return target;
+  const scheme = ENDPOINT_SCHEMES.find((s) => target.startsWith(s));
+  if (!scheme) refuseUrl(target, what, ' (or a gRPC target: unix:, dns:, ipv4:, ...)');
+  let endpoints = [target];
+  if (scheme === 'dns:') {
+    const rest = target.slice(4);
+    if (rest.startsWith('//')) {
+      const slash = rest.indexOf('/', 2);
+      endpoints = [slash < 0 ? '' : rest.slice(slash + 1)];
+    } else {
+      endpoints = [rest];
+    }
+  } else if (scheme) {
+    endpoints = target.slice(scheme.length).split(',');
+  }
+  const named = endpoints.length === 1 && endpoints[0] === target ? what : `${what} ${pyRepr(target)}: its endpoint`;
+  for (const endpoint of endpoints) checkHostPort(endpoint, named);
+  return target;
+}
+
 class Client {
   constructor(target = '127.0.0.1:7600', options = {}) {
+    checkTarget(target); // at once, not at the first call (checkTarget)
     const Service = loadService();
     const credentials = options.tlsCa
       ? grpc.credentials.createSsl(fs.readFileSync(options.tlsCa))
@@ -535,7 +611,9 @@ const RETRYABLE = ['UNAVAILABLE', 'FAILED_PRECONDITION', 'DEADLINE_EXCEEDED', 'C
 
 class ShardedClient {
   constructor(seeds, options = {}) {
-    this.seeds = typeof seeds === 'string' ? seeds.split(',').map((s) => s.trim()).filter(Boolean) : seeds;
+    const given = typeof seeds === 'string' ? seeds.split(',').map((s) => s.trim()).filter(Boolean) : Array.from(seeds);
+    if (given.length === 0) throw badTarget('a sharded client needs at least one seed address');
+    this.seeds = given.map((seed) => checkTarget(seed, 'a seed address')); // each at once, as the Python clients
     this.options = options;
     this.failoverMs = options.failoverMs || 30000;
     this.clients = new Map();
@@ -738,4 +816,4 @@ class ShardedClient {
   }
 }
 
-module.exports = { Client, Consumer, QdelayError, ShardedClient, parseReceipt, receiptString };
+module.exports = { Client, Consumer, QdelayError, ShardedClient, checkTarget, parseReceipt, receiptString };
