@@ -58,7 +58,11 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("idfilter", ["--up-to", "1200000", "--lookup-keys", "200000"] if quick else [], out("idfilter")),
         ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),
         ("handoff", ["--rounds", "1", "--loops", "300"] if quick else [], out("handoff")),
-        ("replication", ["--seconds", "2", "--catchup", "20000"] if quick else [], out("replication")),
+        (
+            "replication",
+            ["--seconds", "2", "--catchup", "20000", "--get-rates", "0,1000", "--get-calls", "50"] if quick else [],
+            out("replication"),
+        ),
         ("spark", ["--records", "100000", "--repeat", "1"] if quick else [], out("spark")),
         # qdelay spark import against the number of records (a real server, the Spark session)
         ("spark_import", ["--records", "2000,5000"] if quick else [], out("spark_import")),

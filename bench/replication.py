@@ -3,7 +3,8 @@
     python -m bench.replication [--seconds 8] [--producers 4] [--batch 100] [--rate 20000]
                                 [--catchup 100000,1000000] [--catchup-minutes 1]
                                 [--slaves 0,1,2,4] [--slave-rounds 3]
-                                [--only ingest,lag,catchup,slaves]
+                                [--get-rates 0,1000,10000,50000] [--get-calls 300]
+                                [--only ingest,lag,catchup,slaves,gets]
 
 - ingest: ``producers`` threads each send SendBatch of ``batch`` 100-byte messages for
   ``seconds``; messages/s durable-acknowledged, for a lone master, a master with an async
@@ -30,6 +31,16 @@
   server's own "stopped stop_seconds=" (the drain, without the interpreter's exit).
   The master and its S slaves are S + 1 processes on the same disk: on a box with fewer
   cores than that the slaves' work competes with the master's.
+- gets: Get on a slave against the replicated write rate. An async master and one slave;
+  1,000 messages a day ahead sent first and copied by the slave; then for each rate N of
+  ``--get-rates`` (msgs/s into the master, SendBatch every 10 ms from a separate process,
+  100-byte payloads an hour ahead), ``--get-calls`` Gets one at a time of those messages,
+  by receipt and by id, on the slave and on the master: p50/p99 ms and the server's CPU
+  per Get. Under load the server is busy anyway: its CPU per Get is what it used during
+  the Gets less its rate over the same time just before and just after them (windows of
+  the same length, no Gets), so at high N single figures are +-100-200 us. A slave's Get
+  waits until its iterate service has copied everything its log held at the call (its
+  lookup floor): this is what that costs while replication keeps bringing records.
 
 Servers are real processes on 127.0.0.1 with temporary data folders (same disk).
 Writes bench/out/replication.json.
@@ -351,6 +362,115 @@ def slaves_level(root: str, n: int, rounds: int, seconds: float = 3.0, rate: int
     }
 
 
+def _load(address: str, rate: int, stop_at: float, sent: Any) -> None:
+    """``rate`` msgs/s into ``address`` (SendBatch every 10 ms) until ``stop_at``
+    (time.time()); the count sent in ``sent`` (a shared int). Runs in its own process so
+    that building the batches does not hold the timed Gets' GIL."""
+    per_tick = max(1, rate // 100)
+    payload = b"x" * 100
+    with Client(address) as c:
+        t0 = time.monotonic()
+        tick = 0
+        while time.time() < stop_at:
+            c.send_batch([c.message("bench.getload", payload, delay_ms=3_600_000) for _ in range(per_tick)])
+            sent.value += per_tick
+            tick += 1
+            wait = t0 + tick * 0.01 - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+
+
+def gets(root: str, rates: Sequence[int], calls: int, targets: int = 1000) -> list[dict]:
+    """Get on a slave (and the master) by receipt and by id against the replicated write rate."""
+    import multiprocessing
+
+    from bench.common import Meter, percentile
+
+    a, b = cluster(root, "async")
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with Client(a.address, timeout=30) as c:
+            receipts = c.send_batch(
+                [c.message("bench.get", b"x" * 100, delay_ms=86_400_000, message_id=f"g{i}") for i in range(targets)]
+            )
+        end = status(a.address).end_offset
+        _until(lambda: status(b.address).iterate_offset >= end, 60, "the slave copied the targets")
+        until_idle(b.pid, 60.0)
+        until_idle(a.pid, 60.0)
+        servers = {"master": a, "slave": b}
+        clients = {name: Client(s.address, timeout=30, retries=0) for name, s in servers.items()}
+        try:
+            for c in clients.values():
+                for r in receipts[:20]:  # warm: channels, the minute's index
+                    c.get(r)
+                    c.get(message_id=r.message_id)
+            for rate in rates:
+                # the phases: (server, by); each one's Gets in one window, bracketed by load-only windows
+                phases = [(srv, by) for srv in ("slave", "master") for by in ("receipt", "id")]
+                phase_s = 1.0 + calls * 0.004  # the load's span: every phase's three windows and a margin
+                sent = ctx.Value("q", 0, lock=False)
+                loader = None
+                if rate:
+                    stop_at = time.time() + 3.0 + len(phases) * 3 * phase_s + 30
+                    loader = ctx.Process(target=_load, args=(a.address, rate, stop_at, sent), daemon=True)
+                    loader.start()
+                    _until(lambda sent=sent: sent.value > 0, 30, "the load started")
+                    time.sleep(2.0)  # past the load's start (the slave's pull under way)
+                t_load = time.monotonic()
+                n0 = sent.value
+                for srv, by in phases:
+                    s = servers[srv]
+                    c = clients[srv]
+                    items = [receipts[i % targets] for i in range(calls)]
+                    if by == "receipt":
+                        call = lambda r, c=c: c.get(r)  # noqa: E731
+                    else:
+                        call = lambda r, c=c: c.get(message_id=r.message_id)  # noqa: E731
+                    with Meter(s.pid) as before:
+                        time.sleep(phase_s / 2)
+                    lat = []
+                    with Meter(s.pid) as m:
+                        for r in items:
+                            t0 = time.perf_counter()
+                            got = call(r)
+                            lat.append((time.perf_counter() - t0) * 1000)
+                            if got.state != "PENDING":
+                                raise RuntimeError(f"Get on the {srv} by {by} answered {got.state}, not PENDING")
+                    with Meter(s.pid) as after:
+                        time.sleep(phase_s / 2)
+                    idle_rate = (before.cpu + after.cpu) / (before.wall + after.wall)
+                    rows.append(
+                        {
+                            "rate": rate,
+                            "server": srv,
+                            "by": by,
+                            "p50_ms": round(percentile(lat, 50), 3),
+                            "p99_ms": round(percentile(lat, 99), 3),
+                            "cpu_us": round((m.cpu - idle_rate * m.wall) / calls * 1e6),
+                            "busy_cpu_share": round(idle_rate, 3),
+                            "loadavg": os.getloadavg()[0],
+                        }
+                    )
+                    print(f"gets {rate:>6,}/s {srv:>6} by {by:<7}: {rows[-1]}", flush=True)
+                achieved = (sent.value - n0) / (time.monotonic() - t_load)
+                for row in rows[-len(phases) :]:
+                    row["achieved_rate"] = round(achieved)
+                if loader is not None:
+                    loader.terminate()
+                    loader.join()
+                    # the slave caught up before the next level
+                    end = status(a.address).end_offset
+                    _until(lambda e=end: status(b.address).iterate_offset >= e, 120, "the slave caught up")
+        finally:
+            for c in clients.values():
+                c.close()
+    finally:
+        b.stop()
+        a.stop()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=8.0)
@@ -361,10 +481,14 @@ def main(argv=None) -> int:
     p.add_argument("--catchup-minutes", type=int, default=1, help="catchup: due minutes the messages are spread over")
     p.add_argument("--slaves", default="0,1,2,4", help="slaves: attached slaves per level")
     p.add_argument("--slave-rounds", type=int, default=3, help="slaves: master stops per level")
-    p.add_argument("--only", default="ingest,lag,catchup,slaves", help="comma-separated: ingest,lag,catchup,slaves")
+    p.add_argument("--get-rates", default="0,1000,10000,50000", help="gets: msgs/s into the master per level")
+    p.add_argument("--get-calls", type=int, default=300, help="gets: Gets per server, way and level")
+    p.add_argument(
+        "--only", default="ingest,lag,catchup,slaves,gets", help="comma-separated: ingest,lag,catchup,slaves,gets"
+    )
     args = p.parse_args(argv)
     wanted = {w for w in args.only.split(",") if w}
-    parts = {"ingest", "lag", "catchup", "slaves"}
+    parts = {"ingest", "lag", "catchup", "slaves", "gets"}
     if wanted - parts:
         p.error(f"unknown part(s): {', '.join(sorted(wanted - parts))}")
     out: dict = {"ingest_msgs_per_s": {}, "params": vars(args), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
@@ -413,6 +537,9 @@ def main(argv=None) -> int:
                 row = slaves_level(root, n, args.slave_rounds)
             out["slaves"].append(row)
             print(f"slaves {n}: {row}", flush=True)
+    if "gets" in wanted:
+        with tempfile.TemporaryDirectory() as root:
+            out["gets"] = gets(root, [int(x) for x in args.get_rates.split(",") if x], args.get_calls)
     print(json.dumps(out, indent=1))
     write_json("replication", out)
     return 0
