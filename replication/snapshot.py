@@ -244,6 +244,10 @@ def _write_snapshot(data_dir: str, head, it, master_epoch_hint: int) -> dict:
         os.path.join(data_dir, naming.CHECKPOINT_DIR, "role.ckpt"),
         {"role": "slave", "epoch": max(head.epoch, master_epoch_hint)},
     )
+    # no schedule index, no id index: the engine derives them at its first open and, told
+    # so by this mark, logs that at INFO (an expected step, not a loss), then removes it
+    with open(os.path.join(data_dir, naming.UNINDEXED_FILE), "wb") as f:
+        os.fsync(f.fileno())
     # the new folder holds nothing but what the master at this epoch had (autoresync.py)
     # (resynced_ms: until a stream is accepted, autoresync.retry_delay)
     checkpoint.write(

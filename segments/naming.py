@@ -38,6 +38,10 @@ RESYNC_FAILED_FILE = "resync_failed.ckpt"
 # a resync's new folder while it is written (``<data>.resync-incoming``) holds this file:
 # without it, such a folder is an old one a crash left between the swap and its rename
 INCOMING_FILE = "INCOMING"
+# a folder a resync wrote holds this file until the server first opened it and derived its
+# indexes (a snapshot copies segments only): that derivation is then expected, not a sign of
+# a loss or a crash (server/engine.py logs it at INFO instead of WARNING)
+UNINDEXED_FILE = "UNINDEXED"
 _DIVERGED_NAME = re.compile(r"^(\d{20})-(\d{20})\.wal$")
 
 

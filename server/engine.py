@@ -45,7 +45,7 @@ from qdelay.segments.framing import Frame, RecordKind
 from qdelay.segments.idindex import IdIndex
 from qdelay.segments.lookup import DispatchIndex, RecordFinder
 from qdelay.segments.naming import bucket_of
-from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment
+from qdelay.segments.segment import CorruptionPolicy, HandlePool, Segment, fsync_dir
 from qdelay.segments.wal import DEFAULT_SEGMENT_BYTES, Appended, MessageLog
 from qdelay.server import allocator
 from qdelay.server.cleaner import Cleaner, CleanerConfig
@@ -304,6 +304,12 @@ class Engine:
                     seg = self.dispatch.get(b)
                     reopened_at[b] = seg.size if seg is not None else 0
         touched = self._recover_touched(start_offset)
+        # a folder a resync wrote (replication/snapshot.py) has no index yet: deriving them is
+        # the expected first step there, logged at INFO; anywhere else it means a loss, damage
+        # or a crash, a WARNING (the mark stays until both are derived and durable, so a crash
+        # during this first open leaves it for the next)
+        unindexed_mark = os.path.join(root, naming.UNINDEXED_FILE)
+        unindexed = os.path.exists(unindexed_mark)
         # the schedule indexes: re-derived where a crash may have left a tail (the touched
         # segments) and wherever one does not match its segment (docs/recovery.md row 15)
         t0 = time.monotonic()
@@ -312,6 +318,8 @@ class Engine:
             self._note(
                 f"schedule indexes missing or not matching their segments: {mismatched} re-derived "
                 f"({entries} records indexed in {time.monotonic() - t0:.2f}s)"
+                + (" (a folder written by a resync, which copies no index)" if unindexed else ""),
+                expected=unindexed,
             )
         for b in touched:
             if b < done_before and b not in reopened:
@@ -328,7 +336,15 @@ class Engine:
             t0 = time.monotonic()
             n = self.ids.rebuild(self.schedule)
             if n:
-                self._note(f"id index rebuilt from the schedule log: {n} messages in {time.monotonic() - t0:.2f}s")
+                self._note(
+                    f"id index rebuilt from the schedule log: {n} messages in {time.monotonic() - t0:.2f}s"
+                    + (" (a folder written by a resync, which copies no index)" if unindexed else ""),
+                    expected=unindexed,
+                )
+        if unindexed:
+            # check_indexes fsynced the schedule indexes, rebuild marked the id index BUILT
+            os.unlink(unindexed_mark)
+            fsync_dir(root)
         if self.ids is not None:
             # now, whatever the role: a slave keeps it ready for its promotion (see start_filter)
             self.ids.start_filter()
@@ -474,9 +490,14 @@ class Engine:
                 )
         return touched
 
-    def _note(self, text: str) -> None:
+    def _note(self, text: str, expected: bool = False) -> None:
+        """What recovery did at open; ``expected``: a normal step (a resync's first open),
+        logged at INFO so that log-based alerts on WARNING do not fire for it."""
         self.recovery_notes.append(text)
-        log.warning(text)
+        if expected:
+            log.info(text)
+        else:
+            log.warning(text)
 
     def _closed_total(self) -> int:
         return self.scheduler.closed_total()
