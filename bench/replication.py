@@ -4,6 +4,7 @@
                                 [--catchup 100000,1000000] [--catchup-minutes 1]
                                 [--slaves 0,1,2,4] [--slave-rounds 3]
                                 [--get-rates 0,1000,10000,50000] [--get-calls 300]
+                                [--get-slave-set KEY=VALUE ...]
                                 [--only ingest,lag,catchup,slaves,gets]
 
 - ingest: ``producers`` threads each send SendBatch of ``batch`` 100-byte messages for
@@ -41,6 +42,8 @@
   the same length, no Gets), so at high N single figures are +-100-200 us. A slave's Get
   waits until its iterate service has copied everything its log held at the call (its
   lookup floor): this is what that costs while replication keeps bringing records.
+  ``--get-slave-set engine.iterate_gather_ms=50`` shows that the wait hurries the service
+  (one step), not a gather of the slave's.
 
 Servers are real processes on 127.0.0.1 with temporary data folders (same disk).
 Writes bench/out/replication.json.
@@ -78,11 +81,11 @@ def status(address: str) -> rpb.ReplicationStatus:
         ch.close()
 
 
-def cluster(root: str, mode: str | None):
+def cluster(root: str, mode: str | None, slave_args: Sequence[str] = ()):
     a = ServerProc(os.path.join(root, "a"), args=["--replication", mode or "async"]).start()
     b = None
     if mode:
-        b = ServerProc(os.path.join(root, "b"), args=["--role", "slave", "--master", a.address]).start()
+        b = ServerProc(os.path.join(root, "b"), args=["--role", "slave", "--master", a.address, *slave_args]).start()
         deadline = time.monotonic() + 20
         while not status(b.address).connected and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -380,13 +383,14 @@ def _load(address: str, rate: int, stop_at: float, sent: Any) -> None:
                 time.sleep(wait)
 
 
-def gets(root: str, rates: Sequence[int], calls: int, targets: int = 1000) -> list[dict]:
-    """Get on a slave (and the master) by receipt and by id against the replicated write rate."""
+def gets(root: str, rates: Sequence[int], calls: int, targets: int = 1000, slave_set: Sequence[str] = ()) -> list[dict]:
+    """Get on a slave (and the master) by receipt and by id against the replicated write rate;
+    ``slave_set``: the slave's --set KEY=VALUE settings."""
     import multiprocessing
 
     from bench.common import Meter, percentile
 
-    a, b = cluster(root, "async")
+    a, b = cluster(root, "async", [arg for kv in slave_set for arg in ("--set", kv)])
     rows = []
     ctx = multiprocessing.get_context("spawn")
     try:
@@ -484,6 +488,13 @@ def main(argv=None) -> int:
     p.add_argument("--get-rates", default="0,1000,10000,50000", help="gets: msgs/s into the master per level")
     p.add_argument("--get-calls", type=int, default=300, help="gets: Gets per server, way and level")
     p.add_argument(
+        "--get-slave-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="gets: a setting of the slave (--set), e.g. engine.iterate_gather_ms=50; repeatable",
+    )
+    p.add_argument(
         "--only", default="ingest,lag,catchup,slaves,gets", help="comma-separated: ingest,lag,catchup,slaves,gets"
     )
     args = p.parse_args(argv)
@@ -539,7 +550,8 @@ def main(argv=None) -> int:
             print(f"slaves {n}: {row}", flush=True)
     if "gets" in wanted:
         with tempfile.TemporaryDirectory() as root:
-            out["gets"] = gets(root, [int(x) for x in args.get_rates.split(",") if x], args.get_calls)
+            rates = [int(x) for x in args.get_rates.split(",") if x]
+            out["gets"] = gets(root, rates, args.get_calls, slave_set=args.get_slave_set)
     print(json.dumps(out, indent=1))
     write_json("replication", out)
     return 0
