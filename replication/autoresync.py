@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import grpc
@@ -58,6 +59,12 @@ RETRY_FIRST_S = 2.0
 RETRY_MAX_S = 300.0
 AGAIN_AFTER_RESYNC_S = 60.0
 SNAPSHOT_TIMEOUT_S = 3600.0
+
+# a stop signal during start-up (abort): the Snapshot call under way is cancelled, and none
+# begins after it; the copy can take up to SNAPSHOT_TIMEOUT_S, which a SIGTERM waited out
+_aborted = threading.Event()
+_active_lock = threading.Lock()
+_active_call: grpc.Future | None = None
 
 
 def _path(data_dir: str, name: str) -> str:
@@ -189,7 +196,10 @@ def before_open(cfg) -> None:
         info = _resync(cfg, master, lock)
     except Exception as err:  # noqa: BLE001 - any failure leaves the old folder, which opens
         lock.hand_over()
-        _failed(data_dir, req_path, master, _describe(err))
+        if _aborted.is_set():
+            _withdrawn(req_path, master)
+        else:
+            _failed(data_dir, req_path, master, _describe(err))
         return
     lock.release()  # the old folder's, now aside; the new one's is held for the engine
     moved = info["moved_old_to"]
@@ -223,17 +233,51 @@ def _resync(cfg, master: str, lock: FolderLock) -> dict:
     from qdelay.v1 import replication_pb2 as rpb
     from qdelay.v1 import replication_pb2_grpc as rpb_grpc
 
+    global _active_call
     token, ca, tls = common.slave_credentials(cfg)
     ch = common.make_channel(master, tls=tls, ca=ca, server_name=cfg.replication_tls_server_name, aio=False)
     try:
-        stream = rpb_grpc.ReplicationStub(ch).Snapshot(
-            rpb.SnapshotRequest(slave_name=common.slave_name(cfg.data_dir)),
-            timeout=SNAPSHOT_TIMEOUT_S,
-            metadata=common.metadata(token),
-        )
-        return write_snapshot(cfg.data_dir, stream, hand_over=True, lock=lock)
+        with _active_lock:
+            if _aborted.is_set():
+                raise _Stopped("stopped by a signal before it began")
+            stream = _active_call = rpb_grpc.ReplicationStub(ch).Snapshot(
+                rpb.SnapshotRequest(slave_name=common.slave_name(cfg.data_dir)),
+                timeout=SNAPSHOT_TIMEOUT_S,
+                metadata=common.metadata(token),
+            )
+        try:
+            return write_snapshot(cfg.data_dir, stream, hand_over=True, lock=lock)
+        finally:
+            with _active_lock:
+                _active_call = None
     finally:
         ch.close()
+
+
+class _Stopped(Exception):
+    pass
+
+
+def abort() -> None:
+    """A stop signal while the server starts (any thread): a resync under way is abandoned
+    (its incoming copy removed, the old folder opened as it was, then the server stops as
+    asked) and none begins. The request is withdrawn, not counted as a failure: refused
+    again once started, the slave asks for a resync anew."""
+    with _active_lock:
+        _aborted.set()
+        call = _active_call
+    if call is not None:
+        call.cancel()
+
+
+def _withdrawn(req_path: str, master: str) -> None:
+    os.unlink(req_path)
+    log.warning(
+        "automatic full resync from %s stopped by a signal: the copy is abandoned, this server opens its folder "
+        "as it was and stops; refused again as behind retention once started, it resyncs then",
+        master,
+        extra={"master": master},
+    )
 
 
 def _describe(err: BaseException) -> str:

@@ -15,7 +15,8 @@ process exits 0. Streams the server can end are ended by it, never waited out.
 Extension point: a module ``qdelay.replication.hooks`` with ``install(server, engine, cfg)``
 (returning an optional async ``stop(deadline)``, ``deadline`` a ``time.monotonic()`` instant)
 adds its services to the same gRPC server; its optional ``before_open(cfg)`` runs before the
-engine opens the data folder.
+engine opens the data folder, and its optional ``abort_before_open()`` is called on a stop
+signal that comes meanwhile (a resync under way is abandoned, not waited out).
 
 Re-execution: the replication node may ask the App to stop and start again
 (``App.restart_process``, a slave's automatic full resync): the same drain as SIGTERM, then
@@ -324,6 +325,20 @@ class App:
         if before_open is not None:
             before_open(self.cfg)
 
+    def abort_start(self) -> None:
+        """A stop signal during ``start``: the replication hook's ``abort_before_open()``
+        abandons a resync under way in ``before_open`` (a copy of up to an hour, which the
+        signal otherwise waited out); the server then opens its folder as it was and stops."""
+        try:
+            hooks = importlib.import_module("qdelay.replication.hooks")
+        except ModuleNotFoundError as e:
+            if e.name not in ("qdelay.replication.hooks",):
+                raise
+            return
+        abort = getattr(hooks, "abort_before_open", None)
+        if abort is not None:
+            abort()
+
     def restart_process(self, reason: str) -> None:
         """Stop gracefully, then execute this server again (``serve``); event loop only."""
         if self.reexec_reason is None:
@@ -427,8 +442,15 @@ async def _main(cfg: ServerConfig) -> int | Reexec:
     app.can_reexec = True
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            if app.engine is None:  # still in before_open (a resync): abandon it
+                app.abort_start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         address = await app.start()
     except BaseException:
@@ -450,9 +472,15 @@ async def _main(cfg: ServerConfig) -> int | Reexec:
     overrun = loop.call_later(cfg.grace_seconds + STOP_OVERRUN_SECONDS, dump_tasks)
     await app.stop()
     overrun.cancel()
-    if app.reexec_reason is not None and not stop.is_set():  # a signal meanwhile: just stop
-        faulthandler.cancel_dump_traceback_later()
-        return Reexec(app.kept_lock, address)
+    if app.reexec_reason is not None:
+        # from here to the exec a signal takes its default action (the process ends, the
+        # folder's lock with it): set on ``stop`` after this check, nothing would read it,
+        # and the server would start again instead of stopping
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if not stop.is_set():  # a signal meanwhile: just stop
+            faulthandler.cancel_dump_traceback_later()
+            return Reexec(app.kept_lock, address)
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 from concurrent import futures
 
@@ -425,3 +429,63 @@ def test_never_on_a_master_nor_with_the_option_off(tmp_path):
     assert autoresync.why_not(cfg, engine("slave"), 3) == ""
     off = ServerConfig(data_dir=str(data), role="slave", master="m:1", auto_resync=False)
     assert autoresync.why_not(off, engine("slave"), 3) == "auto_resync is off"
+
+
+class _StalledMaster(_MidwayMaster):
+    """A master whose snapshot sends its head and one chunk, then stalls (a slow or hung
+    master, a copy of hours): until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def Snapshot(self, request, context):
+        self.snapshots.append(time.monotonic())
+        yield rpb.SnapshotChunk(epoch=0, offset=10**9, sequence=10**6)
+        yield rpb.SnapshotChunk(log="schedule", bucket=29_000_000, at=0, data=b"\0" * 64)
+        self.release.wait(300)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "released by the test")
+
+
+def test_sigterm_during_the_resync_stops_the_server_within_its_grace(tmp_path):
+    """A SIGTERM while the re-executed server copies the snapshot (before it listens) stops
+    it within grace_seconds: the copy is abandoned (the incoming folder removed), the old
+    folder stays as it was, the request is withdrawn (not counted as a failure), exit 0.
+    Before, the signal waited for the whole copy (up to its one-hour timeout): a
+    supervisor's stop timed out and killed the server."""
+    fake = _StalledMaster()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    rpb_grpc.add_ReplicationServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    proc = None
+    try:
+        with master(tmp_path) as a, slave(tmp_path, a) as b:
+            send_some(a.address, 60, delay_ms=3_600_000, size=1000)
+            wait_caught_up(a.address, b.address)
+            end = status(b.address).end_offset
+        old_log = wal_files(tmp_path / "b")
+        data = str(tmp_path / "b")
+        autoresync.request(data, f"127.0.0.1:{port}", "behind retention: a test", 0, end)
+        b.args = [*b.args[:-1], f"127.0.0.1:{port}"]  # its --master: the fake
+        cmd = [sys.executable, "-m", "qdelay.cli", "server", "--data-dir", data, "--listen", "127.0.0.1:0", *b.args]
+        with open(b.log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf)
+        wait_until(lambda: fake.snapshots and os.path.isdir(incoming_path(data)), 60, "the copy under way")
+        proc.send_signal(signal.SIGTERM)
+        # grace_seconds (10) bounds the stop once the server runs; its start is quick here
+        assert proc.wait(30) == 0, _log(b)
+        assert wal_files(tmp_path / "b") == old_log and _asides(tmp_path) == []
+        assert not os.path.exists(incoming_path(data))
+        checkpoints = tmp_path / "b" / naming.CHECKPOINT_DIR
+        assert not (checkpoints / naming.RESYNC_REQUEST_FILE).exists()
+        assert not (checkpoints / naming.RESYNC_FAILED_FILE).exists()
+        [stopped] = _lines(b, "WARNING", "automatic full resync from")
+        assert "stopped by a signal" in stopped, stopped
+        assert not _lines(b, "ERROR", FAILED)
+    finally:
+        fake.release.set()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.stop(None)
