@@ -67,6 +67,9 @@ class SlaveSession:
         self.last_seen = time.time()
         self.known: dict[int, int] = {}  # dispatch bucket -> bytes the slave holds (-1: reset it)
         self.acked_event = asyncio.Event()
+        # a snapshot for this slave is being sent (Hub.hold_for .. snapshot_sent): held
+        # whatever its age, which counts from the copy's end (a copy can outlast slave_hold_ms)
+        self.copying = False
 
 
 class Hub:
@@ -126,7 +129,7 @@ class Hub:
     def _held(self, s: SlaveSession, now: float, end: int) -> bool:
         """Whether the cleaner keeps the log for ``s``: attached, or detached within both
         limits (``slave_hold_ms`` since it was last heard of, ``slave_hold_bytes`` behind)."""
-        if s.connected:
+        if s.connected or s.copying:
             return True
         if now - s.last_seen >= self.hold:
             return False
@@ -198,7 +201,7 @@ class Hub:
         out = {}
         for s in list(self.sessions.values()):
             if self._held(s, now, end):
-                seen = now if s.connected else s.last_seen
+                seen = now if s.connected or s.copying else s.last_seen
                 out[s.name] = Hold(s.acked, int(seen * 1000))
         return out
 
@@ -275,13 +278,27 @@ class Hub:
         self._changes += 1
         log.info("slave detached", extra={"slave": session.name, "acked": session.acked})
 
-    def hold_for(self, name: str, offset: int) -> None:
+    def hold_for(self, name: str, offset: int) -> SlaveSession:
         """Keep the message log from ``offset`` for a slave that is about to attach (resync);
-        the caller saves the holds (``save_now``) before it hands the offset out."""
+        the caller saves the holds (``save_now``) before it hands the offset out, and calls
+        ``snapshot_sent`` once the copy ends: until then the hold does not age (a copy of a
+        large schedule log can take longer than ``slave_hold_ms``; counted from its start,
+        the hold ran out midway, the cleaner deleted the offset the copy starts the slave
+        at, and the resynced slave was refused as behind retention again, resync after
+        resync)."""
         s = SlaveSession(name, "snapshot", offset)
         s.connected = False
+        s.copying = True
         self.sessions[name] = s
         self._expired_names.discard(name)
+        self._changes += 1
+        return s
+
+    def snapshot_sent(self, session: SlaveSession) -> None:
+        """The copy that ``hold_for`` held the log for ended (sent whole, or broken off):
+        the hold ages from now, as a slave's that just detached."""
+        session.copying = False
+        session.last_seen = time.time()
         self._changes += 1
 
     def on_ack(self, session: SlaveSession, offset: int) -> None:

@@ -6,8 +6,8 @@ the master's saved iterate checkpoint (offset O, sequence S): every schedule seg
 master still needs (bucket >= done_before, or reopened) is copied up to its last record
 with sequence <= S, every dispatch segment in full, and the new slave's message log
 starts empty at offset O. Pulling from O then replays exactly the records after S.
-The master keeps its message log from O for the slave while the copy runs (and for
-``slave_hold_ms`` after), a hold saved before the stream's head is sent (replication/holds.py).
+The master keeps its message log from O for the slave while the copy runs, however long
+(and for ``slave_hold_ms`` after), a hold saved before the stream's head is sent (replication/holds.py).
 """
 
 from __future__ import annotations
@@ -64,8 +64,16 @@ async def serve_snapshot(node, request):
     offset, sequence = int(state["offset"]), int(state["sequence"])
     if offset < engine.wal.first_offset:
         raise _Refuse("UNAVAILABLE", "the iterate checkpoint is behind the message log; retry in a moment")
-    node.hub.hold_for(request.slave_name or "snapshot", offset)
-    await node.hub.save_now()  # the hold survives a restart of this master during the resync
+    held = node.hub.hold_for(request.slave_name or "snapshot", offset)
+    try:
+        await node.hub.save_now()  # the hold survives a restart of this master during the resync
+        async for chunk in _snapshot_chunks(engine, offset, sequence, state):
+            yield chunk
+    finally:
+        node.hub.snapshot_sent(held)  # (also when the slave breaks the stream off)
+
+
+async def _snapshot_chunks(engine, offset: int, sequence: int, state: dict):
     done_before = int(state.get("done_before", 0))
     reopened = [int(b) for b in state.get("reopened", ())]
     head = rpb.SnapshotChunk(epoch=engine.epoch, offset=offset, sequence=sequence)

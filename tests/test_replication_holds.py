@@ -432,3 +432,42 @@ def test_a_stream_ending_after_its_slave_idled_past_the_hold_keeps_the_slave_hel
     hub.detach(s)
     assert hub.floor() == 5_000 and hub.held_detached() == 1 and not hub.expired("idle")
     assert hub.listed() == [s]
+
+
+def test_a_snapshot_copy_longer_than_the_hold_keeps_the_log_held_until_it_ends(tmp_path):
+    """The master holds its log from the snapshot's offset for the resyncing slave while the
+    copy runs, however long, and for slave_hold_ms after (replication/snapshot.py). The hold
+    counted from the copy's start: a copy longer than slave_hold_ms (a large schedule log, a
+    slow link) lost it midway, the saver dropped it, the cleaner could delete the offset the
+    copy starts the slave at, and the resynced slave was refused as behind retention again
+    (the automatic resync then copied again a minute later, and again)."""
+    import time
+    from types import SimpleNamespace
+
+    from qdelay.replication.snapshot import serve_snapshot
+    from qdelay.segments import checkpoint
+
+    engine = _engine(tmp_path, end=5_000)
+    no_log = SimpleNamespace(buckets=lambda: [], get=lambda b: None)
+    engine.wal.first_offset = 0
+    engine.epoch, engine.schedule, engine.dispatch = 3, no_log, no_log
+    engine.checkpoint_path = str(tmp_path / "iterate.ckpt")
+    checkpoint.write(engine.checkpoint_path, {"offset": 4_000, "sequence": 40})
+    hub = _hub(engine, slave_hold_ms=60_000)
+    node = SimpleNamespace(engine=engine, hub=hub)
+
+    async def copy() -> None:
+        chunks = serve_snapshot(node, SimpleNamespace(slave_name="s1"))
+        head = await chunks.__anext__()
+        assert head.offset == 4_000 and hub.floor() == 4_000
+        hub.sessions["s1"].last_seen -= 3_600  # an hour into the copy ...
+        await hub.save_if_changed()  # ... the saver's turn
+        assert hub.floor() == 4_000 and not hub.expired("s1") and [s.name for s in hub.listed()] == ["s1"]
+        assert [c async for c in chunks] == []  # the copy ends
+
+    _run(copy())
+    # held for slave_hold_ms from the copy's end, then no longer
+    assert hub.floor() == 4_000 and not hub.expired("s1")
+    assert time.time() - hub.sessions["s1"].last_seen < 30
+    hub.sessions["s1"].last_seen -= 60
+    assert hub.floor() is None and hub.expired("s1")
