@@ -58,6 +58,9 @@ log = logging.getLogger("qdelay.replication.resync")
 RETRY_FIRST_S = 2.0
 RETRY_MAX_S = 300.0
 AGAIN_AFTER_RESYNC_S = 60.0
+# this many resyncs in a row whose folder was refused again before it attached: the next is
+# left to an operator (each keeps the folder before it aside, a copy of the schedule log)
+MAX_UNATTACHED_RESYNCS = 3
 SNAPSHOT_TIMEOUT_S = 3600.0
 
 # a stop signal during start-up (abort): the Snapshot call under way is cancelled, and none
@@ -90,6 +93,16 @@ def followed_epoch(data_dir: str) -> int | None:
     return epoch if isinstance(epoch, int) else None
 
 
+def unattached_resyncs(data_dir: str) -> int:
+    """How many full resyncs in a row made this folder and the ones before it, none of which
+    a master's stream accepted since (0: a stream was accepted after the last resync)."""
+    state = _read(_path(data_dir, naming.FOLLOWED_FILE)) or {}
+    if not isinstance(state.get("resynced_ms"), int):
+        return 0
+    n = state.get("unattached", 1)
+    return n if isinstance(n, int) and n > 0 else 1
+
+
 def is_behind_retention(code: grpc.StatusCode, details: str) -> bool:
     """The one refusal an automatic resync answers (replication/master.py, check_hello and
     _wal_chunk)."""
@@ -102,6 +115,14 @@ def why_not(cfg, engine, master_epoch: int) -> str:
         return "auto_resync is off"
     if engine.role != "slave":
         return f"this server is {engine.role}"
+    again = unattached_resyncs(cfg.data_dir)
+    if again >= MAX_UNATTACHED_RESYNCS:
+        # each resync keeps the folder before it aside: resyncing on would fill the disk
+        return (
+            f"the last {again} full resyncs in a row were refused again before they attached (is the "
+            f"master's slave_hold_ms shorter than this slave's start?); fix that, then resync it by hand "
+            f"(docs/operations.md 4.4)"
+        )
     if engine.wal.committed_offset == 0:
         return ""  # a folder that never held a record has nothing to lose
     followed = followed_epoch(cfg.data_dir)

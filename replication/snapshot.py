@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 
-from qdelay.replication import common
+from qdelay.replication import autoresync, common
 from qdelay.replication.master import _Refuse
 from qdelay.segments import checkpoint, naming, reader
 from qdelay.segments.folder_lock import FolderLock
@@ -120,10 +120,11 @@ def write_snapshot(
     try:
         it = iter(chunks)
         head = next(it)
+        unattached = autoresync.unattached_resyncs(data_dir) + 1  # this one's folder: not yet
         staging = _fresh_incoming(data_dir)
         new = FolderLock(staging, "qdelay admin resync")
         try:
-            info = _write_snapshot(staging, head, it, master_epoch_hint)
+            info = _write_snapshot(staging, head, it, master_epoch_hint, unattached)
             os.unlink(os.path.join(staging, naming.INCOMING_FILE))
             fsync_dir(staging)
             info["moved_old_to"] = _swap_in(data_dir, staging)
@@ -212,7 +213,7 @@ def _swap_in(data_dir: str, staging: str) -> str | None:
     return aside
 
 
-def _write_snapshot(data_dir: str, head, it, master_epoch_hint: int) -> dict:
+def _write_snapshot(data_dir: str, head, it, master_epoch_hint: int, unattached: int = 1) -> dict:
     """The new folder's files from the stream's ``head`` and the chunks after it (``it``)."""
     offset, sequence = head.offset, head.sequence
     msg_dir = os.path.join(data_dir, naming.MESSAGE_DIR)
@@ -257,10 +258,11 @@ def _write_snapshot(data_dir: str, head, it, master_epoch_hint: int) -> dict:
     with open(os.path.join(data_dir, naming.UNINDEXED_FILE), "wb") as f:
         os.fsync(f.fileno())
     # the new folder holds nothing but what the master at this epoch had (autoresync.py)
-    # (resynced_ms: until a stream is accepted, autoresync.retry_delay)
+    # (resynced_ms: until a stream is accepted, autoresync.retry_delay; unattached: the
+    # resyncs in a row whose folder never attached, this one included)
     checkpoint.write(
         os.path.join(data_dir, naming.CHECKPOINT_DIR, naming.FOLLOWED_FILE),
-        {"epoch": head.epoch, "resynced_ms": int(time.time() * 1000)},
+        {"epoch": head.epoch, "resynced_ms": int(time.time() * 1000), "unattached": unattached},
     )
     for root, dirs, _files in os.walk(data_dir):
         for d in dirs:

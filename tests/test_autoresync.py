@@ -489,3 +489,36 @@ def test_sigterm_during_the_resync_stops_the_server_within_its_grace(tmp_path):
             proc.kill()
             proc.wait()
         server.stop(None)
+
+
+def test_resyncs_refused_again_before_they_attach_stop_after_a_few(tmp_path):
+    """A master that cleans the resync's offset before the slave attaches (its slave_hold_ms
+    shorter than the slave's start) refuses each resynced folder again: the slave copied the
+    snapshot again every AGAIN_AFTER_RESYNC_S, for ever, each copy keeping the folder before
+    it aside (a whole schedule log each: the disk fills). After MAX_UNATTACHED_RESYNCS in a
+    row the next is left to an operator, the status saying why; a stream accepted resets it."""
+    from types import SimpleNamespace
+
+    from qdelay.server.config import ServerConfig
+
+    data = _old_folder(tmp_path)
+    cfg = ServerConfig(data_dir=str(data), role="slave", master="m:1")
+    resynced = SimpleNamespace(role="slave", wal=SimpleNamespace(committed_offset=100))
+
+    def snapshot():
+        yield rpb.SnapshotChunk(epoch=1, offset=100, sequence=5)
+
+    for n in range(1, autoresync.MAX_UNATTACHED_RESYNCS):
+        write_snapshot(str(data), snapshot())
+        assert autoresync.unattached_resyncs(str(data)) == n
+        assert autoresync.why_not(cfg, resynced, 1) == ""  # (after retry_delay's minute)
+    write_snapshot(str(data), snapshot())
+    why = autoresync.why_not(cfg, resynced, 1)
+    last = autoresync.MAX_UNATTACHED_RESYNCS
+    assert why.startswith(f"the last {last} full resyncs in a row were refused again before they attached "), why
+    assert "resync it by hand" in why
+    assert len(_asides(tmp_path)) == autoresync.MAX_UNATTACHED_RESYNCS  # all kept, none deleted
+    autoresync.note_followed(str(data), 1)  # a stream accepted: counted from zero again
+    assert autoresync.unattached_resyncs(str(data)) == 0 and autoresync.why_not(cfg, resynced, 1) == ""
+    write_snapshot(str(data), snapshot())
+    assert autoresync.unattached_resyncs(str(data)) == 1
