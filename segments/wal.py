@@ -453,7 +453,32 @@ class MessageLog:
         runs once they are queued (their sequences known), before they are durable."""
         return await self._append_async(lambda cb: self.submit_bodies(kind, timestamp, bodies, cb), queued)
 
+    def append_future(
+        self, entries: Iterable[Entry], queued: Callable[[Appended], None] | None = None, covered: bool = False
+    ) -> asyncio.Future[Appended]:
+        """:meth:`append_async` without its await: the records are queued on return (or it
+        raises), and the future settles, on the calling loop, once they are durable. For a
+        caller that must act on the outcome even if it is cancelled meanwhile (it awaits the
+        future through ``asyncio.shield``): a cancelled ``append_async`` leaves the records
+        to be written with nobody told."""
+        return self._append_future(lambda cb: self.submit(entries, cb, covered), queued)
+
+    def append_bodies_future(
+        self,
+        kind: int,
+        timestamp: int,
+        bodies: list[bytes],
+        queued: Callable[[Appended], None] | None = None,
+    ) -> asyncio.Future[Appended]:
+        """:meth:`append_future` for records of one kind and timestamp."""
+        return self._append_future(lambda cb: self.submit_bodies(kind, timestamp, bodies, cb), queued)
+
     async def _append_async(self, submit: Callable, queued: Callable[[Appended], None] | None = None) -> Appended:
+        return await self._append_future(submit, queued)
+
+    def _append_future(
+        self, submit: Callable, queued: Callable[[Appended], None] | None = None
+    ) -> asyncio.Future[Appended]:
         loop = asyncio.get_running_loop()
         settler = self._settlers.get(loop)
         if settler is None:
@@ -462,7 +487,7 @@ class MessageLog:
         appended = submit(_AsyncWaiter(settler, fut))
         if queued is not None:
             queued(appended)
-        return await fut
+        return fut
 
     # --- the writer thread ----------------------------------------------------------------
 

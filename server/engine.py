@@ -775,15 +775,16 @@ class Engine:
         # (Scheduler.on_written settles the claim), and the dispatcher, a Get and another
         # Cancel or Reschedule read the claim, so the answer holds whenever the step comes.
         queued = self._expect_far if self._far(min(due for _mid, due, _seq in claimed)) else None
+        seqs = [seq for _mid, _due, seq in claimed]
         try:
             bodies = records.cancel_bodies(claimed)
-            appended = await self.wal.append_bodies_async(RecordKind.CANCEL, self.clock(), bodies, queued)
+            fut = self.wal.append_bodies_future(RecordKind.CANCEL, self.clock(), bodies, queued)
         except BaseException:
-            self._release_claims([seq for _mid, _due, seq in claimed])
+            self._release_claims(seqs)
             raise
-        # durable: another Cancel of these may answer ALREADY_CANCELLED now (the claims hold
+        # durable: another Cancel of these may answer ALREADY_CANCELLED then (the claims hold
         # until the iterate service passes the tombstones, up to iterate_gather_far_ms)
-        self.scheduler.claims_written([seq for _mid, _due, seq in claimed])
+        appended = await self._settle_append(fut, seqs, lambda _appended: self.scheduler.claims_written(seqs))
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
@@ -941,22 +942,58 @@ class Engine:
             # covered: by-id lookups do not wait for its copy (_ids_current); its new
             # messages are findable by id meanwhile through _moved, entered before the
             # claims are marked written (a Get of the old one then says CANCELLED)
-            appended = await self.wal.append_async(entries, self._expect_far if far else None, covered=True)
+            fut = self.wal.append_future(entries, self._expect_far if far else None, covered=True)
         except BaseException:
             self._release_claims([seq for _mid, _due, seq in claimed])
             raise
+        seqs = [seq for _mid, _due, seq in claimed]
+
+        def written(appended: Appended) -> None:
+            first = appended.first_sequence
+            self._moved.add(
+                [(mid, moves[i][3], first + k) for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed))],
+                self.iterate.sequence,
+            )
+            self.scheduler.claims_written(seqs)  # as _write_cancels
+
+        appended = await self._settle_append(fut, seqs, written)
         first = appended.first_sequence
-        self._moved.add(
-            [(mid, moves[i][3], first + k) for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed))],
-            self.iterate.sequence,
-        )
-        self.scheduler.claims_written([seq for _mid, _due, seq in claimed])  # as _write_cancels
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
             self.write_guard()
         for k, (i, (mid, _due, _seq)) in enumerate(zip(rows, claimed)):
             out[i] = (RescheduleOutcome.RESCHEDULED, Receipt(mid, moves[i][3], first + k))
+
+    async def _settle_append(
+        self, fut: asyncio.Future[Appended], claims: list[int], written: Callable[[Appended], None]
+    ) -> Appended:
+        """Await a Cancel's or a Reschedule's append (``MessageLog.append_future``), queued
+        under the ``claims`` on its targets: ``written(appended)`` once it is durable, the
+        claims released if it failed. Either happens even if the caller is cancelled
+        meanwhile (a client's deadline, a dropped call): the records are written all the
+        same, so the claims must stay until their tombstones are copied, and a Reschedule's
+        new messages must be findable by id (``_moved``; its append is one by-id lookups do
+        not wait for). Released at the cancellation instead, the old message was claimable
+        again: a Cancel by id right after found it, answered CANCELLED, and the moved
+        message was delivered at its new time."""
+        try:
+            appended = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+
+            def settle(done: asyncio.Future[Appended]) -> None:
+                if done.cancelled() or done.exception() is not None:
+                    self._release_claims(claims)
+                else:
+                    written(done.result())
+
+            fut.add_done_callback(settle)
+            raise
+        except BaseException:
+            self._release_claims(claims)
+            raise
+        written(appended)
+        return appended
 
     async def _off_loop_claims(self, claim: Callable, *args):
         """``claim(*args)`` on a worker thread; its result, whose second item is the claimed
