@@ -1,9 +1,9 @@
 """A model-based test of what a user does with message ids (issue 13): send, re-send,
 cancel (by receipt, old receipt or id, one at a time or in a CancelBatch), reschedule
 (hours ahead, one at a time or in a RescheduleBatch, or a moment ahead and then
-delivered), get, delivery, and restarts (SIGTERM or SIGKILL), run by hypothesis against
-a real server and checked after every step against a dict that says what the answer must
-be.
+delivered; by id and at once a by-id call of the same id), get, delivery, and restarts
+(SIGTERM or SIGKILL), run by hypothesis against a real server and checked after every
+step against a dict that says what the answer must be.
 
 A small id space makes the operations collide on the same messages. Every message is
 due hours ahead except the ones of ``deliver_now`` (on their own subject) and the one a
@@ -144,6 +144,27 @@ class MessageOps(RuleBasedStateMachine):
             assert r.sequence > e.receipt.sequence
             e.old.append(e.receipt)
             e.receipt = r
+
+    @rule(
+        k=ids,
+        hours=st.integers(1, 48),
+        then=st.sampled_from(["get", "cancel", "reschedule", "send", "cancel_many", "reschedule_many"]),
+    )
+    def reschedule_then_by_id(self, k, hours, then):
+        """A Reschedule by id and, at once, a by-id call of the same id (Get, Cancel,
+        Reschedule, a re-send, a CancelBatch, a RescheduleBatch): each answers about the
+        moved message, which the iterate service may not have copied yet (4f85b80 keeps it
+        in Engine._moved meanwhile)."""
+        self.reschedule(k, True, hours)
+        {
+            "get": lambda: self.get(k, True),
+            "cancel": lambda: self.cancel(k, True),
+            "reschedule": lambda: self.reschedule(k, True, hours + 1),
+            "send": lambda: self.send(k, hours + 2),
+            "cancel_many": lambda: self.cancel_many([(k, True)]),
+            "reschedule_many": lambda: self.reschedule_many([(k, True)], hours + 3),
+        }[then]()
+        self.get(k, True)
 
     @rule(k=ids, by_id=st.booleans(), delay_ms=st.integers(0, 300))
     def reschedule_near(self, k, by_id, delay_ms):
