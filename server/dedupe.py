@@ -141,6 +141,16 @@ class Deduper:
         recent = self._recent.find(ids, begun) if len(self._recent) else None
         if recent:
             found = {**found, **recent} if found else recent
+        # and the engine's moves not yet copied: ``rescheduled`` is told only of a Reschedule
+        # that answered (one whose caller was cancelled, or whose sync replication timed out,
+        # moved the message all the same), and the index still maps the id to the old one
+        moved = engine.moved_since(ids, begun)
+        if moved:
+            found = dict(found)
+            for k, r in moved.items():
+                have = found.get(k)
+                if have is None or have.sequence < r.sequence:
+                    found[k] = r
         claimed = [m for k, m in enumerate(ids) if k not in found] if found else ids
         self.duplicates += len(found)
         return found, self._claim(claimed)

@@ -1223,6 +1223,16 @@ class Engine:
                     top = max(top, m[1])
         return found, top
 
+    def moved_since(self, message_ids: list[str], floor: int) -> dict[int, Receipt]:
+        """Of ``message_ids``, the ones a Reschedule of this term moved to a message after
+        ``floor`` (the sequence an id-index lookup began at: the index may not hold it):
+        batch index -> the moved message's receipt, for a re-send's dedupe (Deduper.check;
+        such a message is pending: nothing closes one before it is copied)."""
+        if not len(self._moved):
+            return {}
+        got = self._moved.get_many(message_ids, floor)
+        return {k: Receipt(message_ids[k], m[0], m[1]) for k, m in enumerate(got) if m is not None and m[1] > floor}
+
     def duplicates_among(
         self, ids: list[str], hits: list[tuple[int, int] | None], window_ms: int
     ) -> dict[int, Receipt]:

@@ -26,6 +26,7 @@ def _engine():
         iterate=iterate,
         ids=_Index(),
         duplicates_among=lambda ids, hits, window: {},
+        moved_since=lambda ids, floor: {},
     )
 
 

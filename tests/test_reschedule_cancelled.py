@@ -7,7 +7,9 @@ no by-id lookup until the iterate service copied it, and the old message's claim
 released although its tombstone was durable: a Cancel by id then claimed the old message
 again and answered CANCELLED while the moved one stayed pending, to be delivered. A
 Cancel's claims were released the same way: its target was deliverable (and a Get said
-PENDING) with its tombstone durable."""
+PENDING) with its tombstone durable. And a re-send of a moved id is answered with the moved
+message's receipt although no Reschedule answered (the deduper hears of a move from the
+service once the call answers)."""
 
 from __future__ import annotations
 
@@ -117,5 +119,33 @@ def test_a_cancel_whose_caller_was_cancelled_keeps_its_target_claimed_once_its_t
             assert (outcome.name, moved) == ("CANCELLED", None)
         engine.iterate.wait_for(engine.wal.committed_sequence, 10)
         assert engine.get_sync("m0", None, None).state == MessageState.CANCELLED
+    finally:
+        engine.close()
+
+
+def test_a_resend_of_an_id_whose_unanswered_reschedule_is_not_copied_is_answered_with_the_moved_receipt(tmp_path):
+    """The service tells the deduper of a Reschedule's new receipt once the call answers
+    (Deduper.rescheduled); a Reschedule that never answered (its caller cancelled, a sync
+    replication timeout after the append) left a re-send of the id answered, until the
+    iterate service copied the move, with the old message's receipt, which a Get then
+    said CANCELLED. The moves not yet copied are the engine's (Engine.moved_since)."""
+    from qdelay.server.dedupe import Deduper
+
+    due, later = T0 + 90 * MINUTE, T0 + 200 * MINUTE
+    engine = _engine(tmp_path, due)
+    try:
+        deduper = Deduper(engine, 600_000)
+
+        async def scenario():
+            # as after a cancelled call: the engine moved it, the service answered nothing
+            ((outcome, moved),) = await engine.reschedule_many([("m0", None, None, later)])
+            assert outcome.name == "RESCHEDULED" and moved is not None
+            dups, claim = await deduper.check(["m0"])
+            deduper.failed(claim)
+            return moved, dups
+
+        with engine.iterate.append_lock:  # the move is not copied meanwhile
+            moved, dups = asyncio.run(scenario())
+        assert dups == {0: moved}, (dups, moved)
     finally:
         engine.close()
