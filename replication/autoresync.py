@@ -193,6 +193,7 @@ def before_open(cfg) -> None:
     """At start-up, before the engine opens the folder: act on a resync request. Never
     raises for a failed resync (the old folder is opened as it was, the failure counted)."""
     data_dir = cfg.data_dir
+    _leftovers(data_dir)
     req_path = _path(data_dir, naming.RESYNC_REQUEST_FILE)
     if not os.path.exists(req_path):
         return
@@ -247,6 +248,34 @@ def before_open(cfg) -> None:
         ),
         extra={"master": master, "offset": info["offset"], "sequence": info["sequence"], "moved_old_to": moved},
     )
+
+
+def _leftovers(data_dir: str) -> None:
+    """What a resync (automatic or by hand) interrupted by a crash left beside the folder,
+    dealt with and said at the next start, not at the next resync (which may never come):
+    the folder that was in place before, left at ``<data>.resync-incoming`` by a crash
+    between the swap and its rename, sat there with nothing in the log to say so."""
+    from qdelay.replication.snapshot import incoming_path, tidy_incoming
+
+    incoming = incoming_path(data_dir)
+    if not os.path.isdir(data_dir) or not os.path.exists(incoming):
+        return
+    lock = FolderLock(data_dir, "qdelay server")  # a resync by hand holds it while it writes there
+    try:
+        _, moved = tidy_incoming(data_dir)
+    finally:
+        lock.hand_over()  # to the resync below, or the engine
+    if moved:
+        log.warning(
+            "found %s without its INCOMING mark, left by a full resync interrupted around its swap (the "
+            "folder that was in place before it, or a whole copy not swapped in): moved to %s, kept; delete it "
+            "once this server shows lag_bytes=0",
+            incoming,
+            moved,
+            extra={"moved_to": moved},
+        )
+    else:
+        log.info("removed %s, the partial copy of a full resync that was interrupted", incoming)
 
 
 def _resync(cfg, master: str, lock: FolderLock) -> dict:

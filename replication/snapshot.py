@@ -155,16 +155,29 @@ def _aside_path(data_dir: str) -> str:
     return path
 
 
-def _fresh_incoming(data_dir: str) -> str:
-    """An empty ``<data>.resync-incoming`` holding its INCOMING mark. One left by an earlier
-    run is removed when it still holds the mark (a partial copy), and moved aside like an
-    old folder when it does not (a crash between the swap and the old folder's rename)."""
+def tidy_incoming(data_dir: str) -> tuple[bool, str | None]:
+    """A ``<data>.resync-incoming`` an interrupted run left, under ``data_dir``'s lock (the
+    caller's): removed when it still holds its INCOMING mark (a partial copy of the
+    master's), moved aside like an old folder when it does not (a crash between the swap
+    and the old folder's rename: the old folder; or just before the swap: a whole copy).
+    (whether there was one, where it was moved to or None when removed)."""
     staging = incoming_path(data_dir)
-    if os.path.exists(staging):
-        if os.path.exists(os.path.join(staging, naming.INCOMING_FILE)):
-            shutil.rmtree(staging)
-        else:
-            os.rename(staging, _aside_path(data_dir))
+    if not os.path.exists(staging):
+        return False, None
+    if os.path.exists(os.path.join(staging, naming.INCOMING_FILE)):
+        shutil.rmtree(staging)
+        return True, None
+    aside = _aside_path(os.path.abspath(data_dir))
+    os.rename(staging, aside)
+    fsync_dir(os.path.dirname(aside))
+    return True, aside
+
+
+def _fresh_incoming(data_dir: str) -> str:
+    """An empty ``<data>.resync-incoming`` holding its INCOMING mark (one an earlier run
+    left: ``tidy_incoming``)."""
+    staging = incoming_path(data_dir)
+    tidy_incoming(data_dir)
     os.makedirs(staging)
     with open(os.path.join(staging, naming.INCOMING_FILE), "wb") as f:
         os.fsync(f.fileno())

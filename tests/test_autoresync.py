@@ -522,3 +522,39 @@ def test_resyncs_refused_again_before_they_attach_stop_after_a_few(tmp_path):
     assert autoresync.unattached_resyncs(str(data)) == 0 and autoresync.why_not(cfg, resynced, 1) == ""
     write_snapshot(str(data), snapshot())
     assert autoresync.unattached_resyncs(str(data)) == 1
+
+
+def test_the_leftovers_of_a_crashed_resync_are_dealt_with_and_said_at_the_next_start(tmp_path, caplog):
+    """Row 21: a crash between the swap and the old folder's rename leaves the old folder at
+    ``<data>.resync-incoming``, and the server on the new folder started with nothing in its
+    log to say so: the old folder sat there, unnamed, until a next resync moved it aside
+    silently. Now the next start moves it aside and says where (WARNING), and removes a
+    partial copy (INFO), with the folder's lock held; the engine then adopts that lock."""
+    import logging
+
+    from qdelay.server.config import ServerConfig
+
+    data = _old_folder(tmp_path)  # the new folder, swapped in
+    cfg = ServerConfig(data_dir=str(data), role="slave", master="m:1")
+    incoming = tmp_path / "b.resync-incoming"  # the old one, not yet renamed aside
+    (incoming / naming.MESSAGE_DIR).mkdir(parents=True)
+    (incoming / naming.MESSAGE_DIR / "kept").write_bytes(b"the old folder's")
+    with caplog.at_level(logging.INFO, logger="qdelay.replication"):
+        autoresync.before_open(cfg)
+    [aside] = _asides(tmp_path)
+    assert (aside / naming.MESSAGE_DIR / "kept").read_bytes() == b"the old folder's" and not incoming.exists()
+    [said] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"found {incoming} without its INCOMING mark" in said and f"moved to {aside}, kept" in said, said
+    engine_lock = FolderLock(str(data), "the engine")  # adopts the lock before_open handed over
+    with pytest.raises(FolderInUse):
+        FolderLock(str(data), "a test")
+    engine_lock.release()
+    # a partial copy (its INCOMING mark): removed
+    incoming.mkdir()
+    (incoming / naming.INCOMING_FILE).write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="qdelay.replication"):
+        autoresync.before_open(cfg)
+    assert not incoming.exists() and len(_asides(tmp_path)) == 1
+    assert any(f"removed {incoming}, the partial copy" in r.getMessage() for r in caplog.records)
+    FolderLock(str(data), "the engine").release()
