@@ -310,8 +310,8 @@ class _Stopped(Exception):
 
 def abort() -> None:
     """A stop signal while the server starts (any thread): a resync under way is abandoned
-    (its incoming copy removed, the old folder opened as it was, then the server stops as
-    asked) and none begins. The request is withdrawn, not counted as a failure: refused
+    (its incoming copy removed, the old folder left as it was; the server then stops before
+    opening it) and none begins. The request is withdrawn, not counted as a failure: refused
     again once started, the slave asks for a resync anew."""
     with _active_lock:
         _aborted.set()
@@ -323,8 +323,8 @@ def abort() -> None:
 def _withdrawn(req_path: str, master: str) -> None:
     os.unlink(req_path)
     log.warning(
-        "automatic full resync from %s stopped by a signal: the copy is abandoned, this server opens its folder "
-        "as it was and stops; refused again as behind retention once started, it resyncs then",
+        "automatic full resync from %s stopped by a signal: the copy is abandoned, the folder stays as it was "
+        "and this server stops; refused again as behind retention once started, it resyncs then",
         master,
         extra={"master": master},
     )

@@ -162,6 +162,10 @@ def add_delay_service(service: DelayService, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
+class StartAborted(Exception):
+    """``App.start`` gave up before opening the data folder: a stop signal came first."""
+
+
 class App:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -182,6 +186,7 @@ class App:
         # whether a stop can be followed by the re-execution (``_main`` runs this App and
         # sets it; an App run some other way, as in tests, offers no restart_process)
         self.can_reexec = False
+        self.start_aborted = False  # a stop signal during start (abort_start)
 
     async def start(self) -> str:
         from qdelay.server.engine import Engine
@@ -191,6 +196,10 @@ class App:
         started = time.monotonic()
         engine_cfg = cfg.engine
         await asyncio.to_thread(self._before_open)
+        if self.start_aborted:
+            # a stop signal came meanwhile (a resync abandoned): stop before opening anything,
+            # so that nothing (a puller refused again) asks for another resync on the way out
+            raise StartAborted()
         self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
         self.consumers = consumers = ConsumerRegistry(
             loop, engine_cfg.scheduler.ack_timeout_ms, notify=engine.notify_credit
@@ -326,9 +335,11 @@ class App:
             before_open(self.cfg)
 
     def abort_start(self) -> None:
-        """A stop signal during ``start``: the replication hook's ``abort_before_open()``
-        abandons a resync under way in ``before_open`` (a copy of up to an hour, which the
-        signal otherwise waited out); the server then opens its folder as it was and stops."""
+        """A stop signal during ``start``, before the engine opens: the replication hook's
+        ``abort_before_open()`` abandons a resync under way in ``before_open`` (a copy of up
+        to an hour, which the signal otherwise waited out), and ``start`` raises
+        ``StartAborted`` once ``before_open`` returns, the folder unopened."""
+        self.start_aborted = True
         try:
             hooks = importlib.import_module("qdelay.replication.hooks")
         except ModuleNotFoundError as e:
@@ -446,13 +457,16 @@ async def _main(cfg: ServerConfig) -> int | Reexec:
     def on_signal() -> None:
         if not stop.is_set():
             stop.set()
-            if app.engine is None:  # still in before_open (a resync): abandon it
+            if app.engine is None:  # not open yet (a resync in before_open?): abandon it
                 app.abort_start()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
         address = await app.start()
+    except StartAborted:
+        log.info("stopped before opening the data folder (a signal during start-up)")
+        return 0
     except BaseException:
         if app.server is not None:
             await app.server.stop(None)
