@@ -15,7 +15,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -171,7 +171,7 @@ class Segment:
         """Write ``data`` at the end; return the offset it starts at (not yet durable)."""
         return self.append_many([data])
 
-    def append_many(self, chunks: list[bytes | bytearray | memoryview]) -> int:
+    def append_many(self, chunks: Sequence[bytes | bytearray | memoryview]) -> int:
         """Write ``chunks`` back to back at the end, without joining them first; return the
         offset they start at (not yet durable). Written ``_WRITE_PIECE`` bytes at a time at
         most (pwritev of several chunks, or pieces of a large one): one pwrite of several

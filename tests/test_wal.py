@@ -148,6 +148,104 @@ def test_async_appends_of_one_commit_wake_their_loop_once(wal_dir, monkeypatch):
     log.close()
 
 
+def _hold_fdatasync(monkeypatch):
+    """fdatasync held until released: appends submitted meanwhile gather for one commit."""
+    real_fdatasync = segment.os.fdatasync
+    in_sync, release = threading.Event(), threading.Event()
+
+    def held(fd):
+        in_sync.set()
+        assert release.wait(10)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(segment.os, "fdatasync", held)
+    return in_sync, release
+
+
+def test_appends_gathered_for_one_commit_are_written_as_they_were_framed_not_joined(wal_dir, monkeypatch):
+    """Each append's frames stay their own buffer until the writer hands them all to the
+    segment at once (pwritev): an append never copies the ones queued before it (that
+    copy, on the event loop, grew with every append a commit gathered). More appends than
+    one pwritev takes (1,024) and more bytes than one write piece (256 KiB), read back in
+    order, and again after a reopen."""
+    log = MessageLog(wal_dir)
+    chunk_counts: list[int] = []
+    real_append_many = segment.Segment.append_many
+
+    def counting(self, chunks):
+        chunk_counts.append(len(chunks))
+        return real_append_many(self, chunks)
+
+    monkeypatch.setattr(segment.Segment, "append_many", counting)
+    in_sync, release = _hold_fdatasync(monkeypatch)
+    waiters = []
+    first = _Collect()
+    log.submit(entries(1), first)
+    assert in_sync.wait(10)  # the writer holds that commit in its fdatasync
+    appends = 1500
+    for i in range(appends):
+        w = _Collect()
+        log.submit([(MESSAGE, i, bytes([i % 251]) * 300)], w)
+        waiters.append(w)
+    release.set()
+    for w in [first, *waiters]:
+        assert w.done.wait(10) and w.error is None
+    assert chunk_counts == [1, appends]  # one buffer an append, none joined
+    expected = [bytes([0]) * 100] + [bytes([i % 251]) * 300 for i in range(appends)]
+    assert [f.body for f in read_all(log)] == expected
+    assert [w.appended.first_sequence for w in waiters] == list(range(2, appends + 2))
+    log.close()
+    reopened = MessageLog(wal_dir)
+    assert [f.body for f in read_all(reopened)] == expected
+    reopened.close()
+
+
+def test_a_failed_write_of_gathered_appends_is_undone_and_each_rejected(wal_dir, monkeypatch):
+    """A commit of several appends (one pwritev) that fails leaves no byte of any of them and
+    rejects every one; their sequences are handed out again."""
+    log = MessageLog(wal_dir, prealloc_bytes=0)  # byte-exact file contents
+    log.append(entries(3))
+    before = file_bytes(log.segments()[-1].path)
+    in_sync, release = _hold_fdatasync(monkeypatch)
+    held = _Collect()
+    log.submit(entries(1), held)
+    assert in_sync.wait(10)
+    real_pwritev = os.pwritev
+
+    def half_then_enospc(fd, buffers, offset):
+        data = b"".join(bytes(b) for b in buffers)
+        real_pwritev(fd, [data[:150]], offset)  # a partial record reaches the file
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(segment.os, "pwritev", half_then_enospc)
+    doomed = [_Collect() for _ in range(4)]
+    for w in doomed:
+        log.submit(entries(2), w)
+    release.set()
+    assert held.done.wait(10) and held.error is None
+    for w in doomed:
+        assert w.done.wait(10) and isinstance(w.error, DiskFull)
+    monkeypatch.setattr(segment.os, "pwritev", real_pwritev)
+    assert log.failed is None
+    assert log.append(entries(1)).first_sequence == 5  # after the held commit's record 4
+    assert len(read_all(log)) == 5
+    assert file_bytes(log.segments()[-1].path)[: len(before)] == before
+    log.close()
+
+
+class _Collect:
+    """A submit callback that records its outcome."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.appended = None
+        self.error: Exception | None = None
+
+    def __call__(self, appended, error) -> None:
+        self.appended, self.error = appended, error
+        self.done.set()
+
+
 def test_an_event_loop_that_appended_is_not_kept_alive_by_the_log(wal_dir):
     """The log keeps a settler per event loop that appends (a weak dict keyed by the loop);
     the settler held its loop strongly, so the weak key never died: every asyncio.run()
