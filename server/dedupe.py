@@ -10,11 +10,15 @@ Where an id can be found, in the order it is looked in:
    id): ids this server wrote that the index may not hold yet (the iterate service lags
    the message log by milliseconds, or by seconds in a burst); an id leaves once the index
    holds it and no lookup that started before that is still running;
-3. ``_writing``: client-chosen ids being written right now; a second batch with one of
-   them waits for the first and then answers its receipt (or writes, if the first failed).
-   A batch's ids are entered there only once another batch's lookup begins while it is
-   being written (``_flying`` until then): with one batch at a time (a generated stub's
-   SendBatch, one call in flight) no id is ever entered, and no future made.
+3. ``_writing``: client-chosen ids being written right now (one set for every batch being
+   written); a second batch with one of them waits for the first and then answers its
+   receipt (or writes, if the first failed). A batch's ids are entered there only once
+   another batch's lookup begins while it is being written (``_flying`` until then): with
+   one batch at a time (a generated stub's SendBatch, one call in flight) no id is ever
+   entered. A future to wait on is made only for a batch some other batch waits for (the
+   rare case of one id sent twice at once): the set costs a batch of 100 ids ~7 us less
+   on the event loop than an id -> future entry per id did (docs/benchmarks.md, "Ingest
+   per thread, and the event loop's two cuts").
 
 Ids the server generates for a batch are never looked up for it, and never wait in
 ``_writing``: nobody can send one again before its batch is answered, and by then it is in
@@ -34,8 +38,6 @@ a retry that arrives right after a restart is still recognised.
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 from dataclasses import dataclass, field
 
 from qdelay.server import allocator
@@ -48,12 +50,14 @@ from qdelay.server.validation import Made
 class Claim:
     """The ids a batch is about to write, in batch order (settled by ``written`` or
     ``failed``), and the ones of them it holds, with one future for the whole batch, which
-    other batches with one of those ids wait on: in ``Deduper._flying`` (no future yet)
-    until another batch's lookup enters them in ``Deduper._writing`` and makes the future."""
+    other batches with one of those ids wait on: in ``Deduper._flying`` until another
+    batch's lookup enters its ids in ``Deduper._writing`` (then in ``Deduper._entered``);
+    the future is made by the first batch that waits for it."""
 
     ids: list[str]
     future: asyncio.Future | None
     held: list[str] = field(default_factory=list)
+    entered: bool = False  # its held ids are in ``Deduper._writing``
 
 
 TIDY_AFTER = 1.0  # seconds: how soon ids are forgotten once sends stop coming
@@ -68,7 +72,8 @@ class Deduper:
         # are filled, searched and emptied a batch at a time (C loops, the cost of the batch)
         # however far the index lags.
         self._recent = RecentIds()
-        self._writing: dict[str, asyncio.Future] = {}
+        self._writing: set[str] = set()  # the held ids of the claims in ``_entered``
+        self._entered: dict[int, Claim] = {}
         # claims being written whose ids are not in ``_writing`` (yet): entered by the next
         # lookup that begins while they are (``_enter_flying``), or just dropped when written
         self._flying: dict[int, Claim] = {}
@@ -130,10 +135,10 @@ class Deduper:
             while True:
                 if self._flying:  # batches claimed since the last look (none while alone)
                     self._enter_flying()
-                if not writing or writing.keys().isdisjoint(ids):
+                if not writing or writing.isdisjoint(ids):
                     break
                 # one of these ids is being written
-                await asyncio.gather(*{writing[m] for m in writing.keys() & ids})
+                await asyncio.gather(*self._futures_holding(writing.intersection(ids)))
         finally:
             del self._active[token]
         # (no await from here to the claim: no other batch can claim one of these ids between)
@@ -162,15 +167,26 @@ class Deduper:
         return claim
 
     def _enter_flying(self) -> None:
-        """Enter the ids of the claims being written in ``_writing``, each claim with its
-        future, for a lookup that must not claim one of them (on the loop, no await: the
-        claims were made with no await between their look and the claim, so no id is in
-        two of them)."""
-        loop = asyncio.get_running_loop()
-        for claim in self._flying.values():
-            claim.future = fut = loop.create_future()
-            self._writing.update(dict.fromkeys(claim.held, fut))
+        """Enter the ids of the claims being written in ``_writing``, for a lookup that must
+        not claim one of them (on the loop, no await: the claims were made with no await
+        between their look and the claim, so no id is in two of them)."""
+        for key, claim in self._flying.items():
+            self._writing.update(claim.held)
+            claim.entered = True
+            self._entered[key] = claim
         self._flying.clear()
+
+    def _futures_holding(self, busy: set[str]) -> list[asyncio.Future]:
+        """The futures of the entered claims holding one of ``busy`` (made for them now if no
+        batch waited for them before)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for claim in self._entered.values():
+            if not busy.isdisjoint(claim.held):
+                if claim.future is None:
+                    claim.future = loop.create_future()
+                futures.append(claim.future)
+        return futures
 
     def written(self, claim: Claim, first: int, dues: list[int]) -> None:
         """The claimed ids were written with sequences from ``first``, due at ``dues``."""
@@ -186,12 +202,13 @@ class Deduper:
             claim.future.set_result(False)
 
     def _release(self, claim: Claim) -> None:
-        if claim.future is None:  # never entered in ``_writing``
+        if not claim.entered:  # never entered in ``_writing``
             self._flying.pop(id(claim), None)
             return
-        # each held id maps to this claim's future alone: check() claims only ids no other
-        # batch is writing, with no await between its look and its claim
-        collections.deque(map(self._writing.pop, claim.held, itertools.repeat(None)), maxlen=0)
+        # each held id is this claim's alone: check() claims only ids no other batch is
+        # writing, with no await between its look and its claim
+        del self._entered[id(claim)]
+        self._writing.difference_update(claim.held)
 
     def rescheduled(self, receipt: Receipt) -> None:
         """A Reschedule wrote the id's message again: its new receipt is the one a retried
@@ -226,7 +243,7 @@ class Deduper:
             self._tidy = asyncio.get_running_loop().call_later(TIDY_AFTER, self._tidy_up)
             return
         self._recent.trim(self._floor_now(), idle=True)  # sends stopped: the smallest table
-        if not self._writing and not self._flying:  # a burst forgotten: hand the freed heap back (RSS)
+        if not self._entered and not self._flying:  # a burst forgotten: hand the freed heap back (RSS)
             allocator.trim()
 
     def _floor_now(self) -> int:

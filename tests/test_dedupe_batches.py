@@ -69,15 +69,15 @@ def test_a_batch_with_an_id_being_written_waits_for_that_write():
         assert dups == {} and claim.ids == ["r"]
         # r is being written by the third alone: entered for a lookup that began meanwhile
         # (below), not before (no other batch looked while it was being written)
-        assert d._writing == {} and [c.ids for c in d._flying.values()] == [["r"]]
+        assert d._writing == set() and [c.ids for c in d._flying.values()] == [["r"]]
         fourth = asyncio.ensure_future(d.check(["r", "s"]))
         await asyncio.sleep(0.01)
-        assert not fourth.done() and set(d._writing) == {"r"} and not d._flying
+        assert not fourth.done() and d._writing == {"r"} and not d._flying
         d.written(claim, 30, [3])
         dups, claim = await fourth
         assert dups == {0: Receipt("r", 3, 30)} and claim.ids == ["s"]
         d.written(claim, 31, [4])
-        assert d._writing == {} and not d._flying
+        assert d._writing == set() and not d._flying and not d._entered
 
     asyncio.run(main())
 
@@ -90,10 +90,43 @@ def test_batches_one_at_a_time_enter_no_id_and_make_no_future():
         d = Deduper(_engine(), 600_000)
         for k in range(3):
             _dups, claim = await d.check([f"a{k}", f"b{k}"])
-            assert claim.future is None and d._writing == {} and len(d._flying) == 1
+            assert claim.future is None and d._writing == set() and len(d._flying) == 1
             d.written(claim, 10 + 2 * k, [1, 2])
             assert not d._flying
         dups, _claim = await d.check(["a1", "z"])
         assert dups == {0: Receipt("a1", 1, 12)}
+
+    asyncio.run(main())
+
+
+def test_batches_written_together_make_no_future_unless_one_waits():
+    """Batches in flight together (a SendStream's 16): each lookup enters the batches claimed
+    since the last one in the set of ids being written, but a future is made only for a
+    batch another one waits for; every id leaves the set when its batch is written or
+    failed."""
+
+    async def main():
+        d = Deduper(_engine(), 600_000)
+        claims = []
+        for k in range(4):
+            _dups, claim = await d.check([f"m{k}", f"n{k}"])
+            claims.append(claim)
+        assert d._writing == {"m0", "n0", "m1", "n1", "m2", "n2"}  # entered by the later lookups
+        assert all(c.future is None for c in claims)
+        waiting = asyncio.ensure_future(d.check(["n1", "z"]))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        assert claims[1].future is not None and [c.future for c in claims if c is not claims[1]] == [None] * 3
+        d.written(claims[0], 10, [1, 2])
+        d.failed(claims[2])
+        assert d._writing == {"m1", "n1", "m3", "n3"}  # the fourth entered by the waiting lookup
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        d.written(claims[1], 12, [3, 4])
+        dups, claim = await waiting
+        assert dups == {0: Receipt("n1", 4, 13)} and claim.ids == ["z"]
+        d.written(claims[3], 14, [5, 6])
+        d.written(claim, 16, [7])
+        assert d._writing == set() and not d._entered and not d._flying
 
     asyncio.run(main())
