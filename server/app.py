@@ -493,7 +493,10 @@ async def _main(cfg: ServerConfig) -> int | Reexec:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         if not stop.is_set():  # a signal meanwhile: just stop
-            faulthandler.cancel_dump_traceback_later()
+            # the same exit watchdog as a stop's: asyncio.run's end waits for the worker
+            # threads without a bound, and a stuck one must not keep a server that is
+            # neither serving nor re-executed (the exec replaces the process, the timer too)
+            faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
             return Reexec(app.kept_lock, address)
     faulthandler.dump_traceback_later(EXIT_SECONDS, exit=True)
     return 0
