@@ -29,6 +29,8 @@ def _refuse_a_url(text: str, what: str, error: type[Exception], takes: str = "")
     found = _URL_SCHEME.match(text)
     if found:
         bare = text[found.end() :].partition("/")[0]  # "http://host:7600/" -> "host:7600"
+        if bare and not bare.rpartition(":")[2].isdigit():  # "http://host": its port is to be added,
+            bare += ":PORT"  # not "host", which is refused next for want of one
         raise error(
             f"{what} must be HOST:PORT{takes}, not {text!r}: gRPC takes no URL, drop the "
             f"{found.group(1)}://; pass {bare or 'HOST:PORT'!r}"

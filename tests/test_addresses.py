@@ -90,3 +90,14 @@ def test_every_client_refuses_a_url_naming_the_host_port_to_pass(target):
         ServerConfig(master=target).validate()
     with pytest.raises(errors.InvalidArgument, match="endpoint must be HOST:PORT"):
         addresses.check_target("ipv4://127.0.0.1:7600")  # a path, not HOST:PORT, after ipv4:
+
+
+@pytest.mark.parametrize(("url", "bare"), [("http://host", "host:PORT"), ("grpc://[::1]/", "[::1]:PORT")])
+def test_a_url_without_a_port_names_a_host_port_to_pass_not_the_bare_host(url, bare):
+    """The refusal of ``http://host`` said to pass ``'host'``, which is refused in turn (no
+    port): it names the port to add."""
+    with pytest.raises(errors.InvalidArgument) as err:
+        addresses.check_target(url)
+    assert f"pass {bare!r}" in str(err.value)
+    with pytest.raises(errors.InvalidArgument, match="must be HOST:PORT"):
+        addresses.check_target(bare.removesuffix(":PORT"))
