@@ -30,7 +30,11 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future | None]) -> None:
     no longer anyone's); the caller's own cancellation is not: it propagates at once, the
     tasks having been cancelled. A task that swallowed its cancellation is cancelled again
     every ``RECANCEL_SECONDS`` until it ends."""
-    pending = {t for t in tasks if t is not None and not t.done()}
+    given = [t for t in tasks if t is not None]
+    for t in given:
+        if t.done() and not t.cancelled():
+            t.exception()  # ended before: retrieved all the same
+    pending = {t for t in given if not t.done()}
     while pending:
         for t in pending:
             t.cancel()

@@ -345,8 +345,10 @@ class Hub:
     def in_sync(self) -> list[SlaveSession]:
         """The attached slaves whose confirmed offset reached what this master had committed
         ``sync_bound_ms`` ago (or when it became master at this epoch, if later): the ones
-        that may take over without losing more than that bound's writes (async mode; in
-        sync mode every acknowledged write is on at least one of them). [] unless master."""
+        that may take over without losing more than that bound's writes (in sync mode an
+        acknowledged write is on the slave that confirmed it, which is not among these once it
+        detached: the set says who is attached and current now, not where every write is).
+        [] unless master."""
         self.sample()
         if not self._samples:
             return []

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import grpc
 
+from qdelay.cancellation import cancel_and_wait
 from qdelay.replication import common
 from qdelay.replication.master import Hub, PullServer, _Refuse
 from qdelay.v1 import replication_pb2 as rpb
@@ -98,9 +99,9 @@ class Node:
             deadline = time.monotonic() + self.cfg.grace_seconds
         if self.agent is not None:
             await self.agent.stop(deadline)
-        for t in [*self._tasks, self._reattach_task]:
-            if t is not None:
-                t.cancel()
+        # the peer watch, the holds' saver (a save under way ends first: the final save
+        # below must come after it) and a re-attach
+        await cancel_and_wait([*self._tasks, self._reattach_task])
         if self.puller is not None:
             await self.puller.stop()
         # the slaves' streams end first: the holds saved next have the slaves as seen then

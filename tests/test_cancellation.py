@@ -137,6 +137,29 @@ def test_the_tasks_failures_are_retrieved_not_raised():
     asyncio.run(main())
 
 
+def test_a_task_that_failed_before_the_stop_is_retrieved_too():
+    """A task that ended with an error before the stop: nothing logs it later as never
+    retrieved (asyncio's handler at the task's collection)."""
+    import gc
+
+    async def main() -> list[str]:
+        unretrieved: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx["message"]))
+
+        async def fails_at_once() -> None:
+            raise RuntimeError("before the stop")
+
+        task: asyncio.Task | None = asyncio.ensure_future(fails_at_once())
+        await asyncio.sleep(0.01)
+        assert task is not None and task.done()
+        await cancel_and_wait([task])
+        task = None
+        gc.collect()
+        return unretrieved
+
+    assert asyncio.run(main()) == []
+
+
 def test_a_stop_that_overruns_prints_every_tasks_stack(capsys):
     from qdelay.server.app import dump_tasks
 
