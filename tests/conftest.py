@@ -11,6 +11,18 @@ from typing import TypeVar
 
 import pytest
 
+# gRPC's fork support (on by default in grpcio) runs pthread_atfork handlers that abort a
+# forked child (SIGABRT, before it can exec) when another thread of the parent is inside
+# gRPC at that moment (the parent logs "Other threads are currently calling into gRPC,
+# skipping fork() handlers"). PySpark starts its JVM with Popen(preexec_fn=...), a real
+# fork(): the session-scoped ``spark`` fixture, set up in a pytest-xdist worker whose earlier
+# tests left gRPC channels and servers running, failed now and then with "Java gateway
+# process exited before sending its port number", more often on a loaded box (a thread is
+# more often caught mid-call). No test forks a child that goes on using gRPC without exec,
+# which is all fork support is for: off for the run. gRPC reads it once, when it first
+# initialises: before any test module imports it (test_spark.py checks that it holds).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:  # lets tests import helper modules such as byte_surgery
     sys.path.insert(0, TESTS_DIR)

@@ -7,9 +7,13 @@ round trip runs a real ``qdelay server`` process.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -49,6 +53,69 @@ def folders(tmp_path_factory):
     wal = os.path.join(d, "message", "00000000000000000342.wal")
     byte_surgery.truncate_at(wal, os.path.getsize(wal) - 20)
     return out
+
+
+# Two threads call a gRPC server in this process while the main thread starts 100 children
+# as PySpark starts its JVM (stdin a pipe, SIGINT ignored by a preexec_fn: a real fork()),
+# each of which exits 7; prints their exit codes.
+_FORK_PROBE = """
+import json, signal, subprocess, threading
+from concurrent import futures
+import grpc
+
+server = grpc.server(futures.ThreadPoolExecutor(2))
+echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Echo", {"Echo": echo}),))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+started = threading.Barrier(3)
+
+def call():
+    rpc = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary("/probe.Echo/Echo")
+    rpc(b"x")
+    started.wait()
+    while True:
+        rpc(b"x" * 100)
+
+for _ in range(2):
+    threading.Thread(target=call, daemon=True).start()
+started.wait()
+codes = []
+for _ in range(100):
+    p = subprocess.Popen(["/bin/sh", "-c", "exit 7"], stdin=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    p.stdin.close()
+    codes.append(p.wait())
+print(json.dumps(codes), flush=True)
+"""
+
+
+def test_a_child_forked_while_grpc_is_busy_starts():
+    """The ``spark`` fixture's JVM is started by PySpark with ``Popen(preexec_fn=...)``, a
+    real fork() of the pytest worker, whose earlier tests leave gRPC channels and servers
+    running. With gRPC's fork support on (grpcio's default) its atfork handlers aborted the
+    child (SIGABRT, before the exec: "Java gateway process exited before sending its port
+    number", now and then in a full run, more often under load) or left it hung (and the
+    parent's Popen with it) whenever another thread was inside gRPC. conftest.py turns it
+    off for the run: with this environment, the same forks made while two threads call all
+    start (in a child process of its own, so that a hang ends at the timeout)."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", _FORK_PROBE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a hung fork of it is in its process group, killed with it
+    )
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError("a fork hung in gRPC's fork handler (GRPC_ENABLE_FORK_SUPPORT on?)") from None
+    assert p.returncode == 0, err[-3000:]
+    codes = json.loads(out)
+    # -6: aborted by gRPC's fork handler
+    assert codes == [7] * 100, (collections.Counter(codes), err[-3000:])
 
 
 def _job(argv: list[str]) -> int:
