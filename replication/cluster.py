@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from qdelay.cancellation import cancel_and_wait
 from qdelay.errors import Fenced, LeaseLost
-from qdelay.replication.etcd import Etcd, EtcdError, absent, created_at, delete, put
+from qdelay.replication.etcd import Etcd, EtcdError, absent, created_at, delete, put, unchanged_since
 
 log = logging.getLogger("qdelay.cluster")
 
@@ -52,6 +52,7 @@ class ShardView:
     leader_lease: int = 0
     members: dict[str, dict] = field(default_factory=dict)  # address -> member JSON
     insync: list[str] | None = None  # None: never written (a new shard)
+    insync_revision: int = 0  # the insync key's mod revision as read (0: absent)
 
     def slaves(self) -> list[str]:
         return sorted(a for a in self.members if a != self.master)
@@ -74,9 +75,20 @@ def parse_view(prefix: bytes, kvs) -> dict[str, ShardView]:
             s.leader_lease = kv.lease
         elif tail == "insync":
             s.insync = list(value.get("members", []))
+            s.insync_revision = kv.mod_revision
         elif tail.startswith("members/"):
             s.members[tail[len("members/") :]] = value
     return shards
+
+
+def campaign_guards(leader_key: bytes, insync_key: bytes, seen: ShardView) -> list:
+    """What a campaign's transaction compares: the leader key is absent, and the in-sync set
+    is still the one the eligibility was judged on (``seen``, read at the start of the step;
+    the step then asks each member's log end, up to 0.5 s each). Without the second, a
+    server judged eligible on a set a forced promotion had since replaced (``admin promote
+    --force`` leaves the promoted server alone in it between its two transactions) could
+    take the key back: the fenced old master master again."""
+    return [absent(leader_key), unchanged_since(insync_key, seen.insync_revision)]
 
 
 class ClusterAgent:
@@ -268,7 +280,7 @@ class ClusterAgent:
             if engine.role == "master":
                 await asyncio.to_thread(engine.set_role, "fenced", engine.epoch)
             if self.lease_id is not None and await self._eligible(me):
-                await self._campaign()
+                await self._campaign(me)
 
     async def _publish_member(self) -> None:
         if self.lease_id is None:
@@ -332,11 +344,11 @@ class ClusterAgent:
                 return False
         return True
 
-    async def _campaign(self) -> None:
+    async def _campaign(self, me: ShardView) -> None:
         lease = self.lease_id
         value = json.dumps({"address": self.address}).encode()
         r = await self.kv.txn(
-            [absent(self.leader_key)],
+            campaign_guards(self.leader_key, self.insync_key, me),
             [
                 put(self.leader_key, value, lease=lease),
                 put(self.insync_key, json.dumps({"members": [self.address]}).encode()),
@@ -474,10 +486,31 @@ class ClusterAgent:
             ],
         )
         if not txn.succeeded:
-            raise _Refuse("ABORTED", "another server took the shard's leader key meanwhile; look again")
+            if not await self._won_meanwhile():
+                raise _Refuse("ABORTED", "another server took the shard's leader key meanwhile; look again")
+            won = f"{self.address} is master of shard {self.shard} at epoch {engine.epoch} (its own election)"
+            notes.insert(0, won)
+            return "; ".join(notes)
         await self._become_master(txn.header.revision, self.lease_id)
         notes.insert(0, f"{self.address} is master of shard {self.shard} at epoch {engine.epoch} (manual)")
         return "; ".join(notes)
+
+    async def _won_meanwhile(self) -> bool:
+        """After a promotion's campaign lost: whether this server's own election (its logic
+        loop, seeing the key free and itself alone in the in-sync set the promotion wrote)
+        took the key in between -- then the promotion happened; wait for its role."""
+        kv = await self.kv.get(self.leader_key)
+        if kv is None or kv.lease != self.lease_id:
+            return False
+        try:
+            if json.loads(kv.value).get("address") != self.address:
+                return False
+        except ValueError:
+            return False
+        until = time.monotonic() + 5.0
+        while self.engine.role != "master" and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+        return self.engine.role == "master"
 
     def node_metadata(self):
         from qdelay.replication import common

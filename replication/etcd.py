@@ -55,6 +55,13 @@ def absent(key: bytes) -> epb.Compare:
     return epb.Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key, create_revision=0)
 
 
+def unchanged_since(key: bytes, mod_revision: int) -> epb.Compare:
+    """Holds while ``key`` was last written at ``mod_revision`` (0: while it does not exist)."""
+    if not mod_revision:
+        return absent(key)
+    return epb.Compare(result=Compare.EQUAL, target=Compare.MOD, key=key, mod_revision=mod_revision)
+
+
 def created_at(key: bytes, revision: int) -> epb.Compare:
     """Holds while ``key`` is the very key created at ``revision`` (not a later re-creation)."""
     return epb.Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key, create_revision=revision)

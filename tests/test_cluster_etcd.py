@@ -985,3 +985,56 @@ def test_cluster_up_refuses_servers_ports_out_of_range_or_on_etcds(tmp_path):
         )
         assert cp.returncode == 2 and "Traceback" not in cp.stderr and want in cp.stderr, (args, cp.stderr)
         assert not root.exists(), "something was started"
+
+
+def test_a_campaign_judged_on_a_replaced_in_sync_set_loses(tmp_path, etcd):
+    """A server judges its eligibility on the in-sync set read at the start of its step,
+    then asks each member's log end (up to 0.5 s each) before it campaigns. A forced
+    promotion that replaced the set meanwhile (the promoted server alone in it, the leader
+    key deleted) must win: the campaign's transaction compares the set's revision too, so
+    the fenced old master cannot take the key back on its stale view."""
+    import asyncio
+
+    from qdelay.replication.cluster import campaign_guards, parse_view
+    from qdelay.replication.etcd import Etcd, put
+
+    root = b"/qdelay/c/shards/"
+    leader, insync = root + b"s1/leader", root + b"s1/insync"
+
+    async def main() -> tuple[bool, bool]:
+        kv = Etcd(etcd.endpoint)
+        try:
+            await kv.put(insync, b'{"members": ["a:1", "b:1"]}')
+            stale = parse_view(root, (await kv.range_prefix(root)).kvs)["s1"]
+            assert stale.insync == ["a:1", "b:1"] and stale.insync_revision > 0
+            await kv.put(insync, b'{"members": ["b:1"]}')  # the promotion's first transaction
+            late = await kv.txn(campaign_guards(leader, insync, stale), [put(leader, b'{"address": "a:1"}')])
+            fresh = parse_view(root, (await kv.range_prefix(root)).kvs)["s1"]
+            won = await kv.txn(campaign_guards(leader, insync, fresh), [put(leader, b'{"address": "b:1"}')])
+            return late.succeeded, won.succeeded
+        finally:
+            await kv.close()
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_a_new_shards_campaign_needs_the_in_sync_set_still_absent(tmp_path, etcd):
+    """A shard never led has no in-sync set: a campaign judged on that compares its absence."""
+    import asyncio
+
+    from qdelay.replication.cluster import ShardView, campaign_guards
+    from qdelay.replication.etcd import Etcd, put
+
+    root = b"/qdelay/c/shards/"
+    leader, insync = root + b"s2/leader", root + b"s2/insync"
+
+    async def main() -> bool:
+        kv = Etcd(etcd.endpoint)
+        try:
+            await kv.put(insync, b'{"members": ["b:1"]}')  # written since the view was read
+            r = await kv.txn(campaign_guards(leader, insync, ShardView("s2")), [put(leader, b"{}")])
+            return r.succeeded
+        finally:
+            await kv.close()
+
+    assert asyncio.run(main()) is False
