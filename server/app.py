@@ -73,6 +73,18 @@ MASTER_HEALTH_NAME = "qdelay.master"
 HEALTH_POLL_SECONDS = 0.5
 
 
+def _hook(name: str) -> Callable | None:
+    """The function ``name`` of the replication hook module (``qdelay.replication.hooks``;
+    the extension point above), None where the module or the function is absent."""
+    try:
+        hooks = importlib.import_module("qdelay.replication.hooks")
+    except ModuleNotFoundError as e:
+        if e.name not in ("qdelay.replication.hooks",):
+            raise
+        return None
+    return getattr(hooks, name, None)
+
+
 def _serving(yes: bool) -> int:
     return health_pb2.HealthCheckResponse.SERVING if yes else health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -324,13 +336,7 @@ class App:
 
     def _before_open(self) -> None:
         """The replication hook's ``before_open(cfg)`` (a requested automatic full resync)."""
-        try:
-            hooks = importlib.import_module("qdelay.replication.hooks")
-        except ModuleNotFoundError as e:
-            if e.name not in ("qdelay.replication.hooks",):
-                raise
-            return
-        before_open = getattr(hooks, "before_open", None)
+        before_open = _hook("before_open")
         if before_open is not None:
             before_open(self.cfg)
 
@@ -340,13 +346,7 @@ class App:
         to an hour, which the signal otherwise waited out), and ``start`` raises
         ``StartAborted`` once ``before_open`` returns, the folder unopened."""
         self.start_aborted = True
-        try:
-            hooks = importlib.import_module("qdelay.replication.hooks")
-        except ModuleNotFoundError as e:
-            if e.name not in ("qdelay.replication.hooks",):
-                raise
-            return
-        abort = getattr(hooks, "abort_before_open", None)
+        abort = _hook("abort_before_open")
         if abort is not None:
             abort()
 
@@ -358,13 +358,10 @@ class App:
             self.reexec_wanted.set()
 
     def _install_hooks(self, server, engine) -> list[str]:
-        try:
-            hooks = importlib.import_module("qdelay.replication.hooks")
-        except ModuleNotFoundError as e:
-            if e.name not in ("qdelay.replication.hooks",):
-                raise
+        install = _hook("install")
+        if install is None:
             return []
-        result = hooks.install(server, engine, self.cfg)
+        result = install(server, engine, self.cfg)
         names: list[str] = []
         if isinstance(result, tuple):
             stop, names, *rest = result
