@@ -57,6 +57,7 @@ class Node:
         self._reattach_until = 0.0
         self._reattach_task: asyncio.Task | None = None
         self.fenced_master = ""  # the newer master named when this one was fenced ("" unknown)
+        self.slaves_in_sync = 0  # len(hub.in_sync()) as of the last sample (event loop writes it)
         self.agent = None  # cluster mode (--etcd): replication/cluster.py
         # stop the server gracefully and execute it again (the App's; None: it cannot):
         # the puller's automatic full resync (replication/autoresync.py)
@@ -114,7 +115,9 @@ class Node:
     async def _sample_in_sync(self) -> None:
         while True:
             await asyncio.sleep(IN_SYNC_SAMPLE_S)
-            self.hub.sample()
+            # in_sync() samples; its count is kept for the metrics scrape, which runs on
+            # another thread and must not touch the hub's samples
+            self.slaves_in_sync = len(self.hub.in_sync())
 
     # --- peers ------------------------------------------------------------------------------------------
     def _channel(self, target: str, aio: bool = True):
@@ -321,6 +324,7 @@ class Node:
             lag_bytes, lag_ms = self.hub.lag()
             out.update(replication_lag_bytes=lag_bytes, replication_lag_ms=lag_ms, slaves_attached=len(self.hub.live()))
             out.update(slaves_held=self.hub.held_detached(), slave_holds_expired=self.hub.holds_expired)
+            out.update(slaves_in_sync=self.slaves_in_sync)
         elif self.puller is not None:
             lag_bytes, lag_ms = self.puller.lag()
             out.update(

@@ -94,6 +94,12 @@ ENGINE_STATS = {
         "counter",
     ),
     "slaves_attached": ("qdelay_replication_slaves_attached", "Slaves connected to this master", "gauge"),
+    "slaves_in_sync": (
+        "qdelay_replication_slaves_in_sync",
+        "Attached slaves that had, sync_bound_ms ago, everything this master had committed (who may take over "
+        "losing at most that bound's writes): 0 with slaves configured means a failover now could lose writes",
+        "gauge",
+    ),
     "slaves_held": (
         "qdelay_replication_slaves_held",
         "Detached slaves this master still keeps its message log for (slave_hold_ms, slave_hold_bytes)",

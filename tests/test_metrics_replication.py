@@ -46,6 +46,8 @@ def test_replication_stats_exported(tmp_path):
             assert s["qdelay_replication_connected"] == 1
             assert s["qdelay_replication_lag_ms"] >= 0 and "qdelay_replication_delay_p99_ms" in s
             assert m["qdelay_replication_slaves_held"] == 0  # attached: not counted there
+            # caught up for sync_bound_ms: in sync (what an alert on "no in-sync slave" reads)
+            wait_until(lambda: scrape(a).get("qdelay_replication_slaves_in_sync") == 1, 20, "the slave in sync")
             # the holds file was saved when the slave attached (a hold added): what it took
             assert m["qdelay_replication_holds_saves_total"] >= 1
             assert m["qdelay_replication_holds_save_seconds_total"] > 0
@@ -53,6 +55,7 @@ def test_replication_stats_exported(tmp_path):
         # stopped: held (slave_hold_ms), not expired
         m = wait_until(lambda: (m := scrape(a))["qdelay_replication_slaves_held"] == 1 and m, 20, "the slave held")
         assert m["qdelay_replication_slave_holds_expired_total"] == 0
+        wait_until(lambda: scrape(a).get("qdelay_replication_slaves_in_sync") == 0, 20, "no slave in sync once it left")
         c.close()
 
 
