@@ -107,9 +107,12 @@ def write_snapshot(
     one, in ``<data>.resync-incoming``, locked from its creation: the old folder stays in
     place, whole and locked, until the new one is complete and fsynced, so a master that
     stops answering midway leaves the old folder as it was (the incoming one is removed).
-    Then the two are swapped in one step (``renameat2(RENAME_EXCHANGE)``; where the file
-    system lacks it, two renames) and the old one renamed to ``<data>.before-resync-<time>``:
-    at no moment is there no locked folder at ``data_dir``. ``hand_over``: the new folder's
+    Then the two are swapped in one step (``renameat2(RENAME_EXCHANGE)``) and the old one
+    renamed to ``<data>.before-resync-<time>``: at no moment is there no locked folder at
+    ``data_dir``. Where the file system lacks the exchange, two renames, between which
+    ``data_dir`` is briefly absent: a server started in that moment makes an empty folder
+    there, and the second rename then fails (the copy stays at ``<data>.resync-incoming``,
+    the old folder aside, nothing lost; the next start says so). ``hand_over``: the new folder's
     lock stays held for the next ``FolderLock`` of this process (the server that opens it).
     ``lock``: the old folder's, taken by the caller, who keeps it (after the swap it locks
     the folder moved aside)."""
