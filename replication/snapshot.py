@@ -111,8 +111,9 @@ def write_snapshot(
     renamed to ``<data>.before-resync-<time>``: at no moment is there no locked folder at
     ``data_dir``. Where the file system lacks the exchange, two renames, between which
     ``data_dir`` is briefly absent: a server started in that moment makes an empty folder
-    there, and the second rename then fails (the copy stays at ``<data>.resync-incoming``,
-    the old folder aside, nothing lost; the next start says so). ``hand_over``: the new folder's
+    there, and the second rename then fails with an error naming both paths (the copy stays
+    at ``<data>.resync-incoming``, the old folder at ``<data>.before-resync-<time>``:
+    nothing is lost, but an operator puts the right one back). ``hand_over``: the new folder's
     lock stays held for the next ``FolderLock`` of this process (the server that opens it).
     ``lock``: the old folder's, taken by the caller, who keeps it (after the swap it locks
     the folder moved aside)."""
