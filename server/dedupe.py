@@ -137,8 +137,10 @@ class Deduper:
                     self._enter_flying()
                 if not writing or writing.isdisjoint(ids):
                     break
-                # one of these ids is being written
-                await asyncio.gather(*self._futures_holding(writing.intersection(ids)))
+                # one of these ids is being written. asyncio.wait, not gather: a cancelled
+                # waiter must not cancel the writer's future, which other batches wait on
+                # too (they were cancelled with it) and which ``written`` then settles
+                await asyncio.wait(self._futures_holding(writing.intersection(ids)))
         finally:
             del self._active[token]
         # (no await from here to the claim: no other batch can claim one of these ids between)

@@ -130,3 +130,29 @@ def test_batches_written_together_make_no_future_unless_one_waits():
         assert d._writing == set() and not d._entered and not d._flying
 
     asyncio.run(main())
+
+
+def test_a_cancelled_waiter_leaves_the_write_it_waited_for_and_the_other_waiters_alone():
+    """A batch waiting for another batch's write of one of its ids is cancelled (its
+    caller's deadline): the write it waited for still settles (its ``written`` does not
+    raise), and a third batch waiting for the same write is answered, not cancelled.
+    (``asyncio.gather`` cancelled the claim's shared future with the waiter.)"""
+
+    async def main():
+        d = Deduper(_engine(), 600_000)
+        _dups, first = await d.check(["p", "q"])
+        second = asyncio.ensure_future(d.check(["q", "r"]))
+        third = asyncio.ensure_future(d.check(["q", "s"]))
+        await asyncio.sleep(0.01)
+        assert not second.done() and not third.done()
+        second.cancel()
+        await asyncio.sleep(0.01)
+        assert not third.done()  # still waiting for the first batch's write, not cancelled
+        d.written(first, 10, [1, 2])
+        dups, claim = await third
+        assert dups == {0: Receipt("q", 2, 11)} and claim.ids == ["s"]
+        d.written(claim, 12, [3])
+        assert second.cancelled()
+        assert d._writing == set() and not d._entered and not d._flying
+
+    asyncio.run(main())
