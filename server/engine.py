@@ -232,6 +232,13 @@ class Places:
         return [(d, q) if q >= 0 else None for d, q in zip(self.dues.tolist(), self.seqs.tolist())]
 
 
+def _appended_or_none(done: asyncio.Future[Appended]) -> Appended | None:
+    """A settled append future's result, or None if it failed (its error retrieved)."""
+    if done.cancelled() or done.exception() is not None:
+        return None
+    return done.result()
+
+
 class Engine:
     def __init__(self, config: EngineConfig, clock: Callable[[], int] = _now_ms) -> None:
         config.validate()
@@ -662,16 +669,39 @@ class Engine:
             enc(m.subject.encode(), m.message_id.encode(), hdr(m.headers), m.payload, m.deliver_at_ms) for m in messages
         ]
 
-    async def send_bodies(self, bodies: list[bytes], soonest_due: int | None = None) -> int:
+    async def send_bodies(
+        self,
+        bodies: list[bytes],
+        soonest_due: int | None = None,
+        durable: Callable[[Appended | None], None] | None = None,
+    ) -> int:
         """Append MESSAGE bodies (already validated and encoded); return the first one's
         sequence once durable (and replicated, in sync mode). ``soonest_due``, the earliest
         due time among them, lets the iterate service copy them later when none is due
-        within ``far_ahead_ms`` (IterateService.expect_far)."""
+        within ``far_ahead_ms`` (IterateService.expect_far).
+
+        ``durable(appended)``, once the records are queued: called once with the append's
+        outcome (None: it failed) as soon as it is known, even if the caller is cancelled
+        meanwhile (a client's deadline): the records are written all the same, and an
+        idempotent send's ids must then stay known (Deduper.written), or the client's retry
+        writes them a second time."""
         self.check_writable()
         queued = None
         if soonest_due is not None and soonest_due - self.clock() >= self.far_ahead_ms:
             queued = self._expect_far
-        appended = await self.wal.append_bodies_async(RecordKind.MESSAGE, self.clock(), bodies, queued)
+        if durable is None:
+            appended = await self.wal.append_bodies_async(RecordKind.MESSAGE, self.clock(), bodies, queued)
+        else:
+            fut = self.wal.append_bodies_future(RecordKind.MESSAGE, self.clock(), bodies, queued)
+            try:
+                appended = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(lambda done: durable(_appended_or_none(done)))
+                raise
+            except BaseException:
+                durable(None)
+                raise
+            durable(appended)
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:

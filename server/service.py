@@ -13,12 +13,14 @@ import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
 
 from qdelay import wire
 from qdelay.errors import DiskFull, InvalidArgument, Overloaded, ShuttingDown
+from qdelay.segments.wal import Appended
 from qdelay.server import status
 from qdelay.server.config import ServerConfig
 from qdelay.server.dedupe import Deduper
@@ -203,20 +205,42 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.engine.check_writable()
         dups, claim = await dedupe.check(batch.ids, batch.generated)
         keep = [k for k in range(len(batch.ids)) if k not in dups] if dups else None
+        dues = batch.dues if keep is None else [batch.dues[k] for k in keep]
+        settled = False
+
+        def durable(appended: Appended | None) -> None:
+            # the claim settles with the append, not with this call: one cancelled (a
+            # client's deadline) while its records were queued released the ids at once, and
+            # the client's retry, finding them nowhere, wrote them again (delivered twice)
+            nonlocal settled
+            settled = True
+            if appended is None:
+                dedupe.failed(claim)
+            else:
+                dedupe.written(claim, appended.first_sequence, dues)
+
         try:
             bodies = batch.bodies if keep is None else [batch.bodies[k] for k in keep]
-            first = await self._append(batch, bodies) if bodies else 0
-        except BaseException:
-            dedupe.failed(claim)
+            first = await self._append(batch, bodies, durable) if bodies else 0
+        except BaseException as err:
+            # refused before its records were queued, or failed writing them; a cancellation
+            # comes at an await of _append, every one after its records were queued:
+            # ``durable`` was called, or will be once they are written or failed
+            if not settled and not isinstance(err, asyncio.CancelledError):
+                dedupe.failed(claim)
             raise
-        dedupe.written(claim, first, batch.dues if keep is None else [batch.dues[k] for k in keep])
+        if not bodies:
+            dedupe.written(claim, first, dues)
         if dups:  # the originals may be durable on this server only (sync mode)
             await self.engine.wait_replicated()
             self.engine.check_writable()  # right before the answer, as for a write (a lease lost meanwhile)
         return first, dups
 
-    async def _append(self, batch: EncodedBatch, bodies: list[bytes]) -> int:
-        """Append bodies of a validated batch; return the first sequence once durable."""
+    async def _append(
+        self, batch: EncodedBatch, bodies: list[bytes], durable: Callable[[Appended | None], None] | None = None
+    ) -> int:
+        """Append bodies of a validated batch; return the first sequence once durable.
+        ``durable``: as Engine.send_bodies'."""
         count, size = len(batch.bodies), batch.payload_bytes
         try:
             self.guard.check()
@@ -233,7 +257,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         try:
             # (the batch's earliest due time: the iterate service may copy a far-future
             # batch later, in a larger step)
-            first = await self.engine.send_bodies(bodies, min(batch.dues))
+            first = await self.engine.send_bodies(bodies, min(batch.dues), durable)
         finally:
             self.gate.leave(count, size)
             self.active_writes -= 1
