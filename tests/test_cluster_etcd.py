@@ -1038,3 +1038,52 @@ def test_a_new_shards_campaign_needs_the_in_sync_set_still_absent(tmp_path, etcd
             await kv.close()
 
     assert asyncio.run(main()) is False
+
+
+def test_a_promotion_lost_to_its_own_election_is_promoted_only_on_its_own_key(tmp_path, etcd):
+    """A promotion whose campaign lost answers as promoted (b16f72d: ``_won_meanwhile``)
+    only when the leader key is this server's own election: its address under its current
+    lease, and its role master once its logic loop has taken over. A key under another lease
+    (an earlier life of the same address, still within its TTL) or naming another server is
+    a lost promotion (ABORTED), and so is its own key whose takeover never made it master."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from qdelay.replication.cluster import ClusterAgent
+    from qdelay.replication.etcd import Etcd
+
+    key = b"/qdelay/c/shards/s3/leader"
+
+    async def main() -> dict[str, bool]:
+        kv = Etcd(etcd.endpoint)
+        try:
+            mine, _ = await kv.grant(30)
+            earlier, _ = await kv.grant(30)
+            engine = SimpleNamespace(role="slave")
+            agent = SimpleNamespace(kv=kv, leader_key=key, lease_id=mine, address="a:1", engine=engine)
+            said: dict[str, bool] = {}
+            await kv.put(key, b'{"address": "a:1"}', lease=earlier)
+            said["an earlier lease"] = await ClusterAgent._won_meanwhile(agent)  # type: ignore[arg-type]
+            await kv.put(key, b'{"address": "b:1"}', lease=mine)
+            said["another address"] = await ClusterAgent._won_meanwhile(agent)  # type: ignore[arg-type]
+            await kv.put(key, b'{"address": "a:1"}', lease=mine)
+            # its logic loop makes it master while the promotion waits for the role
+            asyncio.get_running_loop().call_soon(setattr, engine, "role", "master")
+            said["its own election"] = await ClusterAgent._won_meanwhile(agent)  # type: ignore[arg-type]
+            engine.role = "slave"
+            t0 = time.monotonic()
+            said["its own key, never master"] = await ClusterAgent._won_meanwhile(agent)  # type: ignore[arg-type]
+            assert time.monotonic() - t0 < 10
+            await kv.delete_prefix(key)
+            said["no key"] = await ClusterAgent._won_meanwhile(agent)  # type: ignore[arg-type]
+            return said
+        finally:
+            await kv.close()
+
+    assert asyncio.run(main()) == {
+        "an earlier lease": False,
+        "another address": False,
+        "its own election": True,
+        "its own key, never master": False,
+        "no key": False,
+    }
