@@ -121,6 +121,11 @@ class Deduper:
         token = self._token
         self._active[token] = begun = engine.iterate.sequence
         try:
+            # the engine's moves not yet copied, read before the index (MovedIds.get_many: a
+            # move dropped after this look is one the index holds by then); read after it
+            # alone, another lookup could drop a move the iterate service copied meanwhile,
+            # which the index, read before the copy, answered with the old message
+            moved_before = engine.moved_since(ids, begun)
             # on the loop: a miss is answered from the bloom filters (~0.4 us a key); only
             # hits need the message's state, read on a worker thread
             index = engine.ids  # there is one: dedupe is enabled
@@ -151,10 +156,11 @@ class Deduper:
         # and the engine's moves not yet copied: ``rescheduled`` is told only of a Reschedule
         # that answered (one whose caller was cancelled, or whose sync replication timed out,
         # moved the message all the same), and the index still maps the id to the old one
+        # (read before the index, and again now for the moves entered while this lookup ran)
         moved = engine.moved_since(ids, begun)
-        if moved:
+        if moved or moved_before:
             found = dict(found)
-            for k, r in moved.items():
+            for k, r in (*moved_before.items(), *moved.items()):
                 have = found.get(k)
                 if have is None or have.sequence < r.sequence:
                     found[k] = r

@@ -149,3 +149,43 @@ def test_a_resend_of_an_id_whose_unanswered_reschedule_is_not_copied_is_answered
         assert dups == {0: moved}, (dups, moved)
     finally:
         engine.close()
+
+
+def test_a_resend_checked_while_the_unanswered_move_is_copied_is_answered_with_the_moved_receipt(tmp_path):
+    """As above, with the iterate service copying the move while the re-send's lookup runs:
+    the id index answered the old message (read before the copy), and by the time the
+    deduper asked the engine's moves another by-id lookup had dropped the move (copied, so
+    the index holds it: MovedIds asks to be read before the index, and the deduper read it
+    after). The re-send was answered with the old receipt."""
+    from qdelay.server.dedupe import Deduper
+
+    due, later = T0 + 90 * MINUTE, T0 + 200 * MINUTE
+    engine = _engine(tmp_path, due)
+    lock = engine.iterate.append_lock
+    try:
+        deduper = Deduper(engine, 600_000)
+        duplicates_among = engine.duplicates_among
+
+        def copied_meanwhile(ids, hits, window_ms):
+            # (on a worker thread, after the index was read) the iterate service copies the
+            # move, and a Get by id meanwhile drops it from the engine's moves
+            lock.release()
+            engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+            engine.resolve_ids(["m0"])
+            return duplicates_among(ids, hits, window_ms)
+
+        async def scenario():
+            ((outcome, moved),) = await engine.reschedule_many([("m0", None, None, later)])
+            assert outcome.name == "RESCHEDULED" and moved is not None
+            engine.duplicates_among = copied_meanwhile  # type: ignore[method-assign]
+            dups, claim = await deduper.check(["m0"])
+            deduper.failed(claim)
+            return moved, dups
+
+        lock.acquire()  # the move is not copied before the re-send's lookup reads the index
+        moved, dups = asyncio.run(scenario())
+        assert dups == {0: moved}, (dups, moved)
+    finally:
+        if lock.locked():
+            lock.release()
+        engine.close()
