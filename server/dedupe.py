@@ -67,10 +67,10 @@ class Deduper:
     def __init__(self, engine: Engine, window_ms: int) -> None:
         self.engine = engine
         self.window_ms = window_ms
-        # ids written and maybe not yet indexed -> their newest write; client-chosen ids
-        # being written -> the future settled when their batch is written or failed. Both
-        # are filled, searched and emptied a batch at a time (C loops, the cost of the batch)
-        # however far the index lags.
+        # ids written and maybe not yet indexed -> their newest write; the client-chosen ids
+        # being written (a set; their claims, each with the future other batches wait on,
+        # in ``_entered``). Both are filled, searched and emptied a batch at a time (C
+        # loops, the cost of the batch) however far the index lags.
         self._recent = RecentIds()
         self._writing: set[str] = set()  # the held ids of the claims in ``_entered``
         self._entered: dict[int, Claim] = {}
