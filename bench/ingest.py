@@ -41,6 +41,8 @@ SHAPES = [
     ("send_many (SendStream) of Message objects, 100 x 16 in flight", "many-pb", 100, 16, 1),
     ("send_many (SendStream) of Outgoing tuples, 100 x 8 in flight", "many", 100, 8, 1),
     ("send_many (SendStream) of Outgoing tuples, 100 x 16 in flight", "many", 100, 16, 1),
+    # deeper: is bench.compare's shape (16) bound by the round trip or by CPU?
+    ("send_many (SendStream) of Outgoing tuples, 100 x 32 in flight", "many", 100, 32, 1),
     ("send_many (SendStream) of Outgoing tuples, 1000 x 4 in flight", "many", 1000, 4, 1),
     ("send_many of Outgoing tuples, 100 x 16, 2 producers", "many", 100, 16, 2),
 ]
