@@ -305,8 +305,9 @@ class Client:
 
     async def reschedule(
         self,
-        target: Target,
+        target: Target | None = None,
         *,
+        message_id: str | None = None,
         delay: timedelta | None = None,
         delay_ms: int | timedelta | None = None,
         deliver_at: datetime | None = None,
@@ -315,7 +316,8 @@ class Client:
     ) -> tuple[str, Receipt | None]:
         """Move a pending message to a new due time: ('RESCHEDULED', its new receipt), or
         ('ALREADY_DELIVERED' | 'CANCELLED' | 'NOT_FOUND', None). ``target`` is anything
-        :meth:`cancel` takes; the time as for :meth:`send` (one of them). The message keeps
+        :meth:`cancel` takes, or ``message_id=`` (by id, as ``cancel``); the time as for
+        :meth:`send` (one of them). The message keeps
         its id; it is never delivered at the old time once this returns RESCHEDULED.
 
         With batching (the default) reschedules awaited at the same moment by many tasks
@@ -323,7 +325,7 @@ class Client:
         :class:`~qdelay.client.batching.RescheduleBatcher`); each task gets its own answer
         or its own error, within its own ``timeout``. ``batching=False``: one unary
         Reschedule per call."""
-        req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms))
+        req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms), message_id)
         if self.batching is None:
             return reschedule_result(await self._call(self.stub.Reschedule, req, timeout))
         if self._rescheduler is None:

@@ -1028,8 +1028,9 @@ class Client:
 
     def reschedule(
         self,
-        target: Target,
+        target: Target | None = None,
         *,
+        message_id: str | None = None,
         delay: timedelta | None = None,
         delay_ms: int | timedelta | None = None,
         deliver_at: datetime | None = None,
@@ -1038,7 +1039,8 @@ class Client:
     ) -> tuple[str, Receipt | None]:
         """Move a pending message to a new due time: ('RESCHEDULED', its new receipt), or
         ('ALREADY_DELIVERED' | 'CANCELLED' | 'NOT_FOUND', None). ``target`` is anything
-        :meth:`cancel` takes; the time as for :meth:`send` (one of them). The message keeps
+        :meth:`cancel` takes, or ``message_id=`` (by id, as ``cancel``); the time as for
+        :meth:`send` (one of them). The message keeps
         its id; it is never delivered at the old time once this returns RESCHEDULED.
 
         With batching (the default) reschedules made at the same moment from many threads
@@ -1047,7 +1049,7 @@ class Client:
         its own ``timeout`` (DeadlineExceeded after it: whether it moved is then unknown, as
         for a unary call that timed out; its receipt, or a Get by id, tells).
         ``batching=False``: one unary Reschedule per call."""
-        req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms))
+        req = reschedule_request(target, reschedule_when(delay, delay_ms, deliver_at, deliver_at_ms), message_id)
         if self.batching is None:
             return reschedule_result(self._call(self.stub.Reschedule, req, timeout))
         return reschedule_result(self._gathered("_rescheduler", reschedule_batcher, req, timeout))

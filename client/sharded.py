@@ -613,9 +613,13 @@ class ShardedClient(_Sharded):
         """As ``Client.get``, on the master of the receipt's shard (by id alone: the id's)."""
         return self._retry(_named_shard(target, message_id), lambda c: c.get(target, timeout, message_id=message_id))
 
-    def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
-        """As ``Client.reschedule``, on the master of the receipt's shard."""
-        return self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
+    def reschedule(
+        self, target: Target | None = None, *, message_id: str | None = None, **kw: Any
+    ) -> tuple[str, Receipt | None]:
+        """As ``Client.reschedule``, on the master of the receipt's shard (by id alone: the id's)."""
+        return self._retry(
+            _named_shard(target, message_id), lambda c: c.reschedule(target, message_id=message_id, **kw)
+        )
 
     def reschedule_many(
         self, targets: Iterable[Target], *, batch_size: int = 1000, **kw: Any
@@ -1042,9 +1046,13 @@ class AioShardedClient(_Sharded):
             _named_shard(target, message_id), lambda c: c.get(target, timeout, message_id=message_id)
         )
 
-    async def reschedule(self, target: Target, **kw: Any) -> tuple[str, Receipt | None]:
+    async def reschedule(
+        self, target: Target | None = None, *, message_id: str | None = None, **kw: Any
+    ) -> tuple[str, Receipt | None]:
         """As :meth:`ShardedClient.reschedule`."""
-        return await self._retry(lambda t: shard_of_target(target, t), lambda c: c.reschedule(target, **kw))
+        return await self._retry(
+            _named_shard(target, message_id), lambda c: c.reschedule(target, message_id=message_id, **kw)
+        )
 
     async def reschedule_many(
         self, targets: Iterable[Target], *, batch_size: int = 1000, **kw: Any

@@ -332,10 +332,12 @@ def cancel_batches(targets: Iterable[Target], batch_size: int) -> list[pb.Cancel
 RESCHEDULE_OUTCOMES = {v.number: v.name for v in pb.RescheduleResponse.Outcome.DESCRIPTOR.values}
 
 
-def reschedule_request(target: Target, when_ms: tuple[int | None, int | None]) -> pb.RescheduleRequest:
-    """A RescheduleRequest for ``target`` (what ``cancel`` takes) and (deliver_at_ms,
-    delay_ms), exactly one of them set."""
-    r, mid = ref(target)
+def reschedule_request(
+    target: Target | None, when_ms: tuple[int | None, int | None], message_id: str | None = None
+) -> pb.RescheduleRequest:
+    """A RescheduleRequest for ``target`` or ``message_id=`` (what ``cancel`` takes, as
+    :func:`ref_or_id`) and (deliver_at_ms, delay_ms), exactly one of them set."""
+    r, mid = ref_or_id(target, message_id)
     at, rel = when_ms
     if (at is None) == (rel is None):
         raise errors.InvalidArgument("give one of delay, delay_ms, deliver_at or deliver_at_ms")

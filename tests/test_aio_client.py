@@ -188,6 +188,8 @@ def test_cancel_and_get_by_id_alone(server):
             r = await c.send(subject(), b"x", delay_ms=HOUR_MS, message_id="by-id-aio-1")
             st = await c.get("by-id-aio-1")
             assert st.state == "PENDING" and st.message_id == r.message_id
+            outcome, moved = await c.reschedule(message_id="by-id-aio-1", delay_ms=2 * HOUR_MS)
+            assert outcome == "RESCHEDULED" and moved is not None and moved.deliver_at_ms > r.deliver_at_ms
             assert await c.cancel(message_id="by-id-aio-1") == "CANCELLED"
 
     run(main())

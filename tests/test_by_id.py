@@ -33,6 +33,22 @@ def test_cancel_and_get_by_id_right_after_send(tmp_path):
         c.close()
 
 
+def test_reschedule_by_message_id_keyword(tmp_path):
+    """``reschedule(message_id=...)`` as ``cancel`` and ``get`` take it (the id as a target
+    worked; the keyword did not exist, a TypeError)."""
+    with ServerProc(tmp_path / "data") as srv:
+        c = srv.client()
+        r = c.send("t.id", b"p", delay_ms=HOUR, message_id="order-r")
+        outcome, moved = c.reschedule(message_id="order-r", delay_ms=2 * HOUR)
+        assert outcome == "RESCHEDULED" and moved is not None and moved.message_id == "order-r"
+        assert moved.deliver_at_ms > r.deliver_at_ms
+        assert c.get(message_id="order-r").deliver_at_ms == moved.deliver_at_ms
+        assert c.reschedule(message_id="nobody", delay_ms=HOUR) == ("NOT_FOUND", None)
+        with pytest.raises(errors.InvalidArgument):
+            c.reschedule(delay_ms=HOUR)  # neither a target nor an id
+        c.close()
+
+
 def test_what_does_not_name_a_message_is_refused_and_message_id_is_the_id_as_it_is(tmp_path):
     """A user's receipt column too narrow for the receipt text: the cut text ('qd1:…' that
     does not parse) was sent as a message id, so cancel answered NOT_FOUND and the message

@@ -474,6 +474,7 @@ def test_sharded_clients_have_the_clients_surface(tmp_path, etcd):
             assert sc.cancel(message_id=many[4].message_id) == "CANCELLED"
             assert sc.get(message_id=many[4].message_id).state == "CANCELLED"
             assert sc.reschedule(many[5], delay_ms=7_200_000)[0] == "RESCHEDULED"
+            assert sc.reschedule(message_id=many[6].message_id, delay_ms=7_200_000)[0] == "RESCHEDULED"
             st = wait_until(
                 lambda: (x := sc.stats(subject="surf"))["cluster"]["pending"] == 330 - 6 and x, 10, "pending summed"
             )
@@ -516,6 +517,7 @@ def test_sharded_clients_have_the_clients_surface(tmp_path, etcd):
                 assert await ac.cancel_many(mixed) == ["CANCELLED", "CANCELLED", "NOT_FOUND", "CANCELLED", "CANCELLED"]
                 assert (await ac.get(message_id=rs[0].message_id)).state == "CANCELLED"
                 assert await ac.cancel(message_id=rs[2].message_id) == "CANCELLED"
+                assert (await ac.reschedule(message_id=rs[3].message_id, delay_ms=7_200_000))[0] == "RESCHEDULED"
                 st = await ac.stats(subject="surf.aio")
                 assert st["cluster"]["shards"] == 2
                 async with ac.subscribe("surf.aio.now", "g") as consumer:
