@@ -239,6 +239,23 @@ def _appended_or_none(done: asyncio.Future[Appended]) -> Appended | None:
     return done.result()
 
 
+async def _settled(fut: asyncio.Future[Appended], settle: Callable[[Appended | None], None]) -> Appended:
+    """Await an append queued by ``MessageLog.append_future`` / ``append_bodies_future``;
+    ``settle(appended)`` once its outcome is known (None: it failed), even if the caller is
+    cancelled meanwhile: the records are written all the same, and what depends on them
+    (a Send's ids, a Cancel's or Reschedule's claims) must follow the write, not the caller."""
+    try:
+        appended = await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(lambda done: settle(_appended_or_none(done)))
+        raise
+    except BaseException:
+        settle(None)
+        raise
+    settle(appended)
+    return appended
+
+
 class Engine:
     def __init__(self, config: EngineConfig, clock: Callable[[], int] = _now_ms) -> None:
         config.validate()
@@ -693,15 +710,7 @@ class Engine:
             appended = await self.wal.append_bodies_async(RecordKind.MESSAGE, self.clock(), bodies, queued)
         else:
             fut = self.wal.append_bodies_future(RecordKind.MESSAGE, self.clock(), bodies, queued)
-            try:
-                appended = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                fut.add_done_callback(lambda done: durable(_appended_or_none(done)))
-                raise
-            except BaseException:
-                durable(None)
-                raise
-            durable(appended)
+            appended = await _settled(fut, durable)
         if self.replication_wait is not None:
             await self.replication_wait(appended.end_offset)
         if self.write_guard is not None:
@@ -1007,23 +1016,14 @@ class Engine:
         not wait for). Released at the cancellation instead, the old message was claimable
         again: a Cancel by id right after found it, answered CANCELLED, and the moved
         message was delivered at its new time."""
-        try:
-            appended = await asyncio.shield(fut)
-        except asyncio.CancelledError:
 
-            def settle(done: asyncio.Future[Appended]) -> None:
-                if done.cancelled() or done.exception() is not None:
-                    self._release_claims(claims)
-                else:
-                    written(done.result())
+        def settle(appended: Appended | None) -> None:
+            if appended is None:
+                self._release_claims(claims)
+            else:
+                written(appended)
 
-            fut.add_done_callback(settle)
-            raise
-        except BaseException:
-            self._release_claims(claims)
-            raise
-        written(appended)
-        return appended
+        return await _settled(fut, settle)
 
     async def _off_loop_claims(self, claim: Callable, *args):
         """``claim(*args)`` on a worker thread; its result, whose second item is the claimed
