@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import threading
 import time
@@ -49,6 +50,43 @@ def thread_cpu_ns(pid: int | None = None) -> dict[int, int] | None:
         except (OSError, ValueError, IndexError):
             continue  # a thread that has just ended
     return out or None
+
+
+def thread_cpu_by_name(pid: int | None = None) -> dict[str, int]:
+    """CPU time so far of a process's threads by OS name (``/proc/<pid>/task/<tid>/comm``;
+    the server names its threads, qdelay/threads.py), in ns. The thread whose id is the
+    pid is ``main`` (the server's event loop); threads of one pool (``fsync_0``,
+    ``fsync_1``...) are summed under the name without the number. Empty where /proc has
+    none. A thread that has ended is no longer counted: read around a block in which the
+    threads of interest live throughout."""
+    pid = pid or os.getpid()
+    out: dict[str, int] = {}
+    for tid, path in schedstat_paths(pid).items():
+        try:
+            with open(path) as f:
+                ns = int(f.read().split()[0])
+            with open(path.removesuffix("schedstat") + "comm") as f:
+                name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that has just ended
+        if tid == pid:
+            name = "main"
+        else:  # "fsync_3" -> "fsync"; a thread named by threading's default: "Thread-4 (_poll" -> "_poll"
+            name = re.sub(r"^Thread-\d+ \(", "", name).rstrip(")").rstrip("0123456789").rstrip("_-") or name
+        out[name] = out.get(name, 0) + ns
+    return out
+
+
+def thread_split(before: dict[str, int], after: dict[str, int], per: int, top: int = 8) -> dict[str, float]:
+    """µs of CPU per unit (``per``: messages, calls) of each named thread between two
+    ``thread_cpu_by_name`` readings, the busiest ``top`` first, the rest summed as ``other``."""
+    used = {name: (ns - before.get(name, 0)) / 1e3 / per for name, ns in after.items()}
+    ranked = sorted(used.items(), key=lambda kv: -kv[1])
+    out = {name: round(us, 2) for name, us in ranked[:top] if us >= 0.005}
+    rest = sum(us for _, us in ranked[top:])
+    if rest >= 0.005:
+        out["other"] = round(rest, 2)
+    return out
 
 
 class Meter:

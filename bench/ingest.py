@@ -17,7 +17,8 @@ the server's CPU per message (all its threads) and the producers' CPU per messag
   unary Send from 8 processes (each a single message per call, batched or not by the client)
 
 ``--only`` runs the shapes whose name contains one of its comma-separated words.
-Writes bench/out/ingest.json.
+After the table, each producer shape's CPU a message by thread, server and client (the
+server's ``main`` is its event loop; names from qdelay/threads.py). Writes bench/out/ingest.json.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import shutil
 import tempfile
 import time
 
-from bench.common import machine, print_table, write_json
+from bench.common import machine, print_table, thread_cpu_by_name, thread_split, write_json
 from bench.peers import QdelayDriver
 
 CTX = mp.get_context("spawn")
@@ -61,9 +62,12 @@ def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
     try:
         from concurrent.futures import ThreadPoolExecutor
 
+        from bench.common import thread_cpu_by_name
         from qdelay.client import Client, Outgoing
+        from qdelay.threads import name_os_threads
         from qdelay.v1 import qdelay_pb2 as pb
 
+        name_os_threads()  # the client's threads by name in the split (its bulk loop: client-bulk)
         client = Client(address, retries=0, timeout=120)
         client.wait_ready()
         body = b"p" * payload
@@ -72,6 +76,7 @@ def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
         due = int(time.time() * 1000) + 600_000
         start = time.time()
         cpu0 = time.process_time()
+        threads0 = thread_cpu_by_name()
         msgs = (
             pb.Message(subject="bench", payload=body, message_id=str(first_id + i), deliver_at_ms=due + i % 60_000)
             for i in range(n)
@@ -98,7 +103,8 @@ def _producer(address, kind, n, batch, inflight, payload, first_id, go, q):
                 waiting.append(client.stub.SendBatch.future(pb.SendBatchRequest(messages=chunk), timeout=120))
             for f in waiting:
                 f.result()
-        q.put(dict(start=start, end=time.time(), cpu=time.process_time() - cpu0, n=n))
+        threads = {k: v - threads0.get(k, 0) for k, v in thread_cpu_by_name().items()}
+        q.put(dict(start=start, end=time.time(), cpu=time.process_time() - cpu0, n=n, threads=threads))
         client.close()
     except BaseException as e:  # noqa: BLE001 - report to the parent
         q.put(dict(error=repr(e)))
@@ -121,9 +127,11 @@ def run_shape(driver, kind, n, batch, inflight, procs, payload, offset):
     for _ in ps:
         assert q.get(timeout=120) == "ready"
     cpu0 = driver.cpu_seconds()
+    threads0 = thread_cpu_by_name(driver.pid)
     go.set()
     results = [q.get(timeout=900) for _ in ps]
     server_cpu = driver.cpu_seconds() - cpu0
+    threads1 = thread_cpu_by_name(driver.pid)
     for p in ps:
         p.join(30)
     errors = [r["error"] for r in results if "error" in r]
@@ -131,12 +139,19 @@ def run_shape(driver, kind, n, batch, inflight, procs, payload, offset):
         raise RuntimeError(errors[0])
     total = sum(r["n"] for r in results)
     secs = max(r["end"] for r in results) - min(r["start"] for r in results)
+    client_threads: dict[str, int] = {}
+    for r in results:
+        for name, ns in r["threads"].items():
+            client_threads[name] = client_threads.get(name, 0) + ns
     return dict(
         n=total,
         secs=round(secs, 2),
         msgs_per_s=round(total / secs),
         server_cpu_us_per_msg=round(server_cpu * 1e6 / total, 1),
         client_cpu_us_per_msg=round(sum(r["cpu"] for r in results) * 1e6 / total, 1),
+        # µs a message of each thread (the server's main thread is its event loop)
+        server_threads=thread_split(threads0, threads1, total),
+        client_threads=thread_split({}, client_threads, total),
     )
 
 
@@ -210,6 +225,11 @@ def main(argv=None) -> int:
         rows,
         title=f"### qdelay durable ingest (flush {args.flush}, {args.payload}-byte payloads)",
     )
+    for name, res in results.items():
+        for side in ("server", "client"):
+            split = res.get(f"{side}_threads")
+            if split:
+                print(f"{name}: {side} CPU µs/msg by thread: " + ", ".join(f"{k} {v}" for k, v in split.items()))
     path = write_json("ingest", {"machine": info, "args": vars(args), "results": results, "report": text})
     print(f"\nwrote {path}")
     return 0

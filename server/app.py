@@ -50,6 +50,7 @@ from qdelay.server.config import ServerConfig
 from qdelay.server.consumers import ConsumerRegistry
 from qdelay.server.metrics import Metrics
 from qdelay.server.service import DelayService
+from qdelay.threads import name_os_threads
 from qdelay.v1 import qdelay_pb2 as pb
 from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
@@ -518,6 +519,9 @@ def tune_runtime() -> None:
 def serve(cfg: ServerConfig) -> int:
     setup_logging(cfg)
     tune_runtime()
+    # before any thread starts: each carries its name in top -H, py-spy and /proc (the
+    # event loop is the thread whose id is the pid)
+    name_os_threads()
     result = asyncio.run(_main(cfg))
     if isinstance(result, Reexec):
         return _reexec(result)
