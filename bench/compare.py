@@ -41,6 +41,8 @@ from bench.common import (
     machine,
     print_table,
     steal_percent,
+    thread_cpu_by_name,
+    thread_split,
     until_steady,
     write_json,
 )
@@ -306,13 +308,20 @@ def ingest(name, tmp, scale=1.0, seed=1):
         s.start()
         idle = idle_cpu_rate(d)
         cpu0 = d.cpu_seconds()
+        threads0 = thread_cpu_by_name(d.pid)
         t_go = time.monotonic()
         s.go()
         res = s.results()
+        threads1 = thread_cpu_by_name(d.pid)  # at the last answer
         srv_cpu = settled_cpu(d, cpu0, t_go, idle)
+        threads2 = thread_cpu_by_name(d.pid)  # work left for later included (idle time too)
     _, _, t_start, t_end, sent = merge_sent(res)
     secs = t_end - t_start
+    split, settled = thread_split(threads0, threads1, sent), thread_split(threads0, threads2, sent)
+    print(f"{name} ingest, server CPU µs/msg by thread, to the last answer: {split}; settled: {settled}", flush=True)
     return dict(
+        srv_threads=split,
+        srv_threads_settled=settled,
         n=sent,
         secs=round(secs, 2),
         msgs_per_s=round(sent / secs),
