@@ -56,6 +56,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
         ("ingest", ["--messages", "20000", "--unary-messages", "2000"] if quick else [], out("ingest")),
         # the id filter in front of the id index as it grows past its capacity (in process)
         ("idfilter", ["--up-to", "1200000", "--lookup-keys", "200000"] if quick else [], out("idfilter")),
+        # the iterate service's CPU per message, by part (in process)
+        ("iterate", ["--messages", "20000", "--rounds", "1"] if quick else [], out("iterate")),
         ("grpc_floor", ["--batches", "200", "--repeats", "1"] if quick else [], out("grpc_floor")),
         ("handoff", ["--rounds", "1", "--loops", "300"] if quick else [], out("handoff")),
         (

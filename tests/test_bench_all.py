@@ -26,6 +26,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "pending",
             "ingest",
             "idfilter",
+            "iterate",
             "grpc_floor",
             "handoff",
             "replication",
