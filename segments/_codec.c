@@ -160,6 +160,9 @@ typedef struct {
     PyObject *seg;     /* the bucket's schedule segment (a new reference) */
     PyObject *buf;     /* its write-behind bytearray (a new reference), or NULL until needed */
     long long last;    /* highest sequence it holds, this call's appends included */
+    Py_ssize_t bytes;  /* the bytes this call copies into its buffer */
+    Py_ssize_t fill;   /* where the next of them goes (the second pass) */
+    Py_ssize_t size;   /* the buffer's size before this call, once grown (else -1) */
     int used, touched;
 } Slot;
 
@@ -191,6 +194,23 @@ static int table_grow(Table *t) {
 
 static inline long long floor_div(long long a, long long b) { long long q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
 
+/* Make room for ``extra`` more bytes in ``buf`` (a bytearray) and return where they go: its
+ * size grows by ``extra``. A bytearray grows by an eighth past its size, or to the exact
+ * size for a larger step; a write-behind buffer grows by a few KiB a step up to ~100 KiB,
+ * and each realloc copied the whole buffer (route's memcpy and realloc were ~0.2 us a
+ * message of the iterate thread's ~1.4). Growing to twice the size needed (and then
+ * setting the size, which a bytearray does in place while the size stays above half its
+ * allocation) copies each byte about once more in all. */
+static Py_ssize_t buffer_grow(PyObject *buf, Py_ssize_t extra) {
+    Py_ssize_t at = PyByteArray_GET_SIZE(buf), want = at + extra;
+    if (want >= ((PyByteArrayObject *)buf)->ob_alloc && want < PY_SSIZE_T_MAX / 2 &&
+        PyByteArray_Resize(buf, 2 * want) < 0)
+        return -1;
+    if (PyByteArray_Resize(buf, want) < 0)
+        return -1;
+    return at;
+}
+
 /* route(data, end, starts, kinds, seqs, dues, scale, near, behind, segment_of)
  *   -> (handed, messages, cancels, duplicates, unknown, copied, added)
  *
@@ -201,6 +221,9 @@ static inline long long floor_div(long long a, long long b) { long long q = a / 
  * ``last_sequence`` is read once and written back at the end. ``handed``: (index,
  * bucket, offset in its buffer) of the copied records of buckets <= ``near`` (all when
  * None) and of every CANCEL. ``unknown``: indexes of frames of another kind (skipped).
+ * Two passes: the first finds each frame's bucket and whether it is copied, and sums the
+ * bytes of each bucket (every segment_of call, every check, before any buffer changes);
+ * each buffer then grows once (buffer_grow), and the second copies.
  * The Python twin is segments/reader.py ``route_py``.
  */
 static PyObject *route(PyObject *self, PyObject *args) {
@@ -214,6 +237,7 @@ static PyObject *route(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *handed = PyList_New(0), *unknown = PyList_New(0);
     Table t = {NULL, 0, 0};
     long long near = LLONG_MAX, messages = 0, cancels = 0, dups = 0, copied = 0, added = 0;
+    long long *bucket_of = NULL; /* each frame's bucket, or LLONG_MIN: not copied */
     Py_ssize_t n = sb.len / 8;
     const int64_t *starts = sb.buf, *seqs = qb.buf, *dues = db.buf;
     const unsigned char *kinds = kb.buf, *bytes = data.buf;
@@ -230,12 +254,14 @@ static PyObject *route(PyObject *self, PyObject *args) {
             goto done;
     }
     t.cap = 64;
-    if (!(t.slots = PyMem_Calloc((size_t)t.cap, sizeof(Slot)))) {
+    if (!(t.slots = PyMem_Calloc((size_t)t.cap, sizeof(Slot))) ||
+        !(bucket_of = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(long long)))) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned kind = kinds[i];
+        bucket_of[i] = LLONG_MIN;
         if (kind != 1 && kind != 2) {
             if (append_new(unknown, PyLong_FromSsize_t(i)) < 0) {
                 goto done;
@@ -273,6 +299,8 @@ static PyObject *route(PyObject *self, PyObject *args) {
             slot->last = lastv;
             slot->buf = NULL;
             slot->touched = 0;
+            slot->bytes = 0;
+            slot->size = -1;
             t.count++;
         }
         if (seqs[i] <= slot->last) {
@@ -284,39 +312,53 @@ static PyObject *route(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "route: frame offsets out of order");
             goto done;
         }
-        if (!slot->buf) {
-            PyObject *key = PyLong_FromLongLong(bucket);
-            if (!key)
-                goto done;
-            PyObject *buf = PyDict_GetItemWithError(behind, key);
-            if (!buf && PyErr_Occurred()) {
-                Py_DECREF(key);
-                goto done;
-            }
-            if (buf) {
-                if (!PyByteArray_Check(buf)) {
-                    Py_DECREF(key);
-                    PyErr_SetString(PyExc_TypeError, "route: behind holds a non-bytearray");
-                    goto done;
-                }
-                Py_INCREF(buf);
-            } else if (!(buf = PyByteArray_FromStringAndSize(NULL, 0)) || PyDict_SetItem(behind, key, buf) < 0) {
-                Py_XDECREF(buf);
-                Py_DECREF(key);
-                goto done;
-            }
-            Py_DECREF(key);
-            slot->buf = buf;
-        }
-        Py_ssize_t at = PyByteArray_GET_SIZE(slot->buf);
-        if (PyByteArray_Resize(slot->buf, at + (stop - start)) < 0)
-            goto done;
-        memcpy(PyByteArray_AS_STRING(slot->buf) + at, bytes + start, (size_t)(stop - start));
         slot->last = seqs[i];
         slot->touched = 1;
+        slot->bytes += stop - start;
+        bucket_of[i] = bucket;
         copied++;
         added += stop - start;
-        if (kind == 2 || bucket <= near) {
+    }
+    for (Py_ssize_t k = 0; k < t.cap; k++) { /* each buffer found or made, grown once */
+        Slot *slot = &t.slots[k];
+        if (!slot->used || !slot->touched)
+            continue;
+        PyObject *key = PyLong_FromLongLong(slot->bucket);
+        if (!key)
+            goto done;
+        PyObject *buf = PyDict_GetItemWithError(behind, key);
+        if (!buf && PyErr_Occurred()) {
+            Py_DECREF(key);
+            goto done;
+        }
+        if (buf) {
+            if (!PyByteArray_Check(buf)) {
+                Py_DECREF(key);
+                PyErr_SetString(PyExc_TypeError, "route: behind holds a non-bytearray");
+                goto done;
+            }
+            Py_INCREF(buf);
+        } else if (!(buf = PyByteArray_FromStringAndSize(NULL, 0)) || PyDict_SetItem(behind, key, buf) < 0) {
+            Py_XDECREF(buf);
+            Py_DECREF(key);
+            goto done;
+        }
+        Py_DECREF(key);
+        slot->buf = buf;
+        if ((slot->fill = buffer_grow(buf, slot->bytes)) < 0)
+            goto done;
+        slot->size = slot->fill;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long bucket = bucket_of[i];
+        if (bucket == LLONG_MIN)
+            continue;
+        Slot *slot = table_find(&t, bucket);
+        Py_ssize_t start = (Py_ssize_t)starts[i], stop = i + 1 < n ? (Py_ssize_t)starts[i + 1] : end;
+        Py_ssize_t at = slot->fill;
+        memcpy(PyByteArray_AS_STRING(slot->buf) + at, bytes + start, (size_t)(stop - start));
+        slot->fill = at + (stop - start);
+        if (kinds[i] == 2 || bucket <= near) {
             if (append_new(handed, Py_BuildValue("(nLn)", i, bucket, at)) < 0) {
                 goto done;
             }
@@ -325,10 +367,14 @@ static PyObject *route(PyObject *self, PyObject *args) {
     result = Py_BuildValue("(OLLLOLL)", handed, messages, cancels, dups, unknown, copied, added);
 done:
     if (t.slots) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
         for (Py_ssize_t k = 0; k < t.cap; k++) {
             Slot *slot = &t.slots[k];
             if (!slot->used)
                 continue;
+            if (!result && slot->size >= 0 && PyByteArray_Resize(slot->buf, slot->size) < 0)
+                PyErr_Clear(); /* a failed call leaves every buffer as it found it (only its size) */
             if (slot->touched && result) {  /* write back what the segment now holds */
                 PyObject *v = PyLong_FromLongLong(slot->last);
                 if (!v || PyObject_SetAttrString(slot->seg, "last_sequence", v) < 0)
@@ -339,7 +385,10 @@ done:
             Py_XDECREF(slot->buf);
         }
         PyMem_Free(t.slots);
+        if (et || ev || tb)
+            PyErr_Restore(et, ev, tb);
     }
+    PyMem_Free(bucket_of);
     Py_XDECREF(handed);
     Py_XDECREF(unknown);
     PyBuffer_Release(&data);

@@ -818,6 +818,43 @@ def test_frame_bodies_refuses_what_it_cannot_frame(side):
 
 
 @pytest.mark.parametrize("side", ["native", "twin"])
+def test_route_that_fails_leaves_the_buffers_and_segments_as_they_were(side):
+    """A segment_of that raises on a bucket met after others (a stop while the disk is full)
+    fails the whole call: no buffer grows (the native side sizes them all before copying)
+    and no segment's last sequence moves, so nothing is copied twice when it is tried again."""
+    from qdelay.segments import reader
+
+    fn = codec.route if side == "native" else reader.route_py
+    data = bytearray()
+    for i, minute in enumerate([0, 0, 1, 2, 1]):
+        framing.encode_into(data, RecordKind.MESSAGE, 10 + i, 0, (minute * 60_000 + 5).to_bytes(8, "little") + b"x")
+    data = bytes(data)
+    end, _count, starts, kinds, seqs, dues, _bad = framing_scan(data)
+    cols = [np.frombuffer(a, t) for a, t in ((starts, np.int64), (kinds, np.uint8), (seqs, np.int64), (dues, np.int64))]
+    segments = {0: FakeSegment(-1), 1: FakeSegment(-1)}
+
+    def segment_of(bucket):
+        if bucket == 2:
+            raise OSError("no space left")
+        return segments[bucket]
+
+    behind = {0: bytearray(b"before")}
+    with pytest.raises(OSError):
+        fn(data, end, *cols, 1, None, behind, segment_of)
+    assert behind == {0: bytearray(b"before")}
+    assert [sg.last_sequence for sg in segments.values()] == [-1, -1]
+    # and with every segment there, the same call copies each frame once
+    segments[2] = FakeSegment(-1)
+    fn(data, end, *cols, 1, None, behind, lambda b: segments[b])
+    assert bytes(behind[0]) == b"before" + data[: starts_at(starts, 2)]
+    assert [sg.last_sequence for sg in segments.values()] == [11, 14, 13]
+
+
+def starts_at(starts: bytes, i: int) -> int:
+    return int(np.frombuffer(starts, np.int64)[i])
+
+
+@pytest.mark.parametrize("side", ["native", "twin"])
 def test_encode_send_batch_refuses_what_it_cannot_encode(side):
     fn = wire_codec.encode_send_batch if side == "native" else wire.encode_send_batch_py
     for bad in [
