@@ -89,6 +89,10 @@ class Appended:
     end_offset: int
 
 
+# an async append's outcome, called on its loop: (appended, None) once durable, (None, error)
+Settle = Callable[[Appended | None, Exception | None], None]
+
+
 class _Pending:
     __slots__ = ("appended", "callback", "tombstones")
 
@@ -137,7 +141,11 @@ class _LoopSettler:
     ``put`` (the writer thread) queues a result; ``wake`` (the writer thread, after the
     commit's last ``put``) schedules ``_run`` unless one is already scheduled and has not
     started. ``_run`` clears that mark before it drains, so a result put after its last
-    look is drained by the run ``wake`` then schedules."""
+    look is drained by the run ``wake`` then schedules.
+
+    A result is for a future (``append_future``), or for a callback
+    (``append_bodies_then``) that ``_run`` calls on the loop with ``(appended, error)``: an
+    outcome nobody can cancel, one loop turn sooner than a future's done callback."""
 
     __slots__ = ("_loop", "_results", "_armed", "__weakref__")
 
@@ -145,10 +153,12 @@ class _LoopSettler:
         # weakly: the log's settlers are keyed weakly by their loop, and a strong reference
         # from the value kept every loop that ever appended alive (closed) for the log's life
         self._loop = weakref.ref(loop)
-        self._results: collections.deque[tuple[asyncio.Future, Appended | None, Exception | None]] = collections.deque()
+        self._results: collections.deque[tuple[asyncio.Future | Settle, Appended | None, Exception | None]] = (
+            collections.deque()
+        )
         self._armed = False
 
-    def put(self, fut: asyncio.Future, appended: Appended | None, error: Exception | None) -> None:
+    def put(self, fut: asyncio.Future | Settle, appended: Appended | None, error: Exception | None) -> None:
         self._results.append((fut, appended, error))
 
     def wake(self) -> None:
@@ -170,6 +180,12 @@ class _LoopSettler:
         results = self._results
         while results:
             fut, appended, error = results.popleft()
+            if not isinstance(fut, asyncio.Future):  # a callback (append_bodies_then)
+                try:
+                    fut(appended, error)
+                except Exception:  # one appender's bug must not strand the others' results
+                    log.exception("message log callback failed")
+                continue
             if fut.done():  # cancelled by its caller
                 continue
             if error is not None:
@@ -179,11 +195,12 @@ class _LoopSettler:
 
 
 class _AsyncWaiter:
-    """Completion of one async append: its future, settled through its loop's settler."""
+    """Completion of one async append: its future (or callback), settled through its loop's
+    settler."""
 
     __slots__ = ("settler", "fut")
 
-    def __init__(self, settler: _LoopSettler, fut: asyncio.Future) -> None:
+    def __init__(self, settler: _LoopSettler, fut: asyncio.Future | Settle) -> None:
         self.settler = settler
         self.fut = fut
 
@@ -418,15 +435,18 @@ class MessageLog:
             # loop, at each append (quadratic in the appends a commit gathers: 43 us a batch
             # of 100 at 10-16 batches a commit, docs/benchmarks.md "Ingest per thread, and the
             # event loop's two cuts"); the writer hands the list to one pwritev.
-            if self._queue and self._queue[-1][0] is self._plan_segment:
-                self._queue[-1][1].append(buf)
+            queue = self._queue
+            idle = not queue  # the writer waits only for an empty queue: woken by its first append
+            if queue and queue[-1][0] is self._plan_segment:
+                queue[-1][1].append(buf)
             else:
-                self._queue.append((self._plan_segment, [buf]))
+                queue.append((self._plan_segment, [buf]))
             self._plan_size += len(buf)
             self._next_sequence = seq
             appended = Appended(first, seq - first, start, start + len(buf))
             self._waiters.append(_Pending(appended, callback, tombstones))
-            self._wake.notify()
+            if idle:
+                self._wake.notify()
         return appended
 
     def append(self, entries: Iterable[Entry], timeout: float | None = None) -> Appended:
@@ -480,16 +500,41 @@ class MessageLog:
         """:meth:`append_future` for records of one kind and timestamp."""
         return self._append_future(lambda cb: self.submit_bodies(kind, timestamp, bodies, cb), queued)
 
+    def append_bodies_then(
+        self,
+        kind: int,
+        timestamp: int,
+        bodies: list[bytes],
+        done: Settle,
+        queued: Callable[[Appended], None] | None = None,
+    ) -> Appended:
+        """:meth:`append_bodies_future` with a callback instead of a future: the records are
+        queued on return (or it raises, and ``done`` is never called), and ``done(appended,
+        None)`` once durable, or ``done(None, error)``, runs on the calling loop (in the
+        settler's turn, no turn of its own). Nobody can cancel it, so what must follow the
+        write (an idempotent send's ids) follows it without ``asyncio.shield``, and a
+        SendStream batch needs no task (DelayService._start_write)."""
+        loop = asyncio.get_running_loop()
+        settler = self._settler(loop)
+        appended = self.submit_bodies(kind, timestamp, bodies, _AsyncWaiter(settler, done))
+        if queued is not None:
+            queued(appended)
+        return appended
+
     async def _append_async(self, submit: Callable, queued: Callable[[Appended], None] | None = None) -> Appended:
         return await self._append_future(submit, queued)
+
+    def _settler(self, loop: asyncio.AbstractEventLoop) -> _LoopSettler:
+        settler = self._settlers.get(loop)
+        if settler is None:
+            settler = self._settlers[loop] = _LoopSettler(loop)
+        return settler
 
     def _append_future(
         self, submit: Callable, queued: Callable[[Appended], None] | None = None
     ) -> asyncio.Future[Appended]:
         loop = asyncio.get_running_loop()
-        settler = self._settlers.get(loop)
-        if settler is None:
-            settler = self._settlers[loop] = _LoopSettler(loop)
+        settler = self._settler(loop)
         fut = loop.create_future()
         appended = submit(_AsyncWaiter(settler, fut))
         if queued is not None:

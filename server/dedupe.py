@@ -148,6 +148,42 @@ class Deduper:
                 await asyncio.wait(self._futures_holding(writing.intersection(ids)))
         finally:
             del self._active[token]
+        return self._decide(ids, begun, found, moved_before)
+
+    def check_now(self, ids: list[str], generated: Made | None = None) -> tuple[dict[int, Receipt], Claim] | None:
+        """:meth:`check` when it need not wait, on the loop without an await (a SendStream
+        batch then needs no task: DelayService._start_write); None, with nothing claimed,
+        where it would wait: the first lookup of a role (the index catching up), an id the
+        index holds (the message's state is read on a worker thread), an id another batch
+        is writing, or a batch of generated and chosen ids together. The same answer as
+        :meth:`check` otherwise (no lookup of another batch can run in between, so none
+        needs the floor this one began at kept: no token in ``_active``)."""
+        if generated:
+            return ({}, Claim(ids, None)) if len(generated) == len(ids) else None
+        engine = self.engine
+        if self._epoch != engine.epoch or engine.iterate.sequence < self._floor:
+            return None
+        self._prune()
+        begun = engine.iterate.sequence
+        moved_before = engine.moved_since(ids, begun)
+        index = engine.ids
+        if index is not None and index.failed is None:
+            hits = index.get_many(ids)
+            if hits.count(None) != len(hits):
+                return None
+        if self._flying:
+            self._enter_flying()
+        writing = self._writing
+        if writing and not writing.isdisjoint(ids):
+            return None
+        return self._decide(ids, begun, {}, moved_before)
+
+    def _decide(
+        self, ids: list[str], begun: int, found: dict[int, Receipt], moved_before: dict[int, Receipt]
+    ) -> tuple[dict[int, Receipt], Claim]:
+        """The end of a lookup begun at index sequence ``begun``, with what the index held
+        (``found``) and the moves read before it: the duplicates, and the claim on the rest."""
+        engine = self.engine
         # (no await from here to the claim: no other batch can claim one of these ids between)
         # what the index held when this lookup began is in ``found``; the rest is recent
         recent = self._recent.find(ids, begun) if len(self._recent) else None

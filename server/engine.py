@@ -717,6 +717,24 @@ class Engine:
             self.write_guard()
         return appended.first_sequence
 
+    @property
+    def answers_when_durable(self) -> bool:
+        """Whether a write is answered as soon as its records are durable: no sync
+        replication to wait for, no cluster lease to check after it (``send_bodies_then``)."""
+        return self.replication_wait is None and self.write_guard is None
+
+    def send_bodies_then(
+        self, bodies: list[bytes], soonest_due: int, done: Callable[[Appended | None, Exception | None], None]
+    ) -> None:
+        """:meth:`send_bodies` without its await, where ``answers_when_durable``: the records
+        are queued on return (or it raises, and ``done`` is never called); ``done(appended,
+        None)`` once durable, or ``done(None, error)``, runs on this loop whatever becomes of
+        the caller (MessageLog.append_bodies_then). A SendStream batch is then answered
+        without a task, a shield and their loop turns (DelayService._start_write)."""
+        self.check_writable()
+        queued = self._expect_far if soonest_due - self.clock() >= self.far_ahead_ms else None
+        self.wal.append_bodies_then(RecordKind.MESSAGE, self.clock(), bodies, done, queued)
+
     async def wait_replicated(self) -> None:
         """Sync mode: return once a slave has confirmed everything committed so far (at once
         in async mode). A retried send answered as the duplicate of a message whose first

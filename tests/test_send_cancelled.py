@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from unittest import mock
 
+import grpc
 from simclock import MINUTE, T0, FakeClock, config
 
 from qdelay.server.config import ServerConfig
@@ -65,5 +66,89 @@ def test_a_resend_after_a_send_cancelled_while_appending_is_a_duplicate(tmp_path
         assert set(dups) == {0} and dups[0].sequence == written, (written, again, dups)
         engine.iterate.wait_for(engine.wal.committed_sequence, 10)
         assert engine.wal.committed_sequence == written  # one message of that id, not two
+    finally:
+        engine.close()
+
+
+def test_a_resend_after_a_send_cancelled_on_the_taskless_path_is_a_duplicate(tmp_path):
+    """The same on the path without a task (DelayService._start_write: the engine answers
+    once durable, the lookup needs no wait): the caller's future is cancelled with the
+    records queued; the claim, the ingest gate and the metrics settle with the append, so
+    the retry waits for it and is answered with its receipt."""
+    service = _service(tmp_path)
+    engine = service.engine
+    try:
+
+        def batch():
+            return service._validate([pb.Message(subject="t.s", payload=b"p", message_id="x1", delay_ms=90 * MINUTE)])
+
+        async def scenario():
+            # the first lookup of a role waits for the index to catch up (the path with a task)
+            await service._write(
+                service._validate([pb.Message(subject="t.s", payload=b"p", message_id="x0", delay_ms=MINUTE)])
+            )
+            first = service._start_write(batch())
+            assert isinstance(first, asyncio.Future)  # the task-less path, records queued
+            written = engine.wal.committed_sequence + 1  # (nothing else writes)
+            first.cancel()  # the caller's deadline
+            again, dups = await service._start_write(batch())  # waits for the first's append
+            while service.gate.messages:
+                await asyncio.sleep(0.001)
+            return written, again, dups
+
+        with engine.iterate.append_lock:  # the first write is not copied into the id index meanwhile
+            written, again, dups = asyncio.run(scenario())
+        assert set(dups) == {0} and dups[0].sequence == written, (written, again, dups)
+        engine.iterate.wait_for(engine.wal.committed_sequence, 10)
+        assert engine.wal.committed_sequence == written  # one message of that id, not two
+        assert service.active_writes == 0 and service.gate.bytes == 0
+    finally:
+        engine.close()
+
+
+def test_a_stream_batch_refused_on_the_taskless_path_ends_the_stream_and_releases_its_ids(tmp_path):
+    """SendStream over the task-less path: a batch the ingest gate refuses (the one before
+    it not yet durable) ends the stream with RESOURCE_EXHAUSTED after the answer of the one
+    before; nothing of it or after it is written, and its ids are not left claimed (sent
+    again later, they are written, not answered as duplicates)."""
+    service = _service(tmp_path)
+    engine = service.engine
+    service.gate.max_messages = 150  # two batches of 100 cannot wait together
+
+    def request(start: int) -> bytes:
+        msgs = [
+            pb.Message(subject="t.s", payload=b"p", message_id=f"id{i}", delay_ms=90 * MINUTE)
+            for i in range(start, start + 100)
+        ]
+        return pb.SendBatchRequest(messages=msgs).SerializeToString()
+
+    try:
+
+        async def scenario():
+            # the first lookup of a role waits for the index to catch up (the path with a task)
+            await service._write(
+                service._validate([pb.Message(subject="t.s", payload=b"p", message_id="x0", delay_ms=1)])
+            )
+            read = []
+
+            async def requests():
+                # read one after the other with no await between: the first one's append
+                # settles on the loop, so it is still in the gate when the second comes
+                for start in (0, 100, 200):
+                    read.append(start)
+                    yield request(start)
+
+            context = mock.AsyncMock()
+            answers = [r async for r in service.SendStream(requests(), context)]
+            (code, message), _ = context.abort.call_args
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "ingest queue full" in message
+            assert len(answers) == 1 and read == [0, 100]  # nothing read after the refused one
+            assert engine.wal.committed_sequence == 101 and service.gate.messages == 0
+            again = service._validate_request(request(100))[0]
+            first, dups = await service._start_write(again)
+            return first, dups
+
+        first, dups = asyncio.run(scenario())
+        assert dups == {} and first == 102
     finally:
         engine.close()

@@ -97,6 +97,45 @@ def test_append_async(wal_dir):
     log.close()
 
 
+def test_append_bodies_then_calls_back_on_the_loop_even_when_a_callback_fails(wal_dir, monkeypatch):
+    """append_bodies_then: the records are queued on return; each callback runs on the
+    appending loop's thread with (appended, None) once durable, in commit order, and one
+    that raises neither strands the others' outcomes nor stops the log; a failed commit
+    calls back (None, error)."""
+    log = MessageLog(wal_dir)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        outcomes: list = []
+        settled = loop.create_future()
+
+        def done(appended, error):
+            assert threading.current_thread() is threading.main_thread()
+            outcomes.append((appended, error))
+            if len(outcomes) == 3:
+                settled.set_result(None)
+            if len(outcomes) == 1:
+                raise RuntimeError("a callback's bug")
+
+        queued = [log.append_bodies_then(MESSAGE, 7, [b"a", b"b"], done) for _ in range(3)]
+        assert [a.first_sequence for a in queued] == [1, 3, 5]
+        await asyncio.wait_for(settled, 10)
+        assert [(a, e) for a, e in outcomes] == [(a, None) for a in queued]
+        assert [f.body for f in read_all(log)] == [b"a", b"b"] * 3
+
+        def failing(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(segment.os, "fdatasync", failing)
+        failed = loop.create_future()
+        log.append_bodies_then(MESSAGE, 7, [b"c"], lambda a, e: failed.set_result((a, e)))
+        appended, error = await asyncio.wait_for(failed, 10)
+        assert appended is None and isinstance(error, WalFailed)
+
+    asyncio.run(main())
+    log.close()
+
+
 def test_async_appends_of_one_commit_wake_their_loop_once(wal_dir, monkeypatch):
     """The appends a group commit completes are settled with one wake-up of their loop (one
     call_soon_threadsafe), each with its own result, a failed commit's with its error."""
