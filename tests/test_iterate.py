@@ -379,6 +379,29 @@ def test_a_small_memtable_is_kept_when_ingest_goes_idle_and_the_heap_trimmed_all
         rig.close()
 
 
+def test_the_heap_is_trimmed_after_a_large_flush_only_once_nothing_is_left_to_copy(tmp_path, monkeypatch):
+    # while ingest goes on, the next checkpoint's write-behind buffers take the freed blocks
+    # again: a malloc_trim after each large flush cost the iterate thread ~0.05-0.1 us a
+    # message (the trim's heap walk and the page faults of taking the memory back)
+    monkeypatch.setattr(iterate, "TRIM_AFTER_BYTES", 1)
+    trims = []
+    monkeypatch.setattr(allocator, "trim", lambda: trims.append(1))
+    rig = Rig(tmp_path, write_behind_bytes=1, checkpoint_interval=60.0)
+    try:
+        far = naming.bucket_of(T0) + 30
+        rig.send([far * MIN + i for i in range(50)])
+        assert rig.it.step()  # copied, and flushed at once (past write_behind_bytes)
+        assert len(sched_bytes(rig, far)) > 0 and not rig.it._behind
+        rig.send([far * MIN + i for i in range(50)])
+        assert rig.it.step()
+        assert trims == []  # still copying: no trim
+        rig.it.start()  # nothing left to copy: the flushes' trim is done now
+        wait_until(lambda: len(trims) >= 1, what="the heap trimmed once idle")
+    finally:
+        rig.it.stop()
+        rig.close()
+
+
 def test_stop_after_an_error_waits_for_the_checkpoint_in_progress(tmp_path):
     # with an error set, stop() wrote no final checkpoint and so never took the persist
     # lock: it returned while a background checkpoint still fsynced segments and the id
