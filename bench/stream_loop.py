@@ -41,7 +41,7 @@ def requests(first_id: int, n: int, batch: int, payload: int, due: int) -> list[
             pb.Message(subject="bench", payload=body, message_id=str(first_id + i), deliver_at_ms=due + i % 60_000)
             for i in range(at, min(n, at + batch))
         ]
-        out.append(pb.SendBatchRequest(messages=msgs).SerializeToString())
+        out.append(pb.SendBatchRequest(messages=msgs, compact_receipts=True).SerializeToString())
     return out
 
 
@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     parser.add_argument("--payload", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tmp", default=None)
+    parser.add_argument(
+        "--dry", action="store_true", help="build the requests but send none (the baseline of an instruction count)"
+    )
     args = parser.parse_args(argv)
     from qdelay.server.metrics import Metrics
 
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
         await drive(service, requests(-args.messages, args.messages // 10, args.batch, args.payload, due), args.window)
         raws = requests(0, args.messages, args.batch, args.payload, due)
         cpu0, wall0 = time.thread_time_ns(), time.perf_counter()
-        got = await drive(service, raws, args.window)
+        got = await drive(service, raws, args.window) if not args.dry else len(raws)
         cpu, wall = time.thread_time_ns() - cpu0, time.perf_counter() - wall0
         assert got == len(raws), (got, len(raws))
         per_msg.append(cpu / 1e3 / args.messages)
