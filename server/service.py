@@ -9,11 +9,12 @@ answered only once its records are durable.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -44,7 +45,8 @@ from qdelay.v1 import qdelay_pb2_grpc as pb_grpc
 
 log = logging.getLogger("qdelay.service")
 
-_CLOSING = object()  # put in a SendStream's pipeline at shutdown
+_CLOSING = object()  # what a SendStream's pipeline gives once shut down with nothing left to answer
+_EMPTY = object()  # _Pipeline.take: nothing read and not yet answered
 STREAM_PIPELINE = 16  # SendStream: batches submitted ahead of their responses, per stream
 MAX_IN_FLIGHT_CAP = 100_000  # Subscribe credit is clamped here: it bounds the server's memory per stream
 
@@ -112,6 +114,67 @@ class IngestGate:
         self.bytes -= size
 
 
+class _Pipeline:
+    """The requests of one SendStream or CancelStream read and started, not yet answered
+    (``DelayService._pipelined``): a deque between the stream's reader task, which puts
+    (a started request, a refusal, or None at the end) and waits for room past
+    STREAM_PIPELINE, and its writer, which takes in order. Each side waits on a future
+    of its own only when it must; asyncio.Queue cost every batch its getter's future and
+    wake-up, its putter checks and a loop turn more (bench.stream_loop)."""
+
+    __slots__ = ("items", "closed", "_taker", "_putter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.closed = False  # the server is shutting down: the writer ends once all read is answered
+        self._taker: asyncio.Future | None = None  # the writer's, while there is nothing to take
+        self._putter: asyncio.Future | None = None  # the reader's, while full
+
+    def put(self, item: object) -> None:
+        self.items.append(item)
+        self._wake_taker()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake_taker()
+
+    def _wake_taker(self) -> None:
+        taker = self._taker
+        if taker is not None:
+            self._taker = None
+            if not taker.done():
+                taker.set_result(None)
+
+    def full(self) -> bool:
+        return len(self.items) >= STREAM_PIPELINE
+
+    async def room(self) -> None:
+        while self.full():
+            self._putter = putter = asyncio.get_running_loop().create_future()
+            await putter
+
+    def take(self) -> Any:
+        """The oldest item, _CLOSING once closed with none left, else _EMPTY."""
+        if not self.items:
+            return _CLOSING if self.closed else _EMPTY
+        item = self.items.popleft()
+        putter = self._putter
+        if putter is not None:
+            self._putter = None
+            if not putter.done():
+                putter.set_result(None)
+        return item
+
+    async def wait(self) -> Any:
+        """``take`` once there is something to take (or the pipeline is closed)."""
+        while True:
+            item = self.take()
+            if item is not _EMPTY:
+                return item
+            self._taker = taker = asyncio.get_running_loop().create_future()
+            await taker
+
+
 def _batch_response(
     batch: EncodedBatch, first: int, compact: bool, dups: dict[int, Receipt] | None = None, shard: str = ""
 ) -> bytes:
@@ -142,7 +205,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.shard = (cfg.shard or "") if cfg.etcd else ""
         self.address = cfg.listen  # the real one is set by the app once it listens
         self.agent = None  # cluster mode: the etcd agent (replication/cluster.py), for Topology
-        self._streams: set[asyncio.Queue] = set()  # the pipelines of the open SendStreams and CancelStreams
+        self._streams: set[_Pipeline] = set()  # the pipelines of the open SendStreams and CancelStreams
 
     def begin_shutdown(self) -> None:
         """Refuse new work, and end every SendStream and CancelStream once the batches it
@@ -150,11 +213,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
         otherwise wait its whole grace period for it (the client opens a new one when it has
         something to send)."""
         self.closing = True
-        for pending in self._streams:
-            try:
-                pending.put_nowait(_CLOSING)
-            except asyncio.QueueFull:  # busy: its writer checks ``closing`` after each batch
-                pass
+        for pipe in self._streams:
+            pipe.close()  # (a busy one's writer also checks ``closing`` after each answer)
 
     # --- writes -----------------------------------------------------------------------------------
     def _validate(self, messages, single: bool = False, ids_required: bool = False) -> EncodedBatch:
@@ -383,7 +443,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         return _batch_response(batch, first, compact, dups, self.shard)
 
     @status.streaming
-    async def SendStream(self, request_iterator, context):
+    def SendStream(self, request_iterator, context):
         """Batches are validated in order and written concurrently; responses keep the order.
 
         The first refused batch ends the stream with its status; every batch before it has
@@ -398,11 +458,9 @@ class DelayService(pb_grpc.DelayServiceServicer):
             (first, dups), (batch, compact) = written, ctx
             return _batch_response(batch, first, compact, dups, self.shard)
 
-        # aclosing: a stream the client ends closes the pipeline at once (its finally lets
-        # the engine's work settle), not whenever the inner generator is collected
-        async with contextlib.aclosing(self._pipelined(request_iterator, start, answer)) as responses:
-            async for response in responses:
-                yield response
+        # the pipeline itself is the stream's generator (status.streaming closes it at once
+        # when the stream ends): a generator around it cost every answer a resumption more
+        return self._pipelined(request_iterator, start, answer)
 
     @status.unary
     async def Cancel(self, request, context):
@@ -431,7 +489,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         return wire.encode_cancel_batch_response(outcomes)
 
     @status.streaming
-    async def CancelStream(self, request_iterator, context):
+    def CancelStream(self, request_iterator, context):
         """CancelBatch requests on one stream: each validated in order and cancelled
         concurrently (each its own group commit, shared with whatever else is being
         written); responses keep the order. A gathering client's cancel batches cost the
@@ -456,9 +514,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         def answer(outcomes: list, _ctx: None) -> bytes:
             return wire.encode_cancel_batch_response(outcomes)
 
-        async with contextlib.aclosing(self._pipelined(request_iterator, start, answer)) as responses:
-            async for response in responses:
-                yield response
+        return self._pipelined(request_iterator, start, answer)
 
     async def _pipelined(self, request_iterator, start, answer):
         """The ordered pipeline of SendStream and CancelStream: each request is started in
@@ -469,7 +525,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         or after it is started. On shutdown every request read is answered. Work already
         handed to the engine when the stream ends is let settle (it may still become
         durable)."""
-        pending: asyncio.Queue = asyncio.Queue(maxsize=STREAM_PIPELINE)
+        pipe = _Pipeline()
 
         async def read() -> None:
             try:
@@ -477,35 +533,35 @@ class DelayService(pb_grpc.DelayServiceServicer):
                     try:
                         item = start(request)
                     except Exception as error:  # noqa: BLE001 - reported in order by the writer below
-                        await pending.put(error)
+                        pipe.put(error)
                         return
-                    await pending.put(item)
+                    pipe.put(item)
+                    if pipe.full():
+                        await pipe.room()
             finally:
-                await pending.put(None)
+                pipe.put(None)
 
         reader = asyncio.ensure_future(read())
-        self._streams.add(pending)
+        self._streams.add(pipe)
         try:
             while True:
-                item = await pending.get()
-                if item is None:
+                item = pipe.take()
+                if item is _EMPTY:
+                    item = await pipe.wait()
+                if item is None or item is _CLOSING:
                     break
-                if item is _CLOSING:
-                    if pending.empty():
-                        break
-                    continue
                 if isinstance(item, Exception):
                     raise item
                 future, context = item
                 yield answer(await future, context)
-                if self.closing and pending.empty():
+                if self.closing and not pipe.items:
                     break  # shutting down: every request read is answered
         finally:
-            self._streams.discard(pending)
+            self._streams.discard(pipe)
             if not reader.done():
                 reader.cancel()
-            while not pending.empty():
-                item = pending.get_nowait()
+            while pipe.items:
+                item = pipe.items.popleft()
                 if isinstance(item, tuple):
                     try:
                         await item[0]

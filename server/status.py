@@ -8,6 +8,7 @@ exception is a bug, logged with its traceback and reported as INTERNAL without d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -55,13 +56,16 @@ def unary(handler):
 
 
 def streaming(handler):
-    """Wrap a server-streaming async-generator handler ``(self, request, context)``."""
+    """Wrap a server-streaming handler ``(self, request, context)``: an async-generator
+    function, or a function returning an async generator. The generator is closed as soon
+    as the stream ends (its ``finally`` runs then, not whenever it is collected)."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
-            async for item in handler(self, request, context):
-                yield item
+            async with contextlib.aclosing(handler(self, request, context)) as items:
+                async for item in items:
+                    yield item
         except Exception as error:  # noqa: BLE001
             if _is_abort(error):
                 raise
