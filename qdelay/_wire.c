@@ -241,7 +241,34 @@ typedef struct {
     Py_ssize_t subject, subject_len, payload, payload_len, id, id_len;
     int when; /* 0 unset, F_MESSAGE_DELIVER_AT or F_MESSAGE_DELAY */
     int64_t when_value;
+    Py_hash_t hash; /* its id's (str) hash, for the repeated-id check */
 } Parsed;
+
+/* decode_batch's repeated-id check: an open-addressing table of message indexes + 1 (0
+ * empty), at most half full, on the stack up to this many slots. A set of the ids (the
+ * check before) cost ~400 instructions a message: its growth by resizes, each zeroed. */
+#define SEEN_STACK_SLOTS 1024
+
+/* Whether ``mid`` (message i's id, an ASCII str; its hash in msgs[i].hash) is the id of a
+ * message before it, and else enter it. */
+static int seen_before(Py_ssize_t *slots, size_t mask, const Parsed *msgs, PyObject *ids, Py_ssize_t i,
+                       PyObject *mid) {
+    Py_hash_t h = msgs[i].hash;
+    size_t at = (size_t)h & mask;
+    Py_ssize_t len = PyUnicode_GET_LENGTH(mid);
+    while (slots[at]) {
+        Py_ssize_t j = slots[at] - 1;
+        if (msgs[j].hash == h) {
+            PyObject *other = PyList_GET_ITEM(ids, j);
+            if (PyUnicode_GET_LENGTH(other) == len &&
+                memcmp(PyUnicode_1BYTE_DATA(other), PyUnicode_1BYTE_DATA(mid), (size_t)len) == 0)
+                return 1;
+        }
+        at = (at + 1) & mask;
+    }
+    slots[at] = i + 1;
+    return 0;
+}
 
 /* Parse one qdelay.v1.Message; 1 = ok, 0 = not for the fast path (headers, unknown or
  * malformed fields: the Python path decides), never raises. */
@@ -294,7 +321,9 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
     Py_ssize_t end = raw.len, pos = 0, n = 0, cap = 0;
     Parsed *msgs = NULL;
     int compact = 0, fast = 1;
-    PyObject *result = NULL, *bodies = NULL, *ids = NULL, *dues = NULL, *seen = NULL;
+    PyObject *result = NULL, *bodies = NULL, *ids = NULL, *dues = NULL;
+    Py_ssize_t seen_stack[SEEN_STACK_SLOTS], *seen = NULL;
+    size_t seen_mask = 0;
     long long total = 0;
     /* pass 1: the request's fields; compact_receipts may come after the messages */
     while (pos < end && fast) {
@@ -323,8 +352,21 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
     if (!fast || n == 0 || n > max_batch)
         goto fallback;
     /* pass 2: validate and encode, exactly as encode_messages does */
-    if (!(bodies = PyList_New(n)) || !(ids = PyList_New(n)) || !(dues = PyList_New(n)) || !(seen = PySet_New(NULL)))
+    if (!(bodies = PyList_New(n)) || !(ids = PyList_New(n)) || !(dues = PyList_New(n)))
         goto done;
+    {
+        size_t slots = 16;
+        while (slots < 2 * (size_t)n)
+            slots *= 2;
+        if (slots <= SEEN_STACK_SLOTS) {
+            seen = seen_stack;
+            memset(seen, 0, slots * sizeof(Py_ssize_t));
+        } else if (!(seen = PyMem_Calloc(slots, sizeof(Py_ssize_t)))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        seen_mask = slots - 1;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         Parsed *m = &msgs[i];
         const unsigned char *sc = buf + m->subject;
@@ -354,9 +396,10 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
                 goto done;
         }
         PyList_SET_ITEM(ids, i, mid);
-        if (PySet_Add(seen, mid) < 0)
+        /* (str's own hash, kept in the str: the deduper's sets of these ids reuse it) */
+        if ((m->hash = PyObject_Hash(mid)) == -1)
             goto done;
-        if (PySet_GET_SIZE(seen) != i + 1)
+        if (seen_before(seen, seen_mask, msgs, ids, i, mid))
             goto fallback; /* a repeated id */
         long long due, v = m->when_value;
         if (m->when == F_MESSAGE_DELIVER_AT) {
@@ -387,10 +430,11 @@ fallback:
     result = Py_NewRef(Py_None);
 done:
     PyMem_Free(msgs);
+    if (seen != seen_stack)
+        PyMem_Free(seen);
     Py_XDECREF(bodies);
     Py_XDECREF(ids);
     Py_XDECREF(dues);
-    Py_XDECREF(seen);
     PyBuffer_Release(&raw);
     return result;
 }

@@ -1018,3 +1018,26 @@ def test_a_proto_change_the_codec_does_not_follow_fails_loudly():
         wire.check(Renumbered)
     with pytest.raises(errors.InvariantViolation, match="Delivery.gone: no such field"):
         wire.check(Renumbered)
+
+
+@pytest.mark.parametrize("count", [2, 100, 511, 512, 3000])  # its table on the stack up to 512 ids, else on the heap
+def test_decode_batch_leaves_a_repeated_id_to_the_python_path(count):
+    """A batch that repeats an id (chosen twice, or chosen like the one generated before
+    it) is left to the Python path, which refuses it; one without a repeat is decoded, as
+    its twin does, whatever its size."""
+
+    def raw(message_ids):
+        msgs = [pb.Message(subject="s", payload=b"p", message_id=m, delay_ms=1) for m in message_ids]
+        return pb.SendBatchRequest(messages=msgs).SerializeToString()
+
+    def decode(message_ids, make=None):
+        args = (raw(message_ids), NOW, *limit_args(False), 10_000, make or new_ids())
+        return wire_codec.decode_batch(*args), wire.decode_batch_py(*args)
+
+    distinct = [f"id-{i}" for i in range(count)]
+    fast, twin = decode(distinct)
+    assert fast is not None and fast == twin and fast[1] == distinct
+    for repeated in (distinct[:-1] + [distinct[0]], distinct[:-1] + [distinct[-2]]):
+        assert decode(repeated) == (None, None)
+    # the server's id for an empty one, then a client's of the same text
+    assert decode([*distinct[:-2], "", "made-1"], lambda: "made-1") == (None, None)
