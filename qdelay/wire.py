@@ -103,6 +103,20 @@ def encode_send_batch_py(out: bytearray, messages: list[tuple], ids: list[str]) 
     return len(messages)
 
 
+def new_outgoing_py(
+    cls: type,
+    subject: Any,
+    payload: Any,
+    deliver_at_ms: Any = None,
+    delay_ms: Any = None,
+    message_id: Any = "",
+    headers: Any = None,
+) -> tuple:
+    """Twin of ``new_outgoing``: what the NamedTuple ``Outgoing``'s generated ``__new__``
+    does (a ``cls`` instance of the six fields, unchecked)."""
+    return tuple.__new__(cls, (subject, payload, deliver_at_ms, delay_ms, message_id, headers))
+
+
 def encode_deliveries_py(
     out: bytearray,
     subject: str,
@@ -329,6 +343,7 @@ def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay._wire`` and its Python twin (same signature, same results)."""
     return {
         "encode_send_batch": encode_send_batch_py,
+        "new_outgoing": new_outgoing_py,
         "encode_deliveries": encode_deliveries_py,
         "encode_send_batch_response": encode_send_batch_response_py,
         "encode_messages": encode_messages_py,

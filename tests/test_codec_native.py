@@ -18,7 +18,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qdelay import errors, wire
+from qdelay.client import Outgoing
 from qdelay.client.types import Delivery
 from qdelay.segments import framing, idfilter, native, records
 from qdelay.segments.framing import RecordKind
@@ -555,6 +556,18 @@ outgoing_st = st.lists(
 )
 
 
+class OtherNamedTuple(NamedTuple):
+    a: int
+    b: int = 0
+
+
+# new_outgoing: a NamedTuple class (or not a class) and 0-8 positional fields of any type
+outgoing_new_st = st.tuples(
+    st.sampled_from([Outgoing, OtherNamedTuple, 5]),
+    st.lists(st.one_of(st.none(), st.text(max_size=3), st.binary(max_size=3), st.integers()), max_size=8),
+)
+
+
 @st.composite
 def send_batch_response_cases(draw):
     n = draw(st.integers(0, 12))
@@ -723,6 +736,11 @@ PAIRS: dict[tuple[str, str], Pair] = {
             bytes(args[0]) if not any(m[5] for m in args[1]) else None,
         ),
     ),
+    ("wire", "new_outgoing"): Pair(
+        outgoing_new_st,
+        args=lambda c: (c[0], *c[1]),
+        outcome=lambda result, args: (type(result), tuple(result)),
+    ),
     ("wire", "encode_deliveries"): Pair(
         st.tuples(deliveries_st, st.text(max_size=8), st.integers(-5, 2**45)),
         args=lambda c: (
@@ -852,6 +870,43 @@ def test_route_that_fails_leaves_the_buffers_and_segments_as_they_were(side):
 
 def starts_at(starts: bytes, i: int) -> int:
     return int(np.frombuffer(starts, np.int64)[i])
+
+
+@pytest.mark.parametrize("side", ["native", "twin"])
+def test_new_outgoing_takes_keywords_and_refuses_as_the_namedtuple_does(side):
+    new = wire_codec.new_outgoing if side == "native" else wire.new_outgoing_py
+    full = Outgoing("s", b"p", None, 5, "id", {"k": "v"})
+    assert new(Outgoing, "s", b"p", delay_ms=5, headers={"k": "v"}, message_id="id") == full
+    assert new(Outgoing, payload=b"p", subject="s", delay_ms=5, message_id="id", headers={"k": "v"}) == full
+    assert new(Outgoing, "s", b"p") == ("s", b"p", None, None, "", None)
+    for args, kwargs in [
+        ((Outgoing, "s"), {}),  # no payload
+        ((Outgoing,), {"payload": b""}),  # no subject
+        ((Outgoing, "s", b""), {"subject": "t"}),  # twice
+        ((Outgoing, "s", b""), {"delay": 5}),  # no such field
+        ((Outgoing, "s", b"", 1, None, "", None, "extra"), {}),
+        ((), {}),
+    ]:
+        with pytest.raises(TypeError):
+            new(*args, **kwargs)
+
+
+def test_outgoing_is_built_natively_and_stays_a_namedtuple():
+    """Outgoing.__new__ is the native one where the codec is built (the producer's cheapest
+    message); the class keeps its NamedTuple surface and its signature."""
+    import inspect
+    import pickle
+
+    assert Outgoing.__new__ is wire_codec.new_outgoing
+    o = Outgoing("s", b"p", delay_ms=3)
+    assert type(o) is Outgoing and o.delay_ms == 3 and o.message_id == "" and o.headers is None
+    assert o._replace(subject="t") == ("t", b"p", None, 3, "", None)
+    assert Outgoing._make(["a", b"", 1, None, "", None]).deliver_at_ms == 1
+    assert pickle.loads(pickle.dumps(o)) == o and type(pickle.loads(pickle.dumps(o))) is Outgoing
+    assert o._asdict()["delay_ms"] == 3
+    assert list(inspect.signature(Outgoing).parameters) == list(Outgoing._fields)
+    with pytest.raises(TypeError):
+        Outgoing("s")
 
 
 @pytest.mark.parametrize("side", ["native", "twin"])
