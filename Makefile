@@ -7,9 +7,16 @@ PROTOS := $(wildcard proto/qdelay/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 export SPARK_LOCAL_IP := 127.0.0.1
 
-.PHONY: setup proto run run-cluster lint typecheck test test-fast bench bench-deps native-deps node-deps etcd-deps clean
+.PHONY: setup native-check proto run run-cluster lint typecheck test test-fast bench bench-deps native-deps node-deps etcd-deps clean
 
-setup: $(STAMP) proto etcd-deps
+setup: $(STAMP) proto etcd-deps native-check
+
+# The C extensions are optional to pip (the Python twins run where one is missing), so a
+# failed build would pass unnoticed, only slower: this fails the set-up (and forgets the
+# install, so that the next `make setup` builds again) when an extension this machine can
+# build is not importable; it only warns where a compiler or a header is missing.
+native-check: $(STAMP)
+	@$(BIN)/python -m qdelay.extensions || (rm -f $(STAMP); exit 1)
 
 # cluster mode (--etcd) and its tests need an etcd binary: Debian's etcd-server (3.4.x);
 # where it cannot be installed the cluster tests skip and say so
