@@ -280,6 +280,9 @@ class MessageLog:
         self.fsync_seconds_total = 0.0
         self.records_appended = 0
         self.on_fsync: Callable[[float], None] | None = None  # latency observer (metrics)
+        # called (no arguments) on the committing thread after each commit moved the committed
+        # offset: the iterate service's far wait listens (IterateService._committed)
+        self.on_commit: Callable[[], None] | None = None
         self._writer = threading.Thread(target=self._write_loop, name="qdelay-wal-writer", daemon=True)
         self._writer.start()
 
@@ -587,7 +590,16 @@ class MessageLog:
                         break
                 self.records_appended += sum(w.appended.count for w in waiters)
                 self._commit.notify_all()
+            self._committed()
         _complete(waiters, error)
+
+    def _committed(self) -> None:
+        on_commit = self.on_commit
+        if on_commit is not None:
+            try:
+                on_commit()
+            except Exception:  # a listener's bug must not kill the log
+                log.exception("message log commit listener failed")
 
     def _sync_idle(self) -> None:
         try:
@@ -811,6 +823,7 @@ class MessageLog:
             self.committed_sequence = self.committed_past_tombstones = seq - 1
             self.records_appended += len(stamps)
             self._commit.notify_all()
+        self._committed()
         return stamps
 
     def truncate_to(self, offset: int, last_sequence: int) -> int:

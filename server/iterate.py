@@ -25,7 +25,8 @@ committed since its last step is known to be due well ahead (at least a second, 
 times ``gather_far``: the engine says so as it queues a send, ``expect_far``), nobody needs
 those records soon (a step that late still puts them in the timer long before they are
 due), and it lets them gather up to ``gather_far`` (20 ms, ``iterate_gather_far_ms``),
-looking every ``gather`` whether something else came. Callers that wait for its progress
+asleep: the message log's writer wakes it at the commit of anything not declared far, or
+of half a read's bytes (``MessageLog.on_commit``). Callers that wait for its progress
 (``wait_for``: Get, Cancel, dedupe's catch-up) wake it at once.
 
 Records of buckets beyond the scheduler's loading horizon are written behind: they
@@ -172,6 +173,9 @@ class IterateService:
         self.gather_far = max(gather, gather_far)
         self._far: tuple[int, int] = (0, -1)
         self._hurry = threading.Event()
+        # the iterate thread is in a far wait (_gather), which a commit may have to end
+        self._waiting_far = False
+        wal.on_commit = self._committed
         self.steps = 0
         self._trim_due = False  # write-behind buffers of several MiB were freed
         # trims left since ingest went idle, and when the next is due (IDLE_TRIMS)
@@ -265,15 +269,31 @@ class IterateService:
             log.exception("iterate service stopped")
 
     def _gather(self) -> None:
-        """Let more commits share the next step: ``gather``, then, while everything committed
-        since is declared far (and not much of it), ``gather`` again up to ``gather_far`` in
-        all. A ``wait_for`` ends it at once."""
-        waited = 0.0
-        while not self._hurry.wait(self.gather):
-            waited += self.gather
-            if waited >= self.gather_far or not self._only_far() or self.lag_bytes() >= self.read_bytes // 2:
-                break
+        """Let more commits share the next step: ``gather``, or up to ``gather_far`` while
+        everything committed since is declared far (and not much of it). A ``wait_for`` ends
+        it at once, and so does a commit that makes the far wait wrong (``_committed``, on
+        the message log's writer): the thread sleeps through the whole wait instead of
+        looking every ``gather`` whether it may go on sleeping (~10 wake-ups a step, each a
+        thread switch and a GIL hand-off, under bench.compare's ingest)."""
+        lag_max = self.read_bytes // 2
+        far = self._only_far()
+        if far:
+            # published before the last look, so that a commit landing after that look finds
+            # it set and wakes the wait (_committed: its commit is visible before its look)
+            self._waiting_far = True
+            far = self._only_far() and self.lag_bytes() < lag_max
+        if far or self.lag_bytes() < lag_max:
+            self._hurry.wait(self.gather_far if far else self.gather)
+        self._waiting_far = False
         self._hurry.clear()  # (a wait_for begun just now is served by the next step)
+
+    def _committed(self) -> None:
+        """The message log committed more (its writer thread, after each commit): a far wait
+        (``_gather``) ends once something not declared far was committed, or enough to read
+        at once. Cheap when there is nothing to wake (most commits)."""
+        if self._waiting_far and (not self._only_far() or self.lag_bytes() >= self.read_bytes // 2):
+            self._waiting_far = False
+            self._hurry.set()
 
     def step(self) -> bool:
         """Copy one batch; return False when there was nothing to copy."""

@@ -317,6 +317,51 @@ def test_records_declared_far_gather_longer_until_something_else_comes(tmp_path)
     rig.close()
 
 
+def _voluntary_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return int(next(line for line in f if line.startswith("voluntary_ctxt_switches:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts a thread's switches in Linux's /proc")
+def test_a_far_wait_sleeps_through_and_a_commit_that_ends_it_wakes_it(tmp_path):
+    # it used to look every ``gather`` whether it might go on sleeping: one wake-up (a thread
+    # switch and a GIL hand-off) each, ~10 a step under bench.compare's ingest
+    rig = Rig(tmp_path, gather=0.001, gather_far=60.0)
+    far = naming.bucket_of(T0) + 30
+    rig.it.start()
+    first = rig.send_far([far * MIN + 1])
+    wait_until(lambda: rig.it.sequence >= first, what="the first commit woke the idle service")
+    second = rig.send_far([far * MIN + 2] * 3)
+    wait_until(lambda: rig.it._waiting_far, what="the service in its far wait")
+    tid = rig.it._thread.native_id
+    before = _voluntary_switches(tid)
+    # a window of 200 gathers (what is measured is what happens during it, so a time)
+    threading.Event().wait(0.2)
+    assert rig.it._waiting_far and rig.it.sequence < second  # still waiting for more
+    assert _voluntary_switches(tid) - before <= 3  # was ~200: one a gather
+    third = rig.send_far([far * MIN + 3])  # far too: the commit leaves the wait alone
+    assert rig.it._waiting_far and rig.it.sequence < second
+    rig.send([T0 + 5])  # not declared far: its commit ends the wait
+    wait_until(lambda: rig.it.sequence == third + 1, what="copied at the commit of a record not declared far")
+    rig.it.stop()
+    rig.close()
+
+
+def test_a_far_wait_ends_once_a_read_s_worth_is_committed(tmp_path):
+    rig = Rig(tmp_path, gather=0.001, gather_far=60.0, read_bytes=8192)
+    far = naming.bucket_of(T0) + 30
+    rig.it.start()
+    first = rig.send_far([far * MIN + 1])
+    wait_until(lambda: rig.it.sequence >= first)
+    last = rig.send_far([far * MIN + 2])
+    wait_until(lambda: rig.it._waiting_far, what="the service in its far wait")
+    while rig.wal.committed_offset - rig.it.offset < 4096:  # half a read: the wait ends at its commit
+        last = rig.send_far([far * MIN + 3] * 10)
+    wait_until(lambda: rig.it.sequence >= last, what="copied once half a read was committed")
+    rig.it.stop()
+    rig.close()
+
+
 def test_records_declared_far_are_copied_within_gather_far(tmp_path):
     rig = Rig(tmp_path, gather=0.002, gather_far=0.05)
     far = naming.bucket_of(T0) + 30
