@@ -46,7 +46,7 @@ from bench.common import (
     until_steady,
     write_json,
 )
-from bench.peers import DRIVERS, make_client, make_payload
+from bench.peers import DRIVERS, Chunk, make_client, make_payload
 
 CTX = mp.get_context("spawn")
 BATCH = 100
@@ -61,30 +61,29 @@ def _sender(spec, ids, rel_ms, per_batch_base, batch, q, go, t0, max_s):
         if not go.wait(120):
             raise TimeoutError("no go signal")
         base0 = t0.value
-        dues, eff = array("d"), array("d")
-        sizes: list[int] = []
+        sent: list[list[int]] = []  # each chunk's due times, kept as made (the lateness records)
         start = time.time()
         cpu0 = time.process_time()
         deadline = start + max_s
 
         def chunks():
+            # a chunk is columns (Chunk): every client builds its own messages from them
             for k in range(0, len(ids), batch):
                 if time.time() > deadline:
                     return
                 base = time.time() * 1000.0 if per_batch_base else base0
-                chunk = [(ids[j], int(base + rel_ms[j]), payloads[j]) for j in range(k, min(k + batch, len(ids)))]
-                dues.extend(float(c[1]) for c in chunk)
-                sizes.append(len(chunk))
-                yield chunk
+                due = [int(base + r) for r in rel_ms[k : k + batch]]
+                sent.append(due)
+                yield Chunk(ids[k : k + batch], due, payloads[k : k + batch])
 
         results = client.send_batches(chunks(), batch)
-        at = 0
-        for size, e in zip(sizes, results):
-            eff.extend(e if e is not None else dues[at : at + size])
-            at += size
-        n = len(dues)
         end = time.time()
-        cpu = time.process_time() - cpu0
+        cpu = time.process_time() - cpu0  # the producer's work; the records below are the benchmark's
+        dues, eff = array("d"), array("d")
+        for due, e in zip(sent, results):
+            dues.extend(due)
+            eff.extend(e if e is not None else due)
+        n = len(dues)
         client.close()
         q.put(("done", dict(start=start, end=end, n=n, cpu=cpu, ids=array("q", ids[:n]), dues=dues, eff=eff)))
     except BaseException as ex:  # noqa: BLE001 - report, never hang the parent
@@ -374,7 +373,8 @@ def burst(name, tmp, scale=1.0, min_lead_s=5.0):
         t = time.time()
         base = 10**11
         for k in range(0, 2000, BATCH):
-            c.send_batch([(base + j, int(far), make_payload(base + j)) for j in range(k, k + BATCH)])
+            js = range(base + k, base + k + BATCH)
+            c.send_batch(Chunk(list(js), [int(far)] * BATCH, [make_payload(j) for j in js]))
         rate = 2000 / (time.time() - t)
         c.close()
         lead_s = max(min_lead_s, 1.5 * n / rate + 3.0)

@@ -32,6 +32,8 @@ import sys
 import threading
 import time
 import urllib.request
+from itertools import chain, repeat
+from typing import NamedTuple
 
 import psutil
 
@@ -62,6 +64,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Chunk(NamedTuple):
+    """One batch of the producers' messages, as columns of the same length: ``ids`` (ints),
+    ``dues`` (Unix epoch ms, ints), ``payloads`` (bytes). Each client builds its own request
+    from them (qdelay: an ``Outgoing`` a message; Redis: a ZADD; beanstalkd: a put), as a
+    user's producer builds them from its own data: no object a message that only the
+    benchmark makes (a tuple a message, unpacked again by every client, cost qdelay's
+    producer ~0.1 µs a message of its ~3.4, docs/benchmarks.md)."""
+
+    ids: list[int]
+    dues: list[int]
+    payloads: list[bytes]
 
 
 def make_client(spec: tuple[str, dict]):
@@ -315,7 +330,7 @@ DRIVERS = {"qdelay": QdelayDriver, "redis-always": RedisDriver, "beanstalkd-f0":
 
 # ------------------------------------------------------------------------------------- clients
 class BenchClient(abc.ABC):
-    """send_batch([(id, due_ms, payload)]) -> effective dues or None, once durably acknowledged;
+    """send_batch(Chunk) -> effective dues or None, once durably acknowledged;
     consume(on_batch(ids, t), stop) takes due messages, hands them over and acknowledges them."""
 
     @abc.abstractmethod
@@ -347,27 +362,28 @@ class QdelayClient(BenchClient):
 
         self.pb = qdelay_pb2
 
-    def send_batch(self, msgs):
+    def send_batch(self, msgs: Chunk):
         M = self.pb.Message
         self.client.send_batch(
-            [M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due) for i, due, p in msgs]
+            [M(subject="bench", payload=p, message_id=str(i), deliver_at_ms=due) for i, due, p in zip(*msgs)]
         )
         return None
 
     def send_batches(self, chunks, batch: int) -> list:
         """The Python client's bulk API: ``send_many`` of ``Outgoing`` tuples pipelines batches
-        over SendStream (PIPELINE batches unanswered); every message is durable when it returns."""
+        over SendStream (PIPELINE batches unanswered); every message is durable when it returns.
+        Each chunk's ``Outgoing`` are made by ``map`` over its columns (the message id as the
+        id's ``str``), with no Python frame a message: the cheapest way a producer that holds
+        its messages' fields can feed ``send_many``."""
         from qdelay.client import Outgoing
 
         sizes: list[int] = []
 
-        def messages():
-            for chunk in chunks:
-                sizes.append(len(chunk))
-                for i, due, p in chunk:
-                    yield Outgoing("bench", p, due, None, str(i))
+        def outgoing(chunk: Chunk):
+            sizes.append(len(chunk.ids))
+            return map(Outgoing, repeat("bench"), chunk.payloads, chunk.dues, repeat(None), map(str, chunk.ids))
 
-        self.client.send_many(messages(), batch_size=batch, max_in_flight=PIPELINE)
+        self.client.send_many(chain.from_iterable(map(outgoing, chunks)), batch_size=batch, max_in_flight=PIPELINE)
         return [None] * len(sizes)
 
     def consume(self, on_batch, stop):
@@ -411,9 +427,9 @@ class RedisClient(BenchClient):
         self.poll_s = poll_ms / 1000.0
         self.key = key
 
-    def send_batch(self, msgs):
+    def send_batch(self, msgs: Chunk):
         p = self.r.pipeline(transaction=False)
-        for _i, due, payload in msgs:
+        for due, payload in zip(msgs.dues, msgs.payloads):
             p.zadd(self.key, {payload: due})
         p.execute()
         return None
@@ -481,15 +497,15 @@ class BeanstalkClient(BenchClient):
         del self.buf[:n]
         return data
 
-    def send_batch(self, msgs):
+    def send_batch(self, msgs: Chunk):
         now = time.time() * 1000.0
         out, eff = [], []
-        for _i, due, payload in msgs:
+        for due, payload in zip(msgs.dues, msgs.payloads):
             d = max(0, math.ceil((due - now) / 1000.0))
             eff.append(now + d * 1000.0)
             out.append(b"put 0 %d 120 %d\r\n%s\r\n" % (d, len(payload), payload))
         self.sock.sendall(b"".join(out))
-        for _ in msgs:
+        for _ in msgs.ids:
             line = self._line()
             if not line.startswith(b"INSERTED"):
                 raise RuntimeError(f"put failed: {line!r}")
