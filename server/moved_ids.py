@@ -10,7 +10,9 @@ append is left out of what by-id lookups wait for (MessageLog.committed_past_tom
 as the Cancels' tombstones are: the old message stays claimed until its tombstone is
 copied), and its ids are here until copied. A lookup asks here first, then the index,
 and takes the newer of the two; only one that finds a moved message not yet copied waits
-for its copy (its record must be in its minute's segment to be read).
+for its copy (its record must be in its minute's segment to be read), wherever it found it:
+the index holds a step's ids before the step's records are in their segments
+(Engine._index_get_many).
 
 Entries leave once the iterate service has copied their sequence (``floor``: the index
 holds them then): a batch at a time, in the order they were written. The table is held

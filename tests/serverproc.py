@@ -5,7 +5,8 @@
         ...
     srv.stop() -> exit code (SIGTERM);  srv.kill9();  srv.restart()
 
-Extra flags go in ``args`` (e.g. ``["--set", "engine.ack_timeout_ms=500"]``). The server's
+Extra flags go in ``args`` (e.g. ``["--set", "engine.ack_timeout_ms=500"]``); ``command``
+runs a wrapper of ``qdelay.cli`` instead (a server with a test's hook). The server's
 stderr goes to ``<data>.log`` next to the data folder, for post-mortems.
 """
 
@@ -31,8 +32,12 @@ class ServerProc:
         listen: str = "127.0.0.1:0",
         start_timeout: float = 60.0,
         env: dict | None = None,
+        command: list[str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # what runs ``server ...``: qdelay's own command, or a test's wrapper of it (a server
+        # with a hook, e.g. tests/gated_server.py)
+        self.command = list(command or [sys.executable, "-m", "qdelay.cli"])
         self.args = list(args or [])
         self.listen = listen
         self.start_timeout = start_timeout
@@ -48,9 +53,7 @@ class ServerProc:
         if self.port is not None and listen.endswith(":0"):
             listen = f"127.0.0.1:{self.port}"  # a restart keeps its address
         cmd = [
-            sys.executable,
-            "-m",
-            "qdelay.cli",
+            *self.command,
             "server",
             "--data-dir",
             str(self.data_dir),
