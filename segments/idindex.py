@@ -164,8 +164,15 @@ class IdIndex:
         # sync() makes it durable before each iterate checkpoint. A failed write (a full
         # disk) disables the index rather than the iterate service (see _fail).
         self._wo = WriteOptions()
-        self.puts = 0
-        self._unsynced = 0
+        self.puts = 0  # frames put (by one thread at a time: the iterate service's, or a rebuild)
+        # ``puts`` as the last sync() read it before its flush: sync() runs on the iterate
+        # checkpoint's thread while the iterate thread puts. A count of unsynced puts set to
+        # 0 after the flush dropped the puts made during it, and the next checkpoint's sync,
+        # finding none, skipped its flush (ingest had stopped): that checkpoint moved past
+        # records whose ids were in the index's unsynced WAL alone, and a power loss then
+        # lost those ids for good (the replay starts after them): NOT_FOUND by id, and a
+        # re-send written twice
+        self._synced_puts = 0
         self.failed: str | None = None  # why the index stopped (a write error); restart rebuilds
         # The id filter (segments/idfilter.py) in front of lookups: None until a scan of the
         # keys has built it (started by start_filter() when the server opens, whatever its
@@ -239,8 +246,7 @@ class IdIndex:
                 if f is not None:
                     f.add(keys)  # before the write: the filter may say "maybe", never "no", for a key
             self._db.write(wb, self._wo)
-        self.puts += len(starts)
-        self._unsynced += len(starts)
+        self.puts += len(starts)  # after the write: sync() flushes what it counts
 
     def flush_idle(self) -> bool:
         """Write the memtables out to an SST if they hold at least IDLE_FLUSH_BYTES (the
@@ -406,14 +412,15 @@ class IdIndex:
 
     def sync(self) -> None:
         """Make every put so far durable (called before the iterate checkpoint moves)."""
-        if self._unsynced == 0 or self.failed is not None:
+        puts = self.puts  # before the flush: every put it counts was written before it
+        if puts == self._synced_puts or self.failed is not None:
             return
         try:
             self._db.flush_wal(True)
         except Exception as err:  # noqa: BLE001 - any storage error of the library
             self._fail(err)
             return
-        self._unsynced = 0
+        self._synced_puts = puts
 
     def close(self) -> None:
         self._closing = True

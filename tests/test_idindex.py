@@ -73,3 +73,39 @@ def test_flush_idle_writes_a_large_enough_memtable_out_and_keeps_every_id(tmp_pa
         assert index.get("m50") == (150, 51)
     finally:
         index.close()
+
+
+class _PutDuringFlush:
+    """Stands in for the index's database: its first WAL flush lets another put in while it
+    runs (the iterate thread putting while the checkpoint's thread syncs); counts flushes."""
+
+    def __init__(self, index: IdIndex, db) -> None:
+        self.index, self.db, self.flushes = index, db, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+    def flush_wal(self, sync: bool) -> None:
+        self.flushes += 1
+        self.db.flush_wal(sync)
+        if self.flushes == 1:
+            self.index.put_frames(*_frames([("late", 700, 7)]))  # written after that flush
+
+
+def test_a_put_made_while_sync_flushes_is_flushed_by_the_next_sync(tmp_path):
+    index = IdIndex(str(tmp_path / "ids"))
+    db = index._db
+    try:
+        index.put_frames(*_frames([("a", 100, 1)]))
+        index._db = spy = _PutDuringFlush(index, db)
+        index.sync()
+        assert spy.flushes == 1
+        # the next checkpoint covers "late": its sync must flush it (it skipped the flush,
+        # its count of unsynced puts zeroed after the first flush)
+        index.sync()
+        assert spy.flushes == 2
+        index.sync()  # nothing put since: no flush
+        assert spy.flushes == 2
+    finally:
+        index._db = db
+        index.close()
