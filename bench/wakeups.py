@@ -12,10 +12,10 @@ batch of 100 (switches) and a message (µs).
 laid out as the installed package, ``DIR/qdelay``, put first on the server's PYTHONPATH),
 alternating the trees round by round: an A/B of two versions in one run.
 
-``QDELAY_BENCH_PERF=FILE:EVENTS`` records the server with ``perf record -e EVENTS`` for 0.7 s
-of each main run (``QDELAY_BENCH_PERF_CG``: perf's ``--call-graph``, ``fp`` unless set;
-``dwarf,8192`` unwinds the interpreter's C frames), e.g. ``sched:sched_switch`` to see why
-each thread blocks (docs/benchmarks.md, "Thread wake-ups a batch under ingest").
+``QDELAY_BENCH_PROFILE=COMMAND`` runs COMMAND (``{pid}``: the server's) 0.3 s into each main
+run and waits for it at the end of the run, e.g. ``perf record -e sched:sched_switch
+--call-graph dwarf,8192 -p {pid} -o FILE -- sleep 0.7`` to see why each thread blocks
+(docs/benchmarks.md, "Thread wake-ups a batch under ingest"), or ``py-spy record``.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def thread_switches_by_name(pid: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-# QDELAY_BENCH_PERF=FILE:EVENTS: a perf record of the server during the main run
-PERF_OUT = tuple(os.environ["QDELAY_BENCH_PERF"].split(":", 1)) if os.environ.get("QDELAY_BENCH_PERF") else ()
+# a command run 0.3 s into each main run, {pid} the server's (see the module's docstring)
+PROFILE = os.environ.get("QDELAY_BENCH_PROFILE", "")
 FSYNCS = "qdelay_wal_fsync_seconds_count"
 STEPS = "qdelay_iterate_steps"
 
@@ -106,29 +106,13 @@ def run(driver: QdelayDriver, n: int, offset: int, spread: bool = False) -> dict
     cpu0 = thread_cpu_by_name(driver.pid)
     go.set()
     perf = None
-    if PERF_OUT and n >= 100_000:
+    if PROFILE and n >= 100_000:
+        import shlex
         import subprocess
         import time
 
         time.sleep(0.3)
-        perf = subprocess.Popen(
-            [
-                "perf",
-                "record",
-                "-q",
-                "-e",
-                PERF_OUT[1],
-                "--call-graph",
-                os.environ.get("QDELAY_BENCH_PERF_CG", "fp"),
-                "-p",
-                str(driver.pid),
-                "-o",
-                PERF_OUT[0],
-                "--",
-                "sleep",
-                "0.7",
-            ]
-        )
+        perf = subprocess.Popen(shlex.split(PROFILE.format(pid=driver.pid)))
     res = q.get(timeout=900)
     if perf is not None:
         perf.wait(60)
@@ -193,17 +177,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             for t, (v, nv, us) in sorted(res["threads"].items(), key=lambda kv: -kv[1][2]):
                 print(f"    {t:16s} vol {v:7.3f} nonvol {nv:7.3f} /batch  cpu {us:6.3f} us/msg")
-    print("\nmedians (server us/msg; per thread: voluntary switches a batch, us/msg)")
+    print("\nmedians: voluntary / nonvoluntary switches a batch, CPU us a message, by tree")
+    names = sorted({t for runs in got.values() for r in runs for t in r["threads"]})
     for name, runs in got.items():
-        names = sorted({t for r in runs for t in r["threads"]})
         server = median([r["server_us"] for r in runs])
-        print(f"{name}: server {server:.2f} us/msg, {median([r['msgs_per_s'] for r in runs]):.0f} msgs/s")
-        for t in names:
+        print(f"= {name}: server {server:.2f} us/msg, {median([r['msgs_per_s'] for r in runs]):.0f} msgs/s")
+    for t in names:
+        cells = []
+        for runs in got.values():
             vs = [r["threads"].get(t, (0, 0, 0)) for r in runs]
-            print(
-                f"    {t:16s} vol {median([v[0] for v in vs]):7.3f} nonvol {median([v[1] for v in vs]):7.3f}"
-                f"  cpu {median([v[2] for v in vs]):6.3f}"
+            cells.append(
+                f"{median([v[0] for v in vs]):6.3f} / {median([v[1] for v in vs]):6.3f}"
+                f"  {median([v[2] for v in vs]):6.3f}"
             )
+        print(f"= {t:14s} " + "  |  ".join(cells))
     return 0
 
 
