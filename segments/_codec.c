@@ -18,6 +18,11 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/uio.h>
 
 /* xxHash from the system (Debian libxxhash-dev, set up by the Makefile), not a copy in the
  * tree. XXH_INLINE_ALL compiles XXH3 into this module from the header (no call into
@@ -1464,6 +1469,150 @@ done:
     return out;
 }
 
+/* --- the message log's commit: its writes and its fdatasync, the GIL released once ------- */
+
+#define WRITE_PIECE (256 * 1024) /* the most one pwrite(v) writes (segment.py's _WRITE_PIECE) */
+#define WRITE_GROUP 1024         /* the most buffers one pwritev takes (segment.py's grouping) */
+static const char zero_page[1 << 20];
+
+/* pwritev all of iov[0..cnt) at ``at`` (short writes continued, EINTR retried); 0 or an errno
+ * (-1: it wrote nothing). ``iov`` is the caller's scratch copy: it is advanced in place. */
+static int pwritev_all(int fd, struct iovec *iov, int cnt, off_t at) {
+    for (;;) {
+        while (cnt > 0 && iov[0].iov_len == 0) { /* nothing left of it (an empty chunk) */
+            iov++;
+            cnt--;
+        }
+        if (cnt == 0)
+            return 0;
+        ssize_t n = cnt > 1 ? pwritev(fd, iov, cnt, at) : pwrite(fd, iov[0].iov_base, iov[0].iov_len, at);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (n == 0)
+            return -1;
+        at += n;
+        while (cnt > 0 && (size_t)n >= iov[0].iov_len) {
+            n -= (ssize_t)iov[0].iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov[0].iov_base = (char *)iov[0].iov_base + n;
+            iov[0].iov_len -= (size_t)n;
+        }
+    }
+}
+
+/* write_sync(fd, chunks: list of buffers, offset, zero_to, sync) -> (end, allocated, sync_errno, sync_seconds)
+ *
+ * segment.py's write_sync_py in one call that releases the GIL once: the chunks written back
+ * to back from ``offset`` (at most WRITE_GROUP buffers and WRITE_PIECE bytes a pwritev, a
+ * larger chunk in pieces), then, if ``zero_to`` is past their end, zeros up to it with one
+ * pwrite (best effort: ``allocated`` is where they stop), then, if ``sync``, fdatasync. A
+ * failed write raises OSError (nothing synced); a failed fdatasync is returned as its errno,
+ * so that the caller tells the two apart (the message log is poisoned only by the second).
+ * The message log's writer waited for the GIL after each of its write and its fdatasync
+ * (docs/benchmarks.md, "Thread wake-ups a batch under ingest"). */
+static PyObject *write_sync(PyObject *self, PyObject *args) {
+    int fd, sync;
+    PyObject *chunks;
+    long long offset, zero_to;
+    if (!PyArg_ParseTuple(args, "iO!LLp", &fd, &PyList_Type, &chunks, &offset, &zero_to, &sync))
+        return NULL;
+    if (offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "write_sync: negative offset");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(chunks);
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(struct iovec));
+    if (!views || !iov) {
+        PyMem_Free(views);
+        PyMem_Free(iov);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t got = 0;
+    PyObject *result = NULL;
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(chunks, got), &views[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        iov[got].iov_base = views[got].buf;
+        iov[got].iov_len = (size_t)views[got].len;
+    }
+    int werr = 0, serr = 0;
+    long long end = offset, allocated;
+    double took = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    while (i < n && !werr) {
+        Py_ssize_t first = i;
+        size_t size = iov[i].iov_len;
+        i++;
+        while (i < n && i - first < WRITE_GROUP && size + iov[i].iov_len <= WRITE_PIECE) {
+            size += iov[i].iov_len;
+            i++;
+        }
+        if (size <= WRITE_PIECE) {
+            werr = pwritev_all(fd, iov + first, (int)(i - first), (off_t)end);
+        } else { /* one chunk larger than a piece */
+            const char *p = iov[first].iov_base;
+            for (size_t at = 0; at < size && !werr; at += WRITE_PIECE) {
+                struct iovec piece = {(void *)(p + at), size - at < WRITE_PIECE ? size - at : WRITE_PIECE};
+                werr = pwritev_all(fd, &piece, 1, (off_t)(end + (long long)at));
+            }
+        }
+        end += (long long)size;
+    }
+    allocated = end;
+    if (!werr && zero_to > end) {
+        size_t want = (size_t)(zero_to - end);
+        const char *zeros = zero_page;
+        char *big = NULL;
+        if (want > sizeof(zero_page))
+            zeros = big = calloc(want, 1);
+        if (zeros) {
+            ssize_t z;
+            do
+                z = pwrite(fd, zeros, want, (off_t)end);
+            while (z < 0 && errno == EINTR);
+            if (z > 0)
+                allocated = end + z;
+        }
+        free(big);
+    }
+    if (!werr && sync) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int r;
+        do
+            r = fdatasync(fd);
+        while (r < 0 && errno == EINTR);
+        serr = r < 0 ? errno : 0;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    }
+    Py_END_ALLOW_THREADS
+    if (werr == -1) {
+        PyErr_SetString(PyExc_OSError, "pwrite wrote nothing");
+        goto done;
+    }
+    if (werr) {
+        errno = werr;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = Py_BuildValue("(LLid)", end, allocated, serr, took);
+done:
+    for (Py_ssize_t k = 0; k < got; k++)
+        PyBuffer_Release(&views[k]);
+    PyMem_Free(views);
+    PyMem_Free(iov);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"frame_bodies", frame_bodies, METH_VARARGS, "Append one frame per body to a bytearray; return the next sequence."},
     {"scan", scan, METH_VARARGS, "Walk and verify the whole frames at the start of a buffer."},
@@ -1485,6 +1634,7 @@ static PyMethodDef methods[] = {
     {"index_find", index_find, METH_VARARGS, "Binary searches of sequences among a schedule index's entries."},
     {"index_gather", index_gather, METH_VARARGS, "index_find over several indexes, with the entries found."},
     {"index_confirm", index_confirm, METH_VARARGS, "Whether receipts name MESSAGE entries of their indexes."},
+    {"write_sync", write_sync, METH_VARARGS, "Write buffers back to back, zeros after them, then fdatasync: the GIL released once."},
     {NULL, NULL, 0, NULL},
 };
 

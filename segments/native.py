@@ -24,7 +24,7 @@ codec: ModuleType | None = optional("qdelay.segments._codec")
 def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay.segments._codec`` and its Python twin (imported here, not at
     the top: the twins' modules use this one)."""
-    from qdelay.segments import framing, idfilter, idindex, reader, records, schedule_index
+    from qdelay.segments import framing, idfilter, idindex, reader, records, schedule_index, segment
     from qdelay.server import ledger, recent_ids  # the ack ids' format is the ack ledger's; the
     # recent-id table is the deduper's
 
@@ -48,4 +48,5 @@ def twins() -> dict[str, Callable[..., Any]]:
         "index_find": schedule_index.index_find_py,
         "index_gather": schedule_index.index_gather_py,
         "index_confirm": schedule_index.index_confirm_py,
+        "write_sync": segment.write_sync_py,
     }

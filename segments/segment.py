@@ -15,12 +15,13 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qdelay.errors import CorruptRecord
-from qdelay.segments import reader
+from qdelay.segments import native, reader
 from qdelay.segments.framing import Frame
 
 if TYPE_CHECKING:
@@ -182,44 +183,50 @@ class Segment:
         offset = self.size
         pool = self.pool
         fd = pool.acquire(self.path, create=True)
-        pos = offset
         try:
-            i, n = 0, len(chunks)
-            while i < n:
-                group = [chunks[i]]
-                size = _nbytes(chunks[i])
-                i += 1
-                while i < n and len(group) < 1024 and size + _nbytes(chunks[i]) <= _WRITE_PIECE:
-                    group.append(chunks[i])
-                    size += _nbytes(chunks[i])
-                    i += 1
-                if size <= _WRITE_PIECE:
-                    written = os.pwritev(fd, group, pos) if len(group) > 1 else os.pwrite(fd, group[0], pos)
-                    if written < size:  # short writes happen on signals and near ENOSPC
-                        _pwrite_all(fd, memoryview(b"".join(group))[written:], pos + written)
-                else:  # one chunk larger than a piece
-                    _pwrite_all(fd, memoryview(group[0]).cast("B"), pos)
-                pos += size
-            end = pos
+            end = _write_chunks(fd, chunks, offset)
             if end > self.allocated:
                 self.allocated = end
                 if self.prealloc:
                     self._extend(fd, end)
         finally:
             pool.release(fd)
-        self.size = pos
+        self.size = end
         return offset
+
+    def append_synced(self, chunks: list[bytearray]) -> tuple[int, float]:
+        """``append_many`` (preallocation included) then fdatasync, in one call of the native
+        codec that releases the GIL once (``write_sync``; its Python twin where it is not
+        built, or where ``native_write_sync`` is off): the message log's commit. Between its
+        write and its fdatasync, released apart, the writer thread waited for the GIL again
+        under ingest (~1.9 thread switches a commit, docs/benchmarks.md, "Thread wake-ups a
+        batch under ingest"). A failed write raises OSError (nothing synced; the caller cuts
+        the file back); returns (the errno of a failed fdatasync or 0, its seconds)."""
+        offset = self.size
+        end = offset + sum(map(_nbytes, chunks))
+        zero_to = 0
+        if self.prealloc and end > self.allocated:
+            zero_to = (end // self.prealloc + 1) * self.prealloc
+        codec = native.codec
+        write_sync = codec.write_sync if codec is not None and native_write_sync else write_sync_py
+        pool = self.pool
+        fd = pool.acquire(self.path, create=True)
+        try:
+            end, allocated, sync_errno, took = write_sync(fd, chunks, offset, zero_to, True)
+        finally:
+            pool.release(fd)
+        self.size = end
+        self.allocated = max(self.allocated, allocated)
+        if not sync_errno:
+            self.synced_size = end
+        return sync_errno, took
 
     def _extend(self, fd: int, end: int) -> None:
         """Zero-fill the file from ``end`` to the next multiple of ``prealloc`` past it.
 
         Best effort: where the zeros do not fit (a full disk) the file just ends at ``end``."""
         step = self.prealloc
-        target = (end // step + 1) * step
-        try:
-            self.allocated = end + os.pwrite(fd, _zeros(target - end), end)
-        except OSError:
-            pass
+        self.allocated = _zero_fill(fd, end, (end // step + 1) * step)
 
     def trim(self) -> None:
         """Cut the preallocated zeros off, durably: a sealed segment ends at its last record."""
@@ -271,6 +278,61 @@ class Segment:
 
 
 _ZEROS = bytes(1 << 20)
+
+#: False: ``Segment.append_synced`` runs the Python twin (``write_sync_py``: each write and
+#: the fdatasync through ``os``, one after the other), e.g. for a test that injects failures
+#: into those calls
+native_write_sync = True
+
+
+def _write_chunks(fd: int, chunks: Sequence[bytes | bytearray | memoryview], offset: int) -> int:
+    """Write ``chunks`` back to back from ``offset`` (at most 1,024 buffers and
+    ``_WRITE_PIECE`` bytes a pwritev, a larger chunk in pieces); return where they end."""
+    pos = offset
+    i, n = 0, len(chunks)
+    while i < n:
+        group = [chunks[i]]
+        size = _nbytes(chunks[i])
+        i += 1
+        while i < n and len(group) < 1024 and size + _nbytes(chunks[i]) <= _WRITE_PIECE:
+            group.append(chunks[i])
+            size += _nbytes(chunks[i])
+            i += 1
+        if size <= _WRITE_PIECE:
+            written = os.pwritev(fd, group, pos) if len(group) > 1 else os.pwrite(fd, group[0], pos)
+            if written < size:  # short writes happen on signals and near ENOSPC
+                _pwrite_all(fd, memoryview(b"".join(group))[written:], pos + written)
+        else:  # one chunk larger than a piece
+            _pwrite_all(fd, memoryview(group[0]).cast("B"), pos)
+        pos += size
+    return pos
+
+
+def _zero_fill(fd: int, end: int, zero_to: int) -> int:
+    """Zeros from ``end`` to ``zero_to`` with one pwrite, best effort; where they stop."""
+    try:
+        return end + os.pwrite(fd, _zeros(zero_to - end), end)
+    except OSError:
+        return end
+
+
+def write_sync_py(fd: int, chunks: list, offset: int, zero_to: int, sync: bool) -> tuple[int, int, int, float]:
+    """The Python twin of the native ``write_sync``: ``chunks`` written back to back from
+    ``offset`` (``_write_chunks``; a failed write raises OSError), then zeros up to
+    ``zero_to`` if it is past their end (``_zero_fill``), then, if ``sync``, fdatasync.
+    Returns (end, where the zeros stop or end, the errno of a failed fdatasync or 0, the
+    fdatasync's seconds)."""
+    end = _write_chunks(fd, chunks, offset)
+    allocated = _zero_fill(fd, end, zero_to) if zero_to > end else end
+    sync_errno, took = 0, 0.0
+    if sync:
+        started = time.monotonic()
+        try:
+            os.fdatasync(fd)
+        except OSError as err:
+            sync_errno = err.errno or errno.EIO
+        took = time.monotonic() - started
+    return end, allocated, sync_errno, took
 
 
 def _zeros(n: int) -> memoryview | bytes:

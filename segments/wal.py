@@ -31,6 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -613,6 +614,19 @@ class MessageLog:
     def _write(self, queue: list[tuple[Segment, list[bytearray]]], waiters: list[_Pending]) -> Exception | None:
         written: list[tuple[Segment, int]] = []
         try:
+            if len(queue) == 1 and self.flush.is_sync:
+                # nearly every commit: one segment, written and synced in one call that
+                # releases the GIL once (Segment.append_synced)
+                seg, chunks = queue[0]
+                before = seg.size
+                if before == 0:
+                    self._seal_before(seg)
+                written.append((seg, before))
+                sync_errno, took = seg.append_synced(chunks)
+                if sync_errno:
+                    self._sync_failed(OSError(sync_errno, os.strerror(sync_errno)))
+                self._synced(took)
+                return None
             for seg, chunks in queue:
                 before = seg.size
                 if before == 0:
@@ -640,10 +654,15 @@ class MessageLog:
             for seg in {id(s): s for s in segments}.values():
                 seg.sync()
         except OSError as err:
-            failure = WalFailed(f"fdatasync of the message log failed: {err}; restart to recover")
-            self._poison(failure)
-            raise failure from err
-        took = time.monotonic() - started
+            self._sync_failed(err)
+        self._synced(time.monotonic() - started)
+
+    def _sync_failed(self, err: OSError) -> NoReturn:
+        failure = WalFailed(f"fdatasync of the message log failed: {err}; restart to recover")
+        self._poison(failure)
+        raise failure from err
+
+    def _synced(self, took: float) -> None:
         self._last_sync = time.monotonic()
         self.fsyncs += 1
         self.fsync_seconds_total += took

@@ -41,6 +41,7 @@ class HeldWrite:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(fd, data, offset)
 
+        monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
         monkeypatch.setattr(segment.os, "pwrite", pwrite)
 
 

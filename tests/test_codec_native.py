@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import itertools
 import os
 import struct
@@ -782,6 +783,44 @@ PAIRS: dict[tuple[str, str], Pair] = {
 }
 
 
+def _write_sync_cases():
+    """(chunk sizes, offset, where the zeros go): empty, small, one write piece's worth and
+    more (a chunk in pieces), more chunks than one pwritev takes; zeros none, one byte, to
+    the next MiB, beyond one MiB (past the native side's static zeros)."""
+    sizes = st.one_of(
+        st.lists(st.sampled_from([0, 1, 37, 4096, 70_000, 262_144, 300_000]), max_size=8),
+        st.sampled_from([1023, 1024, 1025, 1030]).map(lambda n: [10] * n),
+    )
+    return st.tuples(sizes, st.sampled_from([0, 5, 4096]), st.sampled_from(["none", "byte", "mib", "beyond"]))
+
+
+def _write_sync_args(case):
+    """A fresh file (unlinked: the descriptor keeps it) holding a head, and the call's args."""
+    import tempfile
+
+    sizes, offset, zeros = case
+    fd, path = tempfile.mkstemp(prefix="qdelay-write-sync-")
+    os.unlink(path)
+    os.pwrite(fd, b"h" * offset, 0)
+    chunks = [bytearray(bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+    end = offset + sum(sizes)
+    zero_to = {"none": 0, "byte": end + 1, "mib": (end // (1 << 20) + 1) << 20, "beyond": end + (3 << 20) // 2}[zeros]
+    return (fd, chunks, offset, zero_to, True)
+
+
+def _write_sync_outcome(result, args):
+    """What the call answered but its time, and the file's bytes (the descriptor closed)."""
+    fd = args[0]
+    try:
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
+    return result[:3], xxhash.xxh3_64_hexdigest(data), len(data)
+
+
+PAIRS["segments", "write_sync"] = Pair(_write_sync_cases(), args=_write_sync_args, outcome=_write_sync_outcome)
+
+
 def _natives() -> dict[tuple[str, str], tuple[Callable, Callable]]:
     pairs = {}
     for (module, name), _pair in PAIRS.items():
@@ -822,6 +861,30 @@ def test_the_table_covers_every_native_function():
 
 
 # --- beyond the twins: refusals, the reference, the contract with the .proto ---------------
+
+
+@pytest.mark.parametrize("side", ["native", "twin"])
+def test_write_sync_tells_a_failed_fdatasync_from_a_failed_write(side):
+    """A failed fdatasync is answered as its errno, after the bytes were written (the message
+    log is poisoned by it); a failed write raises OSError (the log cuts the file back and
+    goes on)."""
+    from qdelay.segments import segment
+
+    fn = codec.write_sync if side == "native" else segment.write_sync_py
+    fd = os.open(os.devnull, os.O_RDWR)  # writes go through, fdatasync is refused (EINVAL)
+    try:
+        assert fn(fd, [bytearray(b"ab"), bytearray(b"c")], 10, 0, True)[:3] == (13, 13, errno.EINVAL)
+        assert fn(fd, [bytearray(b"ab")], 10, 0, False)[2:] == (0, 0.0)  # no fdatasync asked for
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(OSError) as info:
+            fn(r, [bytearray(b"x")], 0, 0, True)
+        assert info.value.errno == errno.ESPIPE
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 @pytest.mark.parametrize("side", ["native", "twin"])

@@ -103,6 +103,7 @@ def test_batches_under_way_at_shutdown_are_all_answered_in_order(tmp_path, monke
                 async for answer in service.SendStream(requests(), mock.AsyncMock()):
                     answers.append(pb.SendBatchResponse.FromString(answer))
 
+            monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
             monkeypatch.setattr(segment.os, "fdatasync", held_fdatasync)
             stream = asyncio.ensure_future(consume())
             await asyncio.to_thread(held.wait, 10)  # the first commit is in its fdatasync

@@ -16,7 +16,7 @@ from qdelay.errors import DiskFull, InvariantViolation, ShuttingDown, WalFailed
 from qdelay.segments import naming, segment
 from qdelay.segments.framing import RecordKind
 from qdelay.segments.segment import recover
-from qdelay.segments.wal import FlushPolicy, MessageLog
+from qdelay.segments.wal import DEFAULT_PREALLOC_BYTES, FlushPolicy, MessageLog
 
 MESSAGE = RecordKind.MESSAGE
 
@@ -126,6 +126,7 @@ def test_append_bodies_then_calls_back_on_the_loop_even_when_a_callback_fails(wa
         def failing(fd):
             raise OSError(errno.EIO, "Input/output error")
 
+        monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
         monkeypatch.setattr(segment.os, "fdatasync", failing)
         failed = loop.create_future()
         log.append_bodies_then(MESSAGE, 7, [b"c"], lambda a, e: failed.set_result((a, e)))
@@ -151,6 +152,7 @@ def test_async_appends_of_one_commit_wake_their_loop_once(wal_dir, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         real_fdatasync(fd)
 
+    monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
     monkeypatch.setattr(segment.os, "fdatasync", held_fdatasync)
 
     async def main():
@@ -197,6 +199,7 @@ def _hold_fdatasync(monkeypatch):
         assert release.wait(10)
         real_fdatasync(fd)
 
+    monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
     monkeypatch.setattr(segment.os, "fdatasync", held)
     return in_sync, release
 
@@ -209,13 +212,13 @@ def test_appends_gathered_for_one_commit_are_written_as_they_were_framed_not_joi
     order, and again after a reopen."""
     log = MessageLog(wal_dir)
     chunk_counts: list[int] = []
-    real_append_many = segment.Segment.append_many
+    real_append_synced = segment.Segment.append_synced  # a commit's write and fdatasync
 
     def counting(self, chunks):
         chunk_counts.append(len(chunks))
-        return real_append_many(self, chunks)
+        return real_append_synced(self, chunks)
 
-    monkeypatch.setattr(segment.Segment, "append_many", counting)
+    monkeypatch.setattr(segment.Segment, "append_synced", counting)
     in_sync, release = _hold_fdatasync(monkeypatch)
     waiters = []
     first = _Collect()
@@ -256,6 +259,7 @@ def test_a_failed_write_of_gathered_appends_is_undone_and_each_rejected(wal_dir,
         real_pwritev(fd, [data[:150]], offset)  # a partial record reaches the file
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
     monkeypatch.setattr(segment.os, "pwritev", half_then_enospc)
     doomed = [_Collect() for _ in range(4)]
     for w in doomed:
@@ -495,6 +499,7 @@ def test_a_failed_write_is_undone_and_rejected(wal_dir, monkeypatch):
             return 150
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
     monkeypatch.setattr(segment.os, "pwrite", half_then_enospc)
     with pytest.raises(DiskFull):
         log.append(entries(4))
@@ -512,6 +517,7 @@ def test_a_failed_fdatasync_poisons_the_log(wal_dir, monkeypatch):
     def eio(fd):
         raise OSError(errno.EIO, "Input/output error")
 
+    monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
     monkeypatch.setattr(segment.os, "fdatasync", eio)
     with pytest.raises(WalFailed):
         log.append(entries(1))
@@ -616,4 +622,29 @@ def test_a_crash_leaves_zeros_that_recovery_cuts(wal_dir, tmp_path):
     assert rec.torn and rec.cut_bytes == 4096 - end and rec.broken_path is None
     assert log.committed_offset == end and log.append(entries(1)).first_sequence == 8
     assert [f.sequence for f in read_all(log)] == list(range(1, 9))
+    log.close()
+
+
+def test_a_commit_is_written_and_synced_in_one_call(wal_dir, monkeypatch):
+    """A commit into one segment (nearly every one) is one Segment.append_synced: its writes
+    and its fdatasync in one native call that releases the GIL once (the writer waited for
+    the GIL again between the two), with the same bytes, preallocation and fsync count."""
+    log = MessageLog(wal_dir)
+    calls = []
+    real_append_synced = segment.Segment.append_synced
+
+    def counting(self, chunks):
+        calls.append(len(chunks))
+        return real_append_synced(self, chunks)
+
+    monkeypatch.setattr(segment.Segment, "append_synced", counting)
+    monkeypatch.setattr(segment.Segment, "sync", lambda self: pytest.fail("synced apart from its write"))
+    fsyncs = log.fsyncs
+    for _ in range(3):
+        log.append(entries(2))
+    assert calls == [1, 1, 1] and log.fsyncs == fsyncs + 3
+    seg = log.segments()[-1]
+    assert seg.synced_size == seg.size and seg.allocated == DEFAULT_PREALLOC_BYTES  # zeros ahead, as before
+    assert os.path.getsize(seg.path) == DEFAULT_PREALLOC_BYTES
+    assert len(read_all(log)) == 6
     log.close()
