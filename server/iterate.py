@@ -24,9 +24,9 @@ as for several, and a busy server commits every millisecond or so. While everyth
 committed since its last step is known to be due well ahead (at least a second, and ten
 times ``gather_far``: the engine says so as it queues a send, ``expect_far``), nobody needs
 those records soon (a step that late still puts them in the timer long before they are
-due), and it lets them gather up to ``gather_far`` (20 ms, ``iterate_gather_far_ms``),
-asleep: the message log's writer wakes it at the commit of anything not declared far, or
-of half a read's bytes (``MessageLog.on_commit``). Callers that wait for its progress
+due), and after that first ``gather`` it lets them gather on up to ``gather_far`` (20 ms,
+``iterate_gather_far_ms``), asleep: the message log's writer wakes it at the commit of
+anything not declared far, or of half a read's bytes (``MessageLog.on_commit``). Callers that wait for its progress
 (``wait_for``: Get, Cancel, dedupe's catch-up) wake it at once.
 
 Records of buckets beyond the scheduler's loading horizon are written behind: they
@@ -269,22 +269,22 @@ class IterateService:
             log.exception("iterate service stopped")
 
     def _gather(self) -> None:
-        """Let more commits share the next step: ``gather``, or up to ``gather_far`` while
-        everything committed since is declared far (and not much of it). A ``wait_for`` ends
-        it at once, and so does a commit that makes the far wait wrong (``_committed``, on
-        the message log's writer): the thread sleeps through the whole wait instead of
-        looking every ``gather`` whether it may go on sleeping (~10 wake-ups a step, each a
-        thread switch and a GIL hand-off, under bench.compare's ingest)."""
-        lag_max = self.read_bytes // 2
-        far = self._only_far()
-        if far:
-            # published before the last look, so that a commit landing after that look finds
-            # it set and wakes the wait (_committed: its commit is visible before its look)
-            self._waiting_far = True
-            far = self._only_far() and self.lag_bytes() < lag_max
-        if far or self.lag_bytes() < lag_max:
-            self._hurry.wait(self.gather_far if far else self.gather)
-        self._waiting_far = False
+        """Let more commits share the next step: ``gather`` (only a ``wait_for`` ends it), then,
+        while everything committed since is declared far (and not much of it), on up to
+        ``gather_far`` in all. That second wait sleeps through, ended early by a
+        ``wait_for`` or by a commit that makes it wrong (``_committed``, on the message log's
+        writer): it used to look every ``gather`` whether it might go on sleeping (~10
+        wake-ups a step, each a thread switch and a GIL hand-off, under bench.compare's
+        ingest)."""
+        if not self._hurry.wait(self.gather) and self.gather_far > self.gather:
+            lag_max = self.read_bytes // 2
+            if self._only_far() and self.lag_bytes() < lag_max:
+                # published before the last look, so that a commit landing after that look
+                # finds it set and wakes the wait (_committed: its commit is visible first)
+                self._waiting_far = True
+                if self._only_far() and self.lag_bytes() < lag_max:
+                    self._hurry.wait(self.gather_far - self.gather)
+                self._waiting_far = False
         self._hurry.clear()  # (a wait_for begun just now is served by the next step)
 
     def _committed(self) -> None:
