@@ -8,15 +8,20 @@ between scrapes.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import socket
 import threading
+import time
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("qdelay.metrics")
 
@@ -298,6 +303,67 @@ class BulkHistogram:
         yield family
 
 
+class IngestCounts:
+    """The ingest path's metrics (``qdelay_ingested_messages``, ``qdelay_ingested_payload_bytes``
+    and the ``qdelay_send_seconds`` histogram), counted in plain numbers by their one writer,
+    the event loop (DelayService._admitted, once a batch is durable), and exposed at scrape
+    time with the names, help, buckets and samples (``_total``, ``_bucket``, ``_count``,
+    ``_sum``, ``_created``) that prometheus-client's Counter and Histogram give them.
+
+    Why not those: each ``inc``/``observe`` takes a lock (one per value: three for a batch,
+    plus the histogram's walk over its bounds in Python), ~4 % of the event loop's
+    instructions on the SendStream path for three numbers a batch (docs/benchmarks.md).
+    A scrape (the metrics thread) reads them without a lock: each number is read whole,
+    and the buckets are copied in one C call (``list.copy``, under the GIL), so ``_count``
+    (the last bucket's cumulative count) always matches the buckets; ``_sum`` may miss the
+    observation being made, as prometheus-client's own histogram may."""
+
+    MESSAGES = ("qdelay_ingested_messages", "Messages durably accepted (rate = ingest rate)")
+    BYTES = ("qdelay_ingested_payload_bytes", "Payload bytes durably accepted")
+    SECONDS = ("qdelay_send_seconds", "Send/SendBatch latency until durable")
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = tuple(float(b) for b in buckets)
+        if list(self.bounds) != sorted(self.bounds) or self.bounds[-1] == float("inf"):
+            raise ValueError("ingest metrics: finite bucket bounds in increasing order")
+        self.messages = 0
+        self.payload_bytes = 0
+        self._buckets = [0] * (len(self.bounds) + 1)  # not cumulative; the last: above every bound
+        self._seconds = 0.0
+        self._created = time.time()
+
+    def add(self, count: int, size: int, seconds: float) -> None:
+        """A write of ``count`` messages of ``size`` payload bytes was durable ``seconds``
+        after it was admitted (on the event loop)."""
+        self.messages += count
+        self.payload_bytes += size
+        self._buckets[bisect.bisect_left(self.bounds, seconds)] += 1  # le: value <= bound
+        self._seconds += seconds
+
+    def describe(self):
+        return self._families(0, 0, [0] * len(self._buckets), 0.0)
+
+    def collect(self):
+        buckets = self._buckets.copy()
+        return self._families(self.messages, self.payload_bytes, buckets, self._seconds)
+
+    def _families(self, messages: int, size: int, buckets: list[int], seconds: float):
+        created = self._created if getattr(prometheus_metrics, "_use_created", True) else None
+        histogram = HistogramMetricFamily(*self.SECONDS)
+        cumulative, acc = [], 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), buckets, strict=True):
+            acc += n
+            cumulative.append((bound, float(acc)))
+        histogram.add_metric([], cumulative, seconds)
+        if created is not None:
+            histogram.samples.append(Sample(histogram.name + "_created", {}, created, None, None))
+        return [
+            CounterMetricFamily(*self.MESSAGES, value=float(messages), created=created),
+            CounterMetricFamily(*self.BYTES, value=float(size), created=created),
+            histogram,
+        ]
+
+
 # how often the endpoint's thread looks whether it is to stop: close() waits for that look.
 # prometheus_client's start_http_server serves with socketserver's default, 0.5 s, so every
 # stop of a server with --metrics-listen took 0.25-0.5 s more, blocking the event loop
@@ -313,17 +379,13 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ingested = Counter(
-            "qdelay_ingested_messages", "Messages durably accepted (rate = ingest rate)", registry=r
-        )
-        self.ingest_bytes = Counter("qdelay_ingested_payload_bytes", "Payload bytes durably accepted", registry=r)
+        # messages and payload bytes durably accepted, and the latency of their writes
+        self.ingest = IngestCounts(LATENCY_BUCKETS)
+        r.register(self.ingest)
         self.requests = Counter("qdelay_requests", "RPCs served", ["method", "code"], registry=r)
         self.refused = Counter("qdelay_refused_messages", "Messages refused", ["reason"], registry=r)
         self.fsync_seconds = Histogram(
             "qdelay_wal_fsync_seconds", "Message-log fdatasync latency", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.send_seconds = Histogram(
-            "qdelay_send_seconds", "Send/SendBatch latency until durable", buckets=LATENCY_BUCKETS, registry=r
         )
         self.lateness = BulkHistogram(
             "qdelay_dispatch_lateness_seconds",

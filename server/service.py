@@ -410,10 +410,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
         self.gate.leave(count, size)
         self.active_writes -= 1
         if started is not None:
-            metrics = self.metrics
-            metrics.send_seconds.observe(time.perf_counter() - started)
-            metrics.ingested.inc(count)
-            metrics.ingest_bytes.inc(size)
+            self.metrics.ingest.add(count, size, time.perf_counter() - started)
 
     @status.unary
     async def Send(self, request, context):
