@@ -1,9 +1,10 @@
 """Prometheus metrics of a server (prometheus-client), on their own registry.
 
-Counters and histograms are updated by the service and the consumer registry; gauges
-that the engine owns (pending, wheel size, iterate lag, in flight, redeliveries ...) are
-read from ``engine.stats()`` at scrape time by a custom collector, so they cost nothing
-between scrapes.
+Counters and histograms are updated by the service and the consumer registry; the ingest
+path's (messages, payload bytes, send latency) are plain numbers the event loop adds to
+once a batch (IngestCounts), exposed at scrape time; gauges that the engine owns (pending,
+wheel size, iterate lag, in flight, redeliveries ...) are read from ``engine.stats()`` at
+scrape time by a custom collector, so they cost nothing between scrapes.
 """
 
 from __future__ import annotations
