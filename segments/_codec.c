@@ -1205,9 +1205,7 @@ done:
  * XXH3_64 of the id's UTF-8 bytes with the table's seed u64, its sequence i64 (0: an empty
  * slot), its due time i64, the first sequence of its batch i64. Linear probing from
  * hash mod the number of slots. A slot whose sequence is at most ``floor`` (the index holds
- * it) is dead: a lookup walks past it, a put may take it. One at most ``base`` (0, or the
- * floor at which the caller found every slot dead: a table started over without zeroing)
- * is empty: a lookup stops there. base <= floor. */
+ * it) is dead: a lookup walks past it, a put may take it. */
 #define RECENT_SLOT 32
 
 static int recent_slots(Py_buffer *t, uint64_t *mask) {
@@ -1230,25 +1228,24 @@ static int all_str(PyObject *ids, const char *what) {
     return 0;
 }
 
-/* recent_put(table: bytearray, seed, floor, ids: list[str], first, dues: list[int], base=0) -> int:
+/* recent_put(table: bytearray, seed, floor, ids: list[str], first, dues: list[int]) -> int:
  * ids[i] written with sequence first + i, due at dues[i]; returns how many empty slots were
  * taken (the others reused dead ones). ValueError when no slot is free (the caller grows
  * the table before that). Python twin: server/recent_ids.py ``recent_put_py``. */
 static PyObject *recent_put(PyObject *self, PyObject *args) {
     Py_buffer t;
     unsigned long long seed;
-    long long floor, first, base = 0;
+    long long floor, first;
     PyObject *ids, *dues;
-    if (!PyArg_ParseTuple(args, "w*KLO!LO!|L", &t, &seed, &floor, &PyList_Type, &ids, &first, &PyList_Type, &dues,
-                          &base))
+    if (!PyArg_ParseTuple(args, "w*KLO!LO!", &t, &seed, &floor, &PyList_Type, &ids, &first, &PyList_Type, &dues))
         return NULL;
     PyObject *out = NULL;
     uint64_t mask;
     Py_ssize_t n = PyList_GET_SIZE(ids), filled = 0;
     if (recent_slots(&t, &mask) < 0 || all_str(ids, "recent_put") < 0)
         goto done;
-    if (PyList_GET_SIZE(dues) != n || first < 1 || base < 0 || floor < base || first > LLONG_MAX - n) {
-        PyErr_SetString(PyExc_ValueError, "recent_put: one due time per id, sequences from 1, 0 <= base <= floor");
+    if (PyList_GET_SIZE(dues) != n || first < 1 || floor < 0 || first > LLONG_MAX - n) {
+        PyErr_SetString(PyExc_ValueError, "recent_put: one due time per id, sequences from 1, floor >= 0");
         goto done;
     }
     unsigned char *b = t.buf;
@@ -1270,7 +1267,7 @@ static PyObject *recent_put(PyObject *self, PyObject *args) {
             at = (at + 1) & mask;
             s = b + at * RECENT_SLOT;
         }
-        filled += (int64_t)get_u64(s + 8) <= base;
+        filled += get_u64(s + 8) == 0;
         put_u64(s, h);
         put_u64(s + 8, (uint64_t)(first + i));
         put_u64(s + 16, (uint64_t)due);
@@ -1282,26 +1279,20 @@ done:
     return out;
 }
 
-/* recent_find(table, seed, floor, ids: list[str], base=0) -> list[tuple[int, int, int, int]]:
+/* recent_find(table, seed, floor, ids: list[str]) -> list[tuple[int, int, int, int]]:
  * (i, sequence, due, first) of every live slot whose hash is that of ids[i], ids in order,
  * each id's slots in probe order (a hash match; the caller confirms the id itself).
  * Python twin: server/recent_ids.py ``recent_find_py``. */
 static PyObject *recent_find(PyObject *self, PyObject *args) {
     Py_buffer t;
     unsigned long long seed;
-    long long floor, base = 0;
+    long long floor;
     PyObject *ids;
-    if (!PyArg_ParseTuple(args, "y*KLO!|L", &t, &seed, &floor, &PyList_Type, &ids, &base))
+    if (!PyArg_ParseTuple(args, "y*KLO!", &t, &seed, &floor, &PyList_Type, &ids))
         return NULL;
     PyObject *out = NULL;
     uint64_t mask;
-    if (recent_slots(&t, &mask) < 0 || all_str(ids, "recent_find") < 0)
-        goto done;
-    if (base < 0 || floor < base) {
-        PyErr_SetString(PyExc_ValueError, "recent_find: 0 <= base <= floor");
-        goto done;
-    }
-    if (!(out = PyList_New(0)))
+    if (recent_slots(&t, &mask) < 0 || all_str(ids, "recent_find") < 0 || !(out = PyList_New(0)))
         goto done;
     const unsigned char *b = t.buf;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
@@ -1315,7 +1306,7 @@ static PyObject *recent_find(PyObject *self, PyObject *args) {
         for (uint64_t probes = 0; probes <= mask; probes++, at = (at + 1) & mask) {
             const unsigned char *s = b + at * RECENT_SLOT;
             int64_t seq = (int64_t)get_u64(s + 8);
-            if (seq <= base)
+            if (seq == 0)
                 break;
             if (seq <= floor || get_u64(s) != h)
                 continue;

@@ -18,17 +18,11 @@ A slot whose sequence is at most the caller's ``floor`` (the index holds it, and
 that began before is still running) is dead: lookups ignore it and puts reuse it. A batch's
 line leaves once its last sequence is at most the floor; the table is rebuilt (live slots
 only) when it is three quarters used, at the size the most ids held at once lately need.
-When every slot is dead (the index caught up) a table of at most KEEP_SLOTS is kept and
-starts over empty: the iterate service catches up every few milliseconds under steady
-sends, and a new small table grown again by doublings each time cost ~7 us a SendBatch of
-100 (a fresh zeroed buffer and a rehash per doubling). It starts over without being
-written: the floor it was found dead at becomes its ``base``, and a slot whose sequence is
-at most the base counts as empty (a lookup stops there, a put takes it as a new slot).
-Zeroing it instead (up to 2 MiB, for the few thousand slots taken since the last time)
-cost ~35 us each time the index caught up, ~1.6 % of the event loop's CPU on the
-SendStream path (docs/benchmarks.md, "The event loop's metrics and the ids being
-written"). A larger one (a burst's: 2 M slots, 64 MiB at 1 M ids behind) is given back at
-once, and made smaller as soon as it is mostly dead.
+When every slot is dead (the index caught up) a table of at most KEEP_SLOTS is zeroed in
+place and kept: the iterate service catches up every few milliseconds under steady sends,
+and a new small table grown again by doublings each time cost ~7 us a SendBatch of 100 (a
+fresh zeroed buffer and a rehash per doubling). A larger one (a burst's: 2 M slots, 64 MiB
+at 1 M ids behind) is given back at once, and made smaller as soon as it is mostly dead.
 :meth:`RecentIds.trim`, which the deduper calls about once a second, also makes smaller a
 table twice the size its recent peak needs, or more.
 """
@@ -41,6 +35,7 @@ import os
 import struct
 import sys
 
+import numpy as np
 import xxhash
 
 from qdelay.segments import native
@@ -65,18 +60,15 @@ def _all_str(ids: list, what: str) -> None:
         raise TypeError(f"{what}: ids must be str")
 
 
-def recent_put_py(
-    table: bytearray, seed: int, floor: int, ids: list[str], first: int, dues: list[int], base: int = 0
-) -> int:
+def recent_put_py(table: bytearray, seed: int, floor: int, ids: list[str], first: int, dues: list[int]) -> int:
     """The Python twin of the native ``recent_put``: ids[i] written with sequence
-    ``first + i``, due at ``dues[i]``; how many empty slots (sequence at most ``base``)
-    were taken."""
+    ``first + i``, due at ``dues[i]``; how many empty slots were taken."""
     if not isinstance(table, bytearray) or not isinstance(ids, list) or not isinstance(dues, list):
         raise TypeError("recent_put: a bytearray table and lists of ids and due times")
     n = _slots(table)
     _all_str(ids, "recent_put")
-    if len(dues) != len(ids) or first < 1 or base < 0 or floor < base or first > _I64_MAX - len(ids):
-        raise ValueError("recent_put: one due time per id, sequences from 1, 0 <= base <= floor")
+    if len(dues) != len(ids) or first < 1 or floor < 0 or first > _I64_MAX - len(ids):
+        raise ValueError("recent_put: one due time per id, sequences from 1, floor >= 0")
     mask, filled = n - 1, 0
     for i, (message_id, due) in enumerate(zip(ids, dues, strict=True)):
         key = message_id.encode()
@@ -92,23 +84,18 @@ def recent_put_py(
             at = (at + 1) & mask
         else:
             raise ValueError("recent_put: the table is full")
-        filled += seq <= base
+        filled += seq == 0
         _SLOT.pack_into(table, at * SLOT, h, first + i, due, first)
     return filled
 
 
-def recent_find_py(
-    table: bytes | bytearray, seed: int, floor: int, ids: list[str], base: int = 0
-) -> list[tuple[int, int, int, int]]:
+def recent_find_py(table: bytes | bytearray, seed: int, floor: int, ids: list[str]) -> list[tuple[int, int, int, int]]:
     """The Python twin of the native ``recent_find``: (i, sequence, due, first) of every live
-    slot whose hash is that of ids[i] (a probe stops at a slot whose sequence is at most
-    ``base``: an empty one)."""
+    slot whose hash is that of ids[i]."""
     if not isinstance(ids, list):
         raise TypeError("recent_find: ids must be a list")
     n = _slots(table)
     _all_str(ids, "recent_find")
-    if base < 0 or floor < base:
-        raise ValueError("recent_find: 0 <= base <= floor")
     mask = n - 1
     out = []
     for i, message_id in enumerate(ids):
@@ -116,7 +103,7 @@ def recent_find_py(
         at = h & mask
         for _ in range(n):
             held, seq, due, first = _SLOT.unpack_from(table, at * SLOT)
-            if seq <= base:
+            if seq == 0:
                 break
             if seq > floor and held == h:
                 out.append((i, seq, due, first))
@@ -164,10 +151,7 @@ class RecentIds:
     def __init__(self) -> None:
         self._seed = int.from_bytes(os.urandom(8), "little")
         self._table = bytearray(MIN_SLOTS * SLOT)
-        self._used = 0  # slots taken since the table was made or started over (live or dead)
-        # slots at or below this sequence are empty: the floor at which every slot was last
-        # found dead (never above a floor a lookup or put is called with: floors only grow)
-        self._base = 0
+        self._used = 0  # slots taken since the table was made (live or dead)
         self._lines: dict[int, str] = {}  # a batch's first sequence -> its ids joined by "\n"
         self._order: collections.deque[tuple[int, int, int]] = collections.deque()  # (last, first, count)
         self._count = 0  # ids of the batches in _order (at least the live slots)
@@ -191,12 +175,10 @@ class RecentIds:
         """ids[i] written with sequence ``first + i``, due at ``dues[i]`` (ids printable
         ASCII, distinct); slots at or below ``floor`` may be reused."""
         codec = native.codec
-        if floor < self._base:
-            self._floor_went_back()
         if 4 * (self._used + len(ids)) > 3 * self.slots:
             self._rebuild(_size_for(max(self._count + len(ids), min(self._peak, KEEP_SLOTS // 2))), floor)
         put = codec.recent_put if codec is not None else recent_put_py
-        self._used += put(self._table, self._seed, floor, ids, first, dues, self._base)
+        self._used += put(self._table, self._seed, floor, ids, first, dues)
         self._lines[first] = "\n".join(ids)
         self._order.append((first + len(ids) - 1, first, len(ids)))
         self._count += len(ids)
@@ -206,10 +188,7 @@ class RecentIds:
     def find(self, ids: list[str], floor: int) -> dict[int, Receipt]:
         """ids position -> the receipt of that id's newest write above ``floor``."""
         codec = native.codec
-        if floor < self._base:
-            self._floor_went_back()
-        find = codec.recent_find if codec is not None else recent_find_py
-        hits = find(self._table, self._seed, floor, ids, self._base)
+        hits = (codec.recent_find if codec is not None else recent_find_py)(self._table, self._seed, floor, ids)
         found: dict[int, Receipt] = {}
         split: dict[int, list[str]] = {}
         for k, seq, due, first in hits:
@@ -230,8 +209,6 @@ class RecentIds:
         """Forget the batches wholly at or below ``floor``; with nothing left, the table starts
         over empty at its size (see the module's docstring; :meth:`trim` shrinks it)."""
         order, lines = self._order, self._lines
-        if floor < self._base:
-            self._floor_went_back()
         if not order or order[0][0] > floor:
             return
         while order and order[0][0] <= floor:
@@ -239,11 +216,15 @@ class RecentIds:
             del lines[first]
             self._count -= count
         if not order:
-            # every slot is dead, at or below ``floor``: as the base they are all empty,
-            # none is probed past again (lookups stop at an empty slot) and the used count
-            # starts over, with no byte of the table written. A burst's table goes back at once.
+            # every slot is dead; zeroed, none is probed past again (lookups stop at an
+            # empty slot) and the used count starts over. A burst's table goes back at once.
+            # The zeroing pays for itself: it leaves the table in this core's cache, where
+            # the next ~30 batches' puts and lookups land at random. Starting over without
+            # it (the floor as a "base" at or below which a slot counts as empty) saved
+            # forget ~0.01 us a message and cost add and find ~0.03 (docs/benchmarks.md,
+            # "The event loop's metrics and the ids being written").
             if self.slots <= KEEP_SLOTS:
-                self._base = floor
+                np.frombuffer(self._table, dtype=np.uint8).fill(0)
             else:
                 self._table = bytearray(MIN_SLOTS * SLOT)
             self._used = 0
@@ -262,14 +243,6 @@ class RecentIds:
                 self._rebuild(want, floor)
             else:
                 self._table, self._used = bytearray(want * SLOT), 0
-
-    def _floor_went_back(self) -> None:
-        """A floor below the base (the deduper's floors only grow; a log cut back to an
-        earlier sequence would be the way): the slots at or below the base, all of batches
-        forgotten, are left out of a fresh table whose base is 0, as zeroing did, so that no
-        probe stops early at a slot a put walked past."""
-        self._rebuild(self.slots, self._base)
-        self._base = 0
 
     def _rebuild(self, slots: int, floor: int) -> None:
         codec = native.codec

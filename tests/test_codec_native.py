@@ -320,8 +320,6 @@ def recent_put_cases(draw):
     elif odd == 2:
         dues = dues[1:]  # one short
     first = draw(st.one_of(st.integers(1, 40), st.sampled_from([0, 2**63 - 2])))
-    if draw(st.booleans()):  # a base: slots at or below it empty (sometimes above the floor, or < 0)
-        return table, seed, floor, ids, first, dues, draw(st.one_of(st.integers(0, floor), st.integers(-2, 40)))
     return table, seed, floor, ids, first, dues
 
 
@@ -331,10 +329,7 @@ def recent_find_cases(draw):
     asked = draw(st.lists(st.one_of(st.sampled_from(held or ["x"]), st.text(max_size=4)), max_size=10))
     if draw(st.integers(0, 9)) == 0:
         asked = [*asked, 7]  # not a str
-    table = bytes(table) if draw(st.booleans()) else table
-    if draw(st.booleans()):  # a base: a probe stops at a slot at or below it (sometimes above the floor, or < 0)
-        return table, seed, floor, asked, draw(st.one_of(st.integers(0, floor), st.integers(-2, 40)))
-    return table, seed, floor, asked
+    return bytes(table) if draw(st.booleans()) else table, seed, floor, asked
 
 
 @st.composite

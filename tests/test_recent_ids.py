@@ -91,60 +91,6 @@ def test_an_emptied_table_keeps_its_size_until_trimmed():
     assert len(table) == 0 and table.slots == recent_ids.MIN_SLOTS
 
 
-@pytest.mark.parametrize("side", ["native", "twin"])
-def test_an_emptied_table_starts_over_without_a_byte_written(side, monkeypatch):
-    """Each time the index caught up, the whole table (up to 2 MiB) was zeroed for the few
-    thousand slots taken since the last time: now the floor it was found dead at is its
-    base, slots at or below which are empty, and the table is not written; the ids put
-    after it are found, and a probe no longer walks the old ones."""
-    if side == "twin":
-        monkeypatch.setattr(native, "codec", None)
-    elif native.codec is None:
-        pytest.skip("the native codec is not built")
-    table = RecentIds()
-    old = [str(i) for i in range(3000)]
-    table.add(1, old, list(range(3000)), 0)
-    slots, before = table.slots, bytes(table._table)
-    table.forget(3000)
-    assert len(table) == 0 and table.slots == slots and bytes(table._table) == before  # nothing written
-    assert table.find(old, 3000) == {}
-    written = indexed = 3000
-    for k in range(50):  # batches after it: each found until forgotten, the table never rebuilt
-        ids = [f"{k}.{i}" for i in range(40)]
-        table.add(written + 1, ids, [k] * 40, indexed)
-        assert table.find([*ids, "7"], indexed) == {i: Receipt(m, k, written + 1 + i) for i, m in enumerate(ids)}
-        written += 40
-        if k % 3 == 2:
-            indexed = written
-            table.forget(indexed)  # caught up again: the base moves on
-            assert len(table) == 0 and table.find(ids, indexed) == {}
-    assert table.slots == slots and table._used < slots // 2
-
-
-@pytest.mark.parametrize("side", ["native", "twin"])
-def test_a_floor_below_the_base_starts_a_clean_table(side, monkeypatch):
-    """The deduper's floors only grow; were one ever lower than the base (a log cut back),
-    the slots at or below the base, all of batches forgotten, are dropped as zeroing
-    dropped them, and the live ones kept: no probe stops at a slot a put walked past."""
-    if side == "twin":
-        monkeypatch.setattr(native, "codec", None)
-    elif native.codec is None:
-        pytest.skip("the native codec is not built")
-    table = RecentIds()
-    table.add(1, [str(i) for i in range(500)], [0] * 500, 0)
-    table.forget(500)  # the base is 500
-    table.add(501, ["a", "b"], [1, 2], 500)
-    assert table.find(["a", "b", "3"], 200) == {0: Receipt("a", 1, 501), 1: Receipt("b", 2, 502)}
-    table.add(503, ["c"], [3], 200)
-    assert table.find(["a", "b", "c", "3"], 200) == {
-        0: Receipt("a", 1, 501),
-        1: Receipt("b", 2, 502),
-        2: Receipt("c", 3, 503),
-    }
-    table.forget(503)
-    assert len(table) == 0 and table.find(["a", "b", "c"], 503) == {}
-
-
 def test_a_bursts_table_is_given_back_as_soon_as_it_empties(monkeypatch):
     """Only a table of at most KEEP_SLOTS is kept when the index catches up: a burst's is
     made smaller once mostly dead and goes back at once when empty (RSS right after a
