@@ -306,6 +306,8 @@ class App:
                 "tls": bool(cfg.tls_cert),
                 "auth": bool(cfg.auth_token_file),
                 "startup_seconds": round(time.monotonic() - started, 3),
+                # as grpc-core read it at load (qdelay/cli.py sets the server's default)
+                "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),
             },
         )
         return address
