@@ -26,9 +26,10 @@ SUBCOMMANDS = {
 # poller rather than handed to the EventEngine's threads. Under ingest (SendStream, 100 x
 # 16) the EventEngine thread did ~0.5 us a message of I/O and hand-offs that the poller
 # thread, which must wake the event loop anyway, does in ~0.2 more: the server's CPU a
-# message 5.20 -> 4.83 us, median of 12 alternated runs (docs/benchmarks.md, "The server's
-# gRPC listener without the EventEngine"). grpc-core reads GRPC_EXPERIMENTS once, as it
-# loads: it is set before anything imports grpc, and never over the operator's own value.
+# message 5.47 -> 5.40 and 5.40 -> 5.13 us, medians of 14 and 16 rounds in random order
+# (docs/benchmarks.md, "The server's gRPC listener without the EventEngine"). grpc-core
+# reads GRPC_EXPERIMENTS once, as it loads: it is set before anything imports grpc, and
+# never over the operator's own value.
 SERVER_GRPC_EXPERIMENTS = "-event_engine_listener"
 
 
