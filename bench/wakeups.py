@@ -10,7 +10,8 @@ batch of 100 (switches) and a message (µs).
 
 ``--tree NAME=DIR`` (repeatable) runs the server from another source tree (a tree of links
 laid out as the installed package, ``DIR/qdelay``, put first on the server's PYTHONPATH),
-alternating the trees round by round: an A/B of two versions in one run.
+alternating the trees round by round, in an order drawn at random each round: an A/B of
+two versions in one run.
 
 ``QDELAY_BENCH_PROFILE=COMMAND`` runs COMMAND (``{pid}``: the server's) 0.3 s into each main
 run and waits for it at the end of the run, e.g. ``perf record -e sched:sched_switch
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import tempfile
 
@@ -153,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load {os.getloadavg()}, {machine().get('cpus', '')}", flush=True)
     got: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for r in range(args.rounds):
-        for name, tree in trees:
+        # each round's order drawn at random: in a fixed order the server started second in a
+        # round ran a few per cent cheaper whatever it ran (docs/benchmarks.md, "The server's
+        # gRPC listener without the EventEngine"), which a fixed A-then-B order adds to B
+        order = list(trees)
+        random.Random(r).shuffle(order)
+        for name, tree in order:
             workdir = tempfile.mkdtemp(prefix="qdbench-wake-")
             driver = QdelayDriver(extra=[a for kv in args.set for a in ("--set", kv)])
             if tree:
