@@ -10,10 +10,12 @@ scrape time by a custom collector, so they cost nothing between scrapes.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import numpy as np
@@ -265,6 +267,18 @@ class EngineCollector:
             )
 
 
+def histogram_family(
+    name: str, text: str, bounds: Sequence[float], counts: Sequence[int], total: float
+) -> HistogramMetricFamily:
+    """A histogram's family at scrape time from its ``counts`` a bucket (not cumulative: one
+    a bound, then one above every bound) and the sum of what it observed: the buckets
+    cumulative, labelled as prometheus-client labels them (BulkHistogram, IngestCounts)."""
+    labels = (*map(floatToGoString, bounds), "+Inf")
+    family = HistogramMetricFamily(name, text)
+    family.add_metric([], list(zip(labels, itertools.accumulate(counts), strict=True)), total)
+    return family
+
+
 class BulkHistogram:
     """A histogram fed in bulk (numpy), exposed at scrape time: ~0.05 µs per observation
     instead of prometheus-client's ~3 µs, for per-delivery figures on the hot path."""
@@ -295,13 +309,9 @@ class BulkHistogram:
 
     def collect(self):
         with self.lock:
-            cumulative = np.cumsum(self.counts)
+            counts = self.counts.tolist()
             total = self.sum
-        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1])]
-        buckets.append(("+Inf", int(cumulative[-1])))
-        family = HistogramMetricFamily(self.name, self.text)
-        family.add_metric([], buckets, total)
-        yield family
+        yield histogram_family(self.name, self.text, self.bounds.tolist(), counts, total)
 
 
 class IngestCounts:
@@ -350,12 +360,7 @@ class IngestCounts:
 
     def _families(self, messages: int, size: int, buckets: list[int], seconds: float):
         created = self._created if getattr(prometheus_metrics, "_use_created", True) else None
-        histogram = HistogramMetricFamily(*self.SECONDS)
-        cumulative, acc = [], 0
-        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), buckets, strict=True):
-            acc += n
-            cumulative.append((bound, float(acc)))
-        histogram.add_metric([], cumulative, seconds)
+        histogram = histogram_family(*self.SECONDS, self.bounds, buckets, seconds)
         if created is not None:
             histogram.samples.append(Sample(histogram.name + "_created", {}, created, None, None))
         return [
