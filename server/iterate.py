@@ -276,22 +276,25 @@ class IterateService:
         writer): it used to look every ``gather`` whether it might go on sleeping (~10
         wake-ups a step, each a thread switch and a GIL hand-off, under bench.compare's
         ingest)."""
-        if not self._hurry.wait(self.gather) and self.gather_far > self.gather:
-            lag_max = self.read_bytes // 2
-            if self._only_far() and self.lag_bytes() < lag_max:
-                # published before the last look, so that a commit landing after that look
-                # finds it set and wakes the wait (_committed: its commit is visible first)
-                self._waiting_far = True
-                if self._only_far() and self.lag_bytes() < lag_max:
-                    self._hurry.wait(self.gather_far - self.gather)
-                self._waiting_far = False
+        if not self._hurry.wait(self.gather) and self.gather_far > self.gather and self._may_wait_far():
+            # published before the last look, so that a commit landing after that look
+            # finds it set and wakes the wait (_committed: its commit is visible first)
+            self._waiting_far = True
+            if self._may_wait_far():
+                self._hurry.wait(self.gather_far - self.gather)
+            self._waiting_far = False
         self._hurry.clear()  # (a wait_for begun just now is served by the next step)
+
+    def _may_wait_far(self) -> bool:
+        """Whether what is committed and not copied lets the far wait go on: all of it
+        declared far, and less than half a read."""
+        return self._only_far() and self.lag_bytes() < self.read_bytes // 2
 
     def _committed(self) -> None:
         """The message log committed more (its writer thread, after each commit): a far wait
         (``_gather``) ends once something not declared far was committed, or enough to read
         at once. Cheap when there is nothing to wake (most commits)."""
-        if self._waiting_far and (not self._only_far() or self.lag_bytes() >= self.read_bytes // 2):
+        if self._waiting_far and not self._may_wait_far():
             self._waiting_far = False
             self._hurry.set()
 
