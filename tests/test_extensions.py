@@ -93,3 +93,15 @@ def test_an_extension_this_machine_cannot_build_only_warns():
 def test_cannot_build_names_a_missing_compiler(monkeypatch):
     monkeypatch.setattr(extensions.sysconfig, "get_config_var", lambda name: "qdelay-no-such-cc -pthread")
     assert extensions.cannot_build(()) == "no C compiler (qdelay-no-such-cc is not on the PATH)"
+
+
+def test_the_checks_list_of_extensions_and_sources_is_pyprojects():
+    """EXTENSIONS repeats what pyproject.toml builds (each module, its sources and depends):
+    an extension added there, or a header it comes to depend on, must be checked too."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    modules = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+    built = {m["name"]: tuple(m["sources"]) + tuple(m.get("depends", ())) for m in modules}
+    assert {name: sources for name, (_headers, sources) in extensions.EXTENSIONS.items()} == built
