@@ -548,6 +548,12 @@ class MessageLog:
     # --- the writer thread ----------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        try:
+            self._write_until_closed()
+        except BaseException as err:  # never leave appenders waiting on a dead writer
+            self._writer_failed(err)
+
+    def _write_until_closed(self) -> None:
         interval = self.flush.interval_ms / 1000.0
         while True:
             with self._lock:
@@ -579,19 +585,22 @@ class MessageLog:
 
     def _commit_batch(self, queue: list[tuple[Segment, list[bytearray]]], waiters: list[_Pending]) -> None:
         """Write one batch (and fdatasync it under the sync policy), then complete its appenders."""
-        error = self._write(queue, waiters)
-        if error is None:
-            end = waiters[-1].appended
-            with self._commit:
-                self.committed_offset = end.end_offset
-                self.committed_sequence = end.first_sequence + end.count - 1
-                for w in reversed(waiters):
-                    if not w.tombstones:
-                        self.committed_past_tombstones = w.appended.first_sequence + w.appended.count - 1
-                        break
-                self.records_appended += sum(w.appended.count for w in waiters)
-                self._commit.notify_all()
-            self._committed()
+        try:
+            error = self._write(queue, waiters)
+            if error is None:
+                end = waiters[-1].appended
+                with self._commit:
+                    self.committed_offset = end.end_offset
+                    self.committed_sequence = end.first_sequence + end.count - 1
+                    for w in reversed(waiters):
+                        if not w.tombstones:
+                            self.committed_past_tombstones = w.appended.first_sequence + w.appended.count - 1
+                            break
+                    self.records_appended += sum(w.appended.count for w in waiters)
+                    self._commit.notify_all()
+                self._committed()
+        except Exception as err:  # a bug, not an I/O error (those are handled in _write)
+            error = self._writer_failed(err)
         _complete(waiters, error)
 
     def _committed(self) -> None:
@@ -707,6 +716,18 @@ class MessageLog:
         self._segments = self._segments[:-1]
         self.pool.forget(seg.path)
         os.unlink(seg.path)
+
+    def _writer_failed(self, err: BaseException) -> WalFailed:
+        """The writer met an error that is not an I/O error: a bug, or a native codec older
+        than this code (a stale build without ``write_sync`` raised AttributeError here, and
+        the dead thread left every appender waiting until its deadline, health SERVING). What
+        reached the files is unknown, so the log refuses appends until it is reopened, whose
+        recovery reads what is really there; the appenders in hand and queued are refused now
+        (health turns NOT_SERVING through ``failed``)."""
+        failure = WalFailed(f"the message log's writer failed ({type(err).__name__}: {err}); restart to recover")
+        log.error("message log writer failed; the log refuses appends until reopened", exc_info=err)
+        self._poison(failure)
+        return failure
 
     def _poison(self, failure: Exception) -> None:
         with self._lock:

@@ -531,6 +531,64 @@ def test_a_failed_fdatasync_poisons_the_log(wal_dir, monkeypatch):
     log.close()
 
 
+def test_a_writer_that_breaks_refuses_its_appenders_instead_of_stranding_them(wal_dir, monkeypatch):
+    """An error in the writer thread that is not an I/O error (a bug; a stale native codec
+    without ``write_sync`` raised AttributeError here) used to kill the thread: every
+    appender, sync or async, waited until its deadline and health stayed SERVING. Now the
+    appenders in hand are refused, the log is poisoned and refuses the next appends."""
+    log = MessageLog(wal_dir)
+    log.append(entries(1))
+
+    def broken(self, chunks):
+        raise AttributeError("module 'qdelay.segments._codec' has no attribute 'write_sync'")
+
+    monkeypatch.setattr(segment.Segment, "append_synced", broken)
+    outcome: list[BaseException | None] = []
+
+    def append_sync() -> None:
+        try:
+            log.append(entries(2))
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - the outcome is what the test looks at
+            outcome.append(err)
+
+    appender = threading.Thread(target=append_sync, daemon=True)
+    appender.start()
+    appender.join(30)
+    assert not appender.is_alive(), "the appender was left waiting on a dead writer"
+    assert isinstance(outcome[0], WalFailed) and "AttributeError" in str(outcome[0])
+    assert isinstance(log.failed, WalFailed)
+
+    async def append_async() -> None:
+        await asyncio.wait_for(log.append_async(entries(1)), 30)
+
+    with pytest.raises(WalFailed):  # refused at once: the log stays poisoned
+        asyncio.run(append_async())
+    monkeypatch.undo()
+    with pytest.raises(WalFailed):
+        log.append(entries(1))
+    log.close()
+    log = MessageLog(wal_dir)  # reopening recovers from what is really on disk
+    assert log.append(entries(1)).first_sequence == log.committed_sequence
+    log.close()
+
+
+def test_a_writer_that_breaks_after_its_write_still_answers_its_appenders(wal_dir, monkeypatch):
+    """The same for an error after the write (the commit's bookkeeping): an async appender is
+    refused, not stranded, and the writer does not die."""
+    log = MessageLog(wal_dir)
+    log.append(entries(1))
+    monkeypatch.setattr(log, "_committed", lambda: (_ for _ in ()).throw(RuntimeError("bug after the write")))
+
+    async def append_async():
+        return await asyncio.wait_for(log.append_async(entries(3)), 30)
+
+    with pytest.raises(WalFailed, match="RuntimeError: bug after the write"):
+        asyncio.run(append_async())
+    assert isinstance(log.failed, WalFailed)
+    log.close()
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs, so that ENOSPC is real (test_a_failed_write_is_undone_and_rejected covers
