@@ -51,11 +51,12 @@ from qdelay.client.client import (
     deadline_exceeded,
     deliveries_of,
     first_try_cancel,
+    how_it_ended,
     not_ready,
     outgoing,
     reschedule_batcher,
     reschedule_when,
-    resubscribe_on,
+    resubscribes,
     translate,
 )
 from qdelay.client.types import (
@@ -439,10 +440,14 @@ class Consumer:
     the reader subscribes again by itself with backoff (up to 2 s between tries), with the
     same subject, group and credit; acks not yet sent go on the new stream. Deliveries that
     were in flight are delivered again by the server, as for any ended stream
-    (at-least-once). Iteration ends only after :meth:`close`; other errors
-    (UNAUTHENTICATED, INVALID_ARGUMENT, ...) are raised to the reader of the iterator. With
-    ``wait_for_group`` a FAILED_PRECONDITION is subscribed again too, as the blocking
-    consumer does (``resubscribe_on``). A consumer dropped without :meth:`close` is freed
+    (at-least-once). So is a lost status: grpc.aio reports INTERNAL "Internal error from
+    Core" instead of the stream's own status when an ack is being written as the server
+    ends the stream (a shutdown) or the connection breaks (a crash), which ended this
+    consumer at a server restart; a refusal lost this way is seen on the next
+    subscription. Iteration ends only after :meth:`close`; other errors (UNAUTHENTICATED,
+    INVALID_ARGUMENT, any other INTERNAL, ...) are raised to the reader of the iterator.
+    With ``wait_for_group`` a FAILED_PRECONDITION is subscribed again too. The decision is
+    the blocking consumer's (``resubscribes``). A consumer dropped without :meth:`close` is freed
     by the collector and its stream half-closed (what it held goes to the group's other
     consumers at once); neither its client nor its reader task keeps it.
     """
@@ -451,7 +456,7 @@ class Consumer:
         self, client: Client, subject: str, group: str, max_in_flight: int, *, wait_for_group: bool = False
     ) -> None:
         self._client = client
-        self._resubscribe_on = resubscribe_on(wait_for_group)
+        self._wait_for_group = wait_for_group
         self.subject = subject
         self.group = group
         self.max_in_flight = max_in_flight
@@ -511,17 +516,19 @@ class Consumer:
                 me = ref()
                 if me is None:
                     return
-                call, resubscribe_on = me._open(), me._resubscribe_on
+                call, wait_for_group = me._open(), me._wait_for_group
                 del me
+                how = "ended"
                 try:
                     async for resp in call:
                         attempt = 0
                         if resp:  # a list of Delivery (the deserializer's)
                             inbox.put_nowait(resp)
                 except grpc.RpcError as e:
-                    if not closed.is_set() and e.code() not in resubscribe_on:
+                    if not closed.is_set() and not resubscribes(e, wait_for_group):
                         inbox.put_nowait(translate(e))
                         return
+                    how = how_it_ended(e)
                 me = ref()
                 if closed.is_set() or me is None:
                     return
@@ -530,7 +537,7 @@ class Consumer:
                 attempt += 1
                 me.reconnects += 1
                 delay = retry_wait(me._client.retry_backoff, attempt)
-                log.info("subscription %s/%s ended; subscribing again in %.2f s", me.subject, me.group, delay)
+                log.info("subscription %s/%s %s; subscribing again in %.2f s", me.subject, me.group, how, delay)
                 del me
                 try:
                     async with asyncio.timeout(delay):

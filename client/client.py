@@ -1176,6 +1176,23 @@ def resubscribe_on(wait_for_group: bool) -> tuple[grpc.StatusCode, ...]:
     return (*lost, grpc.StatusCode.FAILED_PRECONDITION) if wait_for_group else lost
 
 
+def resubscribes(error: grpc.RpcError, wait_for_group: bool) -> bool:
+    """Whether a consumer whose stream ended with ``error`` subscribes again (with backoff)
+    instead of raising it, for the blocking and the asyncio consumers: a code of
+    :func:`resubscribe_on`, or a lost status (:func:`~qdelay.client.batching.lost_status`:
+    grpc.aio failed to write an ack on a stream that a server stopping had just ended, or
+    that a killed one broke, and reports INTERNAL instead of the stream's own status; it
+    ended asyncio consumers at a server restart). Safe: what was in flight is delivered
+    again, and a refusal lost this way is seen on the next subscription."""
+    return error.code() in resubscribe_on(wait_for_group) or lost_status(error)
+
+
+def how_it_ended(error: grpc.RpcError) -> str:
+    """How a consumer's stream ended with ``error``, for its log line ("ended" alone: the
+    server ended it with OK)."""
+    return f"ended ({error.code().name}: {error.details()})"
+
+
 class Consumer:
     """One subscription: iterate deliveries (or batches of them) and ack them; it survives
     the server.
@@ -1187,8 +1204,12 @@ class Consumer:
     When the stream breaks with UNAVAILABLE or the server ends it (a shutdown ends every
     stream), the consumer subscribes again by itself with backoff (up to 2 s between
     tries), with the same subject, group and credit; acks not yet sent go on the new
-    stream; what was in flight is delivered again by the server (at-least-once).
-    Iteration ends only after :meth:`close`; other errors (UNAUTHENTICATED, ...) are raised.
+    stream; what was in flight is delivered again by the server (at-least-once). A lost
+    status (INTERNAL "Internal error from Core": an ack written as the stream ended, its
+    real status lost) is subscribed again too: the decision is :func:`resubscribes`, the
+    asyncio consumer's, which meets it at server restarts (this one's blocking channel
+    reports the stream's own status). Iteration ends only after :meth:`close`; other
+    errors (UNAUTHENTICATED, any other INTERNAL, ...) are raised.
     With ``wait_for_group`` a FAILED_PRECONDITION (a slave refusing a group it has not got
     yet, or a fenced master) is retried the same way: the cluster clients' consumers on
     slaves wait for the group to be replicated, or for a promotion.
@@ -1198,7 +1219,7 @@ class Consumer:
         self, client: Client, subject: str, group: str, max_in_flight: int, *, wait_for_group: bool = False
     ) -> None:
         self._client = client
-        self._resubscribe_on = resubscribe_on(wait_for_group)
+        self._wait_for_group = wait_for_group
         self.subject = subject
         self.group = group
         self.max_in_flight = max_in_flight
@@ -1235,8 +1256,9 @@ class Consumer:
                 return
             yield item
 
-    def _reopen(self, attempt: int) -> bool:
-        """After the stream ended or broke: wait (backoff) and subscribe again; False once closed."""
+    def _reopen(self, attempt: int, how: str) -> bool:
+        """After the stream ended or broke (``how``, for the log): wait (backoff) and
+        subscribe again; False once closed."""
         with self._lock:
             old = self._requests
             while True:  # acks queued for the old stream go on the new one
@@ -1249,7 +1271,7 @@ class Consumer:
             old.put(_END)
         self.reconnects += 1
         delay = retry_wait(self._client.retry_backoff, attempt)
-        log.info("subscription %s/%s ended; subscribing again in %.2f s", self.subject, self.group, delay)
+        log.info("subscription %s/%s %s; subscribing again in %.2f s", self.subject, self.group, how, delay)
         if self._closed.wait(delay):
             return False
         try:
@@ -1268,20 +1290,21 @@ class Consumer:
         efficient way)."""
         attempt = 0
         while True:
+            how = "ended"
             try:
                 with self._read_lock:
                     resp = next(self._call, None)
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
-                if e.code() not in self._resubscribe_on:
+                if not resubscribes(e, self._wait_for_group):
                     raise translate(e) from None
-                resp = None
+                resp, how = None, how_it_ended(e)
             if resp is None:
                 if self._closed.is_set():
                     return
                 attempt += 1
-                if not self._reopen(attempt):
+                if not self._reopen(attempt, how):
                     return
                 continue
             attempt = 0
