@@ -3,12 +3,14 @@ shutdown ends every stream) while the client writes acks on it makes grpc.aio re
 INTERNAL "Internal error from Core" instead of the stream's own status, now and then
 (about 1 stream in 10 here; a consumer died so once at a SIGKILL restart in
 tests/test_consumer_restart.py). The consumers subscribe again, as for UNAVAILABLE; any
-other INTERNAL still ends them. Real server processes (tests/ending_server.py ends a
-stream at the client's word)."""
+other INTERNAL still ends them; and the asyncio consumer leaves nothing of the streams it
+subscribed again after. Real server processes (tests/ending_server.py ends a stream at
+the client's word)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import sys
@@ -189,3 +191,47 @@ def test_the_asyncio_consumer_subscribes_again_after_a_lost_status_and_raises_ot
             await consumer.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_an_asyncio_consumer_leaves_no_task_of_its_ended_streams_pending(ending):
+    """Each stream the asyncio consumer subscribed again after left its request generator
+    waiting on the ended stream's queue, and grpc's task reading it pending, until the
+    collector destroyed both ("Task was destroyed but it is pending!"; collection off here,
+    so they stay to be counted): only the live stream's task is left."""
+
+    def request_readers() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in t.get_coro().__qualname__]
+
+    async def main() -> None:
+        async with aio.Client(ending.address, retry_backoff=0.001, batching=False) as c:
+            s = subject()
+            async with c.subscribe(s, group="g") as consumer:
+                for k in range(3):
+                    sent = await c.send(s, b"r%d" % k)
+                    got: list = []
+                    deadline = time.monotonic() + 10
+                    while sent.message_id not in {d.message_id for d in got} and time.monotonic() < deadline:
+                        got += await consumer.receive(1, timeout=1)
+                    assert sent.message_id in {d.message_id for d in got}
+                    consumer.ack(got)
+                    consumer.ack([END_ACK])
+                    deadline = time.monotonic() + 10
+                    while consumer.reconnects == k and time.monotonic() < deadline:
+                        await consumer.receive(1, timeout=0.05)
+                    assert consumer.reconnects == k + 1
+                sent = await c.send(s, b"live")  # the last stream is open once it delivers
+                got = []
+                deadline = time.monotonic() + 10
+                while sent.message_id not in {d.message_id for d in got} and time.monotonic() < deadline:
+                    got += await consumer.receive(1, timeout=1)
+                assert sent.message_id in {d.message_id for d in got}
+                deadline = time.monotonic() + 10
+                while len(request_readers()) > 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert len(request_readers()) == 1, request_readers()
+
+    gc.disable()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        gc.enable()
