@@ -46,6 +46,19 @@ MERGE_BYTES = 8 * 1024 * 1024
 _ENDED = object()
 
 
+def master_away(err: grpc.RpcError) -> bool:
+    """A failed Pull stream that says the master is not up yet, restarting or out of reach
+    (a WARNING: the puller tries again with backoff), not that it refused this slave (an
+    ERROR): UNAVAILABLE, DEADLINE_EXCEEDED, or a lost status (grpc.aio's INTERNAL "Internal
+    error from Core" when the slave's write of its durable offset fails on a stream that a
+    stopping master had just ended or a killed one broke: a master restart, logged as an
+    ERROR before)."""
+    # its one definition, imported on a failure only: the server does not load the client package
+    from qdelay.client.batching import lost_status
+
+    return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or lost_status(err)
+
+
 class Puller:
     def __init__(self, node, master: str) -> None:
         self.node = node
@@ -164,7 +177,7 @@ class Puller:
                 else:
                     # a master not up yet or restarting (the usual start order, a rolling
                     # restart) is retried with backoff: a WARNING; refusals stay ERRORs
-                    transient = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                    transient = master_away(e)
                     self._set_error(
                         f"master {self.master}: {code.name}: {details}", logging.WARNING if transient else logging.ERROR
                     )

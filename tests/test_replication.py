@@ -773,6 +773,25 @@ def test_a_master_restart_is_a_warning_on_its_slave_not_an_error(tmp_path):
         assert "(retrying)" in log and " ERROR " not in log, log
 
 
+def test_a_lost_status_on_the_pull_stream_is_a_master_restart_not_a_refusal():
+    """grpc.aio reports INTERNAL "Internal error from Core" instead of a stream's own
+    status when a write fails on a stream that ended or broke: the slave's write of its
+    durable offset as a stopping master ends the Pull stream (UNAVAILABLE) or a killed one
+    breaks it. The puller retried it, but logged it as a refusal: an ERROR at a routine
+    master restart (see the test above). It is the master away now, as UNAVAILABLE; any other
+    INTERNAL stays a refusal."""
+    from qdelay.replication.slave import master_away
+
+    def ended(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    assert master_away(ended(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert master_away(ended(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
+    assert master_away(ended(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    assert not master_away(ended(grpc.StatusCode.INTERNAL, "Exception iterating responses"))
+    assert not master_away(ended(grpc.StatusCode.UNAUTHENTICATED, "bad token"))
+
+
 def test_a_divergent_tail_can_be_read_with_inspect_as_the_runbook_says(tmp_path):
     """Runbook 4.3: an old master re-attached as a slave keeps the records the new master
     never had in ``diverged/<from>-<to>.wal`` and the docs say to inspect that file and
