@@ -78,13 +78,20 @@ def retry_wait(backoff: float, attempt: int) -> float:
     return min(backoff * 2 ** min(attempt - 1, 63), MAX_BACKOFF)
 
 
-def lost_status(error: grpc.RpcError | None) -> bool:
+def lost_status(error: grpc.RpcError | errors.QdelayError | None) -> bool:
     """grpc.aio's "Internal error from Core": it failed to write on a stream the server had
-    just ended (a refusal racing the client's next write), and the server's own status is
-    lost. No verdict: what was unanswered is sent again."""
-    return (
-        error is not None and error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core"
-    )
+    just ended (a refusal racing the client's next write, a server stopping) or that broke
+    (a server killed), and the stream's own status is lost. No verdict: what was unanswered
+    is sent again, a consumer subscribes again. ``error`` is the call's, or the
+    :class:`~qdelay.errors.QdelayError` a client translated it into (what the cluster
+    clients' failover sees)."""
+    if isinstance(error, errors.QdelayError):
+        code, details = getattr(error, "code", None), getattr(error, "details", None)
+    elif error is not None:
+        code, details = error.code(), error.details()
+    else:
+        return False
+    return code == grpc.StatusCode.INTERNAL and details == "Internal error from Core"
 
 
 def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:

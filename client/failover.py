@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from qdelay import errors
+from qdelay.client.batching import lost_status
 
 # FAILED_PRECONDITION: a slave or a fenced master; UNAVAILABLE: unreachable, shutting down,
 # sync replication timed out, or a deadline (whether it was written is unknown, and the
@@ -36,14 +37,14 @@ class Backoff:
 
 def retryable(err: Exception) -> bool:
     """A refusal to retry elsewhere, or a call the server ended as it shut down: a stream
-    grpc-core failed ('Internal error from Core': the status is lost) or a call it
-    cancelled (CANCELLED, seen from a node stopped in a rolling restart once the client's
-    own retries on that node ran out). Same request and ids, so a retry is safe."""
+    grpc-core failed (a lost status, ``batching.lost_status``) or a call it cancelled
+    (CANCELLED, seen from a node stopped in a rolling restart once the client's own retries
+    on that node ran out). Same request and ids, so a retry is safe."""
     if isinstance(err, RETRYABLE):
         return True
     if not isinstance(err, errors.QdelayError):
         return False
-    return "Internal error from Core" in str(err) or getattr(getattr(err, "code", None), "name", None) == "CANCELLED"
+    return lost_status(err) or getattr(getattr(err, "code", None), "name", None) == "CANCELLED"
 
 
 def consumers_everywhere(clients: Iterable[Any], subject: str, group: str, max_in_flight: int) -> list:

@@ -169,3 +169,24 @@ def _trial(tmp_path, seed: int) -> dict:
 def test_sync_failover_under_load(tmp_path, seed):
     info = _trial(tmp_path, seed)
     print(info)
+
+
+def test_the_failover_retries_a_lost_status_and_a_cancel_but_no_other_internal_error():
+    """``failover.retryable`` on the errors the clients raise (translated): the lost status
+    is batching.lost_status's one definition (it had its own, by text), CANCELLED a node
+    stopping; another INTERNAL, or a refusal the caller can fix, is not retried elsewhere."""
+    import grpc
+
+    from qdelay.client.client import translate
+    from qdelay.client.failover import retryable
+
+    def raised(code: grpc.StatusCode, details: str) -> errors.QdelayError:
+        return translate(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details))
+
+    assert retryable(raised(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert retryable(raised(grpc.StatusCode.CANCELLED, "CANCELLED"))
+    assert retryable(raised(grpc.StatusCode.UNAVAILABLE, "failed to connect"))
+    assert retryable(errors.FailedPrecondition("this server is a slave"))
+    assert not retryable(raised(grpc.StatusCode.INTERNAL, "Exception calling application: boom"))
+    assert not retryable(raised(grpc.StatusCode.INVALID_ARGUMENT, "message.subject: empty"))
+    assert not retryable(ValueError("not a qdelay error"))
