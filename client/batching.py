@@ -94,6 +94,18 @@ def lost_status(error: grpc.RpcError | errors.QdelayError | None) -> bool:
     return code == grpc.StatusCode.INTERNAL and details == "Internal error from Core"
 
 
+def stream_cut(error: grpc.RpcError, closing: bool) -> bool:
+    """Whether a stream that ended with ``error`` left its unanswered requests without a
+    verdict, to be sent again on a new stream (their ids make that safe): broken
+    (UNAVAILABLE), cut by the server or its transport (CANCELLED: a server stopping), or a
+    lost status. CANCELLED is this side's own doing when it is ``closing`` (its channel
+    closed under the call): not sent again then."""
+    code = error.code()
+    return (
+        code == grpc.StatusCode.UNAVAILABLE or lost_status(error) or (code == grpc.StatusCode.CANCELLED and not closing)
+    )
+
+
 def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:
     """The retries a stream's unanswered requests get after ``error``: a lost status gets one
     even with ``retries=0``, so that the caller sees the server's own status (an auth
@@ -474,12 +486,7 @@ class SendBatcher:
             code = error.code()
             # a lost status (nothing from the refused batch on was written): sent again, as
             # for a broken stream
-            if (
-                code == grpc.StatusCode.UNAVAILABLE
-                or lost_status(error)
-                or code == grpc.StatusCode.CANCELLED
-                and not self._closing
-            ):
+            if stream_cut(error, self._closing):
                 self._resend.extendleft(reversed(unanswered))
                 attempt += 1
                 if attempt > tries_allowed(self._retries, error):

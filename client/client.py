@@ -53,6 +53,7 @@ from qdelay.client.batching import (
     as_first_try,
     lost_status,
     retry_wait,
+    stream_cut,
     tries_allowed,
 )
 from qdelay.client.handoff import WaitTimeout
@@ -833,8 +834,10 @@ class Client:
         deadline of each stream) bounds how long a stalled server can block this call.
         Stops at the first failed batch and raises its error (with ``.receipts`` holding the
         receipts of every batch acknowledged before it, in order). If a stream breaks with
-        UNAVAILABLE, its unanswered batches are sent again on a new one (at most
-        ``retries`` times in a row; they keep their message ids).
+        UNAVAILABLE, is cut with CANCELLED by a stopping server, or ends with a lost status,
+        its unanswered batches are sent again on a new one (at most ``retries`` times in a
+        row; they keep their message ids, so what was written is answered with its
+        original receipt).
         """
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
@@ -860,9 +863,10 @@ class Client:
         self, channel: grpc.aio.Channel, next_request: NextRequest, max_in_flight: int, timeout: float
     ) -> SentReceipts:
         """send_many on the bulk channel's loop: streams one after another until every
-        batch is answered; UNAVAILABLE, or a stream the server ended before answering every
-        batch (a server shutting down answers what it read and ends its streams: the rest
-        was not written), opens a new stream that sends the unanswered again (same ids)."""
+        batch is answered; a stream cut (``stream_cut``: UNAVAILABLE, CANCELLED, a lost
+        status), or one the server ended before answering every batch (a server shutting
+        down answers what it read and ends its streams: the rest was not written), opens a
+        new stream that sends the unanswered again (same ids)."""
         stream = channel.stream_stream(
             _SEND_STREAM, request_serializer=None, response_deserializer=pb.SendBatchResponse.FromString
         )
@@ -885,11 +889,11 @@ class Client:
                     continue
                 attempt = 1  # a stream ended on time: the next one starts a fresh count
             except grpc.RpcError as e:
-                # a lost status (a refusal racing the next batch's write: INTERNAL "Internal
-                # error from Core", ~1 in 7 refused streams) is tried again, as SendBatcher's:
-                # the refused batch is refused again, this time with the server's own status
-                transient = e.code() == grpc.StatusCode.UNAVAILABLE or lost_status(e)
-                if not transient or attempt > tries_allowed(self.retries, e):
+                # as SendBatcher's: a lost status (a refusal racing the next batch's write:
+                # INTERNAL "Internal error from Core", ~1 in 7 refused streams) is tried again,
+                # and the refused batch is refused again with the server's own status; a stream
+                # a stopping server cut (CANCELLED) is sent again (it raised, once in 60 restarts)
+                if not stream_cut(e, self._closed) or attempt > tries_allowed(self.retries, e):
                     err = translate(e, attempt)
                     err.receipts = receipts
                     raise err from None

@@ -9,6 +9,12 @@ Ack ids read and dropped (never acknowledged):
                 shutdown sets)
     NOISE...    acks that keep the client writing on the stream as it ends
 
+And a SendStream that carries a message whose id starts with CANCEL_ID ends with
+CANCELLED after its next answer, batches read and not answered (what a stopping server's
+transport does to a stream it cuts), once per such id: the message and the batches around
+it are written or not, and the client's retry finds them by id. Used by
+tests/test_client_batching.py.
+
 Usage: python tests/ending_server.py server --data-dir ... (qdelay's own arguments)
 """
 
@@ -16,12 +22,17 @@ from __future__ import annotations
 
 import sys
 
+import grpc
+
 from qdelay import cli
 from qdelay.server.service import DelayService
 
 END_ACK = "end-this-stream"
 NOISE = "noise-"
+CANCEL_ID = "cancel-this-stream-"
 _ack = DelayService._ack
+_send_stream = DelayService.SendStream
+_cancelled: set[bytes] = set()
 
 
 def ack(self, sub, ack_ids):
@@ -33,7 +44,28 @@ def ack(self, sub, ack_ids):
         _ack(self, sub, real)
 
 
+async def send_stream(self, request_iterator, context):
+    marker = CANCEL_ID.encode()
+    seen: list[bytes] = []
+
+    async def requests():
+        async for request in request_iterator:
+            at = request.find(marker)
+            if at >= 0:
+                key = request[at : at + len(marker) + 8]
+                if key not in _cancelled:
+                    _cancelled.add(key)
+                    seen.append(key)
+            yield request
+
+    async for answer in _send_stream(self, requests(), context):
+        yield answer
+        if seen:
+            await context.abort(grpc.StatusCode.CANCELLED, "cut by the test server")
+
+
 DelayService._ack = ack  # type: ignore[method-assign]
+DelayService.SendStream = send_stream  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.exit(cli.main())

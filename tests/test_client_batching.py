@@ -5,10 +5,12 @@ a restart mid-stream leaves every send answered or raised and none lost."""
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from conftest import wait_until
@@ -105,6 +107,31 @@ def test_a_refused_send_many_raises_the_servers_status_not_a_lost_one(server):
             with pytest.raises(errors.InvalidArgument) as info:
                 c.send_many(msgs, batch_size=10, max_in_flight=4)
             assert "messages[0].subject" in str(info.value) and len(info.value.receipts) == 50
+
+
+def test_send_many_sends_again_what_a_stream_cut_with_cancelled_left_unanswered(tmp_path):
+    """A server whose transport cuts a SendStream (a restart: seen once in 60) ends it with
+    CANCELLED, batches read and unanswered: send_many raised CANCELLED where SendBatcher
+    sends them again. Now it sends the unanswered again on a new stream (same ids: what
+    was written is answered with its original receipt), and every message is stored once."""
+    from ending_server import CANCEL_ID
+
+    from qdelay.client import Outgoing
+
+    later = int(time.time() * 1000) + 3_600_000
+    with ServerProc(
+        tmp_path / "data", command=[sys.executable, str(Path(__file__).with_name("ending_server.py"))]
+    ) as srv:
+        with Client(srv.address, retries=3, retry_backoff=0.01) as c:
+            s = subject()
+            msgs = [Outgoing(s, b"p", deliver_at_ms=later, message_id=f"cut-{i}") for i in range(200)]
+            msgs[95] = msgs[95]._replace(message_id=CANCEL_ID + "00000001")
+            receipts = c.send_many(msgs, batch_size=10, max_in_flight=4)
+            assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
+            assert len({r.sequence for r in receipts}) == 200  # each written once
+            again = c.send_many(msgs, batch_size=50)  # all durable: all duplicates, same receipts
+            assert [r.sequence for r in again] == [r.sequence for r in receipts]
+            assert c.get(message_id=CANCEL_ID + "00000001").state == "PENDING"
 
 
 def test_a_refused_send_many_leaves_no_task_pending_on_the_io_loop(server):
