@@ -94,6 +94,14 @@ def lost_status(error: grpc.RpcError | errors.QdelayError | None) -> bool:
     return code == grpc.StatusCode.INTERNAL and details == "Internal error from Core"
 
 
+def peer_away(error: grpc.RpcError) -> bool:
+    """Whether a failed call says its peer is down, restarting or out of reach (try again,
+    or try another endpoint), not that it refused: UNAVAILABLE, DEADLINE_EXCEEDED, or a
+    lost status (a write on a stream the peer had just ended, or that broke when it was
+    killed). For the server's own calls to other servers: a slave's Pull stream, etcd's."""
+    return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or lost_status(error)
+
+
 def stream_cut(error: grpc.RpcError, closing: bool) -> bool:
     """Whether a stream that ended with ``error`` left its unanswered requests without a
     verdict, to be sent again on a new stream (their ids make that safe): broken

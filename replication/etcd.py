@@ -7,8 +7,8 @@ acknowledging writes a margin before its lease can expire, counted from that ins
 ``proto/qdelay/v1/etcd.proto`` declares the few v3 RPCs used (Range, Put, DeleteRange, Txn,
 LeaseGrant, LeaseRevoke, LeaseKeepAlive) and is compiled with the project's grpcio-tools.
 
-Endpoints: a comma-separated list; a call that fails with UNAVAILABLE or a deadline moves to
-the next endpoint for the following call.
+Endpoints: a comma-separated list; a call that fails with UNAVAILABLE, a deadline or a lost
+status (`client.batching.peer_away`) moves to the next endpoint for the following call.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def created_at(key: bytes, revision: int) -> epb.Compare:
     return epb.Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key, create_revision=revision)
 
 
+def _away(err: grpc.RpcError) -> bool:
+    # its one definition, imported on a failure only: the server does not load the client package
+    from qdelay.client.batching import peer_away
+
+    return peer_away(err)
+
+
 class Etcd:
     def __init__(self, endpoints: str | list[str], timeout: float = 2.0) -> None:
         if isinstance(endpoints, str):
@@ -105,13 +112,18 @@ class Etcd:
             await self._channel.close(None)
             self._channel = None
 
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the next call goes to."""
+        return self.endpoints[self._i % len(self.endpoints)]
+
     async def _call(self, which: str, method: str, request, timeout: float | None = None):
         kv, lease = self._stubs()
         stub = kv if which == "kv" else lease
         try:
             return await getattr(stub, method)(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if _away(e):
                 await self._rotate()
             raise EtcdError(f"etcd {method}: {e.code().name}: {e.details()}") from None
 
@@ -162,10 +174,9 @@ class Etcd:
             call, self._ka_call = self._ka_call, None
             if call is not None:
                 call.cancel()
-            if not isinstance(e, grpc.aio.AioRpcError) or e.code() in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            ):
+            # a lost status (the write of a renewal on a stream a dying etcd broke) moves on
+            # too: it stayed on the same endpoint for one more renewal period
+            if not isinstance(e, grpc.aio.AioRpcError) or _away(e):
                 await self._rotate()
             raise EtcdError(f"etcd LeaseKeepAlive: {e!r}") from None
         if resp is grpc.aio.EOF:

@@ -54,9 +54,9 @@ def master_away(err: grpc.RpcError) -> bool:
     stopping master had just ended or a killed one broke: a master restart, logged as an
     ERROR before)."""
     # its one definition, imported on a failure only: the server does not load the client package
-    from qdelay.client.batching import lost_status
+    from qdelay.client.batching import peer_away
 
-    return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or lost_status(err)
+    return peer_away(err)
 
 
 class Puller:
