@@ -154,7 +154,14 @@ class Client:
     ) -> Any:
         self._open()
         return await call_async(
-            method, request, timeout or self.timeout, self.metadata, self.retries, self.retry_backoff, retried_answer
+            method,
+            request,
+            timeout or self.timeout,
+            self.metadata,
+            self.retries,
+            self.retry_backoff,
+            retried_answer,
+            lambda: self._closed,
         )
 
     async def close(self) -> None:

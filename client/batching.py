@@ -107,11 +107,40 @@ def stream_cut(error: grpc.RpcError, closing: bool) -> bool:
     verdict, to be sent again on a new stream (their ids make that safe): broken
     (UNAVAILABLE), cut by the server or its transport (CANCELLED: a server stopping), or a
     lost status. CANCELLED is this side's own doing when it is ``closing`` (its channel
-    closed under the call): not sent again then."""
+    closed under the call): not sent again then. The clients' unary calls are tried again
+    on the same verdict (``call_async``, ``Client._call``): a stopping server cancels the
+    calls still running at its deadline (CANCELLED), as it cuts streams, and a Cancel,
+    CancelBatch, Send or Reschedule cut so was no refusal (cancel_many raised CANCELLED at
+    a restart)."""
     code = error.code()
     return (
         code == grpc.StatusCode.UNAVAILABLE or lost_status(error) or (code == grpc.StatusCode.CANCELLED and not closing)
     )
+
+
+class CancelledByGrpc(grpc.RpcError):
+    """A streaming call grpc.aio cancelled itself, as the stream's error: grpc.aio cancels
+    a call whose request iterator raised, and half-closing a SendStream whose connection
+    had just broken raises there (``ExecuteBatchError`` of ``SendCloseFromClientOperation``,
+    at a server killed or stopping, ~1 in 30 restarts under send_many); the call's reader
+    then gets ``asyncio.CancelledError`` although nobody cancelled its task. Its verdict is
+    a stream's cut by CANCELLED (:func:`stream_cut`: sent again, unless this side is
+    closing); raised as CancelledError it ended send_many (blocking: "the client was closed
+    during the call")."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "the stream was cancelled by grpc.aio (its connection broke as the client half-closed it)"
+
+
+def cancelled_by_grpc() -> bool:
+    """Whether an ``asyncio.CancelledError`` just raised by a grpc.aio call's reader is the
+    call's own end (:class:`CancelledByGrpc`), not a cancellation of the reading task (then
+    it must go on: the task's caller asked for it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
 
 
 def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:

@@ -46,11 +46,13 @@ from qdelay.client.batching import (
     BatchCall,
     Batching,
     CancelBatcher,
+    CancelledByGrpc,
     CancelStreamCall,
     RescheduleBatcher,
     SendBatcher,
     TargetBatcher,
     as_first_try,
+    cancelled_by_grpc,
     lost_status,
     retry_wait,
     stream_cut,
@@ -125,8 +127,11 @@ async def call_async(
     retries: int,
     backoff: float,
     retried_answer: Callable[[Any], Any] | None = None,
+    closing: Callable[[], bool] = lambda: False,
 ) -> Any:
-    """One grpc.aio call with the clients' retry policy: UNAVAILABLE is tried again with
+    """One grpc.aio call with the clients' retry policy: a call the server did not answer
+    (:func:`~qdelay.client.batching.stream_cut`: UNAVAILABLE, or CANCELLED by a stopping
+    server unless ``closing()``, this side's channel closing under it) is tried again with
     exponential backoff (at most ``MAX_BACKOFF`` between tries), ``retries`` times; any other
     error, or the last one, is raised as the qdelay error. With ``retried_answer``, a
     response that took more than one try is read through it (a retried write's answer may
@@ -137,7 +142,7 @@ async def call_async(
         try:
             response = await method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > retries:
+            if not stream_cut(e, closing()) or attempt > retries:
                 raise translate(e, attempt) from None
             await asyncio.sleep(retry_wait(backoff, attempt))
             continue
@@ -268,6 +273,7 @@ def _retried(
                 settings.retries,
                 settings.retry_backoff,
                 retried_answer,
+                lambda: settings._closed,
             )
 
         return tried
@@ -657,7 +663,7 @@ class Client:
             try:
                 response = method(request, timeout=timeout or self.timeout, metadata=self.metadata)
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
+                if not stream_cut(e, self._closed) or attempt > self.retries:  # call_async's policy
                     raise translate(e, attempt) from None
                 time.sleep(retry_wait(self.retry_backoff, attempt))
                 continue
@@ -967,6 +973,10 @@ class Client:
                     raise errors.InvariantViolation("SendStream answered a batch that was not sent")
                 receipts._add(unanswered.popleft()[1], response)
                 credit.release()
+        except asyncio.CancelledError:
+            if not cancelled_by_grpc():
+                raise
+            raise CancelledByGrpc() from None  # a stream cut: its unanswered batches go again
         finally:
             call.cancel()  # a no-op once the call ended; stops the request generator otherwise
             # a generator waiting for credit the ended call will never give back ends now:

@@ -15,6 +15,11 @@ transport does to a stream it cuts), once per such id: the message and the batch
 it are written or not, and the client's retry finds them by id. Used by
 tests/test_client_batching.py.
 
+And a CancelBatch that names an id starting with CANCELLED_CALL_ID is carried out, then
+answered CANCELLED instead of its outcomes (what a stopping server does to a call still
+running at its deadline), once per such id: the client's retry finds the tombstone.
+Used by tests/test_client_cut_calls.py.
+
 Usage: python tests/ending_server.py server --data-dir ... (qdelay's own arguments)
 """
 
@@ -30,7 +35,9 @@ from qdelay.server.service import DelayService
 END_ACK = "end-this-stream"
 NOISE = "noise-"
 CANCEL_ID = "cancel-this-stream-"
+CANCELLED_CALL_ID = "cancelled-call-"
 _ack = DelayService._ack
+_cancel_batch = DelayService.CancelBatch
 _send_stream = DelayService.SendStream
 _cancelled: set[bytes] = set()
 
@@ -64,7 +71,20 @@ async def send_stream(self, request_iterator, context):
             await context.abort(grpc.StatusCode.CANCELLED, "cut by the test server")
 
 
+async def cancel_batch(self, request, context):
+    answer = await _cancel_batch(self, request, context)
+    marker = CANCELLED_CALL_ID.encode()
+    at = request.find(marker)  # the request as wire bytes (app.RAW_REQUEST_METHODS)
+    if at >= 0:
+        key = request[at : at + len(marker) + 8]
+        if key not in _cancelled:
+            _cancelled.add(key)
+            await context.abort(grpc.StatusCode.CANCELLED, "cancelled by the test server")
+    return answer
+
+
 DelayService._ack = ack  # type: ignore[method-assign]
+DelayService.CancelBatch = cancel_batch  # type: ignore[method-assign]
 DelayService.SendStream = send_stream  # type: ignore[method-assign]
 
 if __name__ == "__main__":

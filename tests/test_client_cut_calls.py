@@ -1,0 +1,169 @@
+"""Calls cut at a server restart are tried again, not raised: found by a chaos soak of both
+clients against a server SIGKILLed/SIGTERMed every few seconds. A unary call (CancelBatch:
+``cancel_many``) that a stopping server cancelled at its deadline raised CANCELLED; a
+send_many whose SendStream grpc.aio cancelled itself (its half-close failed on the broken
+connection) raised "the client was closed during the call" (blocking) or CancelledError
+(asyncio). Real server processes (tests/ending_server.py answers a marked CancelBatch
+with CANCELLED after doing it)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import grpc.aio._call as aio_call
+import pytest
+from ending_server import CANCELLED_CALL_ID
+from grpc._cython import cygrpc
+from serverproc import ServerProc
+
+from qdelay import aio, errors
+from qdelay.client import Client, Outgoing
+
+ENDING = [sys.executable, str(Path(__file__).with_name("ending_server.py"))]
+_subjects = itertools.count(1)
+_ids = itertools.count(1)
+
+
+def subject() -> str:
+    return f"cut{next(_subjects)}.{int(time.time() * 1000) % 100000}"
+
+
+def later() -> int:
+    return int(time.time() * 1000) + 3_600_000
+
+
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory):
+    with ServerProc(tmp_path_factory.mktemp("ending") / "data", command=ENDING) as srv:
+        yield srv
+
+
+def test_cancel_many_cut_with_cancelled_is_tried_again(ending):
+    """The server cancels the CancelBatch after writing its tombstones: the retry answers
+    ALREADY_CANCELLED, read as CANCELLED (the first try's work); it raised CANCELLED."""
+    with Client(ending.address, retries=3, retry_backoff=0.01) as c:
+        s = subject()
+        ids = [f"{CANCELLED_CALL_ID}{next(_ids):08d}", f"plain-{next(_ids)}"]
+        for i in ids:
+            c.send(s, b"p", deliver_at_ms=later(), message_id=i)
+        assert c.cancel_many(ids) == ["CANCELLED", "CANCELLED"]
+        assert [c.state_name(c.get(message_id=i)) for i in ids] == ["CANCELLED", "CANCELLED"]
+
+
+def test_aio_cancel_many_cut_with_cancelled_is_tried_again(ending):
+    async def main() -> None:
+        async with aio.Client(ending.address, retries=3, retry_backoff=0.01) as c:
+            s = subject()
+            mid = f"{CANCELLED_CALL_ID}{next(_ids):08d}"
+            await c.send(s, b"p", deliver_at_ms=later(), message_id=mid)
+            assert await c.cancel_many([mid]) == ["CANCELLED"]
+            assert c.state_name(await c.get(message_id=mid)) == "CANCELLED"
+
+    asyncio.run(main())
+
+
+class _Cancelled(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "CANCELLED"
+
+
+def test_cancelled_is_not_tried_again_when_this_side_is_closing():
+    """CANCELLED is tried again only when it is not this side's doing: the same status on
+    a client closing is its own channel closing under the call (raised, as before)."""
+    from qdelay.client.client import call_async
+
+    calls: list[str] = []
+
+    async def method(request, timeout, metadata):
+        calls.append(request)
+        raise _Cancelled()
+
+    async def main() -> None:
+        with pytest.raises(errors.QdelayError, match="CANCELLED"):
+            await call_async(method, "r", 1.0, (), 3, 0.001, None, lambda: True)
+        assert len(calls) == 1
+        calls.clear()
+        with pytest.raises(errors.QdelayError, match="CANCELLED"):
+            await call_async(method, "r", 1.0, (), 3, 0.001, None, lambda: False)
+        assert len(calls) == 4  # the first try and 3 retries
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def half_close_fails_once(monkeypatch):
+    """grpc.aio's half-close of a stream fails once as on a connection just broken
+    (``ExecuteBatchError`` of ``SendCloseFromClientOperation``, seen at server restarts);
+    grpc.aio then cancels the call itself."""
+    done_writing = aio_call._StreamRequestMixin._done_writing
+    failed = []
+
+    async def failing(self) -> None:
+        if not failed:
+            failed.append(self)
+            raise cygrpc.ExecuteBatchError('Failed "execute_batch": SendCloseFromClientOperation (the test)')
+        await done_writing(self)
+
+    monkeypatch.setattr(aio_call._StreamRequestMixin, "_done_writing", failing)
+    return failed
+
+
+def _messages(s: str, n: int) -> list[Outgoing]:
+    at = later()
+    return [Outgoing(s, b"p", deliver_at_ms=at, message_id=f"hc-{next(_ids)}") for _ in range(n)]
+
+
+def test_send_many_whose_stream_grpc_cancelled_sends_again(ending, half_close_fails_once):
+    """It raised FailedPrecondition "the client was closed during the call"; now the
+    unanswered batches go again on a new stream, each message written once."""
+    with Client(ending.address, retries=3, retry_backoff=0.01) as c:
+        s = subject()
+        msgs = _messages(s, 50)
+        receipts = c.send_many(msgs, batch_size=10)
+        assert half_close_fails_once, "the half-close did not fail: the test tested nothing"
+        assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
+        again = c.send_many(msgs, batch_size=50)  # written once: the same sequences, duplicates
+        assert [r.sequence for r in again] == [r.sequence for r in receipts]
+        assert len({r.sequence for r in receipts}) == 50
+
+
+def test_aio_send_many_whose_stream_grpc_cancelled_sends_again(ending, half_close_fails_once):
+    """It raised asyncio.CancelledError into a task nobody cancelled."""
+
+    async def main() -> None:
+        async with aio.Client(ending.address, retries=3, retry_backoff=0.01) as c:
+            s = subject()
+            msgs = _messages(s, 30)
+            receipts = await c.send_many(msgs, batch_size=10)
+            assert half_close_fails_once
+            assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
+            again = await c.send_many(msgs, batch_size=30)
+            assert [r.sequence for r in again] == [r.sequence for r in receipts]
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_send_many_task_is_still_cancelled(ending):
+    """The task's own cancellation is not taken for grpc's: it ends the call and raises."""
+
+    async def main() -> None:
+        async with aio.Client(ending.address, retries=3, retry_backoff=0.01) as c:
+            msgs = _messages(subject(), 20000)
+            task = asyncio.create_task(c.send_many(msgs, batch_size=10, max_in_flight=1))
+            async with asyncio.timeout(30):  # until its stream is writing
+                while c.state_name(await c.get(message_id=msgs[0].message_id)) != "PENDING":
+                    await asyncio.sleep(0.01)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
