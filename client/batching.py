@@ -319,6 +319,7 @@ class SendBatcher:
         self._backoff = backoff
         self._waiting: deque[_Entry] = deque()
         self._resend: deque[_Batch] = deque()  # unanswered batches of a broken stream, in order
+        self.answers = 0  # batches answered, on every stream (how _send_all sees a broken one's progress)
         self._space = asyncio.Semaphore(config.max_queued)
         # threads (the blocking client) hand messages over through _inbox, with a Room for
         # their backpressure; one call_soon_threadsafe wakes the loop per burst
@@ -498,15 +499,19 @@ class SendBatcher:
                 return
             unanswered: deque[_Batch] = deque()
             error: grpc.RpcError | None = None
-            answered = 0
+            answers = self.answers
             try:
-                answered = await self._stream(unanswered)
+                await self._stream(unanswered)
             except grpc.RpcError as e:
                 error = e
             except asyncio.CancelledError:
                 self._fail(list(unanswered) + list(self._resend), errors.Unavailable("the client was closed"))
                 raise
-            if answered:
+            if self.answers > answers:
+                # "retries in a row" counts streams that answered nothing: one that answered
+                # batches and then broke (a server killed after serving for a while) starts
+                # the count again. Counted only when it ended cleanly, callers failed after
+                # retries + 1 restarts however long the server served between them
                 attempt = 0
             if error is None:
                 # the server ended the stream (a shutdown ends every stream): what it did not
@@ -648,6 +653,7 @@ class SendBatcher:
                 batch = unanswered.popleft()
                 credit.release()
                 answered += 1
+                self.answers += 1
                 self._answer(batch, response)
                 self._answered(len(batch.entries))
         finally:

@@ -880,11 +880,14 @@ class Client:
         unanswered: deque[tuple[bytes, list[str]]] = deque()
         attempt = 1
         while True:
+            answered = len(receipts)
             try:
                 done = await self._stream_batches(stream, next_request, unanswered, receipts, max_in_flight, timeout)
                 if done:
                     return receipts
                 if done is None:  # ended by the server with batches unanswered: as UNAVAILABLE
+                    if len(receipts) > answered:
+                        attempt = 1  # as below: it answered batches before it ended
                     if attempt > self.retries:
                         # raised as is: the QdelayError clause below gives it the receipts
                         raise errors.Unavailable(
@@ -899,6 +902,8 @@ class Client:
                 # INTERNAL "Internal error from Core", ~1 in 7 refused streams) is tried again,
                 # and the refused batch is refused again with the server's own status; a stream
                 # a stopping server cut (CANCELLED) is sent again (it raised, once in 60 restarts)
+                if len(receipts) > answered:
+                    attempt = 1  # it answered batches before it broke: the count of tries in a row starts again
                 if not stream_cut(e, self._closed) or attempt > tries_allowed(self.retries, e):
                     err = translate(e, attempt)
                     err.receipts = receipts

@@ -3,8 +3,11 @@ clients against a server SIGKILLed/SIGTERMed every few seconds. A unary call (Ca
 ``cancel_many``) that a stopping server cancelled at its deadline raised CANCELLED; a
 send_many whose SendStream grpc.aio cancelled itself (its half-close failed on the broken
 connection) raised "the client was closed during the call" (blocking) or CancelledError
-(asyncio). Real server processes (tests/ending_server.py answers a marked CancelBatch
-with CANCELLED after doing it)."""
+(asyncio); and send()'s batcher and send_many counted "retries in a row" across
+streams that had answered batches before they broke, so callers failed after retries + 1
+restarts however long the server served between them. Real server processes
+(tests/ending_server.py answers a marked CancelBatch with CANCELLED after doing it, and
+cuts a SendStream after answering a batch with a marked message)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import asyncio
 import itertools
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,7 +26,7 @@ from grpc._cython import cygrpc
 from serverproc import ServerProc
 
 from qdelay import aio, errors
-from qdelay.client import Client, Outgoing
+from qdelay.client import Batching, Client, Outgoing
 
 ENDING = [sys.executable, str(Path(__file__).with_name("ending_server.py"))]
 _subjects = itertools.count(1)
@@ -167,3 +171,37 @@ def test_a_cancelled_send_many_task_is_still_cancelled(ending):
                 await task
 
     asyncio.run(main())
+
+
+def test_send_many_counts_tries_in_a_row_from_its_last_answer(ending):
+    """Five streams in a row each answer a batch and are then cut (CANCELLED, as a server
+    killed after serving a while): with retries=1 send_many raised CANCELLED at the second
+    cut, though every stream had made progress; a stream that answered starts the count
+    again. max_in_flight=1: the server reads one batch at a time, so each marked batch is
+    answered, then cut (tests/ending_server.py)."""
+    from ending_server import CANCEL_ID
+
+    with Client(ending.address, retries=1, retry_backoff=0.01) as c:
+        s = subject()
+        msgs = _messages(s, 50)
+        for b in range(5):  # one marked message in each batch of 10
+            msgs[b * 10 + 3] = msgs[b * 10 + 3]._replace(message_id=f"{CANCEL_ID}{next(_ids):08d}")
+        receipts = c.send_many(msgs, batch_size=10, max_in_flight=1)
+        assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
+        assert len({r.sequence for r in receipts}) == 50
+
+
+def test_send_counts_tries_in_a_row_from_its_last_answer(ending):
+    """send()'s batcher, as send_many: streams that answered and were then cut, more of
+    them in a row than retries, fail no caller (it failed the batches unanswered at the
+    second cut with CANCELLED: the count started again only on a stream ended cleanly)."""
+    from ending_server import CANCEL_ID
+
+    batching = Batching(max_batch=1, max_in_flight=2)
+    with Client(ending.address, retries=1, retry_backoff=0.01, batching=batching) as c:
+        s = subject()
+        ids = [f"{CANCEL_ID}{next(_ids):08d}" for _ in range(24)]
+        with ThreadPoolExecutor(4) as pool:
+            receipts = list(pool.map(lambda i: c.send(s, b"p", deliver_at_ms=later(), message_id=i), ids))
+        assert [r.message_id for r in receipts] == ids
+        assert c._batcher is not None and c._batcher.streams >= 5  # cut again and again
