@@ -132,7 +132,7 @@ class CancelledByGrpc(grpc.RpcError):
         return grpc.StatusCode.CANCELLED
 
     def details(self) -> str:
-        return "the stream was cancelled by grpc.aio (its connection broke as the client half-closed it)"
+        return "grpc.aio cancelled the stream itself (its connection broke as it half-closed, or its channel closed)"
 
 
 def cancelled_by_grpc() -> bool:

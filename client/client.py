@@ -155,6 +155,15 @@ def cancel_outcomes(response: pb.CancelBatchResponse) -> list[str]:
     return [CANCEL_OUTCOMES.get(x.outcome, str(x.outcome)) for x in response.responses]
 
 
+def closed_during_call(receipts: SentReceipts | None = None) -> errors.FailedPrecondition:
+    """What a call cut by its client's ``close()`` raises (both clients; send_many's with the
+    receipts of the batches answered before it)."""
+    err = errors.FailedPrecondition("the client was closed during the call")
+    if receipts is not None:
+        err.receipts = receipts
+    return err
+
+
 def not_ready(timeout: float) -> DeadlineExceeded:
     """What ``wait_ready`` raises when the channel did not connect within its timeout."""
     return DeadlineExceeded(f"DEADLINE_EXCEEDED: the channel was not ready within {timeout} s")
@@ -394,14 +403,14 @@ class _BulkSender:
         try:
             return future.result()
         except concurrent.futures.CancelledError:
-            raise errors.FailedPrecondition("the client was closed during the call") from None
+            raise closed_during_call() from None
         except grpc.aio.AioRpcError as err:
             if self._closed and err.code() == grpc.StatusCode.CANCELLED:  # its channel closed under it
-                raise errors.FailedPrecondition("the client was closed during the call") from None
+                raise closed_during_call() from None
             raise
         except errors.QdelayError as err:
             if self._closed and getattr(err, "code", None) == grpc.StatusCode.CANCELLED:  # translated
-                raise errors.FailedPrecondition("the client was closed during the call") from None
+                raise closed_during_call() from None
             raise
         except BaseException:
             future.cancel()
@@ -880,6 +889,8 @@ class Client:
         unanswered: deque[tuple[bytes, list[str]]] = deque()
         attempt = 1
         while True:
+            if self._closed:  # close() closes the channel under this call: no new stream on it
+                raise closed_during_call(receipts)  # (grpc's UsageError "Channel is closed." else)
             answered = len(receipts)
             try:
                 done = await self._stream_batches(stream, next_request, unanswered, receipts, max_in_flight, timeout)
@@ -902,6 +913,8 @@ class Client:
                 # INTERNAL "Internal error from Core", ~1 in 7 refused streams) is tried again,
                 # and the refused batch is refused again with the server's own status; a stream
                 # a stopping server cut (CANCELLED) is sent again (it raised, once in 60 restarts)
+                if self._closed:  # the stream's end is close()'s doing (its channel closed), whatever it says
+                    raise closed_during_call(receipts) from None
                 if len(receipts) > answered:
                     attempt = 1  # it answered batches before it broke: the count of tries in a row starts again
                 if not stream_cut(e, self._closed) or attempt > tries_allowed(self.retries, e):

@@ -205,3 +205,27 @@ def test_send_counts_tries_in_a_row_from_its_last_answer(ending):
             receipts = list(pool.map(lambda i: c.send(s, b"p", deliver_at_ms=later(), message_id=i), ids))
         assert [r.message_id for r in receipts] == ids
         assert c._batcher is not None and c._batcher.streams >= 5  # cut again and again
+
+
+def test_aio_send_many_cut_by_close_raises_failed_precondition(ending):
+    """close() while a send_many runs in another task closes the channel under its stream:
+    it raised asyncio.CancelledError (grpc.aio's cancel of the call), grpc's UsageError
+    "Channel is closed." (a retry opening a stream on it), or CANCELLED; now, as the
+    blocking client's, FailedPrecondition "the client was closed during the call", with the
+    receipts answered before."""
+
+    async def main() -> None:
+        c = aio.Client(ending.address, retries=3, retry_backoff=0.01)
+        msgs = _messages(subject(), 20000)
+        task = asyncio.create_task(c.send_many(msgs, batch_size=10, max_in_flight=1))
+        async with asyncio.timeout(30):  # until its stream is writing
+            while c.state_name(await c.get(message_id=msgs[0].message_id)) != "PENDING":
+                await asyncio.sleep(0.01)
+        await c.close()
+        with pytest.raises(errors.FailedPrecondition, match="closed during the call") as info:
+            await task
+        done = info.value.receipts  # type: ignore[attr-defined]
+        assert 0 < len(done) < len(msgs)
+        assert [r.message_id for r in done] == [m.message_id for m in msgs[: len(done)]]
+
+    asyncio.run(main())
