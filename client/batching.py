@@ -527,8 +527,11 @@ class SendBatcher:
                 continue
             code = error.code()
             # a lost status (nothing from the refused batch on was written): sent again, as
-            # for a broken stream
-            if stream_cut(error, self._closing):
+            # for a broken stream. Never this side's CANCELLED, even while close() flushes
+            # (_closing): both clients close their channel only after their batchers' close
+            # returned, so a CANCELLED here is the server's (a server stopping as the client
+            # closes: its callers got CANCELLED instead of the answers close() waits for)
+            if stream_cut(error, closing=False):
                 self._resend.extendleft(reversed(unanswered))
                 attempt += 1
                 if attempt > tries_allowed(self._retries, error):

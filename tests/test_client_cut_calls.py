@@ -229,3 +229,24 @@ def test_aio_send_many_cut_by_close_raises_failed_precondition(ending):
         assert [r.message_id for r in done] == [m.message_id for m in msgs[: len(done)]]
 
     asyncio.run(main())
+
+
+def test_send_batcher_flushing_at_close_sends_again_what_a_cut_left(ending):
+    """close() sends what is queued and waits for its answers; a stream the server cut
+    with CANCELLED meanwhile (a server stopping as the client closes: 200 send() callers
+    failed at once so in 25 closes) was taken for the client's own closing and its
+    unanswered batches failed with CANCELLED. The batcher's close runs before its channel
+    closes: such a CANCELLED is the server's, and they are sent again."""
+    from ending_server import CANCEL_ID
+
+    async def main() -> None:
+        c = aio.Client(ending.address, retries=3, retry_backoff=0.01, batching=Batching(max_batch=1, max_in_flight=4))
+        s = subject()
+        ids = [f"{CANCEL_ID}{next(_ids):08d}"] + [f"flush-{next(_ids)}" for _ in range(40)]
+        sends = [asyncio.create_task(c.send(s, b"p", deliver_at_ms=later(), message_id=i)) for i in ids]
+        await asyncio.sleep(0)  # queued: close() owes them their answers
+        await c.close()
+        receipts = await asyncio.gather(*sends)
+        assert [r.message_id for r in receipts] == ids
+
+    asyncio.run(main())
