@@ -19,6 +19,16 @@ def slave_name(data_dir: str) -> str:
     return f"{os.uname().nodename}:{os.path.abspath(data_dir)}"
 
 
+def peer_away(err: grpc.RpcError) -> bool:
+    """A failed call to another server (a slave's Pull stream to its master, a call to etcd)
+    that says the peer is down, restarting or out of reach, not that it refused:
+    ``client.batching.peer_away`` (UNAVAILABLE, DEADLINE_EXCEEDED, a lost status), its one
+    definition, imported on a failure only: the server does not load the client package."""
+    from qdelay.client.batching import peer_away as away
+
+    return away(err)
+
+
 def channel_options() -> list[tuple]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE),

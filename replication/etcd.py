@@ -8,7 +8,7 @@ acknowledging writes a margin before its lease can expire, counted from that ins
 LeaseGrant, LeaseRevoke, LeaseKeepAlive) and is compiled with the project's grpcio-tools.
 
 Endpoints: a comma-separated list; a call that fails with UNAVAILABLE, a deadline or a lost
-status (`client.batching.peer_away`) moves to the next endpoint for the following call.
+status (`replication.common.peer_away`) moves to the next endpoint for the following call.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from qdelay.replication.common import peer_away
 from qdelay.v1 import etcd_pb2 as epb
 from qdelay.v1 import etcd_pb2_grpc as epb_grpc
 
@@ -65,13 +66,6 @@ def unchanged_since(key: bytes, mod_revision: int) -> epb.Compare:
 def created_at(key: bytes, revision: int) -> epb.Compare:
     """Holds while ``key`` is the very key created at ``revision`` (not a later re-creation)."""
     return epb.Compare(result=Compare.EQUAL, target=Compare.CREATE, key=key, create_revision=revision)
-
-
-def _away(err: grpc.RpcError) -> bool:
-    # its one definition, imported on a failure only: the server does not load the client package
-    from qdelay.client.batching import peer_away
-
-    return peer_away(err)
 
 
 class Etcd:
@@ -123,7 +117,7 @@ class Etcd:
         try:
             return await getattr(stub, method)(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as e:
-            if _away(e):
+            if peer_away(e):
                 await self._rotate()
             raise EtcdError(f"etcd {method}: {e.code().name}: {e.details()}") from None
 
@@ -176,7 +170,7 @@ class Etcd:
                 call.cancel()
             # a lost status (the write of a renewal on a stream a dying etcd broke) moves on
             # too: it stayed on the same endpoint for one more renewal period
-            if not isinstance(e, grpc.aio.AioRpcError) or _away(e):
+            if not isinstance(e, grpc.aio.AioRpcError) or peer_away(e):
                 await self._rotate()
             raise EtcdError(f"etcd LeaseKeepAlive: {e!r}") from None
         if resp is grpc.aio.EOF:

@@ -46,17 +46,12 @@ MERGE_BYTES = 8 * 1024 * 1024
 _ENDED = object()
 
 
-def master_away(err: grpc.RpcError) -> bool:
-    """A failed Pull stream that says the master is not up yet, restarting or out of reach
-    (a WARNING: the puller tries again with backoff), not that it refused this slave (an
-    ERROR): UNAVAILABLE, DEADLINE_EXCEEDED, or a lost status (grpc.aio's INTERNAL "Internal
-    error from Core" when the slave's write of its durable offset fails on a stream that a
-    stopping master had just ended or a killed one broke: a master restart, logged as an
-    ERROR before)."""
-    # its one definition, imported on a failure only: the server does not load the client package
-    from qdelay.client.batching import peer_away
-
-    return peer_away(err)
+# A failed Pull stream that says the master is not up yet, restarting or out of reach (a
+# WARNING: the puller tries again with backoff), not that it refused this slave (an ERROR).
+# A lost status (the slave's write of its durable offset failing on a stream that a stopping
+# master had just ended or a killed one broke) is a master restart too: it was logged as an
+# ERROR before.
+master_away = common.peer_away
 
 
 class Puller:
