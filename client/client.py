@@ -1199,24 +1199,21 @@ def close_consumers(consumers: Iterable[Consumer], timeout: float = 5.0) -> None
             call.cancel()
 
 
-def resubscribe_on(wait_for_group: bool) -> tuple[grpc.StatusCode, ...]:
-    """The codes that end a consumer's stream without ending the consumer (it subscribes
-    again with backoff), for the blocking and the asyncio consumers: a server gone or
-    shutting down, and with ``wait_for_group`` a refusal too (FAILED_PRECONDITION: a slave,
-    which may not create a group, before the GROUP record reached it; or a fenced master)."""
-    lost = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-    return (*lost, grpc.StatusCode.FAILED_PRECONDITION) if wait_for_group else lost
-
-
 def resubscribes(error: grpc.RpcError, wait_for_group: bool) -> bool:
     """Whether a consumer whose stream ended with ``error`` subscribes again (with backoff)
-    instead of raising it, for the blocking and the asyncio consumers: a code of
-    :func:`resubscribe_on`, or a lost status (:func:`~qdelay.client.batching.lost_status`:
-    grpc.aio failed to write an ack on a stream that a server stopping had just ended, or
-    that a killed one broke, and reports INTERNAL instead of the stream's own status; it
-    ended asyncio consumers at a server restart). Safe: what was in flight is delivered
-    again, and a refusal lost this way is seen on the next subscription."""
-    return error.code() in resubscribe_on(wait_for_group) or lost_status(error)
+    instead of raising it, for the blocking and the asyncio consumers: a server gone or
+    shutting down (UNAVAILABLE, CANCELLED); with ``wait_for_group`` a refusal too
+    (FAILED_PRECONDITION: a slave, which may not create a group, before the GROUP record
+    reached it; or a fenced master); or a lost status
+    (:func:`~qdelay.client.batching.lost_status`: grpc.aio failed to write an ack on a stream
+    that a server stopping had just ended, or that a killed one broke, and reports INTERNAL
+    instead of the stream's own status; it ended asyncio consumers at a server restart).
+    Safe: what was in flight is delivered again, and a refusal lost this way is seen on the
+    next subscription."""
+    code = error.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or lost_status(error):
+        return True
+    return wait_for_group and code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def how_it_ended(error: grpc.RpcError) -> str:
