@@ -171,8 +171,15 @@ def test_slave_catches_up_from_empty_and_from_behind(tmp_path):
     assert schedule_records(tmp_path / "a") == schedule_records(tmp_path / "b")
 
 
+# Refusals are tested with a short wait for a slave; what must be acknowledged once a slave is
+# attached, with a long one, on the same data folder: 300 ms was short enough for a slave to
+# miss under a loaded CI box (a 200-message batch of send_many refused, stop 30).
+SHORT_SYNC = ["--replication", "sync", "--replication-timeout-ms", "300"]
+LONG_SYNC = ["--replication", "sync", "--replication-timeout-ms", "20000"]
+
+
 def test_sync_mode_acks_after_slave_and_times_out_without_one(tmp_path):
-    with master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"]) as a:
+    with master(tmp_path, args=SHORT_SYNC) as a:
         c = a.client(retries=0)
         t0 = time.monotonic()
         with pytest.raises(errors.Unavailable) as info:
@@ -191,17 +198,18 @@ def test_sync_mode_acks_after_slave_and_times_out_without_one(tmp_path):
         with pytest.raises(errors.Unavailable, match="no slave confirmed"):
             c.cancel("first")
         assert status(a.address).sync_timeouts == 4
-        with slave(tmp_path, a) as b:
-            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
-            again = c.send("s", b"x", delay_ms=1000, message_id="first")
-            assert again.sequence == 1 and status(b.address).last_sequence >= 2  # the original and its tombstone
-            assert c.cancel("first") == "ALREADY_CANCELLED"
-            r = c.send("s", b"y", delay_ms=1000)
-            # acknowledged only once the slave had it durable
-            assert status(b.address).last_sequence >= r.sequence
-            rs = c.send_many((c.message("s", b"z", delay_ms=1000) for _ in range(2000)), batch_size=200)
-            assert status(b.address).last_sequence >= rs[-1].sequence
-            assert status(a.address).sync_timeouts == 4
+    with master(tmp_path, args=LONG_SYNC) as a, slave(tmp_path, a) as b:
+        c = a.client(retries=0)
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        again = c.send("s", b"x", delay_ms=1000, message_id="first")
+        assert again.sequence == 1 and status(b.address).last_sequence >= 2  # the original and its tombstone
+        assert c.cancel("first") == "ALREADY_CANCELLED"
+        r = c.send("s", b"y", delay_ms=1000)
+        # acknowledged only once the slave had it durable
+        assert status(b.address).last_sequence >= r.sequence
+        rs = c.send_many((c.message("s", b"z", delay_ms=1000) for _ in range(2000)), batch_size=200)
+        assert status(b.address).last_sequence >= rs[-1].sequence
+        assert status(a.address).sync_timeouts == 0
 
 
 def test_sync_mode_retried_reschedule_waits_for_a_slave(tmp_path):
@@ -209,7 +217,7 @@ def test_sync_mode_retried_reschedule_waits_for_a_slave(tmp_path):
     tombstone durable on the master only), retried with the same receipt as the refusal
     asks: the retry finds the old message cancelled and must not answer CANCELLED before a
     slave has that tombstone (after a failover the slave would deliver it at the old time)."""
-    with master(tmp_path, args=["--replication", "sync", "--replication-timeout-ms", "300"]) as a:
+    with master(tmp_path, args=SHORT_SYNC) as a:
         c = a.client(retries=0)
         with pytest.raises(errors.Unavailable):
             c.send("s", b"x", delay_ms=60_000, message_id="move")
@@ -219,10 +227,11 @@ def test_sync_mode_retried_reschedule_waits_for_a_slave(tmp_path):
         with pytest.raises(errors.Unavailable, match="no slave confirmed"):
             c.reschedule(old, delay_ms=120_000)
         assert status(a.address).sync_timeouts == 3
-        with slave(tmp_path, a) as b:
-            wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
-            assert c.reschedule(old, delay_ms=120_000) == ("CANCELLED", None)
-            assert status(b.address).last_sequence >= 3  # the original, its move and its tombstone
+    with master(tmp_path, args=LONG_SYNC) as a, slave(tmp_path, a) as b:
+        c = a.client(retries=0)
+        wait_until(lambda: status(b.address).connected, 20, "slave attached", ignore=RPC_ERRORS)
+        assert c.reschedule(old, delay_ms=120_000) == ("CANCELLED", None)
+        assert status(b.address).last_sequence >= 3  # the original, its move and its tombstone
 
 
 def test_slave_without_token_is_refused(tmp_path):
