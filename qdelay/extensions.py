@@ -74,6 +74,25 @@ def stale(module: ModuleType, sources: tuple[str, ...]) -> str | None:
     return None
 
 
+def stale_builds() -> dict[str, str]:
+    """The extensions this process loads (:func:`optional`) that were built before one of
+    their sources last changed, by module name with :func:`stale`'s reason: a source tree
+    whose ``make setup`` failed or was not run again (a WAL writer that called a function
+    the old codec lacked). Empty in an installed package (no source beside the build),
+    with ``QDELAY_NATIVE=0`` (no build loaded), and for an extension that is not built
+    (its Python twins run: slower, not wrong)."""
+    found: dict[str, str] = {}
+    for name, (_headers, sources) in EXTENSIONS.items():
+        try:
+            module = optional(name)
+        except ImportError:  # its package is not installed (the light client has no storage package)
+            continue
+        why = stale(module, sources) if module is not None else None
+        if why is not None:
+            found[name] = why
+    return found
+
+
 def check(
     extensions: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:

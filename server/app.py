@@ -518,8 +518,25 @@ def tune_runtime() -> None:
     gc.freeze()
 
 
+def warn_stale_build() -> None:
+    """One WARNING when this server runs a C extension built before its source last changed
+    (a source tree whose ``make setup`` failed or was not run again): the old build's
+    functions are not this code's (a stale codec made the WAL writer fail). Nothing in an
+    installed package, where no source is beside the build (``extensions.stale_builds``,
+    the check ``bench.require_built`` and ``make setup`` make too)."""
+    from qdelay.extensions import stale_builds
+
+    found = stale_builds()
+    if found:
+        log.warning(
+            "a C extension is older than its source: run `make setup` to build it again",
+            extra={"stale": "; ".join(f"{name}: {why}" for name, why in found.items())},
+        )
+
+
 def serve(cfg: ServerConfig) -> int:
     setup_logging(cfg)
+    warn_stale_build()
     tune_runtime()
     # before any thread starts: each carries its name in top -H, py-spy and /proc (the
     # event loop is the thread whose id is the pid)
