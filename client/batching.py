@@ -659,6 +659,14 @@ class SendBatcher:
                 self.answers += 1
                 self._answer(batch, response)
                 self._answered(len(batch.entries))
+        except asyncio.CancelledError:
+            if not cancelled_by_grpc():
+                raise  # the sender task itself is cancelled (its loop ending)
+            # grpc.aio cancelled the call itself (its half-close failed at close() on a
+            # connection just broken, or its channel closed under it): a cut, whose batches go
+            # again (as send_many's); the sender ended cancelled, failing them "the client
+            # was closed", and close() raised CancelledError
+            raise CancelledByGrpc() from None
         finally:
             finished = True
             call.cancel()  # a no-op once the call ended; stops the request generator otherwise
@@ -770,6 +778,14 @@ class _Stream:
                     future.set_result(response)
         except grpc.RpcError as e:
             error = e
+        except asyncio.CancelledError:
+            if not cancelled_by_grpc():
+                raise  # the reading task itself is cancelled (its loop ending): it ends so
+            # grpc.aio cancelled the call itself (its request-writing task failed, or its
+            # channel closed; close()'s own cancel too, with nothing waiting): a stream cut
+            # by CANCELLED, its requests sent again, and the reader ends as a task that was
+            # not cancelled (it ended cancelled, which no one had asked for)
+            error = CancelledByGrpc()
         finally:
             self.dead = True
             self._requests.put_nowait(None)

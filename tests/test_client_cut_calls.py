@@ -7,14 +7,23 @@ connection) raised "the client was closed during the call" (blocking) or Cancell
 streams that had answered batches before they broke, so callers failed after retries + 1
 restarts however long the server served between them. Real server processes
 (tests/ending_server.py answers a marked CancelBatch with CANCELLED after doing it, and
-cuts a SendStream after answering a batch with a marked message)."""
+cuts a SendStream after answering a batch with a marked message).
+
+And a stream grpc.aio cancelled itself (its writing task failed) ended the task reading it
+cancelled, which nobody had asked for: the CancelStream's reader, and send()'s sender,
+whose close() then raised CancelledError. These run on a loop in debug mode with warnings
+as errors."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import sys
+import threading
 import time
+import warnings
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -250,3 +259,104 @@ def test_send_batcher_flushing_at_close_sends_again_what_a_cut_left(ending):
         assert [r.message_id for r in receipts] == ids
 
     asyncio.run(main())
+
+
+def _strict(main: Callable[[], Awaitable[None]]) -> None:
+    """``main`` on a loop in asyncio's debug mode with warnings as errors; fails on anything
+    the loop reports (a task's exception never retrieved, a callback's error)."""
+    reported: list[dict] = []
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+        await main()
+        gc.collect()  # a task that failed unobserved is reported when it is collected
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(run(), debug=True)
+    assert reported == []
+
+
+@pytest.fixture
+def request_write_fails_once(monkeypatch):
+    """Once armed (``armed.set()``), grpc.aio's writing of a stream's next request fails
+    once as on a connection just broken (``ExecuteBatchError``): its request-iterator task
+    swallows it by cancelling the call, and the call's reader gets ``asyncio.CancelledError``
+    though nobody cancelled it. ``armed.is_set()`` again once it failed: whether it did."""
+    write = aio_call._StreamRequestMixin._write
+    armed = threading.Event()
+    failed = threading.Event()
+
+    async def failing(self, request) -> None:
+        if armed.is_set() and not failed.is_set():
+            failed.set()
+            raise cygrpc.ExecuteBatchError('Failed "execute_batch": SendMessageOperation (the test)')
+        await write(self, request)
+
+    monkeypatch.setattr(aio_call._StreamRequestMixin, "_write", failing)
+    return armed, failed
+
+
+def test_a_cancel_stream_grpc_cancelled_ends_its_reader_cleanly_and_sends_again(ending, request_write_fails_once):
+    """grpc.aio cancels the CancelStream call under the cancel() it carries: its reader task
+    ended cancelled, which nobody had asked for; now it ends as a stream cut with CANCELLED
+    (batching.CancelledByGrpc), and the request goes again on a new stream."""
+
+    async def main() -> None:
+        async with aio.Client(ending.address, retries=3, retry_backoff=0.01) as c:
+            s = subject()
+            receipt = await c.send(s, b"p", deliver_at_ms=later())
+            assert await c.cancel(f"never-sent-{next(_ids)}") == "NOT_FOUND"  # the stream opens
+            assert c._canceller is not None and c._canceller._stream is not None
+            calls = c._canceller._stream
+            first = calls._stream
+            assert first is not None
+            armed, failed = request_write_fails_once
+            armed.set()  # the next request's write fails
+            assert await c.cancel(receipt) == "CANCELLED"
+            assert failed.is_set(), "the write did not fail: the test tested nothing"
+            assert first.reader.done() and not first.reader.cancelled(), first.reader
+            assert first.reader.exception() is None
+            assert calls.streams == 2 and calls.resent == 1
+            assert c.state_name(await c.get(receipt)) == "CANCELLED"
+
+    _strict(main)
+
+
+def test_a_cancel_stream_reader_whose_own_task_is_cancelled_still_ends_cancelled(ending):
+    """Its loop ending cancels the reader task (asyncio.run's end, the blocking client's
+    bulk loop): that cancellation is not taken for grpc's."""
+
+    async def main() -> None:
+        async with aio.Client(ending.address, retries=3, retry_backoff=0.01) as c:
+            assert await c.cancel(f"never-sent-{next(_ids)}") == "NOT_FOUND"
+            assert c._canceller is not None and c._canceller._stream is not None
+            stream = c._canceller._stream._stream
+            assert stream is not None
+            stream.reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stream.reader
+            assert stream.reader.cancelled()
+
+    _strict(main)
+
+
+def test_aio_send_batcher_whose_stream_grpc_cancelled_at_close_sends_again(ending, half_close_fails_once):
+    """close() half-closes the SendStream once its queue is empty; the half-close failed
+    on a connection just broken and grpc.aio cancelled the call: the sender task ended
+    cancelled, its unanswered callers got Unavailable "the client was closed" and close()
+    raised CancelledError into its caller. Now it is a cut: what was unanswered goes again,
+    close() returns once it is answered."""
+
+    async def main() -> None:
+        c = aio.Client(ending.address, retries=3, retry_backoff=0.01, batching=Batching(max_batch=1, max_in_flight=4))
+        s = subject()
+        ids = [f"hc-close-{next(_ids)}" for _ in range(40)]
+        sends = [asyncio.create_task(c.send(s, b"p", deliver_at_ms=later(), message_id=i)) for i in ids]
+        await asyncio.sleep(0)  # queued: close() owes them their answers
+        await c.close()
+        assert half_close_fails_once, "the half-close did not fail: the test tested nothing"
+        receipts = await asyncio.gather(*sends)
+        assert [r.message_id for r in receipts] == ids
+
+    _strict(main)
