@@ -143,6 +143,21 @@ def cancelled_by_grpc() -> bool:
     return task is not None and task.cancelling() == 0
 
 
+def channel_closed(error: Exception) -> errors.FailedPrecondition:
+    """What a call gets when grpc.aio refuses to open it on a closed channel (its UsageError
+    "Channel is closed.", outside the exception tree): the batchers' callers, send_many and
+    the asyncio client's unary calls. The client's own close() refuses before that ("the
+    client is closed") and closes its channel only after its batchers closed; this is a
+    channel closed under the client otherwise (an asyncio client's ``channel`` closed by
+    whoever else holds it, an ``async with`` on it ending in another task). A closed
+    channel is never opened again: what was not answered gets this, not a hang until the
+    caller's timeout."""
+    return errors.FailedPrecondition(
+        f"the client's channel was closed under the call (grpc: {error}): a closed channel makes no call "
+        "again; make a new client"
+    )
+
+
 def tries_allowed(retries: int, error: grpc.RpcError | None) -> int:
     """The retries a stream's unanswered requests get after ``error``: a lost status gets one
     even with ``retries=0``, so that the caller sees the server's own status (an auth
@@ -504,6 +519,17 @@ class SendBatcher:
                 await self._stream(unanswered)
             except grpc.RpcError as e:
                 error = e
+            except grpc.aio.UsageError as e:
+                # no stream opens on a closed channel (a stream cut by its closing was sent
+                # again here): the sender task died with this and its callers waited until
+                # their timeout, close() raised it. Every caller waiting now gets the error;
+                # the next send() makes a new sender, which asks the channel again
+                closed = channel_closed(e)
+                self._pull_inbox()
+                self._fail(list(unanswered) + self._take_resend(), closed)
+                for entry in self._take(len(self._waiting)):
+                    _reject(entry.future, closed)
+                return
             except asyncio.CancelledError:
                 self._fail(list(unanswered) + list(self._resend), errors.Unavailable("the client was closed"))
                 raise
@@ -875,7 +901,10 @@ class CancelStreamCall:
                 return await self._fallback(request, max(0.001, deadline - time.monotonic()))
             stream = self._stream
             if stream is None or stream.dead:
-                stream = self._stream = _Stream(self._open_call, self._translate)
+                try:
+                    stream = self._stream = _Stream(self._open_call, self._translate)
+                except grpc.aio.UsageError as e:  # grpc's "Channel is closed.", outside the tree
+                    raise channel_closed(e) from None
                 self.streams += 1
             future = stream.submit(request)
             # the deadline on the response's own future (one timer for the earliest of them)

@@ -53,6 +53,7 @@ from qdelay.client.batching import (
     TargetBatcher,
     as_first_try,
     cancelled_by_grpc,
+    channel_closed,
     lost_status,
     retry_wait,
     stream_cut,
@@ -146,6 +147,8 @@ async def call_async(
                 raise translate(e, attempt) from None
             await asyncio.sleep(retry_wait(backoff, attempt))
             continue
+        except grpc.aio.UsageError as e:  # "Channel is closed.": a retry after close(), or closed otherwise
+            raise (closed_during_call() if closing() else channel_closed(e)) from None
         return retried_answer(response) if retried_answer is not None and attempt > 1 else response
 
 
@@ -926,6 +929,12 @@ class Client:
             except errors.QdelayError as err:  # a message the client could not encode
                 err.receipts = receipts
                 raise
+            except grpc.aio.UsageError as e:  # grpc's "Channel is closed." as a new stream opened
+                if self._closed:
+                    raise closed_during_call(receipts) from None
+                closed = channel_closed(e)  # closed otherwise (the asyncio client's channel, by its holder)
+                closed.receipts = receipts
+                raise closed from None
 
     def _encode_outgoing(self, batch: list) -> tuple[bytes, list[str]]:
         """A SendBatchRequest (compact receipts) of :class:`Outgoing` tuples, as wire bytes, and

@@ -11,8 +11,9 @@ cuts a SendStream after answering a batch with a marked message).
 
 And a stream grpc.aio cancelled itself (its writing task failed) ended the task reading it
 cancelled, which nobody had asked for: the CancelStream's reader, and send()'s sender,
-whose close() then raised CancelledError. These run on a loop in debug mode with warnings
-as errors."""
+whose close() then raised CancelledError; and a channel closed under the asyncio client
+other than by close() gave grpc's UsageError, or a wait until the caller's timeout, instead
+of FailedPrecondition. These run on a loop in debug mode with warnings as errors."""
 
 from __future__ import annotations
 
@@ -358,5 +359,40 @@ def test_aio_send_batcher_whose_stream_grpc_cancelled_at_close_sends_again(endin
         assert half_close_fails_once, "the half-close did not fail: the test tested nothing"
         receipts = await asyncio.gather(*sends)
         assert [r.message_id for r in receipts] == ids
+
+    _strict(main)
+
+
+def test_aio_calls_on_a_channel_closed_under_the_client_get_failed_precondition(ending):
+    """The asyncio client's ``channel`` closed by whoever else holds it (not close()): a
+    send() waited until its timeout (its batcher's sender task died with grpc's UsageError
+    "Channel is closed.", never retrieved), cancel(), get() and send_many raised that
+    UsageError, outside qdelay's exception tree, and close() raised it too. Now each gets
+    FailedPrecondition at once (send_many's with the receipts answered before: none), the
+    readers of the streams the closing cut end cleanly, and close() returns."""
+
+    async def main() -> None:
+        c = aio.Client(ending.address, retries=3, retry_backoff=0.01)
+        s = subject()
+        receipt = await c.send(s, b"p", deliver_at_ms=later())  # the batcher's stream, open and idle
+        assert await c.cancel(receipt) == "CANCELLED"  # the CancelStream, open and idle
+        assert c._canceller is not None and c._canceller._stream is not None
+        reader = c._canceller._stream._stream.reader
+        await c.channel.close()
+        started = time.monotonic()
+        sends = [c.send(s, b"p", deliver_at_ms=later(), timeout=30) for _ in range(10)]
+        for outcome in await asyncio.gather(*sends, return_exceptions=True):
+            assert isinstance(outcome, errors.FailedPrecondition), outcome
+            assert "channel was closed" in str(outcome)
+        with pytest.raises(errors.FailedPrecondition, match="channel was closed"):
+            await c.cancel(receipt, timeout=30)
+        with pytest.raises(errors.FailedPrecondition, match="channel was closed"):
+            await c.get(receipt)
+        with pytest.raises(errors.FailedPrecondition, match="channel was closed") as info:
+            await c.send_many(_messages(s, 5))
+        assert len(info.value.receipts) == 0  # type: ignore[attr-defined]
+        assert time.monotonic() - started < 10  # no caller waited for its timeout
+        assert reader.done() and not reader.cancelled()
+        await c.close()
 
     _strict(main)
