@@ -36,7 +36,16 @@ from qdelay import errors
 from qdelay.addresses import check_target
 from qdelay.cancellation import cancel_and_wait
 from qdelay.client import client as blocking
-from qdelay.client.batching import Batching, CancelBatcher, RescheduleBatcher, SendBatcher, retry_wait
+from qdelay.client.batching import (
+    Batching,
+    CancelBatcher,
+    CancelledByGrpc,
+    RescheduleBatcher,
+    SendBatcher,
+    cancelled_by_grpc,
+    channel_closed,
+    retry_wait,
+)
 from qdelay.client.client import (
     CANCEL_OUTCOMES,
     DEFAULT_TARGET,
@@ -202,6 +211,8 @@ class Client:
                 await self.channel.channel_ready()
         except TimeoutError:
             raise not_ready(timeout) from None
+        except grpc.aio.UsageError as e:  # closed other than by close(): never ready
+            raise channel_closed(e) from None
 
     # ------------------------------------------------------------------ producer
     async def send(
@@ -398,6 +409,8 @@ class Client:
             resp = await stub.Check(req, timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise translate(e) from None
+        except grpc.aio.UsageError as e:  # closed other than by close() (call_async's case)
+            raise channel_closed(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     # ------------------------------------------------------------------ consumer
@@ -530,14 +543,30 @@ class Consumer:
                 me = ref()
                 if me is None:
                     return
-                call, wait_for_group = me._open(), me._wait_for_group
+                try:
+                    call, wait_for_group = me._open(), me._wait_for_group
+                except grpc.aio.UsageError as e:
+                    # its channel was closed other than by the client's close(), which ends
+                    # the consumers first: the iterators raise it (they ended as if closed,
+                    # and close() raised the UsageError)
+                    inbox.put_nowait(channel_closed(e))
+                    return
                 del me
                 how = "ended"
                 try:
-                    async for resp in call:
-                        attempt = 0
-                        if resp:  # a list of Delivery (the deserializer's)
-                            inbox.put_nowait(resp)
+                    try:
+                        async for resp in call:
+                            attempt = 0
+                            if resp:  # a list of Delivery (the deserializer's)
+                                inbox.put_nowait(resp)
+                    except asyncio.CancelledError:
+                        if not cancelled_by_grpc():
+                            raise  # the reader task itself is cancelled (close()'s timeout, its loop ending)
+                        # grpc.aio cancelled the call itself (its half-close at close() failed on a
+                        # connection just broken, its channel closed): a cut with CANCELLED. The
+                        # reader ended cancelled: close() raised CancelledError, and the iterators
+                        # ended as if the consumer were closed
+                        raise CancelledByGrpc() from None
                 except grpc.RpcError as e:
                     if not closed.is_set() and not resubscribes(e, wait_for_group):
                         inbox.put_nowait(translate(e))

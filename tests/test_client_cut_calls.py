@@ -10,10 +10,11 @@ restarts however long the server served between them. Real server processes
 cuts a SendStream after answering a batch with a marked message).
 
 And a stream grpc.aio cancelled itself (its writing task failed) ended the task reading it
-cancelled, which nobody had asked for: the CancelStream's reader, and send()'s sender,
-whose close() then raised CancelledError; and a channel closed under the asyncio client
-other than by close() gave grpc's UsageError, or a wait until the caller's timeout, instead
-of FailedPrecondition. These run on a loop in debug mode with warnings as errors."""
+cancelled, which nobody had asked for: the CancelStream's reader, send()'s sender and the
+asyncio consumer's reader, whose close() then raised CancelledError; and a channel closed
+under the asyncio client other than by close() gave grpc's UsageError, a wait until the
+caller's timeout, or a consumer's iteration ended as if closed, instead of
+FailedPrecondition. These run on a loop in debug mode with warnings as errors."""
 
 from __future__ import annotations
 
@@ -393,6 +394,56 @@ def test_aio_calls_on_a_channel_closed_under_the_client_get_failed_precondition(
         assert len(info.value.receipts) == 0  # type: ignore[attr-defined]
         assert time.monotonic() - started < 10  # no caller waited for its timeout
         assert reader.done() and not reader.cancelled()
+        await c.close()
+
+    _strict(main)
+
+
+async def _consuming(c: aio.Client) -> aio.Consumer:
+    """A consumer of a fresh subject with its stream open: one delivery received and acked."""
+    s = subject()
+    await c.send(s, b"p")
+    consumer = c.subscribe(s, "g")
+    batch = await consumer.receive(1, timeout=20)
+    assert len(batch) == 1
+    consumer.ack(batch)
+    return consumer
+
+
+def test_aio_consumer_closing_whose_half_close_grpc_cancelled_returns(ending, half_close_fails_once):
+    """close() half-closes the Subscribe stream; the half-close failed on a connection just
+    broken and grpc.aio cancelled the call: the reader task ended cancelled and close()
+    raised CancelledError into its caller. Now it is the stream's end, and close() returns."""
+
+    async def main() -> None:
+        async with aio.Client(ending.address, retries=3, retry_backoff=0.01) as c:
+            consumer = await _consuming(c)
+            await consumer.close()
+            assert half_close_fails_once, "the half-close did not fail: the test tested nothing"
+            assert await consumer.receive(1, timeout=0.2) == []  # its iteration ended
+
+    _strict(main)
+
+
+def test_aio_consumer_whose_channel_is_closed_under_it_raises_failed_precondition(ending):
+    """Its iteration ended as if the consumer were closed (StopAsyncIteration, nothing
+    raised: a consumer that had stopped said nothing) and close() raised CancelledError;
+    wait_ready() and health() raised grpc's UsageError. Now the iterator raises
+    FailedPrecondition, so do they, and close() returns."""
+
+    async def main() -> None:
+        c = aio.Client(ending.address, retries=3, retry_backoff=0.01)
+        consumer = await _consuming(c)
+        await c.channel.close()
+        with pytest.raises(errors.FailedPrecondition, match="channel was closed"):
+            async with asyncio.timeout(20):
+                async for _batch in consumer.batches():
+                    pass
+        with pytest.raises(errors.FailedPrecondition, match="channel was closed"):
+            await c.wait_ready(5)
+        with pytest.raises(errors.FailedPrecondition, match="channel was closed"):
+            await c.health()
+        await consumer.close()
         await c.close()
 
     _strict(main)
