@@ -898,6 +898,24 @@ def test_frame_bodies_refuses_what_it_cannot_frame(side):
     assert out == b"kept"  # every body is checked before any frame is written
 
 
+@pytest.mark.parametrize("bad_at", [0, 3, 8, 9, 17])
+def test_filter_add_that_fails_leaves_the_bits_of_the_keys_before_as_the_twin_does(bad_at):
+    """The native filter_add hashes (and prefetches) keys ahead of those whose bits it sets:
+    a key that is not bytes still leaves every key before it set, as the twin does (a filter
+    may say "maybe" for a key, never "no")."""
+    keys: list[Any] = [f"id-{i}".encode() for i in range(20)]
+    keys[bad_at] = "not bytes"
+    bits = []
+    for fn in (codec.filter_add, idfilter.filter_add_py):
+        layer = bytearray(1024)
+        with pytest.raises(TypeError):
+            fn(layer, keys)
+        bits.append(bytes(layer))
+    assert bits[0] == bits[1]
+    if bad_at:
+        assert any(bits[0])
+
+
 @pytest.mark.parametrize("side", ["native", "twin"])
 def test_route_that_fails_leaves_the_buffers_and_segments_as_they_were(side):
     """A segment_of that raises on a bucket met after others (a stop while the disk is full)
