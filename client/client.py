@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import bisect
 import concurrent.futures
+import contextlib
 import inspect
 import itertools
 import logging
@@ -851,7 +852,10 @@ class Client:
         is ended and a new one opened after ``timeout``/2 seconds, so that ``timeout`` (the
         deadline of each stream) bounds how long a stalled server can block this call.
         Stops at the first failed batch and raises its error (with ``.receipts`` holding the
-        receipts of every batch acknowledged before it, in order). If a stream breaks with
+        receipts of every batch acknowledged before it, in order). An error raised by
+        ``messages`` itself is raised as it is once the batches taken before it are answered
+        (their receipts in its ``.receipts``); the messages it had given for the batch it
+        broke are not sent. If a stream breaks with
         UNAVAILABLE, is cut with CANCELLED by a stopping server, or ends with a lost status,
         its unanswered batches are sent again on a new one (at most ``retries`` times in a
         row; they keep their message ids, so what was written is answered with its
@@ -935,6 +939,12 @@ class Client:
                 closed = channel_closed(e)  # closed otherwise (the asyncio client's channel, by its holder)
                 closed.receipts = receipts
                 raise closed from None
+            except Exception as err:
+                # the caller's iterator raised: its own error, with the receipts of the
+                # batches taken before it (all answered)
+                with contextlib.suppress(AttributeError, TypeError):
+                    err.receipts = receipts  # type: ignore[attr-defined]
+                raise
 
     def _encode_outgoing(self, batch: list) -> tuple[bytes, list[str]]:
         """A SendBatchRequest (compact receipts) of :class:`Outgoing` tuples, as wire bytes, and
@@ -966,8 +976,11 @@ class Client:
         ones. Returns True when every batch is answered, False when it ended on time
         (``timeout``/2 after it started) with batches left to send, None when the server
         ended it with batches unanswered (they stay in ``unanswered``). A message that
-        cannot be encoded ends the requests; the batches before it are answered, then it is
-        raised."""
+        cannot be encoded, or an error of the caller's iterator, ends the requests; the
+        batches before it are answered, then it is raised (raised inside the request
+        iterator, grpc.aio would swallow it: it cancels the call, which reads as a stream
+        cut, and the messages taken from the iterator for that batch were lost without a
+        word)."""
         credit = asyncio.Semaphore(max_in_flight)
         state: dict = {"exhausted": False, "error": None, "ended": False}
         ends_at = time.monotonic() + timeout / 2
@@ -984,7 +997,7 @@ class Client:
                     return
                 try:
                     item = next_request()
-                except errors.QdelayError as err:
+                except Exception as err:  # noqa: BLE001 - raised once the batches before it are answered
                     state["error"] = err
                     return
                 if item is None:

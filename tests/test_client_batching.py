@@ -155,6 +155,47 @@ def test_a_refused_send_many_leaves_no_task_pending_on_the_io_loop(server):
         wait_until(lambda: not c._bulk.run(tasks), timeout=10, what="no task left on the I/O loop")
 
 
+class _SourceBroke(Exception):
+    pass
+
+
+def _breaking_source(s: str, ids: str, later: int, n: int):
+    """``n`` messages, then the caller's own error (a generator that fails mid-batch)."""
+    from qdelay.client import Outgoing
+
+    for i in range(n):
+        yield Outgoing(s, b"p", deliver_at_ms=later, message_id=f"{ids}-{i}")
+    raise _SourceBroke("the caller's source failed")
+
+
+def test_send_many_raises_the_error_of_the_callers_iterator_with_the_receipts_before_it(server):
+    """An error raised by send_many's messages iterator was swallowed: raised inside grpc.aio's
+    request iterator, it cancelled the call (read as a stream cut), and send_many returned
+    the receipts of the batches before it as if every message was sent (the 50 taken for the
+    batch that broke were lost without a word). Now it is raised, in both clients, once the
+    batches before it are answered, with their receipts; nothing after them is written."""
+    import asyncio
+
+    from qdelay.client.aio import Client as AioClient
+
+    later = int(time.time() * 1000) + 3_600_000
+    s = subject()
+    with Client(server.address, retries=3) as c:
+        with pytest.raises(_SourceBroke) as info:
+            c.send_many(_breaking_source(s, "brk", later, 250), batch_size=100, max_in_flight=4)
+        assert [r.message_id for r in info.value.receipts] == [f"brk-{i}" for i in range(200)]
+        assert c.get(message_id="brk-199").state == "PENDING"
+        assert c.get(message_id="brk-200").state == "NOT_FOUND"  # the broken batch was not sent
+
+    async def aio() -> None:
+        async with AioClient(server.address, retries=3) as ac:
+            with pytest.raises(_SourceBroke) as info:
+                await ac.send_many(_breaking_source(s, "abrk", later, 150), batch_size=100, max_in_flight=4)
+            assert [r.message_id for r in info.value.receipts] == [f"abrk-{i}" for i in range(100)]
+
+    asyncio.run(aio())
+
+
 def test_batching_off_sends_one_call_per_message(server):
     with Client(server.address, batching=False) as c:
         r = c.send(subject(), b"x", delay_ms=HOUR_MS)
