@@ -192,6 +192,11 @@ class Outgoing(NamedTuple):
     headers: dict[str, str] | None = None
 
 
+# send_many's request of a batch of Outgoing tuples and its ids, made in one native call
+# (absent from a codec built before it: the twin then)
+_encode_request: Callable[[list, Callable[[], str]], tuple[bytes, list[str]]] = getattr(
+    wire.native, "encode_outgoing_request", wire.encode_outgoing_request_py
+)
 _native_new = getattr(wire.native, "new_outgoing", None)  # absent from a codec built before it
 if _native_new is not None:
     # the NamedTuple's generated __new__ is Python (a frame, then tuple.__new__ copying a
@@ -353,8 +358,6 @@ def reschedule_when(
     return o.deliver_at_ms, o.delay_ms
 
 
-# SendBatchRequest.compact_receipts = true (field 2, varint)
-_COMPACT_RECEIPTS = b"\x10\x01"
 _SEND_STREAM = "/qdelay.v1.DelayService/SendStream"
 SUBSCRIBE = "/qdelay.v1.DelayService/Subscribe"
 
@@ -949,19 +952,14 @@ class Client:
     def _encode_outgoing(self, batch: list) -> tuple[bytes, list[str]]:
         """A SendBatchRequest (compact receipts) of :class:`Outgoing` tuples, as wire bytes, and
         its message ids (an empty one is given a fresh id)."""
-        ids = [m[4] or self._ids() for m in batch]
-        out = bytearray()
-        codec = wire.native
         try:
-            (codec.encode_send_batch if codec is not None else wire.encode_send_batch_py)(out, batch, ids)
+            return _encode_request(batch, self._ids)
         except (TypeError, ValueError, OverflowError) as err:
             raise errors.InvalidArgument(
                 f"send_many: a message is not an Outgoing tuple of the right types "
                 f"(subject str, payload bytes, one time an int, the other None): "
                 f"{err}"
             ) from None
-        out += _COMPACT_RECEIPTS
-        return bytes(out), ids
 
     async def _stream_batches(
         self,

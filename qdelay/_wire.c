@@ -723,6 +723,69 @@ static PyObject *encode_deliveries(PyObject *self, PyObject *args) {
  * Nothing is validated here: the server does that. The Python twin is qdelay/wire.py
  * ``encode_send_batch_py``.
  */
+/* One Outgoing item's Message, with ``id`` as its message id: its fields read (and
+ * checked as encode_send_batch says) into ``m``, its size without the entry's tag and
+ * length in ``m->body``. 0, or -1 with an exception set. */
+typedef struct {
+    const char *sp, *pp, *mp;
+    Py_ssize_t sn, pn, mn, hsize, body;
+    long long at_v, delay_v;
+    int has_at, has_delay;
+    PyObject *hd;
+} OutgoingOut;
+
+static int outgoing_of(OutgoingOut *m, PyObject *item, PyObject *id) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "messages must be 6-tuples (subject, payload, deliver_at_ms, delay_ms, message_id, headers)");
+        return -1;
+    }
+    if (text_of(PyTuple_GET_ITEM(item, 0), &m->sp, &m->sn) < 0 || text_of(id, &m->mp, &m->mn) < 0)
+        return -1;
+    PyObject *payload = PyTuple_GET_ITEM(item, 1), *at = PyTuple_GET_ITEM(item, 2), *delay = PyTuple_GET_ITEM(item, 3);
+    m->hd = PyTuple_GET_ITEM(item, 5);
+    if (!PyBytes_Check(payload)) {
+        PyErr_SetString(PyExc_TypeError, "payload must be bytes");
+        return -1;
+    }
+    m->pp = PyBytes_AS_STRING(payload);
+    m->pn = PyBytes_GET_SIZE(payload);
+    m->has_at = at != Py_None;
+    m->has_delay = delay != Py_None;
+    if (m->has_at && m->has_delay) {
+        PyErr_SetString(PyExc_ValueError, "give deliver_at_ms or delay_ms, not both");
+        return -1;
+    }
+    m->at_v = m->has_at ? AS_I64(at) : 0;
+    m->delay_v = m->has_delay ? AS_I64(delay) : 0;
+    if (PyErr_Occurred())
+        return -1;
+    Py_ssize_t hsize = m->hsize = headers_size(m->hd);
+    if (hsize < 0)
+        return -1;
+    Py_ssize_t body = hsize;
+    if (m->sn) body += field_size(m->sn);
+    if (m->pn) body += field_size(m->pn);
+    if (m->mn) body += field_size(m->mn);
+    if (m->has_at) body += 1 + varint_size((uint64_t)m->at_v);
+    if (m->has_delay) body += 1 + varint_size((uint64_t)m->delay_v);
+    m->body = body;
+    return 0;
+}
+
+/* writes the SendBatchRequest ``messages`` entry of ``m`` (room: field_size(m->body)) */
+static unsigned char *put_outgoing(unsigned char *w, const OutgoingOut *m) {
+    *w++ = TAG(F_BATCH_MESSAGES, WIRE_LEN);
+    w = put_varint(w, (uint64_t)m->body);
+    w = put_bytes(w, TAG(F_MESSAGE_SUBJECT, WIRE_LEN), m->sp, m->sn);
+    w = put_bytes(w, TAG(F_MESSAGE_PAYLOAD, WIRE_LEN), m->pp, m->pn);
+    w = put_headers(w, TAG(F_MESSAGE_HEADERS, WIRE_LEN), m->hd);
+    w = put_bytes(w, TAG(F_MESSAGE_ID, WIRE_LEN), m->mp, m->mn);
+    if (m->has_at) { *w++ = TAG(F_MESSAGE_DELIVER_AT, WIRE_VARINT); w = put_varint(w, (uint64_t)m->at_v); }
+    if (m->has_delay) { *w++ = TAG(F_MESSAGE_DELAY, WIRE_VARINT); w = put_varint(w, (uint64_t)m->delay_v); }
+    return w;
+}
+
 static PyObject *encode_send_batch(PyObject *self, PyObject *args) {
     PyObject *out, *items, *ids;
     if (!PyArg_ParseTuple(args, "O!O!O!", &PyByteArray_Type, &out, &PyList_Type, &items, &PyList_Type, &ids))
@@ -733,55 +796,87 @@ static PyObject *encode_send_batch(PyObject *self, PyObject *args) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(items, i);
+        OutgoingOut m;
+        if (outgoing_of(&m, PyList_GET_ITEM(items, i), PyList_GET_ITEM(ids, i)) < 0)
+            return NULL;
+        Py_ssize_t start = PyByteArray_GET_SIZE(out);
+        if (PyByteArray_Resize(out, start + field_size(m.body)) < 0)
+            return NULL;
+        put_outgoing((unsigned char *)PyByteArray_AS_STRING(out) + start, &m);
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+/* encode_outgoing_request(messages, make_id) -> (request, ids)
+ *
+ * send_many's request of a batch of Outgoing items (a list, as encode_send_batch takes
+ * them): a whole SendBatchRequest with compact receipts as bytes, and the list of the
+ * message ids it carries: an item's own message_id when it is not empty, else
+ * ``make_id()``'s (called once per such item, in order). The ids made first (one pass),
+ * the sizes with them, then the bytes in one piece (a second): no list comprehension for
+ * the ids, no bytearray grown per message and copied to bytes at the end (7.4 -> ~4 us a
+ * batch of 100). Nothing is validated beyond what encode_send_batch checks. The Python
+ * twin is qdelay/wire.py ``encode_outgoing_request_py``.
+ */
+static PyObject *encode_outgoing_request(PyObject *self, PyObject *args) {
+    PyObject *given_items, *make_id;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &given_items, &make_id))
+        return NULL;
+    /* a copy: make_id and an int's __index__ may run Python code, which must not take an
+     * item away from under the views read from it */
+    PyObject *items = PyList_GetSlice(given_items, 0, PyList_GET_SIZE(given_items));
+    if (!items)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PyObject *ids = PyList_New(n), *request = NULL, *result = NULL;
+    OutgoingOut *ms = PyMem_Malloc(sizeof(OutgoingOut) * (size_t)(n ? n : 1));
+    if (!ids || !ms) {
+        if (!ms)
+            PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t total = 2; /* compact_receipts = true */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(items, i), *id;
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 6) {
             PyErr_SetString(PyExc_TypeError,
                             "messages must be 6-tuples (subject, payload, deliver_at_ms, delay_ms, message_id, headers)");
-            return NULL;
+            goto done;
         }
-        const char *sp, *pp, *mp;
-        Py_ssize_t sn, pn, mn;
-        if (text_of(PyTuple_GET_ITEM(item, 0), &sp, &sn) < 0 || text_of(PyList_GET_ITEM(ids, i), &mp, &mn) < 0)
-            return NULL;
-        PyObject *payload = PyTuple_GET_ITEM(item, 1), *at = PyTuple_GET_ITEM(item, 2),
-                 *delay = PyTuple_GET_ITEM(item, 3), *hd = PyTuple_GET_ITEM(item, 5);
-        if (!PyBytes_Check(payload)) {
-            PyErr_SetString(PyExc_TypeError, "payload must be bytes");
-            return NULL;
-        }
-        pp = PyBytes_AS_STRING(payload);
-        pn = PyBytes_GET_SIZE(payload);
-        int has_at = at != Py_None, has_delay = delay != Py_None;
-        if (has_at && has_delay) {
-            PyErr_SetString(PyExc_ValueError, "give deliver_at_ms or delay_ms, not both");
-            return NULL;
-        }
-        long long at_v = has_at ? AS_I64(at) : 0, delay_v = has_delay ? AS_I64(delay) : 0;
-        if (PyErr_Occurred())
-            return NULL;
-        Py_ssize_t hsize = headers_size(hd);
-        if (hsize < 0)
-            return NULL;
-        Py_ssize_t body = hsize;
-        if (sn) body += field_size(sn);
-        if (pn) body += field_size(pn);
-        if (mn) body += field_size(mn);
-        if (has_at) body += 1 + varint_size((uint64_t)at_v);
-        if (has_delay) body += 1 + varint_size((uint64_t)delay_v);
-        Py_ssize_t start = PyByteArray_GET_SIZE(out);
-        if (PyByteArray_Resize(out, start + field_size(body)) < 0)
-            return NULL;
-        unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(out) + start;
-        *w++ = TAG(F_BATCH_MESSAGES, WIRE_LEN);
-        w = put_varint(w, (uint64_t)body);
-        w = put_bytes(w, TAG(F_MESSAGE_SUBJECT, WIRE_LEN), sp, sn);
-        w = put_bytes(w, TAG(F_MESSAGE_PAYLOAD, WIRE_LEN), pp, pn);
-        w = put_headers(w, TAG(F_MESSAGE_HEADERS, WIRE_LEN), hd);
-        w = put_bytes(w, TAG(F_MESSAGE_ID, WIRE_LEN), mp, mn);
-        if (has_at) { *w++ = TAG(F_MESSAGE_DELIVER_AT, WIRE_VARINT); w = put_varint(w, (uint64_t)at_v); }
-        if (has_delay) { *w++ = TAG(F_MESSAGE_DELAY, WIRE_VARINT); w = put_varint(w, (uint64_t)delay_v); }
+        id = PyTuple_GET_ITEM(item, 4);
+        int given = PyObject_IsTrue(id);
+        if (given < 0)
+            goto done;
+        id = given ? Py_NewRef(id) : PyObject_CallNoArgs(make_id);
+        if (!id)
+            goto done;
+        PyList_SET_ITEM(ids, i, id);
+        if (outgoing_of(&ms[i], item, id) < 0)
+            goto done;
+        total += field_size(ms[i].body);
     }
-    return PyLong_FromSsize_t(n);
+    if (!(request = PyBytes_FromStringAndSize(NULL, total)))
+        goto done;
+    unsigned char *w = (unsigned char *)PyBytes_AS_STRING(request);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* a headers dict changed by Python code run after it was sized (make_id, an
+         * __index__) would overrun the request: sized again (no Python code runs here) */
+        if (ms[i].hd != Py_None && headers_size(ms[i].hd) != ms[i].hsize) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "encode_outgoing_request: a headers dict changed while encoding");
+            goto done;
+        }
+        w = put_outgoing(w, &ms[i]);
+    }
+    *w++ = TAG(F_BATCH_COMPACT, WIRE_VARINT);
+    *w++ = 1;
+    result = PyTuple_Pack(2, request, ids);
+done:
+    PyMem_Free(ms);
+    Py_XDECREF(request);
+    Py_XDECREF(ids);
+    Py_DECREF(items);
+    return result;
 }
 
 /* the UTF-8 bytes of a str (ASCII ids and shards: the str's own buffer, no copy) */
@@ -1189,6 +1284,8 @@ static PyObject *new_outgoing(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef methods[] = {
     {"encode_send_batch", encode_send_batch, METH_VARARGS, "Append Message entries of a SendBatchRequest (client)."},
+    {"encode_outgoing_request", encode_outgoing_request, METH_VARARGS,
+     "send_many's SendBatchRequest (compact receipts) of Outgoing items as bytes, and its message ids."},
     {"new_outgoing", (PyCFunction)(void (*)(void))new_outgoing, METH_FASTCALL | METH_KEYWORDS,
      "new_outgoing($module, cls, subject, payload, deliver_at_ms=None, delay_ms=None, message_id='', headers=None)\n"
      "--\n\n"

@@ -103,6 +103,28 @@ def encode_send_batch_py(out: bytearray, messages: list[tuple], ids: list[str]) 
     return len(messages)
 
 
+# SendBatchRequest.compact_receipts = true (field 2, varint)
+COMPACT_RECEIPTS = b"\x10\x01"
+
+
+def encode_outgoing_request_py(messages: list[tuple], make_id: Callable[[], str]) -> tuple[bytes, list[str]]:
+    """Twin of ``encode_outgoing_request``: send_many's SendBatchRequest (wire bytes, compact
+    receipts) of ``Outgoing`` tuples, and the message ids it carries: a tuple's own
+    message_id when it is not empty, else ``make_id()``'s (called in order, one a
+    message)."""
+    out = bytearray()
+    ids: list[str] = []
+    for m in list(messages):
+        if not isinstance(m, tuple) or len(m) != 6:
+            raise TypeError(
+                "messages must be 6-tuples (subject, payload, deliver_at_ms, delay_ms, message_id, headers)"
+            )
+        ids.append(m[4] or make_id())
+        encode_send_batch_py(out, [m], ids[-1:])
+    out += COMPACT_RECEIPTS
+    return bytes(out), ids
+
+
 def new_outgoing_py(
     cls: type,
     subject: Any,
@@ -343,6 +365,7 @@ def twins() -> dict[str, Callable[..., Any]]:
     """Every function of ``qdelay._wire`` and its Python twin (same signature, same results)."""
     return {
         "encode_send_batch": encode_send_batch_py,
+        "encode_outgoing_request": encode_outgoing_request_py,
         "new_outgoing": new_outgoing_py,
         "encode_deliveries": encode_deliveries_py,
         "encode_send_batch_response": encode_send_batch_response_py,

@@ -562,6 +562,12 @@ class OtherNamedTuple(NamedTuple):
     b: int = 0
 
 
+def _id_maker() -> Callable[[], str]:
+    """encode_outgoing_request's make_id: "made-1", "made-2", ..."""
+    count = itertools.count(1)
+    return lambda: f"made-{next(count)}"
+
+
 # new_outgoing: a NamedTuple class (or not a class) and 0-8 positional fields of any type
 outgoing_new_st = st.tuples(
     st.sampled_from([Outgoing, OtherNamedTuple, 5]),
@@ -735,6 +741,19 @@ PAIRS: dict[tuple[str, str], Pair] = {
             pb.SendBatchRequest.FromString(bytes(args[0])),
             [m.WhichOneof("when") for m in pb.SendBatchRequest.FromString(bytes(args[0])).messages],
             bytes(args[0]) if not any(m[5] for m in args[1]) else None,
+        ),
+    ),
+    ("wire", "encode_outgoing_request"): Pair(
+        st.tuples(
+            outgoing_st.map(lambda ms: [m if m[2] is None or m[3] is None else m[:3] + (None,) + m[4:] for m in ms]),
+            st.lists(st.sampled_from(["", "", "own-1", "é"]), min_size=12, max_size=12),
+        ).map(lambda c: [m[:4] + (mid,) + m[5:] for m, mid in zip(c[0], c[1])]),
+        # each side its own id maker, counting from 1: the same ids made in the same order
+        args=lambda case: (copy.deepcopy(case), _id_maker()),
+        outcome=lambda result, args: (
+            pb.SendBatchRequest.FromString(result[0]),
+            result[0] if not any(m[5] for m in args[0]) else None,
+            result[1],
         ),
     ),
     ("wire", "new_outgoing"): Pair(
@@ -1004,6 +1023,43 @@ def test_encode_send_batch_refuses_what_it_cannot_encode(side):
             fn(bytearray(), bad, ["id"] * len(bad))
     with pytest.raises(ValueError):
         fn(bytearray(), [("s", b"", 1, None, "", None)], [])
+
+
+@pytest.mark.parametrize("side", ["native", "twin"])
+def test_encode_outgoing_request_refuses_what_it_cannot_encode_and_makes_missing_ids(side):
+    fn = wire_codec.encode_outgoing_request if side == "native" else wire.encode_outgoing_request_py
+    for bad in [
+        [("s", "not bytes", 1, None, "", None)],
+        [("s", b"", "1", None, "", None)],
+        [("s", b"")],
+        ["not a tuple"],
+        [("s", b"", 1, None, "", ["not", "a", "dict"])],
+        [("s", b"", 1, 2, "", None)],
+        [("s", b"", 1, None, 5, None)],
+    ]:
+        with pytest.raises((TypeError, ValueError)):
+            fn(bad, _id_maker())
+    request, ids = fn([("s", b"a", 1, None, "", None), ("s", b"b", None, 2, "mine", {"k": "v"})], _id_maker())
+    assert ids == ["made-1", "mine"]
+    parsed = pb.SendBatchRequest.FromString(request)
+    assert parsed.compact_receipts and [m.message_id for m in parsed.messages] == ids
+    assert parsed.messages[1].headers == {"k": "v"} and parsed.messages[1].delay_ms == 2
+    assert fn([], _id_maker()) == (b"\x10\x01", [])
+
+
+def test_encode_outgoing_request_refuses_headers_changed_by_its_id_maker():
+    """make_id runs Python code between sizing a message and writing it: a headers dict it
+    grows must not overrun the request (sized again before it is written)."""
+    headers = {"k": "v"}
+
+    def make_id() -> str:
+        headers["more"] = "x" * 100
+        return "made"
+
+    with pytest.raises(RuntimeError, match="headers"):
+        wire_codec.encode_outgoing_request(
+            [("s", b"a", 1, None, "own", headers), ("s", b"b", 1, None, "", None)], make_id
+        )
 
 
 @settings(max_examples=200, deadline=None)
