@@ -28,7 +28,7 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
@@ -102,6 +102,7 @@ class Client:
     _with_ids = blocking.Client._with_ids
     _ids_of = blocking.Client._ids_of
     _encode_outgoing = blocking.Client._encode_outgoing
+    _next_requests = blocking.Client._next_requests
     _send_many = blocking.Client._send_many
     _stream_batches = blocking.Client._stream_batches
 
@@ -267,22 +268,7 @@ class Client:
         ``Client.send_many``, whose docstring says how failures are reported)."""
         if batch_size < 1 or max_in_flight < 1:
             raise errors.InvalidArgument("batch_size and max_in_flight must be at least 1")
-        source = iter(messages)
-
-        def next_request() -> tuple[bytes, list[str]] | None:
-            batch = []
-            for m in source:
-                batch.append(m)
-                if len(batch) == batch_size:
-                    break
-            if not batch:
-                return None
-            if isinstance(batch[0], tuple):
-                return self._encode_outgoing(batch)  # type: ignore[misc]  # borrowed from the blocking Client
-            messages = cast("list[pb.Message]", batch)
-            ids = self._ids_of(messages)  # type: ignore[misc]  # borrowed from the blocking Client
-            return pb.SendBatchRequest(messages=messages, compact_receipts=True).SerializeToString(), ids
-
+        next_request = self._next_requests(messages, batch_size)  # type: ignore[misc]  # borrowed from the blocking Client
         return await self._send_many(self.channel, next_request, max_in_flight, timeout or self.timeout)  # type: ignore[misc]  # borrowed from the blocking Client
 
     async def cancel(
