@@ -15,7 +15,7 @@ server, and are left out). The loading horizon is the scheduler's default (2 min
 The calling thread's CPU (``time.thread_time_ns``) is summed around each step and
 checkpoint (``total``) and around each part, in µs a message:
 
-- ``read``: the message log's ``read_raw``; ``scan``: the frame walk (``_scan``);
+- ``read``: the message log's ``read_raw_into``; ``scan``: the frame walk (``_scan``);
 - ``ids``: ``IdIndex.put_frames``, and inside it ``ids.entries`` (``id_entries``),
   ``ids.filter`` (the id filter's ``add``), ``ids.write`` (RocksDB's write of the batch);
   ``ids.batch``: the rest (the WriteBatch and its puts, the chunking);
@@ -164,7 +164,7 @@ def one_round(args: argparse.Namespace, seed: int) -> dict[str, float]:
         )
         it.max_read_bytes = it.read_bytes
         clock = Clock()
-        wal.read_raw = clock.wrap("read", wal.read_raw)  # type: ignore[method-assign]
+        wal.read_raw_into = clock.wrap("read", wal.read_raw_into)  # type: ignore[method-assign]
         it._scan = clock.wrap("scan", it._scan)  # type: ignore[method-assign]  # noqa: SLF001
         ids.put_frames = clock.wrap("ids", ids.put_frames)  # type: ignore[method-assign]
         schedule.append = clock.wrap("append", schedule.append)  # type: ignore[method-assign]

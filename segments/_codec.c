@@ -207,7 +207,16 @@ static inline long long floor_div(long long a, long long b) { long long q = a / 
  * setting the size, which a bytearray does in place while the size stays above half its
  * allocation) copies each byte about once more in all. */
 static Py_ssize_t buffer_grow(PyObject *buf, Py_ssize_t extra) {
+    PyByteArrayObject *b = (PyByteArrayObject *)buf;
     Py_ssize_t at = PyByteArray_GET_SIZE(buf), want = at + extra;
+    if (b->ob_exports == 0 && b->ob_bytes != NULL && b->ob_start == b->ob_bytes && want < b->ob_alloc) {
+        /* room in its allocation: the size set as PyByteArray_Resize's own quick path sets it,
+         * which instead gives the allocation back while the size is under half of it (a
+         * spare buffer taken over, bytearray_empty_keep, would shrink to its first frames) */
+        Py_SET_SIZE(buf, want);
+        b->ob_bytes[want] = '\0';
+        return at;
+    }
     if (want >= ((PyByteArrayObject *)buf)->ob_alloc && want < PY_SSIZE_T_MAX / 2 &&
         PyByteArray_Resize(buf, 2 * want) < 0)
         return -1;
@@ -216,13 +225,27 @@ static Py_ssize_t buffer_grow(PyObject *buf, Py_ssize_t extra) {
     return at;
 }
 
-/* route(data, end, starts, kinds, seqs, dues, scale, near, behind, segment_of)
+/* Empty ``buf`` (a bytearray) but keep its allocation: PyByteArray_Resize to 0 gives the
+ * memory back, and a write-behind buffer grown again from nothing faults in fresh pages and
+ * reallocs its way up each checkpoint. One with buffers exported is emptied the usual way. */
+static int bytearray_empty_keep(PyObject *buf) {
+    PyByteArrayObject *b = (PyByteArrayObject *)buf;
+    if (b->ob_exports > 0 || b->ob_bytes == NULL)
+        return PyByteArray_Resize(buf, 0);
+    b->ob_start = b->ob_bytes;
+    Py_SET_SIZE(buf, 0);
+    b->ob_bytes[0] = '\0';
+    return 0;
+}
+
+/* route(data, end, starts, kinds, seqs, dues, scale, near, behind, segment_of, spares)
  *   -> (handed, messages, cancels, duplicates, unknown, copied, added)
  *
  * For each frame (the arrays come from scan()): a MESSAGE or CANCEL goes to its due
  * bucket (UTC minute rounded down to ``scale``) unless that bucket's segment already
  * holds its sequence (a replay); its bytes are appended to ``behind[bucket]`` (a
- * bytearray, created when missing). ``segment_of(bucket)`` gives the segment, whose
+ * bytearray: when missing, the last of ``spares``, a list of buffers written out before,
+ * emptied with its allocation kept, or a new one). ``segment_of(bucket)`` gives the segment, whose
  * ``last_sequence`` is read once and written back at the end. ``handed``: (index,
  * bucket, offset in its buffer) of the copied records of buckets <= ``near`` (all when
  * None) and of every CANCEL. ``unknown``: indexes of frames of another kind (skipped).
@@ -235,9 +258,9 @@ static PyObject *route(PyObject *self, PyObject *args) {
     Py_buffer data, sb, kb, qb, db;
     Py_ssize_t end;
     long long scale;
-    PyObject *near_obj, *behind, *segment_of;
-    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*LOO!O", &data, &end, &sb, &kb, &qb, &db, &scale, &near_obj,
-                          &PyDict_Type, &behind, &segment_of))
+    PyObject *near_obj, *behind, *segment_of, *spares;
+    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*LOO!OO!", &data, &end, &sb, &kb, &qb, &db, &scale, &near_obj,
+                          &PyDict_Type, &behind, &segment_of, &PyList_Type, &spares))
         return NULL;
     PyObject *result = NULL, *handed = PyList_New(0), *unknown = PyList_New(0);
     Table t = {NULL, 0, 0};
@@ -343,10 +366,30 @@ static PyObject *route(PyObject *self, PyObject *args) {
                 goto done;
             }
             Py_INCREF(buf);
-        } else if (!(buf = PyByteArray_FromStringAndSize(NULL, 0)) || PyDict_SetItem(behind, key, buf) < 0) {
-            Py_XDECREF(buf);
-            Py_DECREF(key);
-            goto done;
+        } else {
+            Py_ssize_t ns = PyList_GET_SIZE(spares);
+            if (ns > 0) { /* a buffer written out before: its allocation taken over */
+                buf = Py_NewRef(PyList_GET_ITEM(spares, ns - 1));
+                if (!PyByteArray_Check(buf)) {
+                    Py_DECREF(buf);
+                    Py_DECREF(key);
+                    PyErr_SetString(PyExc_TypeError, "route: spares holds a non-bytearray");
+                    goto done;
+                }
+                if (PyList_SetSlice(spares, ns - 1, ns, NULL) < 0 || bytearray_empty_keep(buf) < 0) {
+                    Py_DECREF(buf);
+                    Py_DECREF(key);
+                    goto done;
+                }
+            } else if (!(buf = PyByteArray_FromStringAndSize(NULL, 0))) {
+                Py_DECREF(key);
+                goto done;
+            }
+            if (PyDict_SetItem(behind, key, buf) < 0) {
+                Py_DECREF(buf);
+                Py_DECREF(key);
+                goto done;
+            }
         }
         Py_DECREF(key);
         slot->buf = buf;

@@ -104,7 +104,9 @@ def _i64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def id_entries_py(data: bytes, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray) -> tuple[list, list]:
+def id_entries_py(
+    data: bytes | memoryview, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray
+) -> tuple[list, list]:
     """The Python twin of the native ``id_entries``: the index's (keys, values) of the
     MESSAGE frames starting at ``starts`` of ``data`` (int64 arrays or their bytes): per
     frame with a non-empty id, its id's bytes and (due, sequence) packed as two
@@ -210,7 +212,12 @@ class IdIndex:
                 pass
 
     def put_frames(
-        self, cols_data: bytes, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray, keep_newer: bool = False
+        self,
+        cols_data: bytes | memoryview,
+        starts: np.ndarray,
+        dues: np.ndarray,
+        seqs: np.ndarray,
+        keep_newer: bool = False,
     ) -> None:
         """Index the MESSAGE frames starting at ``starts`` of ``cols_data``, given in
         sequence order; ``keep_newer``: an id already indexed with a later sequence keeps
@@ -226,7 +233,7 @@ class IdIndex:
             self._fail(err)
 
     def _put_frames(
-        self, cols_data: bytes, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray, keep_newer: bool
+        self, cols_data: bytes | memoryview, starts: np.ndarray, dues: np.ndarray, seqs: np.ndarray, keep_newer: bool
     ) -> None:
         codec = native.codec
         entries = codec.id_entries if codec is not None else id_entries_py

@@ -61,7 +61,7 @@ READ_CHUNK = 4 * 1024 * 1024  # a file walk's read size (recovery, Segment.frame
 class Columns:
     """The whole, verified frames at the start of ``data`` (read from file offset ``base``)."""
 
-    data: bytes
+    data: bytes | memoryview
     base: int
     end: int  # offset in ``data`` just after the last whole good frame
     starts: np.ndarray  # int64: offsets in ``data``
@@ -107,7 +107,7 @@ class Columns:
         return raw[at].copy().view("<i8").reshape(-1)
 
 
-def gather(data: bytes, starts: np.ndarray, offset: int, width: int, signed: bool = False) -> np.ndarray:
+def gather(data: bytes | memoryview, starts: np.ndarray, offset: int, width: int, signed: bool = False) -> np.ndarray:
     """The little-endian field of ``width`` bytes (1, 2, 4 or 8) at ``starts + offset`` of
     ``data``, as int64 (a width of 8 is read signed): one fixed field of many frames in one
     call, native when built (the Spark reader's columns come from these)."""
@@ -118,7 +118,7 @@ def gather(data: bytes, starts: np.ndarray, offset: int, width: int, signed: boo
     )
 
 
-def gather_py(data: bytes, starts: np.ndarray, offset: int, width: int, signed: bool) -> bytes:
+def gather_py(data: bytes | memoryview, starts: np.ndarray, offset: int, width: int, signed: bool) -> bytes:
     """The Python twin of the native ``gather``: the int64 column as bytes (numpy fancy
     indexing); a field outside ``data`` or an odd width is a ValueError."""
     if width not in (1, 2, 4, 8):
@@ -135,7 +135,7 @@ def gather_py(data: bytes, starts: np.ndarray, offset: int, width: int, signed: 
     return picked.view(f"<{kind}{width}").reshape(-1).astype(np.int64).tobytes()
 
 
-def scan_columns(data: bytes) -> Columns:
+def scan_columns(data: bytes | memoryview) -> Columns:
     """Walk the whole frames at the start of ``data`` (native when built)."""
     codec = native.codec
     end, _count, starts, kinds, seqs, dues, bad = (codec.scan if codec is not None else scan_py)(data, framing.MAX_BODY)
@@ -151,7 +151,7 @@ def scan_columns(data: bytes) -> Columns:
     )
 
 
-def scan_py(data: bytes, max_body: int) -> tuple[int, int, bytes, bytes, bytes, bytes, int]:
+def scan_py(data: bytes | memoryview, max_body: int) -> tuple[int, int, bytes, bytes, bytes, bytes, int]:
     """The Python twin of the native ``scan``: (end, count, starts, kinds, sequences, dues,
     bad) of the whole, verified frames at the start of ``data``, the columns as int64 (kinds
     uint8) array bytes; ``bad`` is the offset of a frame failing its checks, or -1. A frame
@@ -542,7 +542,7 @@ _CANCEL_KIND = int(RecordKind.CANCEL)
 
 
 def route_py(
-    data: bytes,
+    data: bytes | memoryview,
     pos: int,
     st: np.ndarray,
     kind: np.ndarray,
@@ -552,13 +552,17 @@ def route_py(
     near: int | None,
     behind: dict[int, bytearray],
     segment_of: Callable[[int], Segment],
+    spares: list[bytearray],
 ) -> tuple:
     """The Python twin of the native ``route`` (the iterate service's routing of one read):
     the scanned frames' bytes into ``behind[bucket]`` (bucket: the due's UTC minute rounded
-    down to ``scale``), records a bucket's segment already holds (a replay) skipped;
+    down to ``scale``; a missing buffer is the last of ``spares``, emptied, or a new one),
+    records a bucket's segment already holds (a replay) skipped;
     returns (handed: [(index, bucket, offset in its buffer)] for the copied records of
     buckets <= ``near`` (all when None) and every CANCEL, messages, cancels, duplicates,
     unknown indexes, copied, bytes added)."""
+    if not isinstance(spares, list):
+        raise TypeError("route: spares is a list of bytearrays")
     sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
     sizes[:-1] = st[1:] - st[:-1]
     sizes[-1] = pos - st[-1]
@@ -600,7 +604,14 @@ def route_py(
         segs[g].last_sequence = seq_l[hi - 1]
         buf = behind.get(b)
         if buf is None:
-            buf = behind[b] = bytearray()
+            if spares:
+                if not isinstance(spares[-1], bytearray):
+                    raise TypeError("route: spares holds a non-bytearray")
+                buf = spares.pop()
+                del buf[:]
+            else:
+                buf = bytearray()
+            behind[b] = buf
         at_of[g] = len(buf) - o_at[lo]
         buf += b"".join([mv[a:z] for a, z in zip(starts_l[lo:hi], ends_l[lo:hi])])
     handed_mask = keep & (is_cancel | (bucket <= near)) if near is not None else keep

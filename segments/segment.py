@@ -262,6 +262,22 @@ class Segment:
         finally:
             pool.release(fd)
 
+    def read_into(self, offset: int, view: memoryview) -> int:
+        """Read up to ``len(view)`` bytes from ``offset`` into ``view``; how many were read (fewer
+        only at the end of the file)."""
+        pool = self.pool
+        fd = pool.acquire(self.path)
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+            return got
+        finally:
+            pool.release(fd)
+
     def read_frame(self, offset: int) -> Frame:
         """Read and verify the frame at ``offset``; a bad one raises :class:`CorruptRecord`
         (the frame reader's :func:`~qdelay.segments.reader.read_frame`)."""

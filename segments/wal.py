@@ -792,6 +792,24 @@ class MessageLog:
             return self.read_raw(end, max_bytes) if nxt is not None and nxt is not seg else b""
         return seg.read(offset - seg.key, min(max_bytes, end - offset))
 
+    def read_raw_into(self, offset: int, buf: memoryview) -> memoryview:
+        """``read_raw`` into ``buf`` (at most its length) instead of a new bytes object: the part
+        of ``buf`` read. The iterate service reads every step into one buffer of its own: a new
+        bytes object of half a megabyte each step was mapped fresh (past glibc's mmap
+        threshold) or taken from the heap the write-behind buffers had just given back, and
+        faulted in page by page either way (docs/benchmarks.md, "The iterate thread: cache
+        misses and page faults")."""
+        limit = self.committed_offset
+        seg = self.segment_at(offset)
+        if seg is None or offset >= limit:
+            return buf[:0]
+        end = min(seg.key + seg.size, limit)
+        if offset >= end:
+            nxt = self.segment_at(end)
+            return self.read_raw_into(end, buf) if nxt is not None and nxt is not seg else buf[:0]
+        view = buf[: min(len(buf), end - offset)]
+        return view[: seg.read_into(offset - seg.key, view)]
+
     # --- replication (slave side) ---------------------------------------------------------
 
     def append_raw(self, data: bytes, expected_offset: int, segment_base: int) -> list[int]:

@@ -81,6 +81,7 @@ IDLE_TRIM_FIRST = 0.25
 IDLE_TRIM_EVERY = 1.0
 _T = TypeVar("_T")
 TRIM_AFTER_BYTES = 4 * 1024 * 1024  # a write-behind flush this large gives its memory back (_trim, when idle)
+MAX_SPARES = 4096  # write-behind buffers kept for reuse, at most (IterateService._spares)
 
 
 def _gather_i64(u8: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -160,6 +161,16 @@ class IterateService:
         self.write_behind_bytes = write_behind_bytes
         self._behind: dict[int, bytearray] = {}
         self._behind_bytes = 0
+        # buffers written out, kept (with their allocations) for route to take for the next
+        # buckets: a buffer grown again from nothing each checkpoint faulted in fresh pages
+        # and realloc'ed its way up, ~0.1 us a message of this thread under bench.iterate.
+        # At most ``write_behind_bytes`` of them (by their last content); dropped by the
+        # trims once ingest went idle (``_trim``), so that RSS falls back as it did
+        self._spares: list[bytearray] = []
+        self._spare_bytes = 0
+        # every step reads into this one buffer (wal.read_raw_into), grown to the largest read
+        # asked for; dropped with the spares when ingest goes idle
+        self._read_buf = bytearray()
         self.disk_full_waits = 0  # schedule writes retried for want of space
         # After a step that left little to copy, the next one waits up to ``gather`` seconds
         # for more commits to share it: a step costs about the same for one group commit as
@@ -178,6 +189,7 @@ class IterateService:
         wal.on_commit = self._committed
         self.steps = 0
         self._trim_due = False  # write-behind buffers of several MiB were freed
+        self._drop_spares = False  # ... and ingest went idle: the spares go too
         # trims left since ingest went idle, and when the next is due (IDLE_TRIMS)
         self._idle_trims = 0
         self._idle_trim_at = 0.0
@@ -260,6 +272,7 @@ class IterateService:
                         self._idle_trims -= 1
                         self._idle_trim_at = time.monotonic() + IDLE_TRIM_EVERY
                         self._trim_due = True
+                        self._drop_spares = True
                     self._trim()
                     self.wal.wait_commit(self.offset, 0.05)
                 elif self.gather > 0 and self.lag_bytes() < self.read_bytes // 2:
@@ -304,7 +317,9 @@ class IterateService:
         # times land in up to 1,440 minute files a day) then share each bucket's append.
         lag = self.wal.committed_offset - self.offset
         want = min(self.max_read_bytes, max(self.read_bytes, lag // 4))
-        data = self.wal.read_raw(self.offset, want)
+        if len(self._read_buf) < want:
+            self._read_buf = bytearray(want)  # (no view of the old one is left: steps are sequential)
+        data = self.wal.read_raw_into(self.offset, memoryview(self._read_buf)[:want])
         if self._behind and self.horizon is not None:
             # buckets the horizon reached since they were written behind go to disk now (the
             # loader wants them), and before any record of theirs is written at once, so
@@ -349,6 +364,12 @@ class IterateService:
         under bench.compare's ingest (bench.iterate)."""
         if self._trim_due:
             self._trim_due = False
+            if self._drop_spares:  # ingest went idle: their memory goes back too
+                self._drop_spares = False
+                with self.append_lock:
+                    self._spares = []
+                    self._spare_bytes = 0
+                self._read_buf = bytearray()  # (this thread's own: no step runs meanwhile)
             allocator.trim()
 
     def written_behind(self, bucket: int) -> bool:
@@ -435,6 +456,7 @@ class IterateService:
             del self._behind[bucket]
             self._behind_bytes -= len(buf)
             freed += len(buf)
+            self._spare(buf)
             seg = self.schedule.get(bucket)
             last = seg.last_sequence if seg is not None else 0
             written[bucket] = Written(start, start + len(buf), bucket * MS_PER_MINUTE, last)
@@ -443,7 +465,15 @@ class IterateService:
         if self.on_written is not None:
             self.on_written(written, {})
 
-    def _copy(self, data: bytes, near: int | None) -> tuple[int, int, dict[int, Written], dict[int, list[int]]]:
+    def _spare(self, buf: bytearray) -> None:
+        """Keep a buffer just written out for route to take again (append_lock held)."""
+        if self._spare_bytes + len(buf) <= self.write_behind_bytes and len(self._spares) < MAX_SPARES:
+            self._spares.append(buf)
+            self._spare_bytes += len(buf)
+
+    def _copy(
+        self, data: bytes | memoryview, near: int | None
+    ) -> tuple[int, int, dict[int, Written], dict[int, list[int]]]:
         """Copy the whole frames at the start of ``data`` (message-log bytes from ``offset``)
         to their schedule segments, byte for byte.
 
@@ -464,12 +494,15 @@ class IterateService:
         if self.ids is not None:
             is_msg = kind == _MESSAGE
             if is_msg.any():
-                self.ids.put_frames(bytes(data), st[is_msg], due[is_msg], seq[is_msg])
+                self.ids.put_frames(data, st[is_msg], due[is_msg], seq[is_msg])
         codec = native.codec
         route = codec.route if codec is not None else route_py
+        spares = len(self._spares)
         handed, messages, ncancels, duplicates, unknown, copied, added = route(
-            data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of
+            data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of, self._spares
         )
+        if len(self._spares) != spares:  # route took some: what is left is counted again
+            self._spare_bytes = sum(map(len, self._spares)) if self._spares else 0
         self.counts["messages"] += messages
         self.counts["cancels"] += ncancels
         self.duplicates_skipped += duplicates
@@ -527,10 +560,13 @@ class IterateService:
             at = self._append(b, buf)
             del self._behind[b]
             self._behind_bytes -= len(buf)
+            self._spare(buf)
             written[b] = Written(at, at + len(buf), fd, ls)
         return pos, last_seq, written, cancels
 
-    def _scan(self, data: bytes) -> tuple[bytes, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _scan(
+        self, data: bytes | memoryview
+    ) -> tuple[bytes | memoryview, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(data, end, starts, kinds, sequences, dues) of the whole, verified frames at the
         start of ``data`` (the frame reader's walk); a due is the body's first 8 bytes
         (MESSAGE and CANCEL bodies start with it). A frame larger than the read is read

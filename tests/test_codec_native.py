@@ -240,6 +240,8 @@ def route_cases(draw):
         "near": None if near is None else near * scale,
         "held": {b * scale: v for b, v in draw(st.dictionaries(st.integers(0, 6), st.integers(-1, 140))).items()},
         "behind": {b * scale: v for b, v in draw(st.dictionaries(st.integers(0, 6), st.binary(max_size=10))).items()},
+        # buffers written out before, for route to take (emptied) for buckets without one
+        "spares": draw(st.lists(st.binary(max_size=10), max_size=4)),
     }
 
 
@@ -451,18 +453,21 @@ def route_args(case: dict) -> tuple:
 
     segment_of.segments = segments  # type: ignore[attr-defined]  (read back by route_outcome)
     behind = {b: bytearray(v) for b, v in case["behind"].items()}
-    return (case["data"], case["end"], *case["columns"], case["scale"], case["near"], behind, segment_of)
+    spares = [bytearray(v) for v in case["spares"]]
+    return (case["data"], case["end"], *case["columns"], case["scale"], case["near"], behind, segment_of, spares)
 
 
 def route_outcome(result, args) -> tuple:
-    """The result, the buffers written and the segments' last sequences written back."""
-    behind, segments = args[8], args[9].segments
+    """The result, the buffers written, the spares left and the segments' last sequences
+    written back."""
+    behind, segments, spares = args[8], args[9].segments, args[10]
     return (
         [tuple(h) for h in result[0]],
         tuple(result[1:4]),
         list(result[4]),
         tuple(result[5:]),
         {b: bytes(v) for b, v in behind.items()},
+        [bytes(v) for v in spares],
         {b: sg.last_sequence for b, sg in segments.items()},
     )
 
@@ -958,14 +963,35 @@ def test_route_that_fails_leaves_the_buffers_and_segments_as_they_were(side):
 
     behind = {0: bytearray(b"before")}
     with pytest.raises(OSError):
-        fn(data, end, *cols, 1, None, behind, segment_of)
+        fn(data, end, *cols, 1, None, behind, segment_of, [])
     assert behind == {0: bytearray(b"before")}
     assert [sg.last_sequence for sg in segments.values()] == [-1, -1]
     # and with every segment there, the same call copies each frame once
     segments[2] = FakeSegment(-1)
-    fn(data, end, *cols, 1, None, behind, lambda b: segments[b])
+    fn(data, end, *cols, 1, None, behind, lambda b: segments[b], [])
     assert bytes(behind[0]) == b"before" + data[: starts_at(starts, 2)]
     assert [sg.last_sequence for sg in segments.values()] == [11, 14, 13]
+
+
+def test_route_takes_a_spare_buffer_with_its_allocation_for_a_bucket_without_one():
+    """A bucket without a buffer takes the last of the spares (a buffer written out before),
+    emptied: the same object, its allocation kept (no pages faulted in, no reallocs as it
+    grows again), holding only the new frames; the other buckets' buffers are not touched."""
+    data = bytearray()
+    for i, minute in enumerate([0, 1, 1]):
+        framing.encode_into(data, RecordKind.MESSAGE, 10 + i, 0, (minute * 60_000 + 5).to_bytes(8, "little") + b"x")
+    data = bytes(data)
+    end, _count, starts, kinds, seqs, dues, _bad = framing_scan(data)
+    cols = [np.frombuffer(a, t) for a, t in ((starts, np.int64), (kinds, np.uint8), (seqs, np.int64), (dues, np.int64))]
+    spare = bytearray(b"w" * 100_000)
+    first = bytearray(b"kept")
+    spares = [first, spare]
+    behind = {0: bytearray(b"before")}
+    size_before = spare.__sizeof__()
+    codec.route(data, end, *cols, 1, None, behind, lambda b: FakeSegment(-1), spares)
+    assert behind[1] is spare and bytes(spare) == data[starts_at(starts, 1) :]
+    assert spare.__sizeof__() == size_before  # its allocation, not a new one
+    assert spares == [first] and bytes(behind[0]) == b"before" + data[: starts_at(starts, 1)]
 
 
 def starts_at(starts: bytes, i: int) -> int:

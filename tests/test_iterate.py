@@ -192,7 +192,9 @@ def test_flush_bucket_now_does_not_wait_out_a_full_disk(tmp_path):
     """The event loop's flush (a Cancel of a far minute) declines on a full disk, as it does
     on a held append lock: waiting out the disk there froze every call of the server until
     space came back (the worker thread the claim goes to then waits instead)."""
-    rig = Rig(tmp_path)
+    # no checkpoint meanwhile: one (0.2 s after the rig is made, on a loaded machine) wrote
+    # the bucket out before the flush under test and it had nothing left to decline
+    rig = Rig(tmp_path, checkpoint_interval=60.0)
     far = naming.bucket_of(T0) + 30
     rig.send([far * MIN + 5])
     rig.catch_up()
@@ -422,6 +424,34 @@ def test_a_small_memtable_is_kept_when_ingest_goes_idle_and_the_heap_trimmed_all
         rig.it.stop()
         ids.close()
         rig.close()
+
+
+def test_written_out_buffers_are_taken_again_and_dropped_with_the_read_buffer_when_idle(tmp_path, monkeypatch):
+    """A bucket's write-behind buffer, once written out, is kept (with its allocation) for the
+    next bucket route meets: grown again from nothing each checkpoint it faulted in fresh
+    pages. Those buffers, and the buffer every step reads into, are dropped by the trims once
+    ingest went idle, so that RSS falls back after a burst."""
+    monkeypatch.setattr(allocator, "trim", lambda: None)
+    rig = Rig(tmp_path, checkpoint_interval=60.0)
+    far = naming.bucket_of(T0) + 30
+    rig.send([far * MIN + 1] * 50 + [(far + 1) * MIN + 1] * 50)
+    rig.catch_up()
+    held = {b: rig.it._behind[b] for b in (far, far + 1)}
+    with rig.it.append_lock:
+        rig.it._flush_behind(list(rig.it._behind))
+    assert {id(b) for b in rig.it._spares} == {id(b) for b in held.values()}
+    assert len(rig.it._read_buf) > 0
+    rig.send([(far + 5) * MIN + 1] * 10)
+    rig.catch_up()
+    assert any(rig.it._behind[far + 5] is b for b in held.values())  # taken again
+    assert len(rig.it._spares) == 1
+    assert reader.frames(bytes(rig.it._behind[far + 5]))[-1].sequence == rig.it.sequence  # only the new frames
+    rig.it.checkpoint_interval = 0.01
+    rig.it.start()
+    wait_until(lambda: not rig.it._spares and not rig.it._read_buf, what="the spares and the read buffer dropped")
+    rig.it.stop()
+    assert len(reader.frames(sched_bytes(rig, far + 5))) == 10
+    rig.close()
 
 
 def test_the_heap_is_trimmed_after_a_large_flush_only_once_nothing_is_left_to_copy(tmp_path, monkeypatch):

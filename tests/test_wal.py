@@ -426,6 +426,21 @@ def test_segments_roll_by_size_and_are_named_by_base_offset(wal_dir):
     log.close()
 
 
+def test_read_raw_into_reads_what_read_raw_does_into_the_buffer_given(wal_dir):
+    """The iterate service's read into its own buffer: the same bytes as read_raw (one segment
+    at a time, committed bytes only, at most the buffer's length), a view of that buffer."""
+    log = MessageLog(wal_dir, segment_bytes=1000)
+    for _ in range(30):
+        log.append(entries(2))  # 272 bytes a batch: three batches per segment
+    buf = bytearray(5000)
+    for offset in (0, 272, 815, 816, 1360, log.committed_offset - 1, log.committed_offset, log.committed_offset + 9):
+        for size in (1, 100, 5000):
+            got = log.read_raw_into(offset, memoryview(buf)[:size])
+            assert bytes(got) == log.read_raw(offset, size)
+            assert got.obj is buf
+    log.close()
+
+
 def test_delete_before_never_deletes_the_active_segment(wal_dir):
     log = MessageLog(wal_dir, segment_bytes=1000)
     for _ in range(12):
