@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 
 def etcd_binary() -> str | None:
@@ -34,12 +35,6 @@ def require_etcd() -> str:
     if path is None:
         pytest.skip("etcd is not installed (make setup runs 'apt-get install etcd-server'; it could not here)")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdProc:

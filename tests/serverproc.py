@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ports import free_port
+
 LINE = re.compile(rb"^qdelay listening on (\S+):(\d+)\s*$")
 
 
@@ -49,9 +51,22 @@ class ServerProc:
 
     # --- life cycle --------------------------------------------------------------------------------
     def start(self) -> ServerProc:
+        if self.port is None and self.listen == "127.0.0.1:0":
+            # a port no outgoing connection can take between a stop and a restart (ports.py);
+            # another worker may take it before the server binds it: another one then
+            for _ in range(4):
+                try:
+                    return self._start(f"127.0.0.1:{free_port()}")
+                except RuntimeError as err:
+                    if "address is in use" not in str(err):
+                        raise
+                    self.port = None
         listen = self.listen
         if self.port is not None and listen.endswith(":0"):
             listen = f"127.0.0.1:{self.port}"  # a restart keeps its address
+        return self._start(listen)
+
+    def _start(self, listen: str) -> ServerProc:
         cmd = [
             *self.command,
             "server",

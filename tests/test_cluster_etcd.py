@@ -18,6 +18,7 @@ import grpc
 import pytest
 from conftest import wait_until
 from etcdproc import EtcdProc, TcpProxy
+from ports import free_port
 from serverproc import ServerProc
 from test_replication import RPC_ERRORS, admin, status
 
@@ -721,22 +722,6 @@ def test_node_sharded_client(tmp_path, etcd):
             p.kill9()
 
 
-def _two_free_ports() -> int:
-    """A port P with P + 1 free too (``qdelay cluster up`` takes consecutive ones)."""
-    import socket
-
-    from etcdproc import free_port
-
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-
-
 def test_cluster_up_goes_on_when_a_master_dies(tmp_path):
     """``make run-cluster`` (``qdelay cluster up``) is how the docs let a user try cluster
     mode, and watching a shard fail over is the thing to try; but when one server exited,
@@ -751,7 +736,7 @@ def test_cluster_up_goes_on_when_a_master_dies(tmp_path):
     from etcdproc import require_etcd
 
     require_etcd()
-    base, etcd_port = _two_free_ports(), _two_free_ports()
+    base, etcd_port = free_port(consecutive=2), free_port(consecutive=2)
     root = tmp_path / "cluster"
     up = subprocess.Popen(
         [sys.executable, "-m", "qdelay.cli", "cluster", "up", "--data-dir", str(root), "--shards", "1"]
@@ -830,7 +815,7 @@ def test_cluster_up_says_why_a_server_did_not_start(tmp_path):
     from etcdproc import require_etcd
 
     require_etcd()
-    base, etcd_port = _two_free_ports(), _two_free_ports()
+    base, etcd_port = free_port(consecutive=2), free_port(consecutive=2)
     root = tmp_path / "cluster"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base))
@@ -861,7 +846,7 @@ def test_cluster_up_refuses_an_etcd_port_in_use(tmp_path):
     from etcdproc import require_etcd
 
     require_etcd()
-    base, etcd_port = _two_free_ports(), _two_free_ports()
+    base, etcd_port = free_port(consecutive=2), free_port(consecutive=2)
     root = tmp_path / "cluster"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", etcd_port))
@@ -972,7 +957,7 @@ def test_cluster_up_refuses_servers_ports_out_of_range_or_on_etcds(tmp_path):
     import subprocess
     import sys
 
-    etcd_port = _two_free_ports()
+    etcd_port = free_port(consecutive=2)
     for args, want in [
         (["--base-port", "65535"], "--base-port 65535: the 4 servers need ports 65535 to 65538; the last is 65535"),
         (["--base-port", str(etcd_port - 1)], f"--base-port {etcd_port - 1}: the 4 servers' ports 127.0.0.1:"),

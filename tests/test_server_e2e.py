@@ -678,7 +678,7 @@ def test_python_example_with_no_server_says_so_in_a_line():
     import subprocess
     import sys
 
-    from etcdproc import free_port
+    from ports import free_port
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "python", "example.py")

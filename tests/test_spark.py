@@ -701,7 +701,7 @@ def test_import_to_a_server_that_does_not_answer_says_so_before_spark_starts(tmp
     import subprocess
     import sys
 
-    from etcdproc import free_port
+    from ports import free_port
 
     csv = tmp_path / "in.csv"
     csv.write_text("subject,payload,delay_ms\na.b,x,1000\n")

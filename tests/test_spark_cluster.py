@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ pytest.importorskip("pyarrow")
 import byte_surgery  # noqa: E402
 import datafolder  # noqa: E402
 from datafolder import T0  # noqa: E402
+from ports import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 SPARK_HOME = os.path.dirname(pyspark.__file__)
 NOW = T0 + 600_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -68,7 +62,7 @@ def cluster(tmp_path_factory):
     """A standalone master and one 2-core worker on 127.0.0.1; yields (master URL, the
     worker's work folder, where it makes one folder per application it runs)."""
     root = tmp_path_factory.mktemp("cluster")
-    port, ui, wport, wui = _free_port(), _free_port(), _free_port(), _free_port()
+    port, ui, wport, wui = free_port(), free_port(), free_port(), free_port()
     spark_class = os.path.join(SPARK_HOME, "bin", "spark-class")
     procs = []
     try:
