@@ -27,6 +27,7 @@ import tempfile
 import time
 from unittest import mock
 
+from qdelay import wire
 from qdelay.server.config import ServerConfig
 from qdelay.server.engine import Engine
 from qdelay.server.service import DelayService
@@ -45,8 +46,10 @@ def requests(first_id: int, n: int, batch: int, payload: int, due: int) -> list[
     return out
 
 
-async def drive(service: DelayService, raws: list[bytes], window: int) -> int:
-    """One SendStream of ``raws`` with at most ``window`` unanswered; the responses' count."""
+async def drive(service: DelayService, raws: list[bytes], window: int, merge: bool = True) -> int:
+    """One SendStream of ``raws`` with at most ``window`` unanswered; how many requests were
+    answered. ``merge``: the stream asks for merged answers, as the Python clients do (each
+    response is then parsed, a few µs a response, for how many requests it answers)."""
     room = asyncio.Semaphore(window)
 
     async def sender():
@@ -54,10 +57,14 @@ async def drive(service: DelayService, raws: list[bytes], window: int) -> int:
             await room.acquire()
             yield raw
 
+    context = mock.MagicMock()
+    context.invocation_metadata.return_value = (wire.MERGE_ANSWERS,) if merge else ()
     count = 0
-    async for _response in service.SendStream(sender(), mock.MagicMock()):
-        count += 1
-        room.release()
+    async for response in service.SendStream(sender(), context):
+        answered = 1 + len(pb.SendBatchResponse.FromString(response).more) if merge else 1
+        count += answered
+        for _ in range(answered):
+            room.release()
     return count
 
 
@@ -70,6 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tmp", default=None)
     parser.add_argument(
+        "--no-merge", action="store_true", help="one answer a request (a stream without wire.MERGE_ANSWERS)"
+    )
+    parser.add_argument(
         "--dry", action="store_true", help="build the requests but send none (the baseline of an instruction count)"
     )
     args = parser.parse_args(argv)
@@ -81,10 +91,11 @@ def main(argv=None) -> int:
     async def one_round(service: DelayService, r: int) -> None:
         # a warm-up stream first (the id filter's scan, the first segment, caches), then the
         # measured one: new ids into a fresh folder, as bench.compare's ingest on a new server
-        await drive(service, requests(-args.messages, args.messages // 10, args.batch, args.payload, due), args.window)
+        warm = requests(-args.messages, args.messages // 10, args.batch, args.payload, due)
+        await drive(service, warm, args.window, not args.no_merge)
         raws = requests(0, args.messages, args.batch, args.payload, due)
         cpu0, wall0 = time.thread_time_ns(), time.perf_counter()
-        got = await drive(service, raws, args.window) if not args.dry else len(raws)
+        got = await drive(service, raws, args.window, not args.no_merge) if not args.dry else len(raws)
         cpu, wall = time.thread_time_ns() - cpu0, time.perf_counter() - wall0
         assert got == len(raws), (got, len(raws))
         per_msg.append(cpu / 1e3 / args.messages)

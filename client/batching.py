@@ -61,7 +61,7 @@ from typing import Any, cast
 
 import grpc
 
-from qdelay import errors
+from qdelay import errors, wire
 from qdelay.client.handoff import Inbox, Room, Waiter, settle_all
 from qdelay.client.types import CancelTarget, Receipt, cancel_request
 from qdelay.v1 import qdelay_pb2 as pb
@@ -673,18 +673,20 @@ class SendBatcher:
             _SEND_STREAM, request_serializer=None, response_deserializer=pb.SendBatchResponse.FromString
         )
         self.streams += 1
-        call = stream(requests(), metadata=self._metadata)
+        # merged answers (wire.MERGE_ANSWERS): the answers ready together come as one message
+        call = stream(requests(), metadata=(*self._metadata, wire.MERGE_ANSWERS))
         answered = 0
         try:
             async for response in call:
-                if not unanswered:
-                    raise errors.InvariantViolation("SendStream answered a batch that was not sent")
-                batch = unanswered.popleft()
-                credit.release()
-                answered += 1
-                self.answers += 1
-                self._answer(batch, response)
-                self._answered(len(batch.entries))
+                for answer in (response, *response.more) if response.more else (response,):
+                    if not unanswered:
+                        raise errors.InvariantViolation("SendStream answered a batch that was not sent")
+                    batch = unanswered.popleft()
+                    credit.release()
+                    answered += 1
+                    self.answers += 1
+                    self._answer(batch, answer)
+                    self._answered(len(batch.entries))
         except asyncio.CancelledError:
             if not cancelled_by_grpc():
                 raise  # the sender task itself is cancelled (its loop ending)

@@ -1011,13 +1011,15 @@ class Client:
                 unanswered.append(item)  # before it is sent: a break re-sends it
                 yield item[0]
 
-        call = stream(requests(), timeout=timeout, metadata=self.metadata)
+        # merged answers (wire.MERGE_ANSWERS): the answers ready together come as one message
+        call = stream(requests(), timeout=timeout, metadata=(*self.metadata, wire.MERGE_ANSWERS))
         try:
             async for response in call:
-                if not unanswered:
-                    raise errors.InvariantViolation("SendStream answered a batch that was not sent")
-                receipts._add(unanswered.popleft()[1], response)
-                credit.release()
+                for answer in (response, *response.more) if response.more else (response,):
+                    if not unanswered:
+                        raise errors.InvariantViolation("SendStream answered a batch that was not sent")
+                    receipts._add(unanswered.popleft()[1], answer)
+                    credit.release()
         except asyncio.CancelledError:
             if not cancelled_by_grpc():
                 raise

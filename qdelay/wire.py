@@ -352,6 +352,33 @@ def encode_cancel_batch_response(outcomes: Sequence[int]) -> bytes:
     return b"".join([answer[o] for o in outcomes])
 
 
+# SendBatchResponse.more (field 5, length-delimited): a merged answer's later responses
+_MORE = pb.SendBatchResponse.DESCRIPTOR.fields_by_name["more"].number
+_MORE_TAG = bytes([_MORE << 3 | 2])
+# the metadata a SendStream is opened with to take merged answers (docs/api.md)
+MERGE_ANSWERS = ("qdelay-merge-answers", "1")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def merge_send_batch_responses(first: bytes, more: Sequence[bytes]) -> bytes:
+    """One SendBatchResponse's wire bytes answering several requests of a SendStream: the
+    first request's response, then each later one's as an element of ``more`` (a message
+    field's elements may follow the other fields in any order: the bytes are joined, not
+    parsed again)."""
+    parts = [first]
+    for answer in more:
+        parts += (_MORE_TAG, _varint(len(answer)), answer)
+    return b"".join(parts)
+
+
 def _has_unknown_fields(request: Any) -> bool:
     """Whether a parsed request carries fields this .proto does not know (the native parser
     gives those up): re-serialized without them, the bytes would be shorter."""

@@ -1222,8 +1222,11 @@ def test_the_wire_codecs_field_numbers_follow_the_proto():
         "CancelBatchRequest",
         "CancelRequest",
     }
+    # SendBatchResponse.more is never written by the C codec: wire.merge_send_batch_responses
+    # joins whole responses under it, its number read from the descriptor
+    outside = {"qdelay.v1.SendBatchResponse.more"}
     for message in (pb.Message, pb.Delivery, pb.Receipt, pb.SendBatchResponse):
-        assert set(wire_codec.WIRE_FIELDS) >= {
+        assert set(wire_codec.WIRE_FIELDS) | outside >= {
             f"qdelay.v1.{message.DESCRIPTOR.name}.{f.name}" for f in message.DESCRIPTOR.fields
         }
 
@@ -1259,3 +1262,17 @@ def test_decode_batch_leaves_a_repeated_id_to_the_python_path(count):
         assert decode(repeated) == (None, None)
     # the server's id for an empty one, then a client's of the same text
     assert decode([*distinct[:-2], "", "made-1"], lambda: "made-1") == (None, None)
+
+
+def test_merged_send_batch_responses_read_back_as_the_first_with_the_rest_in_more():
+    """wire.merge_send_batch_responses joins wire bytes: protobuf reads them as the first
+    response with the others, whole, in ``more`` (a long one needs a 2-byte length)."""
+    first = pb.SendBatchResponse(first_sequence=1, deliver_at_ms=[5, 6], shard="s0")
+    rest = [
+        pb.SendBatchResponse(first_sequence=3, deliver_at_ms=list(range(200)), shard="s0"),
+        pb.SendBatchResponse(receipts=[pb.Receipt(message_id="a", deliver_at_ms=9, sequence=2, duplicate=True)]),
+    ]
+    raw = wire.merge_send_batch_responses(first.SerializeToString(), [r.SerializeToString() for r in rest])
+    merged = pb.SendBatchResponse.FromString(raw)
+    assert merged.first_sequence == 1 and list(merged.deliver_at_ms) == [5, 6] and list(merged.more) == rest
+    assert wire.merge_send_batch_responses(first.SerializeToString(), []) == first.SerializeToString()

@@ -10,6 +10,7 @@ from unittest import mock
 
 from simclock import MINUTE, T0, FakeClock, config
 
+from qdelay import wire
 from qdelay.segments import segment
 from qdelay.server.config import ServerConfig
 from qdelay.server.engine import Engine
@@ -22,6 +23,13 @@ def _service(tmp_path) -> DelayService:
     engine.start()
     cfg = ServerConfig(data_dir=str(tmp_path / "data"), min_free_bytes=0, min_free_bytes_hard=0)
     return DelayService(engine, cfg, None, mock.MagicMock())
+
+
+def stream_context(*metadata: tuple[str, str]) -> mock.MagicMock:
+    """A stream's grpc context as far as SendStream reads it: its invocation metadata."""
+    context = mock.MagicMock()
+    context.invocation_metadata.return_value = metadata
+    return context
 
 
 def request(start: int, n: int = 10) -> bytes:
@@ -57,7 +65,7 @@ def test_an_idle_stream_ends_at_shutdown_with_its_batches_answered(tmp_path):
             answers = []
 
             async def consume():
-                async for answer in service.SendStream(requests(), mock.AsyncMock()):
+                async for answer in service.SendStream(requests(), stream_context()):
                     answers.append(pb.SendBatchResponse.FromString(answer))
 
             stream = asyncio.ensure_future(consume())
@@ -100,7 +108,7 @@ def test_batches_under_way_at_shutdown_are_all_answered_in_order(tmp_path, monke
             answers = []
 
             async def consume():
-                async for answer in service.SendStream(requests(), mock.AsyncMock()):
+                async for answer in service.SendStream(requests(), stream_context()):
                     answers.append(pb.SendBatchResponse.FromString(answer))
 
             monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
@@ -119,3 +127,60 @@ def test_batches_under_way_at_shutdown_are_all_answered_in_order(tmp_path, monke
     finally:
         release.set()
         engine.close()
+
+
+def _answers_of_a_held_commit(tmp_path, monkeypatch, metadata: tuple) -> list[pb.SendBatchResponse]:
+    """Three batches on one SendStream: the first's commit held in its fdatasync until the
+    other two are queued behind it, so that those two are made durable by one commit."""
+    service = _service(tmp_path)
+    real_fdatasync = segment.os.fdatasync
+    held, release = threading.Event(), threading.Event()
+
+    def held_fdatasync(fd):
+        if not release.is_set():
+            held.set()
+            assert release.wait(10)
+        real_fdatasync(fd)
+
+    try:
+
+        async def scenario():
+            async def requests():
+                for start in (0, 10, 20):
+                    yield request(start)
+
+            answers = []
+
+            async def consume():
+                async for answer in service.SendStream(requests(), stream_context(*metadata)):
+                    answers.append(pb.SendBatchResponse.FromString(answer))
+
+            monkeypatch.setattr(segment, "native_write_sync", False)  # the faults go through os.*
+            monkeypatch.setattr(segment.os, "fdatasync", held_fdatasync)
+            stream = asyncio.ensure_future(consume())
+            await asyncio.to_thread(held.wait, 10)  # the first commit is in its fdatasync
+            await until(lambda: service.gate.messages == 30)  # the other two queued behind it
+            release.set()
+            await asyncio.wait_for(stream, 10)
+            return answers
+
+        return asyncio.run(scenario())
+    finally:
+        release.set()
+        service.engine.close()
+
+
+def test_answers_ready_together_are_merged_for_a_stream_that_asks(tmp_path, monkeypatch):
+    """wire.MERGE_ANSWERS: the two batches made durable by one commit are answered by one
+    message (the second in ``more``), in order; the batch before them on its own."""
+    answers = _answers_of_a_held_commit(tmp_path, monkeypatch, (wire.MERGE_ANSWERS,))
+    flat = [(a.first_sequence, len(a.deliver_at_ms)) for r in answers for a in (r, *r.more)]
+    assert flat == [(1, 10), (11, 10), (21, 10)]
+    assert len(answers) < 3 and all(not a.more for r in answers for a in r.more)
+
+
+def test_answers_are_one_a_request_for_a_stream_that_does_not_ask(tmp_path, monkeypatch):
+    """Without the metadata (clients of other languages, written against one answer a
+    request) each request has its own answer, even when they are ready together."""
+    answers = _answers_of_a_held_commit(tmp_path, monkeypatch, ())
+    assert [(a.first_sequence, len(a.more)) for a in answers] == [(1, 0), (11, 0), (21, 0)]
