@@ -36,6 +36,7 @@ from qdelay import errors
 from qdelay.addresses import check_target
 from qdelay.cancellation import cancel_and_wait
 from qdelay.client import client as blocking
+from qdelay.client import reconnect
 from qdelay.client.batching import (
     Batching,
     CancelBatcher,
@@ -567,12 +568,10 @@ class Consumer:
                 me.reconnects += 1
                 delay = retry_wait(me._client.retry_backoff, attempt)
                 log.info("subscription %s/%s %s; subscribing again in %.2f s", me.subject, me.group, how, delay)
+                channel = me._client.channel
                 del me
-                try:
-                    async with asyncio.timeout(delay):
-                        await closed.wait()
-                except TimeoutError:
-                    pass
+                # the backoff, or less once the channel has connected again (a restarted server)
+                await reconnect.wait_aio(channel, delay, closed)
         finally:
             inbox.put_nowait(_END)
 

@@ -43,6 +43,7 @@ import grpc
 
 from qdelay import errors, wire  # imported, wire checks its native codec against the .proto (start-up)
 from qdelay.addresses import check_target
+from qdelay.client import reconnect
 from qdelay.client.batching import (
     BatchCall,
     Batching,
@@ -1330,7 +1331,8 @@ class Consumer:
         self.reconnects += 1
         delay = retry_wait(self._client.retry_backoff, attempt)
         log.info("subscription %s/%s %s; subscribing again in %.2f s", self.subject, self.group, how, delay)
-        if self._closed.wait(delay):
+        # the backoff, or less once the channel has connected again (a restarted server)
+        if not reconnect.wait_blocking(self._client.channel, delay, self._closed):
             return False
         try:
             self._open()

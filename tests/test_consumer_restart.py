@@ -13,7 +13,7 @@ import pytest
 from serverproc import ServerProc
 
 from qdelay import aio
-from qdelay.client import Client
+from qdelay.client import Client, batching
 
 _subjects = itertools.count(1)
 
@@ -89,6 +89,79 @@ def test_asyncio_consumer_keeps_receiving_across_a_restart(tmp_path, how):
                 await asyncio.sleep(0.3)
                 assert not reader.done()  # still reading: it ends only on close
             assert await asyncio.wait_for(reader, 10) == []
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 90))
+    finally:
+        srv.kill9()
+
+
+# A consumer whose stream broke waits out its backoff (doubling, at most MAX_BACKOFF) between
+# tries, but a restarted server is tried again as soon as the channel has connected to it: the
+# backoff paces tries against a server that answers and refuses, not the wait for one that was
+# away. Made long here (a minute) so that only the reconnection can bring the consumer back
+# within the test's bound; before, it waited its backoff whatever the channel did (with the
+# default 2 s cap and grpc's own reconnect backoff, a restart cost consumers up to ~2-4 s past
+# the server's start, more than the start itself on a quiet machine).
+LONG_BACKOFF = 60.0
+BACK_WITHIN = 20.0
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_blocking_consumer_subscribes_again_once_the_server_is_back_not_after_its_backoff(tmp_path, how, monkeypatch):
+    monkeypatch.setattr(batching, "MAX_BACKOFF", 10 * LONG_BACKOFF)
+    srv = ServerProc(tmp_path / "data").start()
+    try:
+        with Client(srv.address, retries=20, retry_backoff=0.05, timeout=30) as sender:
+            c = Client(srv.address, retry_backoff=LONG_BACKOFF, timeout=30)
+            s = subject()
+            consumer = c.subscribe(s, group="g1", max_in_flight=50)
+            before = sender.send(s, b"before")
+            got = consumer.receive(1, timeout=10)
+            assert [d.message_id for d in got] == [before.message_id]
+            consumer.ack(got)
+            restart(srv, how)
+            after = sender.send(s, b"after")
+            deadline = time.monotonic() + BACK_WITHIN
+            seen: set[str] = set()
+            while after.message_id not in seen and time.monotonic() < deadline:
+                batch = consumer.receive(1, timeout=0.5)
+                consumer.ack(batch)
+                seen.update(d.message_id for d in batch)
+            assert after.message_id in seen, f"the consumer was not back within {BACK_WITHIN} s"
+            assert consumer.reconnects >= 1
+            consumer.close()
+            c.close()
+    finally:
+        srv.kill9()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_asyncio_consumer_subscribes_again_once_the_server_is_back_not_after_its_backoff(tmp_path, how, monkeypatch):
+    monkeypatch.setattr(batching, "MAX_BACKOFF", 10 * LONG_BACKOFF)
+    srv = ServerProc(tmp_path / "data").start()
+
+    async def main():
+        async with (
+            aio.Client(srv.address, retries=20, retry_backoff=0.05, timeout=30) as sender,
+            aio.Client(srv.address, retry_backoff=LONG_BACKOFF, timeout=30) as c,
+        ):
+            s = subject()
+            async with c.subscribe(s, group="g2", max_in_flight=40) as consumer:
+                before = await sender.send(s, b"before")
+                got = await consumer.receive(1, timeout=10)
+                assert [d.message_id for d in got] == [before.message_id]
+                consumer.ack(got)
+                await asyncio.to_thread(restart, srv, how)
+                after = await sender.send(s, b"after")
+                seen: set[str] = set()
+                deadline = time.monotonic() + BACK_WITHIN
+                while after.message_id not in seen and time.monotonic() < deadline:
+                    batch = await consumer.receive(1, timeout=0.5)
+                    consumer.ack(batch)
+                    seen.update(d.message_id for d in batch)
+                assert after.message_id in seen, f"the consumer was not back within {BACK_WITHIN} s"
+                assert consumer.reconnects >= 1
 
     try:
         asyncio.run(asyncio.wait_for(main(), 90))
