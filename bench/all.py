@@ -94,6 +94,8 @@ def plan(quick: bool) -> list[tuple[str, list[str], str]]:
             else [],
             out("ops"),
         ),
+        # delivery lateness across SIGTERM and SIGKILL restarts, apart from their downtime
+        ("restart_lateness", ["--restarts", "1", "--gap", "5"] if quick else [], out("restart_lateness")),
     ]
 
 

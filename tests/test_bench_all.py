@@ -36,6 +36,7 @@ def test_plan_covers_every_benchmark_with_accepted_flags():
             "shards",
             "admin",
             "ops",
+            "restart_lateness",
         ]
         for name, extra, out in steps:
             assert out.endswith(os.path.join("bench", "out", f"{name}.json"))

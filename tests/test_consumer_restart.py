@@ -167,3 +167,31 @@ def test_asyncio_consumer_subscribes_again_once_the_server_is_back_not_after_its
         asyncio.run(asyncio.wait_for(main(), 90))
     finally:
         srv.kill9()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_a_delivery_in_flight_at_a_restart_comes_again_at_once_not_after_the_ack_timeout(tmp_path, how):
+    """docs/recovery.md "Deliveries in flight at a stop or a crash": the ack ledger lives in
+    memory, so after a restart a delivery that was handed out and not acknowledged (its
+    consumer still holding it, or gone) is loaded again with its bucket and handed out as
+    soon as a consumer subscribes, with attempt 1, whatever the ack timeout (10 min here)."""
+    srv = ServerProc(tmp_path / "data", args=["--set", "engine.ack_timeout_ms=600000"]).start()
+    try:
+        with Client(srv.address, retries=20, retry_backoff=0.05, timeout=30) as c:
+            s = subject()
+            consumer = c.subscribe(s, group="g1", max_in_flight=50)
+            sent = c.send(s, b"held")
+            got = consumer.receive(1, timeout=10)
+            assert [(d.message_id, d.attempt) for d in got] == [(sent.message_id, 1)]
+            restart(srv, how)  # never acknowledged
+            deadline = time.monotonic() + BACK_WITHIN
+            again: list = []
+            while not again and time.monotonic() < deadline:
+                again = [d for d in consumer.receive(1, timeout=0.5) if d.message_id == sent.message_id]
+            assert again, f"not delivered again within {BACK_WITHIN} s of the restart"
+            # handed out again by the new process (the same ack id: the sequence and the attempt)
+            assert again[0].attempt == 1 and again[0].dispatched_at_ms > got[0].dispatched_at_ms
+            consumer.ack(again)
+            consumer.close()
+    finally:
+        srv.kill9()
