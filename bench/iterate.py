@@ -20,8 +20,8 @@ checkpoint (``total``) and around each part, in µs a message:
   ``ids.filter`` (the id filter's ``add``), ``ids.write`` (RocksDB's write of the batch);
   ``ids.batch``: the rest (the WriteBatch and its puts, the chunking);
 - ``route``: the routing into per-bucket buffers (native ``route`` or its twin), and inside
-  it ``route.segments``: the segment of each bucket a step meets (the first time: the
-  segment's and its index's files created);
+  it ``route.segments``: the segments ``route`` asks for, of buckets the schedule log has none of
+  (their files created);
 - ``append``: the schedule segments' appends, at once or at a checkpoint, and inside them
   ``append.entries`` (the schedule index's entries of the bytes, ``index_entries``) and
   ``append.pwrite`` (the segment's own write, ``Segment.append_many``);

@@ -238,14 +238,16 @@ static int bytearray_empty_keep(PyObject *buf) {
     return 0;
 }
 
-/* route(data, end, starts, kinds, seqs, dues, scale, near, behind, segment_of, spares)
+/* route(data, end, starts, kinds, seqs, dues, scale, near, behind, segment_of, spares, segments)
  *   -> (handed, messages, cancels, duplicates, unknown, copied, added)
  *
  * For each frame (the arrays come from scan()): a MESSAGE or CANCEL goes to its due
  * bucket (UTC minute rounded down to ``scale``) unless that bucket's segment already
  * holds its sequence (a replay); its bytes are appended to ``behind[bucket]`` (a
  * bytearray: when missing, the last of ``spares``, a list of buffers written out before,
- * emptied with its allocation kept, or a new one). ``segment_of(bucket)`` gives the segment, whose
+ * emptied with its allocation kept, or a new one). ``segments`` (a dict, bucket -> segment:
+ * the schedule log's) gives the segment, or ``segment_of(bucket)`` where it has none (a
+ * Python call a bucket and a read was ~1.5 us, 60 of them a step of bench.compare's ingest), whose
  * ``last_sequence`` is read once and written back at the end. ``handed``: (index,
  * bucket, offset in its buffer) of the copied records of buckets <= ``near`` (all when
  * None) and of every CANCEL. ``unknown``: indexes of frames of another kind (skipped).
@@ -258,9 +260,9 @@ static PyObject *route(PyObject *self, PyObject *args) {
     Py_buffer data, sb, kb, qb, db;
     Py_ssize_t end;
     long long scale;
-    PyObject *near_obj, *behind, *segment_of, *spares;
-    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*LOO!OO!", &data, &end, &sb, &kb, &qb, &db, &scale, &near_obj,
-                          &PyDict_Type, &behind, &segment_of, &PyList_Type, &spares))
+    PyObject *near_obj, *behind, *segment_of, *spares, *segments;
+    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*LOO!OO!O!", &data, &end, &sb, &kb, &qb, &db, &scale, &near_obj,
+                          &PyDict_Type, &behind, &segment_of, &PyList_Type, &spares, &PyDict_Type, &segments))
         return NULL;
     PyObject *result = NULL, *handed = PyList_New(0), *unknown = PyList_New(0);
     Table t = {NULL, 0, 0};
@@ -311,8 +313,14 @@ static PyObject *route(PyObject *self, PyObject *args) {
                 }
                 slot = table_find(&t, bucket);
             }
-            PyObject *seg = PyObject_CallFunction(segment_of, "L", bucket);
-            if (!seg)
+            PyObject *key = PyLong_FromLongLong(bucket);
+            if (!key)
+                goto done;
+            PyObject *seg = PyDict_GetItemWithError(segments, key);
+            Py_DECREF(key);
+            if (seg)
+                Py_INCREF(seg);
+            else if (PyErr_Occurred() || !(seg = PyObject_CallFunction(segment_of, "L", bucket)))
                 goto done;
             PyObject *last = PyObject_GetAttrString(seg, "last_sequence");
             long long lastv = last ? AS_I64(last) : -1;

@@ -168,6 +168,13 @@ class BucketLog:
     def get(self, bucket: int) -> Segment | None:
         return self._segments.get(bucket)
 
+    @property
+    def by_bucket(self) -> dict[int, Segment]:
+        """The segments by bucket, to read only (the iterate service's ``route`` looks each
+        bucket up here, and calls ``get_or_create`` only for one missing): entries are added
+        under this log's lock and replaced never; ``delete`` removes one."""
+        return self._segments
+
     def get_or_create(self, bucket: int) -> Segment:
         seg = self._segments.get(bucket)
         if seg is not None:

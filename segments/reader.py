@@ -553,16 +553,18 @@ def route_py(
     behind: dict[int, bytearray],
     segment_of: Callable[[int], Segment],
     spares: list[bytearray],
+    segments: dict[int, Segment],
 ) -> tuple:
     """The Python twin of the native ``route`` (the iterate service's routing of one read):
     the scanned frames' bytes into ``behind[bucket]`` (bucket: the due's UTC minute rounded
-    down to ``scale``; a missing buffer is the last of ``spares``, emptied, or a new one),
+    down to ``scale``; a missing buffer is the last of ``spares``, emptied, or a new one; its
+    segment ``segments[bucket]``, or ``segment_of(bucket)`` where that has none),
     records a bucket's segment already holds (a replay) skipped;
     returns (handed: [(index, bucket, offset in its buffer)] for the copied records of
     buckets <= ``near`` (all when None) and every CANCEL, messages, cancels, duplicates,
     unknown indexes, copied, bytes added)."""
-    if not isinstance(spares, list):
-        raise TypeError("route: spares is a list of bytearrays")
+    if not isinstance(spares, list) or not isinstance(segments, dict):
+        raise TypeError("route: spares is a list of bytearrays, segments a dict")
     sizes = np.empty_like(st)  # (np.diff with append= costs ~20 µs more per call)
     sizes[:-1] = st[1:] - st[:-1]
     sizes[-1] = pos - st[-1]
@@ -579,7 +581,7 @@ def route_py(
         bucket[~known] = bucket[known][0]  # skipped below; must not create a segment
     # a replay after a crash finds records its segment already holds: skip those
     buckets, inverse = np.unique(bucket, return_inverse=True)
-    segs = [segment_of(b) for b in buckets.tolist()]
+    segs = [segments[b] if b in segments else segment_of(b) for b in buckets.tolist()]
     held = np.fromiter((sg.last_sequence for sg in segs), dtype=np.int64, count=len(segs))
     keep = known & (seq > held[inverse])
     duplicates = int(known.sum() - keep.sum())

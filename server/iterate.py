@@ -499,7 +499,18 @@ class IterateService:
         route = codec.route if codec is not None else route_py
         spares = len(self._spares)
         handed, messages, ncancels, duplicates, unknown, copied, added = route(
-            data, pos, st, kind, seq, due, self.scale, near, self._behind, self._segment_of, self._spares
+            data,
+            pos,
+            st,
+            kind,
+            seq,
+            due,
+            self.scale,
+            near,
+            self._behind,
+            self._segment_of,
+            self._spares,
+            self.schedule.by_bucket,
         )
         if len(self._spares) != spares:  # route took some: what is left is counted again
             self._spare_bytes = sum(map(len, self._spares)) if self._spares else 0

@@ -454,7 +454,9 @@ def route_args(case: dict) -> tuple:
     segment_of.segments = segments  # type: ignore[attr-defined]  (read back by route_outcome)
     behind = {b: bytearray(v) for b, v in case["behind"].items()}
     spares = [bytearray(v) for v in case["spares"]]
-    return (case["data"], case["end"], *case["columns"], case["scale"], case["near"], behind, segment_of, spares)
+    # the segments known already: some of those held, looked up without segment_of
+    known = {b: sg for b, sg in segments.items() if b % 2 == 0}
+    return (case["data"], case["end"], *case["columns"], case["scale"], case["near"], behind, segment_of, spares, known)
 
 
 def route_outcome(result, args) -> tuple:
@@ -963,12 +965,12 @@ def test_route_that_fails_leaves_the_buffers_and_segments_as_they_were(side):
 
     behind = {0: bytearray(b"before")}
     with pytest.raises(OSError):
-        fn(data, end, *cols, 1, None, behind, segment_of, [])
+        fn(data, end, *cols, 1, None, behind, segment_of, [], {})
     assert behind == {0: bytearray(b"before")}
     assert [sg.last_sequence for sg in segments.values()] == [-1, -1]
     # and with every segment there, the same call copies each frame once
     segments[2] = FakeSegment(-1)
-    fn(data, end, *cols, 1, None, behind, lambda b: segments[b], [])
+    fn(data, end, *cols, 1, None, behind, lambda b: segments[b], [], {})
     assert bytes(behind[0]) == b"before" + data[: starts_at(starts, 2)]
     assert [sg.last_sequence for sg in segments.values()] == [11, 14, 13]
 
@@ -988,10 +990,36 @@ def test_route_takes_a_spare_buffer_with_its_allocation_for_a_bucket_without_one
     spares = [first, spare]
     behind = {0: bytearray(b"before")}
     size_before = spare.__sizeof__()
-    codec.route(data, end, *cols, 1, None, behind, lambda b: FakeSegment(-1), spares)
+    codec.route(data, end, *cols, 1, None, behind, lambda b: FakeSegment(-1), spares, {})
     assert behind[1] is spare and bytes(spare) == data[starts_at(starts, 1) :]
     assert spare.__sizeof__() == size_before  # its allocation, not a new one
     assert spares == [first] and bytes(behind[0]) == b"before" + data[: starts_at(starts, 1)]
+
+
+@pytest.mark.parametrize("side", ["native", "twin"])
+def test_route_asks_segment_of_only_for_a_bucket_the_segments_lack(side):
+    """``segments`` (the schedule log's, by bucket) gives a bucket's segment without a Python
+    call; ``segment_of`` (which creates one) is asked for the others only."""
+    from qdelay.segments import reader
+
+    fn = codec.route if side == "native" else reader.route_py
+    data = bytearray()
+    for i, minute in enumerate([0, 1, 0, 2]):
+        framing.encode_into(data, RecordKind.MESSAGE, 10 + i, 0, (minute * 60_000 + 5).to_bytes(8, "little") + b"x")
+    data = bytes(data)
+    end, _count, starts, kinds, seqs, dues, _bad = framing_scan(data)
+    cols = [np.frombuffer(a, t) for a, t in ((starts, np.int64), (kinds, np.uint8), (seqs, np.int64), (dues, np.int64))]
+    known = {0: FakeSegment(-1), 2: FakeSegment(13)}
+    asked: list[int] = []
+
+    def segment_of(bucket):
+        asked.append(bucket)
+        return FakeSegment(-1)
+
+    result = fn(data, end, *cols, 1, None, {}, segment_of, [], known)
+    assert asked == [1]
+    assert result[3] == 1  # bucket 2's segment holds sequence 13 already: a replay, skipped
+    assert [known[0].last_sequence, known[2].last_sequence] == [12, 13]
 
 
 def starts_at(starts: bytes, i: int) -> int:
