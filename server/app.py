@@ -215,7 +215,7 @@ class App:
             raise StartAborted()
         self.engine = engine = await asyncio.to_thread(Engine, engine_cfg)  # opens and recovers the data folder
         self.consumers = consumers = ConsumerRegistry(
-            loop, engine_cfg.scheduler.ack_timeout_ms, notify=engine.notify_credit
+            loop, engine_cfg.scheduler.ack_timeout_ms, notify=engine.notify_credit, release=engine.post_release
         )
         engine.set_sink(consumers)
         service: DelayService  # made below, once the engine runs; read by the metrics at a scrape

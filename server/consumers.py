@@ -124,10 +124,12 @@ class Subscription:
 class ConsumerRegistry:
     """Implements the engine's ``DeliverySink``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, ack_timeout_ms: int, notify=None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, ack_timeout_ms: int, notify=None, release=None) -> None:
         self.loop = loop
         self.ack_timeout_s = ack_timeout_ms / 1000.0
         self.notify = notify or (lambda: None)  # engine.notify_credit
+        # engine.post_release: a batch that found no subscriber is offered again at once
+        self.release = release or (lambda ack_ids, subject, group: None)
         self._lock = threading.Lock()
         self._by_subject: dict[tuple[str, str], list[Subscription]] = {}  # (subject, group)
         self._ids = itertools.count(1)
@@ -137,7 +139,7 @@ class ConsumerRegistry:
         self._outbox: list[tuple[Subscription, Deliveries]] = []
         self._outbox_asked = False
         self.paused = False
-        self.dropped = 0  # deliveries that found no subscriber (the engine redelivers them)
+        self.dropped = 0  # deliveries that found no subscriber (given back to the engine at once)
 
     # --- streams ----------------------------------------------------------------------------------
     def register(self, subject: str, group: str, max_in_flight: int, peer: str = "") -> Subscription:
@@ -247,30 +249,38 @@ class ConsumerRegistry:
         plan: list[tuple[Subscription, Deliveries]] = []
         with self._lock:
             subs = self._by_subject.get((subject, group))
-            if not subs:
-                self.dropped += len(deliveries)
-                return
-            now = time.monotonic()
-            expiry = now + self.ack_timeout_s
-            if len(subs) == 1:
-                # the one subscriber takes the whole batch as it is (what the spread gives it
-                # too, in one or two slices), without the spread's lists: paid per batch per
-                # group of a fan-out
-                sub = subs[0]
-                sub.available(now)  # (drops leases whose ack timeout passed, as the spread does)
-                plan.append((sub, deliveries))
+            found = bool(subs)  # (the list changes in place: read once, under the lock)
+            if subs:
+                now = time.monotonic()
+                expiry = now + self.ack_timeout_s
+                if len(subs) == 1:
+                    # the one subscriber takes the whole batch as it is (what the spread gives
+                    # it too, in one or two slices), without the spread's lists: paid per
+                    # batch per group of a fan-out
+                    sub = subs[0]
+                    sub.available(now)  # (drops leases whose ack timeout passed, as the spread does)
+                    plan.append((sub, deliveries))
+                else:
+                    self._spread(subs, deliveries, now, plan)
+                for sub, part in plan:
+                    sub.hand_over(part.ack_ids, expiry)
+                    sub.delivered += len(part)
+                if not plan:
+                    return
+                self._outbox += plan
+                if self._outbox_asked:
+                    return  # the pending callback pushes these too
+                self._outbox_asked = True
             else:
-                self._spread(subs, deliveries, now, plan)
-            for sub, part in plan:
-                sub.hand_over(part.ack_ids, expiry)
-                sub.delivered += len(part)
-            if not plan:
-                return
-            self._outbox += plan
-            if self._outbox_asked:
-                return  # the pending callback pushes these too
-            self._outbox_asked = True
-        self.loop.call_soon_threadsafe(self._to_streams)
+                self.dropped += len(deliveries)
+        if found:
+            self.loop.call_soon_threadsafe(self._to_streams)
+            return
+        # the group's last stream ended after the dispatcher took its credit: the batch is in
+        # flight in the ack ledger all the same. Given back now, outside the lock (as a
+        # stream's leftovers are); it waited for the ack timeout (30 s by default) before
+        # anyone could have it
+        self.release(list(deliveries.ack_ids), subject, group)
 
     def _to_streams(self) -> None:
         """On the loop thread: push the slices handed over since the last call to their

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from serverproc import ServerProc
@@ -193,5 +195,47 @@ def test_a_delivery_in_flight_at_a_restart_comes_again_at_once_not_after_the_ack
             assert again[0].attempt == 1 and again[0].dispatched_at_ms > got[0].dispatched_at_ms
             consumer.ack(again)
             consumer.close()
+    finally:
+        srv.kill9()
+
+
+def test_a_batch_that_finds_its_group_without_subscribers_is_offered_again_at_once(tmp_path):
+    """A dispatch round takes a group's credit, then hands its batch to the registry; a
+    stream that ended in between (a consumer closed, a connection lost) leaves the batch to
+    nobody. It is in flight in the ack ledger all the same: it used to wait for the ack
+    timeout (10 min here, 30 s by default) before anyone could have it; it is released at
+    once now, so the next consumer of the group gets it (attempt 2, as a stream's leftovers)."""
+    mark = tmp_path / "paused"
+    due = int(time.time() * 1000) + 1500
+    srv = ServerProc(
+        tmp_path / "data",
+        args=["--set", "engine.ack_timeout_ms=600000"],
+        command=[sys.executable, str(Path(__file__).with_name("dropping_server.py"))],
+        env={"QDELAY_TEST_DROP_DUE_MS": str(due), "QDELAY_TEST_DROP_MARK": str(mark)},
+    ).start()
+    try:
+        with Client(srv.address, retries=20, retry_backoff=0.05, timeout=30) as c:
+            s = subject()
+            first = c.subscribe(s, group="g1", max_in_flight=50)
+            sent = c.send(s, b"dropped", deliver_at_ms=due)
+            deadline = time.monotonic() + BACK_WITHIN
+            while not mark.exists() and time.monotonic() < deadline:
+                first.receive(1, timeout=0.2)  # nothing comes: the batch is paused
+            assert mark.exists(), "the round holding the message never came"
+            first.close()  # its stream ends while the round holds the batch
+            done = tmp_path / "paused.done"
+            deadline = time.monotonic() + BACK_WITHIN
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)  # polls a file the server writes (no event to wait on across processes)
+            assert done.exists(), "the paused batch did not go on once the group had no subscriber"
+            second = c.subscribe(s, group="g1", max_in_flight=50)
+            got: list = []
+            deadline = time.monotonic() + BACK_WITHIN
+            while not got and time.monotonic() < deadline:
+                got = [d for d in second.receive(1, timeout=0.5) if d.message_id == sent.message_id]
+            assert got, f"not offered again within {BACK_WITHIN} s (it waited for the ack timeout)"
+            assert got[0].attempt == 2
+            second.ack(got)
+            second.close()
     finally:
         srv.kill9()
