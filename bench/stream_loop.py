@@ -59,6 +59,7 @@ async def drive(service: DelayService, raws: list[bytes], window: int, merge: bo
 
     context = mock.MagicMock()
     context.invocation_metadata.return_value = (wire.MERGE_ANSWERS,) if merge else ()
+    context.send_initial_metadata = mock.AsyncMock()
     count = 0
     async for response in service.SendStream(sender(), context):
         answered = 1 + len(pb.SendBatchResponse.FromString(response).more) if merge else 1

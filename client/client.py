@@ -89,6 +89,11 @@ Message = pb.Message
 
 DEFAULT_TARGET = "127.0.0.1:7600"
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+# send_many packs the batches it has credit for at once into one stream message up to this
+# many bytes (a server's max_request_bytes is 64 MiB by default; gRPC's own default 4 MiB).
+# All of the credit, not a share of it: with 16 batches of 100 unanswered, packs of 16 ran
+# at 260k msgs/s against 226k for packs of at most 8 and 214k for 4 (09:03, load 2-3)
+PACK_BYTES = 1 << 20
 
 CANCEL_OUTCOMES = {v.number: v.name for v in pb.CancelResponse.Outcome.DESCRIPTOR.values}
 
@@ -988,8 +993,22 @@ class Client:
         cut, and the messages taken from the iterator for that batch were lost without a
         word)."""
         credit = asyncio.Semaphore(max_in_flight)
-        state: dict = {"exhausted": False, "error": None, "ended": False}
+        # "packs": whether the server said it takes packed requests (wire.PACKED_REQUESTS);
+        # False until its first answer, then True or None (an older server: never)
+        state: dict = {"exhausted": False, "error": None, "ended": False, "packs": False}
         ends_at = time.monotonic() + timeout / 2
+
+        def take() -> tuple[bytes, list[str]] | None:
+            try:
+                item = next_request()
+            except Exception as err:  # noqa: BLE001 - raised once the batches before it are answered
+                state["error"] = err
+                return None
+            if item is None:
+                state["exhausted"] = True
+                return None
+            unanswered.append(item)  # before it is sent: a break re-sends it
+            return item
 
         async def requests():
             for request, _ids in list(unanswered):  # sent again, in order, ahead of anything new
@@ -1001,21 +1020,34 @@ class Client:
                 await credit.acquire()
                 if state["ended"]:
                     return
-                try:
-                    item = next_request()
-                except Exception as err:  # noqa: BLE001 - raised once the batches before it are answered
-                    state["error"] = err
-                    return
+                item = take()
                 if item is None:
-                    state["exhausted"] = True
                     return
-                unanswered.append(item)  # before it is sent: a break re-sends it
-                yield item[0]
+                if not state["packs"] or credit.locked():
+                    yield item[0]
+                    continue
+                # credit for more than one batch (the answers of a group commit came together):
+                # the batches ready now go as one stream message (SendBatchRequest.more), each
+                # still its own batch: validated, written and answered as if sent alone
+                pack, size = [item[0]], len(item[0])
+                while not credit.locked() and size < PACK_BYTES:
+                    await credit.acquire()  # free: no wait
+                    more = take()
+                    if more is None:
+                        credit.release()
+                        break
+                    pack.append(more[0])
+                    size += len(more[0])
+                yield pack[0] if len(pack) == 1 else wire.pack_send_batch_requests(pack)
+                if state["exhausted"] or state["error"] is not None:
+                    return
 
         # merged answers (wire.MERGE_ANSWERS): the answers ready together come as one message
         call = stream(requests(), timeout=timeout, metadata=(*self.metadata, wire.MERGE_ANSWERS))
         try:
             async for response in call:
+                if state["packs"] is False:  # known once: its initial metadata came before its first answer
+                    state["packs"] = wire.PACKED_REQUESTS in list(await call.initial_metadata() or ()) or None
                 for answer in (response, *response.more) if response.more else (response,):
                     if not unanswered:
                         raise errors.InvariantViolation("SendStream answered a batch that was not sent")

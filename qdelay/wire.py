@@ -357,6 +357,10 @@ _MORE = pb.SendBatchResponse.DESCRIPTOR.fields_by_name["more"].number
 _MORE_TAG = bytes([_MORE << 3 | 2])
 # the metadata a SendStream is opened with to take merged answers (docs/api.md)
 MERGE_ANSWERS = ("qdelay-merge-answers", "1")
+# the initial metadata a server answers such a stream with: it takes packed requests
+# (SendBatchRequest.more) too; a client packs only once it has seen it (an older server
+# would read a packed request as an empty batch)
+PACKED_REQUESTS = ("qdelay-packed-requests", "1")
 
 
 def _varint(n: int) -> bytes:
@@ -377,6 +381,53 @@ def merge_send_batch_responses(first: bytes, more: Sequence[bytes]) -> bytes:
     for answer in more:
         parts += (_MORE_TAG, _varint(len(answer)), answer)
     return b"".join(parts)
+
+
+# SendBatchRequest.more (field 3, length-delimited): a packed request's batches
+_PACKED_TAG = bytes([pb.SendBatchRequest.DESCRIPTOR.fields_by_name["more"].number << 3 | 2])
+
+
+def pack_send_batch_requests(requests: Sequence[bytes]) -> bytes:
+    """One SendBatchRequest's wire bytes standing for several (each a whole request's wire
+    bytes) in ``more``, for SendStream: nothing but ``more`` entries, so that the server
+    splits it without parsing the batches (:func:`unpack_send_batch_requests`)."""
+    parts: list[bytes] = []
+    for request in requests:
+        parts += (_PACKED_TAG, _varint(len(request)), request)
+    return b"".join(parts)
+
+
+def unpack_send_batch_requests(raw: bytes) -> list[bytes] | None:
+    """The batches of a packed SendBatchRequest (:func:`pack_send_batch_requests`), each as
+    its wire bytes, in order; None when ``raw`` is not packed (its first field is not
+    ``more``). A walk over the top-level fields only: one step a batch."""
+    if raw[:1] != _PACKED_TAG:
+        return None
+    tag = _PACKED_TAG[0]
+    out = []
+    pos, end = 0, len(raw)
+    while pos < end:
+        if raw[pos] != tag:
+            raise InvalidArgument(
+                "SendBatchRequest: a request with `more` has no field of its own (messages, "
+                "compact_receipts): put that batch in `more` too"
+            )
+        length = shift = 0
+        pos += 1
+        while True:
+            if pos >= end or shift > 28:
+                raise InvalidArgument("malformed SendBatchRequest: a `more` entry's length is cut")
+            byte = raw[pos]
+            pos += 1
+            length |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+        if pos + length > end:
+            raise InvalidArgument("malformed SendBatchRequest: a `more` entry runs past the end")
+        out.append(raw[pos : pos + length])
+        pos += length
+    return out
 
 
 def _has_unknown_fields(request: Any) -> bool:

@@ -482,7 +482,8 @@ class DelayService(pb_grpc.DelayServiceServicer):
         # the pipeline itself is the stream's generator (status.streaming closes it at once
         # when the stream ends): a generator around it cost every answer a resumption more
         merge = wire.MERGE_ANSWERS in (context.invocation_metadata() or ())
-        return self._pipelined(request_iterator, start, answer, merge)
+        announce = (lambda: context.send_initial_metadata((wire.PACKED_REQUESTS,))) if merge else None
+        return self._pipelined(request_iterator, start, answer, merge, wire.unpack_send_batch_requests, announce)
 
     @status.unary
     async def Cancel(self, request, context):
@@ -538,7 +539,7 @@ class DelayService(pb_grpc.DelayServiceServicer):
 
         return self._pipelined(request_iterator, start, answer)
 
-    async def _pipelined(self, request_iterator, start, answer, merge: bool = False):
+    async def _pipelined(self, request_iterator, start, answer, merge: bool = False, unpack=None, announce=None):
         """The ordered pipeline of SendStream and CancelStream: each request is started in
         the order read (``start`` validates it and hands it to the engine: (a future, what
         ``answer`` needs besides its result)), up to STREAM_PIPELINE at once, and answered
@@ -553,20 +554,35 @@ class DelayService(pb_grpc.DelayServiceServicer):
         (one group commit makes several durable at once: under bench.compare's load a
         stream had ~7 answers ready at a time), so that the stream writes, and its client
         reads, one message for them instead of one each: each is a gRPC operation and a
-        wake-up of the poller and the loop on either side."""
+        wake-up of the poller and the loop on either side.
+
+        ``unpack`` (SendStream: ``wire.unpack_send_batch_requests``): a stream message
+        standing for several requests (a packed SendBatchRequest), or None; its requests are
+        started one after another as if each had come alone (a refused one ends the stream,
+        nothing after it started). ``announce``: a coroutine function run first (SendStream
+        sends a stream that asked for merged answers its initial metadata, saying it takes
+        packed requests: ``wire.PACKED_REQUESTS``)."""
+        if announce is not None:
+            await announce()
         pipe = _Pipeline()
 
         async def read() -> None:
             try:
-                async for request in request_iterator:
+                async for message in request_iterator:
                     try:
-                        item = start(request)
+                        requests = unpack(message) if unpack is not None else None
                     except Exception as error:  # noqa: BLE001 - reported in order by the writer below
                         pipe.put(error)
                         return
-                    pipe.put(item)
-                    if pipe.full():
-                        await pipe.room()
+                    for request in (message,) if requests is None else requests:
+                        try:
+                            item = start(request)
+                        except Exception as error:  # noqa: BLE001 - reported in order by the writer below
+                            pipe.put(error)
+                            return
+                        pipe.put(item)
+                        if pipe.full():
+                            await pipe.room()
             finally:
                 pipe.put(None)
 

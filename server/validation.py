@@ -222,6 +222,11 @@ def decode_batch(raw: bytes, limits: Limits, now_ms: int, new_id: Callable[[], s
         request = pb.SendBatchRequest.FromString(raw)
     except DecodeError as err:
         raise InvalidArgument(f"malformed SendBatchRequest: {err}") from None
+    if request.more:  # (a packed request is split before this, by SendStream alone)
+        raise InvalidArgument(
+            "more: only a SendStream request may carry batches in `more`, and then nothing else "
+            "(no messages of its own, no `more` inside a batch)"
+        )
     compact = request.compact_receipts
     return encode_messages(request.messages, limits, now_ms, new_id, ids_required=compact), compact
 

@@ -7,14 +7,16 @@ through ``ServerProc(command=...)``.
 Usage: python tests/holding_writer_server.py server --data-dir ... (qdelay's own arguments)
 
 A hold ends after HOLD_MAX_S at the latest (a test that fails leaves no server stuck).
+QDELAY_TEST_PACKS_FILE and QDELAY_TEST_OLD_SERVER: see below.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
-from qdelay import cli
+from qdelay import cli, wire
 from qdelay.segments.segment import Segment
 from qdelay.segments.wal import MessageLog
 
@@ -42,6 +44,24 @@ def append_bodies_then(self, kind, timestamp, bodies, done, queued=None):
 
 Segment.append_synced = append_synced  # type: ignore[method-assign]
 MessageLog.append_bodies_then = append_bodies_then  # type: ignore[method-assign]
+
+# QDELAY_TEST_PACKS_FILE: a line with the number of batches of each packed request read
+_packs_file = os.environ.get("QDELAY_TEST_PACKS_FILE")
+_unpack = wire.unpack_send_batch_requests
+if _packs_file:
+
+    def unpack(raw):
+        requests = _unpack(raw)
+        if requests is not None:
+            with open(_packs_file, "a") as f:
+                f.write(f"{len(requests)}\n")
+        return requests
+
+    wire.unpack_send_batch_requests = unpack
+# QDELAY_TEST_OLD_SERVER=1: the server does not say it takes packed requests (as one from
+# before them), though it merges answers
+if os.environ.get("QDELAY_TEST_OLD_SERVER") == "1":
+    wire.PACKED_REQUESTS = ("qdelay-test-not-announced", "1")
 
 if __name__ == "__main__":
     sys.exit(cli.main())

@@ -1304,3 +1304,23 @@ def test_merged_send_batch_responses_read_back_as_the_first_with_the_rest_in_mor
     merged = pb.SendBatchResponse.FromString(raw)
     assert merged.first_sequence == 1 and list(merged.deliver_at_ms) == [5, 6] and list(merged.more) == rest
     assert wire.merge_send_batch_responses(first.SerializeToString(), []) == first.SerializeToString()
+
+
+def test_packed_send_batch_requests_unpack_to_the_same_bytes():
+    """wire.pack_send_batch_requests / unpack_send_batch_requests: the batches' wire bytes
+    back, in order (a long one needs a 2-byte length); a request that is not packed is
+    None; a packed one with a field of its own, or cut short, is refused."""
+    raws = [
+        pb.SendBatchRequest(messages=[pb.Message(subject="s", payload=b"x" * n, message_id=str(n))]).SerializeToString()
+        for n in (1, 300, 70_000)
+    ]
+    packed = wire.pack_send_batch_requests(raws)
+    assert wire.unpack_send_batch_requests(packed) == raws
+    assert list(pb.SendBatchRequest.FromString(packed).more) == [pb.SendBatchRequest.FromString(r) for r in raws]
+    assert wire.unpack_send_batch_requests(raws[0]) is None
+    with pytest.raises(errors.InvalidArgument, match="no field of its own"):
+        wire.unpack_send_batch_requests(packed + b"\x10\x01")
+    with pytest.raises(errors.InvalidArgument, match="past the end"):
+        wire.unpack_send_batch_requests(packed[:-1])
+    with pytest.raises(errors.InvalidArgument, match="cut"):
+        wire.unpack_send_batch_requests(packed[:1] + b"\xff")

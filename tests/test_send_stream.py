@@ -29,6 +29,7 @@ def stream_context(*metadata: tuple[str, str]) -> mock.MagicMock:
     """A stream's grpc context as far as SendStream reads it: its invocation metadata."""
     context = mock.MagicMock()
     context.invocation_metadata.return_value = metadata
+    context.send_initial_metadata = mock.AsyncMock()
     return context
 
 
