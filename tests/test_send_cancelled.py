@@ -139,6 +139,7 @@ def test_a_stream_batch_refused_on_the_taskless_path_ends_the_stream_and_release
                     yield request(start)
 
             context = mock.AsyncMock()
+            context.invocation_metadata = mock.Mock(return_value=())  # (grpc's is not a coroutine)
             answers = [r async for r in service.SendStream(requests(), context)]
             (code, message), _ = context.abort.call_args
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "ingest queue full" in message
