@@ -43,17 +43,6 @@ def test_a_raw_stream_that_asks_gets_the_answers_ready_together_in_one_message(t
         assert len(answers) <= 2, [len(r.more) for r in answers]
 
 
-def test_send_many_reads_merged_answers_into_every_receipt_in_order(tmp_path):
-    with ServerProc(tmp_path / "data", command=HOLDING) as srv, Client(srv.address) as c:
-        messages = [Outgoing("ma.s", b"p", None, HOUR_MS, f"m{i}") for i in range(60)]
-        messages[0] = Outgoing("ma.s", HOLD, None, HOUR_MS, "m0")
-        messages[59] = Outgoing("ma.s", RELEASE, None, HOUR_MS, "m59")
-        receipts = c.send_many(messages, batch_size=10, max_in_flight=8)
-        assert [r.message_id for r in receipts] == [f"m{i}" for i in range(60)]
-        assert [r.sequence for r in receipts] == list(range(1, 61))
-        assert c.get(message_id="m42").state == "PENDING"
-
-
 def _stream(ch: grpc.Channel, messages: list[bytes], merge: bool = True):
     send = ch.stream_stream(
         "/qdelay.v1.DelayService/SendStream",
@@ -125,6 +114,9 @@ def test_more_is_refused_where_it_does_not_belong(tmp_path):
 
 
 def _send_many_through_held_commits(tmp_path, old_server: bool) -> list[int]:
+    """send_many of 300 messages in batches of 10, 8 unanswered, through a held commit: every
+    receipt in order over merged answers (either server merges them); the sizes of the
+    packed requests the server read."""
     packs = tmp_path / "packs"
     env = {"QDELAY_TEST_PACKS_FILE": str(packs), "QDELAY_TEST_OLD_SERVER": "1" if old_server else "0"}
     with ServerProc(tmp_path / "data", command=HOLDING, env=env) as srv, Client(srv.address) as c:
