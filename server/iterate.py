@@ -640,7 +640,13 @@ class IterateService:
         self._last_checkpoint = time.monotonic()
         if not self._persist_lock.acquire(blocking=False):
             return False
-        state, dirty = self._snapshot()
+        try:
+            state, dirty = self._snapshot()
+        except BaseException:
+            # no checkpoint thread will release it: a leaked lock left stop() waiting forever
+            # once the iterate thread had stopped on this error (seen in a test suite, 27 Nov)
+            self._persist_lock.release()
+            raise
 
         def run() -> None:
             try:

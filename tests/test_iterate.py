@@ -512,3 +512,28 @@ def test_stop_after_an_error_waits_for_the_checkpoint_in_progress(tmp_path):
     finally:
         release.set()
         rig.close()
+
+
+def test_a_checkpoint_whose_snapshot_fails_leaves_stop_free_to_return(tmp_path):
+    # _request_checkpoint took the persist lock, then _snapshot raised (its write-out of the
+    # write-behind buffers): no checkpoint thread was started to release it, and stop() after
+    # the error waited for it forever (a test suite hung in Engine.close, 27 Nov)
+    rig = Rig(tmp_path, checkpoint_interval=60.0)
+    try:
+        rig.send([T0 + 30 * MIN])
+        assert rig.it.step()
+
+        def failing_snapshot():
+            raise OSError("write-out of a write-behind buffer failed")
+
+        rig.it._snapshot = failing_snapshot  # type: ignore[method-assign]
+        with pytest.raises(OSError):
+            rig.it._request_checkpoint()
+        rig.it.error = RuntimeError("the iterate thread stopped on it")
+        done = threading.Event()
+        stopper = threading.Thread(target=lambda: (rig.it.stop(), done.set()), daemon=True)
+        stopper.start()
+        assert done.wait(10), "stop() waited for a persist lock nobody would release"
+        stopper.join()
+    finally:
+        rig.close()
